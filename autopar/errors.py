@@ -1,0 +1,63 @@
+"""Every error autopar raises on bad input: each names what is wrong and what to do about it."""
+
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class of autopar's user-facing errors."""
+
+
+class CaptureError(AutoparError):
+    """torch.export could not capture the model, or the example inputs do not fit it."""
+
+
+class IRError(AutoparError):
+    """The IR is malformed: a parse error or a verifier failure."""
+
+
+class ParseError(IRError):
+    """Text that is not valid autopar IR."""
+
+
+class VerifyError(IRError):
+    """An IR that breaks an invariant (SSA, shapes, placements)."""
+
+
+class MeshError(AutoparError):
+    """A mesh description that is malformed or does not fit the world size."""
+
+
+class PresetError(AutoparError):
+    """An unknown model preset, an unknown override key, or a MODEL spec that cannot be loaded."""
+
+
+class SolverError(AutoparError):
+    """The strategy ILP has no solution or the solver failed."""
+
+
+class InfeasibleError(SolverError):
+    """No strategy fits the memory budget."""
+
+    def __init__(self, message: str, smallest_budget_bytes: float | None = None):
+        super().__init__(message)
+        self.smallest_budget_bytes = smallest_budget_bytes
+
+
+class ClusterSpecError(AutoparError):
+    """A cluster spec with a missing or malformed field."""
+
+
+class PlanError(AutoparError):
+    """A plan file that is malformed, of another version, or made for another graph or mesh."""
+
+
+class ScheduleError(AutoparError):
+    """A pipeline schedule that is malformed, deadlocks, or has unmatched sends and receives."""
+
+
+class PipelineError(AutoparError):
+    """The graph cannot be split into the requested pipeline stages."""
+
+
+class RuntimeCommError(AutoparError):
+    """A collective or point-to-point transfer failed or timed out (e.g. a peer rank died)."""

@@ -1,0 +1,1 @@
+"""Compiler passes over the autopar IR: capture, lowering, sharding, collectives, codegen."""

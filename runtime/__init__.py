@@ -1,0 +1,1 @@
+"""Execution: collectives, pipeline action lists and schedules, simulator, executor."""

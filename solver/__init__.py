@@ -1,0 +1,1 @@
+"""Strategy search: cost model, ILP construction and solving, baselines, explanations."""
