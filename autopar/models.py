@@ -210,6 +210,8 @@ _FAMILIES: dict[str, _Family] = {
 # Settings shared by every preset of a family: no KV cache, no dropout (exact parallel equivalence).
 _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "gpt2": dict(
+        # GPT-2's gelu_new as one aten.gelu(approximate="tanh") op instead of six elementwise ops
+        activation_function="gelu_pytorch_tanh",
         use_cache=False,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -539,8 +541,14 @@ def _build_preset(
     dtype = _config_dtype(preset.name, cfg) if fam.hf else torch.float32
     if device.type != "meta" and seed is not None:
         torch.manual_seed(seed)
-    with torch.device(device):
-        model = fam.make(cfg)
+    try:
+        with torch.device(device):
+            model = fam.make(cfg)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise PresetError(
+            f"building preset {preset.name!r} with overrides {overrides} failed: "
+            f"{str(e).rstrip('.')}. Change the overrides."
+        ) from e
     if dtype != torch.float32:
         model = model.to(dtype)
     model.train()
@@ -553,9 +561,9 @@ def _config_dtype(preset: str, cfg: Any) -> torch.dtype:
     value = getattr(cfg, "dtype", None)
     if value is None:
         return torch.float32
-    if isinstance(value, torch.dtype):
-        return value
-    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    dtype = (
+        value if isinstance(value, torch.dtype) else getattr(torch, str(value).removeprefix("torch."), None)
+    )
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise PresetError(
             f"dtype={value!r} for preset {preset!r} is not a floating dtype; "
@@ -613,8 +621,11 @@ def _build_user(spec: str, target: str, fn_name: str, device: torch.device, seed
         takes_device = False
     if device.type != "meta" and seed is not None:
         torch.manual_seed(seed)
-    with torch.device(device):
-        result = fn(device=device) if takes_device else fn()
+    try:
+        with torch.device(device):
+            result = fn(device=device) if takes_device else fn()
+    except Exception as e:
+        raise PresetError(f"calling {target}:{fn_name} failed: {type(e).__name__}: {e}") from e
     usage = "must return (model, args) or (model, args, kwargs) with an nn.Module, a tuple and a dict"
     if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
         raise PresetError(f"{target}:{fn_name} returned {type(result).__name__}; it {usage}.")
