@@ -6,7 +6,7 @@ from autopar.errors import AutoparError
 
 __version__ = "0.1.0"
 
-__all__ = ["AutoparError", "__version__", "compile"]
+__all__ = ["AutoparError", "__version__", "compile", "init_mesh"]
 
 
 def compile(*args, **kwargs):  # noqa: A001 - mirrors torch.compile's name on purpose
@@ -14,3 +14,10 @@ def compile(*args, **kwargs):  # noqa: A001 - mirrors torch.compile's name on pu
     from autopar.api import compile as _compile
 
     return _compile(*args, **kwargs)
+
+
+def init_mesh(*args, **axes):
+    """A DeviceMesh with named axes, checked against the world size; see :func:`autopar.api.init_mesh`."""
+    from autopar.api import init_mesh as _init_mesh
+
+    return _init_mesh(*args, **axes)

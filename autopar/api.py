@@ -1,0 +1,231 @@
+"""autopar.compile: capture, plan and shard a model over a DeviceMesh; train it like the original.
+
+mesh = autopar.init_mesh(dp=2, tp=2)               # a DeviceMesh with named axes
+model = autopar.compile(model, mesh, kwargs={"input_ids": x, "labels": y})
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # only this rank's shards
+out = model(input_ids=x, labels=y)                 # the whole batch; each rank takes its shard
+out.loss.backward(); opt.step(); opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autopar.errors import CaptureError, MeshError
+from autopar.passes.capture import Captured, capture
+from autopar.passes.codegen import codegen
+from autopar.passes.ir import MeshSpec, Program, Shard
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
+from autopar.passes.parser import parse
+from autopar.passes.printer import print_program
+from autopar.passes.shard import ShardOptions
+from autopar.runtime import collectives as coll
+
+DEFAULT_PIPELINE = ["shard", "insert-collectives"]
+
+
+def init_mesh(device_type: str | None = None, **axes: int):
+    """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not axes:
+        raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
+    size = 1
+    for n in axes.values():
+        size *= n
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if size != world:
+        raise MeshError(
+            f"the mesh {axes} has {size} devices but the world has {world} processes; launch "
+            f"{size} processes (torchrun --nproc-per-node {size}) or change the axis sizes"
+        )
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+
+
+def mesh_spec(mesh) -> MeshSpec:
+    names = mesh.mesh_dim_names
+    if not names:
+        raise MeshError("the DeviceMesh needs named axes: init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
+    return MeshSpec(tuple((n, mesh.size(i)) for i, n in enumerate(names)))
+
+
+def plan_program(
+    captured: Captured,
+    mesh: MeshSpec,
+    options: ShardOptions | None = None,
+    pipeline: list[str] | None = None,
+    dump_dir: str | None = None,
+) -> Program:
+    """Lower and run the pass pipeline; solved programs are cached on disk by content."""
+    prog = lower(captured, mesh)
+    options = options or ShardOptions()
+    pipeline = pipeline or DEFAULT_PIPELINE
+    key = hashlib.sha256((print_program(prog) + repr(options) + ",".join(pipeline)).encode()).hexdigest()[:24]
+    cache = _cache_dir() / f"{key}.ir" if _cache_dir() else None
+    if cache is not None and cache.exists() and dump_dir is None:
+        return parse(cache.read_text())
+    out = PassManager(pipeline, dump_dir=dump_dir, options={"shard": options}).run(prog)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(print_program(out))
+        tmp.replace(cache)
+    return out
+
+
+def _cache_dir() -> Path | None:
+    d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
+    return None if d in ("", "0", "off") else Path(d)
+
+
+class CompiledModule(torch.nn.Module):
+    """One rank's share of the model: call it with the whole batch, as the original module."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, program: Program, captured: Captured, comm: coll.Comm, device
+    ):
+        super().__init__()
+        self.module = gm
+        self.program = program
+        self.comm = comm
+        self.device = torch.device(device)
+        self._in_spec, self._out_spec = captured.in_spec, captured.out_spec
+        self._inputs = [v for v in program.inputs if v.kind == "input"]
+        self._values = {v.name: v for v in program.inputs}
+        self._sync: dict[str, list[torch.nn.Parameter]] = {}
+        for v in program.params:
+            for axis in v.attrs.get("grad_sync", []):
+                self._sync.setdefault(axis, []).append(gm.get_parameter(v.name))
+        self._queued = False
+        for p in {id(p): p for ps in self._sync.values() for p in ps}.values():
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _on_grad(self, _p) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._sync_grads)
+
+    def _sync_grads(self) -> None:
+        self._queued = False
+        with coll.use_comm(self.comm):
+            coll.sync_grads(self._sync)
+
+    # -- calling --------------------------------------------------------------------------------
+    def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        keys = self._in_spec.child(1).context if self._in_spec.num_children == 2 else None
+        if keys is not None and set(kwargs) == set(keys):
+            kwargs = {k: kwargs[k] for k in keys}
+        flat, spec = pytree.tree_flatten((tuple(args), kwargs))
+        if spec != self._in_spec:
+            raise CaptureError(
+                f"the inputs do not match the example inputs the model was compiled with: "
+                f"expected {self._in_spec}, got {spec}"
+            )
+        return flat
+
+    def forward(self, *args, **kwargs):
+        flat = self._flat_inputs(args, kwargs)
+        locals_ = []
+        for v, x in zip(self._inputs, (x for x in flat if isinstance(x, torch.Tensor))):
+            if tuple(x.shape) != v.type.shape:
+                raise CaptureError(
+                    f"input {v.name} has shape {list(x.shape)} but the model was compiled for "
+                    f"{list(v.type.shape)}; compile again for the new shape"
+                )
+            local = x.to(self.device)
+            for p, name in zip(v.type.placements, self.program.mesh.names):
+                if isinstance(p, Shard):
+                    local = coll.shard_tensor(
+                        local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name]
+                    )
+            locals_.append(local.contiguous())
+        with coll.use_comm(self.comm):
+            outs = self.module(*locals_)
+        return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer gathered whole (on every rank), keyed as in the user's model."""
+        out = {}
+        with coll.use_comm(self.comm):
+            for v in self.program.inputs:
+                if v.kind == "input":
+                    continue
+                x = self.module.get_parameter(v.name) if v.kind == "param" else self.module.get_buffer(v.name)
+                x = x.detach()
+                for p, name in reversed(list(zip(v.type.placements, self.program.mesh.names))):
+                    if isinstance(p, Shard):
+                        x = coll._gather(self.comm, x, name, p.dim, p.chunks)
+                out[v.name] = x
+        return out
+
+
+def compile(  # noqa: A001
+    model: torch.nn.Module,
+    mesh,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    options: ShardOptions | None = None,
+    dump_dir: str | None = None,
+    device: str | torch.device | None = None,
+) -> CompiledModule:
+    """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
+
+    ``mesh`` is a torch DeviceMesh with named axes. Rank 0 plans and broadcasts the planned IR, so
+    every rank runs the same program. The model's weights are sliced into this rank's shards; the
+    compiled module keeps no whole copy.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(mesh, DeviceMesh):
+        raise MeshError(
+            f"mesh must be a torch DeviceMesh with named axes, not {type(mesh).__name__}; "
+            "use autopar.init_mesh(dp=2, tp=2)"
+        )
+    spec = mesh_spec(mesh)
+    captured = capture(model, args, kwargs)
+    text = [None]
+    if dist.get_rank() == 0:
+        text = [print_program(plan_program(captured, spec, options, dump_dir=dump_dir))]
+    dist.broadcast_object_list(text, src=0)
+    program = parse(text[0])
+    device = torch.device(device) if device is not None else _default_device(mesh)
+    comm = coll.Comm.from_device_mesh(mesh)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(dict(model.named_buffers(remove_duplicate=False)))
+    for name, value in captured.exported.constants.items():
+        named.setdefault(name, value)
+
+    def get_tensor(name: str) -> torch.Tensor:
+        t = named[name]
+        if t.device.type == "meta":
+            raise CaptureError(
+                f"{name} is on the meta device: compile a model with real weights (build it on the CPU "
+                "or load a checkpoint); initializing shards of a meta model comes with pipeline codegen"
+            )
+        return t
+
+    gm = codegen(program, comm.coords, get_tensor, device)
+    if dump_dir:
+        rank = dist.get_rank()
+        Path(dump_dir).mkdir(parents=True, exist_ok=True)
+        (Path(dump_dir) / f"rank{rank}.py").write_text(gm.code)
+        (Path(dump_dir) / f"rank{rank}.local.ir").write_text(print_program(program, local=True))
+    return CompiledModule(gm, program, captured, comm, device)
+
+
+def _default_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -1,0 +1,112 @@
+"""Codegen: one torch.fx.GraphModule per rank, holding only that rank's parameter shards.
+
+Each IR op becomes one call: ATen ops with local shapes substituted into their shape arguments,
+collectives as calls into autopar.runtime.collectives. The module's parameters are named as in the
+user's model (``transformer.h.0.attn.c_attn.weight``), so state dicts line up with the original.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, map_refs, resolve_target
+from autopar.runtime import collectives as coll
+
+_SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
+_SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
+
+
+def local_args(op: Op, mesh_sizes: tuple[int, ...]) -> tuple:
+    """The op's positional arguments with global shape arguments replaced by local ones."""
+    args = list(op.args)
+    if op.target in _SHAPE_ARG:
+        args[1] = list(op.types[0].local_shape_for(mesh_sizes))
+    elif op.target in _SPLIT:
+        dim = (args[2] if len(args) > 2 else 0) % len(op.types[0].shape)
+        sizes = [t.local_shape_for(mesh_sizes)[dim] for t in op.types]
+        args[1] = sizes[0] if op.target == "aten.split.Tensor" else sizes
+    return tuple(args)
+
+
+def shard_param(full: torch.Tensor, placements, mesh_names, sizes, coords) -> torch.Tensor:
+    """This rank's shard of a whole tensor, for the given placements (outer axis first)."""
+    x = full
+    for p, name, n in zip(placements, mesh_names, sizes):
+        if isinstance(p, Shard):
+            x = coll.shard_tensor(x, p.dim, p.chunks, n, coords[name])
+    return x
+
+
+def codegen(
+    prog: Program,
+    coords: dict[str, int],
+    get_tensor: Callable[[str], torch.Tensor],
+    device: torch.device | str = "cpu",
+) -> fx.GraphModule:
+    """Build the GraphModule of the rank at mesh coordinates ``coords``.
+
+    ``get_tensor(name)`` returns a parameter or buffer's whole value; only the local shard is kept.
+    """
+    device = torch.device(device)
+    sizes = prog.mesh.sizes
+    root = torch.nn.Module()
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for v in prog.inputs:
+        if v.kind == "input":
+            env[v.name] = graph.placeholder(v.name.replace(".", "_"))
+            continue
+        local = shard_param(get_tensor(v.name), v.type.placements, prog.mesh.names, sizes, coords)
+        local = local.detach().to(device).clone().contiguous()
+        owner, attr = _owner(root, v.name)
+        if v.kind == "param":
+            owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=v.type.is_float))
+        else:
+            owner.register_buffer(attr, local)
+        env[v.name] = graph.get_attr(v.name)
+
+    def arg(x):
+        return map_refs(x, lambda r: env[r.name])
+
+    def dev(x):
+        if isinstance(x, Device):
+            return device
+        if isinstance(x, (list, tuple)):
+            return type(x)(dev(v) for v in x)
+        return x
+
+    for op in prog.ops:
+        if op.target in COLLECTIVES:
+            node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), dict(op.kwargs))
+        else:
+            args = dev(arg(local_args(op, sizes)))
+            kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
+            node = graph.call_function(resolve_target(op.target), args, kwargs)
+        if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
+            env[op.result] = node
+        else:
+            for i, r in enumerate(op.results):
+                env[r] = graph.call_function(_getitem, (node, i))
+        node.meta["path"] = op.path
+    graph.output(tuple(map_refs(list(prog.outputs), lambda r: env[r.name])))
+    gm = fx.GraphModule(root, graph, class_name="RankModule")
+    return gm
+
+
+def _getitem(xs, i):
+    return xs[i]
+
+
+def _owner(root: torch.nn.Module, qualname: str) -> tuple[torch.nn.Module, str]:
+    *path, attr = qualname.split(".")
+    mod = root
+    for p in path:
+        if not hasattr(mod, p):
+            mod.add_module(p, torch.nn.Module())
+        mod = getattr(mod, p)
+    return mod, attr
+
+
+__all__ = ["codegen", "local_args", "shard_param", "Ref"]

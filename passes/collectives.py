@@ -1,0 +1,188 @@
+"""The `insert-collectives` pass: make every consumer see the placements it asked for.
+
+Two kinds of ops are inserted:
+- redistributions where a producer's placement differs from what a consumer requires (the `in`
+  attribute written by `shard`), one op per changed mesh axis: all_reduce (P->R), reduce_scatter
+  (P->S), all_gather (S->R), all_to_all (S->S'), local_shard (R->S, no communication);
+- grad_all_reduce (Megatron's f: identity forward, all-reduce of the gradient backward) where a
+  replicated float value feeds a computation that differs across an axis, because each rank's
+  gradient of it is then only a partial sum.
+
+A parameter whose every use needs f on an axis gets no f at all: its gradient is all-reduced once
+after backward instead (data-parallel gradient sync), recorded as the attribute ``grad_sync``.
+"""
+
+from __future__ import annotations
+
+from autopar.passes.ir import (
+    COLLECTIVES,
+    Op,
+    Partial,
+    Placement,
+    Program,
+    Ref,
+    Replicate,
+    Shard,
+    TensorType,
+    Value,
+    map_refs,
+)
+from autopar.passes.shard import required_inputs
+from autopar.solver.strategies import Strategy, is_divergent
+
+
+def _steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[tuple[int, Placement]]:
+    """Order per-axis changes so no intermediate placement shards one dim twice: first the axes
+    that drop a shard or reduce a partial, then those that add a shard."""
+    changes = [(i, b) for i, (a, b) in enumerate(zip(src, dst)) if a != b]
+    first = [(i, b) for i, b in changes if not isinstance(b, Shard)]
+    later = [(i, b) for i, b in changes if isinstance(b, Shard)]
+    return first + later
+
+
+def _collective(a: Placement, b: Placement) -> tuple[str, dict]:
+    if isinstance(a, Partial) and isinstance(b, Replicate):
+        return "all_reduce", {"op": a.op}
+    if isinstance(a, Partial) and isinstance(b, Shard):
+        return "reduce_scatter", {"op": a.op, "dim": b.dim, "chunks": b.chunks}
+    if isinstance(a, Shard) and isinstance(b, Replicate):
+        return "all_gather", {"dim": a.dim, "chunks": a.chunks}
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        return "all_to_all", {"src_dim": a.dim, "src_chunks": a.chunks, "dim": b.dim, "chunks": b.chunks}
+    if isinstance(a, Replicate) and isinstance(b, Shard):
+        return "local_shard", {"dim": b.dim, "chunks": b.chunks}
+    raise ValueError(f"no collective turns {a} into {b}")
+
+
+class _Builder:
+    def __init__(self, prog: Program):
+        self.prog = prog
+        self.types = prog.types()
+        self.ops: list[Op] = []
+        self.cache: dict[tuple, str] = {}
+        self.counter = 0
+
+    def fresh(self) -> str:
+        self.counter += 1
+        return f"c{self.counter}"
+
+    def emit(self, target: str, src: str, ty: TensorType, kwargs: dict, path: str) -> str:
+        name = self.fresh()
+        self.ops.append(Op((name,), (ty,), target, (Ref(src),), kwargs, path=path))
+        self.types[name] = ty
+        return name
+
+    def redistribute(self, name: str, dst: tuple[Placement, ...], path: str) -> str:
+        key = ("r", name, dst)
+        if key in self.cache:
+            return self.cache[key]
+        cur_name, cur = name, self.types[name]
+        for axis, b in _steps(cur.placements, dst):
+            target, kw = _collective(cur.placements[axis], b)
+            placements = list(cur.placements)
+            placements[axis] = b
+            new_t = cur.with_placements(tuple(placements))
+            kw = {"axis": self.prog.mesh.names[axis], **kw}
+            cur_name, cur = self.emit(target, cur_name, new_t, kw, path), new_t
+        self.cache[key] = cur_name
+        return cur_name
+
+    def grad_reduce(self, name: str, axis: int, path: str) -> str:
+        key = ("f", name, axis)
+        if key not in self.cache:
+            t = self.types[name]
+            self.cache[key] = self.emit(
+                "grad_all_reduce", name, t, {"axis": self.prog.mesh.names[axis]}, path
+            )
+        return self.cache[key]
+
+
+def _requires_grad(prog: Program) -> set[str]:
+    out = {v.name for v in prog.inputs if v.kind == "param" and v.type.is_float}
+    for op in prog.ops:
+        if any(r.name in out for r in op.input_refs()):
+            out.update(r for r, t in zip(op.results, op.types) if t.is_float)
+    return out
+
+
+def insert_collectives(prog: Program) -> Program:
+    b = _Builder(prog)
+    grad = _requires_grad(prog)
+    for op in prog.ops:
+        refs = op.input_refs()
+        reqs = required_inputs(op) if "in" in op.attrs else [None] * len(refs)
+        new_names: list[str] = []
+        for ref, req in zip(refs, reqs):
+            new_names.append(ref.name if req is None else b.redistribute(ref.name, req, op.path))
+        placements = tuple(None if req is None else req for req in reqs)
+        strategy = Strategy(placements, tuple(t.placements for t in op.types))
+        if op.target not in COLLECTIVES:
+            for i, (ref, req) in enumerate(zip(refs, reqs)):
+                if req is None or ref.name not in grad:
+                    continue
+                for axis in range(len(prog.mesh.axes)):
+                    if isinstance(req[axis], Replicate) and is_divergent(strategy, axis):
+                        new_names[i] = b.grad_reduce(new_names[i], axis, op.path)
+        args = map_refs((op.args, op.kwargs), _renamer(iter(new_names)))
+        attrs = {k: v for k, v in op.attrs.items() if k != "in"}
+        b.ops.append(op.with_(args=args[0], kwargs=args[1], attrs=attrs))
+    out_refs = []
+    sink_req = tuple(Replicate() for _ in prog.mesh.axes)
+    for x in prog.outputs:
+        out_refs.append(Ref(b.redistribute(x.name, sink_req, "")) if isinstance(x, Ref) else x)
+    result = prog.with_(ops=tuple(b.ops), outputs=tuple(out_refs))
+    return _defer_param_grad_sync(result)
+
+
+def _renamer(names):
+    return lambda _ref: Ref(next(names))
+
+
+def _defer_param_grad_sync(prog: Program) -> Program:
+    """Drop f on parameters whose every use needs it on that axis; sync their gradient after backward.
+
+    Uses are followed through collectives on other axes (linear maps that commute with a sum over
+    this axis)."""
+    users = prog.users()
+    names = prog.mesh.names
+    remove: dict[str, str] = {}  # f op result -> its input
+    sync: dict[str, list[str]] = {}
+    for p in prog.params:
+        for axis in names:
+            fs, ok = [], True
+            stack = [p.name]
+            while stack and ok:
+                for u in users[stack.pop()]:
+                    if u.target == "grad_all_reduce" and u.kwargs["axis"] == axis:
+                        fs.append(u)
+                    elif u.target in COLLECTIVES and u.kwargs.get("axis") != axis:
+                        stack.append(u.result)
+                    else:
+                        ok = False
+            if ok and fs and not _is_partial_on(p, axis, prog):
+                for f in fs:
+                    remove[f.result] = f.args[0].name
+                sync.setdefault(p.name, []).append(axis)
+    if not remove:
+        return prog
+    ops = []
+    for op in prog.ops:
+        if op.result in remove:
+            continue
+        ops.append(op.with_(args=map_refs(op.args, lambda r: Ref(_follow(r.name, remove)))))
+    inputs = tuple(
+        Value(v.name, v.kind, v.type, dict(v.attrs, grad_sync=sync[v.name])) if v.name in sync else v
+        for v in prog.inputs
+    )
+    outputs = tuple(map_refs(prog.outputs, lambda r: Ref(_follow(r.name, remove))))
+    return prog.with_(ops=tuple(ops), inputs=inputs, outputs=outputs)
+
+
+def _is_partial_on(v: Value, axis: str, prog: Program) -> bool:
+    return isinstance(v.type.placements[prog.mesh.index(axis)], Partial)
+
+
+def _follow(name: str, remove: dict[str, str]) -> str:
+    while name in remove:
+        name = remove[name]
+    return name

@@ -1,0 +1,190 @@
+"""Lower an exported fx graph to the autopar IR: SSA ops with global types, params, paths, FLOPs."""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from autopar.passes.capture import Captured
+from autopar.passes.ir import (
+    DEVICE,
+    DTYPE_SHORT,
+    MeshSpec,
+    Op,
+    Program,
+    R,
+    Ref,
+    TensorType,
+    Value,
+    target_name,
+)
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import CaptureError
+
+# Ops that only check metadata at trace time; on the meta device they mean nothing.
+_DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}
+
+
+def tensor_type(val: Any, mesh: MeshSpec) -> TensorType:
+    if not isinstance(val, torch.Tensor):
+        raise CaptureError(f"autopar's IR holds tensors; the graph produced a {type(val).__name__} ({val!r})")
+    if val.dtype not in DTYPE_SHORT:
+        raise CaptureError(f"dtype {val.dtype} is not supported by autopar's IR")
+    shape = tuple(int(s) for s in val.shape)
+    return TensorType(DTYPE_SHORT[val.dtype], shape, (R,) * len(mesh.axes))
+
+
+def _module_path(node: torch.fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return path.removeprefix("L['self'].").removeprefix("L__self__.")
+
+
+def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
+    """fx graph -> Program with every placement R. addmm and biased linear are split into a
+    matmul and an add, so a row-parallel matmul can produce a partial sum before its bias."""
+    mesh = mesh or MeshSpec()
+    ep = captured.exported
+    gm = ep.graph_module
+    names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
+    inputs: list[Value] = []
+    for spec, node in zip(
+        ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")
+    ):
+        kind = {
+            InputKind.PARAMETER: "param",
+            InputKind.BUFFER: "buffer",
+            InputKind.USER_INPUT: "input",
+            InputKind.CONSTANT_TENSOR: "buffer",
+        }.get(spec.kind)
+        if kind is None:
+            raise CaptureError(f"input {node.name} of kind {spec.kind.name} is not supported by autopar")
+        name = spec.target if kind != "input" else spec.arg.name
+        attrs = {"constant": True} if spec.kind == InputKind.CONSTANT_TENSOR else {}
+        inputs.append(Value(name, kind, tensor_type(node.meta["val"], mesh), attrs))
+        names[node.name] = Ref(name)
+
+    ops: list[Op] = []
+    counter = iter(range(1 << 62))
+
+    def conv(x: Any) -> Any:
+        if isinstance(x, torch.fx.Node):
+            ref = names.get(x.name)
+            if ref is None or isinstance(ref, tuple):
+                raise CaptureError(f"node {x.name} is used as a tensor but is not one")
+            return ref
+        if isinstance(x, torch.device):
+            return DEVICE
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(v) for v in x)
+        if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            raise CaptureError("autopar needs static shapes; the graph has a symbolic size")
+        return x
+
+    def emit(target: str, args: tuple, kwargs: dict, vals: list, node: torch.fx.Node) -> tuple[str, ...]:
+        types = tuple(tensor_type(v, mesh) for v in vals)
+        results = tuple(str(next(counter)) for _ in types)
+        op = Op(results, types, target, args, kwargs, path=_module_path(node))
+        ops.append(op)
+        return results
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is operator.getitem:
+            src, idx = node.args
+            names[node.name] = names[src.name][idx]
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload):
+            raise CaptureError(
+                f"{node.target} at {_module_path(node) or node.name} is not an ATen op; autopar lowers ATen "
+                "graphs only (higher-order ops such as cond/while_loop are not supported yet)"
+            )
+        target = target_name(node.target)
+        if target in _DROPPED:
+            continue
+        val = node.meta.get("val")
+        args, kwargs = conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
+        if target == "aten.addmm" and not kwargs and len(args) == 3:
+            bias, x, w = args
+            (mm,) = emit("aten.mm", (x, w), {}, [val], node)
+            (res,) = emit("aten.add.Tensor", (Ref(mm), bias), {}, [val], node)
+            names[node.name] = Ref(res)
+            continue
+        if target == "aten.linear" and len(args) == 3 and args[2] is not None:
+            x, w, bias = args
+            (mm,) = emit("aten.linear", (x, w), {}, [val], node)
+            (res,) = emit("aten.add.Tensor", (Ref(mm), bias), {}, [val], node)
+            names[node.name] = Ref(res)
+            continue
+        vals = list(val) if isinstance(val, (list, tuple)) else [val]
+        results = emit(target, args, kwargs, vals, node)
+        names[node.name] = (
+            tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
+        )
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = []
+    for spec, arg in zip(ep.graph_signature.output_specs, out_node.args[0]):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise CaptureError(
+                f"the model mutates {spec.target} in forward ({spec.kind.name}); in-place buffer updates "
+                "(e.g. BatchNorm running statistics) are not supported yet: use eval-mode norms or LayerNorm"
+            )
+        outputs.append(conv(arg) if isinstance(arg, torch.fx.Node) else arg)
+    used = {r.name for op in ops for r in op.input_refs()} | {r.name for r in outputs if isinstance(r, Ref)}
+    # a tied weight is listed under each of its names; keep the ones the graph reads
+    inputs = [v for v in inputs if v.kind == "input" or v.name in used]
+    prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs))
+    return annotate_costs(prog)
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and bytes per op (global, forward only)
+
+
+def op_flops(op: Op, types: dict[str, TensorType]) -> int:
+    t = op.target
+    ins = [types[r.name] for r in op.input_refs()]
+    out = op.types[0]
+    if t == "aten.mm":
+        (m, k), (_, n) = ins[0].shape, ins[1].shape
+        return 2 * m * k * n
+    if t in ("aten.bmm", "aten.matmul"):
+        k = ins[0].shape[-1]
+        return 2 * out.numel * k
+    if t == "aten.linear":
+        return 2 * out.numel * ins[1].shape[-1]
+    if t == "aten.scaled_dot_product_attention":
+        q, k = ins[0], ins[1]
+        return 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]
+    if t == "aten.convolution" or t == "aten.conv2d":
+        w = ins[1]
+        return 2 * out.numel * math.prod(w.shape[1:])
+    if t in (
+        "aten.layer_norm",
+        "aten._softmax",
+        "aten.softmax.int",
+        "aten._log_softmax",
+        "aten.log_softmax.int",
+    ):
+        return 5 * out.numel
+    if t == "aten.cross_entropy_loss":
+        return 4 * ins[0].numel
+    if t == "aten.embedding":
+        return 0
+    return sum(o.numel for o in op.types)
+
+
+def annotate_costs(prog: Program) -> Program:
+    types = prog.types()
+    ops = []
+    for op in prog.ops:
+        nbytes = sum(types[r.name].nbytes for r in op.input_refs()) + sum(t.nbytes for t in op.types)
+        ops.append(op.with_(flops=op_flops(op, types), bytes=nbytes))
+    return prog.with_(ops=tuple(ops))

@@ -1,0 +1,235 @@
+"""Autograd-aware collectives over named mesh axes (Megatron's f and g, DTensor's redistributions).
+
+Convention (Megatron's): a replicated tensor's gradient is whole and equal on every rank of the
+axis; a sharded tensor's gradient is the matching shard; a partial tensor's gradient is whole.
+Each op's backward keeps that convention:
+
+    all_reduce       P -> R   fwd: sum (avg)          bwd: identity (1/n for avg)       Megatron g
+    grad_all_reduce  R -> R   fwd: identity           bwd: all-reduce sum               Megatron f
+    all_gather       S -> R   fwd: gather             bwd: keep the local shard
+    local_shard      R -> S   fwd: keep local shard   bwd: gather
+    reduce_scatter   P -> S   fwd: reduce, shard      bwd: gather
+    all_to_all       S -> S'  fwd: gather, reshard    bwd: the reverse
+
+The generated per-rank GraphModules call these functions; the process groups come from the
+``Comm`` installed with ``use_comm`` (one per compiled module, set around its forward).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Comm:
+    """For each mesh axis name: its process group, this rank's coordinate and the axis size."""
+
+    groups: dict[str, object]
+    coords: dict[str, int]
+    sizes: dict[str, int]
+
+    @classmethod
+    def from_device_mesh(cls, mesh) -> Comm:
+        names = mesh.mesh_dim_names
+        coords = mesh.get_coordinate()
+        return cls(
+            groups={n: mesh.get_group(n) for n in names},
+            coords=dict(zip(names, coords)),
+            sizes={n: mesh.size(i) for i, n in enumerate(names)},
+        )
+
+
+_CURRENT: list[Comm] = []
+
+
+@contextlib.contextmanager
+def use_comm(comm: Comm):
+    _CURRENT.append(comm)
+    try:
+        yield comm
+    finally:
+        _CURRENT.pop()
+
+
+def _comm() -> Comm:
+    if not _CURRENT:
+        raise RuntimeError("autopar collectives called outside a compiled module's forward")
+    return _CURRENT[-1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Local shard arithmetic (also used to slice parameters and inputs)
+
+
+def shard_tensor(x: torch.Tensor, dim: int, chunks: int, n: int, coord: int) -> torch.Tensor:
+    """Rank ``coord``'s shard of x for Shard(dim, chunks) over n ranks."""
+    if chunks == 1:
+        return x.tensor_split(n, dim)[coord]
+    return torch.cat([piece.tensor_split(n, dim)[coord] for piece in x.chunk(chunks, dim)], dim)
+
+
+def unshard_tensor(shards: list[torch.Tensor], dim: int, chunks: int) -> torch.Tensor:
+    """Inverse of shard_tensor given every rank's shard in coordinate order."""
+    if chunks == 1:
+        return torch.cat(shards, dim)
+    pieces = [s.chunk(chunks, dim) for s in shards]
+    return torch.cat([torch.cat([p[j] for p in pieces], dim) for j in range(chunks)], dim)
+
+
+def _gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(c.sizes[axis])]
+    dist.all_gather(parts, x.contiguous(), group=c.groups[axis])
+    return unshard_tensor(parts, dim, chunks)
+
+
+def _local(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
+    return shard_tensor(x, dim, chunks, c.sizes[axis], c.coords[axis]).contiguous()
+
+
+def _reduce(c: Comm, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
+    y = x.contiguous().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=c.groups[axis])
+    if op == "avg":
+        y = y / c.sizes[axis]
+    return y
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd functions
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, op):
+        c = _comm()
+        ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
+        return _reduce(c, x, axis, op)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis):
+        ctx.comm, ctx.axis = _comm(), axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(ctx.comm, g, ctx.axis, "sum"), None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim, chunks):
+        ctx.comm, ctx.args = _comm(), (axis, dim, chunks)
+        return _gather(ctx.comm, x, axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _local(ctx.comm, g, *ctx.args), None, None, None
+
+
+class _LocalShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, dim, chunks):
+        ctx.comm, ctx.args = _comm(), (axis, dim, chunks)
+        return _local(ctx.comm, x, axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(ctx.comm, g, *ctx.args), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, op, dim, chunks):
+        c = ctx.comm = _comm()
+        ctx.args = (axis, dim, chunks)
+        ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
+        # gloo has no reduce_scatter: all-reduce and keep the local shard (same result)
+        return _local(c, _reduce(c, x, axis, op), axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        full = _gather(ctx.comm, g, *ctx.args)
+        return (full * ctx.scale if ctx.scale != 1.0 else full), None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, src_dim, src_chunks, dim, chunks):
+        c = ctx.comm = _comm()
+        ctx.args = (axis, src_dim, src_chunks, dim, chunks)
+        return _local(c, _gather(c, x, axis, src_dim, src_chunks), axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        axis, src_dim, src_chunks, dim, chunks = ctx.args
+        c = ctx.comm
+        return (
+            _local(c, _gather(c, g, axis, dim, chunks), axis, src_dim, src_chunks),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def all_reduce(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
+    return _AllReduce.apply(x, axis, op)
+
+
+def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
+    return _GradAllReduce.apply(x, axis)
+
+
+def all_gather(x: torch.Tensor, axis: str, dim: int, chunks: int = 1) -> torch.Tensor:
+    return _AllGather.apply(x, axis, dim, chunks)
+
+
+def local_shard(x: torch.Tensor, axis: str, dim: int, chunks: int = 1) -> torch.Tensor:
+    return _LocalShard.apply(x, axis, dim, chunks)
+
+
+def reduce_scatter(x: torch.Tensor, axis: str, op: str, dim: int, chunks: int = 1) -> torch.Tensor:
+    return _ReduceScatter.apply(x, axis, op, dim, chunks)
+
+
+def all_to_all(
+    x: torch.Tensor, axis: str, src_dim: int, src_chunks: int, dim: int, chunks: int
+) -> torch.Tensor:
+    return _AllToAll.apply(x, axis, src_dim, src_chunks, dim, chunks)
+
+
+FUNCTIONS = {
+    "all_reduce": all_reduce,
+    "grad_all_reduce": grad_all_reduce,
+    "all_gather": all_gather,
+    "local_shard": local_shard,
+    "reduce_scatter": reduce_scatter,
+    "all_to_all": all_to_all,
+}
+
+
+def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:
+    """All-reduce (sum) the gradients of parameters, one flat buffer per mesh axis."""
+    c = _comm()
+    for axis, params in params_by_axis.items():
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        if not grads:
+            continue
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=c.groups[axis])
+        offset = 0
+        for p, g in zip(params, grads):
+            n = g.numel()
+            p.grad = flat[offset : offset + n].view_as(g).clone()
+            offset += n

@@ -1,0 +1,103 @@
+"""Train a model with autopar on a mesh and in a single process; report both (run inside each rank)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import autopar
+
+
+def tiny_gpt2(seed: int = 0, batch: int = 4, seq: int = 16, steps: int = 3):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=128,
+        n_positions=32,
+        use_cache=False,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    model = GPT2LMHeadModel(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (batch, seq), generator=g)
+        batches.append({"input_ids": ids, "labels": torch.roll(ids, -1, 1)})
+    return model, batches
+
+
+class MLP(torch.nn.Module):
+    """A plain model with a branch and a residual, computing its own loss."""
+
+    def __init__(self, d: int = 32, h: int = 64):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, h)
+        self.fc2 = torch.nn.Linear(h, d)
+        self.gate = torch.nn.Linear(d, h, bias=False)
+        self.norm = torch.nn.LayerNorm(d)
+
+    def forward(self, x, target):
+        h = torch.nn.functional.gelu(self.fc1(x)) * torch.sigmoid(self.gate(x))
+        y = self.norm(x + self.fc2(h))
+        return torch.nn.functional.mse_loss(y, target)
+
+
+def tiny_mlp(seed: int = 0, batch: int = 8, steps: int = 3):
+    torch.manual_seed(seed)
+    model = MLP()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        {"x": torch.randn(batch, 32, generator=g), "target": torch.randn(batch, 32, generator=g)}
+        for _ in range(steps)
+    ]
+    return model, batches
+
+
+MODELS = {"gpt2": tiny_gpt2, "mlp": tiny_mlp}
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def train(model, batches, lr: float = 1e-2):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for b in batches:
+        loss = _loss(model(**b))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def compare(rank: int, world: int, model_name: str, axes: dict[str, int]) -> dict:
+    """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed."""
+    model, batches = MODELS[model_name]()
+    reference = copy.deepcopy(model)
+    mesh = autopar.init_mesh("cpu", **axes)
+    compiled = autopar.compile(model, mesh, kwargs=batches[0])
+    losses = train(compiled, batches)
+    full = compiled.full_state_dict()
+    ref_losses = train(reference, batches)
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for name, value in full.items():
+        ref = ref_params[name].detach()
+        rel = ((value - ref).abs().max() / ref.abs().max().clamp_min(1e-12)).item()
+        worst = max(worst, rel)
+    return {
+        "losses": torch.tensor(losses),
+        "ref_losses": torch.tensor(ref_losses),
+        "param_rel": torch.tensor(worst),
+    }
