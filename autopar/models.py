@@ -176,7 +176,7 @@ def _count_mlp(c: TinyMLPConfig) -> int:
 
 def _make_hf(cls_name: str, module: str) -> Callable[[Any], nn.Module]:
     def make(config: Any) -> nn.Module:
-        return getattr(importlib.import_module(module), cls_name)(config)
+        return _hf(module, cls_name)()(config)
 
     return make
 

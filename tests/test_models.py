@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import textwrap
 from pathlib import Path
@@ -19,6 +20,12 @@ REQUIRED = [
     "tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-mlp",
 ]  # fmt: skip
 TINY = ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-encoder", "tiny-mlp"]
+
+
+@functools.cache
+def _meta(name: str) -> models.ModelSpec:
+    """One meta-device build per preset for the whole module (tests only read it)."""
+    return models.build(name)
 
 
 def _described_params(description: str) -> int:
@@ -48,7 +55,7 @@ def test_required_presets_are_listed_with_counts_and_shapes(presets: dict[str, s
 
 @pytest.mark.parametrize("name", REQUIRED + ["tiny-encoder"])
 def test_described_count_equals_built_count(name: str, presets: dict[str, str]) -> None:
-    spec = models.build(name)  # meta: no weights allocated, even for 175B
+    spec = _meta(name)  # meta: no weights allocated, even for 175B
     assert all(p.is_meta for p in spec.model.parameters())
     assert _numel(spec.model) == _described_params(presets[name]) == _described_params(spec.description)
 
@@ -86,7 +93,7 @@ def test_merak_models_are_near_their_named_sizes(presets: dict[str, str]) -> Non
     ],
 )
 def test_mmr_presets_match_paper_table(name: str, hidden: int, heads: int, batch: int, seq: int) -> None:
-    spec = models.build(name)
+    spec = _meta(name)
     cfg = spec.model.config
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_hidden_layers) == (hidden, heads, 1)
     assert cfg._attn_implementation == "eager"
@@ -95,22 +102,22 @@ def test_mmr_presets_match_paper_table(name: str, hidden: int, heads: int, batch
 
 
 def test_large_configs_match_their_papers() -> None:
-    llama = models.build("llama-70b").model.config
+    llama = _meta("llama-70b").model.config
     assert (llama.num_hidden_layers, llama.hidden_size, llama.intermediate_size) == (80, 8192, 28672)
     assert (llama.num_attention_heads, llama.num_key_value_heads) == (64, 8)
     assert llama._attn_implementation == "sdpa" and llama.use_cache is False
-    gpt3 = models.build("gpt3-175b")
+    gpt3 = _meta("gpt3-175b")
     cfg = gpt3.model.config
     assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size) == (96, 12288, 96, 50257)
     assert gpt3.kwargs["input_ids"].shape[1] == 2048
     for size, hidden in [("1.4b", 1536), ("2.5b", 1920), ("8.3b", 3072), ("20b", 4096)]:
-        spec = models.build(f"merak-gpt-{size}")
+        spec = _meta(f"merak-gpt-{size}")
         assert spec.model.config.n_embd == hidden and spec.kwargs["input_ids"].shape[1] == 1024
 
 
 @pytest.mark.parametrize("name", TINY + ["gpt2", "mmr-bert-large"])
 def test_presets_capture_with_torch_export_on_meta(name: str) -> None:
-    spec = models.build(name)
+    spec = _meta(name)
     ep = torch.export.export(spec.model, spec.args, spec.kwargs, strict=False)
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
     assert len(placeholders) >= len(ep.graph_signature.parameters) > 0
