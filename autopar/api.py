@@ -51,6 +51,19 @@ def init_mesh(device_type: str | None = None, **axes: int):
     return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
 
 
+def parse_mesh(text: str) -> MeshSpec:
+    """'dp=2,tp=4' -> MeshSpec; axis names are any identifiers, sizes positive integers."""
+    axes = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        name, sep, size = item.partition("=")
+        if not sep or not name.isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise MeshError(f"bad mesh axis {item!r} in {text!r}: write axes as name=size, e.g. dp=2,tp=4")
+        if name in dict(axes):
+            raise MeshError(f"mesh axis {name!r} appears twice in {text!r}")
+        axes.append((name, int(size)))
+    return MeshSpec(tuple(axes))
+
+
 def mesh_spec(mesh) -> MeshSpec:
     names = mesh.mesh_dim_names
     if not names:

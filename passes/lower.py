@@ -93,12 +93,43 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
         ops.append(op)
         return results
 
-    for node in gm.graph.nodes:
+    _lower_nodes(gm, gm.graph.nodes, names, conv, emit)
+
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = []
+    for spec, arg in zip(ep.graph_signature.output_specs, out_node.args[0]):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise CaptureError(
+                f"the model mutates {spec.target} in forward ({spec.kind.name}); in-place buffer updates "
+                "(e.g. BatchNorm running statistics) are not supported yet: use eval-mode norms or LayerNorm"
+            )
+        outputs.append(conv(arg) if isinstance(arg, torch.fx.Node) else arg)
+    used = {r.name for op in ops for r in op.input_refs()} | {r.name for r in outputs if isinstance(r, Ref)}
+    # a tied weight is listed under each of its names; keep the ones the graph reads
+    inputs = [v for v in inputs if v.kind == "input" or v.name in used]
+    prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs))
+    return annotate_costs(prog)
+
+
+def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
+    """Lower call_function nodes in order; inline wrap_with_set_grad_enabled subgraphs (LLaMA's
+    rotary embedding is computed under no_grad: its inputs need no gradient, so inlining is exact)."""
+    for node in nodes:
+        if node.op == "output":
+            return node.args[0]
         if node.op != "call_function":
             continue
         if node.target is operator.getitem:
             src, idx = node.args
             names[node.name] = names[src.name][idx]
+            continue
+        if node.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            sub = getattr(gm, node.args[1].target)
+            placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+            for ph, operand in zip(placeholders, node.args[2:]):
+                names[ph.name] = conv(operand)
+            result = _lower_nodes(sub, sub.graph.nodes, names, conv, emit)
+            names[node.name] = tuple(conv(r) for r in result)
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             raise CaptureError(
@@ -127,21 +158,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
         names[node.name] = (
             tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
         )
-
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    outputs = []
-    for spec, arg in zip(ep.graph_signature.output_specs, out_node.args[0]):
-        if spec.kind != OutputKind.USER_OUTPUT:
-            raise CaptureError(
-                f"the model mutates {spec.target} in forward ({spec.kind.name}); in-place buffer updates "
-                "(e.g. BatchNorm running statistics) are not supported yet: use eval-mode norms or LayerNorm"
-            )
-        outputs.append(conv(arg) if isinstance(arg, torch.fx.Node) else arg)
-    used = {r.name for op in ops for r in op.input_refs()} | {r.name for r in outputs if isinstance(r, Ref)}
-    # a tied weight is listed under each of its names; keep the ones the graph reads
-    inputs = [v for v in inputs if v.kind == "input" or v.name in used]
-    prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs))
-    return annotate_costs(prog)
+    return None
 
 
 # ---------------------------------------------------------------------------------------------

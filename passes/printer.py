@@ -2,12 +2,30 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
 from autopar.passes.ir import Device, MeshSpec, Op, Program, Ref, TensorType, Value
 
 _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_RESERVED = {
+    "True",
+    "False",
+    "None",
+    "inf",
+    "nan",
+    "mesh",
+    "attr",
+    "param",
+    "buffer",
+    "input",
+    "output",
+    "S",
+    "R",
+    "P",
+}
 
 
 def format_literal(x: Any) -> str:
@@ -23,7 +41,9 @@ def format_literal(x: Any) -> str:
     if isinstance(x, float):
         return repr(x)  # 'inf', 'nan' and exact decimal forms all parse back
     if isinstance(x, str):
-        return repr(x)
+        # identifiers print bare ({axis=tp, op=sum}); anything the parser could read otherwise is quoted
+        bare = _IDENT.fullmatch(x) is not None and x not in _RESERVED and not x.startswith("torch")
+        return x if bare else repr(x)
     if isinstance(x, _TORCH_ENUMS):
         return str(x)  # torch.float32, torch.strided, torch.contiguous_format
     if isinstance(x, list):

@@ -1,0 +1,57 @@
+"""`autopar ir MODEL`: print a model's IR after all passes, or up to one named with --upto."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from autopar.api import DEFAULT_PIPELINE, parse_mesh
+from autopar.errors import AutoparError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ir",
+        help="print a model's IR between passes",
+        description=(
+            "Capture MODEL on the meta device (no weights allocated), lower it to autopar's IR and run the "
+            f"pass pipeline ({', '.join(DEFAULT_PIPELINE)}) for the given mesh. Prints the IR after the last "
+            "pass, or after --upto PASS (--upto capture: the lowered IR before any pass)."
+        ),
+    )
+    p.add_argument(
+        "model", metavar="MODEL", help="a preset with overrides (tiny-gpt2, gpt2:n_layer=2) or file.py:fn"
+    )
+    p.add_argument("--mesh", default="", help="mesh axes, e.g. dp=2,tp=2 (default: a single device)")
+    p.add_argument(
+        "--upto", default=None, help=f"stop after this pass: capture, {', '.join(DEFAULT_PIPELINE)}"
+    )
+    p.add_argument("--dump-dir", default=None, help="write NN-pass.ir after every pass into this directory")
+    p.add_argument(
+        "--local", action="store_true", help="show each rank's local shapes instead of global ones"
+    )
+    p.add_argument(
+        "--alpha", type=float, default=1.0, help="weight of communication bytes in the ILP (default 1)"
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.models import build
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.manager import PassManager
+    from autopar.passes.printer import print_program
+    from autopar.passes.shard import ShardOptions
+
+    stages = ["capture", *DEFAULT_PIPELINE]
+    upto = args.upto or stages[-1]
+    if upto not in stages:
+        raise AutoparError(f"--upto {upto!r} is not a pass; choose one of {', '.join(stages)}")
+    spec = build(args.model, device="meta")
+    prog = lower(capture(spec.model, spec.args, spec.kwargs), parse_mesh(args.mesh))
+    pipeline = DEFAULT_PIPELINE[: stages.index(upto)]
+    pm = PassManager(pipeline, dump_dir=args.dump_dir, options={"shard": ShardOptions(alpha=args.alpha)})
+    prog = pm.run(prog)
+    sys.stdout.write(print_program(prog, local=args.local))
+    return 0
