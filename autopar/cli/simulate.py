@@ -1,0 +1,114 @@
+"""`autopar simulate`: build a pipeline schedule, simulate one training step, report, chart, print.
+
+Examples::
+
+    autopar simulate --schedule 1f1b --stages 4 --microbatches 8
+    autopar simulate --schedule interleaved --stages 4 --microbatches 8 --chunks 2 --json
+    autopar simulate --schedule wave --stages 4 --microbatches 4 --waves 2 --chart wave.png
+    autopar simulate --schedule scp --stages 8 --microbatches 16 --tr 1 --print
+
+``--tf/--tb/--tr`` are the forward/backward/recompute time of one rank's share of the model
+(model / P), split evenly over that rank's stages, so schedules with more stages per rank do the
+same total work; ``--tc`` is the time of one point-to-point transfer. The pair (Schedule, Costs)
+is all the simulator needs: ``_from_flags`` builds it from these flags, and a plan file can feed
+the same pair later (P, M, schedule, per-stage costs) without touching ``_report``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+from fractions import Fraction
+
+from autopar.errors import ScheduleError
+from autopar.runtime.actions import Schedule
+from autopar.runtime.costs import Costs
+from autopar.runtime.schedules import SCHEDULES, make_schedule
+from autopar.runtime.simulator import SimResult, simulate
+
+# flag -> generator keyword; a flag is passed only to generators that take that keyword
+_OPTION_FLAGS = {"chunks": "chunks", "waves": "waves", "recompute": "recompute", "alpha1": "alpha1"}
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "simulate",
+        help="simulate a pipeline schedule: step time, bubble ratio, activation memory, Gantt chart",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
+    parser.add_argument("--stages", "-P", type=int, default=4, help="pipeline ranks P (default 4)")
+    parser.add_argument("--microbatches", "-M", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument("--chunks", type=int, help="interleaved: model chunks per rank v (default 2)")
+    parser.add_argument("--waves", type=int, help="wave: number of waves W (default 1, Chimera-wave)")
+    parser.add_argument("--recompute", type=int, choices=(0, 1), help="1f1b: 1 = full recomputation")
+    parser.add_argument("--alpha1", type=Fraction, help="scp: Merak's alpha_1 (default 0)")
+    parser.add_argument("--tf", type=Fraction, default=Fraction(1), help="forward time of a rank's share")
+    parser.add_argument("--tb", type=Fraction, default=Fraction(2), help="backward time of a rank's share")
+    parser.add_argument("--tr", type=Fraction, help="recompute time of a rank's share (default: tf)")
+    parser.add_argument("--tc", type=Fraction, default=Fraction(0), help="time of one p2p transfer")
+    parser.add_argument(
+        "--act-bytes", type=float, help="activation bytes one microbatch stashes per rank share"
+    )
+    parser.add_argument("--p2p", choices=("eager", "batched"), default="eager", help="p2p semantics")
+    parser.add_argument("--chart", metavar="PNG", help="write the Gantt chart to this file")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--print", action="store_true", dest="print_actions", help="print the action lists")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
+    """The (Schedule, Costs) pair the flags describe."""
+    generator = SCHEDULES[args.schedule]
+    accepted = inspect.signature(generator).parameters
+    options = {}
+    for flag, keyword in _OPTION_FLAGS.items():
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if keyword not in accepted:
+            raise ScheduleError(f"--{flag} does not apply to the {args.schedule} schedule")
+        options[keyword] = value
+    schedule = make_schedule(args.schedule, args.stages, args.microbatches, **options)
+    costs = Costs.from_rank_share(
+        schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes
+    )
+    return schedule, costs
+
+
+def _report(result: SimResult, args: argparse.Namespace) -> None:
+    if args.print_actions:
+        print(result.schedule.to_text(), end="")
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    elif not args.print_actions:
+        s = result.schedule
+        opts = " ".join(f"{k}={v}" for k, v in s.options)
+        print(
+            f"{s.name} {opts}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches"
+        )
+        print(f"step time        {float(result.step_time):g}")
+        print(f"bubble ratio     {float(result.bubble_ratio):.4f}   (bubble / ideal compute, Megatron)")
+        print(f"idle fraction    {float(result.idle_fraction):.4f}   (bubble / total time, Hanayo/Chimera)")
+        for r in range(s.num_ranks):
+            mem = (
+                ""
+                if result.peak_activation_bytes is None
+                else f"  {float(result.peak_activation_bytes[r]):g} B"
+            )
+            print(
+                f"  rank {r}: bubble {float(result.bubble_ratio_per_rank[r]):.4f}  "
+                f"peak stashed activations {result.peak_activations[r]}{mem}"
+            )
+    if args.chart:
+        from autopar.runtime.chart import save_gantt  # matplotlib only when a chart is asked for
+
+        save_gantt(result, args.chart)
+
+
+def run(args: argparse.Namespace) -> int:
+    schedule, costs = _from_flags(args)
+    _report(simulate(schedule, costs, p2p=args.p2p), args)
+    return 0

@@ -1,0 +1,125 @@
+"""Per-action costs the simulator charges: compute time per stage, transfer time per boundary, bytes.
+
+Numbers may be ``int``, ``fractions.Fraction`` or ``float``; with ints and Fractions every time the
+simulator reports is exact, which is how the tests compare it with the papers' closed forms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from autopar.errors import ScheduleError
+
+if TYPE_CHECKING:
+    from autopar.runtime.actions import Schedule
+
+Number = int | Fraction | float
+PerStage = Number | Sequence[Number]
+
+
+def _spread(value: PerStage, n: int, what: str) -> tuple[Number, ...]:
+    if isinstance(value, (int, float, Fraction)):
+        return (value,) * n
+    values = tuple(value)
+    if len(values) != n:
+        raise ScheduleError(f"{what} has {len(values)} entries; expected {n}")
+    return values
+
+
+def _scaled(value: PerStage, factor: Fraction) -> PerStage:
+    if isinstance(value, float):
+        return value * float(factor)
+    if isinstance(value, (int, Fraction)):
+        return Fraction(value) * factor
+    return value
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What each action costs, per stage.
+
+    ``tf[s]``, ``tb[s]``: forward / backward time of one microbatch through stage ``s``.
+    ``tr[s]``: time to recompute *all* of stage ``s``'s activations; a ``RECOMPUTE`` with fraction
+    ``x`` costs ``x * tr[s]`` (Merak's T_recompute; defaults to ``tf``).
+    ``tc[s]``: time of one transfer across the boundary between stages ``s`` and ``s + 1``
+    (activation or gradient; ``S - 1`` entries; local hand-overs cost nothing).
+    ``act_bytes[s]``: bytes stage ``s`` stashes per microbatch when it recomputes nothing;
+    ``input_bytes[s]``: bytes it keeps under full recomputation (its input). A forward with
+    recompute fraction ``x`` stashes ``(1 - x) * act_bytes + x * input_bytes``; the ``RECOMPUTE``
+    re-materialises ``x * act_bytes`` until the backward frees everything.
+    ``t_reduce[s]``: time of ``REDUCE_GRADS(s)``; ``t_step``: time of ``STEP``.
+    """
+
+    tf: tuple[Number, ...]
+    tb: tuple[Number, ...]
+    tr: tuple[Number, ...]
+    tc: tuple[Number, ...]
+    act_bytes: tuple[Number, ...] | None = None
+    input_bytes: tuple[Number, ...] | None = None
+    t_reduce: tuple[Number, ...] | None = None
+    t_step: Number = 0
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.tf)
+
+    @classmethod
+    def uniform(
+        cls,
+        num_stages: int,
+        tf: PerStage = 1,
+        tb: PerStage = 2,
+        tr: PerStage | None = None,
+        tc: PerStage = 0,
+        act_bytes: PerStage | None = None,
+        input_bytes: PerStage = 0,
+        t_reduce: PerStage = 0,
+        t_step: Number = 0,
+    ) -> Costs:
+        """Costs given per stage: a scalar applies to every stage (every boundary for ``tc``)."""
+        n = num_stages
+        fwd = _spread(tf, n, "tf")
+        return cls(
+            tf=fwd,
+            tb=_spread(tb, n, "tb"),
+            tr=fwd if tr is None else _spread(tr, n, "tr"),
+            tc=_spread(tc, n - 1, "tc"),
+            act_bytes=None if act_bytes is None else _spread(act_bytes, n, "act_bytes"),
+            input_bytes=_spread(input_bytes, n, "input_bytes"),
+            t_reduce=_spread(t_reduce, n, "t_reduce"),
+            t_step=t_step,
+        )
+
+    @classmethod
+    def from_rank_share(
+        cls,
+        schedule: Schedule,
+        tf: PerStage = 1,
+        tb: PerStage = 2,
+        tr: PerStage | None = None,
+        tc: PerStage = 0,
+        act_bytes: PerStage | None = None,
+    ) -> Costs:
+        """Scalar ``tf``/``tb``/``tr``/``act_bytes`` are for one rank's share of the model (model / P).
+
+        They are split evenly over that rank's stages, so schedules with more stages per rank
+        (interleaved, waves) do the same total work and their step times compare directly. This is
+        Hanayo's T_F / T_B convention and what ``autopar simulate --tf --tb`` means. Per-stage lists
+        and ``tc`` (one transfer) are used as given.
+        """
+        per = Fraction(schedule.num_ranks, schedule.num_stages)
+
+        def split(v: PerStage) -> PerStage:
+            return _scaled(v, per)
+
+        return cls.uniform(
+            schedule.num_stages,
+            tf=split(tf),
+            tb=split(tb),
+            tr=None if tr is None else split(tr),
+            tc=tc,
+            act_bytes=None if act_bytes is None else split(act_bytes),
+        )

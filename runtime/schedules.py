@@ -1,0 +1,216 @@
+"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, Hanayo waves, Merak SCP) and their registry.
+
+A generator is ``(num_ranks, num_microbatches, **options) -> Schedule``. It decides the placement
+(``stage_to_rank``) and each rank's order of ``F``/``B``/``RECOMPUTE``; ``autopar.runtime.p2p.lower``
+adds the sends, receives, ``REDUCE_GRADS`` and ``STEP``. Adding a schedule is one decorated
+function::
+
+    @register("my-schedule")
+    def my_schedule(num_ranks: int, num_microbatches: int) -> Schedule: ...
+
+after which ``make_schedule("my-schedule", P, M)``, ``autopar simulate --schedule my-schedule``, the
+benchmark table and the property tests (which iterate over ``SCHEDULES``) all pick it up.
+
+Placements: GPipe, 1F1B and SCP put stage ``r`` on rank ``r``. Interleaved puts stage ``s`` on rank
+``s % P`` (rank ``r`` holds chunks ``r, r+P, r+2P, ...``). Waves use the V shape: stage
+``s = 2Pw + j`` is on rank ``j`` for ``j < P`` and on rank ``2P-1-j`` otherwise, so stages ``P-1, P``
+share rank ``P-1`` and stages ``2P-1, 2P`` share rank 0 (local hand-overs, no p2p).
+
+Memory bounds the property tests check (in-flight microbatch-stages per rank, i.e. stashed
+activations): GPipe ``M`` (every microbatch); 1F1B and SCP ``min(P - r, M)`` on rank ``r``, so ``P`` on
+rank 0; interleaved and waves: at most the rank's warm-up count + 1 (see each docstring).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from fractions import Fraction
+
+from autopar.runtime.actions import RECOMPUTE, Action, B, F, Schedule, check_placement
+from autopar.runtime.listsched import Priority, list_schedule
+from autopar.runtime.p2p import lower
+
+from autopar.errors import ScheduleError
+
+Generator = Callable[..., Schedule]
+SCHEDULES: dict[str, Generator] = {}
+
+
+def register(name: str) -> Callable[[Generator], Generator]:
+    """Decorator: make a generator available as ``make_schedule(name, ...)`` and on the CLI."""
+
+    def add(fn: Generator) -> Generator:
+        if name in SCHEDULES:
+            raise ValueError(f"schedule {name!r} registered twice")
+        SCHEDULES[name] = fn
+        return fn
+
+    return add
+
+
+def make_schedule(name: str, num_ranks: int, num_microbatches: int, **options: int | Fraction) -> Schedule:
+    """Build the registered schedule ``name`` for ``num_ranks`` ranks and ``num_microbatches``."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}; known: {', '.join(sorted(SCHEDULES))}")
+    if num_ranks < 1 or num_microbatches < 1:
+        raise ScheduleError(f"need at least one rank and microbatch, got P={num_ranks}, M={num_microbatches}")
+    return SCHEDULES[name](num_ranks, num_microbatches, **options)
+
+
+def _build(
+    name: str,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    compute: Sequence[Sequence[Action]],
+    **options: int | Fraction,
+) -> Schedule:
+    check_placement(stage_to_rank, len(compute))
+    actions = lower(compute, stage_to_rank, num_microbatches)
+    sizes = (len(compute), len(stage_to_rank), num_microbatches)
+    return Schedule(*sizes, tuple(stage_to_rank), actions, name, tuple(options.items()))
+
+
+Unit = list[Action]  # what 1F1B alternates: one forward, or one backward with its recompute
+
+
+def one_f_one_b(forwards: Sequence[Unit], backwards: Sequence[Unit], warmup: int) -> list[Action]:
+    """``warmup`` forwards, then one forward / one backward in turn, then the remaining backwards."""
+    warmup = min(warmup, len(forwards))
+    out: list[Action] = [a for unit in forwards[:warmup] for a in unit]
+    steady = len(forwards) - warmup
+    for i in range(steady):
+        out += forwards[warmup + i] + backwards[i]
+    for unit in backwards[steady:]:
+        out += unit
+    return out
+
+
+@register("gpipe")
+def gpipe(num_ranks: int, num_microbatches: int) -> Schedule:
+    """GPipe: every forward, then every backward (in microbatch order). Stashes M activations."""
+    mbs = range(num_microbatches)
+    compute = [[F(m, r) for m in mbs] + [B(m, r) for m in mbs] for r in range(num_ranks)]
+    return _build("gpipe", num_microbatches, range(num_ranks), compute)
+
+
+@register("1f1b")
+def one_f_one_b_schedule(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
+    """PipeDream-Flush / DAPPLE 1F1B: rank r warms up with P-r-1 forwards, then alternates.
+
+    ``recompute=1`` checkpoints every stage and puts each ``RECOMPUTE`` right before its backward;
+    it does not wait for the gradient, so it fills the cool-down bubbles (Merak Fig. 3b, "early
+    recomputation").
+    """
+    P, M = num_ranks, num_microbatches
+    compute = []
+    for r in range(P):
+        fwd = [[F(m, r, recompute)] for m in range(M)]
+        bwd = [([RECOMPUTE(m, r)] if recompute else []) + [B(m, r)] for m in range(M)]
+        compute.append(one_f_one_b(fwd, bwd, P - r - 1))
+    opts = {"recompute": 1} if recompute else {}
+    return _build("1f1b", M, range(P), compute, **opts)
+
+
+@register("interleaved")
+def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Schedule:
+    """Megatron's interleaved 1F1B with v = ``chunks`` model chunks per rank (PTD-P section 2.2.2).
+
+    Rank r holds stages r, r+P, ..., r+(v-1)P. Microbatches go in groups of P: a rank runs the
+    forward of chunk 0 for the group, then chunk 1, ..., then the next group; backwards go through
+    the chunks in reverse. Warm-up is 2(P-r-1) + (v-1)P forwards, then 1F1B.
+
+    Megatron requires M to be a multiple of P. Here any M >= 1 works: the lists are made for M
+    rounded up to a multiple of P and the actions of the padding microbatches are dropped. Dropping
+    actions only removes dependencies, so the lists stay deadlock-free (the simulator checks every
+    one), but the short last group leaves extra bubbles: (p-1)/(v m) holds exactly only when P
+    divides M (see docs/schedules.md).
+    """
+    P, M, v = num_ranks, num_microbatches, chunks
+    if v < 1:
+        raise ScheduleError(f"interleaved needs chunks >= 1, got {v}")
+    padded = -(-M // P) * P
+    groups = [range(g, g + P) for g in range(0, padded, P)]
+    compute = []
+    for r in range(P):
+        fwd = [[F(m, c * P + r)] for grp in groups for c in range(v) for m in grp]
+        bwd = [[B(m, c * P + r)] for grp in groups for c in reversed(range(v)) for m in grp]
+        order = one_f_one_b(fwd, bwd, 2 * (P - r - 1) + (v - 1) * P)
+        compute.append([a for a in order if a.mb is not None and a.mb < M])
+    return _build("interleaved", M, [s % P for s in range(P * v)], compute, chunks=v)
+
+
+def wave_placement(num_ranks: int, waves: int) -> list[int]:
+    """Hanayo's V-shaped placement of 2PW stages: down ranks 0..P-1, up P-1..0, repeated W times."""
+    P = num_ranks
+    return [j if j < P else 2 * P - 1 - j for _ in range(waves) for j in range(2 * P)]
+
+
+def stage_aware_ratios(num_stages: int, alpha1: Fraction | int) -> list[Fraction]:
+    """Merak's non-recomputation ratios alpha_i (section 5.2), as a 0-based list for stages 1..s.
+
+    alpha_1 is tuned by hand; alpha_i = min(1, (s-1) alpha_1 / (s-i)) for 2 <= i < s-1,
+    alpha_{s-1} = alpha_{s-2} and alpha_s = 1 (the last stage of the shifted critical path schedule
+    does not recompute). Equal-memory assumption: M_r + (s-i) alpha_i M_a is the same for every i.
+    """
+    s, a1 = num_stages, Fraction(alpha1)
+    if not 0 <= a1 <= 1:
+        raise ScheduleError(f"alpha_1 must be in [0, 1], got {a1}")
+    if s == 1:
+        return [Fraction(1)]
+    alpha = {1: a1, s: Fraction(1)}
+    for i in range(2, s - 1):
+        alpha[i] = min(Fraction(1), (s - 1) * a1 / (s - i))
+    if s - 1 > 1:
+        alpha[s - 1] = alpha[s - 2]
+    return [alpha[i] for i in range(1, s + 1)]
+
+
+@register("wave")
+def wave(num_ranks: int, num_microbatches: int, waves: int = 1, max_inflight: int = 0) -> Schedule:
+    """Hanayo's wave pipeline: W = ``waves`` V-shaped waves over 2PW stages, no model replicas.
+
+    ``waves=1`` is Chimera-wave (Chimera's two pipelines folded into one, Hanayo section 3.2).
+    The order on each rank comes from ``list_schedule`` under nominal costs T_B = 2 T_F (per
+    stage), trying the four ``Priority`` rules and keeping the shortest step (then the lowest
+    memory). At most ``max_inflight`` microbatches are in flight (default 2P), so a rank stashes at
+    most ``2W * max_inflight`` stage activations, i.e. ``max_inflight`` times its model share's
+    activations (1F1B's rank 0 holds P).
+    """
+    P, M, W = num_ranks, num_microbatches, waves
+    if W < 1:
+        raise ScheduleError(f"wave needs waves >= 1, got {W}")
+    cap = max_inflight or 2 * P
+    placement = wave_placement(P, W)
+    candidates = [
+        list_schedule(placement, M, Priority(bf, df), cap) for bf in (True, False) for df in (True, False)
+    ]
+    best = min(candidates, key=lambda ls: (ls.makespan, ls.peak_inflight))
+    return _build("wave", M, placement, best.compute, waves=W, max_inflight=cap)
+
+
+@register("scp")
+def shifted_critical_path(num_ranks: int, num_microbatches: int, alpha1: Fraction | int = 0) -> Schedule:
+    """Merak's shifted critical path schedule (section 5.1) with stage-aware recomputation (5.2).
+
+    1F1B with early recomputation: each ``RECOMPUTE`` sits right before its ``B`` and does not
+    wait for the gradient. The last stage stashes its one activation and never recomputes; the
+    penultimate stage runs its third forward ahead of its first backward (Fig. 3c: F0 F1 F2 R0 B0
+    R1 B1 F3 R2 B2 ...), which fills the bubble that waiting for the last stage left and moves the
+    critical path to the penultimate stage: the bubble drops from 3(s-1) T_F to 3(s-2) T_F
+    (T_R = T_F, T_B = 2 T_F). Stage i recomputes
+    the fraction ``1 - alpha_i`` of its activations (``stage_aware_ratios``; ``alpha1=0``: full
+    recomputation on every stage but the last).
+    """
+    P, M = num_ranks, num_microbatches
+    ratios = stage_aware_ratios(P, Fraction(alpha1))
+    compute = []
+    for r in range(P):
+        x = 1 - ratios[r]
+        fwd = [[F(m, r, x)] for m in range(M)]
+        bwd = [([RECOMPUTE(m, r, x)] if x else []) + [B(m, r)] for m in range(M)]
+        order = one_f_one_b(fwd, bwd, P - r - 1)
+        if r == P - 2 and M >= 3:  # Merak Fig. 3c: the third forward moves ahead of the first backward
+            order.remove(fwd[2][0])
+            order.insert(order.index(fwd[1][0]) + 1, fwd[2][0])
+        compute.append(order)
+    return _build("scp", M, range(P), compute, alpha1=Fraction(alpha1))
