@@ -44,38 +44,38 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     t0 = time.perf_counter()
     try:
         ep = torch.export.export(model, tuple(args), kwargs, strict=False)
-    except (TypeError, RuntimeError, ValueError, IndexError) as e:
-        if _is_input_mismatch(e):
-            raise CaptureError(
-                f"the example inputs do not fit {type(model).__name__}: {_short(e)}\n"
-                "Pass inputs with the shapes and argument names the model's forward expects."
-            ) from e
-        raise CaptureError(_export_failure(model, e)) from e
-    except Exception as e:  # torch._dynamo / export UserErrors and unsupported-op errors
-        raise CaptureError(_export_failure(model, e)) from e
+    except Exception as e:
+        if _is_capture_limit(e):
+            raise CaptureError(_export_failure(model, e)) from e
+        raise CaptureError(
+            f"the example inputs do not fit {type(model).__name__}: {_short(e)}{_where(e)}\n"
+            "Pass inputs with the shapes, dtypes and argument names the model's forward expects."
+        ) from e
     seconds = time.perf_counter() - t0
     spec = ep.module_call_graph[0].signature
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     return Captured(ep, spec.in_spec, spec.out_spec, seconds, names)
 
 
-_MISMATCH_HINTS = (
-    "shapes cannot be multiplied",
-    "size of tensor",
-    "must match the size",
-    "unexpected keyword",
-    "positional argument",
-    "missing",
-    "index out of range",
-    "expected input",
-    "Expected",
-    "shape",
+# Exceptions that mean torch.export itself cannot trace the code (as opposed to the model raising
+# an ordinary shape or argument error on the example inputs).
+_CAPTURE_LIMITS = (
+    "UserError",
+    "Unsupported",
+    "GuardOnDataDependentSymNode",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "UnsupportedOperatorException",
+    "PendingUnbackedSymbolNotFound",
 )
 
 
-def _is_input_mismatch(e: Exception) -> bool:
-    msg = str(e)
-    return isinstance(e, (TypeError, IndexError)) or any(h in msg for h in _MISMATCH_HINTS)
+def _is_capture_limit(e: BaseException | None) -> bool:
+    while e is not None:
+        if any(name in type(e).__name__ for name in _CAPTURE_LIMITS):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _short(e: Exception, lines: int = 6) -> str:
@@ -83,20 +83,20 @@ def _short(e: Exception, lines: int = 6) -> str:
     return "\n".join(text[:lines])
 
 
-def _export_failure(model: torch.nn.Module, e: Exception) -> str:
-    """Name the op or the user's source line torch.export stopped at."""
-    user_frames = [
+def _where(e: Exception) -> str:
+    """The innermost frame of the user's code in the traceback: the line to look at."""
+    frames = [
         f
         for f in traceback.extract_tb(e.__traceback__)
-        if "/torch/" not in f.filename and "autopar" not in f.filename
+        if "/torch/" not in f.filename and "/autopar/" not in f.filename and "/passes/" not in f.filename
     ]
-    where = (
-        f"\n  at {user_frames[-1].filename}:{user_frames[-1].lineno}: {user_frames[-1].line}"
-        if user_frames
-        else ""
-    )
+    return f"\n  at {frames[-1].filename}:{frames[-1].lineno}: {frames[-1].line}" if frames else ""
+
+
+def _export_failure(model: torch.nn.Module, e: Exception) -> str:
+    """Name the op or the user's source line torch.export stopped at."""
     return (
-        f"torch.export cannot capture {type(model).__name__}: {_short(e)}{where}\n"
+        f"torch.export cannot capture {type(model).__name__}: {_short(e)}{_where(e)}\n"
         "Make the forward traceable (no data-dependent Python control flow on tensor values, no "
         "unsupported ops), or wrap the offending part in a function torch.export supports; see "
         "https://pytorch.org/docs/stable/export.html"
