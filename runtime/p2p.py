@@ -130,11 +130,21 @@ def _needed(a: Action, stage_to_rank: Sequence[int], rank: int) -> Action | None
 
 
 def lower(
-    compute: Sequence[Sequence[Action]], stage_to_rank: Sequence[int], num_microbatches: int
+    compute: Sequence[Sequence[Action]],
+    stage_to_rank: Sequence[int],
+    num_microbatches: int,
+    *,
+    post_ahead: bool = True,
 ) -> tuple[tuple[Action, ...], ...]:
-    """Insert sends, receives, ``REDUCE_GRADS`` and ``STEP`` into per-rank compute orders."""
+    """Insert sends, receives, ``REDUCE_GRADS`` and ``STEP`` into per-rank compute orders.
+
+    ``post_ahead=False`` skips rule 5 and leaves every receive right before its consumer (FIFO
+    kept): sound under eager p2p, but it can deadlock under blocking batched p2p.
+    """
     msgs = _Messages(compute, stage_to_rank)
     first = msgs.assemble(lambda src, i, dst, recv: msgs.consumer[dst][recv])
+    if not post_ahead:
+        return first
     # Time the lists with nominal costs, then post each receive where its rank is when the data is
     # sent. Receives move only earlier, so the eager timing is unchanged.
     num_ranks, num_stages = len(compute), len(stage_to_rank)

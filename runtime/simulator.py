@@ -298,21 +298,27 @@ class _Sim:
     def account(self, rank: _Rank, a: Action) -> None:
         """Record the tensor the action made and update the activation stash."""
         key, s = (a.mb, a.stage), a.stage
-        act = self.c.act_bytes[s] if self.c.act_bytes is not None and s is not None else 0
-        inp = self.c.input_bytes[s] if self.c.input_bytes is not None and s is not None else 0
         if a.kind is Kind.F:
             rank.fwd[key] = a.recompute  # type: ignore[index]
             rank.stash += 1
-            rank.bytes += (1 - a.recompute) * act + a.recompute * inp
+            rank.peak = max(rank.peak, rank.stash)
         elif a.kind is Kind.RECOMPUTE:
             rank.recomputed.add(key)  # type: ignore[arg-type]
-            rank.bytes += a.recompute * act
         elif a.kind is Kind.B:
             rank.bwd.add(key)  # type: ignore[arg-type]
             rank.stash -= 1
-            x = rank.fwd[key]  # type: ignore[index]
-            rank.bytes -= (1 - x) * act + x * inp + x * act
-        rank.peak = max(rank.peak, rank.stash)
+        if self.c.act_bytes is None or s is None or a.kind not in COMPUTE_KINDS:
+            return
+        act = self.c.act_bytes[s]
+        inp = self.c.input_bytes[s] if self.c.input_bytes is not None else 0
+        x = rank.fwd[key]  # type: ignore[index]
+        kept = (1 - x) * act + x * inp if x else act
+        if a.kind is Kind.F:
+            rank.bytes += kept
+        elif a.kind is Kind.RECOMPUTE:
+            rank.bytes += x * act
+        else:
+            rank.bytes -= kept + x * act
         rank.peak_bytes = max(rank.peak_bytes, rank.bytes)
 
     def post(self, rank: _Rank, a: Action, index: int) -> tuple[Channel, int]:
