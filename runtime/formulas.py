@@ -1,0 +1,60 @@
+"""The papers' closed-form pipeline bubble ratios, each with the assumptions it is stated under.
+
+Two definitions are in use (``autopar.runtime.simulator`` computes both):
+
+- Megatron / Merak: bubble time / ideal computation time (``SimResult.bubble_ratio``).
+- Chimera / Hanayo: bubble time / total time (``SimResult.idle_fraction``).
+
+``paper_bubble(name, P, M, **options)`` returns ``(value, definition, formula)`` for a registered
+schedule, or ``None`` where the paper gives no formula for that configuration.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+MEGATRON = "bubble / compute"
+HANAYO = "bubble / total"
+
+
+def one_f_one_b(p: int, m: int) -> Fraction:
+    """GPipe and 1F1B, Megatron 2.2.1: (p-1)/m; equal stages, no transfer time, any t_b/t_f."""
+    return Fraction(p - 1, m)
+
+
+def interleaved(p: int, m: int, v: int) -> Fraction:
+    """Megatron 2.2.2: (p-1)/(v m), v chunks of t_f/v and t_b/v, m a multiple of p."""
+    return Fraction(p - 1, v * m)
+
+
+def early_recompute(s: int, m: int) -> Fraction:
+    """Merak 5.1, 1F1B + early recomputation: 3(s-1)/(4m), T_R = T_F, T_B = 2 T_F."""
+    return Fraction(3 * (s - 1), 4 * m)
+
+
+def shifted_critical_path(s: int, m: int) -> Fraction:
+    """Merak 5.1: 3(s-2)/(4m), T_R = T_F, T_B = 2 T_F, full recomputation but on the last stage."""
+    return Fraction(3 * (s - 2), 4 * m)
+
+
+def hanayo(p: int, w: int) -> Fraction:
+    """Hanayo Eq. (1) at T_B = 2 T_F, T_C = 0: (2P-2)/(3PW+P-1); its figures use M = P.
+
+    Read against the simulator it is bubble / (compute + bubble / 2): docs/schedules.md.
+    """
+    return Fraction(2 * p - 2, 3 * p * w + p - 1)
+
+
+def paper_bubble(name: str, p: int, m: int, **options: int | Fraction) -> tuple[Fraction, str, str] | None:
+    """The paper's value for a schedule as ``make_schedule(name, p, m, **options)`` builds it."""
+    if name in ("gpipe", "1f1b") and not options.get("recompute"):
+        return one_f_one_b(p, m), MEGATRON, "(p-1)/m"
+    if name == "1f1b":
+        return early_recompute(p, m), MEGATRON, "3(s-1)/(4m)"
+    if name == "interleaved" and m % p == 0:
+        return interleaved(p, m, int(options.get("chunks", 2))), MEGATRON, "(p-1)/(vm)"
+    if name == "scp" and m >= 3 and not options.get("alpha1"):
+        return shifted_critical_path(p, m), MEGATRON, "3(s-2)/(4m)"
+    if name == "wave" and m == p:
+        return hanayo(p, int(options.get("waves", 1))), HANAYO, "(2P-2)/(3PW+P-1)"
+    return None
