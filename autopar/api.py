@@ -84,6 +84,7 @@ def plan_program(
     pipeline = pipeline or DEFAULT_PIPELINE
     key = hashlib.sha256((print_program(prog) + repr(options) + ",".join(pipeline)).encode()).hexdigest()[:24]
     cache = _cache_dir() / f"{key}.ir" if _cache_dir() else None
+    dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     if cache is not None and cache.exists() and dump_dir is None:
         return parse(cache.read_text())
     out = PassManager(pipeline, dump_dir=dump_dir, options={"shard": options}).run(prog)
@@ -230,12 +231,20 @@ def compile(  # noqa: A001
         return t
 
     gm = codegen(program, comm.coords, get_tensor, device)
+    dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     if dump_dir:
-        rank = dist.get_rank()
-        Path(dump_dir).mkdir(parents=True, exist_ok=True)
-        (Path(dump_dir) / f"rank{rank}.py").write_text(gm.code)
-        (Path(dump_dir) / f"rank{rank}.local.ir").write_text(print_program(program, local=True))
+        dump_rank_code(dump_dir, dist.get_rank(), gm, program)
     return CompiledModule(gm, program, captured, comm, device)
+
+
+def dump_rank_code(
+    dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program
+) -> None:
+    """Write rank N's generated Python (``rankN.py``) and its IR with local shapes (``rankN.local.ir``)."""
+    d = Path(dump_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.py").write_text(gm.code)
+    (d / f"rank{rank}.local.ir").write_text(print_program(program, local=True))
 
 
 def _default_device(mesh) -> torch.device:

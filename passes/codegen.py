@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 import torch.fx as fx
+
 from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, map_refs, resolve_target
 from autopar.runtime import collectives as coll
 

@@ -7,6 +7,9 @@ import operator
 from typing import Any
 
 import torch
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import CaptureError
 from autopar.passes.capture import Captured
 from autopar.passes.ir import (
     DEVICE,
@@ -20,9 +23,6 @@ from autopar.passes.ir import (
     Value,
     target_name,
 )
-from torch.export.graph_signature import InputKind, OutputKind
-
-from autopar.errors import CaptureError
 
 # Ops that only check metadata at trace time; on the meta device they mean nothing.
 _DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.errors import AutoparError
 from autopar.passes.ir import Program
 from autopar.passes.printer import print_program
 from autopar.passes.verify import verify
-
-from autopar.errors import AutoparError
 
 PassFn = Callable[[Program, Any], Program]  # (program, the pass's options or None) -> program
 PASSES: dict[str, PassFn] = {}

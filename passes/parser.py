@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 import torch
+
+from autopar.errors import ParseError
 from autopar.passes.ir import (
     DEVICE,
     MeshSpec,
@@ -20,8 +22,6 @@ from autopar.passes.ir import (
     TensorType,
     Value,
 )
-
-from autopar.errors import ParseError
 
 _TOKEN = re.compile(
     r"""

@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 import torch
+
 from autopar.passes.ir import Device, MeshSpec, Op, Program, Ref, TensorType, Value
 
 _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
@@ -66,8 +67,9 @@ def format_type(t: TensorType) -> str:
     return str(t)
 
 
-def format_value(v: Value) -> str:
-    return f"{v.kind} %{v.name} : {format_type(v.type)}{_braced(v.attrs, '<', '>')}"
+def format_value(v: Value, mesh: MeshSpec | None = None) -> str:
+    ty = _local_type(v.type, mesh) if mesh is not None else format_type(v.type)
+    return f"{v.kind} %{v.name} : {ty}{_braced(v.attrs, '<', '>')}"
 
 
 def format_op(op: Op, types: dict[str, TensorType] | None = None, mesh: MeshSpec | None = None) -> str:
@@ -97,8 +99,8 @@ def print_program(prog: Program, local: bool = False) -> str:
     lines = [f"mesh @m = {prog.mesh}"]
     for k, v in prog.attrs.items():
         lines.append(f"attr {k} = {format_literal(v)}")
-    lines += [format_value(v) for v in prog.inputs]
     mesh = prog.mesh if local else None
+    lines += [format_value(v, mesh) for v in prog.inputs]
     lines += [format_op(op, mesh=mesh) for op in prog.ops]
     lines.append("output " + format_literal(tuple(prog.outputs)))
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ marginals, so e is integral at the optimum without being declared binary.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import pulp
@@ -51,7 +52,14 @@ class Solution:
     constraints: int
 
 
-def solve(
+def solve(*args, **kwargs) -> Solution:
+    """Build and solve the ILP; see the module docstring for the formulation."""
+    with warnings.catch_warnings():  # PuLP 3.x warns about APIs that change in PuLP 4.0
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _solve(*args, **kwargs)
+
+
+def _solve(
     nodes: list[Node],
     edges: list[Edge],
     budget: float | None = None,

@@ -53,5 +53,23 @@ def run(args: argparse.Namespace) -> int:
     pipeline = DEFAULT_PIPELINE[: stages.index(upto)]
     pm = PassManager(pipeline, dump_dir=args.dump_dir, options={"shard": ShardOptions(alpha=args.alpha)})
     prog = pm.run(prog)
+    if pm.dump_dir and upto == stages[-1]:
+        _dump_ranks(prog, spec.model, pm.dump_dir)
     sys.stdout.write(print_program(prog, local=args.local))
     return 0
+
+
+def _dump_ranks(prog, model, dump_dir) -> None:
+    """Each rank's generated code, built from the meta model (shapes only, no weights)."""
+    import itertools
+
+    from autopar.api import dump_rank_code
+    from autopar.passes.codegen import codegen
+
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(
+        model.named_buffers(remove_duplicate=False)
+    )
+    names, sizes = prog.mesh.names, prog.mesh.sizes
+    for rank, coord in enumerate(itertools.product(*(range(n) for n in sizes))):
+        gm = codegen(prog, dict(zip(names, coord)), named.__getitem__, device="meta")
+        dump_rank_code(dump_dir, rank, gm, prog)
