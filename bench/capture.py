@@ -20,10 +20,10 @@ import time
 
 def measure(model: str) -> dict:
     import torch
-    from autopar.passes.capture import capture
-    from autopar.passes.lower import lower
 
     from autopar.models import build
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
 
     t0 = time.perf_counter()
     spec = build(model, device="meta")

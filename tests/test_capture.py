@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from autopar.passes.capture import capture
-from autopar.passes.lower import lower
 
 from autopar.errors import CaptureError, MeshError
 from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
 
 
 @pytest.mark.parametrize("preset", ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-mlp"])

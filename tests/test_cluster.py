@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from autopar.solver.cluster import ClusterSpec, list_clusters, parse_bytes, parse_rate, parse_seconds
 
 from autopar.errors import ClusterSpecError
+from autopar.solver.cluster import ClusterSpec, list_clusters, parse_bytes, parse_rate, parse_seconds
 
 PRESETS = ["dgx-a100", "merak-3090", "mics-p3dn", "local-cpu"]
 
