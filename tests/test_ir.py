@@ -93,7 +93,7 @@ def test_parse_print_roundtrip(prog):
     assert parse(text) == prog, text
 
 
-def _tiny_gpt2_program(mesh=MeshSpec()):
+def _tiny_gpt2_program(mesh: MeshSpec | None = None):
     from autopar.models import build
 
     spec = build("tiny-gpt2")
