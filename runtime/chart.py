@@ -8,13 +8,15 @@ object API (no pyplot), so it works headless and inside notebooks alike.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from pathlib import Path
 
-from autopar.runtime.actions import COMPUTE_KINDS, Kind
-from autopar.runtime.simulator import SimResult
 from matplotlib.colors import to_rgb
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
+
+from autopar.runtime.actions import COMPUTE_KINDS, Kind
+from autopar.runtime.timeline import SimResult
 
 COLOURS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.RECOMPUTE: "#8172B3"}
 COMM_COLOUR = "#9E9E9E"
@@ -36,26 +38,24 @@ def draw_gantt(result: SimResult, title: str | None = None, width: float = 12.0)
     fig = Figure(figsize=(width, 0.55 * P + 1.4))
     ax = fig.add_subplot()
     step = float(result.step_time) or 1.0
+    boxes: dict[tuple[int, tuple[float, float, float]], list[tuple[float, float]]] = defaultdict(list)
     for events in result.timeline:
         for e in events:
             a, start, dur = e.action, float(e.start), float(e.end - e.start)
             if a.kind not in COMPUTE_KINDS or dur <= 0:
                 continue
             y = P - 1 - e.rank
-            colour = _shade(COLOURS[a.kind], local[a.stage], chunks)  # type: ignore[index]
-            ax.broken_barh(
-                [(start, dur)], (y - 0.4, 0.7), facecolors=colour, edgecolors="white", linewidth=0.6
-            )
+            boxes[(y, _shade(COLOURS[a.kind], local[a.stage], chunks))].append((start, dur))  # type: ignore[index]
             if dur / step > 0.008:
-                ax.text(
-                    start + dur / 2, y - 0.05, str(a.mb), ha="center", va="center", fontsize=7, color="white"
-                )
+                ax.text(start + dur / 2, y - 0.05, str(a.mb), ha="center", va="center", fontsize=7, c="w")
+    for (y, colour), spans in boxes.items():
+        ax.broken_barh(spans, (y - 0.4, 0.7), facecolors=colour, edgecolors="white", linewidth=0.6)
+    comm: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for t in result.transfers:
         if t.end > t.start:
-            y = P - 1 - t.dst_rank
-            ax.broken_barh(
-                [(float(t.start), float(t.end - t.start))], (y - 0.48, 0.07), facecolors=COMM_COLOUR
-            )
+            comm[P - 1 - t.dst_rank].append((float(t.start), float(t.end - t.start)))
+    for y, spans in comm.items():
+        ax.broken_barh(spans, (y - 0.48, 0.07), facecolors=COMM_COLOUR)
     ax.set_yticks(range(P), [f"rank {P - 1 - y}" for y in range(P)])
     ax.set_xlim(0, step)
     ax.set_ylim(-0.6, P - 0.4)

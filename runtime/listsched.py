@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from autopar.runtime.actions import Action, B, F
-
 from autopar.errors import ScheduleError
+from autopar.runtime.actions import Action, B, F
 
 Task = tuple[str, int, int]  # ("F" | "B", microbatch, stage)
 

@@ -41,11 +41,10 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 
+from autopar.errors import ScheduleError
 from autopar.runtime.actions import COMPUTE_KINDS, Action, Kind, Schedule
 from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
-
-from autopar.errors import ScheduleError
 
 Channel = tuple[int, int]  # (source rank, destination rank)
 

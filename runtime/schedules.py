@@ -26,11 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 
+from autopar.errors import ScheduleError
 from autopar.runtime.actions import RECOMPUTE, Action, B, F, Schedule, check_placement
 from autopar.runtime.listsched import Priority, list_schedule
 from autopar.runtime.p2p import lower
-
-from autopar.errors import ScheduleError
 
 Generator = Callable[..., Schedule]
 SCHEDULES: dict[str, Generator] = {}

@@ -16,109 +16,26 @@ the action when a list is unsound:
 Point-to-point semantics (``p2p=``):
 
 - ``"eager"`` (default, used for timing): a send never blocks its rank (``isend`` posted, data on
-  the wire for ``tc``); a receive waits until ``send time + tc``. This is the prefetching runtime
-  of Hanayo section 4.2 and the papers' idealised timing.
+  the wire for ``tc``); a receive is posted where it stands and its data is there at
+  ``send time + tc``; the compute that consumes it waits until then. This is the prefetching
+  runtime of Hanayo section 4.2 and the papers' idealised timing.
 - ``"batched"``: each maximal run of consecutive sends/receives in a list is one
   ``batch_isend_irecv``, and the rank blocks until every op in it has met its partner (a send needs
   the receiver to have posted its receive): the transfer runs from the later of the two posts for
   ``tc``. A list that passes here cannot deadlock under blocking-but-batched p2p.
 
-Bubble ratios (all exact when costs are ints/Fractions):
-
-- ``busy[r]``: time rank ``r`` spends in F, B and RECOMPUTE.
-- ``bubble_ratio_per_rank[r] = (step_time - busy[r]) / busy[r]``: idle over useful compute.
-- ``bubble_ratio = (step_time - max busy) / max busy``: Megatron's "bubble time / ideal
-  computation time" (section 2.2.1), which is also Merak's "bubble time / running time" (the
-  busiest rank sets the ideal). 1F1B with equal stages gives (p-1)/m.
-- ``idle_fraction = sum_r (step_time - busy[r]) / (P * step_time)``: idle share of all device time,
-  the "bubble / total" reading (see docs/schedules.md for how Hanayo's formula compares).
+The result, with both bubble ratios the papers use, is a ``SimResult`` (``autopar.runtime.timeline``).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any
-
-from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, SEND_KINDS, Action, Kind, Schedule
-from autopar.runtime.costs import Costs, Number
 
 from autopar.errors import ScheduleError
-
-
-@dataclass(frozen=True)
-class Event:
-    """One action as it ran: on rank ``rank``, from ``start`` to ``end``."""
-
-    rank: int
-    action: Action
-    start: Number
-    end: Number
-
-
-@dataclass(frozen=True)
-class Transfer:
-    """One point-to-point message on the wire, from ``start`` to ``end``."""
-
-    src_rank: int
-    dst_rank: int
-    send: Action
-    recv: Action
-    start: Number
-    end: Number
-
-
-@dataclass
-class SimResult:
-    """Timeline, step time, bubble ratios and activation memory of one simulated step."""
-
-    schedule: Schedule
-    timeline: list[list[Event]]
-    transfers: list[Transfer]
-    step_time: Number
-    busy: list[Number]
-    peak_activations: list[int]
-    peak_activation_bytes: list[Number] | None = None
-    bubble_ratio_per_rank: list[Number] = field(init=False)
-    bubble_ratio: Number = field(init=False)
-    idle_fraction: Number = field(init=False)
-
-    def __post_init__(self) -> None:
-        t = self.step_time
-        self.bubble_ratio_per_rank = [_ratio(t - b, b) for b in self.busy]
-        self.bubble_ratio = _ratio(t - max(self.busy), max(self.busy))
-        idle = sum(t - b for b in self.busy)
-        self.idle_fraction = _ratio(idle, len(self.busy) * t)
-
-    def to_json(self) -> dict[str, Any]:
-        """Summary as JSON-ready numbers (floats); the exact values stay on the object."""
-        return {
-            "schedule": self.schedule.name,
-            "ranks": self.schedule.num_ranks,
-            "stages": self.schedule.num_stages,
-            "microbatches": self.schedule.num_microbatches,
-            "options": {k: v if isinstance(v, int) else str(v) for k, v in self.schedule.options},
-            "step_time": float(self.step_time),
-            "bubble_ratio": float(self.bubble_ratio),
-            "bubble_ratio_per_rank": [float(x) for x in self.bubble_ratio_per_rank],
-            "idle_fraction": float(self.idle_fraction),
-            "busy": [float(x) for x in self.busy],
-            "peak_activations": list(self.peak_activations),
-            "peak_activation_bytes": None
-            if self.peak_activation_bytes is None
-            else [float(x) for x in self.peak_activation_bytes],
-        }
-
-
-def _ratio(num: Number, den: Number) -> Number:
-    if not den:
-        return Fraction(0)
-    if isinstance(num, float) or isinstance(den, float):
-        return num / den
-    return Fraction(num) / Fraction(den)
-
+from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, SEND_KINDS, Action, Kind, Schedule
+from autopar.runtime.costs import Costs, Number
+from autopar.runtime.timeline import Event, SimResult, Transfer
 
 Key = tuple[Kind, int, int]  # (kind, mb, stage) of a receive, as seen by the receiving rank
 Channel = tuple[int, int]  # (source rank, destination rank)
@@ -387,12 +304,3 @@ def simulate(schedule: Schedule, costs: Costs, *, p2p: str = "eager") -> SimResu
     sim = _Sim(schedule, costs, p2p)
     sim._received = defaultdict(int)
     return sim.run()
-
-
-def simulate_all_modes(schedule: Schedule, costs: Costs) -> SimResult:
-    """Check ``schedule`` under both p2p modes and return the eager (timing) result."""
-    simulate(schedule, costs, p2p="batched")
-    return simulate(schedule, costs)
-
-
-__all__: Sequence[str] = ["Event", "SimResult", "Transfer", "simulate", "simulate_all_modes"]

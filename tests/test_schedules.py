@@ -6,6 +6,10 @@ from collections import Counter
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.errors import ScheduleError
 from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule
 from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import (
@@ -17,10 +21,6 @@ from autopar.runtime.schedules import (
     wave_placement,
 )
 from autopar.runtime.simulator import simulate
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from autopar.errors import ScheduleError
 
 
 @st.composite

@@ -9,14 +9,14 @@ import json
 from fractions import Fraction
 
 import pytest
+
+from autopar.cli import main
+from autopar.errors import ScheduleError
 from autopar.runtime.actions import COMPUTE_KINDS, RECOMPUTE, Action, B, F, Kind, Schedule
 from autopar.runtime.costs import Costs
 from autopar.runtime.p2p import lower
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
-
-from autopar.cli import main
-from autopar.errors import ScheduleError
 
 # ---- closed forms -------------------------------------------------------------------------------
 
@@ -33,13 +33,14 @@ def test_gpipe_and_1f1b_bubble_is_p_minus_1_over_m(name: str, tf: int, tb: int) 
             assert r.idle_fraction == Fraction(P - 1, M + P - 1)  # Chimera/Hanayo's bubble / total
 
 
-def test_interleaved_bubble_is_p_minus_1_over_v_m() -> None:
-    """Megatron 2.2.2: v chunks of t_f/v, t_b/v; m a multiple of p: (p-1)/(v m)."""
-    for P in (2, 3, 4, 8):
+@pytest.mark.parametrize("tf,tb", [(1, 2), (1, 1), (3, 2)])
+def test_interleaved_bubble_is_p_minus_1_over_v_m(tf: int, tb: int) -> None:
+    """Megatron 2.2.2: v chunks of t_f/v, t_b/v; m a multiple of p: (p-1)/(v m), any t_b/t_f."""
+    for P in (2, 3, 4, 8) if (tf, tb) == (1, 2) else (2, 4):
         for v in (1, 2, 4):
             for M in (P, 2 * P, 3 * P):
                 s = make_schedule("interleaved", P, M, chunks=v)
-                r = simulate(s, Costs.from_rank_share(s, tf=1, tb=2))
+                r = simulate(s, Costs.from_rank_share(s, tf=tf, tb=tb))
                 assert r.bubble_ratio == Fraction(P - 1, v * M), (P, v, M)
 
 

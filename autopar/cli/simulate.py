@@ -25,7 +25,8 @@ from autopar.errors import ScheduleError
 from autopar.runtime.actions import Schedule
 from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import SCHEDULES, make_schedule
-from autopar.runtime.simulator import SimResult, simulate
+from autopar.runtime.simulator import simulate
+from autopar.runtime.timeline import SimResult
 
 # flag -> generator keyword; a flag is passed only to generators that take that keyword
 _OPTION_FLAGS = {"chunks": "chunks", "waves": "waves", "recompute": "recompute", "alpha1": "alpha1"}
