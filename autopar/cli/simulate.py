@@ -39,8 +39,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument("--stages", "-P", type=int, default=4, help="pipeline ranks P (default 4)")
-    parser.add_argument("--microbatches", "-M", type=int, default=8, help="microbatches M (default 8)")
+    parser.add_argument(
+        "--stages", "-P", type=int, default=4, metavar="P", help="pipeline ranks P (default 4)"
+    )
+    parser.add_argument(
+        "--microbatches", "-M", type=int, default=8, metavar="M", help="microbatches M (default 8)"
+    )
     parser.add_argument("--chunks", type=int, help="interleaved: model chunks per rank v (default 2)")
     parser.add_argument("--waves", type=int, help="wave: number of waves W (default 1, Chimera-wave)")
     parser.add_argument("--recompute", type=int, choices=(0, 1), help="1f1b: 1 = full recomputation")
