@@ -155,6 +155,17 @@ def test_activation_bytes_with_recomputation() -> None:
     assert ckpt.peak_activations == plain.peak_activations
 
 
+def test_stage_aware_recomputation_equalises_memory() -> None:
+    """Merak 5.2: alpha_i makes M_r + (s-i) alpha_i M_a equal across stages. With SCP the stages
+    that recompute reach the same peak activation bytes; alpha_{s-1} = alpha_{s-2} is right because
+    the penultimate stage stashes one microbatch more (its early third forward)."""
+    s, m, act = 8, 16, 8
+    sched = make_schedule("scp", s, m, alpha1=Fraction(1, 10))
+    r = simulate(sched, Costs.uniform(s, tr=1, act_bytes=act))
+    assert r.peak_activations == [8, 7, 6, 5, 4, 3, 3, 1]
+    assert r.peak_activation_bytes == [Fraction(68, 5)] * (s - 1) + [act]  # 13.6 = act (1 + (s-1) alpha_1)
+
+
 # ---- rejections ---------------------------------------------------------------------------------
 
 
