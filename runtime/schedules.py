@@ -8,17 +8,18 @@ function::
     @register("my-schedule")
     def my_schedule(num_ranks: int, num_microbatches: int) -> Schedule: ...
 
-after which ``make_schedule("my-schedule", P, M)``, ``autopar simulate --schedule my-schedule``, the
-benchmark table and the property tests (which iterate over ``SCHEDULES``) all pick it up.
+after which ``make_schedule("my-schedule", P, M)``, ``autopar simulate --schedule my-schedule`` and
+the property tests (which iterate over ``SCHEDULES``) all pick it up.
 
 Placements: GPipe, 1F1B and SCP put stage ``r`` on rank ``r``. Interleaved puts stage ``s`` on rank
 ``s % P`` (rank ``r`` holds chunks ``r, r+P, r+2P, ...``). Waves use the V shape: stage
 ``s = 2Pw + j`` is on rank ``j`` for ``j < P`` and on rank ``2P-1-j`` otherwise, so stages ``P-1, P``
 share rank ``P-1`` and stages ``2P-1, 2P`` share rank 0 (local hand-overs, no p2p).
 
-Memory bounds the property tests check (in-flight microbatch-stages per rank, i.e. stashed
-activations): GPipe ``M`` (every microbatch); 1F1B and SCP ``min(P - r, M)`` on rank ``r``, so ``P`` on
-rank 0; interleaved and waves: at most the rank's warm-up count + 1 (see each docstring).
+Memory bounds the property tests check (in-flight microbatch-stages per rank ``r``, i.e. stashed
+activations): GPipe ``M``; 1F1B ``min(P - r, M)``, so ``P`` on rank 0; SCP the same except
+``min(3, M)`` on the penultimate rank; interleaved its warm-up + 1, ``min(2(P-r-1) + (v-1)P + 1, vM)``;
+waves ``2W * min(max_inflight, M)``.
 """
 
 from __future__ import annotations
