@@ -2,8 +2,8 @@
 
 Two kinds of ops are inserted:
 - redistributions where a producer's placement differs from what a consumer requires (the `in`
-  attribute written by `shard`), one op per changed mesh axis: all_reduce (P->R), reduce_scatter
-  (P->S), all_gather (S->R), all_to_all (S->S'), local_shard (R->S, no communication);
+  attribute written by `shard`), one op per step of passes/layout.py's plan: all_reduce (P->R),
+  reduce_scatter (P->S), all_gather (S->R), local_shard (R->S, no communication);
 - grad_all_reduce (Megatron's f: identity forward, all-reduce of the gradient backward) where a
   replicated float value feeds a computation that differs across an axis, because each rank's
   gradient of it is then only a partial sum.
@@ -22,36 +22,20 @@ from autopar.passes.ir import (
     Program,
     Ref,
     Replicate,
-    Shard,
     TensorType,
     Value,
     map_refs,
 )
+from autopar.passes.layout import redistribute_steps
 from autopar.passes.shard import required_inputs
 from autopar.solver.strategies import Strategy, is_divergent
 
-
-def _steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[tuple[int, Placement]]:
-    """Order per-axis changes so no intermediate placement shards one dim twice: first the axes
-    that drop a shard or reduce a partial, then those that add a shard."""
-    changes = [(i, b) for i, (a, b) in enumerate(zip(src, dst)) if a != b]
-    first = [(i, b) for i, b in changes if not isinstance(b, Shard)]
-    later = [(i, b) for i, b in changes if isinstance(b, Shard)]
-    return first + later
-
-
-def _collective(a: Placement, b: Placement) -> tuple[str, dict]:
-    if isinstance(a, Partial) and isinstance(b, Replicate):
-        return "all_reduce", {"op": a.op}
-    if isinstance(a, Partial) and isinstance(b, Shard):
-        return "reduce_scatter", {"op": a.op, "dim": b.dim, "chunks": b.chunks}
-    if isinstance(a, Shard) and isinstance(b, Replicate):
-        return "all_gather", {"dim": a.dim, "chunks": a.chunks}
-    if isinstance(a, Shard) and isinstance(b, Shard):
-        return "all_to_all", {"src_dim": a.dim, "src_chunks": a.chunks, "dim": b.dim, "chunks": b.chunks}
-    if isinstance(a, Replicate) and isinstance(b, Shard):
-        return "local_shard", {"dim": b.dim, "chunks": b.chunks}
-    raise ValueError(f"no collective turns {a} into {b}")
+_KW = {
+    "all_reduce": lambda a, b: {"op": a.op},
+    "reduce_scatter": lambda a, b: {"op": a.op, "dim": b.dim, "chunks": b.chunks},
+    "all_gather": lambda a, b: {"dim": a.dim, "chunks": a.chunks},
+    "local_shard": lambda a, b: {"dim": b.dim, "chunks": b.chunks},
+}
 
 
 class _Builder:
@@ -77,13 +61,11 @@ class _Builder:
         if key in self.cache:
             return self.cache[key]
         cur_name, cur = name, self.types[name]
-        for axis, b in _steps(cur.placements, dst):
-            target, kw = _collective(cur.placements[axis], b)
-            placements = list(cur.placements)
-            placements[axis] = b
-            new_t = cur.with_placements(tuple(placements))
-            kw = {"axis": self.prog.mesh.names[axis], **kw}
-            cur_name, cur = self.emit(target, cur_name, new_t, kw, path), new_t
+        for step in redistribute_steps(cur.placements, dst):
+            a, b = step.before[step.axis], step.after[step.axis]
+            kw = {"axis": self.prog.mesh.names[step.axis], **_KW[step.kind](a, b)}
+            new_t = cur.with_placements(step.after)
+            cur_name, cur = self.emit(step.kind, cur_name, new_t, kw, path), new_t
         self.cache[key] = cur_name
         return cur_name
 

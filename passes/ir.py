@@ -15,6 +15,7 @@ One op per line, SSA names, global shapes, placements per mesh axis (DTensor voc
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -85,11 +86,11 @@ class MeshSpec:
 
     axes: tuple[tuple[str, int], ...] = ()
 
-    @property
+    @functools.cached_property
     def names(self) -> tuple[str, ...]:
         return tuple(a for a, _ in self.axes)
 
-    @property
+    @functools.cached_property
     def sizes(self) -> tuple[int, ...]:
         return tuple(s for _, s in self.axes)
 
@@ -121,6 +122,7 @@ DTYPE_SHORT = {
     torch.complex64: "c64",
 }
 SHORT_DTYPE = {v: k for k, v in DTYPE_SHORT.items()}
+ITEMSIZE = {k: torch.empty((), dtype=v).element_size() for k, v in SHORT_DTYPE.items()}
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ class TensorType:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return ITEMSIZE[self.dtype]
 
     @property
     def nbytes(self) -> int:

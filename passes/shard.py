@@ -1,8 +1,16 @@
-"""The `shard` pass: enumerate strategies per op, solve the ILP, write the chosen placements.
+"""The `shard` pass: build the strategy ILP over the program, solve it, write the chosen placements.
 
-Every op's result types get the chosen placements, and the op gets an attribute ``in`` with the
+Decisions are made per *group*, not per op (DESIGN "Scale"):
+- an op whose main (first tensor) input comes from a single-use op joins that op's group, so a chain
+  linear -> add(bias) -> view -> gelu is one decision; its candidates are the head's strategies
+  extended along the chain (branching only where a follower cannot take what arrives, in which
+  case the group pays the resharding inside it);
+- a parameter, buffer or input read by one op is folded into that op's group: it is stored the way
+  its reader wants it.
+
+Every op's result types get the chosen placements, and each op the attribute ``in`` with the
 placements its inputs must have ("*" where any will do); `insert-collectives` turns every mismatch
-between a producer's placement and a consumer's ``in`` into collectives and drops the attribute.
+into collectives and drops the attribute.
 """
 
 from __future__ import annotations
@@ -10,137 +18,70 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from autopar.passes.ir import Op, Placement, Program, R, Ref, TensorType, Value, iter_refs
-from autopar.solver import cost as C
-from autopar.solver.ilp import Edge, Node, Solution, solve
-from autopar.solver.strategies import Strategy, chunk_counts, is_divergent, op_strategies, value_strategies
+from autopar.errors import InfeasibleError
+from autopar.passes.ir import Op, Placement, Program, R, Replicate, TensorType, Value, parse_placement
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import INF, CostModel, TrainingSetup
+from autopar.solver.ilp import Edge, Node, Solution, fold_repeated, solve
+from autopar.solver.strategies import (
+    Strategy,
+    chunk_counts,
+    is_divergent,
+    is_follower,
+    op_strategies,
+    value_strategies,
+)
+
+MAX_GROUP_CANDIDATES = 2048
 
 
 @dataclass
 class ShardOptions:
-    alpha: float = 1.0  # weight of communication bytes against memory bytes
+    objective: str = "memory"  # "memory": redundancy + alpha * comm bytes; "comm": comm time (Alpa)
+    alpha: float = 1.0
+    budget_bytes: float | None = None  # per-device memory budget
     time_limit: float | None = 60.0
     backend: str = "cbc"
-    budget_bytes: float | None = None
-    shard_inputs: bool = True  # may user inputs be sharded (e.g. the batch over dp)
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    cluster: ClusterSpec | None = None
+    shard_inputs: bool = True
+    collapse: bool = True
+    reuse_layers: bool = True  # solve identical repeated layers once
+    # restrict candidates (baselines): name of a value / op result -> predicate on its placements
+    constrain: dict | None = None
+
+
+@dataclass
+class Group:
+    head: Op | Value
+    ops: list[Op] = field(default_factory=list)  # in program order (head first when it is an op)
+    values: list[Value] = field(default_factory=list)  # folded params, buffers and inputs
+    candidates: list[dict[str, Strategy]] = field(default_factory=list)  # member name -> strategy
+    memory: list[float] = field(default_factory=list)  # bytes per device
+    redundancy: list[float] = field(default_factory=list)
+    comm_bytes: list[float] = field(default_factory=list)
+    comm_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
 class ShardResult:
     program: Program
     solution: Solution
-    strategies: list[list[Strategy]]
-    unruled: list[str] = field(default_factory=list)  # op targets that fell back to replication
+    groups: list[Group]
+    unruled: list[str]
+    memory_bytes: float  # predicted per-device memory (sum over the chosen candidates)
+    redundancy_bytes: float
+    comm_bytes: float
+    comm_seconds: float
 
 
 def format_placements(p: tuple[Placement, ...] | None) -> str:
     return "*" if p is None else ",".join(str(x) for x in p)
 
 
-def build_problem(prog: Program, opts: ShardOptions):
-    mesh = prog.mesh
-    types = prog.types()
-    counts = chunk_counts(prog)
-    nodes: list[Node] = []
-    strategies: list[list[Strategy]] = []
-    index: dict[str, tuple[int, int]] = {}  # value name -> (node, result position)
-    unruled: set[str] = set()
-
-    def add(name: str, strats: list[Strategy], costs: list[float], memory: list[float]) -> int:
-        nodes.append(Node(name, costs, memory))
-        strategies.append(strats)
-        return len(nodes) - 1
-
-    for v in prog.inputs:
-        shardable = v.kind == "param" or (v.kind == "input" and opts.shard_inputs) or v.kind == "buffer"
-        strats = value_strategies(v.type, mesh, counts, shardable)
-        factor = 4.0 if v.kind == "param" else 1.0
-        mem = [factor * C.local_bytes(v.type, s.outputs[0], mesh) for s in strats]
-        index[v.name] = (add(v.name, strats, list(mem), mem), 0)
-
-    edges: list[Edge] = []
-    for op in prog.ops:
-        strats, ruled = op_strategies(op, types, mesh, counts)
-        if not ruled:
-            unruled.add(op.target)
-        refs = op.input_refs()
-        costs, memory = [], []
-        for s in strats:
-            mem = sum(C.local_bytes(t, p, mesh) for t, p in zip(op.types, s.outputs))
-            comm = 0.0
-            for ref, p in zip(refs, s.inputs):
-                t = types[ref.name]
-                if p is None or not t.is_float:
-                    continue
-                for a in range(len(mesh.axes)):
-                    if isinstance(p[a], type(R)) and is_divergent(s, a):
-                        comm += C.grad_reduce_bytes(t, p, mesh, a)
-            costs.append(mem + opts.alpha * comm)
-            memory.append(mem)
-        k = add(op.result, strats, costs, memory)
-        for r_i, r in enumerate(op.results):
-            index[r] = (k, r_i)
-        for pos, ref in enumerate(refs):
-            edges.append(_edge(index[ref.name], (k, pos), strategies, types[ref.name], mesh, opts))
-
-    # the outputs are returned whole: every rank gets the replicated value
-    out_refs = list(iter_refs(prog.outputs))
-    if out_refs:
-        sink = add("<output>", [Strategy(tuple((R,) * len(mesh.axes) for _ in out_refs), ())], [0.0], [0.0])
-        for pos, ref in enumerate(out_refs):
-            edges.append(_edge(index[ref.name], (sink, pos), strategies, types[ref.name], mesh, opts))
-    return nodes, edges, strategies, index, sorted(unruled)
-
-
-def _edge(src, dst, strategies, t: TensorType, mesh, opts) -> Edge:
-    (u, ui), (v, vi) = src, dst
-    u_keys = [s.outputs[ui] for s in strategies[u]]
-    v_keys = [s.inputs[vi] for s in strategies[v]]
-    ug = _group(u_keys)
-    vg = _group(v_keys)
-    cost = {}
-    for a_key, a in ug[1].items():
-        for b_key, b in vg[1].items():
-            c = 0.0 if b_key is None else C.redistribute_bytes(t, a_key, b_key, mesh)
-            if c != C.INF:
-                cost[a, b] = opts.alpha * c
-    return Edge(u, v, ug[0], vg[0], cost)
-
-
-def _group(keys):
-    ids: dict = {}
-    out = []
-    for k in keys:
-        ids.setdefault(k, len(ids))
-        out.append(ids[k])
-    return out, ids
-
-
-def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
-    opts = opts or ShardOptions()
-    nodes, edges, strategies, index, unruled = build_problem(prog, opts)
-    sol = solve(nodes, edges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
-    chosen = [strategies[i][c] for i, c in enumerate(sol.choice)]
-    inputs = []
-    for v in prog.inputs:
-        s = chosen[index[v.name][0]]
-        inputs.append(Value(v.name, v.kind, v.type.with_placements(s.outputs[0]), dict(v.attrs)))
-    ops = []
-    for op in prog.ops:
-        s = chosen[index[op.result][0]]
-        types = tuple(t.with_placements(p) for t, p in zip(op.types, s.outputs))
-        attrs = dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})
-        ops.append(op.with_(types=types, attrs=attrs))
-    out = prog.with_(inputs=tuple(inputs), ops=tuple(ops))
-    out = out.with_(attrs=dict(out.attrs, ilp_objective=round(sol.objective, 3), ilp_status=sol.status))
-    return ShardResult(out, sol, strategies, unruled)
-
-
 def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
     """The placements recorded by `shard` for each tensor input of op (None where any will do)."""
-    from autopar.passes.ir import parse_placement
-
-    out = []
+    out: list[tuple[Placement, ...] | None] = []
     for text in op.attrs.get("in", []):
         out.append(
             None
@@ -150,4 +91,414 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
     return out
 
 
-__all__ = ["ShardOptions", "ShardResult", "shard", "required_inputs", "Ref", "TensorType"]
+class _Builder:
+    def __init__(self, prog: Program, opts: ShardOptions):
+        self.prog, self.opts = prog, opts
+        self.mesh = prog.mesh
+        self.types = prog.types()
+        self.cost = CostModel(prog.mesh, opts.setup, opts.cluster)
+        self.counts = chunk_counts(prog)
+        self.users = prog.users()
+        self.outputs = {r.name for r in prog.outputs if hasattr(r, "name")}
+        self.unruled: set[str] = set()
+        self.grad = _requires_grad(prog)
+        self.producers = prog.producers()
+        self._value_cache: dict[str, list[Strategy]] = {}
+        self._refs: dict[str, list] = {}
+        self._allowed_sets: dict[str, set] = {}
+
+    # -- strategies -----------------------------------------------------------------------------
+    def op_strats(self, op: Op) -> list[Strategy]:
+        strats, ruled = op_strategies(op, self.types, self.mesh, self.counts)
+        if not ruled:
+            self.unruled.add(op.target)
+        return [s for s in strats if self._allowed(op.result, s.outputs[0])]
+
+    def value_strats(self, v: Value) -> list[Strategy]:
+        if v.name not in self._value_cache:
+            shardable = v.kind != "input" or self.opts.shard_inputs
+            strats = value_strategies(v.type, self.mesh, self.counts, shardable)
+            self._value_cache[v.name] = [s for s in strats if self._allowed(v.name, s.outputs[0])]
+        return self._value_cache[v.name]
+
+    def refs(self, op: Op) -> list:
+        if op.result not in self._refs:
+            self._refs[op.result] = op.input_refs()
+        return self._refs[op.result]
+
+    def _allowed(self, name: str, p: tuple[Placement, ...]) -> bool:
+        pred = (self.opts.constrain or {}).get(name)
+        return pred is None or pred(p)
+
+    # -- grouping -------------------------------------------------------------------------------
+    def build_groups(self) -> tuple[list[Group], dict[str, int]]:
+        groups: list[Group] = []
+        where: dict[str, int] = {}  # value / op result name -> group index
+        folded: dict[str, str] = {}  # folded value name -> the op result that reads it
+        for v in self.prog.inputs:
+            users = self.users[v.name]
+            constrained = v.name in (self.opts.constrain or {})
+            if self.opts.collapse and len(users) == 1 and v.name not in self.outputs and not constrained:
+                folded[v.name] = users[0].result
+            else:
+                groups.append(Group(v, candidates=[{v.name: s} for s in self.value_strats(v)]))
+                where[v.name] = len(groups) - 1
+        for op in self.prog.ops:
+            strats = self.op_strats(op)
+            g = self._follows(op, where)
+            if g is not None:
+                extended = self._extend(groups[g], op, strats)
+                if extended is not None and len(extended) <= MAX_GROUP_CANDIDATES:
+                    groups[g].ops.append(op)
+                    groups[g].candidates = extended
+                    for r in op.results:
+                        where[r] = g
+                    continue
+            groups.append(Group(op, ops=[op], candidates=[{op.result: s} for s in strats]))
+            for r in op.results:
+                where[r] = len(groups) - 1
+        for vname, reader in folded.items():
+            v = next(x for x in self.prog.inputs if x.name == vname)
+            g = groups[where[reader]]
+            g.values.append(v)
+            where[vname] = where[reader]
+        for g in groups:
+            g.candidates = [c for c in g.candidates if self._folded_ok(g, c)]
+            if not g.candidates:
+                raise InfeasibleError(f"no strategy is allowed for {_label(g.head)}; relax the constraints")
+        return groups, where
+
+    def _follows(self, op: Op, where: dict[str, int]) -> int | None:
+        if not self.opts.collapse or not is_follower(op.target):
+            return None
+        refs = self.refs(op)
+        if not refs:
+            return None
+        main = refs[0].name
+        producer = self.producers.get(main)
+        if not isinstance(producer, Op) or len(producer.results) != 1:
+            return None
+        if len(self.users[main]) != 1 or main in self.outputs or main not in where:
+            return None
+        if _layer_key(producer.path) != _layer_key(op.path):
+            return None  # chains stop at layer boundaries, so repeated layers stay identical
+        return where[main]
+
+    def _extend(self, g: Group, op: Op, strats: list[Strategy]) -> list[dict] | None:
+        main = self.refs(op)[0].name
+        out = []
+        for cand in g.candidates:
+            incoming = self._placement_in(cand, g, main)
+            fitting = [s for s in strats if s.inputs[0] == incoming or s.inputs[0] is None]
+            for s in fitting or strats:
+                out.append({**cand, op.result: s})
+            if len(out) > MAX_GROUP_CANDIDATES:
+                return None
+        return out
+
+    def _placement_in(self, cand: dict[str, Strategy], g: Group, name: str) -> tuple[Placement, ...]:
+        for op in g.ops:
+            if name in op.results:
+                return cand[op.result].outputs[op.results.index(name)]
+        return cand[name].outputs[0]
+
+    def _folded_ok(self, g: Group, cand: dict[str, Strategy]) -> bool:
+        """Store each folded value the way its reader wants it; drop candidates where that's invalid."""
+        for v in g.values:
+            want = None
+            allowed = self._allowed_sets.setdefault(v.name, {s.outputs[0] for s in self.value_strats(v)})
+            for op in g.ops:
+                for ref, p in zip(self.refs(op), cand[op.result].inputs):
+                    if ref.name == v.name and p is not None:
+                        if want is not None and want != p:
+                            return False
+                        want = p
+            want = want or (R,) * len(self.mesh.axes)
+            if want not in allowed:
+                return False
+            cand[v.name] = Strategy((), (want,))
+        return True
+
+    # -- costs ----------------------------------------------------------------------------------
+    def price(self, g: Group) -> None:
+        for cand in g.candidates:
+            mem = red = vol = sec = 0.0
+            for v in g.values + ([g.head] if isinstance(g.head, Value) else []):
+                p = cand[v.name].outputs[0]
+                m, r = (
+                    self.cost.param_memory(v.type, p)
+                    if v.kind == "param"
+                    else self.cost.activation_memory(v.type, p)
+                )
+                mem, red = mem + m, red + r
+            for op in g.ops:
+                s = cand[op.result]
+                for t, p in zip(op.types, s.outputs):
+                    m, r = self.cost.activation_memory(t, p)
+                    mem, red = mem + m, red + r
+                for i, (ref, p) in enumerate(zip(self.refs(op), s.inputs)):
+                    if p is None:
+                        continue
+                    t = self.types[ref.name]
+                    if i == 0 and op is not g.ops[0] and ref.name in _results_of(g):
+                        b, x = self.cost.redistribute(t, self._placement_in(cand, g, ref.name), p)
+                        vol, sec = vol + b, sec + x
+                    if ref.name in self.grad:
+                        for a in range(len(self.mesh.axes)):
+                            if isinstance(p[a], Replicate) and is_divergent(s, a):
+                                b, x = self.cost.grad_reduce(t, p, a)
+                                vol, sec = vol + b, sec + x
+            g.memory.append(mem)
+            g.redundancy.append(red)
+            g.comm_bytes.append(vol)
+            g.comm_seconds.append(sec)
+        keep = [i for i, v in enumerate(g.comm_bytes) if v != INF]  # impossible reshards inside the group
+        if not keep:
+            raise InfeasibleError(f"every strategy of {_label(g.head)} needs an impossible redistribution")
+        for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds"):
+            arr = getattr(g, name)
+            setattr(g, name, [arr[i] for i in keep])
+
+    def objective(self, red: float, vol: float, sec: float, mem: float) -> float:
+        if self.opts.objective == "comm":
+            return (sec if self.opts.cluster else vol) + 1e-15 * mem
+        return red + self.opts.alpha * vol
+
+    def edge_cost(
+        self, t: TensorType, a: tuple[Placement, ...], b: tuple[Placement, ...] | None
+    ) -> float | None:
+        if b is None or a == b:
+            return 0.0
+        vol, sec = self.cost.redistribute(t, a, b)
+        if vol == INF:
+            return None
+        return self.objective(0.0, vol, sec, 0.0)
+
+
+def _results_of(g: Group) -> set[str]:
+    return {r for op in g.ops for r in op.results}
+
+
+def _label(x: Op | Value) -> str:
+    return f"%{x.result} = {x.target}" if isinstance(x, Op) else f"{x.kind} %{x.name}"
+
+
+def _requires_grad(prog: Program) -> set[str]:
+    out = {v.name for v in prog.inputs if v.kind == "param" and v.type.is_float}
+    for op in prog.ops:
+        if any(r.name in out for r in op.input_refs()):
+            out.update(r for r, t in zip(op.results, op.types) if t.is_float)
+    return out
+
+
+def build_problem(prog: Program, opts: ShardOptions):
+    b = _Builder(prog, opts)
+    groups, where = b.build_groups()
+    priced: dict[tuple, Group] = {}
+    for g in groups:
+        # identical groups (the same group in every layer) have index-aligned candidates: price once
+        same = priced.get(_signature(g))
+        if same is not None and len(same.candidates) == len(g.candidates):
+            g.candidates = _rename(same, g)
+            g.memory, g.redundancy = list(same.memory), list(same.redundancy)
+            g.comm_bytes, g.comm_seconds = list(same.comm_bytes), list(same.comm_seconds)
+            continue
+        b.price(g)
+        priced[_signature(g)] = g
+    nodes = [
+        Node(
+            _label(g.head),
+            [
+                b.objective(r, v, s, m)
+                for r, v, s, m in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory)
+            ],
+            g.memory,
+        )
+        for g in groups
+    ]
+    edges: list[Edge] = []
+    for gi, g in enumerate(groups):
+        members = _results_of(g) | {v.name for v in g.values}
+        for op in g.ops:
+            for pos, ref in enumerate(b.refs(op)):
+                if ref.name in members:
+                    continue
+                hi = where[ref.name]
+                edges.append(
+                    _edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos])
+                )
+    out_refs = [r for r in prog.outputs if hasattr(r, "name")]
+    if out_refs:
+        sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
+        groups.append(sink)
+        nodes.append(Node("<output>", [0.0], [0.0]))
+        for ref in out_refs:
+            edges.append(
+                _edge(
+                    b,
+                    groups,
+                    where[ref.name],
+                    len(groups) - 1,
+                    ref.name,
+                    lambda c: (R,) * len(prog.mesh.axes),
+                )
+            )
+    return b, groups, nodes, edges
+
+
+def _edge(b: _Builder, groups: list[Group], hi: int, gi: int, name: str, want) -> Edge:
+    h, g = groups[hi], groups[gi]
+    u_keys = [b._placement_in(c, h, name) for c in h.candidates]
+    v_keys = [want(c) for c in g.candidates]
+    ug, uids = _group_ids(u_keys)
+    vg, vids = _group_ids(v_keys)
+    t = b.types[name]
+    cost = {}
+    for a_key, a in uids.items():
+        for b_key, bb in vids.items():
+            c = b.edge_cost(t, a_key, b_key)
+            if c is not None:
+                cost[a, bb] = c
+    e = Edge(hi, gi, ug, vg, cost)
+    e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
+    return e
+
+
+def _group_ids(keys):
+    ids: dict = {}
+    out = []
+    for k in keys:
+        ids.setdefault(k, len(ids))
+        out.append(ids[k])
+    return out, ids
+
+
+_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def _layer_key(path: str) -> tuple[str, int] | None:
+    m = _LAYER.match(path or "")
+    return (m["stack"], int(m["index"])) if m else None
+
+
+def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
+    """For each group its representative: the same group of the first layer when every layer of the
+    model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups."""
+    layer_of = [_layer_key(g.head.path if isinstance(g.head, Op) else g.head.name) for g in groups]
+    stacks: dict[str, dict[int, list[int]]] = {}
+    for i, key in enumerate(layer_of):
+        if key is not None:
+            stacks.setdefault(key[0], {}).setdefault(key[1], []).append(i)
+    if not stacks:
+        return None
+    stack = max(stacks.values(), key=len)
+    layers = [stack[k] for k in sorted(stack)]
+    if len(layers) < 2:
+        return None
+    sig = [[_signature(groups[i]) for i in layer] for layer in layers]
+    if any(s != sig[0] for s in sig[1:]):
+        return None
+    rep = list(range(len(groups)))
+    for layer in layers[1:]:
+        for i, first in zip(layer, layers[0]):
+            rep[i] = first
+    return rep, len(layers)
+
+
+def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
+    """dst's candidates as the pruned (priced) list of src, matching members by position."""
+    names = {a: b for x, y in zip(src.ops, dst.ops) for a, b in zip(x.results, y.results)}
+    names |= {x.name: y.name for x, y in zip(src.values, dst.values)}
+    if isinstance(src.head, Value):
+        names[src.head.name] = dst.head.name
+    return [{names[k]: v for k, v in c.items()} for c in src.candidates]
+
+
+def _signature(g: Group) -> tuple:
+    head = (g.head.target, g.head.types) if isinstance(g.head, Op) else (g.head.kind, g.head.type)
+    return (
+        head,
+        tuple((op.target, op.types) for op in g.ops),
+        tuple(v.type for v in g.values),
+        len(g.candidates),
+    )
+
+
+def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
+    opts = opts or ShardOptions()
+    b, groups, nodes, edges = build_problem(prog, opts)
+    try:
+        sol = _solve(nodes, edges, groups, opts)
+    except InfeasibleError:
+        if opts.budget_bytes is None:
+            raise
+        smallest = smallest_budget(prog, opts)
+        raise InfeasibleError(
+            f"no strategy fits a per-device budget of {opts.budget_bytes / 2**30:.2f} GiB; the smallest that "
+            f"fits is {smallest / 2**30:.2f} GiB ({smallest:,.0f} bytes): raise --budget-gb, add devices, or "
+            "shard optimizer states (ZeRO)",
+            smallest_budget_bytes=smallest,
+        ) from None
+    return _apply(prog, b, groups, edges, sol)
+
+
+def smallest_budget(prog: Program, opts: ShardOptions) -> float:
+    """The least per-device memory any strategy needs (the ILP with memory as the objective)."""
+    from dataclasses import replace
+
+    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=None))
+    for n in nodes:
+        n.costs = list(n.memory)
+    for e in edges:
+        e.cost = {k: 0.0 for k in e.cost}
+    sol = _solve(nodes, edges, groups, replace(opts, budget_bytes=None))
+    return sum(g.memory[c] for g, c in zip(groups, sol.choice) if g.memory)
+
+
+def _solve(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: ShardOptions) -> Solution:
+    found = repeated_layers(groups) if opts.reuse_layers else None
+    if found is None:
+        sol = solve(nodes, edges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
+        sol.layers = 0
+        return sol
+    rep, n_layers = found
+    rnodes, redges, index = fold_repeated(nodes, edges, rep)
+    sol = solve(rnodes, redges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
+    sol.choice = [sol.choice[index[i]] for i in range(len(nodes))]
+    sol.layers = n_layers
+    return sol
+
+
+def _apply(prog: Program, b: _Builder, groups: list[Group], edges: list[Edge], sol: Solution) -> ShardResult:
+    chosen: dict[str, Strategy] = {}
+    totals = [0.0, 0.0, 0.0, 0.0]  # memory, redundancy, comm bytes, comm seconds
+    for g, c in zip(groups, sol.choice):
+        chosen.update(g.candidates[c])
+        for k, arr in enumerate((g.memory, g.redundancy, g.comm_bytes, g.comm_seconds)):
+            if arr:
+                totals[k] += arr[c]
+    for e in edges:  # resharding between groups
+        name, u_keys, v_keys = e.keys
+        a = u_keys[e.u_group[sol.choice[e.u]]]
+        bb = v_keys[e.v_group[sol.choice[e.v]]]
+        if bb is not None and a != bb:
+            vol, sec = b.cost.redistribute(b.types[name], a, bb)
+            totals[2] += vol
+            totals[3] += sec
+    inputs = tuple(
+        Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs))
+        for v in prog.inputs
+    )
+    ops = []
+    for op in prog.ops:
+        s = chosen[op.result]
+        types = tuple(t.with_placements(p) for t, p in zip(op.types, s.outputs))
+        ops.append(
+            op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]}))
+        )
+    out = prog.with_(inputs=inputs, ops=tuple(ops))
+    out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
+    return ShardResult(out, sol, groups, sorted(b.unruled), *totals)
+
+
+__all__ = ["ShardOptions", "ShardResult", "shard", "required_inputs", "smallest_budget"]

@@ -1,68 +1,192 @@
-"""A first cost model: per-device memory of a candidate plus communication volume, in bytes.
+"""Cost model: per-device memory, redundant memory and communication (bytes and seconds) of a candidate.
 
-Memory: a parameter costs 4x its local bytes (weights, gradients, two Adam moments); an activation
-its local bytes. Communication, counted forward and backward (each redistribution has a dual):
+Memory per device of a placement of a tensor is its local bytes. A parameter stores, per element:
+weights and gradients (4 + 4 bytes in fp32; 2 + 2 in bf16/fp16 with 4 bytes of fp32 master
+weights), and Adam's two fp32 moments (8 bytes; none for SGD). ZeRO over the data-parallel axes
+on which the parameter is replicated divides the optimizer states (stage 1), also the gradients
+(stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the same inside
+partition groups of size p (the dp axes whose product is p) and replicates across groups.
 
-    S -> R  all_gather       (n-1)/n * T   forward; backward slices locally
-    R -> S  local slice      0 forward;    (n-1)/n * T backward (all_gather of the gradient)
-    P -> R  all_reduce       2(n-1)/n * T  forward; backward is the identity (Megatron's g)
-    P -> S  reduce_scatter   (n-1)/n * T   forward; all_gather backward
-    S -> S' all_to_all       (n-1)/n * T   each way
-    R used by a computation that differs across the axis: all_reduce of its gradient, 2(n-1)/n * T
-    (Megatron's f; for parameters this is the data-parallel gradient all-reduce)
+Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
+other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
+the product of the sizes of the axes on which the piece is replicated or partial. For a matmul with
+data-, row- and column-parallel degrees d, r, c (X=(S(0),S(1),R), W=(R,S(0),S(1)),
+Y=(S(0),P,S(1))) this is Eq. 4 of the paper, (d(d-1)|W| + r(r-1)|Y| + c(c-1)|X|) / (drc).
 
-where T is the tensor's bytes on the ranks of that axis. Issue "cost model and ILP" replaces this
-with the full model (ZeRO, MiCS, alpha-beta time per axis).
+Communication, counted forward and backward (each redistribution has a dual):
+
+    all_gather     S -> R   (n-1)/n * B_out forward; backward keeps the local shard
+    local_shard    R -> S   nothing forward; the gradient is all-gathered backward
+    all_reduce     P -> R   2(n-1)/n * B forward; backward is the identity (Megatron's g)
+    reduce_scatter P -> S   (n-1)/n * B forward; the gradient is all-gathered backward
+    R used by a computation that differs across an axis: all-reduce of its gradient (Megatron's f;
+    for parameters, the data-parallel gradient all-reduce; reduce-scatter + all-gather under ZeRO)
+
+Bytes become seconds with the ClusterSpec's alpha-beta model of the axis's link (intra-node when
+the axis's ranks share a node, else the inter-node network).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from autopar.passes.ir import MeshSpec, Partial, Placement, Replicate, Shard, TensorType
+from autopar.passes.layout import Unreachable, redistribute_steps, replication
+from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
 
 
-def axis_bytes(t: TensorType, placements: tuple[Placement, ...], mesh: MeshSpec, axis: int) -> float:
-    """Bytes of the tensor held by the ranks of one axis together (other axes' shards divided out)."""
-    div = 1
-    for i, (p, n) in enumerate(zip(placements, mesh.sizes)):
-        if i != axis and isinstance(p, Shard):
-            div *= n
-    return t.nbytes / div
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the memory model assumes about training."""
+
+    optimizer: str = "adam"  # "adam": two fp32 moments per parameter; "sgd": none
+    precision: str = "fp32"  # "fp32" or "bf16"/"fp16" mixed precision (with fp32 master weights)
+    zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
+    zero_axes: tuple[str, ...] | None = None  # default: axes whose name starts with "dp"
+    mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
+
+    def shard_axes(self, mesh: MeshSpec) -> tuple[int, ...]:
+        names = (
+            self.zero_axes
+            if self.zero_axes is not None
+            else tuple(n for n in mesh.names if n.startswith("dp"))
+        )
+        axes = tuple(mesh.index(n) for n in names if n in mesh.names)
+        if self.mics_group is None:
+            return axes
+        # MiCS: shard over the innermost dp axes whose sizes multiply to the partition group size
+        chosen, size = [], 1
+        for i in reversed(axes):
+            if size * mesh.sizes[i] > self.mics_group:
+                break
+            chosen.append(i)
+            size *= mesh.sizes[i]
+        return tuple(sorted(chosen))
+
+    @property
+    def bytes_per_param(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer states incl. master weights) bytes per element."""
+        states = 8.0 if self.optimizer == "adam" else 0.0
+        if self.precision == "fp32":
+            return 4.0, 4.0, states
+        return 2.0, 2.0, states + 4.0
 
 
-def redistribute_bytes(
-    t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...], mesh: MeshSpec
-) -> float:
-    """Communication volume per device to turn placements src into dst (forward + backward)."""
-    total = 0.0
-    needs_grad = t.is_float
-    for i, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
-            continue
-        n = mesh.sizes[i]
-        vol = axis_bytes(t, src, mesh, i) * (n - 1) / n
-        if isinstance(b, Partial):
-            return INF  # never manufacture a partial sum
-        if isinstance(a, Partial) and isinstance(b, Replicate):
-            total += 2 * vol
-        elif isinstance(a, Partial):
-            total += vol * (2 if needs_grad else 1)
-        elif isinstance(a, Shard) and isinstance(b, Replicate):
-            total += vol
-        elif isinstance(a, Replicate):
-            total += vol if needs_grad else 0.0
-        else:  # S -> S'
-            total += vol * (2 if needs_grad else 1)
-    return total
+@dataclass
+class CostModel:
+    mesh: MeshSpec
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    cluster: ClusterSpec | None = None
+
+    def __post_init__(self):
+        self._zero_axes = self.setup.shard_axes(self.mesh)
+        self._intra = _axes_intra_node(self.mesh, self.cluster)
+        self._memo: dict = {}
+
+    # -- memory ---------------------------------------------------------------------------------
+    def local_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> float:
+        div = 1
+        for q, n in zip(p, self.mesh.sizes):
+            if isinstance(q, Shard):
+                div *= n
+        return t.nbytes / div
+
+    def param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
+        """(bytes per device, redundant bytes) of a parameter's weights, gradients, optimizer states."""
+        key = ("p", t, p)
+        if key not in self._memo:
+            self._memo[key] = self._param_memory(t, p)
+        return self._memo[key]
+
+    def _param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
+        numel = self.local_bytes(t, p) / t.itemsize
+        zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
+        zf = math.prod(self.mesh.sizes[i] for i in zero_axes)
+        skip = frozenset(zero_axes)
+        repl_all = replication(p, self.mesh.sizes)
+        repl_sharded = replication(p, self.mesh.sizes, skip)
+        mem = red = 0.0
+        for stage, b in zip((3, 2, 1), self.setup.bytes_per_param):
+            sharded = self.setup.zero >= stage
+            piece = numel * b / (zf if sharded else 1)
+            mem += piece
+            red += piece * ((repl_sharded if sharded else repl_all) - 1)
+        return mem, red
+
+    def activation_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
+        local = self.local_bytes(t, p)
+        return local, local * (replication(p, self.mesh.sizes) - 1)
+
+    # -- communication --------------------------------------------------------------------------
+    def _collective(self, kind: str, nbytes: float, axis: int) -> tuple[float, float]:
+        """(volume in bytes, seconds) of one collective of a tensor of nbytes on one axis."""
+        n = self.mesh.sizes[axis]
+        if n == 1 or nbytes == 0:
+            return 0.0, 0.0
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[
+            kind
+        ]
+        seconds = self.cluster.collective_seconds(kind, nbytes, n, self._intra[axis]) if self.cluster else 0.0
+        return nbytes * factor, seconds
+
+    def redistribute(
+        self, t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...]
+    ) -> tuple[float, float]:
+        """(bytes, seconds) per device to turn src into dst, forward plus backward; INF if impossible."""
+        key = (t, src, dst)
+        if key not in self._memo:
+            self._memo[key] = self._redistribute(t, src, dst)
+        return self._memo[key]
+
+    def _redistribute(self, t: TensorType, src, dst) -> tuple[float, float]:
+        try:
+            steps = redistribute_steps(src, dst)
+        except Unreachable:
+            return INF, INF
+        vol = sec = 0.0
+        grad = t.is_float
+        for s in steps:
+            before = self.local_bytes(t, s.before)
+            after = self.local_bytes(t, s.after)
+            if s.kind == "all_gather":
+                parts = [self._collective("all_gather", after, s.axis)]
+            elif s.kind == "all_reduce":
+                parts = [self._collective("all_reduce", before, s.axis)]
+            elif s.kind == "reduce_scatter":
+                parts = [self._collective("reduce_scatter", before, s.axis)]
+                if grad:
+                    parts.append(self._collective("all_gather", before, s.axis))
+            else:  # local_shard
+                parts = [self._collective("all_gather", before, s.axis)] if grad else []
+            for v, x in parts:
+                vol += v
+                sec += x
+        return vol, sec
+
+    def grad_reduce(self, t: TensorType, p: tuple[Placement, ...], axis: int) -> tuple[float, float]:
+        """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``."""
+        return self._collective("all_reduce", self.local_bytes(t, p), axis)
 
 
-def grad_reduce_bytes(t: TensorType, placements: tuple[Placement, ...], mesh: MeshSpec, axis: int) -> float:
-    n = mesh.sizes[axis]
-    return 2 * axis_bytes(t, placements, mesh, axis) * (n - 1) / n
+def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec | None) -> list[bool]:
+    """Ranks are laid out row-major over the mesh (last axis fastest): an axis stays inside a node
+    when its stride times its size fits in one node's devices."""
+    if cluster is None:
+        return [True] * len(mesh.axes)
+    out = []
+    stride = 1
+    for n in reversed(mesh.sizes):
+        out.append(stride * n <= cluster.devices_per_node)
+        stride *= n
+    return list(reversed(out))
 
 
-def local_bytes(t: TensorType, placements: tuple[Placement, ...], mesh: MeshSpec) -> float:
-    return t.with_placements(placements).local_nbytes(mesh)
+def is_partial(p: Placement) -> bool:
+    return isinstance(p, Partial)
+
+
+def is_shard(p: Placement) -> bool:
+    return isinstance(p, Shard)

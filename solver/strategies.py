@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from autopar.passes.ir import MeshSpec, Op, Partial, Placement, Program, R, Replicate, Shard, TensorType
+from autopar.passes.layout import valid
 
 OneD = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]  # (inputs, results) on one axis
 
@@ -350,6 +351,30 @@ def _bmm(c: Ctx) -> list[OneD]:
     return res
 
 
+def _matmul(c: Ctx) -> list[OneD]:
+    """torch.matmul of a[..., M, K] and b[..., K, N] (batch dims broadcast); 1-D operands replicate."""
+    a, b = c.ins[0].shape, c.ins[1].shape
+    if len(a) < 2 or len(b) < 2:
+        return [_replicated(c)]
+    ro = len(c.outs[0].shape)
+    res: list[OneD] = [_replicated(c)]
+    for d in range(ro - 2):
+        da, db = d - (ro - len(a)), d - (ro - len(b))
+        size = c.outs[0].shape[d]
+        if size % c.n:
+            continue
+        pa = Shard(da) if da >= 0 and a[da] == size else R
+        pb = Shard(db) if db >= 0 and b[db] == size else R
+        res.append(((pa, pb), (Shard(d),)))
+    if a[-2] % c.n == 0:
+        res.append(((Shard(len(a) - 2), R), (Shard(ro - 2),)))
+    if b[-1] % c.n == 0:
+        res.append(((R, Shard(len(b) - 1)), (Shard(ro - 1),)))
+    if a[-1] % c.n == 0:
+        res.append(((Shard(len(a) - 1), Shard(len(b) - 2)), (Partial("sum"),)))
+    return res
+
+
 def _linear(c: Ctx) -> list[OneD]:
     x, w = c.ins[0].shape, c.ins[1].shape  # x[..., K], w[N, K]; no bias (lowering split it off)
     rank = len(x)
@@ -446,6 +471,19 @@ def _cross_entropy(c: Ctx) -> list[OneD]:
     return res
 
 
+def _mse_loss(c: Ctx) -> list[OneD]:
+    """mse_loss(input, target, reduction): shard any dim of both; mean -> P(avg), sum -> P(sum)."""
+    args = c.op.args
+    reduction = args[2] if len(args) > 2 else c.op.kwargs.get("reduction", 1)
+    res: list[OneD] = [_replicated(c)]
+    if reduction not in (1, 2) or len(c.ins) != 2 or c.ins[0].shape != c.ins[1].shape:
+        return res
+    for d, size in enumerate(c.ins[0].shape):
+        if size % c.n == 0:
+            res.append(((Shard(d), Shard(d)), (Partial("avg" if reduction == 1 else "sum"),)))
+    return res
+
+
 def _source(c: Ctx) -> list[OneD]:
     return [(tuple(None for _ in c.ins), tuple(R for _ in c.outs))]
 
@@ -478,6 +516,7 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
     "aten.cat": _cat,
     "aten.mm": _mm,
     "aten.bmm": _bmm,
+    "aten.matmul": _matmul,
     "aten.linear": _linear,
     "aten.embedding": _embedding,
     "aten.layer_norm": _layer_norm,
@@ -492,6 +531,7 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
     "aten.mean.default": _reduction,
     "aten.cumsum": _cumsum,
     "aten.cross_entropy_loss": _cross_entropy,
+    "aten.mse_loss": _mse_loss,
     "aten.pad": _pad,
     "aten.constant_pad_nd": _pad,
     "aten.arange": _source,
@@ -509,6 +549,27 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
 }
 
 
+# Ops whose placement is fixed by their input's (pointwise and view ops): in the ILP they follow their
+# producer instead of making a decision of their own.
+FOLLOWER_RULES = {
+    _pointwise,
+    _reshape,
+    _transpose,
+    _permute,
+    _t,
+    _unsqueeze,
+    _squeeze,
+    _expand,
+    _slice,
+    _select,
+    _split,
+}
+
+
+def is_follower(target: str) -> bool:
+    return RULES.get(target) in FOLLOWER_RULES
+
+
 def chunk_counts(prog: Program) -> tuple[int, ...]:
     """Interleaved-shard chunk counts worth trying: the piece counts of equal splits in the graph."""
     counts = {1}
@@ -518,21 +579,19 @@ def chunk_counts(prog: Program) -> tuple[int, ...]:
     return tuple(sorted(counts))
 
 
-def _combine(per_axis: list[list[OneD]], nin: int, in_types, out_types) -> list[Strategy]:
+def _combine(per_axis: list[list[OneD]], nin: int, in_types, out_types, sizes) -> list[Strategy]:
+    """Products of one-axis strategies whose every tensor divides evenly over the axes sharding it
+    (a dim may be sharded over several axes: nested, the earlier axis outer)."""
     out: list[Strategy] = []
     for combo in itertools.product(*per_axis):
         ins = tuple(
             None if any(c[0][i] is None for c in combo) else tuple(c[0][i] for c in combo) for i in range(nin)
         )
         outs = tuple(tuple(c[1][j] for c in combo) for j in range(len(out_types)))
-        if all(_no_double_shard(p) for p in ins if p is not None) and all(_no_double_shard(p) for p in outs):
+        ok_in = all(p is None or valid(p, t.shape, sizes) for p, t in zip(ins, in_types))
+        if ok_in and all(valid(p, t.shape, sizes) for p, t in zip(outs, out_types)):
             out.append(Strategy(ins, outs))
     return out
-
-
-def _no_double_shard(placements: tuple[Placement, ...]) -> bool:
-    dims = [p.dim for p in placements if isinstance(p, Shard)]
-    return len(dims) == len(set(dims))
 
 
 def op_strategies(
@@ -545,7 +604,7 @@ def op_strategies(
     for _, n in mesh.axes:
         c = Ctx(op, ins, list(op.types), n, counts)
         per_axis.append(rule(c) if rule else [_replicated(c)])
-    return _combine(per_axis, len(ins), ins, op.types), rule is not None
+    return _combine(per_axis, len(ins), ins, op.types, mesh.sizes), rule is not None
 
 
 def value_strategies(
@@ -560,7 +619,7 @@ def value_strategies(
                 for k in _shards(size, n, counts):
                     opts.append(((), (Shard(d, k),)))
         per_axis.append(opts)
-    return _combine(per_axis, 0, [], [t])
+    return _combine(per_axis, 0, [], [t], mesh.sizes)
 
 
 def is_divergent(strategy: Strategy, axis: int) -> bool:
