@@ -191,14 +191,16 @@ def compile(  # noqa: A001
     kwargs: dict | None = None,
     *,
     options: ShardOptions | None = None,
+    plan: str | os.PathLike | None = None,
     dump_dir: str | None = None,
     device: str | torch.device | None = None,
 ) -> CompiledModule:
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
     ``mesh`` is a torch DeviceMesh with named axes. Rank 0 plans and broadcasts the planned IR, so
-    every rank runs the same program. The model's weights are sliced into this rank's shards; the
-    compiled module keeps no whole copy.
+    every rank runs the same program. With ``plan=`` (a file from ``autopar plan -o``) nothing is
+    solved: the plan is checked against this model's graph and this mesh and used as it is. The
+    model's weights are sliced into this rank's shards; the compiled module keeps no whole copy.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -210,9 +212,16 @@ def compile(  # noqa: A001
     spec = mesh_spec(mesh)
     captured = capture(model, args, kwargs)
     text = [None]
-    if dist.get_rank() == 0:
-        text = [print_program(plan_program(captured, spec, options, dump_dir=dump_dir))]
-    dist.broadcast_object_list(text, src=0)
+    if plan is not None:
+        from autopar.plan import Plan
+
+        loaded = Plan.load(plan)
+        loaded.check(captured, spec)
+        text = [loaded.program]
+    else:
+        if dist.get_rank() == 0:
+            text = [print_program(plan_program(captured, spec, options, dump_dir=dump_dir))]
+        dist.broadcast_object_list(text, src=0)
     program = parse(text[0])
     device = torch.device(device) if device is not None else _default_device(mesh)
     comm = coll.Comm.from_device_mesh(mesh)

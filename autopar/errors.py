@@ -61,3 +61,26 @@ class PipelineError(AutoparError):
 
 class RuntimeCommError(AutoparError):
     """A collective or point-to-point transfer failed or timed out (e.g. a peer rank died)."""
+
+
+class TooFewSubgraphsError(PipelineError):
+    """More pipeline stages were asked for than the graph has subgraphs."""
+
+    def __init__(self, message: str, num_subgraphs: int):
+        super().__init__(message)
+        self.num_subgraphs = num_subgraphs
+
+
+class NoLegalCutError(PipelineError):
+    """The graph has no gap that few enough tensors cross: it is one subgraph."""
+
+
+class StageMemoryError(PipelineError):
+    """No partition of the subgraphs into the requested stages fits the per-device memory budget."""
+
+    def __init__(
+        self, message: str, smallest_budget_bytes: float | None = None, smallest_pp: int | None = None
+    ):
+        super().__init__(message)
+        self.smallest_budget_bytes = smallest_budget_bytes
+        self.smallest_pp = smallest_pp

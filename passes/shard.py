@@ -19,7 +19,17 @@ import re
 from dataclasses import dataclass, field
 
 from autopar.errors import InfeasibleError
-from autopar.passes.ir import Op, Placement, Program, R, Replicate, TensorType, Value, parse_placement
+from autopar.passes.ir import (
+    Op,
+    Placement,
+    Program,
+    R,
+    Replicate,
+    TensorType,
+    Value,
+    map_refs,
+    parse_placement,
+)
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import INF, CostModel, TrainingSetup
 from autopar.solver.ilp import Edge, Node, Solution, fold_repeated, solve
@@ -415,13 +425,17 @@ def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
 
 
 def _signature(g: Group) -> tuple:
-    head = (g.head.target, g.head.types) if isinstance(g.head, Op) else (g.head.kind, g.head.type)
-    return (
-        head,
-        tuple((op.target, op.types) for op in g.ops),
-        tuple(v.type for v in g.values),
-        len(g.candidates),
-    )
+    """Everything a group's candidates and prices depend on, without value names: groups with equal
+    signatures (the same group in every layer) have index-aligned candidates and equal costs."""
+    if isinstance(g.head, Value):
+        return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
+    ops = tuple((op.target, op.types, _unnamed((op.args, op.kwargs))) for op in g.ops)
+    return ("ops", ops, tuple(v.type for v in g.values), len(g.candidates))
+
+
+def _unnamed(x):
+    """Arguments with every value reference replaced by a placeholder."""
+    return repr(map_refs(x, lambda r: "%"))
 
 
 def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:

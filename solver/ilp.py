@@ -72,6 +72,7 @@ def _solve(
     prob = pulp.LpProblem("autopar_strategy", pulp.LpMinimize)
     s = []
     objective = []
+    constant = 0.0
     for i, node in enumerate(nodes):
         xs = [pulp.LpVariable(f"s_{i}_{c}", cat="Binary") for c in range(len(node.costs))]
         prob += pulp.lpSum(xs) == 1, f"one_{i}"
@@ -113,7 +114,7 @@ def _solve(
             <= budget,
             "memory_budget",
         )
-    prob += pulp.lpSum(objective)
+    prob += pulp.lpSum(objective) + constant
     solver = _solver(backend, time_limit)
     prob.solve(solver)
     status = pulp.LpStatus[prob.status]
@@ -125,12 +126,20 @@ def _solve(
     choice = [max(range(len(xs)), key=lambda c, xs=xs: xs[c].value() or 0.0) for xs in s]
     return Solution(
         choice=choice,
-        objective=float(pulp.value(prob.objective) or 0.0),
+        objective=objective_of(nodes, edges, choice),
         status="optimal" if prob.sol_status == pulp.LpSolutionOptimal else "feasible",
         seconds=seconds,
         variables=len(prob.variables()),
         constraints=len(prob.constraints),
     )
+
+
+def objective_of(nodes: list[Node], edges: list[Edge], choice: list[int]) -> float:
+    """The objective of a choice of one candidate per node, computed directly."""
+    total = sum(n.costs[c] for n, c in zip(nodes, choice))
+    for e in edges:
+        total += e.cost.get((e.u_group[choice[e.u]], e.v_group[choice[e.v]]), float("inf"))
+    return total
 
 
 def _solver(backend: str, time_limit: float | None):

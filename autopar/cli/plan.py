@@ -1,0 +1,134 @@
+"""`autopar plan MODEL --mesh ...`: solve the sharding strategy offline and write a plan file."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from autopar.errors import AutoparError
+
+GiB = 2**30
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="solve a sharding strategy for a model on a mesh (no GPU needed) and write a plan file",
+        description=(
+            "Capture MODEL on the meta device, enumerate sharding candidates for every op on the mesh, and solve "
+            "the strategy ILP (minimal redundant memory plus alpha x communication, or least communication within "
+            "a memory budget). Prints the predicted memory and communication beside the Megatron, data-parallel, "
+            "ZeRO-2/3 and Alpa (comm) baselines priced by the same cost model."
+        ),
+        epilog="example: autopar plan gpt2 --mesh dp=2,tp=4 --cluster dgx-a100 -o plan.json",
+    )
+    p.add_argument(
+        "model", metavar="MODEL", nargs="?", help="preset[:overrides] or file.py:fn (see --list-models)"
+    )
+    p.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=4 (axes named dp* are data parallel for ZeRO)")
+    p.add_argument(
+        "--cluster", default=None, help="cluster spec: a preset (dgx-a100, merak-3090, ...) or a file"
+    )
+    p.add_argument(
+        "--objective", choices=["memory", "comm"], default="memory", help="ILP objective (default memory)"
+    )
+    p.add_argument(
+        "--alpha", type=float, default=1.0, help="weight of communication bytes (memory objective)"
+    )
+    p.add_argument("--budget-gb", type=float, default=None, help="per-device memory budget in GiB")
+    p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
+    p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision")
+    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
+    p.add_argument("--solver", choices=["cbc", "highs"], default="cbc", help="ILP back end (default CBC)")
+    p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
+    p.add_argument("-o", "--output", default=None, help="write the plan file (JSON) here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument(
+        "--verbose", action="store_true", help="also list every parameter's placement and unruled ops"
+    )
+    p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from autopar.api import parse_mesh
+    from autopar.passes.shard import ShardOptions
+    from autopar.planner import plan_model
+    from autopar.solver.baselines import BASELINES
+    from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.cost import TrainingSetup
+
+    if args.list_models:
+        from autopar.models import list_presets
+
+        for name, desc in list_presets().items():
+            print(f"{name:18s} {desc}")
+        return 0
+    if not args.model or not args.mesh:
+        raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")
+    mesh = parse_mesh(args.mesh)
+    cluster = ClusterSpec.load(args.cluster) if args.cluster else None
+    opts = ShardOptions(
+        objective=args.objective,
+        alpha=args.alpha,
+        budget_bytes=args.budget_gb * GiB if args.budget_gb is not None else None,
+        time_limit=args.time_limit,
+        backend=args.solver,
+        cluster=cluster,
+        setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
+    )
+    report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES)
+    plan = report.plan
+    if args.output:
+        plan.save(args.output)
+    if args.json:
+        out = dict(plan.stats)
+        out["baselines"] = {k: v["memory_per_device_bytes"] for k, v in plan.baselines.items()}
+        out["baselines_detail"] = plan.baselines
+        out["mesh"] = plan.mesh
+        out["fingerprint"] = plan.fingerprint
+        if args.output:
+            out["plan_file"] = args.output
+        json.dump(out, sys.stdout, indent=1)
+        print()
+        return 0
+    _print_report(args, report)
+    return 0
+
+
+def _print_report(args, report) -> None:
+    s = report.plan.stats
+    print(
+        f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {args.objective}, alpha {args.alpha})"
+    )
+    folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
+    print(
+        f"ILP: {s['status']} in {s['solve_seconds']:.2f} s, {s['ilp_variables']:,} variables, "
+        f"{s['ilp_constraints']:,} constraints, {s['ilp_groups']} decisions{folded}"
+    )
+    mem = s["memory_per_device_bytes"]
+    print(
+        f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}"
+    )
+    rows = [("autopar", mem, s["comm_bytes"], s["comm_seconds"])]
+    rows += [
+        (k, v["memory_per_device_bytes"], v["comm_bytes"], v["comm_seconds"])
+        for k, v in report.plan.baselines.items()
+    ]
+    for name, m, cb, cs in rows:
+        ratio = f"{mem / m:.2f}x" if m else "-"
+        t = f"{cs * 1e3:.2f} ms" if report.plan.cluster else "-"
+        print(f"{name:10s} {m / GiB:>10.3f} GiB {ratio:>11s} {cb / 2**20:>8.1f} MiB {t:>11s}")
+    print("\n(vs autopar: autopar's memory divided by the strategy's; comm counts forward and backward)")
+    if args.verbose:
+        prog = report.plan.parsed()
+        print("\nparameters:")
+        for v in prog.params:
+            sync = f"  grad sync over {','.join(v.attrs['grad_sync'])}" if v.attrs.get("grad_sync") else ""
+            print(f"  {v.name:50s} {v.type}{sync}")
+        if s["unruled_ops"]:
+            print("\nops without a sharding rule (replicated):", ", ".join(s["unruled_ops"]))
+    if args.output:
+        print(f"\nplan written to {args.output}")

@@ -1,0 +1,111 @@
+"""The plan file: a versioned JSON document holding everything planned for a model on a mesh.
+
+    {"format": "autopar-plan", "version": 1, "model": "gpt2", "fingerprint": "...",
+     "mesh": {"dp": 2, "tp": 4}, "cluster": {...} | null, "options": {...},
+     "program": "<the IR after all passes>", "stats": {...}, "baselines": {...}, "pipeline": null}
+
+``fingerprint`` is the SHA-256 of the captured graph's IR printed without a mesh, so a plan made
+offline for one mesh is refused by a model whose graph differs; the mesh is checked separately.
+Never pickle: the program is the textual IR, which ``autopar.passes.parser.parse`` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PlanError
+from autopar.passes.capture import Captured
+from autopar.passes.ir import MeshSpec, Program
+from autopar.passes.lower import lower
+from autopar.passes.parser import parse
+from autopar.passes.printer import print_program
+
+FORMAT = "autopar-plan"
+VERSION = 1
+
+
+def fingerprint(captured: Captured) -> str:
+    """SHA-256 of the captured graph's IR without a mesh: same model and inputs, same fingerprint."""
+    return hashlib.sha256(print_program(lower(captured, MeshSpec())).encode()).hexdigest()
+
+
+@dataclass
+class Plan:
+    fingerprint: str
+    mesh: dict[str, int]
+    program: str
+    model: str | None = None
+    cluster: dict[str, Any] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)
+    baselines: dict[str, Any] = field(default_factory=dict)
+    pipeline: dict[str, Any] | None = None
+    version: int = VERSION
+
+    @property
+    def mesh_spec(self) -> MeshSpec:
+        return MeshSpec(tuple(self.mesh.items()))
+
+    def parsed(self) -> Program:
+        return parse(self.program)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, **dataclasses.asdict(self)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlanError(
+                f"no plan file at {path}; write one with `autopar plan MODEL --mesh ... -o {path}`"
+            ) from None
+        except json.JSONDecodeError as e:
+            raise PlanError(
+                f"{path} is not JSON ({e}); plan files are written by `autopar plan -o`"
+            ) from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> Plan:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise PlanError(f'{source} is not an autopar plan (no "format": "{FORMAT}")')
+        if data.get("version") != VERSION:
+            raise PlanError(
+                f"{source} is plan format version {data.get('version')}, this autopar reads version {VERSION}; "
+                "plan the model again with this version"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in ("fingerprint", "mesh", "program") if k not in data]
+        if missing:
+            raise PlanError(f"{source} lacks {', '.join(missing)}")
+        unknown = sorted(set(data) - names - {"format"})
+        if unknown:
+            raise PlanError(f"{source} has unknown fields {unknown}")
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def check(self, captured: Captured, mesh: MeshSpec) -> None:
+        """Refuse a plan made for another graph or another mesh, saying which."""
+        fp = fingerprint(captured)
+        if fp != self.fingerprint:
+            raise PlanError(
+                f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
+                f"inputs give {fp[:12]}): plan again for this model, batch and sequence"
+            )
+        if self.mesh_spec != mesh:
+            raise PlanError(
+                f"the plan is for mesh {self.mesh_spec}, not {mesh}: launch that mesh or plan again"
+            )

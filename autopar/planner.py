@@ -1,0 +1,112 @@
+"""Plan a model on a mesh offline: capture on meta, solve the strategy ILP and the baselines, make a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from autopar.passes.capture import Captured, capture
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.ir import MeshSpec
+from autopar.passes.lower import lower
+from autopar.passes.printer import print_program
+from autopar.passes.shard import ShardOptions, ShardResult, shard
+from autopar.passes.verify import verify
+from autopar.plan import Plan, fingerprint
+from autopar.solver.baselines import BASELINES, run_baselines
+
+
+@dataclass
+class PlanReport:
+    plan: Plan
+    result: ShardResult
+    baselines: dict[str, ShardResult]
+    capture_seconds: float
+
+
+def options_dict(opts: ShardOptions) -> dict:
+    return {
+        "objective": opts.objective,
+        "alpha": opts.alpha,
+        "budget_bytes": opts.budget_bytes,
+        "time_limit": opts.time_limit,
+        "backend": opts.backend,
+        "setup": dataclasses.asdict(opts.setup),
+    }
+
+
+def options_from_dict(d: dict, cluster=None) -> ShardOptions:
+    from autopar.solver.cost import TrainingSetup
+
+    setup = d.get("setup", {})
+    if setup.get("zero_axes") is not None:
+        setup = dict(setup, zero_axes=tuple(setup["zero_axes"]))
+    return ShardOptions(
+        objective=d.get("objective", "memory"),
+        alpha=d.get("alpha", 1.0),
+        budget_bytes=d.get("budget_bytes"),
+        time_limit=d.get("time_limit", 60.0),
+        backend=d.get("backend", "cbc"),
+        setup=TrainingSetup(**setup),
+        cluster=cluster,
+    )
+
+
+def plan_captured(
+    captured: Captured,
+    mesh: MeshSpec,
+    opts: ShardOptions,
+    model: str | None = None,
+    baselines: tuple[str, ...] = BASELINES,
+) -> PlanReport:
+    prog = lower(captured, mesh)
+    result = shard(prog, opts)
+    final = insert_collectives(result.program)
+    verify(final)
+    base = run_baselines(prog, opts, baselines)
+    sol = result.solution
+    stats = {
+        "status": sol.status,
+        "solve_seconds": sol.seconds,
+        "ilp_variables": sol.variables,
+        "ilp_constraints": sol.constraints,
+        "ilp_groups": len(result.groups),
+        "layers_solved_once": sol.layers,
+        "memory_per_device_bytes": result.memory_bytes,
+        "redundant_bytes": result.redundancy_bytes,
+        "comm_bytes": result.comm_bytes,
+        "comm_seconds": result.comm_seconds,
+        "unruled_ops": result.unruled,
+        "ops": len(prog.ops),
+    }
+    plan = Plan(
+        fingerprint=fingerprint(captured),
+        mesh=dict(mesh.axes),
+        program=print_program(final),
+        model=model,
+        cluster=opts.cluster.to_dict() if opts.cluster else None,
+        options=options_dict(opts),
+        stats=stats,
+        baselines={
+            k: {
+                "memory_per_device_bytes": v.memory_bytes,
+                "comm_bytes": v.comm_bytes,
+                "comm_seconds": v.comm_seconds,
+            }
+            for k, v in base.items()
+        },
+    )
+    return PlanReport(plan, result, base, captured.seconds)
+
+
+def plan_model(
+    spec: str, mesh: MeshSpec, opts: ShardOptions, baselines: tuple[str, ...] = BASELINES
+) -> PlanReport:
+    from autopar.models import build
+
+    m = build(spec, device="meta")
+    t0 = time.perf_counter()
+    captured = capture(m.model, m.args, m.kwargs)
+    captured.seconds = time.perf_counter() - t0
+    return plan_captured(captured, mesh, opts, model=spec, baselines=baselines)
