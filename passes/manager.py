@@ -89,7 +89,8 @@ class PassManager:
 def _register_builtin() -> None:
     if PASSES:
         return
-    from autopar.passes import collectives, shard
+    from autopar.passes import collectives, pipeline_split, shard
 
     register_pass("shard")(lambda p, opts: shard.shard(p, opts).program)
     register_pass("insert-collectives")(lambda p, opts: collectives.insert_collectives(p))
+    register_pass("pipeline-split")(pipeline_split.pipeline_split)

@@ -1,0 +1,543 @@
+"""Pass pipeline-split: cut a program into a sequence of subgraphs with few tensors crossing each cut.
+
+This is Merak's graph sharding (Alg. 1 "dependency search" and Alg. 2 "graph sharding") on the
+autopar IR. Ops stay in program (topological) order and every subgraph is a contiguous run of them,
+so the subgraphs executed in order compute exactly what the whole program computes.
+
+Vocabulary (see docs/pipeline.md for the worked GPT-2 example):
+
+- **gap g**: the place between op g-1 and op g (1 <= g < n).
+- **free inputs**: parameters, buffers and user inputs. They never cross a cut: each subgraph reads
+  the ones it uses (parameters live on the stage, the data loader feeds inputs to the stage that
+  needs them). A parameter read by several subgraphs (a tied embedding) is listed in each.
+- **common nodes**: op results no gradient flows through, i.e. computed only from user inputs,
+  buffers and constants (attention masks, position ids, rotary cos/sin). Merak lets common nodes
+  "pass among subgraphs" instead of blocking cuts; it picks them by user count (more users than
+  layers). Here the test is structural: a common node needs only a forward transfer, never a
+  gradient back, and it includes every mask or rotary table a layer stack shares.
+- **crossing set X(g)**: results of ops before g that are not common nodes and are used at or after
+  g (or are program outputs). ``|X(g)|`` is the *level* of the gap, the number of tensors that must
+  be sent forward and whose gradients come back. Common nodes still live at g are counted apart.
+
+Algorithm 1 (dependency search) becomes one linear liveness sweep: the level of every gap is a
+difference array over the live intervals [definition, last use] of non-common values. Merak's rule
+"a node stays with its farthest dependency unless that dependency is the last node" is a cut at
+level 1. Algorithm 2 (graph sharding) becomes the choice among legal gaps:
+
+1. cut at every level-1 gap (Merak's single-tensor rule);
+2. a segment with more than ``oversize`` times the median FLOPs of the non-light segments (a
+   stretch that a long skip connection or an encoder output kept whole) is re-cut at its gaps of
+   level 2, ..., ``max_crossing``. The default 4 lies above the ratio of a LLaMA MLP to its
+   attention (about 3.2), whose segments must not be re-cut;
+3. light segments (under ``light`` times the largest segment's FLOPs: masks, views, layer norms,
+   the loss) are merged into a neighbour so that every subgraph carries real work: a run between
+   two heavy segments joins the one whose boundary op shares the longer module path (ties: the
+   next). A light run at the start or end holding at least a quarter of the median parameters of
+   the heavy segments (the embeddings) stays a subgraph of its own, as Merak's implementation
+   gives embeddings a shard of their own.
+
+For HF GPT-2 with L layers this gives 2L + 2 subgraphs: embeddings (with the mask building), the
+attention and MLP half of each block, and the head (lm_head and the loss), with one tensor (the
+residual stream) crossing every cut plus one common node (the causal mask) passed along.
+
+The result is cached by a fingerprint of the program (``fingerprint``): in-process and as JSON under
+``$AUTOPAR_CACHE_DIR`` (default ``~/.cache/autopar/plans``; ``off``, ``0`` or empty disables disk).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import PipelineError
+from autopar.passes.ir import MeshSpec, Op, Program, Ref, Value, iter_refs
+from autopar.passes.printer import print_program
+
+SPLIT_VERSION = 1  # bump when the algorithm changes: old cache entries are then ignored
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """Knobs of the split; each is part of the cache key."""
+
+    max_crossing: int = 2  # deepest gap level used to re-cut oversized segments (Merak's rule is 1)
+    light: float = 0.02  # a segment under this fraction of the largest segment's FLOPs is merged away
+    oversize: float = 4.0  # a segment over this multiple of the median segment's FLOPs is re-cut
+    cache: bool = True  # use the in-process and on-disk caches
+
+    def key(self) -> str:
+        return f"max_crossing={self.max_crossing},light={self.light},oversize={self.oversize}"
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """One contiguous run of ops ``prog.ops[start:stop]`` and what flows in and out of it."""
+
+    index: int
+    start: int
+    stop: int
+    label: str  # module path that holds the subgraph's heavy ops, e.g. transformer.h.3.attn
+    inputs: tuple[str, ...]  # non-common tensors received from the previous subgraph (X at start)
+    commons: tuple[str, ...]  # common nodes received (forward only)
+    outputs: tuple[str, ...]  # non-common tensors sent on (X at stop); program outputs for the last
+    commons_out: tuple[str, ...]  # common nodes sent on
+    graph_inputs: tuple[str, ...]  # parameters, buffers and user inputs read here
+    flops: int  # forward FLOPs of the ops (global, the program's batch)
+    params: int  # elements of the parameters first read here
+
+    @property
+    def num_ops(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class Split:
+    """The subgraph sequence of a program, with its fingerprint and how it was obtained."""
+
+    fingerprint: str
+    num_ops: int
+    subgraphs: tuple[Subgraph, ...]
+    seconds: float = 0.0  # time to compute (or load) the split
+    source: str = "computed"  # "computed", "memory" (in-process cache) or "disk"
+
+    def __len__(self) -> int:
+        return len(self.subgraphs)
+
+    def crossings(self) -> list[tuple[int, int]]:
+        """(non-common tensors, common nodes) crossing each cut, in order."""
+        return [(len(s.outputs), len(s.commons_out)) for s in self.subgraphs[:-1]]
+
+    def subgraph_of_op(self) -> list[int]:
+        out = [0] * self.num_ops
+        for s in self.subgraphs:
+            out[s.start : s.stop] = [s.index] * s.num_ops
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": SPLIT_VERSION,
+            "fingerprint": self.fingerprint,
+            "num_ops": self.num_ops,
+            "subgraphs": [dataclasses.asdict(s) for s in self.subgraphs],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "disk") -> Split:
+        subs = tuple(
+            Subgraph(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
+            for s in data["subgraphs"]
+        )
+        return cls(data["fingerprint"], data["num_ops"], subs, source=source)
+
+    def format(self) -> str:
+        """One line per subgraph: index, op range, label, FLOPs, params, tensors out (+ commons)."""
+        lines = [f"{'sg':>4} {'ops':>13} {'GFLOP':>10} {'params':>12} {'out':>3} {'+c':>3}  label"]
+        for s in self.subgraphs:
+            lines.append(
+                f"{s.index:>4} {f'{s.start}-{s.stop - 1}':>13} {s.flops / 1e9:>10.3f} {s.params:>12,} "
+                f"{len(s.outputs):>3} {len(s.commons_out):>3}  {s.label}"
+            )
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# Liveness (Algorithm 1 as a sweep)
+
+
+@dataclass
+class _Liveness:
+    """Per SSA value: the op index defining it, its last use (n = program output), common or not."""
+
+    n: int
+    defined: dict[str, int] = field(default_factory=dict)
+    last_use: dict[str, int] = field(default_factory=dict)
+    common: set[str] = field(default_factory=set)
+    free: dict[str, Value] = field(default_factory=dict)  # graph inputs
+    first_param_use: dict[str, int] = field(default_factory=dict)
+
+
+def _liveness(prog: Program) -> _Liveness:
+    n = len(prog.ops)
+    live = _Liveness(n, free={v.name: v for v in prog.inputs})
+    grad = {v.name for v in prog.inputs if v.kind == "param"}  # values a gradient flows through
+    for i, op in enumerate(prog.ops):
+        refs = op.input_refs()
+        carries = False
+        for r in refs:
+            live.last_use[r.name] = i
+            carries = carries or r.name in grad
+            if r.name in live.free and r.name not in live.first_param_use:
+                live.first_param_use[r.name] = i
+        for res in op.results:
+            live.defined[res] = i
+            if carries:
+                grad.add(res)
+            else:
+                live.common.add(res)
+    for r in iter_refs(prog.outputs):
+        live.last_use[r.name] = n
+    return live
+
+
+def _levels(live: _Liveness) -> list[int]:
+    """level[g] = |X(g)| for g in 0..n (entries 0 and n unused)."""
+    diff = [0] * (live.n + 2)
+    for name, d in live.defined.items():
+        u = live.last_use.get(name, d)
+        if u > d and name not in live.common:
+            diff[d + 1] += 1
+            diff[u + 1] -= 1
+    level, acc = [0] * (live.n + 1), 0
+    for g in range(live.n + 1):
+        acc += diff[g]
+        level[g] = acc
+    return level
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing the cuts (Algorithm 2)
+
+
+def _segments(cuts: list[int], n: int) -> list[tuple[int, int]]:
+    bounds = [0, *cuts, n]
+    return [(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
+
+
+def _common_prefix(a: str, b: str) -> int:
+    k = 0
+    for x, y in zip(a.split("."), b.split(".")):
+        if x != y or not x:
+            break
+        k += 1
+    return k
+
+
+def _choose_cuts(prog: Program, live: _Liveness, level: list[int], opts: SplitOptions) -> list[int]:
+    n = len(prog.ops)
+    fpre = [0]
+    for op in prog.ops:
+        fpre.append(fpre[-1] + op.flops)
+    ppre = [0] * (n + 1)
+    for name, i in live.first_param_use.items():
+        if live.free[name].kind == "param":
+            ppre[i + 1] += live.free[name].type.numel
+    for i in range(n):
+        ppre[i + 1] += ppre[i]
+
+    def flops(seg: tuple[int, int]) -> int:
+        return fpre[seg[1]] - fpre[seg[0]]
+
+    def params(seg: tuple[int, int]) -> int:
+        return ppre[seg[1]] - ppre[seg[0]]
+
+    cuts = [g for g in range(1, n) if level[g] <= 1]
+    for depth in range(2, opts.max_crossing + 1):
+        segs = _segments(cuts, n)
+        f = [flops(s) for s in segs]
+        heavy = [x for x in f if x >= opts.light * max(f)] or [0]
+        ref = statistics.median(heavy)
+        extra = []
+        for seg, x in zip(segs, f):
+            if x > opts.oversize * ref or (len(heavy) == 1 and x == max(f)):
+                extra += [g for g in range(seg[0] + 1, seg[1]) if level[g] <= depth]
+        cuts = sorted(set(cuts) | set(extra))
+
+    # merge light segments into neighbours: groups of segment indices, one group per subgraph
+    segs = _segments(cuts, n)
+    f = [flops(s) for s in segs]
+    fmax = max(f)
+    light = [x < opts.light * fmax or fmax == 0 for x in f]
+    typical = statistics.median([params(s) for s, lt in zip(segs, light) if not lt] or [0])
+    groups: list[list[int]] = []
+    waiting: list[int] = []  # a light run that joins the next heavy segment
+    i = 0
+    while i < len(segs):
+        if not light[i]:
+            groups.append([*waiting, i])
+            waiting = []
+            i += 1
+            continue
+        j = i
+        while j < len(segs) and light[j]:
+            j += 1
+        run = list(range(i, j))
+        own = params((segs[i][0], segs[j - 1][1])) >= max(1, 0.25 * typical)
+        if (i == 0 and j == len(segs)) or ((i == 0 or j == len(segs)) and own):
+            groups.append(run)  # the embeddings (or a parameter-holding tail): a subgraph of their own
+        elif i > 0 and (
+            j == len(segs) or not _merge_forward(prog, segs[i - 1], segs[i], segs[j - 1], segs[j])
+        ):
+            groups[-1].extend(run)
+        else:
+            waiting = run
+        i = j
+    return [segs[g[0]][0] for g in groups[1:]]
+
+
+def _merge_forward(
+    prog: Program,
+    before: tuple[int, int],
+    run_first: tuple[int, int],
+    run_last: tuple[int, int],
+    after: tuple[int, int],
+) -> bool:
+    """Whether a light run between two heavy segments joins the one after it: the side whose
+    boundary op shares the longer module path with the run's boundary op wins; ties go forward."""
+
+    def path(i: int, step: int, stop: int) -> str:
+        while i != stop:
+            if prog.ops[i].path:
+                return prog.ops[i].path
+            i += step
+        return ""
+
+    back = _common_prefix(path(before[1] - 1, -1, before[0] - 1), path(run_first[0], 1, run_last[1]))
+    fwd = _common_prefix(path(run_last[1] - 1, -1, run_first[0] - 1), path(after[0], 1, after[1]))
+    return fwd >= back
+
+
+# ---------------------------------------------------------------------------------------------
+# Building the subgraphs
+
+
+def _label(ops: tuple[Op, ...] | list[Op]) -> str:
+    top = max((op.flops for op in ops), default=0)
+    paths = [op.path for op in ops if op.path and op.flops >= 0.1 * top]
+    if not paths:
+        return next((op.path for op in ops if op.path), "")
+    parts = paths[0].split(".")
+    for p in paths[1:]:
+        parts = parts[: _common_prefix(".".join(parts), p)]
+    return ".".join(parts) or paths[0]
+
+
+def _build(prog: Program, live: _Liveness, cuts: list[int], fingerprint: str) -> Split:
+    n = len(prog.ops)
+    segs = _segments(cuts, n)
+    x_at: dict[int, list[str]] = {g: [] for g in cuts}
+    c_at: dict[int, list[str]] = {g: [] for g in cuts}
+    for name, d in live.defined.items():
+        u = live.last_use.get(name, d)
+        lo = bisect.bisect_right(cuts, d)
+        hi = bisect.bisect_right(cuts, u)
+        for g in cuts[lo:hi]:
+            (c_at if name in live.common else x_at)[g].append(name)
+    out_names = tuple(r.name for r in iter_refs(prog.outputs))
+    subs = []
+    for k, (a, b) in enumerate(segs):
+        ops = prog.ops[a:b]
+        used: dict[str, None] = {}
+        for op in ops:
+            for r in op.input_refs():
+                if r.name in live.free:
+                    used[r.name] = None
+        if b == n:
+            used.update({r: None for r in out_names if r in live.free})
+        params = sum(
+            live.free[p].type.numel
+            for p, i in live.first_param_use.items()
+            if a <= i < b and live.free[p].kind == "param"
+        )
+        last = b == n
+        subs.append(
+            Subgraph(
+                index=k,
+                start=a,
+                stop=b,
+                label=_label(ops),
+                inputs=tuple(x_at.get(a, ())),
+                commons=tuple(c_at.get(a, ())),
+                outputs=out_names if last else tuple(x_at[b]),
+                commons_out=() if last else tuple(c_at[b]),
+                graph_inputs=tuple(used),
+                flops=sum(op.flops for op in ops),
+                params=params,
+            )
+        )
+    return Split(fingerprint, n, tuple(subs))
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint and caches
+
+
+def fingerprint(prog: Program) -> str:
+    """sha256 of the program printed without annotations: no op, value or program attrs, no mesh
+    and no placements, so the split is found again after sharding or stage annotation. Op targets,
+    arguments, shapes, dtypes, module paths and FLOPs all count (the split depends on each)."""
+    inputs = tuple(dataclasses.replace(v, attrs={}, type=v.type.with_placements(())) for v in prog.inputs)
+    ops = tuple(op.with_(attrs={}, types=tuple(t.with_placements(()) for t in op.types)) for op in prog.ops)
+    bare = Program(MeshSpec(), inputs, ops, prog.outputs)
+    return hashlib.sha256(print_program(bare).encode()).hexdigest()
+
+
+_MEMORY: dict[str, Split] = {}
+
+
+def cache_dir() -> Path | None:
+    """The on-disk plan cache: $AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans; None if disabled."""
+    d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
+    return None if d in ("", "0", "off") else Path(d)
+
+
+def _cache_key(fp: str, opts: SplitOptions) -> str:
+    return hashlib.sha256(f"v{SPLIT_VERSION};{fp};{opts.key()}".encode()).hexdigest()[:32]
+
+
+def _load(key: str, fp: str, n: int) -> Split | None:
+    d = cache_dir()
+    path = d / f"split-{key}.json" if d else None
+    if path is None or not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if data.get("version") != SPLIT_VERSION or data.get("fingerprint") != fp or data.get("num_ops") != n:
+        return None
+    return Split.from_dict(data, source="disk")
+
+
+def _store(key: str, split: Split) -> None:
+    d = cache_dir()
+    if d is None:
+        return
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f"split-{key}.{os.getpid()}.tmp"
+        tmp.write_text(json.dumps(split.to_dict()))
+        tmp.replace(d / f"split-{key}.json")
+    except OSError:
+        pass  # a read-only cache directory only costs the next run the split again
+
+
+def clear_memory_cache() -> None:
+    _MEMORY.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def split_program(prog: Program, options: SplitOptions | None = None) -> Split:
+    """The subgraph sequence of ``prog`` (cached by fingerprint)."""
+    opts = options or SplitOptions()
+    t0 = time.perf_counter()
+    if not prog.ops:
+        raise PipelineError("the program has no ops: there is nothing to split into pipeline stages")
+    fp = fingerprint(prog)
+    key = _cache_key(fp, opts)
+    if opts.cache:
+        hit = _MEMORY.get(key)
+        source = "memory"
+        if hit is None:
+            hit, source = _load(key, fp, len(prog.ops)), "disk"
+        if hit is not None:
+            _MEMORY[key] = hit
+            return dataclasses.replace(hit, seconds=time.perf_counter() - t0, source=source)
+    live = _liveness(prog)
+    cuts = _choose_cuts(prog, live, _levels(live), opts)
+    split = _build(prog, live, cuts, fp)
+    if opts.cache:
+        _MEMORY[key] = split
+        _store(key, split)
+    return dataclasses.replace(split, seconds=time.perf_counter() - t0)
+
+
+def common_nodes(prog: Program) -> set[str]:
+    """Op results no gradient flows through (computed only from user inputs, buffers, constants)."""
+    return _liveness(prog).common
+
+
+def blockers(prog: Program, top: int = 3) -> list[str]:
+    """The non-common values live across the most gaps: what keeps a graph from being cut."""
+    live = _liveness(prog)
+    spans = sorted(
+        (
+            (live.last_use.get(name, d) - d, name, d)
+            for name, d in live.defined.items()
+            if name not in live.common
+        ),
+        reverse=True,
+    )
+    out = []
+    for _span, name, d in spans[:top]:
+        u = live.last_use.get(name, d)
+        user = "the program output" if u >= live.n else f"op {u} ({prog.ops[u].path or prog.ops[u].target})"
+        out.append(f"%{name} from op {d} ({prog.ops[d].path or prog.ops[d].target}) is used until {user}")
+    return out
+
+
+def annotate(prog: Program, split: Split, stage_of_subgraph: list[int] | None = None) -> Program:
+    """Record the split in the IR: ``subgraph=k`` (and ``stage=s``) on every op, and on every graph
+    input the subgraph (stage) of its first use."""
+    sg_of_op = split.subgraph_of_op()
+
+    def tag(attrs: dict[str, Any], k: int) -> dict[str, Any]:
+        out = {a: v for a, v in attrs.items() if a not in ("subgraph", "stage")}
+        out["subgraph"] = k
+        if stage_of_subgraph is not None:
+            out["stage"] = stage_of_subgraph[k]
+        return out
+
+    ops = tuple(op.with_(attrs=tag(op.attrs, sg_of_op[i])) for i, op in enumerate(prog.ops))
+    first: dict[str, int] = {}
+    for s in split.subgraphs:
+        for name in s.graph_inputs:
+            first.setdefault(name, s.index)
+    inputs = tuple(
+        dataclasses.replace(v, attrs=tag(v.attrs, first[v.name])) if v.name in first else v
+        for v in prog.inputs
+    )
+    attrs = dict(prog.attrs)
+    attrs["pipeline_subgraphs"] = len(split)
+    if stage_of_subgraph is not None:
+        attrs["pipeline_stages"] = max(stage_of_subgraph) + 1
+    return prog.with_(ops=ops, inputs=inputs, attrs=attrs)
+
+
+def extract(prog: Program, split: Split, first: int, last: int | None = None) -> Program:
+    """Subgraphs ``first..last`` (inclusive) as a self-contained Program: the tensors crossing into
+    it (and the common nodes) become inputs named as in ``prog``, followed by the parameters,
+    buffers and user inputs it reads; its outputs are what crosses out of it."""
+    last = first if last is None else last
+    a, b = split.subgraphs[first], split.subgraphs[last]
+    types = prog.types()
+    received = [Value(name, "input", types[name]) for name in (*a.inputs, *a.commons)]
+    reads: dict[str, None] = {}
+    for s in split.subgraphs[first : last + 1]:
+        reads.update(dict.fromkeys(s.graph_inputs))
+    graph_inputs = [v for v in prog.inputs if v.name in reads]
+    if last == len(split) - 1:
+        outputs = prog.outputs
+    else:
+        outputs = tuple(Ref(name) for name in (*b.outputs, *b.commons_out))
+    return Program(
+        prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs)
+    )
+
+
+def pipeline_split(prog: Program, options: Any = None) -> Program:
+    """The ``pipeline-split`` pass. ``options``: None, a SplitOptions, or a dict with SplitOptions
+    fields plus, to assign stages too, ``pp`` and optionally ``chunks``, ``waves``, ``cluster``,
+    ``budget_bytes``, ``microbatches`` (see ``autopar.solver.stages.plan_pipeline``)."""
+    opts = dict(options or {}) if not isinstance(options, SplitOptions) else dataclasses.asdict(options)
+    split_fields = {f.name for f in dataclasses.fields(SplitOptions)}
+    split_opts = SplitOptions(**{k: v for k, v in opts.items() if k in split_fields})
+    rest = {k: v for k, v in opts.items() if k not in split_fields}
+    if "pp" in rest:
+        from autopar.solver.stages import plan_pipeline
+
+        annotated, _, _ = plan_pipeline(prog, split_options=split_opts, **rest)
+        return annotated
+    if rest:
+        raise PipelineError(f"unknown pipeline-split option(s) {sorted(rest)}; stage options need pp")
+    return annotate(prog, split_program(prog, split_opts))
