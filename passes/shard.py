@@ -71,6 +71,7 @@ class Group:
     redundancy: list[float] = field(default_factory=list)
     comm_bytes: list[float] = field(default_factory=list)
     comm_seconds: list[float] = field(default_factory=list)
+    compute_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -232,7 +233,7 @@ class _Builder:
     # -- costs ----------------------------------------------------------------------------------
     def price(self, g: Group) -> None:
         for cand in g.candidates:
-            mem = red = vol = sec = 0.0
+            mem = red = vol = sec = flop_sec = 0.0
             for v in g.values + ([g.head] if isinstance(g.head, Value) else []):
                 p = cand[v.name].outputs[0]
                 m, r = (
@@ -243,6 +244,7 @@ class _Builder:
                 mem, red = mem + m, red + r
             for op in g.ops:
                 s = cand[op.result]
+                flop_sec += self.cost.compute_seconds(op.flops, [is_divergent(s, a) for a in range(len(self.mesh.axes))])
                 for t, p in zip(op.types, s.outputs):
                     m, r = self.cost.activation_memory(t, p)
                     mem, red = mem + m, red + r
@@ -262,16 +264,18 @@ class _Builder:
             g.redundancy.append(red)
             g.comm_bytes.append(vol)
             g.comm_seconds.append(sec)
+            g.compute_seconds.append(flop_sec)
         keep = [i for i, v in enumerate(g.comm_bytes) if v != INF]  # impossible reshards inside the group
         if not keep:
             raise InfeasibleError(f"every strategy of {_label(g.head)} needs an impossible redistribution")
-        for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds"):
+        for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
             arr = getattr(g, name)
             setattr(g, name, [arr[i] for i in keep])
 
-    def objective(self, red: float, vol: float, sec: float, mem: float) -> float:
+    def objective(self, red: float, vol: float, sec: float, mem: float, flop_sec: float = 0.0) -> float:
         if self.opts.objective == "comm":
-            return (sec if self.opts.cluster else vol) + 1e-15 * mem
+            # Alpa: the least step time, communication plus computation (ties: less memory)
+            return (sec + flop_sec if self.opts.cluster else vol) + 1e-15 * mem
         return red + self.opts.alpha * vol
 
     def edge_cost(
@@ -312,6 +316,7 @@ def build_problem(prog: Program, opts: ShardOptions):
             g.candidates = _rename(same, g)
             g.memory, g.redundancy = list(same.memory), list(same.redundancy)
             g.comm_bytes, g.comm_seconds = list(same.comm_bytes), list(same.comm_seconds)
+            g.compute_seconds = list(same.compute_seconds)
             continue
         b.price(g)
         priced[_signature(g)] = g

@@ -36,6 +36,7 @@ from autopar.passes.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
+EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
 
 
 @dataclass(frozen=True)
@@ -165,6 +166,15 @@ class CostModel:
                 vol += v
                 sec += x
         return vol, sec
+
+    def compute_seconds(self, flops: float, split: list[bool]) -> float:
+        """Forward plus backward (3x forward FLOPs) time of an op whose work is divided over the axes
+        where ``split`` is true, at ``EFFICIENCY`` of the cluster's peak (fp32 for fp32 training)."""
+        if self.cluster is None or not flops:
+            return 0.0
+        ways = math.prod(n for n, s in zip(self.mesh.sizes, split) if s)
+        dtype = "fp32" if self.setup.precision == "fp32" else self.setup.precision
+        return 3.0 * flops / ways / (self.cluster.peak(dtype) * EFFICIENCY)
 
     def grad_reduce(self, t: TensorType, p: tuple[Placement, ...], axis: int) -> tuple[float, float]:
         """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``."""

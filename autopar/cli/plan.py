@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.model or not args.mesh:
         raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")
     mesh = parse_mesh(args.mesh)
-    cluster = ClusterSpec.load(args.cluster) if args.cluster else None
+    cluster = ClusterSpec.load(args.cluster)
     opts = ShardOptions(
         objective=args.objective,
         alpha=args.alpha,
