@@ -1,0 +1,269 @@
+"""Stage assignment: DP optimal against brute force, mappings, in-flight counts, costs, plan, errors."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
+from autopar.models import build
+from autopar.passes import pipeline_split as ps
+from autopar.passes.capture import capture
+from autopar.passes.ir import MeshSpec, Program
+from autopar.passes.lower import lower
+from autopar.passes.parser import parse
+from autopar.runtime.costs import Costs
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.simulator import simulate
+from autopar.solver import stages as st_
+from autopar.solver.cluster import ClusterSpec
+
+A100 = ClusterSpec.load("dgx-a100")
+
+
+@functools.cache
+def gpt2(mesh: MeshSpec | None = None) -> Program:
+    """tiny-gpt2 (2 layers) captured on the meta device."""
+    spec = build("tiny-gpt2", device="meta")
+    return lower(capture(spec.model, spec.args, spec.kwargs), mesh)
+
+
+# ---------------------------------------------------------------------------------------------
+# The DP against brute force
+
+
+def brute_force(n, stages, cost, fits):
+    """(min over partitions of the max run cost, min sum of squares among the optimal ones)."""
+    best, squares = math.inf, math.inf
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        b = (0, *cuts, n)
+        runs = [(s, b[s], b[s + 1]) for s in range(stages)]
+        if not all(fits(*r) for r in runs):
+            continue
+        worst, sq = max(cost(*r) for r in runs), sum(cost(*r) ** 2 for r in runs)
+        if (worst, sq) < (best, squares):
+            best, squares = worst, sq
+    return best, squares
+
+
+@st.composite
+def instances(draw):
+    n = draw(st.integers(1, 8))
+    stages = draw(st.integers(1, n))
+    times = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
+    weights = draw(st.lists(st.integers(0, 10), min_size=n, max_size=n))
+    acts = draw(st.lists(st.integers(0, 5), min_size=n, max_size=n))
+    k = draw(st.lists(st.integers(1, 4), min_size=stages, max_size=stages))
+    budget = draw(st.integers(0, 80))
+    return n, stages, times, weights, acts, k, budget
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances())
+def test_dp_equals_brute_force(inst):
+    n, stages, times, weights, acts, k, budget = inst
+
+    def cost(s, j, i):
+        return sum(times[j:i])
+
+    def fits(s, j, i):
+        return sum(weights[j:i]) + k[s] * sum(acts[j:i]) <= budget
+
+    best, starts = st_.min_max_partition(n, stages, cost, fits)
+    want, want_sq = brute_force(n, stages, cost, fits)
+    assert best == want
+    if math.isinf(want):
+        assert starts == []
+        return
+    assert len(starts) == stages and starts[0] == 0 and starts == sorted(set(starts))
+    even = st_.even_partition(n, stages, cost, best, fits)
+    runs = [(s, j, (even + [n])[s + 1]) for s, j in enumerate(even)]
+    assert all(fits(*r) for r in runs)
+    assert max(cost(*r) for r in runs) == want
+    assert sum(cost(*r) ** 2 for r in runs) == want_sq
+
+
+def test_plan_bottleneck_is_the_brute_force_optimum_on_a_real_model():
+    prog = gpt2()
+    split = ps.split_program(prog)
+    one_each = st_.assign_stages(prog, split, len(split))  # stage i = subgraph i: its own time
+    t = [s.seconds for s in one_each.stages]
+    for pp in (2, 3, 4):
+        plan = st_.assign_stages(prog, split, pp)
+        want, _ = brute_force(len(t), pp, lambda s, j, i: sum(t[j:i]), lambda s, j, i: True)
+        assert plan.bottleneck_seconds == pytest.approx(want, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mappings and in-flight microbatches
+
+
+def test_interleaved_rank_r_holds_chunks_r_r_plus_p():
+    assert st_.stage_ranks(4, chunks=2) == [0, 1, 2, 3, 0, 1, 2, 3]
+    ranks = st_.stage_ranks(3, chunks=3)
+    assert [s for s, r in enumerate(ranks) if r == 1] == [1, 4, 7]
+
+
+def test_waves_are_v_shaped_with_2PW_stages():
+    assert st_.stage_ranks(4, waves=1) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert st_.stage_ranks(2, waves=2) == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert st_.num_stages(4, waves=3) == 24 == len(st_.stage_ranks(4, waves=3))
+
+
+def test_inflight_formulas():
+    assert st_.inflight(4) == [4, 3, 2, 1]
+    assert st_.inflight(4, microbatches=2) == [2, 2, 2, 1]
+    # interleaved: warm-up 2(p-r-1) + (v-1)p forwards plus one, spread over the rank's v chunks
+    assert st_.inflight(2, chunks=2) == [2.5, 1.5, 2.5, 1.5]
+    assert st_.inflight(2, waves=1) == [4, 4, 4, 4]
+    assert st_.inflight(2, waves=1, microbatches=3) == [3, 3, 3, 3]
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("1f1b", {}), ("interleaved", {"chunks": 2}), ("wave", {"waves": 1})]
+)
+@pytest.mark.parametrize(("P", "M"), [(2, 4), (3, 6), (4, 8), (4, 3)])
+def test_inflight_never_below_the_simulated_peak(name, options, P, M):
+    sched = make_schedule(name, P, M, **options)
+    peaks = simulate(sched, Costs.uniform(sched.num_stages)).peak_activations
+    k = st_.inflight(P, options.get("chunks", 1), options.get("waves"), M)
+    ranks = st_.stage_ranks(P, options.get("chunks", 1), options.get("waves"))
+    assert tuple(ranks) == sched.stage_to_rank
+    per_rank = [sum(k[s] for s in range(len(k)) if ranks[s] == r) for r in range(P)]
+    assert all(mine >= sim for mine, sim in zip(per_rank, peaks))
+    if name == "1f1b" or (name == "interleaved" and M % P == 0):  # exact; waves: an upper bound
+        assert per_rank == list(peaks)
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs
+
+
+def test_tensor_parallel_comm_is_two_all_reduces_per_attention_and_mlp():
+    prog = gpt2(MeshSpec((("tp", 2),)))
+    split = ps.split_program(prog)
+    ctx = st_.StageContext(prog, A100, 1, 2, False, "bf16", 0.5)
+    one = A100.collective_seconds("all_reduce", 64 * 64 * 2, 2, True)  # [b*s, h] in bf16
+    got = [st_.megatron_tp_comm_seconds(ctx, s) for s in split.subgraphs]
+    assert got == [0.0, 2 * one, 2 * one, 2 * one, 2 * one, 0.0]
+    no_tp = st_.StageContext(gpt2(), A100, 1, 1, False, "bf16", 0.5)
+    assert all(st_.megatron_tp_comm_seconds(no_tp, s) == 0.0 for s in split.subgraphs)
+    plan = st_.assign_stages(prog, split, 2)
+    assert sum(s.comm_seconds for s in plan.stages) == pytest.approx(8 * one)
+    assert sum(s.params for s in plan.stages) > 0
+
+
+def test_stage_compute_memory_and_parameters():
+    prog = gpt2()
+    split = ps.split_program(prog)
+    plan = st_.assign_stages(prog, split, 3, efficiency=0.4)
+    total = sum(v.type.numel for v in prog.params)
+    tied = next(v.type.numel for v in prog.params if v.name == "lm_head.weight")
+    assert sum(s.params for s in plan.stages) == total + tied  # the tied embedding is on two stages
+    assert [s.inflight for s in plan.stages] == [3, 2, 1]
+    for s in plan.stages:
+        assert s.compute_seconds == pytest.approx(3 * s.flops / (312e12 * 0.4))
+        assert s.weight_bytes == 16 * s.params
+        assert s.memory_bytes == s.weight_bytes + s.inflight * s.activation_bytes
+        assert s.activation_bytes > 0
+    assert plan.stage_of_subgraph == sorted(plan.stage_of_subgraph)
+    assert [(s.first, s.last) for s in plan.stages][0][0] == 0 and plan.stages[-1].last == len(split) - 1
+    assert plan.stages[0].modules[0] == "transformer.wte" and plan.stages[-1].modules[-1] == "lm_head"
+
+
+def test_module_units_compress_layer_ranges():
+    paths = ["transformer.wte", "transformer", "transformer.h.0.attn", "transformer.h.0"]
+    paths += [f"transformer.h.{i}.mlp.c_fc" for i in range(1, 4)] + ["lm_head", ""]
+    assert st_.module_units(paths) == ("transformer.wte", "transformer.h.0-3", "lm_head")
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_pipeline, the plan's outputs and mappings
+
+
+def test_plan_pipeline_annotates_stages_and_serializes():
+    prog, plan, seconds = st_.plan_pipeline(gpt2(), 2)
+    assert seconds >= 0 and plan.num_stages == 2 and plan.schedule == "1f1b"
+    stages = [op.attrs["stage"] for op in prog.ops]
+    assert stages == sorted(stages) and set(stages) == {0, 1}
+    first_use = {v.name: v.attrs.get("stage") for v in prog.inputs}
+    assert first_use["lm_head.weight"] == 0 and first_use["labels"] == 1
+    data = json.loads(plan.to_json())
+    assert data["stage_to_rank"] == [0, 1] and data["num_subgraphs"] == 6
+    assert data["stages"][1]["seconds"] == pytest.approx(plan.stages[1].seconds)
+    text = plan.format()
+    assert "balance max/mean" in text and "lm_head" in text
+    assert plan.balance >= 1.0
+
+
+def test_interleaved_and_wave_plans_map_stages_to_ranks():
+    _, inter, _ = st_.plan_pipeline(gpt2(), 2, chunks=2)
+    assert inter.stage_to_rank == (0, 1, 0, 1) and inter.schedule == "interleaved"
+    assert len(inter.rank_memory()) == 2
+    assert inter.rank_memory()[0] == pytest.approx(
+        inter.stages[0].memory_bytes + inter.stages[2].memory_bytes
+    )
+    _, wave, _ = st_.plan_pipeline(gpt2(), 2, waves=1)
+    assert wave.stage_to_rank == (0, 1, 1, 0) and wave.schedule == "wave"
+    assert [s.inflight for s in wave.stages] == [4, 4, 4, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_more_stages_than_subgraphs_says_how_many_exist():
+    with pytest.raises(TooFewSubgraphsError, match="only 6 subgraphs") as e:
+        st_.plan_pipeline(gpt2(), 7)
+    assert e.value.num_subgraphs == 6
+    with pytest.raises(TooFewSubgraphsError, match="pp <= 1 with waves=2"):
+        st_.plan_pipeline(gpt2(), 2, waves=2)
+    with pytest.raises(PipelineError, match="not both"):
+        st_.plan_pipeline(gpt2(), 2, chunks=2, waves=1)
+    with pytest.raises(PipelineError, match=">= 1"):
+        st_.plan_pipeline(gpt2(), 0)
+
+
+def test_budget_too_small_reports_the_smallest_budget_and_pipeline():
+    prog = gpt2()
+    with pytest.raises(StageMemoryError, match="smallest budget") as e:
+        st_.plan_pipeline(prog, 2, budget_bytes=1000)
+    need = e.value.smallest_budget_bytes
+    _, plan, _ = st_.plan_pipeline(prog, 2, budget_bytes=need)
+    assert max(s.memory_bytes for s in plan.stages) == pytest.approx(need)
+    with pytest.raises(StageMemoryError):
+        st_.plan_pipeline(prog, 2, budget_bytes=need * 0.999)
+    with pytest.raises(StageMemoryError) as e3:
+        st_.plan_pipeline(prog, 3, budget_bytes=1000)
+    budget3 = e3.value.smallest_budget_bytes
+    assert budget3 < need  # deeper pipelines need less per device here
+    with pytest.raises(StageMemoryError, match="smallest pipeline that fits is pp=3") as e2:
+        st_.plan_pipeline(prog, 2, budget_bytes=budget3)
+    assert e2.value.smallest_pp == 3
+    with pytest.raises(StageMemoryError, match="no deeper pipeline"):
+        st_.plan_pipeline(prog, 2, budget_bytes=1000)
+
+
+NO_CUT = """mesh @m = []
+param %w : f32[4,4] {}
+%0, %1 : f32[2,4] {}, f32[2,4] {} = aten.split.Tensor(%w, 2)  # a | flops=8 bytes=128
+%2 : f32[2,4] {} = aten.relu(%0)  # b | flops=8 bytes=64
+%3 : f32[2,4] {} = aten.mul.Tensor(%2, %1)  # c | flops=8 bytes=96
+output (%3,)
+"""
+
+
+def test_graph_with_no_legal_cut_names_what_crosses():
+    prog = parse(NO_CUT)
+    opts = ps.SplitOptions(max_crossing=1, cache=False)
+    assert len(ps.split_program(prog, opts)) == 1
+    with pytest.raises(NoLegalCutError, match="no legal cut.*%1 from op 0"):
+        st_.plan_pipeline(prog, 2, split_options=opts)
+    _, plan, _ = st_.plan_pipeline(prog, 1, split_options=opts)  # one stage is always fine
+    assert plan.num_stages == 1
