@@ -95,6 +95,7 @@ def test_ilp_optimum_equals_brute_force(problem):
     sol = solve(nodes, edges)
     assert sol.status == "optimal"
     assert sol.objective == pytest.approx(best)
+    assert solve(nodes, edges, backend="highs").objective == pytest.approx(best)
 
 
 def test_folding_identical_nodes_keeps_the_optimum():
@@ -217,3 +218,16 @@ def test_cli_plan_json_has_the_documented_fields(tmp_path, capsys):
         or out["status"] != "optimal"
     )
     torch.testing.assert_close(torch.tensor(1.0), torch.tensor(1.0))
+
+
+def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
+    from autopar.cli import main
+
+    plan = tmp_path / "p.json"
+    assert main(["plan", "tiny-gpt2", "--mesh", "tp=2", "--no-baselines", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["explain", str(plan), "transformer.h.0.attn.c_attn.weight"]) == 0
+    out = capsys.readouterr().out
+    chosen = [line for line in out.splitlines() if line.startswith("->")]
+    assert len(chosen) == 1 and "c_attn.weight=" in chosen[0]
+    assert main(["explain", str(plan), "no.such.op"]) == 2

@@ -12,6 +12,7 @@ from autopar.errors import AutoparError
 SUBCOMMANDS = {
     "ir": "autopar.cli.ir",
     "plan": "autopar.cli.plan",
+    "explain": "autopar.cli.explain",
     "simulate": "autopar.cli.simulate",
 }
 

@@ -28,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=4 (axes named dp* are data parallel for ZeRO)")
     p.add_argument(
-        "--cluster", default=None, help="cluster spec: a preset (dgx-a100, merak-3090, ...) or a file"
+        "--cluster",
+        default="dgx-a100",
+        help="cluster spec: a preset (default dgx-a100; merak-3090, ...) or a file",
     )
     p.add_argument(
         "--objective", choices=["memory", "comm"], default="memory", help="ILP objective (default memory)"
