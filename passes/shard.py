@@ -95,9 +95,7 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
     out: list[tuple[Placement, ...] | None] = []
     for text in op.attrs.get("in", []):
         out.append(
-            None
-            if text == "*"
-            else tuple(parse_placement(x) for x in re.findall(r"[^,(]+(?:\([^)]*\))?", text))
+            None if text == "*" else tuple(parse_placement(x) for x in re.findall(r"[^,(]+(?:\([^)]*\))?", text))
         )
     return out
 
@@ -237,14 +235,14 @@ class _Builder:
             for v in g.values + ([g.head] if isinstance(g.head, Value) else []):
                 p = cand[v.name].outputs[0]
                 m, r = (
-                    self.cost.param_memory(v.type, p)
-                    if v.kind == "param"
-                    else self.cost.activation_memory(v.type, p)
+                    self.cost.param_memory(v.type, p) if v.kind == "param" else self.cost.activation_memory(v.type, p)
                 )
                 mem, red = mem + m, red + r
             for op in g.ops:
                 s = cand[op.result]
-                flop_sec += self.cost.compute_seconds(op.flops, [is_divergent(s, a) for a in range(len(self.mesh.axes))])
+                flop_sec += self.cost.compute_seconds(
+                    op.flops, [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+                )
                 for t, p in zip(op.types, s.outputs):
                     m, r = self.cost.activation_memory(t, p)
                     mem, red = mem + m, red + r
@@ -278,9 +276,7 @@ class _Builder:
             return (sec + flop_sec if self.opts.cluster else vol) + 1e-15 * mem
         return red + self.opts.alpha * vol
 
-    def edge_cost(
-        self, t: TensorType, a: tuple[Placement, ...], b: tuple[Placement, ...] | None
-    ) -> float | None:
+    def edge_cost(self, t: TensorType, a: tuple[Placement, ...], b: tuple[Placement, ...] | None) -> float | None:
         if b is None or a == b:
             return 0.0
         vol, sec = self.cost.redistribute(t, a, b)
@@ -323,10 +319,7 @@ def build_problem(prog: Program, opts: ShardOptions):
     nodes = [
         Node(
             _label(g.head),
-            [
-                b.objective(r, v, s, m)
-                for r, v, s, m in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory)
-            ],
+            [b.objective(r, v, s, m) for r, v, s, m in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory)],
             g.memory,
         )
         for g in groups
@@ -339,9 +332,7 @@ def build_problem(prog: Program, opts: ShardOptions):
                 if ref.name in members:
                     continue
                 hi = where[ref.name]
-                edges.append(
-                    _edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos])
-                )
+                edges.append(_edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos]))
     out_refs = [r for r in prog.outputs if hasattr(r, "name")]
     if out_refs:
         sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
@@ -505,16 +496,13 @@ def _apply(prog: Program, b: _Builder, groups: list[Group], edges: list[Edge], s
             totals[2] += vol
             totals[3] += sec
     inputs = tuple(
-        Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs))
-        for v in prog.inputs
+        Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs)) for v in prog.inputs
     )
     ops = []
     for op in prog.ops:
         s = chosen[op.result]
         types = tuple(t.with_placements(p) for t, p in zip(op.types, s.outputs))
-        ops.append(
-            op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]}))
-        )
+        ops.append(op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})))
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
     return ShardResult(out, sol, groups, sorted(b.unruled), *totals)
