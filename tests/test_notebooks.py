@@ -33,3 +33,12 @@ def test_pipeline_schedules_notebook() -> None:
     assert {"gpipe", "1f1b", "interleaved", "wave", "scp"} <= set(
         registered.split(":")[1].replace(",", " ").split()
     )
+
+
+def test_memory_vs_megatron_notebook() -> None:
+    nb = execute("memory_vs_megatron.ipynb")
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs)
+    text = "".join(o.get("text", "") for o in outputs)
+    rows = [line for line in text.splitlines() if line.startswith("mmr-")]
+    assert len(rows) >= 4 * 3 + 4  # the four model descriptions and the 12 table rows
