@@ -203,9 +203,7 @@ def reduce_scatter(x: torch.Tensor, axis: str, op: str, dim: int, chunks: int = 
     return _ReduceScatter.apply(x, axis, op, dim, chunks)
 
 
-def all_to_all(
-    x: torch.Tensor, axis: str, src_dim: int, src_chunks: int, dim: int, chunks: int
-) -> torch.Tensor:
+def all_to_all(x: torch.Tensor, axis: str, src_dim: int, src_chunks: int, dim: int, chunks: int) -> torch.Tensor:
     return _AllToAll.apply(x, axis, src_dim, src_chunks, dim, chunks)
 
 
@@ -219,17 +217,30 @@ FUNCTIONS = {
 }
 
 
+BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of at most this size (DDP's default)
+
+
 def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:
-    """All-reduce (sum) the gradients of parameters, one flat buffer per mesh axis."""
+    """All-reduce (sum) the gradients of parameters over their axis, in flat buckets, in place."""
     c = _comm()
     for axis, params in params_by_axis.items():
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if not grads:
-            continue
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=c.groups[axis])
-        offset = 0
-        for p, g in zip(params, grads):
-            n = g.numel()
-            p.grad = flat[offset : offset + n].view_as(g).clone()
-            offset += n
+        bucket: list[torch.nn.Parameter] = []
+        size = 0
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            bucket.append(p)
+            size += p.grad.numel() * p.grad.element_size()
+            if size >= BUCKET_BYTES:
+                _reduce_bucket(bucket, c.groups[axis])
+                bucket, size = [], 0
+        if bucket:
+            _reduce_bucket(bucket, c.groups[axis])
+
+
+def _reduce_bucket(params: list[torch.nn.Parameter], group) -> None:
+    grads = [p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(chunk.view_as(g))

@@ -50,11 +50,7 @@ class TrainingSetup:
     mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
 
     def shard_axes(self, mesh: MeshSpec) -> tuple[int, ...]:
-        names = (
-            self.zero_axes
-            if self.zero_axes is not None
-            else tuple(n for n in mesh.names if n.startswith("dp"))
-        )
+        names = self.zero_axes if self.zero_axes is not None else tuple(n for n in mesh.names if n.startswith("dp"))
         axes = tuple(mesh.index(n) for n in names if n in mesh.names)
         if self.mics_group is None:
             return axes
@@ -127,9 +123,7 @@ class CostModel:
         n = self.mesh.sizes[axis]
         if n == 1 or nbytes == 0:
             return 0.0, 0.0
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[
-            kind
-        ]
+        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
         seconds = self.cluster.collective_seconds(kind, nbytes, n, self._intra[axis]) if self.cluster else 0.0
         return nbytes * factor, seconds
 
@@ -200,3 +194,24 @@ def is_partial(p: Placement) -> bool:
 
 def is_shard(p: Placement) -> bool:
     return isinstance(p, Shard)
+
+
+def program_memory(prog, setup: TrainingSetup | None = None) -> float:
+    """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
+    with their gradients and optimizer states, inputs, every op's output (collectives included, all
+    counted as live at once: an upper bound on saved activations), and the gradient-sync bucket."""
+    from autopar.runtime.collectives import BUCKET_BYTES
+
+    model = CostModel(prog.mesh, setup or TrainingSetup())
+    total = 0.0
+    synced = 0.0
+    for v in prog.inputs:
+        if v.kind == "param":
+            total += model.param_memory(v.type, v.type.placements)[0]
+            if v.attrs.get("grad_sync"):
+                synced += model.local_bytes(v.type, v.type.placements)
+        else:
+            total += model.local_bytes(v.type, v.type.placements)
+    for op in prog.ops:
+        total += sum(model.local_bytes(t, t.placements) for t in op.types)
+    return total + min(synced, BUCKET_BYTES)
