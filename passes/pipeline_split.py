@@ -25,10 +25,12 @@ difference array over the live intervals [definition, last use] of non-common va
 level 1. Algorithm 2 (graph sharding) becomes the choice among legal gaps:
 
 1. cut at every level-1 gap (Merak's single-tensor rule);
-2. a segment with more than ``oversize`` times the median FLOPs of the non-light segments (a
-   stretch that a long skip connection or an encoder output kept whole) is re-cut at its gaps of
-   level 2, ..., ``max_crossing``. The default 4 lies above the ratio of a LLaMA MLP to its
-   attention (about 3.2), whose segments must not be re-cut;
+2. a segment that level 1 leaves too coarse is re-cut at its gaps of level 2, then 3, up to
+   ``max_crossing``: one with more than ``oversize`` times the median FLOPs of the non-light
+   segments (a stretch a long skip connection keeps whole; 4 lies above the ratio of a LLaMA MLP to
+   its attention, about 3.2, which must not be re-cut), or one that the deeper gaps split into
+   ``pieces`` or more non-light pieces (a whole T5 encoder, held together by the relative position
+   bias every layer reads; a transformer block has at most 3 such pieces);
 3. light segments (under ``light`` times the largest segment's FLOPs: masks, views, layer norms,
    the loss) are merged into a neighbour so that every subgraph carries real work: a run between
    two heavy segments joins the one whose boundary op shares the longer module path (ties: the
@@ -68,13 +70,14 @@ SPLIT_VERSION = 1  # bump when the algorithm changes: old cache entries are then
 class SplitOptions:
     """Knobs of the split; each is part of the cache key."""
 
-    max_crossing: int = 2  # deepest gap level used to re-cut oversized segments (Merak's rule is 1)
+    max_crossing: int = 3  # deepest gap level used to re-cut segments (Merak's rule alone is 1)
     light: float = 0.02  # a segment under this fraction of the largest segment's FLOPs is merged away
     oversize: float = 4.0  # a segment over this multiple of the median segment's FLOPs is re-cut
+    pieces: int = 5  # ... and so is one that deeper gaps split into this many non-light pieces
     cache: bool = True  # use the in-process and on-disk caches
 
     def key(self) -> str:
-        return f"max_crossing={self.max_crossing},light={self.light},oversize={self.oversize}"
+        return f"max_crossing={self.max_crossing},light={self.light},oversize={self.oversize},pieces={self.pieces}"
 
 
 @dataclass(frozen=True)
@@ -132,8 +135,7 @@ class Split:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "disk") -> Split:
         subs = tuple(
-            Subgraph(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()})
-            for s in data["subgraphs"]
+            Subgraph(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}) for s in data["subgraphs"]
         )
         return cls(data["fingerprint"], data["num_ops"], subs, source=source)
 
@@ -242,12 +244,16 @@ def _choose_cuts(prog: Program, live: _Liveness, level: list[int], opts: SplitOp
     for depth in range(2, opts.max_crossing + 1):
         segs = _segments(cuts, n)
         f = [flops(s) for s in segs]
-        heavy = [x for x in f if x >= opts.light * max(f)] or [0]
+        fmax = max(f)
+        heavy = [x for x in f if x >= opts.light * fmax] or [0]
         ref = statistics.median(heavy)
         extra = []
         for seg, x in zip(segs, f):
-            if x > opts.oversize * ref or (len(heavy) == 1 and x == max(f)):
-                extra += [g for g in range(seg[0] + 1, seg[1]) if level[g] <= depth]
+            inner = [g for g in range(seg[0] + 1, seg[1]) if level[g] <= depth]
+            bounds = [seg[0], *inner, seg[1]]
+            pieces = sum(flops(p) >= opts.light * fmax for p in zip(bounds, bounds[1:]))
+            if x > opts.oversize * ref or pieces >= opts.pieces or (len(heavy) == 1 and x == fmax):
+                extra += inner
         cuts = sorted(set(cuts) | set(extra))
 
     # merge light segments into neighbours: groups of segment indices, one group per subgraph
@@ -272,9 +278,7 @@ def _choose_cuts(prog: Program, live: _Liveness, level: list[int], opts: SplitOp
         own = params((segs[i][0], segs[j - 1][1])) >= max(1, 0.25 * typical)
         if (i == 0 and j == len(segs)) or ((i == 0 or j == len(segs)) and own):
             groups.append(run)  # the embeddings (or a parameter-holding tail): a subgraph of their own
-        elif i > 0 and (
-            j == len(segs) or not _merge_forward(prog, segs[i - 1], segs[i], segs[j - 1], segs[j])
-        ):
+        elif i > 0 and (j == len(segs) or not _merge_forward(prog, segs[i - 1], segs[i], segs[j - 1], segs[j])):
             groups[-1].extend(run)
         else:
             waiting = run
@@ -461,11 +465,7 @@ def blockers(prog: Program, top: int = 3) -> list[str]:
     """The non-common values live across the most gaps: what keeps a graph from being cut."""
     live = _liveness(prog)
     spans = sorted(
-        (
-            (live.last_use.get(name, d) - d, name, d)
-            for name, d in live.defined.items()
-            if name not in live.common
-        ),
+        ((live.last_use.get(name, d) - d, name, d) for name, d in live.defined.items() if name not in live.common),
         reverse=True,
     )
     out = []
@@ -494,8 +494,7 @@ def annotate(prog: Program, split: Split, stage_of_subgraph: list[int] | None = 
         for name in s.graph_inputs:
             first.setdefault(name, s.index)
     inputs = tuple(
-        dataclasses.replace(v, attrs=tag(v.attrs, first[v.name])) if v.name in first else v
-        for v in prog.inputs
+        dataclasses.replace(v, attrs=tag(v.attrs, first[v.name])) if v.name in first else v for v in prog.inputs
     )
     attrs = dict(prog.attrs)
     attrs["pipeline_subgraphs"] = len(split)
@@ -520,9 +519,7 @@ def extract(prog: Program, split: Split, first: int, last: int | None = None) ->
         outputs = prog.outputs
     else:
         outputs = tuple(Ref(name) for name in (*b.outputs, *b.commons_out))
-    return Program(
-        prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs)
-    )
+    return Program(prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs))
 
 
 def pipeline_split(prog: Program, options: Any = None) -> Program:

@@ -256,9 +256,7 @@ def stage_ranks(pp: int, chunks: int = 1, waves: int | None = None) -> list[int]
     return [s % pp for s in range(pp * chunks)]
 
 
-def inflight(
-    pp: int, chunks: int = 1, waves: int | None = None, microbatches: int | None = None
-) -> list[float]:
+def inflight(pp: int, chunks: int = 1, waves: int | None = None, microbatches: int | None = None) -> list[float]:
     """Microbatches whose activations a stage holds at its peak (see the module docstring)."""
     m = microbatches if microbatches else math.inf
     ranks = stage_ranks(pp, chunks, waves)
@@ -521,9 +519,7 @@ def _check_shape(pp: int, chunks: int, waves: int | None) -> None:
     if pp < 1 or chunks < 1 or (waves is not None and waves < 1):
         raise PipelineError(f"pp, chunks and waves must be >= 1; got pp={pp}, chunks={chunks}, waves={waves}")
     if waves and chunks > 1:
-        raise PipelineError(
-            "choose interleaving (chunks) or waves, not both: waves already put 2W chunks on a rank"
-        )
+        raise PipelineError("choose interleaving (chunks) or waves, not both: waves already put 2W chunks on a rank")
 
 
 def assign_stages(
@@ -642,11 +638,7 @@ def _run_costs(
 
 def _too_many_stages(prog: Program, split: Split, pp: int, chunks: int, waves: int | None) -> None:
     n, S = len(split), num_stages(pp, chunks, waves)
-    shape = (
-        f"pp={pp}"
-        + (f" x chunks={chunks}" if chunks > 1 else "")
-        + (f" x 2 x waves={waves}" if waves else "")
-    )
+    shape = f"pp={pp}" + (f" x chunks={chunks}" if chunks > 1 else "") + (f" x 2 x waves={waves}" if waves else "")
     if n == 1:
         why = "; ".join(blockers(prog))
         raise NoLegalCutError(
@@ -694,11 +686,12 @@ def _no_fit(
         if got * per_rank <= budget:
             feasible_pp = p
             break
+    deepest = max(p for p in range(pp, n + 1) if num_stages(p, chunks, waves) <= n)
     alt = (
         f"with this budget the smallest pipeline that fits is pp={feasible_pp}"
         if feasible_pp
-        else "no deeper pipeline of this shape fits either (the largest subgraph alone needs "
-        f"{max(memfn(x, x + 1, max(k)) for x in range(n)) / gib:.2f} GiB)"
+        else f"no deeper pipeline of this shape (up to pp={deepest}) fits either: use smaller "
+        "microbatches, fewer microbatches in flight, or tensor parallelism"
     )
     raise StageMemoryError(
         f"no split of the {n} subgraphs into {S} stages fits {budget / gib:.2f} GiB per device "

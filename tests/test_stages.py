@@ -125,9 +125,7 @@ def test_inflight_formulas():
     assert st_.inflight(2, waves=1, microbatches=3) == [3, 3, 3, 3]
 
 
-@pytest.mark.parametrize(
-    ("name", "options"), [("1f1b", {}), ("interleaved", {"chunks": 2}), ("wave", {"waves": 1})]
-)
+@pytest.mark.parametrize(("name", "options"), [("1f1b", {}), ("interleaved", {"chunks": 2}), ("wave", {"waves": 1})])
 @pytest.mark.parametrize(("P", "M"), [(2, 4), (3, 6), (4, 8), (4, 3)])
 def test_inflight_never_below_the_simulated_peak(name, options, P, M):
     sched = make_schedule(name, P, M, **options)
@@ -206,9 +204,7 @@ def test_interleaved_and_wave_plans_map_stages_to_ranks():
     _, inter, _ = st_.plan_pipeline(gpt2(), 2, chunks=2)
     assert inter.stage_to_rank == (0, 1, 0, 1) and inter.schedule == "interleaved"
     assert len(inter.rank_memory()) == 2
-    assert inter.rank_memory()[0] == pytest.approx(
-        inter.stages[0].memory_bytes + inter.stages[2].memory_bytes
-    )
+    assert inter.rank_memory()[0] == pytest.approx(inter.stages[0].memory_bytes + inter.stages[2].memory_bytes)
     _, wave, _ = st_.plan_pipeline(gpt2(), 2, waves=1)
     assert wave.stage_to_rank == (0, 1, 1, 0) and wave.schedule == "wave"
     assert [s.inflight for s in wave.stages] == [4, 4, 4, 4]
