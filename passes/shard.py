@@ -115,10 +115,18 @@ class _Builder:
         self._value_cache: dict[str, list[Strategy]] = {}
         self._refs: dict[str, list] = {}
         self._allowed_sets: dict[str, set] = {}
+        self._strat_cache: dict[tuple, tuple[list[Strategy], bool]] = {}
+        self._reads: dict[int, dict[str, list[tuple[str, int]]]] = {}
+        self._replicated = (R,) * len(prog.mesh.axes)
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:
-        strats, ruled = op_strategies(op, self.types, self.mesh, self.counts)
+        # strategies depend on the target, the types and the non-tensor arguments only: ops repeated
+        # in every layer share one enumeration
+        key = (op.target, tuple(self.types[r.name] for r in self.refs(op)), op.types, _unnamed((op.args, op.kwargs)))
+        if key not in self._strat_cache:
+            self._strat_cache[key] = op_strategies(op, self.types, self.mesh, self.counts)
+        strats, ruled = self._strat_cache[key]
         if not ruled:
             self.unruled.add(op.target)
         return [s for s in strats if self._allowed(op.result, s.outputs[0])]
@@ -195,10 +203,14 @@ class _Builder:
 
     def _extend(self, g: Group, op: Op, strats: list[Strategy]) -> list[dict] | None:
         main = self.refs(op)[0].name
+        by_input: dict = {}
+        for s in strats:
+            by_input.setdefault(s.inputs[0], []).append(s)
+        anything = by_input.get(None, [])
         out = []
         for cand in g.candidates:
             incoming = self._placement_in(cand, g, main)
-            fitting = [s for s in strats if s.inputs[0] == incoming or s.inputs[0] is None]
+            fitting = by_input.get(incoming, []) + anything
             for s in fitting or strats:
                 out.append({**cand, op.result: s})
             if len(out) > MAX_GROUP_CANDIDATES:
@@ -213,16 +225,24 @@ class _Builder:
 
     def _folded_ok(self, g: Group, cand: dict[str, Strategy]) -> bool:
         """Store each folded value the way its reader wants it; drop candidates where that's invalid."""
+        reads = self._reads.get(id(g))
+        if reads is None:  # where each folded value is read: (op result, input position)
+            reads = self._reads[id(g)] = {
+                v.name: [(op.result, i) for op in g.ops for i, r in enumerate(self.refs(op)) if r.name == v.name]
+                for v in g.values
+            }
         for v in g.values:
+            allowed = self._allowed_sets.get(v.name)
+            if allowed is None:
+                allowed = self._allowed_sets[v.name] = {s.outputs[0] for s in self.value_strats(v)}
             want = None
-            allowed = self._allowed_sets.setdefault(v.name, {s.outputs[0] for s in self.value_strats(v)})
-            for op in g.ops:
-                for ref, p in zip(self.refs(op), cand[op.result].inputs):
-                    if ref.name == v.name and p is not None:
-                        if want is not None and want != p:
-                            return False
-                        want = p
-            want = want or (R,) * len(self.mesh.axes)
+            for res, i in reads[v.name]:
+                p = cand[res].inputs[i]
+                if p is not None:
+                    if want is not None and want != p:
+                        return False
+                    want = p
+            want = want or self._replicated
             if want not in allowed:
                 return False
             cand[v.name] = Strategy((), (want,))
@@ -307,15 +327,16 @@ def build_problem(prog: Program, opts: ShardOptions):
     priced: dict[tuple, Group] = {}
     for g in groups:
         # identical groups (the same group in every layer) have index-aligned candidates: price once
-        same = priced.get(_signature(g))
-        if same is not None and len(same.candidates) == len(g.candidates):
+        sig = _signature(g)  # before pricing prunes impossible candidates
+        same = priced.get(sig)
+        if same is not None:
             g.candidates = _rename(same, g)
             g.memory, g.redundancy = list(same.memory), list(same.redundancy)
             g.comm_bytes, g.comm_seconds = list(same.comm_bytes), list(same.comm_seconds)
             g.compute_seconds = list(same.compute_seconds)
             continue
         b.price(g)
-        priced[_signature(g)] = g
+        priced[sig] = g
     nodes = [
         Node(
             _label(g.head),
