@@ -53,14 +53,47 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
     )
 
 
+@dataclass
+class PipelineOptions:
+    chunks: int = 1  # Megatron's virtual chunks per rank
+    waves: int | None = None  # Hanayo's waves
+    microbatches: int | None = None
+    schedule: str | None = None  # default: 1f1b, interleaved (chunks > 1) or wave (waves)
+
+
 def plan_captured(
     captured: Captured,
     mesh: MeshSpec,
     opts: ShardOptions,
     model: str | None = None,
     baselines: tuple[str, ...] = BASELINES,
+    pipeline: PipelineOptions | None = None,
 ) -> PlanReport:
-    prog = lower(captured, mesh)
+    """Plan a captured model. A mesh axis named ``pp`` is pipeline parallelism: the graph is split into
+    stages over it (passes/pipeline_split.py, solver/stages.py) and the intra-op ILP runs on the
+    other axes."""
+    pp = dict(mesh.axes).get("pp")
+    inner = MeshSpec(tuple((a, n) for a, n in mesh.axes if a != "pp")) if pp else mesh
+    prog = lower(captured, inner)
+    pipeline_info = None
+    if pp:
+        from autopar.solver.stages import plan_pipeline
+
+        po = pipeline or PipelineOptions()
+        prog, stage_plan, split_seconds = plan_pipeline(
+            prog, pp, chunks=po.chunks, waves=po.waves, cluster=opts.cluster, budget_bytes=opts.budget_bytes,
+            microbatches=po.microbatches, precision="fp32" if opts.setup.precision == "fp32" else "bf16",
+        )  # fmt: skip
+        pipeline_info = {
+            "pp": pp,
+            "schedule": po.schedule or stage_plan.schedule,
+            "chunks": po.chunks,
+            "waves": po.waves,
+            "microbatches": po.microbatches,
+            "split_seconds": split_seconds,
+            "stage_plan": stage_plan.to_dict(),
+            "table": stage_plan.format(),
+        }
     result = shard(prog, opts)
     final = insert_collectives(result.program)
     verify(final)
@@ -81,6 +114,7 @@ def plan_captured(
         "ops": len(prog.ops),
     }
     plan = Plan(
+        pipeline=pipeline_info,
         fingerprint=fingerprint(captured),
         mesh=dict(mesh.axes),
         program=print_program(final),
@@ -101,7 +135,11 @@ def plan_captured(
 
 
 def plan_model(
-    spec: str, mesh: MeshSpec, opts: ShardOptions, baselines: tuple[str, ...] = BASELINES
+    spec: str,
+    mesh: MeshSpec,
+    opts: ShardOptions,
+    baselines: tuple[str, ...] = BASELINES,
+    pipeline: PipelineOptions | None = None,
 ) -> PlanReport:
     from autopar.models import build
 
@@ -109,4 +147,4 @@ def plan_model(
     t0 = time.perf_counter()
     captured = capture(m.model, m.args, m.kwargs)
     captured.seconds = time.perf_counter() - t0
-    return plan_captured(captured, mesh, opts, model=spec, baselines=baselines)
+    return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline)

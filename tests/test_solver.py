@@ -51,9 +51,7 @@ def test_zero_stages_divide_what_they_shard():
 @st.composite
 def ilps(draw):
     n = draw(st.integers(1, 5))
-    nodes = [
-        Node(f"n{i}", draw(st.lists(st.integers(0, 20).map(float), min_size=1, max_size=3))) for i in range(n)
-    ]
+    nodes = [Node(f"n{i}", draw(st.lists(st.integers(0, 20).map(float), min_size=1, max_size=3))) for i in range(n)]
     edges = []
     for u, v in itertools.combinations(range(n), 2):
         if not draw(st.booleans()):
@@ -101,9 +99,7 @@ def test_ilp_optimum_equals_brute_force(problem):
 def test_folding_identical_nodes_keeps_the_optimum():
     # a chain of 4 identical layers, each node choosing between cheap-but-mismatched and matched
     nodes = [Node(f"l{i}", [1.0, 3.0]) for i in range(4)]
-    edges = [
-        Edge(i, i + 1, [0, 1], [0, 1], {(0, 0): 5.0, (0, 1): 0.0, (1, 0): 0.0, (1, 1): 0.0}) for i in range(3)
-    ]
+    edges = [Edge(i, i + 1, [0, 1], [0, 1], {(0, 0): 5.0, (0, 1): 0.0, (1, 0): 0.0, (1, 1): 0.0}) for i in range(3)]
     full = solve(nodes, edges)
     rnodes, redges, index = fold_repeated(nodes, edges, [0, 1, 0, 1])
     folded = solve(rnodes, redges)
@@ -131,10 +127,7 @@ def test_an_impossible_budget_names_the_smallest_that_fits():
     smallest = err.value.smallest_budget_bytes
     ok = shard(prog, ShardOptions(budget_bytes=smallest * 1.0001))
     assert ok.memory_bytes <= smallest * 1.0001
-    assert (
-        shard(prog, ShardOptions(objective="comm", budget_bytes=smallest * 1.0001)).memory_bytes
-        <= smallest * 1.0001
-    )
+    assert shard(prog, ShardOptions(objective="comm", budget_bytes=smallest * 1.0001)).memory_bytes <= smallest * 1.0001
 
 
 def test_megatron_baseline_is_megatrons_layout():
@@ -173,9 +166,7 @@ def test_plan_file_round_trip_and_refusals(tmp_path):
     from autopar.planner import plan_captured
 
     captured, _ = _tiny("tiny-mlp", "tp=2")
-    report = plan_captured(
-        captured, parse_mesh("tp=2"), ShardOptions(), model="tiny-mlp", baselines=("megatron",)
-    )
+    report = plan_captured(captured, parse_mesh("tp=2"), ShardOptions(), model="tiny-mlp", baselines=("megatron",))
     path = tmp_path / "plan.json"
     report.plan.save(path)
     loaded = Plan.load(path)
@@ -213,10 +204,7 @@ def test_cli_plan_json_has_the_documented_fields(tmp_path, capsys):
     ):
         assert key in out
     assert set(out["baselines"]) == {"megatron", "dp", "zero2", "zero3", "comm"}
-    assert (
-        out["memory_per_device_bytes"] <= min(out["baselines"].values()) * 1.0000001
-        or out["status"] != "optimal"
-    )
+    assert out["memory_per_device_bytes"] <= min(out["baselines"].values()) * 1.0000001 or out["status"] != "optimal"
     torch.testing.assert_close(torch.tensor(1.0), torch.tensor(1.0))
 
 
@@ -231,3 +219,15 @@ def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
     chosen = [line for line in out.splitlines() if line.startswith("->")]
     assert len(chosen) == 1 and "c_attn.weight=" in chosen[0]
     assert main(["explain", str(plan), "no.such.op"]) == 2
+
+
+def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):
+    import json
+
+    from autopar.cli import main
+
+    assert main(["plan", "tiny-gpt2", "--mesh", "pp=2,tp=2", "--no-baselines", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["stages"]) == 2 and out["split_seconds"] >= 0
+    assert {"params", "flops", "memory_bytes", "ops"} <= set(out["stages"][0])
+    assert out["mesh"] == {"pp": 2, "tp": 2}

@@ -23,33 +23,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         ),
         epilog="example: autopar plan gpt2 --mesh dp=2,tp=4 --cluster dgx-a100 -o plan.json",
     )
-    p.add_argument(
-        "model", metavar="MODEL", nargs="?", help="preset[:overrides] or file.py:fn (see --list-models)"
-    )
+    p.add_argument("model", metavar="MODEL", nargs="?", help="preset[:overrides] or file.py:fn (see --list-models)")
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=4 (axes named dp* are data parallel for ZeRO)")
     p.add_argument(
         "--cluster",
         default="dgx-a100",
         help="cluster spec: a preset (default dgx-a100; merak-3090, ...) or a file",
     )
-    p.add_argument(
-        "--objective", choices=["memory", "comm"], default="memory", help="ILP objective (default memory)"
-    )
-    p.add_argument(
-        "--alpha", type=float, default=1.0, help="weight of communication bytes (memory objective)"
-    )
+    p.add_argument("--objective", choices=["memory", "comm"], default="memory", help="ILP objective (default memory)")
+    p.add_argument("--alpha", type=float, default=1.0, help="weight of communication bytes (memory objective)")
     p.add_argument("--budget-gb", type=float, default=None, help="per-device memory budget in GiB")
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
     p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision")
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
     p.add_argument("--solver", choices=["cbc", "highs"], default="cbc", help="ILP back end (default CBC)")
+    p.add_argument("--chunks", type=int, default=1, help="virtual pipeline chunks per rank (interleaved schedule)")
+    p.add_argument("--waves", type=int, default=None, help="Hanayo waves per rank (wave schedule)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (pipeline meshes)")
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     p.add_argument("-o", "--output", default=None, help="write the plan file (JSON) here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument(
-        "--verbose", action="store_true", help="also list every parameter's placement and unruled ops"
-    )
+    p.add_argument("--verbose", action="store_true", help="also list every parameter's placement and unruled ops")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     p.set_defaults(func=run)
 
@@ -81,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
         cluster=cluster,
         setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
     )
-    report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES)
+    from autopar.planner import PipelineOptions
+
+    if (args.chunks > 1 or args.waves) and "pp" not in mesh.names:
+        raise AutoparError("--chunks and --waves need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
+    pipe = PipelineOptions(chunks=args.chunks, waves=args.waves, microbatches=args.microbatches)
+    report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe)
     plan = report.plan
     if args.output:
         plan.save(args.output)
@@ -91,6 +91,11 @@ def run(args: argparse.Namespace) -> int:
         out["baselines_detail"] = plan.baselines
         out["mesh"] = plan.mesh
         out["fingerprint"] = plan.fingerprint
+        if plan.pipeline:
+            sp = plan.pipeline["stage_plan"]
+            out["stages"] = sp["stages"]
+            out["split_seconds"] = plan.pipeline["split_seconds"]
+            out["schedule"] = plan.pipeline["schedule"]
         if args.output:
             out["plan_file"] = args.output
         json.dump(out, sys.stdout, indent=1)
@@ -102,28 +107,26 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_report(args, report) -> None:
     s = report.plan.stats
-    print(
-        f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {args.objective}, alpha {args.alpha})"
-    )
+    print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {args.objective}, alpha {args.alpha})")
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
     print(
         f"ILP: {s['status']} in {s['solve_seconds']:.2f} s, {s['ilp_variables']:,} variables, "
         f"{s['ilp_constraints']:,} constraints, {s['ilp_groups']} decisions{folded}"
     )
     mem = s["memory_per_device_bytes"]
-    print(
-        f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}"
-    )
+    print(f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}")
     rows = [("autopar", mem, s["comm_bytes"], s["comm_seconds"])]
     rows += [
-        (k, v["memory_per_device_bytes"], v["comm_bytes"], v["comm_seconds"])
-        for k, v in report.plan.baselines.items()
+        (k, v["memory_per_device_bytes"], v["comm_bytes"], v["comm_seconds"]) for k, v in report.plan.baselines.items()
     ]
     for name, m, cb, cs in rows:
         ratio = f"{mem / m:.2f}x" if m else "-"
         t = f"{cs * 1e3:.2f} ms" if report.plan.cluster else "-"
         print(f"{name:10s} {m / GiB:>10.3f} GiB {ratio:>11s} {cb / 2**20:>8.1f} MiB {t:>11s}")
     print("\n(vs autopar: autopar's memory divided by the strategy's; comm counts forward and backward)")
+    if report.plan.pipeline:
+        print(f"\npipeline ({report.plan.pipeline['schedule']}):\n{report.plan.pipeline['table']}")
+        print("(the strategy table above is the whole model on the non-pp axes; each stage holds its share)")
     if args.verbose:
         prog = report.plan.parsed()
         print("\nparameters:")
