@@ -220,9 +220,7 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
         loss_type="ForCausalLM",
         attn_implementation="sdpa",
     ),
-    "llama": dict(
-        use_cache=False, attention_dropout=0.0, loss_type="ForCausalLM", attn_implementation="sdpa"
-    ),
+    "llama": dict(use_cache=False, attention_dropout=0.0, loss_type="ForCausalLM", attn_implementation="sdpa"),
     "bert": dict(
         use_cache=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"
     ),
@@ -253,9 +251,7 @@ class _Preset:
 
 
 def _gpt(n_layer: int, n_embd: int, n_head: int, n_positions: int = 1024, **kw: Any) -> dict[str, Any]:
-    return dict(
-        n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, vocab_size=50257, **kw
-    )
+    return dict(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=n_positions, vocab_size=50257, **kw)
 
 
 def _llama(layers: int, hidden: int, heads: int, kv: int, inter: int) -> dict[str, Any]:
@@ -352,9 +348,7 @@ _PRESET_LIST: list[_Preset] = [
         batch=4,
         seq=16,
     ),
-    _Preset(
-        "tiny-encoder", "encoder", "tiny single encoder layer for tests", _encoder(64, 4), batch=4, seq=16
-    ),
+    _Preset("tiny-encoder", "encoder", "tiny single encoder layer for tests", _encoder(64, 4), batch=4, seq=16),
     _Preset(
         "tiny-mlp",
         "mlp",
@@ -468,8 +462,7 @@ def _parse_overrides(preset: str, text: str) -> dict[str, Any]:
         key = key.strip()
         if not eq or not key.isidentifier():
             raise PresetError(
-                f"cannot parse override {item!r} for preset {preset!r}; write KEY=VALUE, "
-                f"e.g. {preset}:batch=2,seq=16."
+                f"cannot parse override {item!r} for preset {preset!r}; write KEY=VALUE, e.g. {preset}:batch=2,seq=16."
             )
         out[key] = _parse_value(preset, key, val.strip())
     return out
@@ -561,13 +554,10 @@ def _config_dtype(preset: str, cfg: Any) -> torch.dtype:
     value = getattr(cfg, "dtype", None)
     if value is None:
         return torch.float32
-    dtype = (
-        value if isinstance(value, torch.dtype) else getattr(torch, str(value).removeprefix("torch."), None)
-    )
+    dtype = value if isinstance(value, torch.dtype) else getattr(torch, str(value).removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise PresetError(
-            f"dtype={value!r} for preset {preset!r} is not a floating dtype; "
-            "use float32, bfloat16 or float16."
+            f"dtype={value!r} for preset {preset!r} is not a floating dtype; use float32, bfloat16 or float16."
         )
     return dtype
 

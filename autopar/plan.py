@@ -74,9 +74,7 @@ class Plan:
                 f"no plan file at {path}; write one with `autopar plan MODEL --mesh ... -o {path}`"
             ) from None
         except json.JSONDecodeError as e:
-            raise PlanError(
-                f"{path} is not JSON ({e}); plan files are written by `autopar plan -o`"
-            ) from None
+            raise PlanError(f"{path} is not JSON ({e}); plan files are written by `autopar plan -o`") from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
@@ -106,6 +104,4 @@ class Plan:
                 f"inputs give {fp[:12]}): plan again for this model, batch and sequence"
             )
         if self.mesh_spec != mesh:
-            raise PlanError(
-                f"the plan is for mesh {self.mesh_spec}, not {mesh}: launch that mesh or plan again"
-            )
+            raise PlanError(f"the plan is for mesh {self.mesh_spec}, not {mesh}: launch that mesh or plan again")

@@ -39,9 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     if not plan.model:
-        raise AutoparError(
-            "the plan does not name its model; explain needs a plan made by `autopar plan MODEL`"
-        )
+        raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
     spec = build(plan.model, device="meta")
     captured = capture(spec.model, spec.args, spec.kwargs)
     plan.check(captured, plan.mesh_spec)
@@ -61,9 +59,7 @@ def run(args: argparse.Namespace) -> int:
         (i for i, c in enumerate(g.candidates) if all(_matches(chosen_types, n, s) for n, s in c.items())),
         None,
     )
-    print(
-        f"decision: {node.name}  ({len(g.ops)} ops, {len(g.values)} folded values, {len(g.candidates)} candidates)"
-    )
+    print(f"decision: {node.name}  ({len(g.ops)} ops, {len(g.values)} folded values, {len(g.candidates)} candidates)")
     for op in g.ops:
         print(f"  %{op.result} = {op.target}  # {op.path}")
     for v in g.values:

@@ -19,20 +19,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "pass, or after --upto PASS (--upto capture: the lowered IR before any pass)."
         ),
     )
-    p.add_argument(
-        "model", metavar="MODEL", help="a preset with overrides (tiny-gpt2, gpt2:n_layer=2) or file.py:fn"
-    )
+    p.add_argument("model", metavar="MODEL", help="a preset with overrides (tiny-gpt2, gpt2:n_layer=2) or file.py:fn")
     p.add_argument("--mesh", default="", help="mesh axes, e.g. dp=2,tp=2 (default: a single device)")
-    p.add_argument(
-        "--upto", default=None, help=f"stop after this pass: capture, {', '.join(DEFAULT_PIPELINE)}"
-    )
+    p.add_argument("--upto", default=None, help=f"stop after this pass: capture, {', '.join(DEFAULT_PIPELINE)}")
     p.add_argument("--dump-dir", default=None, help="write NN-pass.ir after every pass into this directory")
-    p.add_argument(
-        "--local", action="store_true", help="show each rank's local shapes instead of global ones"
-    )
-    p.add_argument(
-        "--alpha", type=float, default=1.0, help="weight of communication bytes in the ILP (default 1)"
-    )
+    p.add_argument("--local", action="store_true", help="show each rank's local shapes instead of global ones")
+    p.add_argument("--alpha", type=float, default=1.0, help="weight of communication bytes in the ILP (default 1)")
     p.set_defaults(func=run)
 
 
@@ -66,9 +58,7 @@ def _dump_ranks(prog, model, dump_dir) -> None:
     from autopar.api import dump_rank_code
     from autopar.passes.codegen import codegen
 
-    named = dict(model.named_parameters(remove_duplicate=False)) | dict(
-        model.named_buffers(remove_duplicate=False)
-    )
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     names, sizes = prog.mesh.names, prog.mesh.sizes
     for rank, coord in enumerate(itertools.product(*(range(n) for n in sizes))):
         gm = codegen(prog, dict(zip(names, coord)), named.__getitem__, device="meta")

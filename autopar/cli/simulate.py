@@ -39,12 +39,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="1f1b")
-    parser.add_argument(
-        "--stages", "-P", type=int, default=4, metavar="P", help="pipeline ranks P (default 4)"
-    )
-    parser.add_argument(
-        "--microbatches", "-M", type=int, default=8, metavar="M", help="microbatches M (default 8)"
-    )
+    parser.add_argument("--stages", "-P", type=int, default=4, metavar="P", help="pipeline ranks P (default 4)")
+    parser.add_argument("--microbatches", "-M", type=int, default=8, metavar="M", help="microbatches M (default 8)")
     parser.add_argument("--chunks", type=int, help="interleaved: model chunks per rank v (default 2)")
     parser.add_argument("--waves", type=int, help="wave: number of waves W (default 1, Chimera-wave)")
     parser.add_argument("--recompute", type=int, choices=(0, 1), help="1f1b: 1 = full recomputation")
@@ -53,9 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--tb", type=Fraction, default=Fraction(2), help="backward time of a rank's share")
     parser.add_argument("--tr", type=Fraction, help="recompute time of a rank's share (default: tf)")
     parser.add_argument("--tc", type=Fraction, default=Fraction(0), help="time of one p2p transfer")
-    parser.add_argument(
-        "--act-bytes", type=float, help="activation bytes one microbatch stashes per rank share"
-    )
+    parser.add_argument("--act-bytes", type=float, help="activation bytes one microbatch stashes per rank share")
     parser.add_argument("--p2p", choices=("eager", "batched"), default="eager", help="p2p semantics")
     parser.add_argument("--chart", metavar="PNG", help="write the Gantt chart to this file")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
@@ -77,9 +71,7 @@ def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
             raise ScheduleError(f"--{flag} does not apply to the {args.schedule} schedule")
         options[keyword] = value
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, **options)
-    costs = Costs.from_rank_share(
-        schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes
-    )
+    costs = Costs.from_rank_share(schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes)
     return schedule, costs
 
 
@@ -91,18 +83,12 @@ def _report(result: SimResult, args: argparse.Namespace) -> None:
     elif not args.print_actions:
         s = result.schedule
         opts = " ".join(f"{k}={v}" for k, v in s.options)
-        print(
-            f"{s.name} {opts}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches"
-        )
+        print(f"{s.name} {opts}: {s.num_ranks} ranks, {s.num_stages} stages, {s.num_microbatches} microbatches")
         print(f"step time        {float(result.step_time):g}")
         print(f"bubble ratio     {float(result.bubble_ratio):.4f}   (bubble / ideal compute, Megatron)")
         print(f"idle fraction    {float(result.idle_fraction):.4f}   (bubble / total time, Hanayo/Chimera)")
         for r in range(s.num_ranks):
-            mem = (
-                ""
-                if result.peak_activation_bytes is None
-                else f"  {float(result.peak_activation_bytes[r]):g} B"
-            )
+            mem = "" if result.peak_activation_bytes is None else f"  {float(result.peak_activation_bytes[r]):g} B"
             print(
                 f"  rank {r}: bubble {float(result.bubble_ratio_per_rank[r]):.4f}  "
                 f"peak stashed activations {result.peak_activations[r]}{mem}"
