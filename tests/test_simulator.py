@@ -248,9 +248,7 @@ def test_unsound_lists_are_rejected(rank0: list[Action], rank1: list[Action], ma
 
 def test_send_to_the_same_rank_and_unreceived_sends_are_rejected() -> None:
     # a wave's turn: stages 1 and 2 are both on rank 1; a send between them is an error
-    local = Schedule(
-        2, 3, 1, (0, 1, 1), ((F(0, 0), S_ACT(0, 0)), (R_ACT(0, 1), F(0, 1), S_ACT(0, 1), F(0, 2)))
-    )
+    local = Schedule(2, 3, 1, (0, 1, 1), ((F(0, 0), S_ACT(0, 0)), (R_ACT(0, 1), F(0, 1), S_ACT(0, 1), F(0, 2))))
     with pytest.raises(ScheduleError, match=r"rank 1 action 2 .*hand-over is local"):
         simulate(local, Costs.uniform(3))
     # rank 1 never posts the receive for rank 0's second send
@@ -259,9 +257,7 @@ def test_send_to_the_same_rank_and_unreceived_sends_are_rejected() -> None:
         [R_ACT(0, 1), F(0, 1)],
         M=2,
     )
-    with pytest.raises(
-        ScheduleError, match=r"rank 0 action 3 \(SEND_ACT mb=1 stage=0 peer=1\): no matching receive"
-    ):
+    with pytest.raises(ScheduleError, match=r"rank 0 action 3 \(SEND_ACT mb=1 stage=0 peer=1\): no matching receive"):
         simulate(extra, Costs.uniform(2))
 
 
@@ -322,3 +318,23 @@ def test_cli_chart_and_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
     assert "bubble ratio" in capsys.readouterr().out
     assert main(["simulate", "--schedule", "gpipe", "--waves", "2"]) == 2
     assert "--waves does not apply to the gpipe schedule" in capsys.readouterr().err
+
+
+def test_simulate_a_plan_files_pipeline(tmp_path, capsys):
+    """`autopar simulate --plan` runs the plan's schedule on its stage times: for 1F1B on two stages the
+    step is t0 + t1 + (M - 1) max(t0, t1) with t_s a stage's forward plus backward per microbatch."""
+    import json
+
+    from autopar.cli import main
+
+    plan = tmp_path / "plan.json"
+    assert (
+        main(["plan", "tiny-gpt2", "--mesh", "pp=2,tp=2", "--microbatches", "4", "--no-baselines", "-o", str(plan)])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["simulate", "--plan", str(plan), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    stages = json.loads(plan.read_text())["pipeline"]["stage_plan"]["stages"]
+    t = [st["compute_seconds"] + st["comm_seconds"] for st in stages]
+    assert float(out["step_time"]) == pytest.approx(t[0] + t[1] + 3 * max(t), rel=1e-9)

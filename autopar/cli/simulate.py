@@ -52,6 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--act-bytes", type=float, help="activation bytes one microbatch stashes per rank share")
     parser.add_argument("--p2p", choices=("eager", "batched"), default="eager", help="p2p semantics")
     parser.add_argument("--chart", metavar="PNG", help="write the Gantt chart to this file")
+    parser.add_argument(
+        "--plan", metavar="PLAN", help="simulate a plan file's pipeline (schedule, stages and per-stage times)"
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--print", action="store_true", dest="print_actions", help="print the action lists")
     parser.set_defaults(func=run)
@@ -99,7 +102,35 @@ def _report(result: SimResult, args: argparse.Namespace) -> None:
         save_gantt(result, args.chart)
 
 
+def _from_plan(args: argparse.Namespace) -> tuple[Schedule, Costs]:
+    """The (Schedule, Costs) of a plan file with a pipeline: its schedule and stage count, and per-stage
+    forward / backward times from the stage assignment (backward = 2 x forward, TP communication
+    split the same way); --microbatches overrides the plan's microbatch count."""
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if not plan.pipeline:
+        raise ScheduleError(f"{args.plan} has no pipeline: plan it with a pp axis (autopar plan MODEL --mesh pp=4,...)")
+    pipe = plan.pipeline
+    stages = pipe["stage_plan"]["stages"]
+    options = {}
+    if pipe.get("chunks", 1) > 1:
+        options["chunks"] = pipe["chunks"]
+    if pipe.get("waves"):
+        options["waves"] = pipe["waves"]
+    micro = pipe.get("microbatches") or args.microbatches
+    schedule = make_schedule(pipe["schedule"], pipe["pp"], micro, **options)
+    per_stage = [Fraction(st["compute_seconds"] + st["comm_seconds"]).limit_denominator(10**12) for st in stages]
+    costs = Costs.uniform(
+        len(stages),
+        tf=[t / 3 for t in per_stage],
+        tb=[2 * t / 3 for t in per_stage],
+        act_bytes=[st["activation_bytes"] for st in stages],
+    )
+    return schedule, costs
+
+
 def run(args: argparse.Namespace) -> int:
-    schedule, costs = _from_flags(args)
+    schedule, costs = _from_plan(args) if args.plan else _from_flags(args)
     _report(simulate(schedule, costs, p2p=args.p2p), args)
     return 0
