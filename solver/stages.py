@@ -311,6 +311,24 @@ def _starts(arg: list[list[int]], stages: int, n: int) -> list[int]:
     return out[::-1]
 
 
+def feasible(n: int, stages: int, fits: Callable[[int, int, int], bool]) -> bool:
+    """Whether some partition into ``stages`` non-empty runs fits, in O(n + stages) calls.
+
+    Greedy is exact: each stage takes the longest run that fits, leaving one item per stage still
+    to come. By induction it ends at least as far right as any feasible partition does after the
+    same number of stages, since a run inside a run that fits also fits."""
+    start = 0
+    for s in range(stages):
+        cap = n - (stages - 1 - s)
+        end = start
+        while end < cap and fits(s, start, end + 1):
+            end += 1
+        if end == start:
+            return False
+        start = end
+    return start == n
+
+
 def even_partition(
     n: int,
     stages: int,
@@ -682,8 +700,7 @@ def _no_fit(
         if num_stages(p, chunks, waves) > n:
             break
         kp = inflight(p, chunks, waves, microbatches)
-        got, _ = min_max_partition(n, num_stages(p, chunks, waves), lambda s, j, i, kp=kp: memfn(j, i, kp[s]))
-        if got * per_rank <= budget:
+        if feasible(n, num_stages(p, chunks, waves), lambda s, j, i, kp=kp: memfn(j, i, kp[s]) * per_rank <= budget):
             feasible_pp = p
             break
     deepest = max(p for p in range(pp, n + 1) if num_stages(p, chunks, waves) <= n)

@@ -6,6 +6,7 @@ import functools
 import itertools
 import json
 import math
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -38,7 +39,10 @@ def gpt2(mesh: MeshSpec | None = None) -> Program:
 # The DP against brute force
 
 
-def brute_force(n, stages, cost, fits):
+Runs = Callable[[int, int, int], float]
+
+
+def brute_force(n: int, stages: int, cost: Runs, fits: Callable[[int, int, int], bool]) -> tuple[float, float]:
     """(min over partitions of the max run cost, min sum of squares among the optimal ones)."""
     best, squares = math.inf, math.inf
     for cuts in itertools.combinations(range(1, n), stages - 1):
@@ -53,7 +57,7 @@ def brute_force(n, stages, cost, fits):
 
 
 @st.composite
-def instances(draw):
+def instances(draw: st.DrawFn) -> tuple:
     n = draw(st.integers(1, 8))
     stages = draw(st.integers(1, n))
     times = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
@@ -78,6 +82,7 @@ def test_dp_equals_brute_force(inst):
     best, starts = st_.min_max_partition(n, stages, cost, fits)
     want, want_sq = brute_force(n, stages, cost, fits)
     assert best == want
+    assert st_.feasible(n, stages, fits) == (want < math.inf)
     if math.isinf(want):
         assert starts == []
         return
