@@ -390,6 +390,24 @@ def _linear(c: Ctx) -> list[OneD]:
     return res
 
 
+def _conv(c: Ctx) -> list[OneD]:
+    """conv2d/convolution(x[N,C,H,W], w[O,C/g,kh,kw], bias?): batch-split, output channels split
+    (bias split with them), or input channels split into a partial sum (groups == 1, no bias)."""
+    x, w = c.ins[0].shape, c.ins[1].shape
+    has_bias = len(c.ins) > 2
+    args = c.op.args
+    groups = args[-1] if c.op.target == "aten.conv2d" and len(args) >= 7 else (args[8] if len(args) > 8 else 1)
+    rest = tuple(R for _ in c.ins[2:])
+    res: list[OneD] = [_replicated(c)]
+    if x[0] % c.n == 0:
+        res.append(((Shard(0), R) + rest, (Shard(0),)))
+    if w[0] % c.n == 0 and groups == 1:
+        res.append(((R, Shard(0)) + tuple(Shard(0) for _ in c.ins[2:]), (Shard(1),)))
+    if x[1] % c.n == 0 and groups == 1 and not has_bias:
+        res.append(((Shard(1), Shard(1)), (Partial("sum"),)))
+    return res
+
+
 def _embedding(c: Ctx) -> list[OneD]:
     w, idx = c.ins[0].shape, c.ins[1].shape
     res: list[OneD] = [_replicated(c)]
@@ -442,9 +460,7 @@ def _reduction(c: Ctx) -> list[OneD]:
     dims = set(range(rank)) if full else {x % rank for x in args[1]}
     keep = bool(args[2]) if len(args) > 2 and not full else c.op.kwargs.get("keepdim", False)
     op = "avg" if "mean" in c.op.target else "sum"
-    res: list[OneD] = (
-        [_replicated(c), ((Partial("sum"),), (Partial("sum"),))] if op == "sum" else [_replicated(c)]
-    )
+    res: list[OneD] = [_replicated(c), ((Partial("sum"),), (Partial("sum"),))] if op == "sum" else [_replicated(c)]
     for d in range(rank):
         for k in _shards(src[d], c.n, c.chunk_counts):
             if d in dims:
@@ -519,6 +535,8 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
     "aten.matmul": _matmul,
     "aten.linear": _linear,
     "aten.embedding": _embedding,
+    "aten.conv2d": _conv,
+    "aten.convolution": _conv,
     "aten.layer_norm": _layer_norm,
     "aten._softmax": _softmax,
     "aten.softmax.int": _softmax,
@@ -584,9 +602,7 @@ def _combine(per_axis: list[list[OneD]], nin: int, in_types, out_types, sizes) -
     (a dim may be sharded over several axes: nested, the earlier axis outer)."""
     out: list[Strategy] = []
     for combo in itertools.product(*per_axis):
-        ins = tuple(
-            None if any(c[0][i] is None for c in combo) else tuple(c[0][i] for c in combo) for i in range(nin)
-        )
+        ins = tuple(None if any(c[0][i] is None for c in combo) else tuple(c[0][i] for c in combo) for i in range(nin))
         outs = tuple(tuple(c[1][j] for c in combo) for j in range(len(out_types)))
         ok_in = all(p is None or valid(p, t.shape, sizes) for p, t in zip(ins, in_types))
         if ok_in and all(valid(p, t.shape, sizes) for p, t in zip(outs, out_types)):
@@ -607,9 +623,7 @@ def op_strategies(
     return _combine(per_axis, len(ins), ins, op.types, mesh.sizes), rule is not None
 
 
-def value_strategies(
-    t: TensorType, mesh: MeshSpec, counts: tuple[int, ...], shardable: bool = True
-) -> list[Strategy]:
+def value_strategies(t: TensorType, mesh: MeshSpec, counts: tuple[int, ...], shardable: bool = True) -> list[Strategy]:
     """Storage placements of a parameter, buffer or input: replicated, or sharded on any dim."""
     per_axis = []
     for _, n in mesh.axes:

@@ -56,8 +56,7 @@ def tiny_mlp(seed: int = 0, batch: int = 8, steps: int = 3):
     model = MLP()
     g = torch.Generator().manual_seed(seed + 1)
     batches = [
-        {"x": torch.randn(batch, 32, generator=g), "target": torch.randn(batch, 32, generator=g)}
-        for _ in range(steps)
+        {"x": torch.randn(batch, 32, generator=g), "target": torch.randn(batch, 32, generator=g)} for _ in range(steps)
     ]
     return model, batches
 
@@ -132,3 +131,32 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int]) -> dic
 def compare_models(rank: int, world: int, models: list[str], axes: dict[str, int]) -> dict:
     """Several comparisons in one process group (spawning is the expensive part of a test)."""
     return {m: compare(rank, world, m, axes) for m in models}
+
+
+class CNN(torch.nn.Module):
+    """A small convolutional model (ViT-style patch embedding plus a conv block) with its own loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.patch = torch.nn.Conv2d(3, 16, kernel_size=4, stride=4)
+        self.conv = torch.nn.Conv2d(16, 16, kernel_size=3, padding=1)
+        self.head = torch.nn.Linear(16, 10)
+
+    def forward(self, x, target):
+        h = torch.nn.functional.gelu(self.patch(x))
+        h = h + self.conv(h)
+        return torch.nn.functional.cross_entropy(self.head(h.mean(dim=(2, 3))), target)
+
+
+def tiny_cnn(seed: int = 0, batch: int = 4, steps: int = 3):
+    torch.manual_seed(seed)
+    model = CNN()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = [
+        {"x": torch.randn(batch, 3, 16, 16, generator=g), "target": torch.randint(0, 10, (batch,), generator=g)}
+        for _ in range(steps)
+    ]
+    return model, batches
+
+
+MODELS["cnn"] = tiny_cnn

@@ -10,25 +10,29 @@ from tests.equivalence import compare_models
 
 pytestmark = pytest.mark.multiproc
 
-MESHES = [{"dp": 2}, {"tp": 2}, {"dp": 2, "tp": 2}]
+MESHES = [
+    ({"dp": 2}, ["mlp", "gpt2", "cnn"]),
+    ({"tp": 2}, ["mlp", "gpt2", "cnn"]),
+    ({"dp": 2, "tp": 2}, ["mlp", "gpt2"]),
+]
 
 
-@pytest.mark.parametrize("axes", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()))
-def test_mlp_and_gpt2_train_exactly(axes):
+@pytest.mark.parametrize(
+    "axes,models", MESHES, ids=lambda a: "x".join(f"{k}{v}" for k, v in a.items()) if isinstance(a, dict) else ""
+)
+def test_models_train_exactly(axes, models):
     world = 1
     for n in axes.values():
         world *= n
-    results = run_distributed(compare_models, world, ["mlp", "gpt2"], axes)
+    results = run_distributed(compare_models, world, models, axes)
     for rank, res in enumerate(results):
         for model, r in res.items():
             where = f"{model} on {axes}, rank {rank}"
             torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0, msg=where)
-            assert r["param_rel"] < 1e-5, (
-                f"{where}: parameters differ by {r['param_rel']:.2e} relative (norm)"
-            )
+            assert r["param_rel"] < 1e-5, f"{where}: parameters differ by {r['param_rel']:.2e} relative (norm)"
             # entries with a noise-only gradient (GPT-2's key biases) are a sliver of the model
             assert r["noise_entries"] <= 0.01 * r["full_numel"], where
     # every rank holds less than the whole model when anything is sharded
-    for model in ("mlp", "gpt2"):
+    for model in models:
         r = results[0][model]
         assert r["local_numel"] <= r["full_numel"]
