@@ -73,23 +73,13 @@ class _Builder:
         key = ("f", name, axis)
         if key not in self.cache:
             t = self.types[name]
-            self.cache[key] = self.emit(
-                "grad_all_reduce", name, t, {"axis": self.prog.mesh.names[axis]}, path
-            )
+            self.cache[key] = self.emit("grad_all_reduce", name, t, {"axis": self.prog.mesh.names[axis]}, path)
         return self.cache[key]
-
-
-def _requires_grad(prog: Program) -> set[str]:
-    out = {v.name for v in prog.inputs if v.kind == "param" and v.type.is_float}
-    for op in prog.ops:
-        if any(r.name in out for r in op.input_refs()):
-            out.update(r for r, t in zip(op.results, op.types) if t.is_float)
-    return out
 
 
 def insert_collectives(prog: Program) -> Program:
     b = _Builder(prog)
-    grad = _requires_grad(prog)
+    grad = prog.requires_grad()
     for op in prog.ops:
         refs = op.input_refs()
         reqs = required_inputs(op) if "in" in op.attrs else [None] * len(refs)

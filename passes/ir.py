@@ -331,6 +331,14 @@ class Program:
                     seen.add(ref.name)
         return out
 
+    def requires_grad(self) -> set[str]:
+        """Names of the values whose gradient backward computes: float parameters and what they feed."""
+        out = {v.name for v in self.inputs if v.kind == "param" and v.type.is_float}
+        for op in self.ops:
+            if any(r.name in out for r in op.input_refs()):
+                out.update(r for r, t in zip(op.results, op.types) if t.is_float)
+        return out
+
     @property
     def params(self) -> tuple[Value, ...]:
         return tuple(v for v in self.inputs if v.kind == "param")

@@ -110,7 +110,7 @@ class _Builder:
         self.users = prog.users()
         self.outputs = {r.name for r in prog.outputs if hasattr(r, "name")}
         self.unruled: set[str] = set()
-        self.grad = _requires_grad(prog)
+        self.grad = prog.requires_grad()
         self.producers = prog.producers()
         self._value_cache: dict[str, list[Strategy]] = {}
         self._refs: dict[str, list] = {}
@@ -311,14 +311,6 @@ def _results_of(g: Group) -> set[str]:
 
 def _label(x: Op | Value) -> str:
     return f"%{x.result} = {x.target}" if isinstance(x, Op) else f"{x.kind} %{x.name}"
-
-
-def _requires_grad(prog: Program) -> set[str]:
-    out = {v.name for v in prog.inputs if v.kind == "param" and v.type.is_float}
-    for op in prog.ops:
-        if any(r.name in out for r in op.input_refs()):
-            out.update(r for r, t in zip(op.results, op.types) if t.is_float)
-    return out
 
 
 def build_problem(prog: Program, opts: ShardOptions):

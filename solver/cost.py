@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autopar.passes.ir import MeshSpec, Partial, Placement, Replicate, Shard, TensorType
+from autopar.passes.ir import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.passes.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
 
@@ -186,14 +186,6 @@ def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec | None) -> list[bool]:
         out.append(stride * n <= cluster.devices_per_node)
         stride *= n
     return list(reversed(out))
-
-
-def is_partial(p: Placement) -> bool:
-    return isinstance(p, Partial)
-
-
-def is_shard(p: Placement) -> bool:
-    return isinstance(p, Shard)
 
 
 def program_memory(prog, setup: TrainingSetup | None = None) -> float:
