@@ -194,13 +194,25 @@ def compile(  # noqa: A001
     plan: str | os.PathLike | None = None,
     dump_dir: str | None = None,
     device: str | torch.device | None = None,
-) -> CompiledModule:
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    schedule_options: dict | None = None,
+    seed: int = 0,
+    scatter_gather: bool = False,
+    timeout: float = 600.0,
+):
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
     ``mesh`` is a torch DeviceMesh with named axes. Rank 0 plans and broadcasts the planned IR, so
     every rank runs the same program. With ``plan=`` (a file from ``autopar plan -o``) nothing is
     solved: the plan is checked against this model's graph and this mesh and used as it is. The
     model's weights are sliced into this rank's shards; the compiled module keeps no whole copy.
+
+    A mesh with a ``pp`` axis gives a ``autopar.pipeline.PipelineModule`` instead: the inputs are the
+    global batch, cut into ``microbatches``; ``schedule`` (gpipe, 1f1b, interleaved, wave, scp) with
+    ``schedule_options`` (chunks=, waves=, alpha1=, recompute=) runs it; a model built on the meta
+    device is initialized shard by shard from ``seed``; ``scatter_gather`` sends 1/tp of each
+    tensor-parallel-replicated stage boundary; ``timeout`` bounds every transfer (seconds).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -210,6 +222,25 @@ def compile(  # noqa: A001
             "use autopar.init_mesh(dp=2, tp=2)"
         )
     spec = mesh_spec(mesh)
+    if "pp" in spec.names:
+        from autopar.pipeline import compile_pipeline
+
+        return compile_pipeline(
+            model,
+            mesh,
+            args,
+            kwargs,
+            microbatches=microbatches,
+            schedule=schedule,
+            schedule_options=schedule_options,
+            options=options,
+            plan=plan,
+            dump_dir=dump_dir,
+            device=device,
+            seed=seed,
+            scatter_gather=scatter_gather,
+            timeout=timeout,
+        )
     captured = capture(model, args, kwargs)
     text = [None]
     if plan is not None:

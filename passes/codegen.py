@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
-from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, map_refs, resolve_target
+from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.runtime import collectives as coll
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
@@ -45,10 +45,14 @@ def codegen(
     coords: dict[str, int],
     get_tensor: Callable[[str], torch.Tensor],
     device: torch.device | str = "cpu",
+    local_tensor: Callable[[Value], torch.Tensor] | None = None,
 ) -> fx.GraphModule:
     """Build the GraphModule of the rank at mesh coordinates ``coords``.
 
     ``get_tensor(name)`` returns a parameter or buffer's whole value; only the local shard is kept.
+    ``local_tensor(value)``, when given, returns the rank's ready local shard (a Parameter for a
+    parameter) and is used as it is, not copied: pipeline stages on one rank share their tied
+    parameters this way (autopar.passes.stage_codegen).
     """
     device = torch.device(device)
     sizes = prog.mesh.sizes
@@ -57,11 +61,20 @@ def codegen(
     env: dict[str, fx.Node] = {}
     for v in prog.inputs:
         if v.kind == "input":
-            env[v.name] = graph.placeholder(v.name.replace(".", "_"))
+            ident = v.name.replace(".", "_")
+            env[v.name] = graph.placeholder(ident if ident.isidentifier() else f"v{ident}")
+            continue
+        owner, attr = _owner(root, v.name)
+        if local_tensor is not None:
+            ready = local_tensor(v)
+            if isinstance(ready, torch.nn.Parameter):
+                owner.register_parameter(attr, ready)
+            else:
+                owner.register_buffer(attr, ready)
+            env[v.name] = graph.get_attr(v.name)
             continue
         local = shard_param(get_tensor(v.name), v.type.placements, prog.mesh.names, sizes, coords)
         local = local.detach().to(device).clone().contiguous()
-        owner, attr = _owner(root, v.name)
         if v.kind == "param":
             owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=v.type.is_float))
         else:

@@ -17,9 +17,7 @@ def _check_type(where: str, t: TensorType, prog: Program) -> None:
     for p, (axis, n) in zip(t.placements, mesh.axes):
         if isinstance(p, Shard):
             if not 0 <= p.dim < len(t.shape):
-                raise VerifyError(
-                    f"{where}: S({p.dim}) on axis {axis} but the tensor has rank {len(t.shape)}"
-                )
+                raise VerifyError(f"{where}: S({p.dim}) on axis {axis} but the tensor has rank {len(t.shape)}")
             per_dim[p.dim] = per_dim.get(p.dim, 1) * n
             if t.shape[p.dim] % (per_dim[p.dim] * p.chunks):
                 raise VerifyError(
@@ -30,8 +28,52 @@ def _check_type(where: str, t: TensorType, prog: Program) -> None:
             raise VerifyError(f"{where}: {p!r} is not a placement")
 
 
+def _check_transfer(op: Op, types: dict[str, TensorType], prog: Program) -> None:
+    """send/recv: a pipeline-axis name, a neighbouring peer stage, send keeps the type."""
+    where = f"%{op.result} = {op.target}"
+    axis = op.kwargs.get("axis")
+    want = prog.attrs.get("pipeline_axis")
+    if not isinstance(axis, str) or (want is not None and axis != want):
+        raise VerifyError(f"{where}: axis {axis!r} is not the pipeline axis {want!r}")
+    if axis in prog.mesh.names:
+        raise VerifyError(f"{where}: the pipeline axis {axis} must not be an axis of the program's mesh {prog.mesh}")
+    peer = op.kwargs.get("peer_stage")
+    if not isinstance(peer, int) or isinstance(peer, bool) or peer < 0:
+        raise VerifyError(f"{where}: peer_stage must be a stage number, not {peer!r}")
+    stage = op.attrs.get("stage")
+    if stage is not None and peer != stage + (1 if op.target == "send" else -1):
+        raise VerifyError(f"{where} in stage {stage} names peer stage {peer}; only neighbouring stages exchange")
+    if op.target == "send":
+        if len(op.args) != 1 or op.args[0].name not in types:
+            raise VerifyError(f"{where}: send takes exactly one value")
+        if types[op.args[0].name] != op.type:
+            raise VerifyError(f"{where}: send must not change the type ({types[op.args[0].name]} -> {op.type})")
+    elif op.args:
+        raise VerifyError(f"{where}: recv takes no arguments")
+
+
+def _check_channels(prog: Program) -> None:
+    """The k-th send from stage a to stage b carries the type of the k-th recv of b from a."""
+    sends: dict[tuple[int, int], list[TensorType]] = {}
+    recvs: dict[tuple[int, int], list[TensorType]] = {}
+    for op in prog.ops:
+        if op.target in ("send", "recv") and "stage" in op.attrs:
+            s, peer = op.attrs["stage"], op.kwargs["peer_stage"]
+            key, book = ((s, peer), sends) if op.target == "send" else ((peer, s), recvs)
+            book.setdefault(key, []).append(op.type)
+    for key in sorted(set(sends) | set(recvs)):
+        a, b = sends.get(key, []), recvs.get(key, [])
+        if a != b:
+            raise VerifyError(
+                f"stage {key[0]} sends {len(a)} value(s) to stage {key[1]}, which receives {len(b)}"
+                + ("" if len(a) != len(b) else " of other types")
+                + ": every send needs a recv of the same type, in the same order"
+            )
+
+
 def _check_collective(op: Op, types: dict[str, TensorType], prog: Program) -> None:
     if op.target in ("send", "recv"):
+        _check_transfer(op, types, prog)
         return
     axis = op.kwargs.get("axis")
     if axis not in prog.mesh.names:
@@ -84,6 +126,7 @@ def verify(prog: Program, shapes: bool = False) -> None:
     for ref in iter_refs(prog.outputs):
         if ref.name not in defined:
             raise VerifyError(f"output %{ref.name} is not defined")
+    _check_channels(prog)
 
 
 def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
@@ -105,6 +148,4 @@ def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     for r, t, o in zip(op.results, op.types, outs):
         if tuple(o.shape) != t.shape:
-            raise VerifyError(
-                f"%{r} = {op.target}: the IR says shape {list(t.shape)}, the op gives {list(o.shape)}"
-            )
+            raise VerifyError(f"%{r} = {op.target}: the IR says shape {list(t.shape)}, the op gives {list(o.shape)}")

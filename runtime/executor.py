@@ -1,0 +1,523 @@
+"""Run one rank's pipeline action list with torch.distributed point-to-point, and record what ran.
+
+The executor interprets the lists of ``autopar.runtime.schedules`` (docs/schedules.md is the
+contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical path.
+
+- ``F(mb, s)`` runs stage ``s``'s GraphModule on what it received (or what the previous stage on
+  this rank handed over) plus the microbatch's user inputs, and stashes what the backward needs.
+  ``F`` with ``recompute=x`` runs the first ``x`` of the stage's subgraphs without autograd (stashing
+  only the stage's inputs) and the rest with it; ``RECOMPUTE`` re-runs that prefix with autograd
+  (restoring the RNG state of the forward) before ``B``, without waiting for the gradient.
+- ``B(mb, s)`` back-propagates the received output gradient (the last stage: the loss times
+  ``1/M``, so the step's gradient is that of the mean microbatch loss), accumulates parameter
+  gradients, and frees the microbatch's stash at once.
+- Consecutive ``SEND_*``/``RECV_*`` between two compute actions are one
+  ``torch.distributed.batch_isend_irecv``. Receives are posted where the list puts them, ahead of
+  their consumers (Hanayo's prefetch), into buffers whose local shapes come from the IR; the
+  consumer waits for them. Sends stay in flight until the end of the step. Neighbouring stages on
+  one rank (a wave's turn) hand tensors over locally.
+- ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
+  reduction, tied-parameter reduction, the optimizer).
+
+Every wait has a timeout; a failed or timed-out transfer raises ``RuntimeCommError`` naming the
+action and the peer, so a rank whose peer died stops with a clear error instead of hanging.
+
+Each step records the start and end of every action (``Executor.trace``); ``measured_result``
+turns the traces of all ranks into the simulator's ``SimResult``, so the Gantt chart
+(``autopar.runtime.chart``) and both bubble ratios of a measured step compare directly with a
+simulated one.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.errors import RuntimeCommError
+from autopar.passes.ir import Program
+from autopar.runtime import collectives as coll
+from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, Action, Kind, Schedule
+from autopar.runtime.timeline import Event, SimResult, Transfer
+
+# ---------------------------------------------------------------------------------------------
+# What the executor runs
+
+
+@dataclass
+class Part:
+    """A GraphModule and the names of its placeholders (the program's ``input`` values, in order)."""
+
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    grad: tuple[bool, ...]  # whether a gradient flows through each input
+
+    @classmethod
+    def of(cls, module: fx.GraphModule, prog: Program) -> Part:
+        values = [v for v in prog.inputs if v.kind == "input"]
+        return cls(module, tuple(v.name for v in values), tuple(bool(v.attrs.get("grad")) for v in values))
+
+    def __call__(self, env: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(self.module(*(env[n] for n in self.inputs)))
+
+
+@dataclass
+class Buffer:
+    """A tensor crossing a stage boundary: its local shape and dtype, and whether a gradient returns."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    grad: bool
+
+
+@dataclass
+class StageRunner:
+    """Everything the executor needs about one stage held by this rank."""
+
+    index: int
+    whole: Part
+    recv: list[Buffer]  # received values, in message order (the placeholders of the same names)
+    send: list[Buffer]  # sent values, in message order (the module's outputs, in order)
+    is_last: bool
+    # recompute fraction -> (prefix run without autograd in F, rest or None when all is recomputed)
+    variants: dict[Fraction, tuple[Part, Part | None]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------------
+# Traces and the measured SimResult
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One action as it ran: seconds since the step began (all ranks start after one barrier)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+def measured_result(schedule: Schedule, traces: Sequence[Sequence[TraceEvent]]) -> SimResult:
+    """The simulator's result type built from measured traces (one list per pipeline rank).
+
+    ``step_time`` is the end of the last compute action on any rank (the pipeline proper; gradient
+    reduction and the optimizer step come after it and are not part of the bubble), ``busy`` the time
+    each rank spent in F, B and RECOMPUTE, so ``bubble_ratio`` and ``idle_fraction`` mean what they
+    mean for a simulation. Transfers pair the k-th send of a channel with its k-th receive and run
+    from the later of the two posts to the end of the receive's wait.
+    """
+    ranks = range(schedule.num_ranks)
+    timeline = [[Event(r, e.action, e.start, e.end) for e in traces[r]] for r in ranks]
+    compute_ends = [e.end for r in ranks for e in traces[r] if e.action.kind in COMPUTE_KINDS]
+    step = max(compute_ends, default=0.0)
+    busy = [sum(e.end - e.start for e in traces[r] if e.action.kind in COMPUTE_KINDS) for r in ranks]
+    sends: dict[tuple[int, int], list[TraceEvent]] = defaultdict(list)
+    recvs: dict[tuple[int, int], list[TraceEvent]] = defaultdict(list)
+    s2r = schedule.stage_to_rank
+    for r in ranks:
+        for e in traces[r]:
+            a = e.action
+            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                sends[(r, s2r[a.peer])].append(e)
+            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
+                recvs[(s2r[a.peer], r)].append(e)
+    transfers = []
+    for (src, dst), ss in sends.items():
+        for s, rv in zip(ss, recvs.get((src, dst), [])):
+            transfers.append(Transfer(src, dst, s.action, rv.action, max(s.start, rv.start), rv.end))
+    peaks = [_peak_stash(traces[r]) for r in ranks]
+    return SimResult(schedule, timeline, transfers, step, busy, peaks)
+
+
+def _peak_stash(trace: Sequence[TraceEvent]) -> int:
+    live = peak = 0
+    for e in trace:
+        if e.action.kind is Kind.F:
+            live += 1
+            peak = max(peak, live)
+        elif e.action.kind is Kind.B:
+            live -= 1
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------
+# The executor
+
+
+_WIRE = {torch.bool: torch.uint8}  # dtypes gloo cannot send are sent as their bytes
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous()
+    return t.view(_WIRE[t.dtype]) if t.dtype in _WIRE else t
+
+
+@dataclass
+class _Pending:
+    """A posted receive: its buffers and the works of the batch it was posted in."""
+
+    buffers: list[torch.Tensor]
+    works: list
+    action: Action
+    peer_rank: int
+
+
+@dataclass
+class _Stash:
+    leaves: dict[str, torch.Tensor]  # the stage's inputs (received leaves and user inputs)
+    outputs: tuple[torch.Tensor, ...] = ()  # outputs autograd goes back from (whole stage or rest)
+    recompute: Fraction = Fraction(0)
+    head_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix outputs, as leaves
+    head_outputs: tuple[torch.Tensor, ...] | None = None  # prefix outputs with autograd (RECOMPUTE)
+    rng: tuple | None = None
+
+
+class Executor:
+    """Runs this rank's action list of ``schedule`` once per ``run`` call.
+
+    ``stages``: this rank's stages. ``peer_rank(s)``: the global rank holding stage ``s`` in this
+    rank's pipeline (same data/tensor-parallel coordinates). ``reduce_grads(s)`` and ``step()``
+    implement ``REDUCE_GRADS`` and ``STEP``.
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        pp_rank: int,
+        stages: dict[int, StageRunner],
+        peer_rank: Callable[[int], int],
+        comm: coll.Comm,
+        reduce_grads: Callable[[int], None],
+        step: Callable[[], None],
+        *,
+        timeout: float = 600.0,
+        record: bool = True,
+        barrier: Callable[[], None] | None = None,
+        device: torch.device | str = "cpu",
+    ):
+        self.schedule = schedule
+        self.pp_rank = pp_rank
+        self.stages = stages
+        self.peer_rank = peer_rank
+        self.comm = comm
+        self.reduce_grads = reduce_grads
+        self.step_fn = step
+        self.timeout = timeout
+        self.record = record
+        self.barrier = barrier
+        self.device = torch.device(device)
+        self.actions = schedule.actions[pp_rank]
+        self.trace: list[TraceEvent] = []
+        self.peak_stash = 0
+        s2r = schedule.stage_to_rank
+        self._local = {s for s, r in enumerate(s2r) if r == pp_rank}
+        if set(stages) != self._local:
+            raise RuntimeCommError(
+                f"pipeline rank {pp_rank} holds stages {sorted(self._local)} in the schedule but was given "
+                f"{sorted(stages)}"
+            )
+
+    # -- one step --------------------------------------------------------------------------------
+    def run(self, microbatches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Run the list once; returns the losses of the microbatches if this rank holds the last stage."""
+        m = self.schedule.num_microbatches
+        if len(microbatches) != m:
+            raise ValueError(f"the schedule is for {m} microbatches, got {len(microbatches)}")
+        self._mbs = microbatches
+        self._scale = 1.0 / m
+        self._acts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its inputs, handed over
+        self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its output grads
+        self._to_send: dict[tuple[Kind, int, int], list[torch.Tensor]] = {}
+        self._pending: dict[tuple[Kind, int, int], _Pending] = {}
+        self._in_flight: list[tuple[list, Action, int, list[torch.Tensor]]] = []
+        self._stash: dict[tuple[int, int], _Stash] = {}
+        self._done: dict[int, object] = {}
+        self._losses: list[torch.Tensor] = [torch.zeros(())] * m
+        trace: list[TraceEvent] = []
+        if self.record and self.barrier is not None:
+            self._guard(self.barrier, "the barrier before the step", -1)
+        t0 = time.perf_counter()
+        live = peak = 0
+        i, n = 0, len(self.actions)
+        with coll.use_comm(self.comm):
+            while i < n:
+                a = self.actions[i]
+                if a.kind in P2P_KINDS:
+                    j = i
+                    while j < n and self.actions[j].kind in P2P_KINDS:
+                        j += 1
+                    start = time.perf_counter() - t0
+                    self._post(self.actions[i:j])
+                    end = time.perf_counter() - t0
+                    trace.extend(TraceEvent(b, start, end) for b in self.actions[i:j])
+                    i = j
+                    continue
+                start = time.perf_counter() - t0
+                waited = self._do(a)
+                end = time.perf_counter() - t0
+                for recv, done in waited:  # a receive ends when its consumer has its data
+                    _finish(trace, recv, done - t0)
+                trace.append(TraceEvent(a, start, end))
+                if a.kind is Kind.F:
+                    live += 1
+                    peak = max(peak, live)
+                elif a.kind is Kind.B:
+                    live -= 1
+                i += 1
+            self._drain()
+        self.trace = trace
+        self.peak_stash = peak
+        return self._losses if self._last_local() else []
+
+    def _last_local(self) -> bool:
+        return self.schedule.num_stages - 1 in self._local
+
+    # -- compute ---------------------------------------------------------------------------------
+    def _do(self, a: Action) -> list[tuple[Action, float]]:
+        waited: list[tuple[Action, float]] = []
+        if a.kind is Kind.F:
+            self._forward(a, waited)
+        elif a.kind is Kind.RECOMPUTE:
+            self._recompute(a)
+        elif a.kind is Kind.B:
+            self._backward(a, waited)
+        elif a.kind is Kind.REDUCE_GRADS:
+            self._drain()
+            self._guard(lambda: self.reduce_grads(a.stage), a, -1)
+        elif a.kind is Kind.STEP:
+            self._drain()
+            self._guard(self.step_fn, a, -1)
+        return waited
+
+    def _inputs(self, a: Action, waited) -> list[torch.Tensor]:
+        st = self.stages[a.stage]
+        if not st.recv:
+            return []
+        key = (a.mb, a.stage)
+        if key in self._acts:
+            return [t.detach() for t in self._acts.pop(key)]
+        return self._wait((Kind.RECV_ACT, a.mb, a.stage), waited)
+
+    def _forward(self, a: Action, waited) -> None:
+        st = self.stages[a.stage]
+        received = self._inputs(a, waited)
+        leaves: dict[str, torch.Tensor] = {}
+        for buf, t in zip(st.recv, received):
+            leaves[buf.name] = t.requires_grad_(True) if buf.grad and t.is_floating_point() else t
+        leaves.update(self._mbs[a.mb])
+        x = a.recompute
+        stash = _Stash(leaves, recompute=x)
+        if not x:
+            outs = st.whole(leaves)
+            stash.outputs = outs
+        else:
+            head, rest = st.variants[x]
+            stash.rng = _rng_state()
+            with torch.no_grad():
+                h = head(leaves)
+            if rest is None:
+                outs = h
+            else:
+                stash.head_leaves = {
+                    name: (t.detach().requires_grad_(g) if t.is_floating_point() else t.detach())
+                    for name, t, g in zip(rest.inputs, h, rest.grad)
+                }
+                outs = rest({**leaves, **stash.head_leaves})
+                stash.outputs = outs
+        self._stash[(a.mb, a.stage)] = stash
+        if st.is_last:
+            self._losses[a.mb] = outs[0].detach()
+            return
+        nxt = a.stage + 1
+        if nxt in self._local:
+            self._acts[(a.mb, nxt)] = [o.detach() for o in outs]
+        else:
+            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [_wire(o) for o in outs]
+
+    def _recompute(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        stash = self._stash[(a.mb, a.stage)]
+        head, _rest = st.variants[stash.recompute]
+        with _restored_rng(stash.rng), torch.enable_grad():
+            stash.head_outputs = head(stash.leaves)
+
+    def _backward(self, a: Action, waited) -> None:
+        st = self.stages[a.stage]
+        stash = self._stash.pop((a.mb, a.stage))
+        if st.is_last:
+            grads: list[torch.Tensor | None] = [None]
+        else:
+            key = (a.mb, a.stage)
+            got = self._grads.pop(key) if key in self._grads else self._wait((Kind.RECV_GRAD, a.mb, a.stage), waited)
+            it = iter(got)
+            grads = [next(it) if b.grad else None for b in st.send]
+        loss = self._scale if st.is_last else None
+        if stash.recompute:
+            if stash.head_outputs is None:
+                raise RuntimeCommError(f"{Action(Kind.B, a.stage, a.mb)} ran before its RECOMPUTE")
+            _head, rest = st.variants[stash.recompute]
+            if rest is None:
+                _backprop(stash.head_outputs, grads, loss)
+            else:
+                _backprop(stash.outputs, grads, loss)
+                k = len(stash.head_outputs)
+                inner = [stash.head_leaves[n].grad if g else None for n, g in zip(rest.inputs[:k], rest.grad[:k])]
+                _backprop(stash.head_outputs, inner)
+        else:
+            _backprop(stash.outputs, grads, loss)
+        if a.stage > 0:
+            out = []
+            for b in st.recv:
+                if b.grad:
+                    leaf = stash.leaves[b.name]
+                    g = leaf.grad if leaf.grad is not None else torch.zeros(b.shape, dtype=b.dtype, device=leaf.device)
+                    out.append(g)
+            prev = a.stage - 1
+            if prev in self._local:
+                self._grads[(a.mb, prev)] = out
+            else:
+                self._to_send[(Kind.SEND_GRAD, a.mb, a.stage)] = [_wire(g) for g in out]
+        del stash  # the microbatch's activations are freed here
+
+    # -- point-to-point --------------------------------------------------------------------------
+    def _post(self, batch: Sequence[Action]) -> None:
+        ops: list[dist.P2POp] = []
+        posted: list[tuple[Action, list[torch.Tensor], int]] = []
+        for a in batch:
+            peer = self.peer_rank(a.peer)
+            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                tensors = self._to_send.pop((a.kind, a.mb, a.stage))
+                ops += [dist.P2POp(dist.isend, t, peer) for t in tensors]
+                posted.append((a, tensors, peer))
+            else:
+                bufs = self._buffers(a)
+                ops += [dist.P2POp(dist.irecv, _wire_view(b), peer) for b in bufs]
+                posted.append((a, bufs, peer))
+        works = self._guard(lambda: dist.batch_isend_irecv(ops), batch[0], -1) if ops else []
+        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL may return one for the batch
+        k = 0
+        for a, tensors, peer in posted:
+            mine = works[k : k + len(tensors)] if per_op else list(works)
+            k += len(tensors)
+            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
+                self._in_flight.append((mine, a, peer, tensors))
+            else:
+                kind = Kind.RECV_ACT if a.kind is Kind.RECV_ACT else Kind.RECV_GRAD
+                self._pending[(kind, a.mb, a.stage)] = _Pending(tensors, mine, a, peer)
+
+    def _buffers(self, a: Action) -> list[torch.Tensor]:
+        st = self.stages[a.stage]
+        specs = st.recv if a.kind is Kind.RECV_ACT else [b for b in st.send if b.grad]
+        return [torch.empty(b.shape, dtype=b.dtype, device=self.device) for b in specs]
+
+    def _wait(self, key: tuple[Kind, int, int], waited) -> list[torch.Tensor]:
+        p = self._pending.pop(key, None)
+        if p is None:
+            kind, mb, stage = key
+            raise RuntimeCommError(
+                f"{kind.value} mb={mb} stage={stage} is needed but was never posted: the action list is "
+                "unsound for this executor"
+            )
+        for w in p.works:
+            self._complete(w, p.action, p.peer_rank)
+        waited.append((p.action, time.perf_counter()))
+        return p.buffers
+
+    def _drain(self) -> None:
+        """Wait for every send still in flight (their buffers may then be freed)."""
+        for works, a, peer, _tensors in self._in_flight:
+            for w in works:
+                self._complete(w, a, peer)
+        self._in_flight = []
+        self._done = {}
+
+    def _complete(self, work, a: Action, peer: int) -> None:
+        """Wait for one work once (a gloo receive waited twice would wait for another message)."""
+        if id(work) in self._done:
+            return
+        self._guard(lambda: work.wait(timeout=self._td()), a, peer)
+        self._done[id(work)] = work  # kept alive until the step ends, so its id is not reused
+
+    # -- failures --------------------------------------------------------------------------------
+    def _td(self) -> datetime.timedelta:
+        return datetime.timedelta(seconds=self.timeout)
+
+    def _guard(self, fn, what, peer: int):
+        try:
+            return fn()
+        except RuntimeCommError:
+            raise
+        except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
+            me = dist.get_rank() if dist.is_initialized() else 0
+            with_peer = f" with rank {peer}" if peer >= 0 else ""
+            raise RuntimeCommError(
+                f"rank {me} (pipeline rank {self.pp_rank}): {what}{with_peer} failed after at most "
+                f"{self.timeout:g}s: {str(e).splitlines()[0] if str(e) else type(e).__name__}. A peer rank "
+                "probably died or stopped; every rank stops here instead of waiting forever."
+            ) from e
+
+
+def _wire_view(b: torch.Tensor) -> torch.Tensor:
+    return b.view(_WIRE[b.dtype]) if b.dtype in _WIRE else b
+
+
+def _finish(trace: list[TraceEvent], recv: Action, end: float) -> None:
+    for k in range(len(trace) - 1, -1, -1):
+        if trace[k].action == recv:
+            trace[k] = TraceEvent(recv, trace[k].start, end)
+            return
+
+
+def _backprop(
+    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], loss_scale: float | None = None
+) -> None:
+    """Back-propagate ``grads`` from ``outputs`` (``None``: no gradient flows back through it). With
+    ``loss_scale`` the first output is the loss and its gradient is ``loss_scale``."""
+    if loss_scale is not None:
+        grads = [torch.full_like(outputs[0], loss_scale)]
+        outputs = outputs[:1]
+    ts, gs = [], []
+    for o, g in zip(outputs, grads):
+        if g is None or not isinstance(o, torch.Tensor) or not o.requires_grad:
+            continue
+        ts.append(o)
+        gs.append(g)
+    if ts:
+        torch.autograd.backward(ts, gs)
+
+
+def _rng_state() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    return torch.get_rng_state(), cuda
+
+
+class _restored_rng:
+    """Run a recomputation with the RNG state its forward saw (dropout masks come out the same)."""
+
+    def __init__(self, state: tuple | None):
+        self.state = state
+
+    def __enter__(self):
+        if self.state is None:
+            return
+        self.saved = _rng_state()
+        torch.set_rng_state(self.state[0])
+        if self.state[1] is not None:
+            torch.cuda.set_rng_state_all(self.state[1])
+
+    def __exit__(self, *exc):
+        if self.state is None:
+            return
+        torch.set_rng_state(self.saved[0])
+        if self.saved[1] is not None:
+            torch.cuda.set_rng_state_all(self.saved[1])
+
+
+__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result"]

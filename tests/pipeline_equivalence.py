@@ -1,0 +1,119 @@
+"""Pipeline training on a mesh vs a single-process run of the same model and data (run in each rank)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+import autopar
+from autopar.models import build
+from tests.equivalence import NOISE_FLOOR
+
+PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "bert": "tiny-bert"}
+
+
+def make_batches(model: torch.nn.Module, example: dict, steps: int, seed: int = 1) -> list[dict]:
+    """``steps`` batches shaped like ``example``: token ids below the vocabulary size, or normals."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
+    out = []
+    for _ in range(steps):
+        b = {}
+        for k, v in example.items():
+            if v.dtype.is_floating_point:
+                b[k] = torch.randn(v.shape, generator=g, dtype=v.dtype)
+            else:
+                b[k] = torch.randint(0, vocab, v.shape, generator=g, dtype=v.dtype)
+        out.append(b)
+    return out
+
+
+def reference_run(model: torch.nn.Module, batches: list[dict], lr: float) -> tuple[list[float], dict, dict]:
+    """Single-process AdamW: losses, final parameters, and the noise masks of tests/equivalence.py."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    noise: dict[str, torch.Tensor] = {}
+    losses = []
+    for b in batches:
+        loss = model(**b).loss if not isinstance(model(**b), torch.Tensor) else model(**b)
+        loss.backward()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if p.grad is not None:
+                mask = (p.grad != 0) & (p.grad.abs() <= NOISE_FLOOR * p.grad.abs().max())
+                noise[name] = noise.get(name, torch.zeros_like(mask)) | mask
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    return losses, params, noise
+
+
+def _errors(full: dict, ref: dict, noise: dict) -> tuple[float, int, int]:
+    worst, excluded, compared = 0.0, 0, 0
+    for name, value in full.items():
+        if name not in ref:
+            continue  # a buffer
+        r = ref[name]
+        keep = ~noise.get(name, torch.zeros_like(r, dtype=torch.bool))
+        excluded += int((~keep).sum())
+        diff = (value - r)[keep]
+        worst = max(worst, (diff.norm() / r[keep].norm().clamp_min(1e-12)).item())
+        compared += 1
+    return worst, excluded, compared
+
+
+def compare_pipeline(
+    rank: int,
+    world: int,
+    model_name: str,
+    axes: dict[str, int],
+    runs: list[tuple[str, dict]],
+    *,
+    steps: int = 3,
+    microbatches: int = 4,
+    batch: int = 8,
+    lr: float = 1e-3,
+    meta: bool = False,
+    compile_kwargs: dict | None = None,
+) -> dict[str, Any]:
+    """For each (schedule, schedule options) in ``runs``: train ``steps`` AdamW steps with autopar on
+    the mesh and compare losses and (this rank's) parameters with one single-process reference."""
+    from autopar.runtime.init import materialize
+
+    preset = f"{PRESETS.get(model_name, model_name)}:batch={batch}"
+    spec = build(preset, device="meta" if meta else "cpu", seed=0)
+    reference = materialize(build(preset, device="meta").model, seed=0) if meta else copy.deepcopy(spec.model)
+    example = build(preset, device="cpu", seed=0).kwargs if meta else spec.kwargs
+    batches = make_batches(reference, example, steps)
+    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    mesh = autopar.init_mesh("cpu", **axes)
+    out: dict[str, Any] = {"ref_losses": torch.tensor(ref_losses)}
+    for schedule, opts in runs:
+        model = spec.model if meta else copy.deepcopy(spec.model)
+        pipe = autopar.compile(
+            model,
+            mesh,
+            kwargs=batches[0],
+            microbatches=microbatches,
+            schedule=schedule,
+            schedule_options=opts,
+            **(compile_kwargs or {}),
+        )
+        opt = pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+        losses = [pipe.train_step(**b).item() for b in batches]
+        del opt
+        full = pipe.full_state_dict()
+        worst, excluded, compared = _errors(full, ref_params, noise)
+        key = schedule + "".join(f",{k}={v}" for k, v in opts.items())
+        out[key] = {
+            "losses": torch.tensor(losses),
+            "param_rel": torch.tensor(worst),
+            "noise_entries": torch.tensor(excluded),
+            "compared": torch.tensor(compared),
+            "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
+            "full_numel": torch.tensor(sum(p.numel() for p in ref_params.values())),
+            "peak_stash": torch.tensor(pipe.peak_stash),
+            "stages": torch.tensor(sorted(pipe.stages)),
+        }
+    return out
