@@ -78,9 +78,7 @@ class NoLegalCutError(PipelineError):
 class StageMemoryError(PipelineError):
     """No partition of the subgraphs into the requested stages fits the per-device memory budget."""
 
-    def __init__(
-        self, message: str, smallest_budget_bytes: float | None = None, smallest_pp: int | None = None
-    ):
+    def __init__(self, message: str, smallest_budget_bytes: float | None = None, smallest_pp: int | None = None):
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes
         self.smallest_pp = smallest_pp
