@@ -56,6 +56,7 @@ def codegen(
     """
     device = torch.device(device)
     sizes = prog.mesh.sizes
+    types = prog.types()
     root = torch.nn.Module()
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
@@ -94,6 +95,11 @@ def codegen(
     for op in prog.ops:
         if op.target in COLLECTIVES:
             node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), dict(op.kwargs))
+        elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
+            w, ids = op.args[0], op.args[1]
+            node = graph.call_function(
+                coll.vocab_parallel_embedding, (env[w.name], env[ids.name]), {"axes": _vocab_axes(op, types, prog)}
+            )
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
@@ -107,6 +113,12 @@ def codegen(
     graph.output(tuple(map_refs(list(prog.outputs), lambda r: env[r.name])))
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     return gm
+
+
+def _vocab_axes(op: Op, types, prog: Program) -> list[str]:
+    """Mesh axes over which an embedding's table is split by rows (vocab-parallel lookups)."""
+    w = types[op.args[0].name]
+    return [name for p, name in zip(w.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 0]
 
 
 def _getitem(xs, i):

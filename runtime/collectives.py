@@ -207,6 +207,20 @@ def all_to_all(x: torch.Tensor, axis: str, src_dim: int, src_chunks: int, dim: i
     return _AllToAll.apply(x, axis, src_dim, src_chunks, dim, chunks)
 
 
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axes: list[str]) -> torch.Tensor:
+    """Megatron's vocab-parallel lookup: this rank holds rows [start, start + V_local) of the table
+    (its block over ``axes``, outer axis first); ids outside read as zero, so summing over the axes
+    gives the whole lookup. Plain ATen ops, so autograd needs nothing special."""
+    c = _comm()
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    start = block * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0))
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
 FUNCTIONS = {
     "all_reduce": all_reduce,
     "grad_all_reduce": grad_all_reduce,

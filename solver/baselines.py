@@ -5,15 +5,14 @@ communication) place everything else, so it gets the cheapest execution of that 
 
 - ``megatron``: on axes named ``tp*``, Megatron-LM's hand strategy (Shoeybi et al. 2019): the
   QKV and MLP-up projections column-parallel (output features split; a fused QKV per head), the
-  attention-output and MLP-down projections row-parallel (input features split), the output layer
-  vocabulary-parallel, norms and other weights replicated; every other axis data parallel (batch
-  split, weights replicated).
+  attention-output and MLP-down projections row-parallel (input features split), embeddings and
+  the output layer vocabulary-parallel, norms and other weights replicated; every other axis data
+  parallel (batch split, weights replicated).
 - ``dp``: every axis data parallel; ``zero2`` / ``zero3``: the same with ZeRO stage 2 / 3 over all
   axes (gradients and optimizer states, plus weights for stage 3, sharded over data parallel).
 - ``comm``: no constraint, least communication time within the budget (Alpa's objective).
 
-Embeddings stay replicated in the Megatron baseline (autopar has no vocabulary-parallel embedding
-lookup yet); models without embeddings (the ILP paper's encoder layers) are unaffected.
+Embedding tables are split by vocabulary on the tp axes, as Megatron's VocabParallelEmbedding.
 """
 
 from __future__ import annotations
@@ -41,10 +40,13 @@ def megatron_layout(prog: Program) -> dict[str, tuple[str, int, int]]:
     readers = prog.users()
     for v in prog.params:
         module, _, kind = v.name.rpartition(".")
+        users = readers[v.name]
+        if any(u.target == "aten.embedding" for u in users) and kind == "weight":
+            layout[v.name] = ("vocab", 0, 1)  # vocab-parallel embedding (and the tied output layer)
+            continue
         role = "column" if _COLUMN.search(module) else "row" if _ROW.search(module) else None
         if role is None:
             continue
-        users = readers[v.name]
         # nn.Linear keeps W as [out, in] (aten.linear); HF Conv1D as [in, out] (aten.mm / addmm)
         transposed = any(u.target == "aten.mm" for u in users)
         out_dim = 1 if transposed else 0

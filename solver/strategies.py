@@ -409,6 +409,9 @@ def _conv(c: Ctx) -> list[OneD]:
 
 
 def _embedding(c: Ctx) -> list[OneD]:
+    """embedding(W[V, E], ids): ids split (batch), W split by hidden (hidden-parallel), or W split by
+    vocabulary (Megatron's vocab-parallel: each rank looks up the ids in its rows, others read as
+    zero, so the output is a partial sum; codegen emits the masked lookup)."""
     w, idx = c.ins[0].shape, c.ins[1].shape
     res: list[OneD] = [_replicated(c)]
     for d in range(len(idx)):
@@ -416,6 +419,8 @@ def _embedding(c: Ctx) -> list[OneD]:
             res.append(((R, Shard(d)), (Shard(d),)))
     if w[1] % c.n == 0:
         res.append(((Shard(1), R), (Shard(len(idx)),)))
+    if w[0] % c.n == 0:
+        res.append(((Shard(0), R), (Partial("sum"),)))
     return res
 
 

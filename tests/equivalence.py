@@ -95,12 +95,25 @@ def train(model, batches, lr: float = 1e-3, noise: dict | None = None):
     return losses
 
 
-def compare(rank: int, world: int, model_name: str, axes: dict[str, int]) -> dict:
-    """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed."""
+def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strategy: str = "autopar") -> dict:
+    """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed.
+
+    ``strategy="megatron"`` trains Megatron's layout (vocab-parallel embedding, column/row linears)
+    instead of the ILP's choice, so every sharding rule it uses is checked numerically too."""
     model, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     mesh = autopar.init_mesh("cpu", **axes)
-    compiled = autopar.compile(model, mesh, kwargs=batches[0])
+    options = None
+    if strategy == "megatron":
+        from autopar.api import mesh_spec
+        from autopar.passes.capture import capture
+        from autopar.passes.lower import lower
+        from autopar.passes.shard import ShardOptions
+        from autopar.solver.baselines import megatron_constraints
+
+        prog = lower(capture(model, (), batches[0]), mesh_spec(mesh))
+        options = ShardOptions(objective="comm", constrain=megatron_constraints(prog))
+    compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options)
     losses = train(compiled, batches)
     full = compiled.full_state_dict()
     noise: dict[str, torch.Tensor] = {}
@@ -129,8 +142,13 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int]) -> dic
 
 
 def compare_models(rank: int, world: int, models: list[str], axes: dict[str, int]) -> dict:
-    """Several comparisons in one process group (spawning is the expensive part of a test)."""
-    return {m: compare(rank, world, m, axes) for m in models}
+    """Several comparisons in one process group (spawning is the expensive part of a test).
+    A name ``model@megatron`` trains that model with Megatron's layout."""
+    out = {}
+    for name in models:
+        model, _, strategy = name.partition("@")
+        out[name] = compare(rank, world, model, axes, strategy or "autopar")
+    return out
 
 
 class CNN(torch.nn.Module):
