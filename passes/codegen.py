@@ -100,6 +100,14 @@ def codegen(
             node = graph.call_function(
                 coll.vocab_parallel_embedding, (env[w.name], env[ids.name]), {"axes": _vocab_axes(op, types, prog)}
             )
+        elif op.target == "aten.cross_entropy_loss" and _class_axes(op, types, prog):
+            logits, target = op.args[0], op.args[1]
+            reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", 1)
+            ignore = op.args[4] if len(op.args) > 4 else op.kwargs.get("ignore_index", -100)
+            node = graph.call_function(
+                coll.vocab_parallel_cross_entropy,
+                (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
+            )
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
@@ -119,6 +127,12 @@ def _vocab_axes(op: Op, types, prog: Program) -> list[str]:
     """Mesh axes over which an embedding's table is split by rows (vocab-parallel lookups)."""
     w = types[op.args[0].name]
     return [name for p, name in zip(w.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 0]
+
+
+def _class_axes(op: Op, types, prog: Program) -> list[str]:
+    """Mesh axes over which a cross-entropy's logits are split by class (vocab-parallel losses)."""
+    logits = types[op.args[0].name]
+    return [name for p, name in zip(logits.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 1]
 
 
 def _getitem(xs, i):

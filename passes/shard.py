@@ -260,6 +260,8 @@ class _Builder:
                 mem, red = mem + m, red + r
             for op in g.ops:
                 s = cand[op.result]
+                b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs)
+                vol, sec = vol + b, sec + x
                 flop_sec += self.cost.compute_seconds(
                     op.flops, [is_divergent(s, a) for a in range(len(self.mesh.axes))]
                 )

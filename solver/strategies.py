@@ -483,12 +483,21 @@ def _cumsum(c: Ctx) -> list[OneD]:
 
 
 def _cross_entropy(c: Ctx) -> list[OneD]:
+    """cross_entropy_loss(logits[N, C], target[N], weight=None, reduction, ignore_index, smoothing):
+    rows split (a partial mean or sum), or classes split (Megatron's vocab-parallel loss: a whole
+    loss on every rank, three row-wise all-reduces inside; codegen emits it)."""
     logits = c.ins[0].shape
     args = c.op.args
     reduction = args[3] if len(args) > 3 else c.op.kwargs.get("reduction", 1)
+    weighted = len(args) > 2 and args[2] is not None
+    smoothing = args[5] if len(args) > 5 else c.op.kwargs.get("label_smoothing", 0.0)
     res: list[OneD] = [_replicated(c)]
-    if len(logits) >= 1 and logits[0] % c.n == 0 and reduction in (1, 2) and len(c.ins) == 2:
+    if len(logits) != 2 or len(c.ins) != 2 or weighted or smoothing:
+        return res
+    if logits[0] % c.n == 0 and reduction in (1, 2):
         res.append(((Shard(0), Shard(0)), (Partial("avg" if reduction == 1 else "sum"),)))
+    if logits[1] % c.n == 0:
+        res.append(((Shard(1), R), (R,)))
     return res
 
 

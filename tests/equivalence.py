@@ -178,3 +178,37 @@ def tiny_cnn(seed: int = 0, batch: int = 4, steps: int = 3):
 
 
 MODELS["cnn"] = tiny_cnn
+
+
+class TinyLM(torch.nn.Module):
+    """Embedding, one block, a vocabulary head and the loss only: Megatron's layout keeps the logits
+    split by vocabulary end to end (vocab-parallel lookup and vocab-parallel cross-entropy)."""
+
+    def __init__(self, vocab: int = 128, d: int = 32):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.fc1 = torch.nn.Linear(d, 4 * d)
+        self.fc2 = torch.nn.Linear(4 * d, d)
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, input_ids, labels):
+        h = self.embed(input_ids)
+        h = h + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
+        logits = self.lm_head(h)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+
+
+def tiny_lm(seed: int = 0, batch: int = 4, seq: int = 8, steps: int = 3):
+    torch.manual_seed(seed)
+    model = TinyLM()
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, 128, (batch, seq), generator=g)
+        labels = torch.roll(ids, -1, 1)
+        labels[:, -1] = -100  # ignored positions, as HF pads shifted labels
+        batches.append({"input_ids": ids, "labels": labels})
+    return model, batches
+
+
+MODELS["lm"] = tiny_lm
