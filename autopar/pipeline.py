@@ -423,15 +423,17 @@ class PipelineModule(torch.nn.Module):
         return dict(self._coords)
 
     @torch.no_grad()
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """This rank's parameters and buffers gathered whole over the non-pipeline axes (collective
-        over them), keyed as in the user's model."""
+        over them), keyed as in the user's model. ``grads=True``: the parameters' gradients instead
+        (zeros where there is none)."""
         out = {}
         with coll.use_comm(self._comm):
             for v in self._program.inputs:
-                if v.kind == "input" or not _has(self, v.name):
+                if v.kind == "input" or not _has(self, v.name) or (grads and v.kind != "param"):
                     continue
-                x = _get(self, v.name).detach()
+                t = _get(self, v.name)
+                x = (t.grad if t.grad is not None else torch.zeros_like(t)) if grads else t.detach()
                 for p, name in reversed(list(zip(v.type.placements, self._inner.names))):
                     if isinstance(p, Shard):
                         x = coll._gather(self._comm, x, name, p.dim, p.chunks)

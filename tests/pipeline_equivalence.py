@@ -30,18 +30,29 @@ def make_batches(model: torch.nn.Module, example: dict, steps: int, seed: int = 
     return out
 
 
+def add_noise(noise: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+    """Mark entries whose gradient is float noise of a mathematically zero gradient (tests/equivalence.py):
+    non-zero but below NOISE_FLOOR of the largest gradient entry of the model. The model-wide largest,
+    not the tensor's: BERT's key bias is a tensor of its own whose every entry is noise (about 1e-12;
+    softmax ignores a constant added to a row of scores), unlike GPT-2's, which sits in the fused QKV
+    bias. Either run's gradient marks an entry."""
+    top = max((g.abs().max() for g in grads.values() if g.numel()), default=torch.tensor(0.0))
+    for name, g in grads.items():
+        mask = (g != 0) & (g.abs() <= NOISE_FLOOR * top)
+        noise[name] = noise.get(name, torch.zeros_like(mask)) | mask
+
+
 def reference_run(model: torch.nn.Module, batches: list[dict], lr: float) -> tuple[list[float], dict, dict]:
     """Single-process AdamW: losses, final parameters, and the noise masks of tests/equivalence.py."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     noise: dict[str, torch.Tensor] = {}
     losses = []
     for b in batches:
-        loss = model(**b).loss if not isinstance(model(**b), torch.Tensor) else model(**b)
+        out = model(**b)
+        loss = out if isinstance(out, torch.Tensor) else out.loss
         loss.backward()
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if p.grad is not None:
-                mask = (p.grad != 0) & (p.grad.abs() <= NOISE_FLOOR * p.grad.abs().max())
-                noise[name] = noise.get(name, torch.zeros_like(mask)) | mask
+        named = model.named_parameters(remove_duplicate=False)
+        add_noise(noise, {n: p.grad for n, p in named if p.grad is not None})
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -76,6 +87,7 @@ def compare_pipeline(
     lr: float = 1e-3,
     meta: bool = False,
     compile_kwargs: dict | None = None,
+    make_optimizer: bool = False,
 ) -> dict[str, Any]:
     """For each (schedule, schedule options) in ``runs``: train ``steps`` AdamW steps with autopar on
     the mesh and compare losses and (this rank's) parameters with one single-process reference."""
@@ -89,6 +101,7 @@ def compare_pipeline(
     ref_losses, ref_params, noise = reference_run(reference, batches, lr)
     mesh = autopar.init_mesh("cpu", **axes)
     out: dict[str, Any] = {"ref_losses": torch.tensor(ref_losses)}
+    finals: dict[str, dict[str, torch.Tensor]] = {}
     for schedule, opts in runs:
         model = spec.model if meta else copy.deepcopy(spec.model)
         pipe = autopar.compile(
@@ -100,20 +113,29 @@ def compare_pipeline(
             schedule_options=opts,
             **(compile_kwargs or {}),
         )
-        opt = pipe.make_optimizer(torch.optim.AdamW, lr=lr)
-        losses = [pipe.train_step(**b).item() for b in batches]
-        del opt
-        full = pipe.full_state_dict()
-        worst, excluded, compared = _errors(full, ref_params, noise)
+        losses = []
+        if make_optimizer:  # the optimizer runs inside train_step (ZeRO-2 when the plan says so)
+            pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+            losses = [pipe.train_step(**b).item() for b in batches]
+        else:  # the user's own optimizer over the local shards; gradients inspected between steps
+            opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+            for b in batches:
+                losses.append(pipe.train_step(**b).item())
+                add_noise(noise, pipe.full_state_dict(grads=True))
+                opt.step()
+                opt.zero_grad()
         key = schedule + "".join(f",{k}={v}" for k, v in opts.items())
+        finals[key] = pipe.full_state_dict()
         out[key] = {
             "losses": torch.tensor(losses),
-            "param_rel": torch.tensor(worst),
-            "noise_entries": torch.tensor(excluded),
-            "compared": torch.tensor(compared),
             "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
             "full_numel": torch.tensor(sum(p.numel() for p in ref_params.values())),
             "peak_stash": torch.tensor(pipe.peak_stash),
             "stages": torch.tensor(sorted(pipe.stages)),
         }
+    for key, full in finals.items():  # compared once every run's noise is known
+        worst, excluded, compared = _errors(full, ref_params, noise)
+        out[key].update(
+            param_rel=torch.tensor(worst), noise_entries=torch.tensor(excluded), compared=torch.tensor(compared)
+        )
     return out
