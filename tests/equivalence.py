@@ -113,7 +113,24 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
 
         prog = lower(capture(model, (), batches[0]), mesh_spec(mesh))
         options = ShardOptions(objective="comm", constrain=megatron_constraints(prog))
-    compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options)
+    plan = None
+    if strategy == "plan":  # planned offline into a JSON file, then every rank compiles from the file
+        import tempfile
+
+        import torch.distributed as dist
+
+        from autopar.api import mesh_spec
+        from autopar.passes.capture import capture
+        from autopar.passes.shard import ShardOptions
+        from autopar.planner import plan_captured
+
+        path = [f"{tempfile.gettempdir()}/autopar-test-plan-{model_name}-{'x'.join(map(str, axes.values()))}.json"]
+        if rank == 0:
+            report = plan_captured(capture(model, (), batches[0]), mesh_spec(mesh), ShardOptions(), baselines=())
+            report.plan.save(path[0])
+        dist.barrier()
+        plan = path[0]
+    compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options, plan=plan)
     losses = train(compiled, batches)
     full = compiled.full_state_dict()
     noise: dict[str, torch.Tensor] = {}

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.multiproc
 MESHES = [
     ({"dp": 2}, ["mlp", "gpt2", "cnn"]),
     ({"tp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron", "lm@megatron"]),
-    ({"dp": 2, "tp": 2}, ["mlp", "gpt2"]),
+    ({"dp": 2, "tp": 2}, ["mlp", "gpt2", "gpt2@plan"]),
 ]
 
 
