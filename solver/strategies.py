@@ -127,6 +127,11 @@ POINTWISE = {
     "aten.tril",
     "aten.triu",
     "aten.square",
+    "aten.broadcast_tensors",
+    "aten.where.ScalarOther",
+    "aten.where.ScalarSelf",
+    "aten.min.other",
+    "aten.max.other",
 }
 # Pointwise ops that are linear in their (single) partial input: P stays P.
 _LINEAR_UNARY = {

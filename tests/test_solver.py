@@ -231,3 +231,32 @@ def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):
     assert len(out["stages"]) == 2 and out["split_seconds"] >= 0
     assert {"params", "flops", "memory_bytes", "ops"} <= set(out["stages"][0])
     assert out["mesh"] == {"pp": 2, "tp": 2}
+
+
+def test_t5_and_vit_graphs_have_sharding_rules():
+    """Every op of a ViT has a rule; T5 falls back only on the in-place ops that shift its labels."""
+    import transformers
+    from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
+
+    from autopar.api import parse_mesh
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.shard import ShardOptions, shard
+
+    transformers.logging.set_verbosity_error()
+    with torch.device("meta"):
+        t5 = T5ForConditionalGeneration(
+            T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                     use_cache=False, decoder_start_token_id=0, pad_token_id=0)
+        )  # fmt: skip
+        vit = ViTForImageClassification(
+            ViTConfig(image_size=16, patch_size=4, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      intermediate_size=64, num_labels=10, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        )  # fmt: skip
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    pixels = torch.empty(2, 3, 16, 16, device="meta")
+    mesh = parse_mesh("dp=2,tp=2")
+    vit_res = shard(lower(capture(vit, (), {"pixel_values": pixels, "labels": ids[:, 0]}), mesh), ShardOptions())
+    t5_res = shard(lower(capture(t5, (), {"input_ids": ids, "labels": ids}), mesh), ShardOptions())
+    assert vit_res.unruled == []
+    assert set(t5_res.unruled) <= {"aten.add_.Tensor", "aten.copy_", "aten.masked_fill_.Scalar"}
