@@ -55,11 +55,7 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
             steps.append(Step("all_gather", i, cur, nxt))
             cur = nxt
         elif isinstance(a, Partial) and a != b:
-            if (
-                isinstance(b, Shard)
-                and not _inner_shards(cur, i, b.dim)
-                and not _outer_change(src, dst, i, b.dim)
-            ):
+            if isinstance(b, Shard) and not _inner_shards(cur, i, b.dim) and not _outer_change(src, dst, i, b.dim):
                 nxt = _set(cur, i, b)
                 steps.append(Step("reduce_scatter", i, cur, nxt))
             else:
@@ -86,13 +82,9 @@ def _outer_change(src, dst, i: int, dim: int) -> bool:
     return any(src[j] != dst[j] and _touches(src[j], dst[j], dim) for j in range(i))
 
 
-def replication(
-    placements: tuple[Placement, ...], sizes: tuple[int, ...], skip: frozenset[int] = frozenset()
-) -> int:
+def replication(placements: tuple[Placement, ...], sizes: tuple[int, ...], skip: frozenset[int] = frozenset()) -> int:
     """How many ranks hold the same local piece: the product of the sizes of R and P axes."""
-    return math.prod(
-        n for i, (p, n) in enumerate(zip(placements, sizes)) if not isinstance(p, Shard) and i not in skip
-    )
+    return math.prod(n for i, (p, n) in enumerate(zip(placements, sizes)) if not isinstance(p, Shard) and i not in skip)
 
 
 def valid(placements: tuple[Placement, ...], shape: tuple[int, ...], sizes: tuple[int, ...]) -> bool:

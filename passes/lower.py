@@ -53,9 +53,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     gm = ep.graph_module
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
-    for spec, node in zip(
-        ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")
-    ):
+    for spec, node in zip(ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")):
         kind = {
             InputKind.PARAMETER: "param",
             InputKind.BUFFER: "buffer",
@@ -155,9 +153,7 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
             continue
         vals = list(val) if isinstance(val, (list, tuple)) else [val]
         results = emit(target, args, kwargs, vals, node)
-        names[node.name] = (
-            tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
-        )
+        names[node.name] = tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
     return None
 
 
