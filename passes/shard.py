@@ -334,7 +334,10 @@ def build_problem(prog: Program, opts: ShardOptions):
     nodes = [
         Node(
             _label(g.head),
-            [b.objective(r, v, s, m) for r, v, s, m in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory)],
+            [
+                b.objective(r, v, s, m, f)
+                for r, v, s, m, f in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory, g.compute_seconds)
+            ],
             g.memory,
         )
         for g in groups
@@ -364,7 +367,55 @@ def build_problem(prog: Program, opts: ShardOptions):
                     lambda c: (R,) * len(prog.mesh.axes),
                 )
             )
+    _keep_distinct_interfaces(groups, nodes, edges, budget=opts.budget_bytes is not None)
     return b, groups, nodes, edges
+
+
+def _keep_distinct_interfaces(groups: list[Group], nodes: list[Node], edges: list[Edge], budget: bool) -> None:
+    """Exact reduction: the rest of the ILP sees a group only through the placements on its edges, so
+    of the candidates with the same placements on every edge only the cheapest can be optimal (with a
+    memory budget, those not dominated in both cost and memory)."""
+    touching: list[list[tuple[Edge, str]]] = [[] for _ in groups]
+    for e in edges:
+        touching[e.u].append((e, "u"))
+        touching[e.v].append((e, "v"))
+    for gi, g in enumerate(groups):
+        node = nodes[gi]
+        n = len(node.costs)
+        if n <= 1:
+            continue
+        classes: dict[tuple, list[int]] = {}
+        for c in range(n):
+            key = tuple(e.u_group[c] if side == "u" else e.v_group[c] for e, side in touching[gi])
+            classes.setdefault(key, []).append(c)
+        keep: list[int] = []
+        for members in classes.values():
+            if not budget:
+                keep.append(min(members, key=lambda c: (node.costs[c], node.memory[c])))
+                continue
+            for c in members:  # Pareto front on (cost, memory)
+                dominated = any(
+                    (node.costs[d] <= node.costs[c] and node.memory[d] <= node.memory[c])
+                    and (node.costs[d] < node.costs[c] or node.memory[d] < node.memory[c] or d < c)
+                    for d in members
+                    if d != c
+                )
+                if not dominated:
+                    keep.append(c)
+        keep.sort()
+        if len(keep) == n:
+            continue
+        node.costs = [node.costs[c] for c in keep]
+        node.memory = [node.memory[c] for c in keep]
+        for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
+            arr = getattr(g, name)
+            if arr:
+                setattr(g, name, [arr[c] for c in keep])
+        for e, side in touching[gi]:
+            if side == "u":
+                e.u_group = [e.u_group[c] for c in keep]
+            else:
+                e.v_group = [e.v_group[c] for c in keep]
 
 
 def _edge(b: _Builder, groups: list[Group], hi: int, gi: int, name: str, want) -> Edge:
@@ -471,7 +522,8 @@ def smallest_budget(prog: Program, opts: ShardOptions) -> float:
     """The least per-device memory any strategy needs (the ILP with memory as the objective)."""
     from dataclasses import replace
 
-    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=None))
+    # an infinite budget keeps every candidate not dominated in (cost, memory): the least memory too
+    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=float("inf")))
     for n in nodes:
         n.costs = list(n.memory)
     for e in edges:
@@ -487,6 +539,10 @@ def _solve(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: Shar
         sol.layers = 0
         return sol
     rep, n_layers = found
+    if any(nodes[i].costs != nodes[r].costs for i, r in enumerate(rep)):  # not identical after all
+        sol = solve(nodes, edges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
+        sol.layers = 0
+        return sol
     rnodes, redges, index = fold_repeated(nodes, edges, rep)
     sol = solve(rnodes, redges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
     sol.choice = [sol.choice[index[i]] for i in range(len(nodes))]
