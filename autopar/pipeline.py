@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -536,7 +537,7 @@ def compile_pipeline(
     inner = MeshSpec(tuple((n, s) for n, s in spec.axes if n != opts.pp_axis))
     kwargs = dict(kwargs or {})
     mb_args, mb_kwargs = split_batch(args, kwargs, microbatches)[0]
-    captured = capture(model, mb_args, mb_kwargs)
+    captured = _capture(model, mb_args, mb_kwargs)
     sched = make_schedule(schedule, pp, microbatches, **opts.schedule_options)
     text: list[str | None] = [None]
     if dist.get_rank() == 0:
@@ -580,6 +581,21 @@ def compile_pipeline(
     if dump_dir:
         _dump(Path(dump_dir), pipe)
     return pipe
+
+
+_CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
+    """``capture``, remembered per model object and input signature (treespec, shapes, dtypes): compiling
+    one model for several schedules or meshes exports it once. Changing the model's code or config in
+    place between compiles is not seen; build a new model object instead."""
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat))
+    per_model = _CAPTURES.setdefault(model, {})
+    if key not in per_model:
+        per_model[key] = capture(model, args, kwargs)
+    return per_model[key]
 
 
 def _value_source(model: torch.nn.Module, captured: Captured, seed: int) -> Callable[[str], torch.Tensor]:

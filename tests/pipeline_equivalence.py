@@ -9,6 +9,9 @@ import torch
 
 import autopar
 from autopar.models import build
+from autopar.runtime.actions import COMPUTE_KINDS
+from autopar.runtime.costs import Costs
+from autopar.runtime.simulator import simulate
 from tests.equivalence import NOISE_FLOOR
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "bert": "tiny-bert"}
@@ -88,6 +91,7 @@ def compare_pipeline(
     meta: bool = False,
     compile_kwargs: dict | None = None,
     make_optimizer: bool = False,
+    megatron: bool = False,
 ) -> dict[str, Any]:
     """For each (schedule, schedule options) in ``runs``: train ``steps`` AdamW steps with autopar on
     the mesh and compare losses and (this rank's) parameters with one single-process reference."""
@@ -100,18 +104,20 @@ def compare_pipeline(
     batches = make_batches(reference, example, steps)
     ref_losses, ref_params, noise = reference_run(reference, batches, lr)
     mesh = autopar.init_mesh("cpu", **axes)
+    compile_kwargs = dict(compile_kwargs or {})
+    if megatron:  # Megatron's layout: the residual stream between stages replicated over tp
+        compile_kwargs["options"] = _megatron_options(spec.model, batches[0], axes, microbatches)
     out: dict[str, Any] = {"ref_losses": torch.tensor(ref_losses)}
     finals: dict[str, dict[str, torch.Tensor]] = {}
     for schedule, opts in runs:
-        model = spec.model if meta else copy.deepcopy(spec.model)
-        pipe = autopar.compile(
-            model,
+        pipe = autopar.compile(  # the model is only read (and captured once for every run)
+            spec.model,
             mesh,
             kwargs=batches[0],
             microbatches=microbatches,
             schedule=schedule,
             schedule_options=opts,
-            **(compile_kwargs or {}),
+            **compile_kwargs,
         )
         losses = []
         if make_optimizer:  # the optimizer runs inside train_step (ZeRO-2 when the plan says so)
@@ -126,11 +132,22 @@ def compare_pipeline(
                 opt.zero_grad()
         key = schedule + "".join(f",{k}={v}" for k, v in opts.items())
         finals[key] = pipe.full_state_dict()
+        measured = pipe.measured()  # the last step, from every pipeline rank's trace
+        r = pipe.coords()["pp"]
+        sim = simulate(pipe.schedule, Costs.uniform(pipe.schedule.num_stages))
         out[key] = {
             "losses": torch.tensor(losses),
             "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
             "full_numel": torch.tensor(sum(p.numel() for p in ref_params.values())),
             "peak_stash": torch.tensor(pipe.peak_stash),
+            "sim_peak_stash": torch.tensor(sim.peak_activations[r]),
+            "measured_bubble": torch.tensor(float(measured.bubble_ratio)),
+            "measured_computes": torch.tensor(
+                [sum(e.action.kind in COMPUTE_KINDS for e in events) for events in measured.timeline]
+            ),
+            "sim_computes": torch.tensor(
+                [sum(e.action.kind in COMPUTE_KINDS for e in events) for events in sim.timeline]
+            ),
             "stages": torch.tensor(sorted(pipe.stages)),
         }
     for key, full in finals.items():  # compared once every run's noise is known
@@ -138,4 +155,28 @@ def compare_pipeline(
         out[key].update(
             param_rel=torch.tensor(worst), noise_entries=torch.tensor(excluded), compared=torch.tensor(compared)
         )
+    return out
+
+
+def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int], microbatches: int):
+    from autopar.passes.ir import MeshSpec
+    from autopar.passes.lower import lower
+    from autopar.passes.shard import ShardOptions
+    from autopar.pipeline import _capture, split_batch
+    from autopar.solver.baselines import megatron_constraints
+
+    args, kwargs = split_batch((), batch, microbatches)[0]
+    inner = MeshSpec(tuple((a, n) for a, n in axes.items() if a != "pp"))
+    prog = lower(_capture(model, args, kwargs), inner)
+    return ShardOptions(objective="comm", constrain=megatron_constraints(prog))
+
+
+def compare_jobs(rank: int, world: int, jobs: list[dict]) -> dict[str, Any]:
+    """Several ``compare_pipeline`` calls in one process group (spawning is the expensive part of a
+    test): each job is its keyword arguments plus a ``name``."""
+    out = {}
+    for job in jobs:
+        job = dict(job)
+        name = job.pop("name")
+        out[name] = compare_pipeline(rank, world, **job)
     return out

@@ -1,0 +1,297 @@
+"""Pipeline (3D-parallel) training equals single-process training, for every schedule; the stage IR.
+
+Multi-process tests run several models, schedules and meshes per spawned process group (spawning is
+the expensive part): pp=2 on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4; pp=2 x dp=2 x tp=2 and MiCS on
+8. Each run trains 3 AdamW steps (lr 1e-3) on 4 microbatches and is compared with one single-process
+run of the same model and batches: per-step losses within 1e-5 relative, every parameter within
+1e-5 relative in norm (entries whose gradient is float noise of a mathematically zero gradient
+excluded, tests/pipeline_equivalence.py).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from autopar.errors import PipelineError, VerifyError
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.codegen import codegen
+from autopar.passes.ir import MeshSpec, Shard
+from autopar.passes.lower import lower
+from autopar.passes.parser import parse
+from autopar.passes.printer import print_program
+from autopar.passes.stage_codegen import (
+    insert_transfers,
+    prune_outputs,
+    recompute_cut,
+    split_for_recompute,
+    stage_program,
+)
+from autopar.passes.verify import verify
+from autopar.pipeline import split_batch
+from autopar.runtime.actions import COMPUTE_KINDS
+from autopar.runtime.costs import Costs
+from autopar.runtime.executor import Part, TraceEvent, measured_result
+from autopar.runtime.init import canonical_names, init_value, materialize
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.simulator import simulate
+from autopar.solver.stages import plan_pipeline
+from tests._dist import run_distributed
+from tests.pipeline_equivalence import compare_jobs
+
+ALL = [
+    ("gpipe", {}),
+    ("1f1b", {}),
+    ("interleaved", {"chunks": 2}),
+    ("wave", {"waves": 1}),
+    ("scp", {"alpha1": Fraction(1, 2)}),
+]
+
+
+def _check(results, where: str, tp_sharded: bool = False) -> None:
+    for rank, res in enumerate(results):
+        for job, out in res.items():
+            ref = out["ref_losses"]
+            for key, r in out.items():
+                if key == "ref_losses":
+                    continue
+                at = f"{where} {job} {key}, rank {rank}"
+                torch.testing.assert_close(r["losses"], ref, rtol=1e-5, atol=0, msg=at)
+                assert r["param_rel"] < 1e-5, f"{at}: parameters differ by {r['param_rel']:.2e} (norm)"
+                assert r["compared"] > 0, at
+                assert r["noise_entries"] <= 0.01 * r["full_numel"], at
+                # activations are freed when their backward is done: the stash peaks where the simulator says
+                assert r["peak_stash"] == r["sim_peak_stash"], at
+                assert torch.equal(r["measured_computes"], r["sim_computes"]), at
+                assert r["measured_bubble"] >= 0, at
+                if tp_sharded:
+                    assert r["local_numel"] < r["full_numel"], at
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process: the numbers
+
+
+@pytest.mark.multiproc
+def test_pp2_every_schedule_gpt2_llama_bert_and_meta_init():
+    runs = [*ALL, ("1f1b", {"recompute": 1})]
+    jobs = [
+        {"name": "gpt2", "model_name": "gpt2", "axes": {"pp": 2}, "runs": runs},
+        {"name": "llama", "model_name": "llama", "axes": {"pp": 2}, "runs": ALL},
+        {"name": "bert", "model_name": "bert", "axes": {"pp": 2}, "runs": ALL},
+        # built on the meta device, initialized shard by shard; the reference is materialize()d
+        {"name": "gpt2-meta", "model_name": "gpt2", "axes": {"pp": 2}, "runs": [("1f1b", {})], "meta": True},
+    ]
+    _check(run_distributed(compare_jobs, 2, jobs, timeout=600), "pp2")
+
+
+@pytest.mark.multiproc
+def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather():
+    from autopar.passes.shard import ShardOptions
+    from autopar.solver.cost import TrainingSetup
+
+    zero2 = {"options": ShardOptions(setup=TrainingSetup(zero=2))}
+    jobs = [
+        {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL},
+        {
+            "name": "gpt2-pp2dp2-zero2",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "dp": 2},
+            "runs": [("1f1b", {}), ("wave", {"waves": 1})],
+            "compile_kwargs": zero2,
+            "make_optimizer": True,
+        },
+        {"name": "gpt2-pp2tp2", "model_name": "gpt2", "axes": {"pp": 2, "tp": 2}, "runs": ALL},
+        {
+            "name": "llama-pp2tp2-scatter-gather",
+            "model_name": "llama",
+            "axes": {"pp": 2, "tp": 2},
+            "runs": [("1f1b", {}), ("interleaved", {"chunks": 2})],
+            "compile_kwargs": {"scatter_gather": True},
+            "megatron": True,  # Megatron's layout keeps the boundary replicated over tp: 1/t goes on the wire
+        },
+    ]
+    _check(run_distributed(compare_jobs, 4, jobs, timeout=900), "4 ranks")
+
+
+@pytest.mark.multiproc
+def test_pp2_dp2_tp2_and_mics():
+    from autopar.passes.shard import ShardOptions
+    from autopar.solver.cost import TrainingSetup
+
+    mics = ShardOptions(setup=TrainingSetup(zero=2, zero_axes=("dpr", "dp"), mics_group=2))
+    jobs = [
+        {
+            "name": "gpt2-pp2dp2tp2",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "dp": 2, "tp": 2},
+            "runs": [("1f1b", {}), ("interleaved", {"chunks": 2})],
+        },
+        {  # MiCS: partition groups of 2 (dp), replicated over dpr; 2-hop gradient sync
+            "name": "gpt2-mics",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "dpr": 2, "dp": 2},
+            "runs": [("1f1b", {})],
+            "compile_kwargs": {"options": mics},
+            "make_optimizer": True,
+        },
+    ]
+    _check(run_distributed(compare_jobs, 8, jobs, timeout=900), "8 ranks")
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process: the stage IR
+
+
+def _program(name: str = "tiny-gpt2", mesh: MeshSpec | None = None, microbatch: int = 2):
+    spec = build(name, device="meta")
+    kw = {k: v[:microbatch] for k, v in spec.kwargs.items()}
+    return prune_outputs(lower(capture(spec.model, spec.args, kw), mesh or MeshSpec()))
+
+
+def test_transfers_pair_every_send_with_a_recv_and_round_trip():
+    ann, plan, _ = plan_pipeline(_program(), 2, chunks=2)
+    prog = insert_transfers(ann)
+    verify(prog)
+    assert parse(print_program(prog)) == prog
+    sends = [op for op in prog.ops if op.target == "send"]
+    recvs = [op for op in prog.ops if op.target == "recv"]
+    assert len(sends) == len(recvs) > 0
+    for s, r in zip(sends, recvs):
+        assert s.kwargs["peer_stage"] == s.attrs["stage"] + 1 == r.attrs["stage"]
+        assert s.type == r.type and s.kwargs["grad"] == r.kwargs["grad"]
+    # the causal mask is a common node: it travels forward only; the residual stream carries a gradient
+    assert any(not op.kwargs["grad"] and op.type.dtype == "b8" for op in sends)
+    assert any(op.kwargs["grad"] and op.type.is_float for op in sends)
+    assert prog.attrs["pipeline_stages"] == plan.num_stages == 4
+
+
+def test_verifier_rejects_unpaired_and_non_neighbour_transfers():
+    prog = insert_transfers(plan_pipeline(_program(), 2)[0])
+    recv = next(i for i, op in enumerate(prog.ops) if op.target == "recv")
+    dropped = prog.with_(ops=prog.ops[:recv] + prog.ops[recv + 1 :])
+    with pytest.raises(VerifyError):
+        verify(dropped)
+    send = next(i for i, op in enumerate(prog.ops) if op.target == "send")
+    bad = prog.ops[send].with_(kwargs=dict(prog.ops[send].kwargs, peer_stage=5))
+    with pytest.raises(VerifyError, match="neighbouring"):
+        verify(prog.with_(ops=prog.ops[:send] + (bad,) + prog.ops[send + 1 :]))
+
+
+def test_scatter_gather_sends_one_tp_shard_and_gathers_it():
+    mesh = MeshSpec((("tp", 2),))
+    prog = _program(mesh=mesh)  # every placement replicated: each boundary can be scattered
+    out = insert_transfers(plan_pipeline(prog, 2)[0], scatter_gather=True)
+    verify(out)
+    send = next(op for op in out.ops if op.target == "send" and op.type.is_float)
+    assert isinstance(send.type.placements[0], Shard)
+    producer = {r: op for op in out.ops for r in op.results}[send.args[0].name]
+    assert producer.target == "local_shard"
+    recv = next(op for op in out.ops if op.target == "recv" and op.type.is_float)
+    users = [op for op in out.ops if any(a.name == recv.result for a in op.input_refs())]
+    assert [u.target for u in users] == ["all_gather"]
+
+
+def test_stages_chained_in_one_process_compute_the_models_loss():
+    """The stage programs, run one after another with real weights, give the model's own loss; so do
+    the recompute head and rest of every stage (the cut loses nothing and adds nothing)."""
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    kw = {k: v[:2] for k, v in spec.kwargs.items()}
+    prog = prune_outputs(lower(capture(spec.model, (), kw)))
+    tp = insert_transfers(plan_pipeline(prog, 2, chunks=2)[0])
+    named = dict(spec.model.named_parameters(remove_duplicate=False))
+    env: dict[str, torch.Tensor] = dict(kw)
+    sent: list[torch.Tensor] = []
+    for s in range(tp.attrs["pipeline_stages"]):
+        sp = stage_program(tp, s)
+        for v, t in zip(sp.recv, sent):
+            env[v.name] = t
+        gm = codegen(sp.program, {}, lambda n: named[n])
+        outs = Part.of(gm, sp.program)(env)
+        cut = recompute_cut(sp, Fraction(1, 2))
+        if 0 < cut < len(sp.program.ops):
+            head, rest = split_for_recompute(sp.program, cut)
+            h = Part.of(codegen(head, {}, lambda n: named[n]), head)(env)
+            r = Part.of(codegen(rest, {}, lambda n: named[n]), rest)
+            split_outs = r({**env, **dict(zip(r.inputs, h))})
+            for a, b in zip(outs, split_outs):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        sent = list(outs)
+    with torch.no_grad():
+        want = spec.model(**kw).loss
+    torch.testing.assert_close(sent[0], want, rtol=1e-6, atol=0)
+
+
+def test_recompute_cut_takes_a_fraction_of_the_subgraphs():
+    tp = insert_transfers(plan_pipeline(_program(), 1)[0])
+    sp = stage_program(tp, 0)
+    n = len({s for s in sp.subgraphs if s >= 0})
+    assert n > 2
+    assert recompute_cut(sp, Fraction(0)) == 0
+    assert recompute_cut(sp, Fraction(1)) == len(sp.program.ops)
+    half = recompute_cut(sp, Fraction(1, 2))
+    assert 0 < half < len(sp.program.ops)
+    assert len({s for s in sp.subgraphs[:half] if s >= 0}) == round(n / 2)
+
+
+def test_split_batch_cuts_dim0_and_refuses_uneven_batches():
+    x, y = torch.arange(8).view(4, 2), torch.arange(4)
+    parts = split_batch((x,), {"y": y}, 2)
+    assert [p[1]["y"].tolist() for p in parts] == [[0, 1], [2, 3]]
+    assert torch.equal(parts[1][0][0], x[2:])
+    with pytest.raises(Exception, match="3 equal microbatches"):
+        split_batch((x,), {}, 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process: meta-device initialization
+
+
+def test_meta_init_is_deterministic_per_tensor_and_uses_the_models_initializers():
+    m1 = build("tiny-gpt2", device="meta").model
+    m2 = build("tiny-gpt2", device="meta").model
+    names = list(dict.fromkeys(canonical_names(m1).values()))
+    # any order, any subset: each tensor depends only on (seed, name)
+    a = {n: init_value(m1, n, seed=3) for n in names}
+    b = {n: init_value(m2, n, seed=3) for n in reversed(names)}
+    assert all(torch.equal(a[n], b[n]) for n in names)
+    assert not torch.equal(init_value(m1, names[0], seed=4), a[names[0]])
+    full = materialize(build("tiny-gpt2", device="meta").model, seed=3)
+    assert all(torch.equal(t, a[canonical_names(full)[n]]) for n, t in full.state_dict().items())
+    # GPT-2's own scheme: LayerNorm weight 1, biases 0, residual projections scaled by 1/sqrt(2 n_layer)
+    assert torch.equal(a["transformer.h.0.ln_1.weight"], torch.ones(64))
+    assert torch.equal(a["transformer.h.0.attn.c_attn.bias"], torch.zeros(192))
+    std = a["transformer.h.0.attn.c_proj.weight"].std().item()
+    assert abs(std - 0.02 / 2) < 0.002
+    assert full.lm_head.weight is full.transformer.wte.weight  # ties survive
+
+
+def test_meta_init_refuses_a_tensor_no_initializer_writes():
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(3))
+
+    with torch.device("meta"):
+        m = Odd()
+    with pytest.raises(PipelineError, match="no initializer"):
+        init_value(m, "w")
+
+
+# ---------------------------------------------------------------------------------------------
+# Single process: measured traces -> SimResult
+
+
+def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
+    sched = make_schedule("1f1b", 4, 8)
+    sim = simulate(sched, Costs.uniform(4, tf=1, tb=2))
+    traces = [[TraceEvent(e.action, float(e.start), float(e.end)) for e in events] for events in sim.timeline]
+    got = measured_result(sched, traces)
+    assert got.bubble_ratio == pytest.approx(float(sim.bubble_ratio))
+    assert got.step_time == pytest.approx(float(sim.step_time))
+    assert got.peak_activations == sim.peak_activations
+    computes = [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in got.timeline]
+    assert computes == [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in sim.timeline]
