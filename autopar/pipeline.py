@@ -386,6 +386,10 @@ class PipelineModule(torch.nn.Module):
 
     # -- inspection ------------------------------------------------------------------------------
     @property
+    def pp_axis(self) -> str:
+        return self._pp_axis
+
+    @property
     def schedule(self) -> Schedule:
         return self._schedule
 

@@ -455,6 +455,8 @@ class Executor:
         except RuntimeCommError:
             raise
         except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
+            if not _is_comm_failure(e):
+                raise
             me = dist.get_rank() if dist.is_initialized() else 0
             with_peer = f" with rank {peer}" if peer >= 0 else ""
             raise RuntimeCommError(
@@ -462,6 +464,17 @@ class Executor:
                 f"{self.timeout:g}s: {str(e).splitlines()[0] if str(e) else type(e).__name__}. A peer rank "
                 "probably died or stopped; every rank stops here instead of waiting forever."
             ) from e
+
+
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
+
+
+def _is_comm_failure(e: BaseException) -> bool:
+    """Whether an error comes from the transport (a dead or stuck peer), not from the computation."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in _COMM_WORDS)
 
 
 def _wire_view(b: torch.Tensor) -> torch.Tensor:

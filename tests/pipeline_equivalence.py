@@ -121,7 +121,7 @@ def compare_pipeline(
         )
         losses = []
         if make_optimizer:  # the optimizer runs inside train_step (ZeRO-2 when the plan says so)
-            pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+            opt = pipe.make_optimizer(torch.optim.AdamW, lr=lr)
             losses = [pipe.train_step(**b).item() for b in batches]
         else:  # the user's own optimizer over the local shards; gradients inspected between steps
             opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
@@ -139,6 +139,7 @@ def compare_pipeline(
             "losses": torch.tensor(losses),
             "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
             "full_numel": torch.tensor(sum(p.numel() for p in ref_params.values())),
+            "optimizer_numel": torch.tensor(sum(p.numel() for g in opt.param_groups for p in g["params"])),
             "peak_stash": torch.tensor(pipe.peak_stash),
             "sim_peak_stash": torch.tensor(sim.peak_activations[r]),
             "measured_bubble": torch.tensor(float(measured.bubble_ratio)),
