@@ -1,0 +1,1138 @@
+"""The whole-plan search space: per-layer costs read from the IR, candidate configurations, analytic time and memory.
+
+``autopar plan MODEL --cluster SPEC --global-batch B`` (``autopar/search.py``) searches over
+
+    mesh          pp x dp x tp = the cluster's devices (tp innermost, then dp, then pp, as Megatron
+                  lays ranks out: a tp group stays inside a node when tp divides the devices per node)
+    micro-batch   b, a divisor of B / dp; m = B / (dp b) microbatches per pipeline
+    schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path
+    recompute     none, full (every transformer layer keeps only its input), or Merak's stage-aware
+                  ratios alpha_i (SCP only; alpha_1 the largest that fits, on a 1/20 grid)
+    ZeRO / MiCS   stage 1, 2, 3 over the dp group or inside MiCS partition groups of g ranks
+
+This module prices one candidate without solving anything. The costs come from the lowered Program
+(``profile_program``), read once per model:
+
+- The program is cut into units: ``pre`` (ops before the main layer stack, e.g. the embeddings),
+  one unit per layer of the stack (``transformer.h.N``, ``model.layers.N``), ``post`` (final norm,
+  head, loss). Per unit and per sample: forward FLOPs, parameters, bytes saved for backward,
+  bytes entering the unit, and the tensor-parallel all-reduces of Megatron's layout.
+- Megatron's tensor parallelism is read off the IR, not assumed per model: a matmul with a weight
+  operand is column-parallel unless its activation comes from a column-parallel output, in which
+  case it is row-parallel; values between the two are split over tp, so are their FLOPs and bytes.
+  Each row-parallel output is all-reduced in the forward pass (Megatron's g), each distinct input
+  of a column-parallel matmul in the backward pass (f); an embedding lookup is vocabulary-parallel
+  (forward all-reduce of its output). Matrices (2-D parameters) are split over tp, vectors are not.
+- Saved activations: a float tensor is saved for backward when a consumer needs its value to
+  compute gradients (matmuls, attention, norms, nonlinear pointwise ops, products of two tensors)
+  or its producer needs its own output (softmax, tanh, exp, ...); additions, views, casts, dropout
+  with p = 0 save nothing. For a GPT layer this gives 34 s h bytes per sample in 16-bit, Megatron's
+  figure without the dropout masks (flash attention: no s^2 term). Common nodes (masks, rotary
+  tables) are not counted.
+
+Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alpha-beta links:
+
+- stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
+  minimizing the largest stage's forward FLOPs (``balanced_layout``), or Megatron's L / S layers
+  each (``even_layout``);
+- compute seconds per microbatch: forward = FLOPs / (peak * EFFICIENCY), backward twice that,
+  recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
+  inter-node link prices the whole ring);
+- pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
+  plus an all-gather over tp; intra-node when consecutive stages share a node;
+- data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
+  all-reduce (= reduce-scatter + all-gather) of the rank's gradients; ZeRO-2 one reduce-scatter per
+  microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
+  the weights in every forward, backward and recomputation and reduce-scatters every backward;
+  MiCS does the same inside groups of g ranks plus a cross-group all-reduce of 1/g of the gradients
+  (2-hop synchronization);
+- memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
+  the stashed activations of the microbatches in flight (closed forms per schedule, see
+  ``inflight_counts``) plus one recomputed layer's activations while it is rematerialized;
+- lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
+  cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
+  last backward the gradient still has to travel down to stage 0 (or the rank reduces its
+  gradients). It equals the papers' closed forms for uniform stages.
+
+What is estimated rather than exact: efficiency is a constant fraction of peak (no dependence on
+matrix sizes or micro-batch size), elementwise kernels are priced as FLOPs, the optimizer step and
+the tied-embedding all-reduce between the first and last stage are not priced, and in-flight counts
+for interleaved and wave schedules are upper bounds (every stashed microbatch counted at the
+largest chunk's size).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from dataclasses import replace as dc_replace
+from fractions import Fraction
+from typing import Any
+
+from autopar.passes.ir import Op, Program
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import EFFICIENCY, TrainingSetup
+
+PROFILE_VERSION = 1
+
+VIEWS = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.reshape",
+        "aten.expand",
+        "aten.transpose.int",
+        "aten.permute",
+        "aten.t",
+        "aten.unsqueeze",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.split.Tensor",
+        "aten.split_with_sizes",
+        "aten.unbind.int",
+        "aten.alias",
+        "aten.detach",
+        "aten.as_strided",
+    }
+)
+MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm"})
+ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
+# ops whose backward needs nothing but the incoming gradient (they save no activation)
+_NO_SAVE = VIEWS | {
+    "aten.add.Tensor",
+    "aten.add.Scalar",
+    "aten.sub.Tensor",
+    "aten.sub.Scalar",
+    "aten.neg",
+    "aten.dropout",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy",
+    "aten.contiguous",
+    "aten.clone",
+    "aten.cat",
+    "aten.sum.dim_IntList",
+    "aten.mean.dim",
+    "aten.embedding",
+    "aten.expand_as",
+    "aten.flatten.using_ints",
+}
+# ops whose backward needs their own output
+_SAVE_OUTPUT = frozenset(
+    {
+        "aten._softmax",
+        "aten.softmax.int",
+        "aten._log_softmax",
+        "aten.log_softmax.int",
+        "aten.tanh",
+        "aten.sigmoid",
+        "aten.exp",
+        "aten.rsqrt",
+        "aten.sqrt",
+    }
+)
+_PRODUCTS = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})  # save operands only when both are tensors
+_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-unit costs read from the IR
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Forward costs of one unit per sample (bytes at the program's float dtype)."""
+
+    kind: str  # "pre", "layer" or "post"
+    label: str
+    flops: float  # forward FLOPs of every non-view op
+    flops_tp: float  # ... of which Megatron's layout divides over tp
+    mm_flops: float  # matmul and attention FLOPs only (what Megatron's Eq. 3 counts)
+    params_tp: int  # parameter elements split over tp (matrices)
+    params_rep: int  # parameter elements replicated over tp (vectors)
+    act_tp: float  # bytes saved for backward, split over tp
+    act_rep: float  # bytes saved for backward, replicated over tp
+    input_bytes: float  # bytes of the non-common tensors entering the unit (a recomputed layer keeps these)
+    ar_fwd_bytes: float  # bytes all-reduced over tp in the forward pass
+    ar_fwd_count: int  # ... in this many all-reduces
+    ar_bwd_bytes: float  # bytes all-reduced over tp in the backward pass
+    ar_bwd_count: int
+
+    def act(self, tp: int) -> float:
+        return self.act_tp / tp + self.act_rep
+
+    def params(self, tp: int) -> float:
+        return self.params_tp / tp + self.params_rep
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's units and the facts the search needs, per sample; saved as JSON in the profile cache."""
+
+    model: str
+    seq: int
+    itemsize: int  # bytes per element of the program's floats (4 for a float32 capture)
+    units: tuple[UnitCost, ...]  # pre, the layers in order, post
+    total_params: int  # distinct parameter elements (a tied weight once)
+    tp_divides: tuple[int, ...]  # sizes tp must divide (attention heads, split feature dims)
+    version: int = PROFILE_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        return sum(u.kind == "layer" for u in self.units)
+
+    @property
+    def mm_flops(self) -> float:
+        """Forward matmul and attention FLOPs per sample of the whole model."""
+        return sum(u.mm_flops for u in self.units)
+
+    def tp_ok(self, tp: int) -> bool:
+        return all(d % tp == 0 for d in self.tp_divides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        d = dict(d)
+        d["units"] = tuple(UnitCost(**u) for u in d["units"])
+        d["tp_divides"] = tuple(d["tp_divides"])
+        return cls(**d)
+
+
+def _layer_key(path: str) -> tuple[str, int] | None:
+    m = _LAYER.match(path or "")
+    return (m.group("stack"), int(m.group("index"))) if m else None
+
+
+def _units_of(prog: Program) -> list[tuple[str, str, list[Op]]]:
+    """(kind, label, ops) in program order: pre, one per layer of the main stack, post."""
+    keys = [_layer_key(op.path) for op in prog.ops]
+    stacks: dict[str, set[int]] = {}
+    for k in keys:
+        if k:
+            stacks.setdefault(k[0], set()).add(k[1])
+    if not stacks:
+        return [("layer", "model", list(prog.ops))]
+    main = max(stacks, key=lambda s: (len(stacks[s]), s))
+    in_main = [i for i, k in enumerate(keys) if k and k[0] == main]
+    first, last = in_main[0], in_main[-1]
+    units: list[tuple[str, str, list[Op]]] = [("pre", "pre", list(prog.ops[:first]))]
+    current = None
+    for i in range(first, last + 1):
+        k = keys[i]
+        if k and k[0] == main and (current is None or k[1] != current):
+            current = k[1]
+            units.append(("layer", f"{main}.{current}", []))
+        units[-1][2].append(prog.ops[i])
+    units.append(("post", "post", list(prog.ops[last + 1 :])))
+    return units
+
+
+def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) -> Profile:
+    """Read per-sample unit costs from an unsharded lowered program whose inputs hold ``batch`` samples."""
+    from autopar.passes.pipeline_split import common_nodes
+
+    types = prog.types()
+    commons = common_nodes(prog)
+    params = {v.name: v for v in prog.inputs if v.kind == "param"}
+    weights = set(params)  # parameters and views or casts of them
+    for op in prog.ops:
+        refs = op.input_refs()
+        if refs and refs[0].name in weights and op.target in VIEWS | {"aten.to.dtype", "aten._to_copy"}:
+            weights.update(op.results)
+    saved = _saved_for_backward(prog, weights, commons)
+    # the largest embedding table is the vocabulary (Megatron splits it over tp); position tables are not
+    tables = [op.input_refs()[0].name for op in prog.ops if op.target == "aten.embedding" and op.input_refs()]
+    tables = [n for n in tables if n in weights]
+    vocab = max(tables, key=lambda n: (types[n].shape[0], n)) if tables else None
+    units = _units_of(prog)
+    unit_of: dict[str, int] = {v.name: -1 for v in prog.inputs}
+    for k, (_, _, ops) in enumerate(units):
+        for op in ops:
+            for r in op.results:
+                unit_of[r] = k
+    column: set[str] = set()  # values split over tp (downstream of a column-parallel matmul)
+    tp_divides: set[int] = set()
+    out: list[UnitCost] = []
+    itemsize = 4
+    for k, (kind, label, ops) in enumerate(units):
+        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0)
+        arf = [0.0, 0]
+        arb = [0.0, 0]
+        f_inputs: set[str] = set()
+        seen_params: set[str] = set()
+        seen_in: set[str] = set()
+        for op in ops:
+            refs = [r.name for r in op.input_refs()]
+            for n in refs:
+                if n in params and n not in seen_params:
+                    seen_params.add(n)
+                    if len(params[n].type.shape) >= 2:
+                        c["ptp"] += params[n].type.numel
+                    else:
+                        c["prep"] += params[n].type.numel
+                t = types[n]
+                if (
+                    n not in seen_in
+                    and unit_of.get(n, -1) >= 0
+                    and unit_of[n] < k
+                    and n not in commons
+                    and n not in weights
+                    and t.is_float
+                ):
+                    seen_in.add(n)
+                    c["inb"] += t.nbytes
+            acts = [n for n in refs if n not in weights]
+            has_weight = len(acts) < len(refs)
+            split = False
+            if op.target in MATMULS and has_weight and acts:
+                w = next(n for n in refs if n in weights)
+                wshape = types[w].shape
+                if any(n in column for n in acts):  # row-parallel: partial output, all-reduced (g)
+                    arf[0] += op.types[0].nbytes
+                    arf[1] += 1
+                    if kind == "layer" and len(wshape) == 2:
+                        tp_divides.add(wshape[0] if op.target == "aten.mm" else wshape[1])
+                    split = True  # its FLOPs divide; its output does not
+                    out_split = False
+                else:  # column-parallel: output split; its input's gradient all-reduced (f)
+                    for n in acts:
+                        if n not in f_inputs:
+                            f_inputs.add(n)
+                            arb[0] += types[n].nbytes
+                            arb[1] += 1
+                    if kind == "layer" and len(wshape) == 2:
+                        tp_divides.add(wshape[1] if op.target == "aten.mm" else wshape[0])
+                    split = out_split = True
+            elif op.target == "aten.embedding" and has_weight and refs[0] == vocab:
+                arf[0] += op.types[0].nbytes  # vocabulary-parallel lookup: partial sums all-reduced
+                arf[1] += 1
+                split, out_split = True, False
+            else:
+                split = out_split = any(n in column for n in acts)
+                if op.target in ATTENTION and kind == "layer":
+                    tp_divides.update(types[n].shape[1] for n in refs[:3] if len(types[n].shape) == 4)
+            if out_split:
+                column.update(op.results)
+            if op.target not in VIEWS:
+                c["flops"] += op.flops
+                if split:
+                    c["flops_tp"] += op.flops
+                if op.target in MATMULS or op.target in ATTENTION:
+                    c["mm"] += op.flops
+            for r, t in zip(op.results, op.types):
+                if r in saved:
+                    itemsize = t.itemsize
+                    if r in column:
+                        c["atp"] += t.nbytes
+                    else:
+                        c["arep"] += t.nbytes
+        out.append(
+            UnitCost(
+                kind=kind,
+                label=label,
+                flops=c["flops"] / batch,
+                flops_tp=c["flops_tp"] / batch,
+                mm_flops=c["mm"] / batch,
+                params_tp=c["ptp"],
+                params_rep=c["prep"],
+                act_tp=c["atp"] / batch,
+                act_rep=c["arep"] / batch,
+                input_bytes=c["inb"] / batch,
+                ar_fwd_bytes=arf[0] / batch,
+                ar_fwd_count=arf[1],
+                ar_bwd_bytes=arb[0] / batch,
+                ar_bwd_count=arb[1],
+            )
+        )
+    # activations saved in a unit but produced in an earlier one are the later unit's input: counted there
+    return Profile(
+        model=model,
+        seq=seq,
+        itemsize=itemsize,
+        units=tuple(out),
+        total_params=sum(v.type.numel for v in params.values()),
+        tp_divides=tuple(sorted(tp_divides)),
+    )
+
+
+def _saved_for_backward(prog: Program, weights: set[str], commons: set[str]) -> set[str]:
+    """Float op results some op needs in its backward pass (see the module docstring)."""
+    types = prog.types()
+    produced = {r for op in prog.ops for r in op.results}
+    saved: set[str] = set()
+    for op in prog.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target in _SAVE_OUTPUT:
+            saved.update(op.results)
+        if op.target in _NO_SAVE:
+            continue
+        tensors = [n for n in refs if types[n].shape != ()]
+        if op.target in _PRODUCTS and len(tensors) < 2:
+            continue
+        saved.update(refs)
+    return {n for n in saved if n in produced and n not in weights and n not in commons and types[n].is_float}
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates
+
+
+SCHEDULES = ("none", "1f1b", "interleaved", "wave", "scp")
+RECOMPUTE = ("none", "full", "stage-aware")
+ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration of the whole plan. Field order is the tie-break order of equal step times."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int  # samples per microbatch per data-parallel replica
+    microbatches: int  # per pipeline per step
+    schedule: str  # "none" (pp = 1: gradient accumulation), "1f1b", "interleaved", "wave", "scp"
+    chunks: int = 1  # interleaved v
+    waves: int = 0  # Hanayo W
+    recompute: str = "none"  # "none", "full", "stage-aware"
+    alpha1: int = 0  # stage-aware alpha_1 in 1/ALPHA_GRID
+    zero: int = 0
+    mics_group: int = 0  # 0: ZeRO over the whole dp group
+    layout: str = "balanced"  # "balanced" (min-max FLOPs) or "even" (Megatron: L / S layers per stage)
+
+    @property
+    def num_stages(self) -> int:
+        if self.schedule == "wave":
+            return 2 * self.pp * self.waves
+        return self.pp * self.chunks
+
+    @property
+    def shard_group(self) -> int:
+        return self.mics_group or self.dp
+
+    @property
+    def alpha(self) -> Fraction:
+        return Fraction(self.alpha1, ALPHA_GRID)
+
+    def schedule_options(self) -> dict[str, Any]:
+        """Keyword options of ``autopar.runtime.schedules.make_schedule`` for this candidate."""
+        if self.schedule == "interleaved":
+            return {"chunks": self.chunks}
+        if self.schedule == "wave":
+            return {"waves": self.waves}
+        if self.schedule == "scp":
+            return {"alpha1": self.alpha}
+        if self.schedule == "1f1b" and self.recompute == "full":
+            return {"recompute": 1}
+        return {}
+
+    def inner_mesh(self) -> dict[str, int]:
+        """The axes the intra-op plan shards over, outermost first, size-1 axes left out: ``dp`` and
+        ``tp``; with MiCS ``dpr`` (replicas of a partition group) and ``dp`` (the group)."""
+        if self.mics_group:
+            axes = {"dpr": self.dp // self.mics_group, "dp": self.mics_group, "tp": self.tp}
+        else:
+            axes = {"dp": self.dp, "tp": self.tp}
+        return {a: n for a, n in axes.items() if n > 1} or {"dp": 1}
+
+    def mesh(self) -> dict[str, int]:
+        """The mesh to launch: ``pp`` outermost, then the inner mesh (Megatron's rank order)."""
+        return ({"pp": self.pp} if self.pp > 1 else {}) | self.inner_mesh()
+
+    def describe(self) -> str:
+        sched = {
+            "none": "no pipeline",
+            "1f1b": "1f1b",
+            "interleaved": f"interleaved v={self.chunks}",
+            "wave": f"wave W={self.waves}",
+            "scp": "scp",
+        }[self.schedule]
+        rc = self.recompute if self.recompute != "stage-aware" else f"stage-aware a1={float(self.alpha):.2f}"
+        z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
+        lay = " even" if self.layout == "even" else ""
+        return f"pp{self.pp} dp{self.dp} tp{self.tp} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["alpha1"] = float(self.alpha)
+        return d
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose; ``None`` leaves a dimension to the search. Defaults are the full space."""
+
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = ("none", "1f1b", "interleaved", "wave", "scp")
+    chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
+    waves: tuple[int, ...] = (1, 2)
+    recompute: tuple[str, ...] = ("none", "full", "stage-aware")
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    mics: bool = True  # also MiCS partition groups: divisors g of dp, node-aligned (see _node_aligned)
+    mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
+    devices_per_node: int = 8  # set from the cluster by the search
+    pipeline_zero3: bool = False  # ZeRO-3 / MiCS-3 with pp > 1 (the pipeline runtime implements 1 and 2)
+    layouts: tuple[str, ...] = ("balanced", "even")
+    max_pp: int | None = None  # default: the number of layers
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(world: int, profile: Profile, global_batch: int, space: SearchSpace) -> Iterator[tuple[int, int, int]]:
+    """(pp, dp, tp) with pp dp tp = world, tp dividing the layers' heads and split dims, dp dividing B."""
+    layers = profile.num_layers
+    for tp in divisors(world):
+        if (space.tp and tp not in space.tp) or not profile.tp_ok(tp):
+            continue
+        for pp in divisors(world // tp):
+            dp = world // tp // pp
+            if space.pp and pp not in space.pp or space.dp and dp not in space.dp:
+                continue
+            if pp > (space.max_pp or max(layers, 1)) or global_batch % dp:
+                continue
+            yield pp, dp, tp
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic evaluation
+
+
+@dataclass
+class Evaluation:
+    """A candidate priced by the analytic model (and, after scoring, by the simulator)."""
+
+    candidate: Candidate
+    stages: tuple[tuple[int, int], ...]  # unit range [start, stop) of each stage
+    stage_rank: tuple[int, ...]
+    tf: tuple[float, ...]  # per stage, one microbatch
+    tb: tuple[float, ...]
+    tr: tuple[float, ...]  # recomputing all of the stage's recomputed layers once
+    tc: tuple[float, ...]  # per stage boundary
+    recompute_fraction: tuple[float, ...]  # per stage: the fraction the schedule recomputes
+    reduce: tuple[float, ...]  # per rank: data-parallel gradient synchronization after its last backward
+    rank_memory: tuple[float, ...]  # per rank, bytes
+    weight_memory: tuple[float, ...]  # per rank, model states
+    lower_bound: float
+    step_time: float | None = None
+    simulated: str = ""  # "exact", "extrapolated" or "closed form"
+    bubble: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def memory(self) -> float:
+        return max(self.rank_memory)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Fastest first; equal step times: least memory, then the candidate's field order."""
+        return (self.step_time if self.step_time is not None else math.inf, self.memory, self.candidate)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What a candidate's price shares with its ZeRO / MiCS variants: per stage and per pipeline rank."""
+
+    stages: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
+    x: tuple[float, ...]
+    tf: tuple[float, ...]
+    tb: tuple[float, ...]
+    tr: tuple[float, ...]
+    tc: tuple[float, ...]
+    act_kept: tuple[float, ...]
+    trans: tuple[float, ...]
+    rank_params: tuple[float, ...]  # parameter elements held per device
+    rank_kept: tuple[float, ...]  # bytes kept per stashed microbatch (the rank's largest stage)
+    rank_trans: tuple[float, ...]  # bytes of one recomputed layer while it is rematerialized
+    rank_busy: tuple[float, ...]  # compute seconds per microbatch
+    rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
+    rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
+
+
+class Analytic:
+    """Prices candidates for one profile, cluster, global batch and training setup."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        cluster: ClusterSpec,
+        global_batch: int,
+        precision: str = "bf16",
+        optimizer: str = "adam",
+        efficiency: float = EFFICIENCY,
+        scatter_gather: bool = True,
+    ):
+        self.p, self.cluster, self.B = profile, cluster, global_batch
+        self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
+        self.scatter_gather = scatter_gather
+        dtype = "fp32" if precision == "fp32" else precision
+        self.flop_rate = cluster.peak(dtype) * efficiency
+        self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
+        self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
+        self.dpn = cluster.devices_per_node
+        units = profile.units
+        self.n = len(units)
+        rows = _augment(units)  # a parameter read by several units (a tied embedding) counts in each
+        self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
+        self._is_layer = [u.kind == "layer" for u in units]
+        self._max_layer_act: dict[tuple[int, int, int], float] = {}
+        self._parts: dict[tuple, _Part | None] = {}
+        self._sync: dict[tuple, tuple[float, float]] = {}
+        self._bases: dict[tuple, Any] = {}
+        self._fractions: dict[tuple, tuple[float, ...]] = {}
+
+    # -- layouts ----------------------------------------------------------------------------------
+    @functools.cache  # noqa: B019 - one Analytic per search
+    def balanced_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
+        """Contiguous unit ranges minimizing the largest stage's forward FLOPs; later stages filled first
+        (the first stages hold more microbatches in flight)."""
+        w = [u.flops for u in self.p.units]
+        if stages > self.n:
+            return None
+        lo, hi = max(w), sum(w)
+        for _ in range(100):  # bisection on the bottleneck
+            mid = (lo + hi) / 2
+            if _parts(w, mid) <= stages:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-9 * hi:
+                break
+        cap = hi
+        out: list[tuple[int, int]] = []
+        stop = self.n
+        for s in range(stages - 1, -1, -1):
+            start, total = stop, 0.0
+            while start > s and total + w[start - 1] <= cap * (1 + 1e-12):
+                start -= 1
+                total += w[start]
+            if s == 0:
+                start = 0
+            out.append((start, stop))
+            stop = start
+        out.reverse()
+        if any(a >= b for a, b in out):
+            return None
+        return tuple(out)
+
+    @functools.cache  # noqa: B019
+    def even_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
+        """Megatron's: L / S layers per stage, the pre units on the first, the post units on the last."""
+        layers = [i for i, x in enumerate(self._is_layer) if x]
+        L = len(layers)
+        if L % stages or not layers:
+            return None
+        k = L // stages
+        cuts = [0] + [layers[s * k] for s in range(1, stages)] + [self.n]
+        return tuple((cuts[s], cuts[s + 1]) for s in range(stages))
+
+    def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
+        return self.even_layout(c.num_stages) if c.layout == "even" else self.balanced_layout(c.num_stages)
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _sum(self, key: str, a: int, b: int) -> float:
+        pre = self._pre[key]
+        return pre[b] - pre[a]
+
+    def max_layer_act(self, a: int, b: int, tp: int) -> float:
+        key = (a, b, tp)
+        if key not in self._max_layer_act:
+            self._max_layer_act[key] = max(
+                (u.act(tp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
+            )
+        return self._max_layer_act[key]
+
+    def intra(self, devices: int) -> bool:
+        """Whether a group of ``devices`` consecutive ranks (aligned to its size) stays inside one node."""
+        return 0 < devices <= self.dpn and self.dpn % devices == 0
+
+    def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
+        nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
+        return self.allreduce(nbytes, count, tp, self.intra(tp))
+
+    def allreduce(self, nbytes: float, count: int, n: int, intra: bool) -> float:
+        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        lat, bw = self.cluster.alpha_beta(intra)
+        return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
+
+    def gather(self, nbytes: float, n: int, intra: bool) -> float:
+        """Seconds of one all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over n ranks."""
+        return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+
+    def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
+        if c.schedule == "wave":
+            from autopar.runtime.schedules import wave_placement
+
+            return tuple(wave_placement(c.pp, c.waves))
+        return tuple(s % c.pp for s in range(c.num_stages))
+
+    def recompute_fractions(self, c: Candidate) -> tuple[float, ...]:
+        """Fraction of each stage's layers recomputed (per rank for SCP: 1 - alpha_i)."""
+        S = c.num_stages
+        if c.recompute == "none":
+            return (0.0,) * S
+        if c.recompute == "full":
+            return (1.0,) * S
+        key = (S, c.alpha1)
+        if key not in self._fractions:
+            from autopar.runtime.schedules import stage_aware_ratios
+
+            self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, c.alpha))
+        return self._fractions[key]
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate(self, c: Candidate) -> Evaluation | None:
+        """Price ``c``; None when its layout does not exist (more stages than units, uneven split)."""
+        part = self._stage_part(c)
+        if part is None:
+            return None
+        counts = inflight_counts(c)
+        per_param = self.bytes_per_param(c)
+        s0, s1 = self._sync_coefficients(c)
+        weights = [p * per_param for p in part.rank_params]
+        mem = tuple(w + k * kept + tr for w, k, kept, tr in zip(weights, counts, part.rank_kept, part.rank_trans))
+        reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
+        if c.pp == 1:
+            lb = c.microbatches * part.rank_busy[0] + reduce[0]
+        else:
+            lb = max(
+                h + c.microbatches * busy + max(t, r)
+                for h, busy, t, r in zip(part.rank_head, part.rank_busy, part.rank_tail, reduce)
+            )
+        return Evaluation(
+            candidate=c,
+            stages=part.stages,
+            stage_rank=part.ranks,
+            tf=part.tf,
+            tb=part.tb,
+            tr=part.tr,
+            tc=part.tc,
+            recompute_fraction=part.x,
+            reduce=reduce,
+            rank_memory=mem,
+            weight_memory=tuple(weights),
+            lower_bound=lb,
+            info={"act_kept": part.act_kept, "transient": part.trans, "inflight": counts},
+        )
+
+    def _sync_coefficients(self, c: Candidate) -> tuple[float, float]:
+        """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
+        key = (c.dp, c.tp, c.shard_group, c.zero, c.microbatches)
+        if key not in self._sync:
+            one, two = self.dp_sync(c, 1e6), self.dp_sync(c, 2e6)
+            slope = (two - one) / 1e6
+            self._sync[key] = (one - slope * 1e6, slope)
+        return self._sync[key]
+
+    def bytes_per_param(self, c: Candidate) -> float:
+        """Model-state bytes per parameter element on a rank under the candidate's ZeRO / MiCS."""
+        zf = c.shard_group if c.dp > 1 else 1
+        w, g, o = self.weight_b, self.grad_b, self.state_b
+        return w / (zf if c.zero >= 3 else 1) + g / (zf if c.zero >= 2 else 1) + o / (zf if c.zero >= 1 else 1)
+
+    def _stage_part(self, c: Candidate) -> _Part | None:
+        """Per-stage times, kept activations and parameters: everything but ZeRO's per-rank effects
+        (shared by the ZeRO / MiCS variants of a configuration; ZeRO-3 gathers are per stage)."""
+        z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
+        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1, z3)
+        if key in self._parts:
+            return self._parts[key]
+        base = self._base(c, z3)
+        if base is None:
+            self._parts[key] = None
+            return None
+        x = self.recompute_fractions(c)
+        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, mine, head, tail = base
+        kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
+        trans = [la if xs else 0.0 for la, xs in zip(layer_act, x)]
+        part = _Part(
+            stages=stages,
+            ranks=ranks,
+            x=x,
+            tf=tf,
+            tb=tb,
+            tr=tr,
+            tc=tc,
+            act_kept=tuple(kept),
+            trans=tuple(trans),
+            rank_params=tuple(sum(params[s] for s in ss) for ss in mine),
+            rank_kept=tuple(max(kept[s] for s in ss) for ss in mine),
+            rank_trans=tuple(max(trans[s] for s in ss) for ss in mine),
+            rank_busy=tuple(sum(tf[s] + tb[s] + x[s] * tr[s] for s in ss) for ss in mine),
+            rank_head=tuple(head[ss[0]] for ss in mine),
+            rank_tail=tuple(tail[ss[0]] for ss in mine),
+        )
+        self._parts[key] = part
+        return part
+
+    def _base(self, c: Candidate, z3: int):
+        """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
+        layers), boundary transfers, activations and the bytes full recomputation saves, per stage."""
+        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
+        if key in self._bases:
+            return self._bases[key]
+        stages = self.layout(c)
+        if stages is None:
+            self._bases[key] = None
+            return None
+        b, tp = c.micro_batch, c.tp
+        ranks = self.stage_ranks(c)
+        sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
+        rate = self.flop_rate
+        intra_g = self.intra(tp * z3)
+        tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
+        S = self._sum
+        for a, e in stages:
+            f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
+            fwd = b * (f_tp / tp + f_all - f_tp) / rate
+            # recomputation touches the stage's layers only (embeddings and head keep their activations)
+            lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
+            rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
+            params = S("params_tp", a, e) / tp + S("params_rep", a, e)
+            fz = bz = 0.0
+            if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
+                gather = self.gather(params * self.weight_b, z3, intra_g)
+                fz, bz = gather, gather + self.gather(params * self.grad_b, z3, intra_g)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
+            acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
+            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
+            saving.append(lacts - S("linput_bytes", a, e) * sa)
+            layer_act.append(self.max_layer_act(a, e, tp) * sa)
+            params_of.append(params)
+        tc = tuple(
+            self.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
+            for s in range(len(stages) - 1)
+        )
+        mine: list[list[int]] = [[] for _ in range(c.pp)]
+        for s, r in enumerate(ranks):
+            mine[r].append(s)
+        head, tail = [0.0], [0.0]  # microbatch 0's forward reaching stage s; the last gradient leaving it
+        for s in range(len(stages) - 1):
+            head.append(head[-1] + tf[s] + tc[s])
+            tail.append(tail[-1] + tb[s] + tc[s])
+        base = (
+            stages,
+            ranks,
+            tuple(tf),
+            tuple(tb),
+            tuple(tr),
+            tc,
+            acts,
+            saving,
+            layer_act,
+            params_of,
+            mine,
+            head,
+            tail,
+        )
+        self._bases[key] = base
+        return base
+
+    def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
+        """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
+
+        Time: the busiest rank does at least the mean compute and tensor-parallel all-reduces of a
+        microbatch without recomputation, m times. Memory: the busiest rank holds at least the mean
+        model states under the strongest sharding allowed (ZeRO stage ``max_shard`` over dp)."""
+        n = self.n
+        sa = self.act_scale * b
+        f_tp, f_all = self._sum("flops_tp", 0, n), self._sum("flops", 0, n)
+        work = 3 * b * (f_tp / tp + f_all - f_tp) / self.flop_rate
+        work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
+        params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
+        zf = dp if dp > 1 else 1
+        w, g, o = self.weight_b, self.grad_b, self.state_b
+        per = w / (zf if max_shard >= 3 else 1) + g / (zf if max_shard >= 2 else 1) + o / (zf if max_shard >= 1 else 1)
+        return m * work / pp, params * per
+
+    def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
+        """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
+        if r0 == r1 or nbytes <= 0:
+            return 0.0
+        stride = c.dp * c.tp  # ranks of consecutive pipeline stages differ by dp * tp
+        intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
+        if self.scatter_gather and c.tp > 1:
+            send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
+            return send + self.gather(nbytes, c.tp, self.intra(c.tp))
+        return self.cluster.collective_seconds("send", nbytes, 1, intra)
+
+    def dp_sync(self, c: Candidate, params: float) -> float:
+        """Seconds of one rank's data-parallel gradient synchronization per step (see module doc)."""
+        if c.dp <= 1:
+            return 0.0
+        g = c.shard_group
+        grads, weights = params * self.grad_b, params * self.weight_b
+        intra_g = self.intra(c.tp * g)
+        intra_all = self.intra(c.tp * c.dp)
+        if g == c.dp:
+            if c.zero <= 1:
+                return self.allreduce(grads, 1, c.dp, intra_all)
+            if c.zero == 2:
+                return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
+            return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
+        # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
+        across = self.allreduce(grads / g, 1, c.dp // g, intra_all)
+        if c.zero <= 1:
+            return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        if c.zero == 2:
+            return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        return across
+
+    # -- FLOP counts for throughput --------------------------------------------------------------------
+    def eq3_flops(self) -> float:
+        """Megatron's Eq. 3 generalised: per step, 4 x the layers' forward matmul/attention FLOPs (forward,
+        backward = 2 forwards, recomputation) + 3 x the rest's (the logit layer is not recomputed).
+        Equal to 96 B s l h^2 (1 + s/6h + V/16lh) for a GPT model (tested)."""
+        layers = sum(u.mm_flops for u in self.p.units if u.kind == "layer")
+        return (4 * layers + 3 * (self.p.mm_flops - layers)) * self.B
+
+    def model_flops(self) -> float:
+        """3 x forward matmul/attention FLOPs of the global batch: Eq. 3 without the recomputation pass."""
+        return 3 * self.p.mm_flops * self.B
+
+
+_SUMMED = (
+    "flops",
+    "flops_tp",
+    "params_tp",
+    "params_rep",
+    "act_tp",
+    "act_rep",
+    "ar_fwd_bytes",
+    "ar_fwd_count",
+    "ar_bwd_bytes",
+    "ar_bwd_count",
+    "lflops",
+    "lflops_tp",
+    "lact_tp",
+    "lact_rep",
+    "linput_bytes",
+    "lar_fwd_bytes",
+    "lar_fwd_count",
+)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _parts(w: Sequence[float], cap: float) -> int:
+    """Contiguous runs needed so that each sums to at most ``cap`` (inf if one item exceeds it)."""
+    parts, total = 1, 0.0
+    for v in w:
+        if v > cap * (1 + 1e-12):
+            return 1 << 30
+        if total + v > cap * (1 + 1e-12):
+            parts += 1
+            total = v
+        else:
+            total += v
+    return parts
+
+
+def inflight_counts(c: Candidate) -> list[float]:
+    """Microbatches whose activations rank r holds at its peak (in units of one stage's microbatch).
+
+    1F1B and pp = 1: min(pp - r, m) (pp = 1: one); SCP the same, except 3 on the penultimate rank
+    (Merak Fig. 3c runs a third forward ahead); interleaved: the warm-up plus one,
+    min(2 (pp - r - 1) + (v - 1) pp + 1, v m); waves: 2 W min(2 pp, m) (the wave schedule's in-flight
+    cap is 2 pp microbatches). ``tests/test_search.py`` checks these against the simulator.
+    """
+    P, m = c.pp, c.microbatches
+    if c.schedule == "none":
+        return [1.0]
+    if c.schedule == "1f1b":
+        return [float(min(P - r, m)) for r in range(P)]
+    if c.schedule == "scp":
+        return [float(min(3 if r == P - 2 and P > 1 else P - r, m)) for r in range(P)]
+    if c.schedule == "interleaved":
+        v = c.chunks
+        return [float(min(2 * (P - r - 1) + (v - 1) * P + 1, v * m)) for r in range(P)]
+    if c.schedule == "wave":
+        return [float(2 * c.waves * min(2 * P, m)) for _ in range(P)]
+    raise ValueError(f"unknown schedule {c.schedule!r}")
+
+
+def _augment(units: tuple[UnitCost, ...]) -> list[dict[str, float]]:
+    out = []
+    for u in units:
+        d = asdict(u)
+        lay = u.kind == "layer"
+        d["lflops"] = u.flops if lay else 0.0
+        d["lflops_tp"] = u.flops_tp if lay else 0.0
+        d["lact_tp"] = u.act_tp if lay else 0.0
+        d["lact_rep"] = u.act_rep if lay else 0.0
+        d["linput_bytes"] = u.input_bytes if lay else 0.0
+        d["lar_fwd_bytes"] = u.ar_fwd_bytes if lay else 0.0
+        d["lar_fwd_count"] = u.ar_fwd_count if lay else 0
+        out.append(d)
+    return out
+
+
+@dataclass(frozen=True, order=True)
+class Family:
+    """A mesh and a micro-batch: the candidates sharing a step-time and a memory lower bound."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Candidates of a family that differ only in ZeRO stage and recomputation.
+
+    ``zeros`` ascend and ``levels`` go from the least recomputation to the most: memory falls and
+    step time rises along both, so per ZeRO stage only the first level that fits is worth scoring,
+    and a higher ZeRO stage only with strictly less recomputation (``autopar.search`` walks it).
+    """
+
+    base: Candidate
+    zeros: tuple[int, ...]
+    levels: tuple[tuple[str, int], ...]  # (recompute, alpha1)
+    dominated: int = 0  # ZeRO-0 candidates left out (ZeRO-1: same time, less memory)
+    unsupported: int = 0  # ZeRO-3 candidates left out with pp > 1
+
+    def candidate(self, zero: int, level: int) -> Candidate:
+        rc, a = self.levels[level]
+        return dc_replace(self.base, zero=zero, recompute=rc, alpha1=a)
+
+    @property
+    def size(self) -> int:
+        return len(self.zeros) * len(self.levels) + self.dominated + self.unsupported
+
+
+def families(analytic: Analytic, space: SearchSpace, world: int) -> list[Family]:
+    out = []
+    for pp, dp, tp in meshes(world, analytic.p, analytic.B, space):
+        per_replica = analytic.B // dp
+        for b in divisors(per_replica):
+            if not space.micro_batch or b in space.micro_batch:
+                out.append(Family(pp, dp, tp, b, per_replica // b))
+    return out
+
+
+def max_shard(space: SearchSpace, fam: Family) -> int:
+    """The strongest ZeRO stage the space allows for the family (for its memory lower bound)."""
+    zs = [z for z in space.zero if z < 3 or fam.pp == 1 or space.pipeline_zero3]
+    return max(zs, default=0) if fam.dp > 1 else 0
+
+
+def chains(analytic: Analytic, space: SearchSpace, fam: Family) -> Iterator[Chain]:
+    """Every chain of a family: schedule x chunks/waves x stage layout x MiCS group."""
+    L = analytic.p.num_layers
+    for sched, v, w in _schedules(fam.pp, L, space):
+        levels = _levels(sched, space)
+        if not levels:
+            continue
+        stages = 2 * fam.pp * w if sched == "wave" else fam.pp * v
+        for layout in _layouts(space, sched):
+            if layout == "even" and (
+                L % stages or stages == 1 or analytic.even_layout(stages) == analytic.balanced_layout(stages)
+            ):
+                continue  # no even layout, or the same stages as the balanced one
+            if layout == "balanced" and stages > analytic.n:
+                continue
+            for g, zeros, dominated, unsupported in _zeros(fam, space):
+                base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
+                                 mics_group=g, layout=layout)  # fmt: skip
+                n = len(levels)
+                yield Chain(base, zeros, levels, dominated * n, unsupported * n)
+
+
+def _schedules(pp: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int, int]]:
+    if pp == 1:
+        if "none" in space.schedules:
+            yield "none", 1, 0
+        return
+    if "1f1b" in space.schedules:
+        yield "1f1b", 1, 0
+    if "scp" in space.schedules:
+        yield "scp", 1, 0
+    if "interleaved" in space.schedules:
+        for v in space.chunks:
+            if v > 1 and pp * v <= layers:
+                yield "interleaved", v, 0
+    if "wave" in space.schedules:
+        for w in space.waves:
+            if 2 * pp * w <= layers:
+                yield "wave", 1, w
+
+
+def _levels(sched: str, space: SearchSpace) -> tuple[tuple[str, int], ...]:
+    """Recomputation settings from the least to the most recomputation."""
+    if sched == "scp":  # Merak's schedule with stage-aware ratios (alpha_1 = 0: full recomputation)
+        if "stage-aware" in space.recompute:
+            return tuple(("stage-aware", a) for a in range(ALPHA_GRID, -1, -1))
+        return (("stage-aware", 0),) if "full" in space.recompute else ()
+    return tuple((rc, 0) for rc in ("none", "full") if rc in space.recompute)
+
+
+def _layouts(space: SearchSpace, sched: str) -> tuple[str, ...]:
+    return ("balanced",) if sched == "none" else space.layouts
+
+
+def _node_aligned(devices: int, space: SearchSpace) -> bool:
+    """A MiCS partition group of this many devices fills part of one node or a few whole nodes."""
+    dpn = space.devices_per_node
+    return dpn % devices == 0 if devices <= dpn else devices % dpn == 0 and devices <= space.mics_max_nodes * dpn
+
+
+def _zeros(fam: Family, space: SearchSpace) -> Iterator[tuple[int, tuple[int, ...], int, int]]:
+    """(MiCS group, ZeRO stages ascending, ZeRO-0 stages dominated, ZeRO-3 stages unsupported)."""
+    if fam.dp == 1:
+        yield 0, (0,), 0, 0
+        return
+    groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
+                    if space.mics else [])  # fmt: skip
+    for g in groups:
+        zs = sorted(z for z in space.zero if z > 0 or (g == 0 and 1 not in space.zero))
+        dominated = int(g == 0 and 0 in space.zero and 1 in space.zero)
+        unsupported = 0
+        if fam.pp > 1 and not space.pipeline_zero3:
+            unsupported = sum(z >= 3 for z in zs)
+            zs = [z for z in zs if z < 3]
+        if zs:
+            yield g, tuple(zs), dominated, unsupported
+
+
+__all__ = [
+    "ALPHA_GRID",
+    "Analytic",
+    "Candidate",
+    "Evaluation",
+    "Profile",
+    "SearchSpace",
+    "UnitCost",
+    "Chain",
+    "Family",
+    "chains",
+    "families",
+    "max_shard",
+    "inflight_counts",
+    "meshes",
+    "profile_program",
+]
