@@ -47,6 +47,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="also list every parameter's placement and unruled ops")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     p.set_defaults(func=run)
+    # -- search hook (autopar/search.py): without --mesh, --global-batch searches the whole plan --------
+    g = p.add_argument_group("search (no --mesh): mesh, schedule, micro-batch, ZeRO/MiCS and recomputation")
+    batch_help = "global batch per step: search the whole plan for --cluster"
+    g.add_argument("--global-batch", type=int, default=None, metavar="B", help=batch_help)
+    g.add_argument("--top", type=int, default=1, metavar="K", help="list the K best plans (search)")
+    p.set_defaults(precision=None, zero=None)  # given values restrict the search; run() restores the defaults
+    # -- end search hook --------------------------------------------------------------------------------
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +70,14 @@ def run(args: argparse.Namespace) -> int:
         for name, desc in list_presets().items():
             print(f"{name:18s} {desc}")
         return 0
+    # -- search hook ------------------------------------------------------------------------------------
+    if not args.mesh and args.global_batch is not None:
+        from autopar.search import run_cli
+
+        return run_cli(args)
+    args.precision = "fp32" if args.precision is None else args.precision
+    args.zero = 0 if args.zero is None else args.zero
+    # -- end search hook --------------------------------------------------------------------------------
     if not args.model or not args.mesh:
         raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")
     mesh = parse_mesh(args.mesh)
