@@ -579,6 +579,7 @@ def build_plan(
     setup = TrainingSetup(precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None)
     opts = ShardOptions(
         objective="comm",
+        constrain=data_parallel_axes(prog),
         budget_bytes=result.budget_bytes,
         time_limit=time_limit,
         backend=backend,
@@ -594,9 +595,11 @@ def build_plan(
             waves=c.waves if c.schedule == "wave" else None, cluster=result.cluster, budget_bytes=math.inf,
             microbatches=c.microbatches, precision="fp32" if result.precision == "fp32" else "bf16",
         )  # fmt: skip
+        sp = stage_plan.to_dict()
+        sp["budget_bytes"] = None  # stages balanced for time only; memory is the search's model (stats.predicted)
         pipeline_info = {
             "split_seconds": split_seconds,
-            "stage_plan": stage_plan.to_dict(),
+            "stage_plan": sp,
             "table": stage_plan.format(),
         }
         ranges = _stage_op_ranges(prog, stage_plan)
@@ -641,6 +644,29 @@ def build_plan(
         baselines={},
         pipeline=pipeline,
     )
+
+
+def data_parallel_axes(prog) -> dict:
+    """ILP constraints that keep the search's meaning of the ``dp*`` axes: parameters and buffers
+    replicated on them (ZeRO shards their states, which is memory accounting, not placement), the
+    user inputs' batch split over them. The ILP decides everything on ``tp``."""
+    from autopar.passes.ir import Replicate, Shard
+
+    dp = tuple(i for i, n in enumerate(prog.mesh.names) if n.startswith("dp"))
+    if not dp:
+        return {}
+
+    def replicated(p) -> bool:
+        return all(isinstance(p[i], Replicate) for i in dp)
+
+    def batch_split(p) -> bool:
+        return all(isinstance(p[i], Shard) and p[i].dim == 0 for i in dp)
+
+    return {
+        v.name: replicated if v.kind in ("param", "buffer") else batch_split
+        for v in prog.inputs
+        if v.kind in ("param", "buffer") or len(v.type.shape) >= 1
+    }
 
 
 def _stage_op_ranges(prog, stage_plan) -> list[tuple[int, int]]:

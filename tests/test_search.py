@@ -1,0 +1,305 @@
+"""The whole-plan search (autopar/search.py, solver/search_space.py): costs from the IR, bounds, the answer."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.errors import InfeasibleError
+from autopar.runtime.costs import Costs
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.simulator import simulate
+from autopar.search import Scorer, launch_options, profile_model, search, search_model
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.search_space import (
+    Analytic,
+    Candidate,
+    Profile,
+    SearchSpace,
+    UnitCost,
+    chains,
+    families,
+    inflight_counts,
+)
+from tests._dist import run_distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+LOCAL4 = "local-cpu:devices_per_node=4"
+
+
+def gpt_profile(layers: int = 8, h: int = 2048, s: int = 1024, V: int = 32768, heads: int = 16) -> Profile:
+    """A GPT model's units by formula, per sample, float32 bytes (what profile_program reads from the IR)."""
+    f = 4
+    mm = 24 * s * h * h + 4 * s * s * h
+    layer = UnitCost("layer", "h", mm + 30 * s * h, mm + 10 * s * h, mm, 12 * h * h, 13 * h, 10 * s * h * f,
+                     6 * s * h * f, s * h * f, 2 * s * h * f, 2, 2 * s * h * f, 2)  # fmt: skip
+    pre = UnitCost("pre", "pre", 2 * s * h, 0, 0, V * h + s * h, 0, 0, s * h * f, 0, s * h * f, 1, 0, 0)
+    post = UnitCost("post", "post", 2 * s * h * V + 5 * s * V, 2 * s * h * V + 5 * s * V, 2 * s * h * V, V * h,
+                    2 * h, s * V * f, s * h * f, s * h * f, 0, 0, s * h * f, 1)  # fmt: skip
+    units = (pre, *(dataclasses.replace(layer, label=f"h.{i}") for i in range(layers)), post)
+    total = V * h + s * h + layers * (12 * h * h + 13 * h) + 2 * h
+    return Profile("synthetic-gpt", s, f, units, total, (heads, h, 3 * h, 4 * h))
+
+
+SMALL = SearchSpace(chunks=(2, 4), waves=(1,))
+
+
+# ---------------------------------------------------------------------------------------------
+# Costs read from the IR
+
+
+def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
+    l, h, heads, s, V = 2, 64, 4, 32, 128
+    spec = f"gpt2:n_layer={l},n_embd={h},n_head={heads},n_positions={s},vocab_size={V},seq={s}"
+    prof = profile_model(spec)
+    assert [u.kind for u in prof.units] == ["pre", "layer", "layer", "post"]
+    assert prof.seq == s and prof.tp_divides == (heads, h, 3 * h, 4 * h)
+    B = 16
+    an = Analytic(prof, ClusterSpec.load("dgx-a100"), B)
+    eq3 = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h))
+    assert an.eq3_flops() == pytest.approx(eq3, rel=1e-12)
+    assert an.model_flops() == pytest.approx(72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
+    layer = prof.units[1]
+    # Megatron's 2 + 2 all-reduces of s h per layer; 16 s h elements saved (34 s h bytes less the masks)
+    assert (layer.ar_fwd_count, layer.ar_bwd_count) == (2, 2)
+    assert layer.ar_fwd_bytes == layer.ar_bwd_bytes == 2 * s * h * 4
+    assert layer.act_tp + layer.act_rep == 16 * s * h * 4
+    assert layer.input_bytes == s * h * 4
+    assert layer.params_tp + layer.params_rep == 12 * h * h + 13 * h
+    assert prof.total_params == sum(p.numel() for p in _model(spec).parameters())
+
+
+def _model(spec: str):
+    from autopar.models import build
+
+    return build(spec + ",batch=1", device="meta").model
+
+
+# ---------------------------------------------------------------------------------------------
+# The analytic model against the simulator
+
+
+@pytest.mark.parametrize(
+    "name,P,M,opts",
+    [
+        ("1f1b", 4, 10, {}),
+        ("1f1b", 4, 3, {"recompute": 1}),
+        ("scp", 4, 9, {"alpha1": Fraction(1, 4)}),
+        ("interleaved", 4, 8, {"chunks": 2}),
+        ("interleaved", 3, 7, {"chunks": 3}),
+        ("wave", 3, 8, {"waves": 1}),
+        ("wave", 2, 9, {"waves": 2}),
+    ],
+)
+def test_inflight_counts_bound_the_simulated_stash(name, P, M, opts):
+    sched = make_schedule(name, P, M, **opts)
+    sim = simulate(sched, Costs.uniform(sched.num_stages))
+    c = Candidate(P, 1, 1, 1, M, name, opts.get("chunks", 1), opts.get("waves", 0))
+    counts = inflight_counts(c)
+    assert all(s <= k for s, k in zip(sim.peak_activations, counts))
+    if name != "wave":  # exact for one-stage-per-rank schedules and interleaving
+        assert sim.peak_activations == [int(k) for k in counts]
+
+
+def _pipeline_candidates(an: Analytic, space: SearchSpace, world: int, limit: int):
+    out = []
+    for f in families(an, space, world):
+        if f.pp == 1 or f.microbatches < 2:
+            continue
+        for ch in chains(an, space, f):
+            for z in ch.zeros[:1]:
+                for level in {0, len(ch.levels) - 1, len(ch.levels) // 2}:
+                    ev = an.evaluate(ch.candidate(z, level))
+                    if ev is not None:
+                        out.append(ev)
+    out.sort(key=lambda e: e.candidate)
+    return out[:: max(1, len(out) // limit)][:limit]
+
+
+def test_lower_bound_never_exceeds_the_simulated_step_and_extrapolation_matches():
+    an = Analytic(gpt_profile(), ClusterSpec.load("dgx-a100:nodes=2"), 64)
+    evs = _pipeline_candidates(an, SMALL, 16, 40)
+    assert {e.candidate.schedule for e in evs} == {"1f1b", "scp", "interleaved", "wave"}
+    exact = Scorer(full_limit=10**9)
+    for ev in evs:
+        step = exact.score(dataclasses.replace(ev)).step_time
+        assert ev.lower_bound <= step * (1 + 1e-9), ev.candidate.describe()
+    # extrapolation from two smaller microbatch counts is exact once 1F1B / interleaving reach their steady state
+    few = Scorer(full_limit=1)
+    for ev in evs:
+        c = ev.candidate
+        if c.schedule in ("1f1b", "interleaved") and c.microbatches >= 3 * c.pp and c.microbatches % c.pp == 0:
+            a = exact.score(dataclasses.replace(ev)).step_time
+            b = few.score(dataclasses.replace(ev))
+            assert b.simulated == "extrapolated" and b.step_time == pytest.approx(a, rel=1e-9), c.describe()
+
+
+# ---------------------------------------------------------------------------------------------
+# The search's answer
+
+
+def _key(result):
+    return [(e.candidate, e.step_time) for e in result.best]
+
+
+def test_answer_does_not_depend_on_the_visiting_order():
+    prof, cluster = gpt_profile(), ClusterSpec.load("dgx-a100")
+    scorer = Scorer()  # shared: the simulations are deterministic, so caching cannot change an answer
+    ref = search(prof, cluster, 32, space=SMALL, top=3, scorer=scorer)
+    assert ref.stats["pruned_by_bound"] > 0 and ref.stats["scored"] < ref.stats["priced"]
+    for order, seed in [("given", 0), ("shuffle", 0), ("shuffle", 1), ("shuffle", 2)]:
+        other = search(prof, cluster, 32, space=SMALL, top=3, order=order, seed=seed, scorer=scorer)
+        assert _key(other) == _key(ref), (order, seed)
+
+
+def test_an_impossible_budget_names_the_smallest_that_fits():
+    prof, cluster = gpt_profile(), ClusterSpec.load("dgx-a100")
+    with pytest.raises(InfeasibleError) as err:
+        search(prof, cluster, 32, budget_bytes=2**20, space=SMALL)
+    smallest = err.value.smallest_budget_bytes
+    assert smallest and f"{smallest / 2**30:.2f} GiB" in str(err.value)
+    fits = search(prof, cluster, 32, budget_bytes=smallest, space=SMALL)
+    assert fits.best[0].memory <= smallest
+    with pytest.raises(InfeasibleError):
+        search(prof, cluster, 32, budget_bytes=smallest * (1 - 1e-9), space=SMALL)
+
+
+def test_the_search_is_at_least_as_fast_as_megatron_within_its_memory():
+    prof, cluster = gpt_profile(layers=16), ClusterSpec.load("dgx-a100:nodes=2")
+    an = Analytic(prof, cluster, 64)
+    scorer = Scorer()
+    megatron = Candidate(4, 1, 4, 1, 64, "interleaved", 2, recompute="full", zero=0, layout="even")
+    meg = scorer.score(an.evaluate(megatron))
+    res = search(prof, cluster, 64, budget_bytes=meg.memory, space=SMALL, scorer=scorer)
+    assert res.best[0].step_time <= meg.step_time and res.best[0].memory <= meg.memory
+
+
+def test_staircase_keeps_only_plans_that_are_not_dominated():
+    res = search(gpt_profile(), ClusterSpec.load("dgx-a100"), 32, space=SMALL, top=50)
+    seen = {}
+    for e in res.best:
+        c = e.candidate
+        fam = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.mics_group)
+        seen.setdefault(fam, []).append(c)
+    for group in seen.values():  # no member recomputes at least as much with at least as high a ZeRO stage
+        for a in group:
+            for b in group:
+                if a is not b and a.recompute == b.recompute and a.alpha1 == b.alpha1:
+                    assert a.zero != b.zero
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line and the plan file
+
+
+def test_cli_search_lists_the_best_and_writes_a_plan_the_schema_accepts(tmp_path, capsys):
+    jsonschema = pytest.importorskip("jsonschema")
+    from autopar.cli import main
+    from autopar.plan import Plan
+
+    out = tmp_path / "plan.json"
+    argv = ["plan", "tiny-gpt2", "--cluster", LOCAL4, "--global-batch", "8", "--top", "3", "--json", "-o", str(out)]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["best"]) == 3 and report["devices"] == 4
+    steps = [b["step_seconds"] for b in report["best"]]
+    assert steps == sorted(steps) and all(0 < b["mfu"] < 1 for b in report["best"])
+    assert report["stats"]["scored"] >= 1 and report["stats"]["space"] > report["stats"]["scored"]
+    schema = json.loads((ROOT / "docs" / "plan.schema.json").read_text())
+    data = json.loads(out.read_text())
+    jsonschema.validate(data, schema)
+    plan = Plan.load(out)
+    assert plan.stats["predicted"]["configuration"] == report["best"][0]["configuration"]
+    assert math.prod(launch_options(plan)[0].values()) == 4
+    # a plan made for a given mesh validates too
+    mesh_plan = tmp_path / "mesh.json"
+    argv = ["plan", "tiny-gpt2", "--mesh", "dp=2,tp=2", "--cluster", LOCAL4, "--no-baselines", "-o", str(mesh_plan)]
+    assert main(argv) == 0
+    jsonschema.validate(json.loads(mesh_plan.read_text()), schema)
+
+
+def test_cli_without_mesh_or_batch_says_what_to_give(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", "tiny-gpt2"]) == 2
+    assert "--mesh" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# Searched plans train exactly like one process (4 gloo processes)
+
+
+def _train_with_plans(rank: int, world: int, flat: str, piped: str, steps: int = 3, lr: float = 1e-3) -> dict:
+    import autopar
+    from autopar.models import build
+    from autopar.pipeline import split_batch
+    from autopar.plan import Plan
+    from autopar.runtime.init import materialize
+    from tests.pipeline_equivalence import _errors, make_batches, reference_run
+
+    out = {}
+    # 1. the default search's plan (no pipeline): a CPU model; microbatches accumulated in one backward
+    plan = Plan.load(flat)
+    axes, _ = launch_options(plan)
+    m = plan.pipeline["microbatches"]
+    spec = build("tiny-gpt2:batch=8", device="cpu", seed=0)
+    reference = copy.deepcopy(spec.model)
+    batches = make_batches(reference, spec.kwargs, steps)
+    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    mesh = autopar.init_mesh("cpu", **axes)
+    first = split_batch((), batches[0], m)[0][1]
+    model = autopar.compile(spec.model, mesh, kwargs=first, plan=flat)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for b in batches:
+        loss = sum(model(**kw).loss for _, kw in split_batch((), b, m)) / m
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    worst, _, compared = _errors(model.full_state_dict(), ref_params, noise)
+    out["flat"] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses), "param_rel": torch.tensor(worst),
+                   "compared": torch.tensor(compared), "microbatches": torch.tensor(m)}  # fmt: skip
+    # 2. the pipeline plan, made on the meta device: a meta model initialized shard by shard from seed 0
+    plan = Plan.load(piped)
+    axes, kw = launch_options(plan)
+    meta = build("tiny-gpt2:batch=8", device="meta")
+    reference = materialize(build("tiny-gpt2:batch=8", device="meta").model, seed=0)
+    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    mesh = autopar.init_mesh("cpu", **axes)
+    pipe = autopar.compile(meta.model, mesh, kwargs=batches[0], plan=piped, seed=0, **kw)
+    pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+    losses = [pipe.train_step(**b).item() for b in batches]
+    worst, _, compared = _errors(pipe.full_state_dict(), ref_params, noise)
+    out["pipeline"] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses),
+                       "param_rel": torch.tensor(worst), "compared": torch.tensor(compared)}  # fmt: skip
+    return out
+
+
+@pytest.mark.multiproc
+def test_searched_plans_train_exactly_like_one_process(tmp_path):
+    """The default search on 4 CPU processes picks a plan without a pipeline; a search restricted to
+    pp = 2 gives a pipeline plan. Both, written to JSON and loaded on every rank, train three AdamW
+    steps that match a single process."""
+    cluster = ClusterSpec.load(LOCAL4)
+    flat = search_model("tiny-gpt2", cluster, 8, precision="fp32")
+    piped = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,)), precision="fp32")
+    assert flat.best[0].candidate.pp == 1 and piped.best[0].candidate.pp == 2
+    paths = []
+    for res, device, name in ((flat, "cpu", "flat"), (piped, "meta", "piped")):
+        p = tmp_path / f"{name}.json"
+        res.materialize(capture_device=device).save(p)
+        paths.append(str(p))
+    results = run_distributed(_train_with_plans, 4, *paths, timeout=600)
+    for r in results:
+        for name, got in r.items():
+            assert torch.allclose(got["losses"], got["ref"], rtol=1e-5, atol=1e-6), name
+            assert got["param_rel"].item() < 1e-4, name
+            assert got["compared"].item() > 0, name
