@@ -260,8 +260,11 @@ class Executor:
                     i = j
                     continue
                 start = time.perf_counter() - t0
+                self._ready = None
                 waited = self._do(a)
                 end = time.perf_counter() - t0
+                if self._ready is not None:  # the compute began once its inputs had arrived
+                    start = max(start, self._ready - t0)
                 for recv, done in waited:  # a receive ends when its consumer has its data
                     _finish(trace, recv, done - t0)
                 trace.append(TraceEvent(a, start, end))
@@ -308,6 +311,7 @@ class Executor:
     def _forward(self, a: Action, waited) -> None:
         st = self.stages[a.stage]
         received = self._inputs(a, waited)
+        self._ready = time.perf_counter()
         leaves: dict[str, torch.Tensor] = {}
         for buf, t in zip(st.recv, received):
             leaves[buf.name] = t.requires_grad_(True) if buf.grad and t.is_floating_point() else t
@@ -358,6 +362,7 @@ class Executor:
             got = self._grads.pop(key) if key in self._grads else self._wait((Kind.RECV_GRAD, a.mb, a.stage), waited)
             it = iter(got)
             grads = [next(it) if b.grad else None for b in st.send]
+        self._ready = time.perf_counter()
         loss = self._scale if st.is_last else None
         if stash.recompute:
             if stash.head_outputs is None:
