@@ -332,6 +332,19 @@ class SearchResult:
             "best": [self.summary(ev) for ev in self.best[: top or len(self.best)]],
         }
 
+    def simulate(self, rank: int = 0):
+        """The simulated step (``SimResult``) of the ``rank``-th best plan at its own microbatch count,
+        for ``autopar.runtime.chart.draw_gantt``; the plan needs a pipeline (pp > 1)."""
+        from autopar.runtime.simulator import simulate
+
+        ev = self.best[rank]
+        c = ev.candidate
+        if c.pp == 1:
+            raise ValueError(f"{c.describe()} has no pipeline to simulate")
+        scorer = self.scorer or Scorer()
+        sched = scorer.schedule(c.schedule, c.pp, c.microbatches, tuple(sorted(c.schedule_options().items())))
+        return simulate(sched, scorer.costs(ev))
+
     def materialize(self, rank: int = 0, **kw: Any):
         """The Plan of the ``rank``-th best candidate (see ``build_plan``)."""
         if self.spec is None:
@@ -605,7 +618,15 @@ def build_plan(
         ranges = _stage_op_ranges(prog, stage_plan)
     else:
         ranges = [(0, len(prog.ops))]
-    merged, stage_stats = _solve_stages(prog, ranges, opts)
+    if inner.size == 1:  # one device per pipeline stage: nothing to place, every value stays whole
+        merged = prog
+        stage_stats = [
+            {"stage": k, "ops": b - a, "signature": "", "solved": False, "how": "one device", "status": "none",
+             "solve_seconds": 0.0, "memory_per_device_bytes": 0.0, "comm_seconds": 0.0, "layers_solved_once": 0}
+            for k, (a, b) in enumerate(ranges)
+        ]  # fmt: skip
+    else:
+        merged, stage_stats = _solve_stages(prog, ranges, opts)
     final = insert_collectives(merged)
     verify(final)
     summary = result.summary(ev)
@@ -646,15 +667,21 @@ def build_plan(
     )
 
 
-def data_parallel_axes(prog) -> dict:
-    """ILP constraints that keep the search's meaning of the ``dp*`` axes: parameters and buffers
-    replicated on them (ZeRO shards their states, which is memory accounting, not placement), the
-    user inputs' batch split over them. The ILP decides everything on ``tp``."""
+def data_parallel_axes(prog, activations: bool = True) -> dict:
+    """ILP constraints that keep the search's meaning of the ``dp*`` axes (data parallelism):
+    parameters and buffers replicated on them (ZeRO shards their states, which is memory accounting,
+    not placement); user inputs and, with ``activations``, every float activation that carries the
+    batch (not derived from weights alone, not a common node, dim 0 a multiple of the dp size) split
+    on dim 0. Without the activation constraints a model too small for its compute to matter would be
+    computed redundantly on every dp rank (the cheapest plan in communication). The ILP decides
+    everything on ``tp``."""
     from autopar.passes.ir import Replicate, Shard
+    from autopar.passes.pipeline_split import common_nodes
 
     dp = tuple(i for i, n in enumerate(prog.mesh.names) if n.startswith("dp"))
     if not dp:
         return {}
+    size = math.prod(prog.mesh.sizes[i] for i in dp)
 
     def replicated(p) -> bool:
         return all(isinstance(p[i], Replicate) for i in dp)
@@ -662,11 +689,24 @@ def data_parallel_axes(prog) -> dict:
     def batch_split(p) -> bool:
         return all(isinstance(p[i], Shard) and p[i].dim == 0 for i in dp)
 
-    return {
+    out = {
         v.name: replicated if v.kind in ("param", "buffer") else batch_split
         for v in prog.inputs
         if v.kind in ("param", "buffer") or len(v.type.shape) >= 1
     }
+    if not activations:
+        return out
+    weights = {v.name for v in prog.inputs if v.kind in ("param", "buffer")}
+    commons = common_nodes(prog)
+    for op in prog.ops:
+        refs = [r.name for r in op.input_refs()]
+        if refs and all(r in weights for r in refs):
+            weights.update(op.results)
+            continue
+        for r, t in zip(op.results, op.types):
+            if t.is_float and r not in commons and t.shape and t.shape[0] >= size and t.shape[0] % size == 0:
+                out[r] = batch_split
+    return out
 
 
 def _stage_op_ranges(prog, stage_plan) -> list[tuple[int, int]]:
@@ -779,13 +819,19 @@ def _solve_stages(prog, ranges: list[tuple[int, int]], opts) -> tuple[Any, list[
 def _shard_or_fallback(sub, opts):
     """The ILP with the step-time objective within the budget; if the ILP's own memory model (every
     activation of one microbatch saved, no recomputation) finds nothing within it, the least-memory
-    strategy instead (reported as such)."""
+    strategy instead; if constraining the activations to data parallelism leaves no strategy, the
+    parameters and inputs only (each reported as such)."""
     from autopar.passes.shard import shard
 
     try:
         return shard(sub, opts), "comm within budget"
     except InfeasibleError:
+        pass
+    try:
         return shard(sub, dataclasses.replace(opts, objective="memory", budget_bytes=None)), "least memory"
+    except InfeasibleError:  # the activation constraints left an op without a strategy: parameters only
+        loose = data_parallel_axes(sub, activations=False)
+        return shard(sub, dataclasses.replace(opts, constrain=loose)), "parameters constrained only"
 
 
 # ---------------------------------------------------------------------------------------------

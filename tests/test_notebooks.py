@@ -42,3 +42,14 @@ def test_memory_vs_megatron_notebook() -> None:
     text = "".join(o.get("text", "") for o in outputs)
     rows = [line for line in text.splitlines() if line.startswith("mmr-")]
     assert len(rows) >= 4 * 3 + 4  # the four model descriptions and the 12 table rows
+
+
+def test_quickstart_notebook() -> None:
+    nb = execute("quickstart.ipynb")
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert any("image/png" in o.get("data", {}) for o in outputs)  # the Gantt chart
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "searched" in text and "MFU" in text  # the search's report
+    assert "01-shard.ir" in text or "shard.ir" in text  # an IR dump per pass
+    line = next(x for x in text.splitlines() if x.startswith("largest difference:"))
+    assert float(line.split(":")[1]) < 1e-5  # the plan trains like one process
