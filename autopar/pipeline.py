@@ -116,17 +116,45 @@ def plan_pipeline_program(
             f"Face model returns it first when given labels); the first output here is {loss_t}"
         )
     prog = prune_outputs(prog)
-    waves = dict(schedule.options).get("waves") if schedule.name == "wave" else None
-    chunks = schedule.num_stages // pp if waves is None else 1
-    annotated, plan, _ = plan_pipeline(prog, pp, chunks=chunks, waves=waves, microbatches=schedule.num_microbatches)
-    if tuple(plan.stage_to_rank) != tuple(schedule.stage_to_rank):
-        raise PipelineError(
-            f"the {schedule.name} schedule places stages on ranks {list(schedule.stage_to_rank)} but the stage "
-            f"plan on {list(plan.stage_to_rank)}"
-        )
+    if _planned_stages(prog) == schedule.num_stages:  # a plan file's stages (autopar plan): kept as planned
+        annotated = _complete_stages(prog)
+    else:
+        waves = dict(schedule.options).get("waves") if schedule.name == "wave" else None
+        chunks = schedule.num_stages // pp if waves is None else 1
+        mbs = schedule.num_microbatches
+        annotated, plan, _ = plan_pipeline(prog, pp, chunks=chunks, waves=waves, microbatches=mbs)
+        if tuple(plan.stage_to_rank) != tuple(schedule.stage_to_rank):
+            raise PipelineError(
+                f"the {schedule.name} schedule places stages on ranks {list(schedule.stage_to_rank)} but the "
+                f"stage plan on {list(plan.stage_to_rank)}"
+            )
     out = insert_transfers(annotated, axis=pp_axis, scatter_gather=scatter_gather)
     verify(out)
     return out
+
+
+def _planned_stages(prog: Program) -> int | None:
+    """The number of stages a program was already cut into (``stage=`` on its computing ops), if any."""
+    staged = [op.attrs["stage"] for op in prog.ops if "stage" in op.attrs]
+    computing = [op for op in prog.ops if op.target.startswith("aten.")]
+    if not staged or any("stage" not in op.attrs for op in computing):
+        return None
+    return int(prog.attrs.get("pipeline_stages", max(staged) + 1))
+
+
+def _complete_stages(prog: Program) -> Program:
+    """Give ops inserted after the stages were chosen (collectives) the stage of the next staged op in
+    program order, their consumer: stages stay contiguous, and a value crossing to that stage is sent as
+    it was produced and redistributed where it is used."""
+    ops = list(prog.ops)
+    last = max(op.attrs["stage"] for op in ops if "stage" in op.attrs)
+    nxt = last
+    for i in range(len(ops) - 1, -1, -1):
+        if "stage" in ops[i].attrs:
+            nxt = ops[i].attrs["stage"]
+        else:
+            ops[i] = ops[i].with_(attrs=dict(ops[i].attrs, stage=nxt))
+    return prog.with_(ops=tuple(ops), attrs=dict(prog.attrs, pipeline_stages=last + 1))
 
 
 class PipelineModule(torch.nn.Module):

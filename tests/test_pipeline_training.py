@@ -297,3 +297,21 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
     assert got.peak_activations == sim.peak_activations
     computes = [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in got.timeline]
     assert computes == [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in sim.timeline]
+
+
+def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():
+    from autopar.passes.ir import Op, Ref
+    from autopar.pipeline import _complete_stages, _planned_stages
+
+    ann = plan_pipeline(_program(mesh=MeshSpec((("tp", 2),))), 2)[0]
+    assert _planned_stages(ann) == 2
+    # a collective inserted after the stages were chosen (as autopar plan's insert-collectives does)
+    i = next(k for k, op in enumerate(ann.ops) if op.attrs["stage"] == 1 and op.type.is_float)
+    src = ann.ops[i - 1]
+    t = src.type.with_placements((Shard(len(src.type.shape) - 1),))
+    extra = Op(("late",), (t,), "local_shard", (Ref(src.result),), {"axis": "tp", "dim": t.placements[0].dim})
+    prog = ann.with_(ops=ann.ops[:i] + (extra,) + ann.ops[i:])
+    done = _complete_stages(prog)
+    assert done.ops[i].attrs["stage"] == ann.ops[i].attrs["stage"] == 1
+    assert [op.attrs["stage"] for op in done.ops] == sorted(op.attrs["stage"] for op in done.ops)
+    verify(insert_transfers(done))
