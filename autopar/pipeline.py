@@ -414,6 +414,11 @@ class PipelineModule(torch.nn.Module):
 
     # -- inspection ------------------------------------------------------------------------------
     @property
+    def optimizer(self):
+        """The optimizer ``make_optimizer`` attached (``None`` if the caller steps its own)."""
+        return self._optimizer
+
+    @property
     def pp_axis(self) -> str:
         return self._pp_axis
 
