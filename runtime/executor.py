@@ -261,7 +261,7 @@ class Executor:
                     continue
                 start = time.perf_counter() - t0
                 self._ready = None
-                waited = self._do(a)
+                waited = self._guard(lambda a=a: self._do(a), a, -1)  # e.g. a tp collective inside a stage
                 end = time.perf_counter() - t0
                 if self._ready is not None:  # the compute began once its inputs had arrived
                     start = max(start, self._ready - t0)
