@@ -5,7 +5,7 @@ tensor size t, pipeline size p, n A100-80GB GPUs (DGX A100 nodes of 8) and globa
 activation recomputation, the interleaved schedule and the scatter/gather optimization. The paper
 reports per-GPU throughput as Eq. 3 FLOPs (which counts the recomputation pass) over the measured
 iteration time. ``predict`` prices the same configuration with autopar's cost model
-(``solver/search_space.Analytic`` + the pipeline simulator) on the ``dgx-a100`` preset and turns the
+(``solver/search_cost.Analytic`` + the pipeline simulator) on the ``dgx-a100`` preset and turns the
 predicted step time into TFLOP/s the same way.
 
 Table 1 does not list the micro-batch size b or the number of model chunks v. ``predict`` takes the
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.solver.cluster import ClusterSpec
-from autopar.solver.search_space import Analytic, Candidate, Evaluation, divisors
+from autopar.solver.search_cost import Analytic, Evaluation
+from autopar.solver.search_space import Candidate, divisors
 
 A100_PEAK = 312e12  # the paper's 16-bit peak, the dgx-a100 preset's bf16 figure
 

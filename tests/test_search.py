@@ -18,8 +18,8 @@ from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.search import Scorer, launch_options, profile_model, search, search_model
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.search_cost import Analytic
 from autopar.solver.search_space import (
-    Analytic,
     Candidate,
     Profile,
     SearchSpace,

@@ -1,0 +1,504 @@
+"""Price one whole-plan candidate without solving anything: per-stage times, per-rank memory, a step-time bound.
+
+Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alpha-beta links:
+
+- stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
+  minimizing the largest stage's forward FLOPs (``balanced_layout``), or Megatron's L / S layers
+  each (``even_layout``);
+- compute seconds per microbatch: forward = FLOPs / (peak * EFFICIENCY), backward twice that,
+  recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
+  inter-node link prices the whole ring);
+- pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
+  plus an all-gather over tp; intra-node when consecutive stages share a node;
+- data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
+  all-reduce (= reduce-scatter + all-gather) of the rank's gradients; ZeRO-2 one reduce-scatter per
+  microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
+  the weights in every forward, backward and recomputation and reduce-scatters every backward;
+  MiCS does the same inside groups of g ranks plus a cross-group all-reduce of 1/g of the gradients
+  (2-hop synchronization);
+- memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
+  the stashed activations of the microbatches in flight (closed forms per schedule, see
+  ``inflight_counts``) plus one recomputed layer's activations while it is rematerialized;
+- lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
+  cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
+  last backward the gradient still has to travel down to stage 0 (or the rank reduces its
+  gradients). It equals the papers' closed forms for uniform stages.
+
+What is estimated rather than exact: efficiency is a constant fraction of peak (no dependence on
+matrix sizes or micro-batch size), elementwise kernels are priced as FLOPs, the optimizer step and
+the tied-embedding all-reduce between the first and last stage are not priced, and in-flight counts
+for interleaved and wave schedules are upper bounds (every stashed microbatch counted at the
+largest chunk's size).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import EFFICIENCY, TrainingSetup
+from autopar.solver.search_space import Candidate, Profile, UnitCost, inflight_counts
+
+
+@dataclass
+class Evaluation:
+    """A candidate priced by the analytic model (and, after scoring, by the simulator)."""
+
+    candidate: Candidate
+    stages: tuple[tuple[int, int], ...]  # unit range [start, stop) of each stage
+    stage_rank: tuple[int, ...]
+    tf: tuple[float, ...]  # per stage, one microbatch
+    tb: tuple[float, ...]
+    tr: tuple[float, ...]  # recomputing all of the stage's recomputed layers once
+    tc: tuple[float, ...]  # per stage boundary
+    recompute_fraction: tuple[float, ...]  # per stage: the fraction the schedule recomputes
+    reduce: tuple[float, ...]  # per rank: data-parallel gradient synchronization after its last backward
+    rank_memory: tuple[float, ...]  # per rank, bytes
+    weight_memory: tuple[float, ...]  # per rank, model states
+    lower_bound: float
+    step_time: float | None = None
+    simulated: str = ""  # "exact", "extrapolated" or "closed form"
+    bubble: float | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def memory(self) -> float:
+        return max(self.rank_memory)
+
+    @property
+    def sort_key(self) -> tuple:
+        """Fastest first; equal step times: least memory, then the candidate's field order."""
+        return (self.step_time if self.step_time is not None else math.inf, self.memory, self.candidate)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What a candidate's price shares with its ZeRO / MiCS variants: per stage and per pipeline rank."""
+
+    stages: tuple[tuple[int, int], ...]
+    ranks: tuple[int, ...]
+    x: tuple[float, ...]
+    tf: tuple[float, ...]
+    tb: tuple[float, ...]
+    tr: tuple[float, ...]
+    tc: tuple[float, ...]
+    act_kept: tuple[float, ...]
+    trans: tuple[float, ...]
+    rank_params: tuple[float, ...]  # parameter elements held per device
+    rank_kept: tuple[float, ...]  # bytes kept per stashed microbatch (the rank's largest stage)
+    rank_trans: tuple[float, ...]  # bytes of one recomputed layer while it is rematerialized
+    rank_busy: tuple[float, ...]  # compute seconds per microbatch
+    rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
+    rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
+
+
+class Analytic:
+    """Prices candidates for one profile, cluster, global batch and training setup."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        cluster: ClusterSpec,
+        global_batch: int,
+        precision: str = "bf16",
+        optimizer: str = "adam",
+        efficiency: float = EFFICIENCY,
+        scatter_gather: bool = True,
+    ):
+        self.p, self.cluster, self.B = profile, cluster, global_batch
+        self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
+        self.scatter_gather = scatter_gather
+        dtype = "fp32" if precision == "fp32" else precision
+        self.flop_rate = cluster.peak(dtype) * efficiency
+        self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
+        self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
+        self.dpn = cluster.devices_per_node
+        units = profile.units
+        self.n = len(units)
+        rows = _augment(units)  # a parameter read by several units (a tied embedding) counts in each
+        self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
+        self._is_layer = [u.kind == "layer" for u in units]
+        self._max_layer_act: dict[tuple[int, int, int], float] = {}
+        self._parts: dict[tuple, _Part | None] = {}
+        self._sync: dict[tuple, tuple[float, float]] = {}
+        self._bases: dict[tuple, Any] = {}
+        self._fractions: dict[tuple, tuple[float, ...]] = {}
+
+    # -- layouts ----------------------------------------------------------------------------------
+    @functools.cache  # noqa: B019 - one Analytic per search
+    def balanced_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
+        """Contiguous unit ranges minimizing the largest stage's forward FLOPs; later stages filled first
+        (the first stages hold more microbatches in flight)."""
+        w = [u.flops for u in self.p.units]
+        if stages > self.n:
+            return None
+        lo, hi = max(w), sum(w)
+        for _ in range(100):  # bisection on the bottleneck
+            mid = (lo + hi) / 2
+            if _parts(w, mid) <= stages:
+                hi = mid
+            else:
+                lo = mid
+            if hi - lo <= 1e-9 * hi:
+                break
+        cap = hi
+        out: list[tuple[int, int]] = []
+        stop = self.n
+        for s in range(stages - 1, -1, -1):
+            start, total = stop, 0.0
+            while start > s and total + w[start - 1] <= cap * (1 + 1e-12):
+                start -= 1
+                total += w[start]
+            if s == 0:
+                start = 0
+            out.append((start, stop))
+            stop = start
+        out.reverse()
+        if any(a >= b for a, b in out):
+            return None
+        return tuple(out)
+
+    @functools.cache  # noqa: B019
+    def even_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
+        """Megatron's: L / S layers per stage, the pre units on the first, the post units on the last."""
+        layers = [i for i, x in enumerate(self._is_layer) if x]
+        L = len(layers)
+        if L % stages or not layers:
+            return None
+        k = L // stages
+        cuts = [0] + [layers[s * k] for s in range(1, stages)] + [self.n]
+        return tuple((cuts[s], cuts[s + 1]) for s in range(stages))
+
+    def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
+        return self.even_layout(c.num_stages) if c.layout == "even" else self.balanced_layout(c.num_stages)
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _sum(self, key: str, a: int, b: int) -> float:
+        pre = self._pre[key]
+        return pre[b] - pre[a]
+
+    def max_layer_act(self, a: int, b: int, tp: int) -> float:
+        key = (a, b, tp)
+        if key not in self._max_layer_act:
+            self._max_layer_act[key] = max(
+                (u.act(tp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
+            )
+        return self._max_layer_act[key]
+
+    def intra(self, devices: int) -> bool:
+        """Whether a group of ``devices`` consecutive ranks (aligned to its size) stays inside one node."""
+        return 0 < devices <= self.dpn and self.dpn % devices == 0
+
+    def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
+        nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
+        return self.allreduce(nbytes, count, tp, self.intra(tp))
+
+    def allreduce(self, nbytes: float, count: int, n: int, intra: bool) -> float:
+        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        lat, bw = self.cluster.alpha_beta(intra)
+        return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
+
+    def gather(self, nbytes: float, n: int, intra: bool) -> float:
+        """Seconds of one all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over n ranks."""
+        return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+
+    def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
+        if c.schedule == "wave":
+            from autopar.runtime.schedules import wave_placement
+
+            return tuple(wave_placement(c.pp, c.waves))
+        return tuple(s % c.pp for s in range(c.num_stages))
+
+    def recompute_fractions(self, c: Candidate) -> tuple[float, ...]:
+        """Fraction of each stage's layers recomputed (per rank for SCP: 1 - alpha_i)."""
+        S = c.num_stages
+        if c.recompute == "none":
+            return (0.0,) * S
+        if c.recompute == "full":
+            return (1.0,) * S
+        key = (S, c.alpha1)
+        if key not in self._fractions:
+            from autopar.runtime.schedules import stage_aware_ratios
+
+            self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, c.alpha))
+        return self._fractions[key]
+
+    # -- evaluation -------------------------------------------------------------------------------
+    def evaluate(self, c: Candidate) -> Evaluation | None:
+        """Price ``c``; None when its layout does not exist (more stages than units, uneven split)."""
+        part = self._stage_part(c)
+        if part is None:
+            return None
+        counts = inflight_counts(c)
+        per_param = self.bytes_per_param(c)
+        s0, s1 = self._sync_coefficients(c)
+        weights = [p * per_param for p in part.rank_params]
+        mem = tuple(w + k * kept + tr for w, k, kept, tr in zip(weights, counts, part.rank_kept, part.rank_trans))
+        reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
+        if c.pp == 1:
+            lb = c.microbatches * part.rank_busy[0] + reduce[0]
+        else:
+            lb = max(
+                h + c.microbatches * busy + max(t, r)
+                for h, busy, t, r in zip(part.rank_head, part.rank_busy, part.rank_tail, reduce)
+            )
+        return Evaluation(
+            candidate=c,
+            stages=part.stages,
+            stage_rank=part.ranks,
+            tf=part.tf,
+            tb=part.tb,
+            tr=part.tr,
+            tc=part.tc,
+            recompute_fraction=part.x,
+            reduce=reduce,
+            rank_memory=mem,
+            weight_memory=tuple(weights),
+            lower_bound=lb,
+            info={"act_kept": part.act_kept, "transient": part.trans, "inflight": counts},
+        )
+
+    def _sync_coefficients(self, c: Candidate) -> tuple[float, float]:
+        """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
+        key = (c.dp, c.tp, c.shard_group, c.zero, c.microbatches)
+        if key not in self._sync:
+            one, two = self.dp_sync(c, 1e6), self.dp_sync(c, 2e6)
+            slope = (two - one) / 1e6
+            self._sync[key] = (one - slope * 1e6, slope)
+        return self._sync[key]
+
+    def bytes_per_param(self, c: Candidate) -> float:
+        """Model-state bytes per parameter element on a rank under the candidate's ZeRO / MiCS."""
+        zf = c.shard_group if c.dp > 1 else 1
+        w, g, o = self.weight_b, self.grad_b, self.state_b
+        return w / (zf if c.zero >= 3 else 1) + g / (zf if c.zero >= 2 else 1) + o / (zf if c.zero >= 1 else 1)
+
+    def _stage_part(self, c: Candidate) -> _Part | None:
+        """Per-stage times, kept activations and parameters: everything but ZeRO's per-rank effects
+        (shared by the ZeRO / MiCS variants of a configuration; ZeRO-3 gathers are per stage)."""
+        z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
+        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1, z3)
+        if key in self._parts:
+            return self._parts[key]
+        base = self._base(c, z3)
+        if base is None:
+            self._parts[key] = None
+            return None
+        x = self.recompute_fractions(c)
+        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, mine, head, tail = base
+        kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
+        trans = [la if xs else 0.0 for la, xs in zip(layer_act, x)]
+        part = _Part(
+            stages=stages,
+            ranks=ranks,
+            x=x,
+            tf=tf,
+            tb=tb,
+            tr=tr,
+            tc=tc,
+            act_kept=tuple(kept),
+            trans=tuple(trans),
+            rank_params=tuple(sum(params[s] for s in ss) for ss in mine),
+            rank_kept=tuple(max(kept[s] for s in ss) for ss in mine),
+            rank_trans=tuple(max(trans[s] for s in ss) for ss in mine),
+            rank_busy=tuple(sum(tf[s] + tb[s] + x[s] * tr[s] for s in ss) for ss in mine),
+            rank_head=tuple(head[ss[0]] for ss in mine),
+            rank_tail=tuple(tail[ss[0]] for ss in mine),
+        )
+        self._parts[key] = part
+        return part
+
+    def _base(self, c: Candidate, z3: int):
+        """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
+        layers), boundary transfers, activations and the bytes full recomputation saves, per stage."""
+        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
+        if key in self._bases:
+            return self._bases[key]
+        stages = self.layout(c)
+        if stages is None:
+            self._bases[key] = None
+            return None
+        b, tp = c.micro_batch, c.tp
+        ranks = self.stage_ranks(c)
+        sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
+        rate = self.flop_rate
+        intra_g = self.intra(tp * z3)
+        tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
+        S = self._sum
+        for a, e in stages:
+            f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
+            fwd = b * (f_tp / tp + f_all - f_tp) / rate
+            # recomputation touches the stage's layers only (embeddings and head keep their activations)
+            lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
+            rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
+            params = S("params_tp", a, e) / tp + S("params_rep", a, e)
+            fz = bz = 0.0
+            if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
+                gather = self.gather(params * self.weight_b, z3, intra_g)
+                fz, bz = gather, gather + self.gather(params * self.grad_b, z3, intra_g)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
+            acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
+            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
+            saving.append(lacts - S("linput_bytes", a, e) * sa)
+            layer_act.append(self.max_layer_act(a, e, tp) * sa)
+            params_of.append(params)
+        tc = tuple(
+            self.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
+            for s in range(len(stages) - 1)
+        )
+        mine: list[list[int]] = [[] for _ in range(c.pp)]
+        for s, r in enumerate(ranks):
+            mine[r].append(s)
+        head, tail = [0.0], [0.0]  # microbatch 0's forward reaching stage s; the last gradient leaving it
+        for s in range(len(stages) - 1):
+            head.append(head[-1] + tf[s] + tc[s])
+            tail.append(tail[-1] + tb[s] + tc[s])
+        base = (
+            stages,
+            ranks,
+            tuple(tf),
+            tuple(tb),
+            tuple(tr),
+            tc,
+            acts,
+            saving,
+            layer_act,
+            params_of,
+            mine,
+            head,
+            tail,
+        )
+        self._bases[key] = base
+        return base
+
+    def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
+        """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
+
+        Time: the busiest rank does at least the mean compute and tensor-parallel all-reduces of a
+        microbatch without recomputation, m times. Memory: the busiest rank holds at least the mean
+        model states under the strongest sharding allowed (ZeRO stage ``max_shard`` over dp)."""
+        n = self.n
+        sa = self.act_scale * b
+        f_tp, f_all = self._sum("flops_tp", 0, n), self._sum("flops", 0, n)
+        work = 3 * b * (f_tp / tp + f_all - f_tp) / self.flop_rate
+        work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
+        params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
+        zf = dp if dp > 1 else 1
+        w, g, o = self.weight_b, self.grad_b, self.state_b
+        per = w / (zf if max_shard >= 3 else 1) + g / (zf if max_shard >= 2 else 1) + o / (zf if max_shard >= 1 else 1)
+        return m * work / pp, params * per
+
+    def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
+        """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
+        if r0 == r1 or nbytes <= 0:
+            return 0.0
+        stride = c.dp * c.tp  # ranks of consecutive pipeline stages differ by dp * tp
+        intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
+        if self.scatter_gather and c.tp > 1:
+            send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
+            return send + self.gather(nbytes, c.tp, self.intra(c.tp))
+        return self.cluster.collective_seconds("send", nbytes, 1, intra)
+
+    def dp_sync(self, c: Candidate, params: float) -> float:
+        """Seconds of one rank's data-parallel gradient synchronization per step (see module doc)."""
+        if c.dp <= 1:
+            return 0.0
+        g = c.shard_group
+        grads, weights = params * self.grad_b, params * self.weight_b
+        intra_g = self.intra(c.tp * g)
+        intra_all = self.intra(c.tp * c.dp)
+        if g == c.dp:
+            if c.zero <= 1:
+                return self.allreduce(grads, 1, c.dp, intra_all)
+            if c.zero == 2:
+                return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
+            return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
+        # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
+        across = self.allreduce(grads / g, 1, c.dp // g, intra_all)
+        if c.zero <= 1:
+            return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        if c.zero == 2:
+            return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        return across
+
+    # -- FLOP counts for throughput --------------------------------------------------------------------
+    def eq3_flops(self) -> float:
+        """Megatron's Eq. 3 generalised: per step, 4 x the layers' forward matmul/attention FLOPs (forward,
+        backward = 2 forwards, recomputation) + 3 x the rest's (the logit layer is not recomputed).
+        Equal to 96 B s l h^2 (1 + s/6h + V/16lh) for a GPT model (tested)."""
+        layers = sum(u.mm_flops for u in self.p.units if u.kind == "layer")
+        return (4 * layers + 3 * (self.p.mm_flops - layers)) * self.B
+
+    def model_flops(self) -> float:
+        """3 x forward matmul/attention FLOPs of the global batch: Eq. 3 without the recomputation pass."""
+        return 3 * self.p.mm_flops * self.B
+
+
+_SUMMED = (
+    "flops",
+    "flops_tp",
+    "params_tp",
+    "params_rep",
+    "act_tp",
+    "act_rep",
+    "ar_fwd_bytes",
+    "ar_fwd_count",
+    "ar_bwd_bytes",
+    "ar_bwd_count",
+    "lflops",
+    "lflops_tp",
+    "lact_tp",
+    "lact_rep",
+    "linput_bytes",
+    "lar_fwd_bytes",
+    "lar_fwd_count",
+)
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _parts(w: Sequence[float], cap: float) -> int:
+    """Contiguous runs needed so that each sums to at most ``cap`` (inf if one item exceeds it)."""
+    parts, total = 1, 0.0
+    for v in w:
+        if v > cap * (1 + 1e-12):
+            return 1 << 30
+        if total + v > cap * (1 + 1e-12):
+            parts += 1
+            total = v
+        else:
+            total += v
+    return parts
+
+
+def _augment(units: tuple[UnitCost, ...]) -> list[dict[str, float]]:
+    out = []
+    for u in units:
+        d = asdict(u)
+        lay = u.kind == "layer"
+        d["lflops"] = u.flops if lay else 0.0
+        d["lflops_tp"] = u.flops_tp if lay else 0.0
+        d["lact_tp"] = u.act_tp if lay else 0.0
+        d["lact_rep"] = u.act_rep if lay else 0.0
+        d["linput_bytes"] = u.input_bytes if lay else 0.0
+        d["lar_fwd_bytes"] = u.ar_fwd_bytes if lay else 0.0
+        d["lar_fwd_count"] = u.ar_fwd_count if lay else 0
+        out.append(d)
+    return out
+
+
+__all__ = ["Analytic", "Evaluation"]
