@@ -104,9 +104,7 @@ def _cache_dir() -> Path | None:
 class CompiledModule(torch.nn.Module):
     """One rank's share of the model: call it with the whole batch, as the original module."""
 
-    def __init__(
-        self, gm: torch.fx.GraphModule, program: Program, captured: Captured, comm: coll.Comm, device
-    ):
+    def __init__(self, gm: torch.fx.GraphModule, program: Program, captured: Captured, comm: coll.Comm, device):
         super().__init__()
         self.module = gm
         self.program = program
@@ -159,9 +157,7 @@ class CompiledModule(torch.nn.Module):
             local = x.to(self.device)
             for p, name in zip(v.type.placements, self.program.mesh.names):
                 if isinstance(p, Shard):
-                    local = coll.shard_tensor(
-                        local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name]
-                    )
+                    local = coll.shard_tensor(local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name])
             locals_.append(local.contiguous())
         with coll.use_comm(self.comm):
             outs = self.module(*locals_)
@@ -277,9 +273,7 @@ def compile(  # noqa: A001
     return CompiledModule(gm, program, captured, comm, device)
 
 
-def dump_rank_code(
-    dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program
-) -> None:
+def dump_rank_code(dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program) -> None:
     """Write rank N's generated Python (``rankN.py``) and its IR with local shapes (``rankN.local.ir``)."""
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
