@@ -21,7 +21,7 @@ from typing import Any
 
 from autopar.errors import PlanError
 from autopar.passes.capture import Captured
-from autopar.passes.ir import MeshSpec, Program
+from autopar.passes.ir import MeshSpec, Program, Ref, map_refs
 from autopar.passes.lower import lower
 from autopar.passes.parser import parse
 from autopar.passes.printer import print_program
@@ -30,9 +30,41 @@ FORMAT = "autopar-plan"
 VERSION = 1
 
 
+# Ops that only change memory layout: a model traced on the meta device can show more or fewer of
+# them than the same model with real weights (HF GPT-2's attention gains an aten.contiguous on meta),
+# so they do not enter the fingerprint.
+_LAYOUT_ONLY = {"aten.contiguous", "aten.alias"}
+
+
 def fingerprint(captured: Captured) -> str:
-    """SHA-256 of the captured graph's IR without a mesh: same model and inputs, same fingerprint."""
-    return hashlib.sha256(print_program(lower(captured, MeshSpec())).encode()).hexdigest()
+    """SHA-256 of the captured graph's IR without a mesh and without layout-only ops: the same model
+    and inputs give the same fingerprint whether they were traced on meta or with real weights."""
+    prog = lower(captured, MeshSpec())
+    alias: dict[str, str] = {}
+    ops = []
+    for op in prog.ops:
+        if op.target in _LAYOUT_ONLY and len(op.input_refs()) == 1:
+            alias[op.result] = alias.get(op.input_refs()[0].name, op.input_refs()[0].name)
+            continue
+        ops.append(op.with_(args=map_refs(op.args, lambda r: Ref(alias.get(r.name, r.name)))))
+    outputs = tuple(map_refs(list(prog.outputs), lambda r: Ref(alias.get(r.name, r.name))))
+    canonical = prog.with_(ops=tuple(ops), outputs=outputs)
+    # op result names are counters: renumber so a removed op leaves no gap
+    text = "\n".join(_strip_names(canonical))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _strip_names(prog: Program) -> list[str]:
+    """Each op as 'target(args) : types' with values numbered by first definition (names dropped)."""
+    number: dict[str, str] = {v.name: v.name for v in prog.inputs}
+    lines = [f"{v.kind} {v.name} {v.type}" for v in prog.inputs]
+    for op in prog.ops:
+        args = map_refs((op.args, op.kwargs), lambda r: f"%{number[r.name]}")
+        lines.append(f"{op.target}{args!r} {[str(t) for t in op.types]}")
+        for r in op.results:
+            number[r] = str(len(number))
+    lines.append(repr(map_refs(list(prog.outputs), lambda r: f"%{number[r.name]}")))
+    return lines
 
 
 @dataclass

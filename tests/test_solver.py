@@ -263,3 +263,21 @@ def test_t5_and_vit_graphs_have_sharding_rules():
     t5_res = shard(lower(capture(t5, (), {"input_ids": ids, "labels": ids}), mesh), ShardOptions())
     assert vit_res.unruled == []
     assert set(t5_res.unruled) <= {"aten.add_.Tensor", "aten.copy_", "aten.masked_fill_.Scalar"}
+
+
+def test_a_plan_made_on_meta_fits_the_model_with_real_weights():
+    """`autopar plan` traces on the meta device; the cluster run traces the real model. HF GPT-2 gains
+    a layout-only op on meta, which must not make the plan look like it belongs to another graph."""
+    from autopar.models import build
+    from autopar.passes.capture import capture
+    from autopar.plan import fingerprint
+
+    meta = build("tiny-gpt2", device="meta")
+    real = build("tiny-gpt2", device="cpu", seed=0)
+    assert fingerprint(capture(meta.model, meta.args, meta.kwargs)) == fingerprint(
+        capture(real.model, real.args, real.kwargs)
+    )
+    other = build("tiny-gpt2:n_layer=3", device="meta")
+    assert fingerprint(capture(other.model, other.args, other.kwargs)) != fingerprint(
+        capture(meta.model, meta.args, meta.kwargs)
+    )
