@@ -24,7 +24,6 @@ from autopar.passes.capture import Captured
 from autopar.passes.ir import MeshSpec, Program, Ref, map_refs
 from autopar.passes.lower import lower
 from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
 
 FORMAT = "autopar-plan"
 VERSION = 1
