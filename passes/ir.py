@@ -269,6 +269,32 @@ COLLECTIVES = frozenset(
 )
 
 
+# ATen ops that only reinterpret their input's memory (no new data): views, aliases, splits.
+VIEW_OPS = frozenset(
+    {
+        "aten.view",
+        "aten._unsafe_view",
+        "aten.reshape",
+        "aten.expand",
+        "aten.transpose.int",
+        "aten.permute",
+        "aten.t",
+        "aten.unsqueeze",
+        "aten.squeeze.dim",
+        "aten.squeeze.dims",
+        "aten.squeeze",
+        "aten.slice.Tensor",
+        "aten.select.int",
+        "aten.split.Tensor",
+        "aten.split_with_sizes",
+        "aten.unbind.int",
+        "aten.alias",
+        "aten.detach",
+        "aten.as_strided",
+    }
+)
+
+
 def iter_refs(obj: Any):
     """Yield every Ref inside a nest of tuples, lists and dicts, in order."""
     if isinstance(obj, Ref):

@@ -41,36 +41,14 @@ from dataclasses import replace as dc_replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from autopar.passes.ir import Op, Program
+from autopar.passes.ir import VIEW_OPS, Op, Program
 
 if TYPE_CHECKING:
     from autopar.solver.search_cost import Analytic
 
 PROFILE_VERSION = 1
 
-VIEWS = frozenset(
-    {
-        "aten.view",
-        "aten._unsafe_view",
-        "aten.reshape",
-        "aten.expand",
-        "aten.transpose.int",
-        "aten.permute",
-        "aten.t",
-        "aten.unsqueeze",
-        "aten.squeeze.dim",
-        "aten.squeeze.dims",
-        "aten.squeeze",
-        "aten.slice.Tensor",
-        "aten.select.int",
-        "aten.split.Tensor",
-        "aten.split_with_sizes",
-        "aten.unbind.int",
-        "aten.alias",
-        "aten.detach",
-        "aten.as_strided",
-    }
-)
+VIEWS = VIEW_OPS
 MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm"})
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
 # ops whose backward needs nothing but the incoming gradient (they save no activation)

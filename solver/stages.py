@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
-from autopar.passes.ir import Placement, Program, Replicate, TensorType
+from autopar.passes.ir import VIEW_OPS, Placement, Program, Replicate, TensorType
 from autopar.passes.pipeline_split import (
     Split,
     SplitOptions,
@@ -66,29 +66,7 @@ BYTES_PER_PARAM = 16  # weight + grad + Adam moments (+ fp32 master weight in mi
 EFFICIENCY = 0.5  # achieved fraction of peak FLOP/s (Megatron PTD-P: 44-52% on A100)
 DEFAULT_CLUSTER = "dgx-a100"
 
-_VIEWS = frozenset(
-    {
-        "aten.view",
-        "aten._unsafe_view",
-        "aten.reshape",
-        "aten.expand",
-        "aten.transpose.int",
-        "aten.permute",
-        "aten.t",
-        "aten.unsqueeze",
-        "aten.squeeze.dim",
-        "aten.squeeze.dims",
-        "aten.squeeze",
-        "aten.slice.Tensor",
-        "aten.select.int",
-        "aten.split.Tensor",
-        "aten.split_with_sizes",
-        "aten.unbind.int",
-        "aten.alias",
-        "aten.detach",
-        "aten.as_strided",
-    }
-)
+_VIEWS = VIEW_OPS
 _MATMULS = frozenset(
     {"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm", "aten.convolution", "aten.conv2d"}
 )
