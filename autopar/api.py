@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError, MeshError
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
 from autopar.passes.ir import MeshSpec, Program, Shard
 from autopar.passes.lower import lower
@@ -134,16 +134,7 @@ class CompiledModule(torch.nn.Module):
 
     # -- calling --------------------------------------------------------------------------------
     def _flat_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        keys = self._in_spec.child(1).context if self._in_spec.num_children == 2 else None
-        if keys is not None and set(kwargs) == set(keys):
-            kwargs = {k: kwargs[k] for k in keys}
-        flat, spec = pytree.tree_flatten((tuple(args), kwargs))
-        if spec != self._in_spec:
-            raise CaptureError(
-                f"the inputs do not match the example inputs the model was compiled with: "
-                f"expected {self._in_spec}, got {spec}"
-            )
-        return flat
+        return flatten_inputs(self._in_spec, args, kwargs)
 
     def forward(self, *args, **kwargs):
         flat = self._flat_inputs(args, kwargs)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError, MeshError, PipelineError
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen, shard_param
 from autopar.passes.ir import MeshSpec, Program, Shard, Value
 from autopar.passes.parser import parse
@@ -369,15 +369,7 @@ class PipelineModule(torch.nn.Module):
     def _microbatch_inputs(self, args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
         out = []
         for a, kw in split_batch(args, kwargs, self._schedule.num_microbatches):
-            keys = self._in_spec.child(1).context if self._in_spec.num_children == 2 else None
-            if keys is not None and set(kw) == set(keys):
-                kw = {k: kw[k] for k in keys}
-            flat, spec = pytree.tree_flatten((tuple(a), kw))
-            if spec != self._in_spec:
-                raise CaptureError(
-                    f"the inputs do not match the example inputs the model was compiled with: expected "
-                    f"{self._in_spec}, got {spec}"
-                )
+            flat = flatten_inputs(self._in_spec, a, kw)
             env = {}
             for v, x in zip(self._inputs, (x for x in flat if isinstance(x, torch.Tensor))):
                 if tuple(x.shape) != v.type.shape:

@@ -101,3 +101,17 @@ def _export_failure(model: torch.nn.Module, e: Exception) -> str:
         "unsupported ops), or wrap the offending part in a function torch.export supports; see "
         "https://pytorch.org/docs/stable/export.html"
     )
+
+
+def flatten_inputs(in_spec: Any, args: tuple, kwargs: dict) -> list[Any]:
+    """Flatten a call's inputs in the order of the captured ``in_spec`` (keyword order may differ);
+    raise CaptureError when they are not the structure the model was captured with."""
+    keys = in_spec.child(1).context if in_spec.num_children == 2 else None
+    if keys is not None and set(kwargs) == set(keys):
+        kwargs = {k: kwargs[k] for k in keys}
+    flat, spec = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
+    if spec != in_spec:
+        raise CaptureError(
+            f"the inputs do not match the example inputs the model was compiled with: expected {in_spec}, got {spec}"
+        )
+    return flat
