@@ -2,7 +2,7 @@
 
 mesh = autopar.init_mesh(dp=2, tp=2)               # a DeviceMesh with named axes
 model = autopar.compile(model, mesh, kwargs={"input_ids": x, "labels": y})
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # only this rank's shards
+opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)  # this rank's shards (ZeRO when planned)
 out = model(input_ids=x, labels=y)                 # the whole batch; each rank takes its shard
 out.loss.backward(); opt.step(); opt.zero_grad()
 """
@@ -18,16 +18,17 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, MeshError
+from autopar.errors import CaptureError, MeshError, PlanError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import MeshSpec, Program, Shard
+from autopar.passes.ir import MeshSpec, Program, Replicate, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.parser import parse
 from autopar.passes.printer import print_program
 from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
+from autopar.solver.cost import TrainingSetup
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]
 
@@ -104,8 +105,17 @@ def _cache_dir() -> Path | None:
 class CompiledModule(torch.nn.Module):
     """One rank's share of the model: call it with the whole batch, as the original module."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program: Program, captured: Captured, comm: coll.Comm, device):
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        program: Program,
+        captured: Captured,
+        comm: coll.Comm,
+        device,
+        setup: TrainingSetup | None = None,
+    ):
         super().__init__()
+        self.setup = setup or TrainingSetup()
         self.module = gm
         self.program = program
         self.comm = comm
@@ -120,6 +130,42 @@ class CompiledModule(torch.nn.Module):
         self._queued = False
         for p in {id(p): p for ps in self._sync.values() for p in ps}.values():
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- the optimizer --------------------------------------------------------------------------
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        """``optimizer_cls(**kwargs)`` over this rank's parameters, as the plan's training setup says:
+        with ZeRO-1/2 (``TrainingSetup.zero``) gradients are reduce-scattered over the data-parallel
+        axes, the optimizer states and its step cover this rank's slice only, and the parameters are
+        all-gathered after the step (MiCS: inside the partition group, 2-hop synchronization across
+        groups). Without ZeRO it is ``optimizer_cls(model.parameters(), **kwargs)``. A plain
+        ``torch.optim`` optimizer built by hand trains the same numbers but keeps whole states."""
+        from autopar.runtime.zero import ZeroOptimizer, zero_axes_of
+
+        if self.setup.zero >= 3:
+            raise PlanError(
+                "the plan shards parameters with ZeRO-3, which the runtime does not implement (parameters "
+                "would have to be all-gathered before each use); plan with zero=1 or 2 (or MiCS) instead"
+            )
+        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
+        if not zero_axes:
+            return optimizer_cls(self.parameters(), **kwargs)
+        params = {v.name: self.module.get_parameter(v.name) for v in self.program.params}
+        grad_sync = {v.name: list(v.attrs.get("grad_sync", [])) for v in self.program.params}
+        names = self.program.mesh.names
+        on = [names.index(a) for a in zero_axes + replica_axes]
+        whole = {  # replicated over data parallelism, gradient already whole (no grad_sync there)
+            v.name
+            for v in self.program.params
+            if all(isinstance(v.type.placements[i], Replicate) for i in on)
+            and not set(zero_axes + replica_axes) & set(v.attrs.get("grad_sync", ()))
+        }
+        opt = ZeroOptimizer(params, grad_sync, optimizer_cls, self.comm, zero_axes, replica_axes, whole, **kwargs)
+        managed = {id(params[n]) for n in params if opt.manages(n)}
+        skip = set(zero_axes) | set(replica_axes)  # the ZeRO optimizer reduces these itself
+        self._sync = {
+            axis: [p for p in ps if not (axis in skip and id(p) in managed)] for axis, ps in self._sync.items()
+        }
+        return opt
 
     # -- gradients ------------------------------------------------------------------------------
     def _on_grad(self, _p) -> None:
@@ -187,6 +233,7 @@ def compile(  # noqa: A001
     seed: int = 0,
     scatter_gather: bool = False,
     timeout: float = 600.0,
+    sub_pipeline_tp: bool = False,
 ):
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
@@ -199,7 +246,9 @@ def compile(  # noqa: A001
     global batch, cut into ``microbatches``; ``schedule`` (gpipe, 1f1b, interleaved, wave, scp) with
     ``schedule_options`` (chunks=, waves=, alpha1=, recompute=) runs it; a model built on the meta
     device is initialized shard by shard from ``seed``; ``scatter_gather`` sends 1/tp of each
-    tensor-parallel-replicated stage boundary; ``timeout`` bounds every transfer (seconds).
+    tensor-parallel-replicated stage boundary; ``timeout`` bounds every transfer (seconds);
+    ``sub_pipeline_tp`` runs each microbatch as two halves whose tensor-parallel collectives overlap
+    each other's computation (Merak's sub-pipelined tensor parallelism, docs/runtime.md).
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -227,15 +276,20 @@ def compile(  # noqa: A001
             seed=seed,
             scatter_gather=scatter_gather,
             timeout=timeout,
+            sub_pipeline_tp=sub_pipeline_tp,
         )
     captured = capture(model, args, kwargs)
     text = [None]
+    setup = options.setup if options is not None else TrainingSetup()
     if plan is not None:
         from autopar.plan import Plan
+        from autopar.planner import options_from_dict
 
         loaded = Plan.load(plan)
         loaded.check(captured, spec)
         text = [loaded.program]
+        if options is None and loaded.options:
+            setup = options_from_dict(loaded.options).setup
     else:
         if dist.get_rank() == 0:
             text = [print_program(plan_program(captured, spec, options, dump_dir=dump_dir))]
@@ -261,7 +315,7 @@ def compile(  # noqa: A001
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     if dump_dir:
         dump_rank_code(dump_dir, dist.get_rank(), gm, program)
-    return CompiledModule(gm, program, captured, comm, device)
+    return CompiledModule(gm, program, captured, comm, device, setup)
 
 
 def dump_rank_code(dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program) -> None:

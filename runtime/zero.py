@@ -14,8 +14,13 @@ axis) are kept, per rank, as one flat vector in a fixed order. After the last ba
    into the parameters, which every rank keeps whole (ZeRO-2, not ZeRO-3).
 
 Several zero axes are sharded one after the other (slices of slices); the all-gather goes back in
-reverse. Parameters outside the flat vector (sharded over data parallelism by the plan, or synced on
-no data-parallel axis) are stepped by the same wrapped optimizer as they are.
+reverse. A parameter the plan replicates over the data-parallel axes but whose gradient comes out
+whole and equal on every rank (the plan computed its uses redundantly, or split them by a
+``local_shard`` whose backward gathers) is in the flat vector too, when the caller names it in
+``whole``: its states are sharded as well, and in the reductions only the rank at coordinate 0 of the
+axis contributes its entries (the others add zeros), so the sum is that gradient exactly. Parameters
+outside the flat vector (sharded over data parallelism by the plan) are stepped by the same wrapped
+optimizer as they are.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class ZeroOptimizer:
         comm: coll.Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
+        whole: set[str] | frozenset[str] = frozenset(),
         **kwargs: Any,
     ):
         self.comm = comm
@@ -47,7 +53,8 @@ class ZeroOptimizer:
         self.replica_axes = tuple(replica_axes)
         need = set(self.zero_axes) | set(self.replica_axes)
         names = sorted(n for n, p in params.items() if p.requires_grad)
-        self.names = [n for n in names if need <= set(grad_sync.get(n, ()))]
+        summed = [n for n in names if need <= set(grad_sync.get(n, ()))]
+        self.names = summed + [n for n in names if n in whole and n not in set(summed)]
         self.params = [params[n] for n in self.names]
         self.others = [params[n] for n in names if n not in set(self.names)]
         self.numel = sum(p.numel() for p in self.params)
@@ -59,6 +66,10 @@ class ZeroOptimizer:
         if self.params:
             flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
         self.master = torch.nn.Parameter(self._slice(flat).clone())
+        # entries of gradients that are already whole on every rank (counted once in each reduction)
+        n_summed = sum(params[n].numel() for n in summed)
+        self._whole = torch.zeros(self.padded, dtype=torch.bool, device=device)
+        self._whole[n_summed : self.numel] = True
         self.optimizer = optimizer_cls(([self.master] if self.params else []) + self.others, **kwargs)
 
     # -- the flat layout -------------------------------------------------------------------------
@@ -87,9 +98,15 @@ class ZeroOptimizer:
         g = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         g[: self.numel] = torch.cat([x.reshape(-1) for x in grads])
+        whole = self._whole
         for a in self.zero_axes:
+            if self.comm.coords[a] != 0:
+                g.masked_fill_(whole, 0.0)
             g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
+            whole = whole.chunk(self.comm.sizes[a])[self.comm.coords[a]]
         for a in self.replica_axes:
+            if self.comm.coords[a] != 0:
+                g.masked_fill_(whole, 0.0)
             dist.all_reduce(g, group=self.comm.groups[a])
         self.master.grad = g.clone()
         for p in self.params:
@@ -136,6 +153,20 @@ class ZeroOptimizer:
         return out
 
 
+def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(axes the model states are sharded over, data-parallel axes they are replicated across) for a
+    ``TrainingSetup`` on a mesh without the pipeline axis: ZeRO over ``setup.zero_axes`` (default: the
+    axes named ``dp*``), or MiCS's partition group (the innermost of them up to ``mics_group`` ranks)
+    with the remaining data-parallel axes as replicas (2-hop synchronization)."""
+    if not setup.zero:
+        return (), ()
+    shard_idx = setup.shard_axes(mesh)
+    dp_names = setup.zero_axes if setup.zero_axes is not None else tuple(n for n in mesh.names if n.startswith("dp"))
+    zero_axes = tuple(mesh.names[i] for i in shard_idx if mesh.sizes[i] > 1)
+    replica_axes = tuple(n for n in dp_names if n in mesh.names and n not in zero_axes and mesh.axis_size(n) > 1)
+    return zero_axes, replica_axes
+
+
 def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
     if dist.get_backend(group) == "nccl":
         out = torch.empty(g.numel() // n, dtype=g.dtype, device=g.device)
@@ -145,4 +176,4 @@ def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
     return g.chunk(n)[coord].clone()
 
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["ZeroOptimizer", "zero_axes_of"]

@@ -78,8 +78,9 @@ NOISE_FLOOR = 1e-7
 # near-cancelling gradient entries rather than training.
 
 
-def train(model, batches, lr: float = 1e-3, noise: dict | None = None):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+def train(model, batches, lr: float = 1e-3, noise: dict | None = None, states: list | None = None):
+    make = getattr(model, "make_optimizer", None)  # a compiled module: ZeRO when its plan says so
+    opt = make(torch.optim.AdamW, lr=lr) if make else torch.optim.AdamW(model.parameters(), lr=lr)
     losses = []
     for b in batches:
         loss = _loss(model(**b))
@@ -92,6 +93,9 @@ def train(model, batches, lr: float = 1e-3, noise: dict | None = None):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if states is not None:  # elements of optimizer state this rank holds (Adam: 2 per trained element)
+        inner = getattr(opt, "optimizer", opt)
+        states.append(sum(t.numel() for st in inner.state.values() for t in st.values() if t.dim() > 0))
     return losses
 
 
@@ -99,20 +103,32 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed.
 
     ``strategy="megatron"`` trains Megatron's layout (vocab-parallel embedding, column/row linears)
-    instead of the ILP's choice, so every sharding rule it uses is checked numerically too."""
+    instead of the ILP's choice, so every sharding rule it uses is checked numerically too;
+    ``strategy="zero2"`` trains data parallel on every axis with ZeRO-2 over all of them, and
+    ``"megatron+zero2"`` Megatron's layout with ZeRO-2 over ``dp``, both through the compiled module's
+    sharded optimizer (``make_optimizer``)."""
     model, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     mesh = autopar.init_mesh("cpu", **axes)
     options = None
-    if strategy == "megatron":
+    kinds = set(strategy.split("+"))
+    if kinds & {"megatron", "zero2"}:
         from autopar.api import mesh_spec
         from autopar.passes.capture import capture
         from autopar.passes.lower import lower
         from autopar.passes.shard import ShardOptions
-        from autopar.solver.baselines import megatron_constraints
+        from autopar.solver.baselines import data_parallel_constraints, megatron_constraints
+        from autopar.solver.cost import TrainingSetup
 
         prog = lower(capture(model, (), batches[0]), mesh_spec(mesh))
-        options = ShardOptions(objective="comm", constrain=megatron_constraints(prog))
+        layout = megatron_constraints(prog) if "megatron" in kinds else data_parallel_constraints(prog)
+        setup = TrainingSetup()
+        if "zero2" in kinds:  # alone: data parallel on every axis, ZeRO over all of them; with megatron: over dp
+            setup = TrainingSetup(zero=2, zero_axes=None if "megatron" in kinds else tuple(axes))
+        # least memory keeps the batch split under pure data parallelism (least communication would
+        # gather a tiny model's input and replicate its compute, leaving no gradient for ZeRO to shard)
+        objective = "comm" if "megatron" in kinds else "memory"
+        options = ShardOptions(objective=objective, constrain=layout, setup=setup)
     plan = None
     if strategy == "plan":  # planned offline into a JSON file, then every rank compiles from the file
         import tempfile
@@ -131,7 +147,8 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         dist.barrier()
         plan = path[0]
     compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options, plan=plan)
-    losses = train(compiled, batches)
+    states: list[int] = []
+    losses = train(compiled, batches, states=states)
     full = compiled.full_state_dict()
     noise: dict[str, torch.Tensor] = {}
     ref_losses = train(reference, batches, noise=noise)
@@ -154,8 +171,34 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "param_rel_elementwise": torch.tensor(worst_elem),
         "noise_entries": torch.tensor(excluded),
         "local_numel": torch.tensor(sum(p.numel() for p in compiled.parameters())),
+        "optimizer_state_numel": torch.tensor(states[0]),
+        "zero_expected_numel": torch.tensor(_zero_expected(compiled)),
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
     }
+
+
+def _zero_expected(compiled) -> int:
+    """Adam state elements a rank holds under ZeRO-2: two per element of its slice of the parameters
+    replicated over the ZeRO axes (gradient summed over all of them, or whole on every rank; padded to
+    equal slices), two per other element."""
+    from autopar.runtime.zero import zero_axes_of
+
+    zero_axes, replicas = zero_axes_of(compiled.setup, compiled.program.mesh)
+    need = set(zero_axes) | set(replicas)
+    k = 1
+    for a in zero_axes:
+        k *= compiled.program.mesh.axis_size(a)
+    managed = other = 0
+    for v in compiled.program.params:
+        n = compiled.module.get_parameter(v.name).numel()
+        sync = set(v.attrs.get("grad_sync", ()))
+        on = [compiled.program.mesh.names.index(a) for a in need]
+        replicated = all(type(v.type.placements[i]).__name__ == "Replicate" for i in on)
+        if need and (need <= sync or (replicated and not need & sync)):
+            managed += n
+        else:
+            other += n
+    return 2 * (-(-managed // k) + other)
 
 
 def compare_models(rank: int, world: int, models: list[str], axes: dict[str, int]) -> dict:
