@@ -4,6 +4,9 @@
      "mesh": {"dp": 2, "tp": 4}, "cluster": {...} | null, "options": {...},
      "program": "<the IR after all passes>", "stats": {...}, "baselines": {...}, "pipeline": null}
 
+``mesh`` is the mesh of the sharded program; a plan with a pipeline keeps the mesh to launch, ``pp``
+included, in ``pipeline.mesh`` (``autopar.search.launch_options`` reads both).
+
 ``fingerprint`` is the SHA-256 of the captured graph's IR printed without a mesh, so a plan made
 offline for one mesh is refused by a model whose graph differs; the mesh is checked separately.
 Never pickle: the program is the textual IR, which ``autopar.passes.parser.parse`` reads back.
@@ -81,6 +84,16 @@ class Plan:
 
     @property
     def mesh_spec(self) -> MeshSpec:
+        """The mesh the sharded program is for: the launch mesh without its pipeline axis."""
+        if "pp" in self.mesh:  # written by autopar before plans kept the launch mesh in pipeline.mesh
+            return MeshSpec(tuple((n, s) for n, s in self.mesh.items() if n != "pp"))
+        return MeshSpec(tuple(self.mesh.items()))
+
+    @property
+    def launch_mesh(self) -> MeshSpec:
+        """The mesh to launch (``autopar.init_mesh(**axes)``): with a pipeline, its ``pp`` axis too."""
+        if self.pipeline and self.pipeline.get("mesh"):
+            return MeshSpec(tuple(self.pipeline["mesh"].items()))
         return MeshSpec(tuple(self.mesh.items()))
 
     def parsed(self) -> Program:
@@ -127,12 +140,14 @@ class Plan:
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def check(self, captured: Captured, mesh: MeshSpec) -> None:
-        """Refuse a plan made for another graph or another mesh, saying which."""
+        """Refuse a plan made for another graph or another mesh, saying which. ``mesh`` is the launch
+        mesh (with ``pp`` for a pipeline) or the mesh of the sharded program (without it)."""
         fp = fingerprint(captured)
         if fp != self.fingerprint:
             raise PlanError(
                 f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
                 f"inputs give {fp[:12]}): plan again for this model, batch and sequence"
             )
-        if self.mesh_spec != mesh:
-            raise PlanError(f"the plan is for mesh {self.mesh_spec}, not {mesh}: launch that mesh or plan again")
+        want = self.launch_mesh if "pp" in mesh.names else self.mesh_spec
+        if want != mesh:
+            raise PlanError(f"the plan is for mesh {want}, not {mesh}: launch that mesh or plan again")

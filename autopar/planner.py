@@ -84,9 +84,15 @@ def plan_captured(
             prog, pp, chunks=po.chunks, waves=po.waves, cluster=opts.cluster, budget_bytes=opts.budget_bytes,
             microbatches=po.microbatches, precision="fp32" if opts.setup.precision == "fp32" else "bf16",
         )  # fmt: skip
+        schedule = po.schedule or stage_plan.schedule
+        sched_opts = {"chunks": po.chunks} if schedule == "interleaved" else {}
+        if schedule == "wave" and po.waves:
+            sched_opts = {"waves": po.waves}
         pipeline_info = {
             "pp": pp,
-            "schedule": po.schedule or stage_plan.schedule,
+            "mesh": dict(mesh.axes),
+            "schedule": schedule,
+            "schedule_options": sched_opts,
             "chunks": po.chunks,
             "waves": po.waves,
             "microbatches": po.microbatches,
@@ -116,7 +122,7 @@ def plan_captured(
     plan = Plan(
         pipeline=pipeline_info,
         fingerprint=fingerprint(captured),
-        mesh=dict(mesh.axes),
+        mesh=dict(inner.axes),
         program=print_program(final),
         model=model,
         cluster=opts.cluster.to_dict() if opts.cluster else None,

@@ -575,12 +575,12 @@ def launch_options(plan) -> tuple[dict[str, int], dict[str, Any]]:
     from autopar.planner import options_from_dict
 
     p = plan.pipeline or {}
-    axes = dict(p.get("mesh") or plan.mesh)
+    axes = dict(plan.launch_mesh.axes)
     if p.get("pp", 1) <= 1:
         return axes, {}
     opts = {k: Fraction(v) if isinstance(v, str) else v for k, v in (p.get("schedule_options") or {}).items()}
     return axes, {
-        "microbatches": p["microbatches"],
+        "microbatches": p.get("microbatches") or 1,
         "schedule": p["schedule"],
         "schedule_options": opts,
         "options": options_from_dict(plan.options),

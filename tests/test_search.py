@@ -236,7 +236,7 @@ def test_cli_without_mesh_or_batch_says_what_to_give(capsys):
 # Searched plans train exactly like one process (4 gloo processes)
 
 
-def _train_with_plans(rank: int, world: int, flat: str, piped: str, steps: int = 3, lr: float = 1e-3) -> dict:
+def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int = 3, lr: float = 1e-3) -> dict:
     import autopar
     from autopar.models import build
     from autopar.pipeline import split_batch
@@ -267,27 +267,29 @@ def _train_with_plans(rank: int, world: int, flat: str, piped: str, steps: int =
     worst, _, compared = _errors(model.full_state_dict(), ref_params, noise)
     out["flat"] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses), "param_rel": torch.tensor(worst),
                    "compared": torch.tensor(compared), "microbatches": torch.tensor(m)}  # fmt: skip
-    # 2. the pipeline plan, made on the meta device: a meta model initialized shard by shard from seed 0
-    plan = Plan.load(piped)
-    axes, kw = launch_options(plan)
-    meta = build("tiny-gpt2:batch=8", device="meta")
+    # 2. pipeline plans made on the meta device (searched; `autopar plan --mesh pp=2,dp=2`): a meta
+    # model initialized shard by shard from seed 0
     reference = materialize(build("tiny-gpt2:batch=8", device="meta").model, seed=0)
     ref_losses, ref_params, noise = reference_run(reference, batches, lr)
-    mesh = autopar.init_mesh("cpu", **axes)
-    pipe = autopar.compile(meta.model, mesh, kwargs=batches[0], plan=piped, seed=0, **kw)
-    pipe.make_optimizer(torch.optim.AdamW, lr=lr)
-    losses = [pipe.train_step(**b).item() for b in batches]
-    worst, _, compared = _errors(pipe.full_state_dict(), ref_params, noise)
-    out["pipeline"] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses),
-                       "param_rel": torch.tensor(worst), "compared": torch.tensor(compared)}  # fmt: skip
+    for path in piped:
+        plan = Plan.load(path)
+        axes, kw = launch_options(plan)
+        meta = build("tiny-gpt2:batch=8", device="meta")
+        mesh = autopar.init_mesh("cpu", **axes)
+        pipe = autopar.compile(meta.model, mesh, kwargs=batches[0], plan=path, seed=0, **kw)
+        pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+        losses = [pipe.train_step(**b).item() for b in batches]
+        worst, _, compared = _errors(pipe.full_state_dict(), ref_params, noise)
+        out[Path(path).stem] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses),
+                                "param_rel": torch.tensor(worst), "compared": torch.tensor(compared)}  # fmt: skip
     return out
 
 
 @pytest.mark.multiproc
 def test_searched_plans_train_exactly_like_one_process(tmp_path):
     """The default search on 4 CPU processes picks a plan without a pipeline; a search restricted to
-    pp = 2 gives a pipeline plan. Both, written to JSON and loaded on every rank, train three AdamW
-    steps that match a single process."""
+    pp = 2 gives a pipeline plan; `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
+    loaded on every rank, train three AdamW steps that match a single process."""
     cluster = ClusterSpec.load(LOCAL4)
     flat = search_model("tiny-gpt2", cluster, 8, precision="fp32")
     piped = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,)), precision="fp32")
@@ -297,6 +299,15 @@ def test_searched_plans_train_exactly_like_one_process(tmp_path):
         p = tmp_path / f"{name}.json"
         res.materialize(capture_device=device).save(p)
         paths.append(str(p))
+    # the command line's plan for a given pipeline mesh: the preset's batch of 4 is one microbatch
+    from autopar.cli import main
+    from autopar.plan import Plan
+
+    cli = tmp_path / "cli.json"
+    argv = ["plan", "tiny-gpt2:batch=4", "--mesh", "pp=2,dp=2", "--microbatches", "2", "--no-baselines"]
+    assert main([*argv, "--cluster", LOCAL4, "-o", str(cli)]) == 0
+    assert launch_options(Plan.load(cli))[0] == {"pp": 2, "dp": 2}
+    paths.append(str(cli))
     results = run_distributed(_train_with_plans, 4, *paths, timeout=600)
     for r in results:
         for name, got in r.items():

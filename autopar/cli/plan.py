@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         out = dict(plan.stats)
         out["baselines"] = {k: v["memory_per_device_bytes"] for k, v in plan.baselines.items()}
         out["baselines_detail"] = plan.baselines
-        out["mesh"] = plan.mesh
+        out["mesh"] = dict(plan.launch_mesh.axes)
         out["fingerprint"] = plan.fingerprint
         if plan.pipeline:
             sp = plan.pipeline["stage_plan"]
