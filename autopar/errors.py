@@ -63,6 +63,11 @@ class RuntimeCommError(AutoparError):
     """A collective or point-to-point transfer failed or timed out (e.g. a peer rank died)."""
 
 
+class SubPipelineError(PipelineError):
+    """Sub-pipelined tensor parallelism asked for where it cannot run (an odd microbatch, no tensor-parallel
+    collective to overlap)."""
+
+
 class TooFewSubgraphsError(PipelineError):
     """More pipeline stages were asked for than the graph has subgraphs."""
 

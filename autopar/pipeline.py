@@ -19,6 +19,10 @@ on the mesh without ``pp`` (rank 0, broadcast) -> keep only the loss output -> `
 (Merak's split, balanced stages, chunks/waves as the schedule places them) -> ``insert_transfers``
 (send/recv ops; Megatron's scatter/gather with ``scatter_gather=True``) -> per stage of this rank,
 a GraphModule holding only this rank's parameter shards -> ``Executor`` running the schedule.
+
+With ``sub_pipeline_tp=True`` (Merak's sub-pipelined tensor parallelism) the model is captured and
+planned for half a microbatch, and each ``F``/``B`` runs the two halves of its microbatch interleaved
+at their tensor-parallel collectives (``autopar.runtime.subpipeline``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, MeshError, PipelineError
+from autopar.errors import CaptureError, MeshError, PipelineError, PlanError, SubPipelineError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen, shard_param
 from autopar.passes.ir import MeshSpec, Program, Shard, Value
@@ -71,6 +75,13 @@ class PipelineOptions:
     seed: int = 0  # initialization seed of a meta-device model (autopar.runtime.init)
     timeout: float = 600.0  # seconds any transfer may take before the step fails with RuntimeCommError
     record: bool = True  # record every action's start and end (a barrier starts each step)
+    # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
+    # (tp collectives, forward and backward) while the other computes; the stages are built for a half
+    sub_pipeline_tp: bool = False
+
+    @property
+    def sub_microbatches(self) -> int:
+        return 2 if self.sub_pipeline_tp else 1
 
 
 def split_batch(args: tuple, kwargs: dict, microbatches: int) -> list[tuple[tuple, dict]]:
@@ -281,6 +292,7 @@ class PipelineModule(torch.nn.Module):
             record=opts.record,
             barrier=barrier,
             device=device,
+            sub_microbatches=opts.sub_microbatches,
         )
 
     # -- construction helpers --------------------------------------------------------------------
@@ -366,9 +378,12 @@ class PipelineModule(torch.nn.Module):
         return self._optimizer
 
     # -- training --------------------------------------------------------------------------------
-    def _microbatch_inputs(self, args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
+    def _microbatch_inputs(self, args: tuple, kwargs: dict) -> list[list[dict[str, torch.Tensor]]]:
+        """Each microbatch's local user inputs by name, as its sub-microbatches (one without
+        sub-pipelining), dim 0 cut in order."""
+        n = self._opts.sub_microbatches
         out = []
-        for a, kw in split_batch(args, kwargs, self._schedule.num_microbatches):
+        for a, kw in split_batch(args, kwargs, self._schedule.num_microbatches * n):
             flat = flatten_inputs(self._in_spec, a, kw)
             env = {}
             for v, x in zip(self._inputs, (x for x in flat if isinstance(x, torch.Tensor))):
@@ -385,7 +400,7 @@ class PipelineModule(torch.nn.Module):
                         )
                 env[v.name] = local.contiguous()
             out.append(env)
-        return out
+        return [out[i : i + n] for i in range(0, len(out), n)]
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of every microbatch of the global batch under the schedule, gradient
@@ -552,20 +567,29 @@ def compile_pipeline(
     scatter_gather: bool = False,
     timeout: float = 600.0,
     record: bool = True,
+    sub_pipeline_tp: bool = False,
 ) -> PipelineModule:
     """``autopar.compile`` for meshes with a ``pp`` axis: see the module docstring."""
     from autopar.api import _default_device, mesh_spec
 
     spec = mesh_spec(mesh)
     opts = PipelineOptions(
-        microbatches, schedule, dict(schedule_options or {}), scatter_gather, "pp", seed, timeout, record
+        microbatches,
+        schedule,
+        dict(schedule_options or {}),
+        scatter_gather,
+        "pp",
+        seed,
+        timeout,
+        record,
+        sub_pipeline_tp=sub_pipeline_tp,
     )
     if opts.pp_axis not in spec.names:
         raise MeshError(f"the mesh {spec} has no {opts.pp_axis} axis; use autopar.compile for meshes without one")
     pp = spec.axis_size(opts.pp_axis)
     inner = MeshSpec(tuple((n, s) for n, s in spec.axes if n != opts.pp_axis))
     kwargs = dict(kwargs or {})
-    mb_args, mb_kwargs = split_batch(args, kwargs, microbatches)[0]
+    mb_args, mb_kwargs = _sub_microbatch(args, kwargs, opts)
     captured = _capture(model, mb_args, mb_kwargs)
     sched = make_schedule(schedule, pp, microbatches, **opts.schedule_options)
     text: list[str | None] = [None]
@@ -575,7 +599,15 @@ def compile_pipeline(
             from autopar.plan import Plan
 
             loaded = Plan.load(plan)
-            loaded.check(captured, inner)
+            try:
+                loaded.check(captured, inner)
+            except PlanError as e:
+                if not sub_pipeline_tp:
+                    raise
+                raise PlanError(
+                    f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
+                    "for that half, or compile without sub_pipeline_tp)"
+                ) from None
             sharded = parse(loaded.program)
         prog = plan_pipeline_program(
             captured,
@@ -591,6 +623,8 @@ def compile_pipeline(
         text = [print_program(prog)]
     dist.broadcast_object_list(text, src=0)
     program = parse(text[0])
+    if sub_pipeline_tp:
+        _check_sub_pipeline(program, spec)
     dev = torch.device(device) if device is not None else _default_device(mesh)
     get_value = _value_source(model, captured, seed)
     setup = (options or ShardOptions()).setup
@@ -610,6 +644,36 @@ def compile_pipeline(
     if dump_dir:
         _dump(Path(dump_dir), pipe)
     return pipe
+
+
+def _sub_microbatch(args: tuple, kwargs: dict, opts: PipelineOptions) -> tuple[tuple, dict]:
+    """The inputs the stages are built for: one microbatch, or half of one with sub-pipelined tp."""
+    first = split_batch(args, kwargs, opts.microbatches)[0]
+    n = opts.sub_microbatches
+    if n == 1:
+        return first
+    try:
+        return split_batch(*first, n)[0]
+    except CaptureError:
+        sizes = {x.shape[0] for x in pytree.tree_leaves(first) if isinstance(x, torch.Tensor) and x.dim() > 0}
+        raise SubPipelineError(
+            f"sub-pipelined tensor parallelism runs each microbatch as {n} equal halves, but a microbatch has "
+            f"{sorted(sizes)[0]} samples; make the batch a multiple of {n * opts.microbatches} ({n} x "
+            f"microbatches={opts.microbatches}), use fewer microbatches, or compile without sub_pipeline_tp"
+        ) from None
+
+
+_SUB_PIPELINED = {name for name, fn in coll.FUNCTIONS.items() if fn in coll.ASYNC}
+
+
+def _check_sub_pipeline(program: Program, mesh: MeshSpec) -> None:
+    """Refuse sub-pipelining where no stage has a tensor-parallel collective: nothing would overlap."""
+    if not any(op.target in _SUB_PIPELINED for op in program.ops):
+        raise SubPipelineError(
+            "sub_pipeline_tp=True overlaps the tensor-parallel collectives inside the stages with computation, "
+            f"but no stage of this plan has one (mesh {mesh}): add a tensor-parallel axis (e.g. tp=2) to the "
+            "mesh, or compile without sub_pipeline_tp"
+        )
 
 
 _CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -13,11 +13,16 @@ Each op's backward keeps that convention:
 
 The generated per-rank GraphModules call these functions; the process groups come from the
 ``Comm`` installed with ``use_comm`` (one per compiled module, set around its forward).
+
+Every collective that communicates is built from a ``Pending`` (the collective in flight; ``wait``
+returns its result), so the same code runs it synchronously (``start(...).wait()``) or split in two,
+as sub-pipelined tensor parallelism does (``ASYNC``, ``runtime/subpipeline.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -80,10 +85,42 @@ def unshard_tensor(shards: list[torch.Tensor], dim: int, chunks: int) -> torch.T
     return torch.cat([torch.cat([p[j] for p in pieces], dim) for j in range(chunks)], dim)
 
 
-def _gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
+class Pending:
+    """A collective in flight: ``wait()`` waits for it once and returns its result (``finish`` turns
+    the received buffers into the result)."""
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+        self.work, self.finish = work, finish
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.finish()
+
+
+def _start_gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int, then=None) -> Pending:
     parts = [torch.empty_like(x) for _ in range(c.sizes[axis])]
-    dist.all_gather(parts, x.contiguous(), group=c.groups[axis])
-    return unshard_tensor(parts, dim, chunks)
+    work = dist.all_gather(parts, x.contiguous(), group=c.groups[axis], async_op=True)
+    if then is None:
+        return Pending(work, lambda: unshard_tensor(parts, dim, chunks))
+    return Pending(work, lambda: then(unshard_tensor(parts, dim, chunks)))
+
+
+def _start_reduce(c: Comm, x: torch.Tensor, axis: str, op: str, then=None) -> Pending:
+    y = x.contiguous().clone()
+    work = dist.all_reduce(y, op=dist.ReduceOp.SUM, group=c.groups[axis], async_op=True)
+    n = c.sizes[axis]
+
+    def finish() -> torch.Tensor:
+        z = y / n if op == "avg" else y
+        return then(z) if then is not None else z
+
+    return Pending(work, finish)
+
+
+def _gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
+    return _start_gather(c, x, axis, dim, chunks).wait()
 
 
 def _local(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
@@ -91,11 +128,46 @@ def _local(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.
 
 
 def _reduce(c: Comm, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
-    y = x.contiguous().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.SUM, group=c.groups[axis])
-    if op == "avg":
-        y = y / c.sizes[axis]
-    return y
+    return _start_reduce(c, x, axis, op).wait()
+
+
+# ---------------------------------------------------------------------------------------------
+# Each collective's forward and backward communication, started (the autograd functions below and
+# the sub-pipelined interpreter both use these)
+
+
+def _fwd_all_reduce(c: Comm, x, axis, op="sum") -> Pending:
+    return _start_reduce(c, x, axis, op)
+
+
+def _fwd_all_gather(c: Comm, x, axis, dim, chunks=1) -> Pending:
+    return _start_gather(c, x, axis, dim, chunks)
+
+
+def _fwd_reduce_scatter(c: Comm, x, axis, op, dim, chunks=1) -> Pending:
+    # gloo has no reduce_scatter: all-reduce and keep the local shard (same result)
+    return _start_reduce(c, x, axis, op, then=lambda y: _local(c, y, axis, dim, chunks))
+
+
+def _fwd_all_to_all(c: Comm, x, axis, src_dim, src_chunks, dim, chunks) -> Pending:
+    return _start_gather(c, x, axis, src_dim, src_chunks, then=lambda y: _local(c, y, axis, dim, chunks))
+
+
+def _bwd_grad_all_reduce(c: Comm, g, axis) -> Pending:
+    return _start_reduce(c, g, axis, "sum")
+
+
+def _bwd_local_shard(c: Comm, g, axis, dim, chunks=1) -> Pending:
+    return _start_gather(c, g, axis, dim, chunks)
+
+
+def _bwd_reduce_scatter(c: Comm, g, axis, op, dim, chunks=1) -> Pending:
+    scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
+    return _start_gather(c, g, axis, dim, chunks, then=(lambda y: y * scale) if scale != 1.0 else None)
+
+
+def _bwd_all_to_all(c: Comm, g, axis, src_dim, src_chunks, dim, chunks) -> Pending:
+    return _start_gather(c, g, axis, dim, chunks, then=lambda y: _local(c, y, axis, src_dim, src_chunks))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,14 +176,14 @@ def _reduce(c: Comm, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, op):
+    def forward(ctx, x, axis, op, pending=None):
         c = _comm()
         ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
-        return _reduce(c, x, axis, op)
+        return (pending or _fwd_all_reduce(c, x, axis, op)).wait()
 
     @staticmethod
     def backward(ctx, g):
-        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None
+        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -122,18 +194,18 @@ class _GradAllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _reduce(ctx.comm, g, ctx.axis, "sum"), None
+        return _bwd_grad_all_reduce(ctx.comm, g, ctx.axis).wait(), None
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, chunks):
+    def forward(ctx, x, axis, dim, chunks, pending=None):
         ctx.comm, ctx.args = _comm(), (axis, dim, chunks)
-        return _gather(ctx.comm, x, axis, dim, chunks)
+        return (pending or _fwd_all_gather(ctx.comm, x, axis, dim, chunks)).wait()
 
     @staticmethod
     def backward(ctx, g):
-        return _local(ctx.comm, g, *ctx.args), None, None, None
+        return _local(ctx.comm, g, *ctx.args), None, None, None, None
 
 
 class _LocalShard(torch.autograd.Function):
@@ -144,67 +216,88 @@ class _LocalShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _gather(ctx.comm, g, *ctx.args), None, None, None
+        return _bwd_local_shard(ctx.comm, g, *ctx.args).wait(), None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, op, dim, chunks):
+    def forward(ctx, x, axis, op, dim, chunks, pending=None):
         c = ctx.comm = _comm()
-        ctx.args = (axis, dim, chunks)
-        ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
-        # gloo has no reduce_scatter: all-reduce and keep the local shard (same result)
-        return _local(c, _reduce(c, x, axis, op), axis, dim, chunks)
+        ctx.args = (axis, op, dim, chunks)
+        return (pending or _fwd_reduce_scatter(c, x, axis, op, dim, chunks)).wait()
 
     @staticmethod
     def backward(ctx, g):
-        full = _gather(ctx.comm, g, *ctx.args)
-        return (full * ctx.scale if ctx.scale != 1.0 else full), None, None, None, None
+        return _bwd_reduce_scatter(ctx.comm, g, *ctx.args).wait(), None, None, None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, src_dim, src_chunks, dim, chunks):
+    def forward(ctx, x, axis, src_dim, src_chunks, dim, chunks, pending=None):
         c = ctx.comm = _comm()
         ctx.args = (axis, src_dim, src_chunks, dim, chunks)
-        return _local(c, _gather(c, x, axis, src_dim, src_chunks), axis, dim, chunks)
+        return (pending or _fwd_all_to_all(c, x, *ctx.args)).wait()
 
     @staticmethod
     def backward(ctx, g):
-        axis, src_dim, src_chunks, dim, chunks = ctx.args
-        c = ctx.comm
-        return (
-            _local(c, _gather(c, g, axis, dim, chunks), axis, src_dim, src_chunks),
-            None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return (_bwd_all_to_all(ctx.comm, g, *ctx.args).wait(), None, None, None, None, None, None)
 
 
-def all_reduce(x: torch.Tensor, axis: str, op: str = "sum") -> torch.Tensor:
-    return _AllReduce.apply(x, axis, op)
+def all_reduce(x: torch.Tensor, axis: str, op: str = "sum", pending: Pending | None = None) -> torch.Tensor:
+    return _AllReduce.apply(x, axis, op, pending)
 
 
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
     return _GradAllReduce.apply(x, axis)
 
 
-def all_gather(x: torch.Tensor, axis: str, dim: int, chunks: int = 1) -> torch.Tensor:
-    return _AllGather.apply(x, axis, dim, chunks)
+def all_gather(x: torch.Tensor, axis: str, dim: int, chunks: int = 1, pending: Pending | None = None) -> torch.Tensor:
+    return _AllGather.apply(x, axis, dim, chunks, pending)
 
 
 def local_shard(x: torch.Tensor, axis: str, dim: int, chunks: int = 1) -> torch.Tensor:
     return _LocalShard.apply(x, axis, dim, chunks)
 
 
-def reduce_scatter(x: torch.Tensor, axis: str, op: str, dim: int, chunks: int = 1) -> torch.Tensor:
-    return _ReduceScatter.apply(x, axis, op, dim, chunks)
+def reduce_scatter(
+    x: torch.Tensor, axis: str, op: str, dim: int, chunks: int = 1, pending: Pending | None = None
+) -> torch.Tensor:
+    return _ReduceScatter.apply(x, axis, op, dim, chunks, pending)
 
 
-def all_to_all(x: torch.Tensor, axis: str, src_dim: int, src_chunks: int, dim: int, chunks: int) -> torch.Tensor:
-    return _AllToAll.apply(x, axis, src_dim, src_chunks, dim, chunks)
+def all_to_all(
+    x: torch.Tensor,
+    axis: str,
+    src_dim: int,
+    src_chunks: int,
+    dim: int,
+    chunks: int,
+    pending: Pending | None = None,
+) -> torch.Tensor:
+    return _AllToAll.apply(x, axis, src_dim, src_chunks, dim, chunks, pending)
+
+
+@dataclass(frozen=True)
+class AsyncForm:
+    """A collective split in two for sub-pipelined tensor parallelism (``runtime/subpipeline.py``).
+
+    ``forward(comm, x, **kwargs)`` starts the forward communication and ``op(x, **kwargs,
+    pending=...)`` lands it with the op's autograd backward (``None``: the forward does not
+    communicate); ``backward(comm, g, **kwargs)`` starts the communication of the gradient of the
+    input from that of the output (``None``: the backward is local)."""
+
+    forward: Callable[..., Pending] | None
+    backward: Callable[..., Pending] | None
+
+
+ASYNC: dict[Callable, AsyncForm] = {
+    all_reduce: AsyncForm(_fwd_all_reduce, None),  # Megatron g: backward identity
+    all_gather: AsyncForm(_fwd_all_gather, None),  # backward keeps the local shard
+    reduce_scatter: AsyncForm(_fwd_reduce_scatter, _bwd_reduce_scatter),
+    all_to_all: AsyncForm(_fwd_all_to_all, _bwd_all_to_all),
+    grad_all_reduce: AsyncForm(None, _bwd_grad_all_reduce),  # Megatron f: forward identity
+    local_shard: AsyncForm(None, _bwd_local_shard),
+}
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axes: list[str]) -> torch.Tensor:

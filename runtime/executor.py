@@ -18,6 +18,11 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
   one rank (a wave's turn) hand tensors over locally.
 - ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
   reduction, tied-parameter reduction, the optimizer).
+- With ``sub_microbatches=n > 1`` (Merak's sub-pipelined tensor parallelism) every microbatch
+  arrives as ``n`` sub-microbatches: ``F`` and ``B`` run them together, interleaved at the stage's
+  tensor-parallel collectives (``runtime/subpipeline.py``); boundary messages carry each
+  sub-microbatch's tensors in turn, a microbatch's loss is the mean of its sub-microbatches' losses
+  and each back-propagates ``1/(M n)``.
 
 Every wait has a timeout; a failed or timed-out transfer raises ``RuntimeCommError`` naming the
 action and the peer, so a rank whose peer died stops with a clear error instead of hanging.
@@ -45,6 +50,7 @@ from autopar.errors import RuntimeCommError
 from autopar.passes.ir import Program
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, Action, Kind, Schedule
+from autopar.runtime.subpipeline import Interleaved, Tape
 from autopar.runtime.timeline import Event, SimResult, Transfer
 
 # ---------------------------------------------------------------------------------------------
@@ -171,11 +177,15 @@ class _Pending:
 
 @dataclass
 class _Stash:
-    leaves: dict[str, torch.Tensor]  # the stage's inputs (received leaves and user inputs)
-    outputs: tuple[torch.Tensor, ...] = ()  # outputs autograd goes back from (whole stage or rest)
+    """One (microbatch, stage)'s activations, one entry per sub-microbatch in each list."""
+
+    leaves: list[dict[str, torch.Tensor]]  # the stage's inputs (received leaves and user inputs)
+    outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # autograd goes back from these
+    tape: Tape | None = None  # the sub-pipelined backward of the outputs (None: plain autograd)
     recompute: Fraction = Fraction(0)
-    head_leaves: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix outputs, as leaves
-    head_outputs: tuple[torch.Tensor, ...] | None = None  # prefix outputs with autograd (RECOMPUTE)
+    head_leaves: list[dict[str, torch.Tensor]] = field(default_factory=list)  # prefix outputs, as leaves
+    head_outputs: list[tuple[torch.Tensor, ...]] | None = None  # prefix outputs with autograd (RECOMPUTE)
+    head_tape: Tape | None = None
     rng: tuple | None = None
 
 
@@ -184,7 +194,8 @@ class Executor:
 
     ``stages``: this rank's stages. ``peer_rank(s)``: the global rank holding stage ``s`` in this
     rank's pipeline (same data/tensor-parallel coordinates). ``reduce_grads(s)`` and ``step()``
-    implement ``REDUCE_GRADS`` and ``STEP``.
+    implement ``REDUCE_GRADS`` and ``STEP``. ``sub_microbatches``: how many sub-microbatches each
+    microbatch comes as (sub-pipelined tensor parallelism; 1: none).
     """
 
     def __init__(
@@ -201,8 +212,11 @@ class Executor:
         record: bool = True,
         barrier: Callable[[], None] | None = None,
         device: torch.device | str = "cpu",
+        sub_microbatches: int = 1,
     ):
         self.schedule = schedule
+        self.sub = sub_microbatches
+        self._interleaved: dict[int, Interleaved] = {}
         self.pp_rank = pp_rank
         self.stages = stages
         self.peer_rank = peer_rank
@@ -225,13 +239,16 @@ class Executor:
             )
 
     # -- one step --------------------------------------------------------------------------------
-    def run(self, microbatches: Sequence[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Run the list once; returns the losses of the microbatches if this rank holds the last stage."""
+    def run(self, microbatches: Sequence[dict[str, torch.Tensor] | Sequence[dict[str, torch.Tensor]]]) -> list:
+        """Run the list once; returns the losses of the microbatches if this rank holds the last stage.
+        Each microbatch is its user inputs by name, or with sub-microbatches a list of them."""
         m = self.schedule.num_microbatches
         if len(microbatches) != m:
             raise ValueError(f"the schedule is for {m} microbatches, got {len(microbatches)}")
-        self._mbs = microbatches
-        self._scale = 1.0 / m
+        self._mbs = [list(mb) if isinstance(mb, (list, tuple)) else [mb] for mb in microbatches]
+        if any(len(mb) != self.sub for mb in self._mbs):
+            raise ValueError(f"each microbatch should come as {self.sub} sub-microbatches")
+        self._scale = 1.0 / (m * self.sub)
         self._acts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its inputs, handed over
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its output grads
         self._to_send: dict[tuple[Kind, int, int], list[torch.Tensor]] = {}
@@ -308,60 +325,91 @@ class Executor:
             return [t.detach() for t in self._acts.pop(key)]
         return self._wait((Kind.RECV_ACT, a.mb, a.stage), waited)
 
+    def _call(self, part: Part, envs: list[dict[str, torch.Tensor]]) -> tuple[list[tuple], Tape | None]:
+        """Run ``part`` on each sub-microbatch: the plain module for one, interleaved at its collectives
+        for more (then with the tape its backward needs)."""
+        if self.sub == 1:
+            return [part(envs[0])], None
+        inter = self._interleaved.get(id(part.module))
+        if inter is None:
+            inter = self._interleaved[id(part.module)] = Interleaved(part.module)
+        return inter([[env[n] for n in part.inputs] for env in envs])
+
+    def _backprop(self, outputs: list[tuple], grads: list[list], tape: Tape | None, loss: float | None = None):
+        """``_backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: the loss scale."""
+        if tape is None:
+            for o, g in zip(outputs, grads):
+                _backprop(o, g, loss)
+            return
+        if loss is not None:
+            tape.backward([[(o[0], torch.full_like(o[0], loss))] for o in outputs])
+        else:
+            tape.backward([list(zip(o, g)) for o, g in zip(outputs, grads)])
+
     def _forward(self, a: Action, waited) -> None:
         st = self.stages[a.stage]
-        received = self._inputs(a, waited)
+        received = self._inputs(a, waited)  # each sub-microbatch's tensors in turn
         self._ready = time.perf_counter()
-        leaves: dict[str, torch.Tensor] = {}
-        for buf, t in zip(st.recv, received):
-            leaves[buf.name] = t.requires_grad_(True) if buf.grad and t.is_floating_point() else t
-        leaves.update(self._mbs[a.mb])
+        k = len(st.recv)
+        envs: list[dict[str, torch.Tensor]] = []
+        for h, inputs in enumerate(self._mbs[a.mb]):
+            leaves: dict[str, torch.Tensor] = {}
+            for buf, t in zip(st.recv, received[h * k : (h + 1) * k]):
+                leaves[buf.name] = t.requires_grad_(True) if buf.grad and t.is_floating_point() else t
+            leaves.update(inputs)
+            envs.append(leaves)
         x = a.recompute
-        stash = _Stash(leaves, recompute=x)
+        stash = _Stash(envs, recompute=x)
         if not x:
-            outs = st.whole(leaves)
+            outs, stash.tape = self._call(st.whole, envs)
             stash.outputs = outs
         else:
             head, rest = st.variants[x]
             stash.rng = _rng_state()
             with torch.no_grad():
-                h = head(leaves)
+                h_outs, _ = self._call(head, envs)
             if rest is None:
-                outs = h
+                outs = h_outs
             else:
-                stash.head_leaves = {
-                    name: (t.detach().requires_grad_(g) if t.is_floating_point() else t.detach())
-                    for name, t, g in zip(rest.inputs, h, rest.grad)
-                }
-                outs = rest({**leaves, **stash.head_leaves})
+                stash.head_leaves = [
+                    {
+                        name: (t.detach().requires_grad_(g) if t.is_floating_point() else t.detach())
+                        for name, t, g in zip(rest.inputs, ho, rest.grad)
+                    }
+                    for ho in h_outs
+                ]
+                outs, stash.tape = self._call(rest, [{**e, **hl} for e, hl in zip(envs, stash.head_leaves)])
                 stash.outputs = outs
         self._stash[(a.mb, a.stage)] = stash
         if st.is_last:
-            self._losses[a.mb] = outs[0].detach()
+            losses = [o[0].detach() for o in outs]
+            self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
             return
+        flat = [o for out in outs for o in out]
         nxt = a.stage + 1
         if nxt in self._local:
-            self._acts[(a.mb, nxt)] = [o.detach() for o in outs]
+            self._acts[(a.mb, nxt)] = [o.detach() for o in flat]
         else:
-            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [_wire(o) for o in outs]
+            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [_wire(o) for o in flat]
 
     def _recompute(self, a: Action) -> None:
         st = self.stages[a.stage]
         stash = self._stash[(a.mb, a.stage)]
         head, _rest = st.variants[stash.recompute]
         with _restored_rng(stash.rng), torch.enable_grad():
-            stash.head_outputs = head(stash.leaves)
+            stash.head_outputs, stash.head_tape = self._call(head, stash.leaves)
 
     def _backward(self, a: Action, waited) -> None:
         st = self.stages[a.stage]
         stash = self._stash.pop((a.mb, a.stage))
+        n = len(stash.leaves)
         if st.is_last:
-            grads: list[torch.Tensor | None] = [None]
+            grads: list[list[torch.Tensor | None]] = [[None] for _ in range(n)]
         else:
             key = (a.mb, a.stage)
             got = self._grads.pop(key) if key in self._grads else self._wait((Kind.RECV_GRAD, a.mb, a.stage), waited)
-            it = iter(got)
-            grads = [next(it) if b.grad else None for b in st.send]
+            it = iter(got)  # each sub-microbatch's gradients in turn
+            grads = [[next(it) if b.grad else None for b in st.send] for _ in range(n)]
         self._ready = time.perf_counter()
         loss = self._scale if st.is_last else None
         if stash.recompute:
@@ -369,21 +417,23 @@ class Executor:
                 raise RuntimeCommError(f"{Action(Kind.B, a.stage, a.mb)} ran before its RECOMPUTE")
             _head, rest = st.variants[stash.recompute]
             if rest is None:
-                _backprop(stash.head_outputs, grads, loss)
+                self._backprop(stash.head_outputs, grads, stash.head_tape, loss)
             else:
-                _backprop(stash.outputs, grads, loss)
-                k = len(stash.head_outputs)
-                inner = [stash.head_leaves[n].grad if g else None for n, g in zip(rest.inputs[:k], rest.grad[:k])]
-                _backprop(stash.head_outputs, inner)
+                self._backprop(stash.outputs, grads, stash.tape, loss)
+                k = len(stash.head_outputs[0])
+                names = list(zip(rest.inputs[:k], rest.grad[:k]))
+                inner = [[hl[name].grad if g else None for name, g in names] for hl in stash.head_leaves]
+                self._backprop(stash.head_outputs, inner, stash.head_tape)
         else:
-            _backprop(stash.outputs, grads, loss)
+            self._backprop(stash.outputs, grads, stash.tape, loss)
         if a.stage > 0:
             out = []
-            for b in st.recv:
-                if b.grad:
-                    leaf = stash.leaves[b.name]
-                    g = leaf.grad if leaf.grad is not None else torch.zeros(b.shape, dtype=b.dtype, device=leaf.device)
-                    out.append(g)
+            for leaves in stash.leaves:
+                for b in st.recv:
+                    if b.grad:
+                        leaf = leaves[b.name]
+                        g = leaf.grad
+                        out.append(g if g is not None else torch.zeros(b.shape, dtype=b.dtype, device=leaf.device))
             prev = a.stage - 1
             if prev in self._local:
                 self._grads[(a.mb, prev)] = out
@@ -420,7 +470,7 @@ class Executor:
     def _buffers(self, a: Action) -> list[torch.Tensor]:
         st = self.stages[a.stage]
         specs = st.recv if a.kind is Kind.RECV_ACT else [b for b in st.send if b.grad]
-        return [torch.empty(b.shape, dtype=b.dtype, device=self.device) for b in specs]
+        return [torch.empty(b.shape, dtype=b.dtype, device=self.device) for _ in range(self.sub) for b in specs]
 
     def _wait(self, key: tuple[Kind, int, int], waited) -> list[torch.Tensor]:
         p = self._pending.pop(key, None)

@@ -1,4 +1,5 @@
-"""The papers' closed-form pipeline bubble ratios, each with the assumptions it is stated under.
+"""The papers' closed-form pipeline bubble ratios (and Merak's sub-pipelined tensor-parallel cost),
+each with the assumptions it is stated under.
 
 Two definitions are in use (``autopar.runtime.simulator`` computes both):
 
@@ -43,6 +44,30 @@ def hanayo(p: int, w: int) -> Fraction:
     Read against the simulator it is bubble / (compute + bubble / 2): docs/schedules.md.
     """
     return Fraction(2 * p - 2, 3 * p * w + p - 1)
+
+
+def sub_pipelined_tp(tm: Fraction | float, ta: Fraction | float, k: int) -> tuple:
+    """Merak 5.3: the cost of one microbatch through K transformer layers under tensor parallelism,
+    ``(default, sub_pipelined)``. ``tm``: a layer's forward compute, ``ta``: its forward communication
+    (two all-reduces); the backward costs ``2 tm`` and ``ta``; attention and FFN blocks weigh the same.
+
+    default (3T_m + 2T_a)K; sub-pipelined (two sub-microbatches, one communicating while the other
+    computes) 1/4 T_m + (K-1/4) max{T_m, T_a} + 1/4 T_a forward plus 1/2 T_m + (K-1/4) max{2T_m, T_a}
+    + 1/4 T_a backward, which is 3/4 T_m + 1/2 T_a + (K-1/4) max{3T_m, 2T_m+T_a, 2T_a}.
+    """
+    q = Fraction(1, 4) if isinstance(tm, Fraction) and isinstance(ta, Fraction) else 0.25
+    default = (3 * tm + 2 * ta) * k
+    sub = 3 * q * tm + 2 * q * ta + (k - q) * max(3 * tm, 2 * tm + ta, 2 * ta)
+    return default, sub
+
+
+def sub_pipelined_tp_phases(tm: Fraction | float, ta: Fraction | float, k: int) -> tuple:
+    """Merak 5.3's sub-pipelined forward and backward costs, ``(forward, backward)``, as the paper
+    states them before summing (``sum == sub_pipelined_tp(...)[1]``)."""
+    q = Fraction(1, 4) if isinstance(tm, Fraction) and isinstance(ta, Fraction) else 0.25
+    forward = q * tm + (k - q) * max(tm, ta) + q * ta
+    backward = 2 * q * tm + (k - q) * max(2 * tm, ta) + q * ta
+    return forward, backward
 
 
 def paper_bubble(name: str, p: int, m: int, **options: int | Fraction) -> tuple[Fraction, str, str] | None:

@@ -172,12 +172,45 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
     return ShardOptions(objective="comm", constrain=megatron_constraints(prog))
 
 
+def sub_pipeline_events(
+    rank: int, world: int, model_name: str, axes: dict[str, int], microbatches: int = 2, batch: int = 8
+) -> dict[str, Any]:
+    """One 1F1B step with sub-pipelined tensor parallelism, recording every compute, issue and wait of
+    the interleaved sub-microbatches (``autopar.runtime.subpipeline.record_events``), and which issues
+    had the other sub-microbatch compute before their wait."""
+    from autopar.runtime.subpipeline import record_events
+
+    spec = build(f"{PRESETS.get(model_name, model_name)}:batch={batch}", device="cpu", seed=0)
+    b = make_batches(spec.model, spec.kwargs, 1)[0]
+    mesh = autopar.init_mesh("cpu", **axes)
+    pipe = autopar.compile(spec.model, mesh, kwargs=b, microbatches=microbatches, sub_pipeline_tp=True)
+    with record_events() as events:
+        pipe.train_step(**b)
+    issued = overlapped_issues(events)
+    return {phase: torch.tensor([ok for _label, _h, ok in issued.get(phase, [])], dtype=torch.bool) for phase in "FB"}
+
+
+def overlapped_issues(events: list[tuple[str, int, str, str]]) -> dict[str, list[tuple[str, int, bool]]]:
+    """Per phase (F, B), each issued collective as ``(label, sub-microbatch, overlapped)``: overlapped
+    when the other sub-microbatch computed between the issue and its wait."""
+    out: dict[str, list[tuple[str, int, bool]]] = {}
+    for i, (phase, h, kind, label) in enumerate(events):
+        if kind != "issue":
+            continue
+        j = next(k for k in range(i + 1, len(events)) if events[k] == (phase, h, "wait", label))
+        ok = any(e[0] == phase and e[1] != h and e[2] == "compute" for e in events[i + 1 : j])
+        out.setdefault(phase, []).append((label, h, ok))
+    return out
+
+
 def compare_jobs(rank: int, world: int, jobs: list[dict]) -> dict[str, Any]:
     """Several ``compare_pipeline`` calls in one process group (spawning is the expensive part of a
-    test): each job is its keyword arguments plus a ``name``."""
+    test): each job is its keyword arguments plus a ``name``; ``"kind": "events"`` runs
+    ``sub_pipeline_events`` instead."""
     out = {}
     for job in jobs:
         job = dict(job)
         name = job.pop("name")
-        out[name] = compare_pipeline(rank, world, **job)
+        fn = sub_pipeline_events if job.pop("kind", "compare") == "events" else compare_pipeline
+        out[name] = fn(rank, world, **job)
     return out

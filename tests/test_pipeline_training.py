@@ -1,11 +1,12 @@
 """Pipeline (3D-parallel) training equals single-process training, for every schedule; the stage IR.
 
 Multi-process tests run several models, schedules and meshes per spawned process group (spawning is
-the expensive part): pp=2 on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4; pp=2 x dp=2 x tp=2 and MiCS on
-8. Each run trains 3 AdamW steps (lr 1e-3) on 4 microbatches and is compared with one single-process
-run of the same model and batches: per-step losses within 1e-5 relative, every parameter within
-1e-5 relative in norm (entries whose gradient is float noise of a mathematically zero gradient
-excluded, tests/pipeline_equivalence.py).
+the expensive part): pp=2 on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4 (with and without Merak's
+sub-pipelined tensor parallelism); pp=2 x dp=2 x tp=2 (also sub-pipelined) and MiCS on 8. Each run
+trains 3 AdamW steps (lr 1e-3) on 4 microbatches and is compared with one single-process run of the
+same model and batches: per-step losses within 1e-5 relative, every parameter within 1e-5 relative
+in norm (entries whose gradient is float noise of a mathematically zero gradient excluded,
+tests/pipeline_equivalence.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ ALL = [
 def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] = ()) -> None:
     for rank, res in enumerate(results):
         for job, out in res.items():
+            if "ref_losses" not in out:
+                continue  # not a comparison (sub-pipeline events)
             ref = out["ref_losses"]
             for key, r in out.items():
                 if key == "ref_losses":
@@ -90,12 +93,24 @@ def test_pp2_every_schedule_gpt2_llama_bert_and_meta_init():
     _check(run_distributed(compare_jobs, 2, jobs, timeout=600), "pp2")
 
 
+def _check_sub_pipeline_events(results, job: str) -> None:
+    """Every rank interleaved its sub-microbatches in both directions: for nearly every collective one
+    sub-microbatch issued, the other computed before the wait (the exceptions are collectives issued
+    back to back, with no computation between them to overlap)."""
+    for rank, res in enumerate(results):
+        for phase in "FB":
+            ok = res[job][phase]
+            assert len(ok) >= 8, f"rank {rank} {phase}: {len(ok)} issued collectives"
+            assert ok.float().mean() >= 0.9, f"rank {rank} {phase}: {int(ok.sum())} of {len(ok)} overlapped"
+
+
 @pytest.mark.multiproc
-def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather():
+def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather_sub_pipelined():
     from autopar.passes.shard import ShardOptions
     from autopar.solver.cost import TrainingSetup
 
     zero2 = {"options": ShardOptions(setup=TrainingSetup(zero=2))}
+    sub = {"sub_pipeline_tp": True}
     jobs = [
         {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL},
         {
@@ -115,8 +130,28 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather():
             "compile_kwargs": {"scatter_gather": True},
             "megatron": True,  # Megatron's layout keeps the boundary replicated over tp: 1/t goes on the wire
         },
+        # Merak's sub-pipelined tp: two half microbatches per F/B, interleaved at the tp collectives;
+        # SCP's partial recomputation runs the recompute head and rest interleaved too
+        {
+            "name": "gpt2-pp2tp2-sub",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "tp": 2},
+            "runs": [("1f1b", {}), ("interleaved", {"chunks": 2}), ("scp", {"alpha1": Fraction(1, 2)})],
+            "compile_kwargs": sub,
+        },
+        {  # Megatron's f/g layout and scatter/gather of the stage boundary
+            "name": "llama-pp2tp2-sub-scatter-gather",
+            "model_name": "llama",
+            "axes": {"pp": 2, "tp": 2},
+            "runs": [("1f1b", {}), ("gpipe", {})],
+            "compile_kwargs": {**sub, "scatter_gather": True},
+            "megatron": True,
+        },
+        {"name": "gpt2-sub-events", "kind": "events", "model_name": "gpt2", "axes": {"pp": 2, "tp": 2}},
     ]
-    _check(run_distributed(compare_jobs, 4, jobs, timeout=900), "4 ranks", zero=("gpt2-pp2dp2-zero2",))
+    results = run_distributed(compare_jobs, 4, jobs, timeout=900)
+    _check(results, "4 ranks", zero=("gpt2-pp2dp2-zero2",))
+    _check_sub_pipeline_events(results, "gpt2-sub-events")
 
 
 @pytest.mark.multiproc
@@ -131,6 +166,14 @@ def test_pp2_dp2_tp2_and_mics():
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2, "tp": 2},
             "runs": [("1f1b", {}), ("interleaved", {"chunks": 2})],
+        },
+        {  # sub-pipelined tp: 2 microbatches of 4, halves of 2 split over dp
+            "name": "gpt2-pp2dp2tp2-sub",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "dp": 2, "tp": 2},
+            "runs": [("1f1b", {})],
+            "microbatches": 2,
+            "compile_kwargs": {"sub_pipeline_tp": True},
         },
         {  # MiCS: partition groups of 2 (dp), replicated over dpr; 2-hop gradient sync
             "name": "gpt2-mics",
