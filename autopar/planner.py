@@ -110,6 +110,7 @@ def plan_captured(
         "solve_seconds": sol.seconds,
         "ilp_variables": sol.variables,
         "ilp_constraints": sol.constraints,
+        "ilp_eliminated": sol.eliminated,  # decisions solved exactly before the ILP (solver/eliminate.py)
         "ilp_groups": len(result.groups),
         "layers_solved_once": sol.layers,
         "memory_per_device_bytes": result.memory_bytes,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.errors import InfeasibleError
 from autopar.passes.ir import (
     Op,
@@ -57,6 +59,7 @@ class ShardOptions:
     shard_inputs: bool = True
     collapse: bool = True
     reuse_layers: bool = True  # solve identical repeated layers once
+    eliminate: bool = True  # solve series-parallel parts exactly before the ILP (solver/eliminate.py)
     # restrict candidates (baselines): name of a value / op result -> predicate on its placements
     constrain: dict | None = None
 
@@ -298,13 +301,13 @@ class _Builder:
             return (sec + flop_sec if self.opts.cluster else vol) + 1e-15 * mem
         return red + self.opts.alpha * vol
 
-    def edge_cost(self, t: TensorType, a: tuple[Placement, ...], b: tuple[Placement, ...] | None) -> float | None:
-        if b is None or a == b:
-            return 0.0
-        vol, sec = self.cost.redistribute(t, a, b)
-        if vol == INF:
-            return None
-        return self.objective(0.0, vol, sec, 0.0)
+    def edge_costs(self, t: TensorType, srcs: list, dsts: list) -> dict[tuple[int, int], float]:
+        """Objective of moving t from each placement in srcs to each in dsts (None: as it is), keyed by
+        (index in srcs, index in dsts); impossible pairs are left out."""
+        vol, sec = self.cost.redistribute_matrix(t, srcs, dsts)
+        cost = self.objective(0.0, vol, sec, 0.0)
+        rows, cols = np.nonzero(np.isfinite(vol))
+        return dict(zip(zip(rows.tolist(), cols.tolist()), cost[rows, cols].tolist()))
 
 
 def _results_of(g: Group) -> set[str]:
@@ -424,14 +427,7 @@ def _edge(b: _Builder, groups: list[Group], hi: int, gi: int, name: str, want) -
     v_keys = [want(c) for c in g.candidates]
     ug, uids = _group_ids(u_keys)
     vg, vids = _group_ids(v_keys)
-    t = b.types[name]
-    cost = {}
-    for a_key, a in uids.items():
-        for b_key, bb in vids.items():
-            c = b.edge_cost(t, a_key, b_key)
-            if c is not None:
-                cost[a, bb] = c
-    e = Edge(hi, gi, ug, vg, cost)
+    e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids)))
     e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
     return e
 
@@ -533,18 +529,16 @@ def smallest_budget(prog: Program, opts: ShardOptions) -> float:
 
 
 def _solve(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: ShardOptions) -> Solution:
+    args = dict(budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend, eliminate=opts.eliminate)
     found = repeated_layers(groups) if opts.reuse_layers else None
-    if found is None:
-        sol = solve(nodes, edges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
+    # (repeated layers whose costs differ after all are not identical: solved in full)
+    if found is None or any(nodes[i].costs != nodes[r].costs for i, r in enumerate(found[0])):
+        sol = solve(nodes, edges, **args)
         sol.layers = 0
         return sol
     rep, n_layers = found
-    if any(nodes[i].costs != nodes[r].costs for i, r in enumerate(rep)):  # not identical after all
-        sol = solve(nodes, edges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
-        sol.layers = 0
-        return sol
     rnodes, redges, index = fold_repeated(nodes, edges, rep)
-    sol = solve(rnodes, redges, budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend)
+    sol = solve(rnodes, redges, **args)
     sol.choice = [sol.choice[index[i]] for i in range(len(nodes))]
     sol.layers = n_layers
     return sol

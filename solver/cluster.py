@@ -315,8 +315,23 @@ class ClusterSpec:
         lat, bw = self.alpha_beta(intra_node)
         if kind in ("send", "recv"):
             return nbytes / bw + lat
-        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        steps = _ring_steps(kind, n)
         return steps / n * nbytes / bw + steps * lat
+
+    def collective_terms(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
+        """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
+        ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them."""
+        n = group_size
+        if n == 1:
+            return 0.0, 0.0
+        lat, bw = self.alpha_beta(intra_node)
+        steps = _ring_steps(kind, n)
+        return steps / n / bw, steps * lat
+
+
+def _ring_steps(kind: str, n: int) -> int:
+    """Ring steps of a collective over n ranks, each moving nbytes / n and paying one latency."""
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.passes.ir import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.passes.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
@@ -82,14 +84,16 @@ class CostModel:
         self._zero_axes = self.setup.shard_axes(self.mesh)
         self._intra = _axes_intra_node(self.mesh, self.cluster)
         self._memo: dict = {}
+        self._terms = _shared_terms(self.mesh, self._intra, self.cluster)
+        self._blocks: dict = {}
 
     # -- memory ---------------------------------------------------------------------------------
     def local_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> float:
-        div = 1
-        for q, n in zip(p, self.mesh.sizes):
-            if isinstance(q, Shard):
-                div *= n
-        return t.nbytes / div
+        return t.nbytes / self._shards(p)
+
+    def _shards(self, p: tuple[Placement, ...]) -> int:
+        """Into how many pieces p cuts a tensor (local bytes = global bytes / this)."""
+        return math.prod(n for q, n in zip(p, self.mesh.sizes) if isinstance(q, Shard))
 
     def param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
         """(bytes per device, redundant bytes) of a parameter's weights, gradients, optimizer states."""
@@ -120,46 +124,82 @@ class CostModel:
     # -- communication --------------------------------------------------------------------------
     def _collective(self, kind: str, nbytes: float, axis: int) -> tuple[float, float]:
         """(volume in bytes, seconds) of one collective of a tensor of nbytes on one axis."""
-        n = self.mesh.sizes[axis]
-        if n == 1 or nbytes == 0:
+        if nbytes == 0:
             return 0.0, 0.0
-        factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
-        seconds = self.cluster.collective_seconds(kind, nbytes, n, self._intra[axis]) if self.cluster else 0.0
-        return nbytes * factor, seconds
+        v, per_byte, latency = self._collective_terms(kind, axis)
+        return nbytes * v, nbytes * per_byte + latency
 
     def redistribute(
         self, t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...]
     ) -> tuple[float, float]:
         """(bytes, seconds) per device to turn src into dst, forward plus backward; INF if impossible."""
-        key = (t, src, dst)
-        if key not in self._memo:
-            self._memo[key] = self._redistribute(t, src, dst)
-        return self._memo[key]
+        a, b = self._terms.ids([src, dst])
+        v, per_byte, latency = self._terms.terms(a, b, t.is_float, self._redistribute_terms)
+        if v == INF:
+            return INF, INF
+        nbytes = t.nbytes
+        return (nbytes * v, nbytes * per_byte + latency) if nbytes else (0.0, 0.0)
 
-    def _redistribute(self, t: TensorType, src, dst) -> tuple[float, float]:
+    def redistribute_matrix(
+        self, t: TensorType, srcs: list[tuple[Placement, ...]], dsts: list[tuple[Placement, ...] | None]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`redistribute` of t from every placement in srcs (rows) to every one in dsts (columns; None
+        needs nothing), as two arrays: what prices an edge of the strategy graph at once.
+
+        Bytes and seconds are linear in the tensor's global bytes N: bytes = N * v, seconds =
+        N * s + latency, with (v, s, latency) per placement pair, computed once per mesh."""
+        cache, grad = self._terms, t.is_float
+        a_ids, b_ids = cache.ids(srcs), cache.ids(dsts)
+        key = (tuple(a_ids), tuple(b_ids), grad)
+        terms = self._blocks.get(key)
+        if terms is None:
+            flat = [cache.terms(a, b, grad, self._redistribute_terms) for a in a_ids for b in b_ids]
+            terms = self._blocks[key] = np.array(flat, dtype=float).reshape(len(srcs), len(dsts), 3)
+        nbytes = t.nbytes
+        if not nbytes:
+            nothing = np.where(np.isinf(terms[..., 0]), INF, 0.0)
+            return nothing, nothing.copy()
+        return nbytes * terms[..., 0], nbytes * terms[..., 1] + terms[..., 2]
+
+    def _redistribute_terms(self, src, dst, grad: bool) -> tuple[float, float, float]:
+        """(v, s, latency) of `redistribute_matrix` for one pair; INF where dst cannot be reached."""
+        if dst is None:
+            return 0.0, 0.0, 0.0
         try:
             steps = redistribute_steps(src, dst)
         except Unreachable:
-            return INF, INF
-        vol = sec = 0.0
-        grad = t.is_float
+            return INF, INF, INF
+        vol = per_byte = latency = 0.0
         for s in steps:
-            before = self.local_bytes(t, s.before)
-            after = self.local_bytes(t, s.after)
+            # the collectives of a step, each with the placement that fixes its message size
             if s.kind == "all_gather":
-                parts = [self._collective("all_gather", after, s.axis)]
+                parts = [("all_gather", s.after)]
             elif s.kind == "all_reduce":
-                parts = [self._collective("all_reduce", before, s.axis)]
+                parts = [("all_reduce", s.before)]
             elif s.kind == "reduce_scatter":
-                parts = [self._collective("reduce_scatter", before, s.axis)]
-                if grad:
-                    parts.append(self._collective("all_gather", before, s.axis))
-            else:  # local_shard
-                parts = [self._collective("all_gather", before, s.axis)] if grad else []
-            for v, x in parts:
-                vol += v
-                sec += x
-        return vol, sec
+                parts = [("reduce_scatter", s.before)] + ([("all_gather", s.before)] if grad else [])
+            else:  # local_shard: the gradient is all-gathered backward
+                parts = [("all_gather", s.before)] if grad else []
+            for kind, p in parts:
+                v, a, b = self._collective_terms(kind, s.axis)
+                share = 1 / self._shards(p)  # local bytes per global byte
+                vol, per_byte, latency = vol + v * share, per_byte + a * share, latency + b
+        return vol, per_byte, latency
+
+    def _collective_terms(self, kind: str, axis: int) -> tuple[float, float, float]:
+        """A collective of a non-empty tensor of N bytes on one axis as linear terms: (volume per byte,
+        seconds per byte, latency seconds)."""
+        key = ("c", kind, axis)
+        if key not in self._memo:
+            n = self.mesh.sizes[axis]
+            factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
+            if n == 1:
+                self._memo[key] = 0.0, 0.0, 0.0
+            elif self.cluster is None:
+                self._memo[key] = factor, 0.0, 0.0
+            else:
+                self._memo[key] = (factor, *self.cluster.collective_terms(kind, n, self._intra[axis]))
+        return self._memo[key]
 
     def compute_seconds(self, flops: float, split: list[bool]) -> float:
         """Forward plus backward (3x forward FLOPs) time of an op whose work is divided over the axes
@@ -186,6 +226,44 @@ class CostModel:
     def grad_reduce(self, t: TensorType, p: tuple[Placement, ...], axis: int) -> tuple[float, float]:
         """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``."""
         return self._collective("all_reduce", self.local_bytes(t, p), axis)
+
+
+class _Terms:
+    """Redistribution terms per pair of placements (numbered, so a pair is a cheap key), shared by the
+    cost models of one mesh and cluster: planning a model builds several problems on one mesh."""
+
+    def __init__(self):
+        self._ids: dict = {}
+        self._placements: list = []
+        self._terms: dict[tuple[int, int, bool], tuple[float, float, float]] = {}
+
+    def ids(self, placements: list) -> list[int]:
+        out = []
+        for p in placements:
+            i = self._ids.get(p)
+            if i is None:
+                i = self._ids[p] = len(self._placements)
+                self._placements.append(p)
+            out.append(i)
+        return out
+
+    def terms(self, a: int, b: int, grad: bool, compute) -> tuple[float, float, float]:
+        key = (a, b, grad)
+        found = self._terms.get(key)
+        if found is None:
+            found = self._terms[key] = compute(self._placements[a], self._placements[b], grad)
+        return found
+
+
+_SHARED_TERMS: dict[tuple, _Terms] = {}
+
+
+def _shared_terms(mesh: MeshSpec, intra: list[bool], cluster: ClusterSpec | None) -> _Terms:
+    links = None if cluster is None else (cluster.alpha_beta(True), cluster.alpha_beta(False))
+    key = (mesh.sizes, tuple(intra), links)
+    if key not in _SHARED_TERMS and len(_SHARED_TERMS) >= 16:
+        _SHARED_TERMS.clear()
+    return _SHARED_TERMS.setdefault(key, _Terms())
 
 
 def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec | None) -> list[bool]:

@@ -48,12 +48,54 @@ def test_zero_stages_divide_what_they_shard():
     assert mics.param_memory(W, (R, R))[0] == n * 16 / 4  # sharded inside groups of 4, replicated across
 
 
+def test_redistribution_priced_per_edge_matches_the_collectives_step_by_step():
+    """CostModel prices an edge at once from per-placement-pair terms linear in the tensor's bytes;
+    they must add up to the collectives of `redistribute_steps`, each priced on its own."""
+    from autopar.passes.layout import Unreachable, redistribute_steps
+    from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.strategies import value_strategies
+
+    mesh = MeshSpec((("a0", 2), ("a1", 2), ("a2", 2)))
+    cluster = ClusterSpec.load("dgx-a100")
+    model = CostModel(mesh, cluster=cluster)
+    t = TensorType("f32", (8, 6, 4))
+    ps = [s.outputs[0] for s in value_strategies(t, mesh, (1,), True)] + [(Partial("sum"), R, Shard(0))]
+    vol, sec = model.redistribute_matrix(t, ps, ps)
+    for i, a in enumerate(ps):
+        for j, b in enumerate(ps):
+            try:
+                steps = redistribute_steps(a, b)
+            except Unreachable:
+                assert vol[i, j] == sec[i, j] == math.inf
+                continue
+            want_vol = want_sec = 0.0
+            for step in steps:
+                kind = {"local_shard": "all_gather"}.get(step.kind, step.kind)
+                sized = step.after if step.kind == "all_gather" else step.before
+                parts = [kind] + (["all_gather"] if step.kind == "reduce_scatter" else [])
+                for part in parts:
+                    nbytes = model.local_bytes(t, sized)
+                    n = mesh.sizes[step.axis]
+                    want_vol += nbytes * (2 if part == "all_reduce" else 1) * (n - 1) / n
+                    want_sec += cluster.collective_seconds(part, nbytes, n, True)
+            assert vol[i, j] == pytest.approx(want_vol, rel=1e-12)
+            assert sec[i, j] == pytest.approx(want_sec, rel=1e-12)
+            assert model.redistribute(t, a, b) == (vol[i, j], sec[i, j])
+
+
 @st.composite
 def ilps(draw):
     n = draw(st.integers(1, 5))
-    nodes = [Node(f"n{i}", draw(st.lists(st.integers(0, 20).map(float), min_size=1, max_size=3))) for i in range(n)]
+    nodes = []
+    for i in range(n):
+        costs = draw(st.lists(st.integers(0, 20).map(float), min_size=1, max_size=3))
+        memory = [float(draw(st.integers(0, 9))) for _ in costs]
+        nodes.append(Node(f"n{i}", costs, memory))
+    pairs = list(itertools.combinations(range(n), 2))
+    # a self-loop and a repeated pair, as repeated-layer folding makes
+    pairs += draw(st.lists(st.sampled_from([(u, u) for u in range(n)] + pairs), max_size=2))
     edges = []
-    for u, v in itertools.combinations(range(n), 2):
+    for u, v in pairs:
         if not draw(st.booleans()):
             continue
         ug = [draw(st.integers(0, 1)) for _ in nodes[u].costs]
@@ -67,9 +109,13 @@ def ilps(draw):
     return nodes, edges
 
 
-def _brute_force(nodes, edges):
-    best = math.inf
+def _brute_force(nodes, edges, budget=math.inf):
+    """(least objective, least memory among the choices reaching it)."""
+    best = (math.inf, math.inf)
     for choice in itertools.product(*(range(len(n.costs)) for n in nodes)):
+        memory = sum(n.memory[c] for n, c in zip(nodes, choice))
+        if memory > budget:
+            continue
         total = sum(n.costs[c] for n, c in zip(nodes, choice))
         for e in edges:
             key = (e.u_group[choice[e.u]], e.v_group[choice[e.v]])
@@ -77,23 +123,31 @@ def _brute_force(nodes, edges):
                 total = math.inf
                 break
             total += e.cost[key]
-        best = min(best, total)
+        if total < math.inf:
+            best = min(best, (total, memory))
     return best
 
 
 @settings(max_examples=60, deadline=None)
-@given(ilps())
-def test_ilp_optimum_equals_brute_force(problem):
+@given(ilps(), st.integers(0, 30))
+def test_ilp_optimum_equals_brute_force(problem, budget):
+    """With and without elimination, CBC and HiGHS, with and without a memory budget."""
     nodes, edges = problem
-    best = _brute_force(nodes, edges)
-    if best == math.inf:
-        with pytest.raises(InfeasibleError):
-            solve(nodes, edges)
-        return
-    sol = solve(nodes, edges)
-    assert sol.status == "optimal"
-    assert sol.objective == pytest.approx(best)
-    assert solve(nodes, edges, backend="highs").objective == pytest.approx(best)
+    for limit in (None, float(budget)):
+        best, least_memory = _brute_force(nodes, edges, math.inf if limit is None else limit)
+        for eliminate, backend in ((True, "cbc"), (False, "cbc"), (False, "highs")):
+            if best == math.inf:
+                with pytest.raises(InfeasibleError):
+                    solve(nodes, edges, budget=limit, backend=backend, eliminate=eliminate)
+                continue
+            sol = solve(nodes, edges, budget=limit, backend=backend, eliminate=eliminate)
+            assert sol.status == "optimal"
+            assert sol.objective == pytest.approx(best)
+            memory = sum(n.memory[c] for n, c in zip(nodes, sol.choice))
+            if limit is not None:
+                assert memory <= limit
+            if eliminate and limit is None and sol.variables == 0:  # all eliminated: ties go to less memory
+                assert memory == least_memory
 
 
 def test_folding_identical_nodes_keeps_the_optimum():
@@ -118,6 +172,26 @@ def _tiny(preset="tiny-gpt2", mesh="tp=2"):
     return captured, lower(captured, parse_mesh(mesh))
 
 
+def test_elimination_keeps_the_optimum_on_a_three_axis_mesh():
+    """Elimination against the full ILP where each op mixes data, row and column parallelism over
+    three axes (a model small enough for the full ILP to take seconds)."""
+    from dataclasses import replace
+
+    from autopar.passes.shard import ShardOptions, shard, smallest_budget
+    from autopar.solver.cluster import ClusterSpec
+
+    _, prog = _tiny("tiny-mlp:batch=2,seq=2", "a0=2,a1=2,a2=2")
+    opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
+    for objective in ("memory", "comm"):
+        fast = shard(prog, replace(opts, objective=objective))
+        full = shard(prog, replace(opts, objective=objective, eliminate=False))
+        assert fast.solution.variables == 0 and fast.solution.eliminated > 0  # nothing left for CBC
+        assert full.solution.variables > 10_000 and full.solution.status == "optimal"
+        assert fast.solution.objective == pytest.approx(full.solution.objective, rel=1e-12)
+        assert fast.memory_bytes == full.memory_bytes
+    assert smallest_budget(prog, opts) == smallest_budget(prog, replace(opts, eliminate=False))
+
+
 def test_an_impossible_budget_names_the_smallest_that_fits():
     from autopar.passes.shard import ShardOptions, shard
 
@@ -127,6 +201,7 @@ def test_an_impossible_budget_names_the_smallest_that_fits():
     smallest = err.value.smallest_budget_bytes
     ok = shard(prog, ShardOptions(budget_bytes=smallest * 1.0001))
     assert ok.memory_bytes <= smallest * 1.0001
+    assert ok.solution.eliminated == 0  # the unbudgeted optimum does not fit: the full ILP decided
     assert shard(prog, ShardOptions(objective="comm", budget_bytes=smallest * 1.0001)).memory_bytes <= smallest * 1.0001
 
 

@@ -124,9 +124,10 @@ def _print_report(args, report) -> None:
     s = report.plan.stats
     print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {args.objective}, alpha {args.alpha})")
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
+    eliminated = f" ({s['ilp_eliminated']} solved by elimination first)" if s.get("ilp_eliminated") else ""
     print(
         f"ILP: {s['status']} in {s['solve_seconds']:.2f} s, {s['ilp_variables']:,} variables, "
-        f"{s['ilp_constraints']:,} constraints, {s['ilp_groups']} decisions{folded}"
+        f"{s['ilp_constraints']:,} constraints, {s['ilp_groups']} decisions{eliminated}{folded}"
     )
     mem = s["memory_per_device_bytes"]
     print(f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}")
