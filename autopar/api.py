@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import CaptureError, MeshError, PlanError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import MeshSpec, Program, Replicate, Shard
+from autopar.passes.ir import MeshSpec, Program, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.parser import parse
@@ -139,7 +139,7 @@ class CompiledModule(torch.nn.Module):
         all-gathered after the step (MiCS: inside the partition group, 2-hop synchronization across
         groups). Without ZeRO it is ``optimizer_cls(model.parameters(), **kwargs)``. A plain
         ``torch.optim`` optimizer built by hand trains the same numbers but keeps whole states."""
-        from autopar.runtime.zero import ZeroOptimizer, zero_axes_of
+        from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
 
         if self.setup.zero >= 3:
             raise PlanError(
@@ -151,14 +151,7 @@ class CompiledModule(torch.nn.Module):
             return optimizer_cls(self.parameters(), **kwargs)
         params = {v.name: self.module.get_parameter(v.name) for v in self.program.params}
         grad_sync = {v.name: list(v.attrs.get("grad_sync", [])) for v in self.program.params}
-        names = self.program.mesh.names
-        on = [names.index(a) for a in zero_axes + replica_axes]
-        whole = {  # replicated over data parallelism, gradient already whole (no grad_sync there)
-            v.name
-            for v in self.program.params
-            if all(isinstance(v.type.placements[i], Replicate) for i in on)
-            and not set(zero_axes + replica_axes) & set(v.attrs.get("grad_sync", ()))
-        }
+        whole = whole_gradient_params(self.program, zero_axes + replica_axes)
         opt = ZeroOptimizer(params, grad_sync, optimizer_cls, self.comm, zero_axes, replica_axes, whole, **kwargs)
         managed = {id(params[n]) for n in params if opt.manages(n)}
         skip = set(zero_axes) | set(replica_axes)  # the ZeRO optimizer reduces these itself

@@ -362,7 +362,7 @@ class PipelineModule(torch.nn.Module):
         the plan's training setup says ``zero >= 1`` (MiCS 2-hop when ``mics_group`` is set), else
         ``optimizer_cls`` over this rank's parameters."""
         if self._zero and self._zero_axes:
-            from autopar.runtime.zero import ZeroOptimizer
+            from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params
 
             self._optimizer = ZeroOptimizer(
                 self._local_params,
@@ -371,6 +371,7 @@ class PipelineModule(torch.nn.Module):
                 self._comm,
                 self._zero_axes,
                 self._replica_axes,
+                whole_gradient_params(self._program, self._zero_axes + self._replica_axes),
                 **kwargs,
             )
         else:
@@ -593,22 +594,25 @@ def compile_pipeline(
     captured = _capture(model, mb_args, mb_kwargs)
     sched = make_schedule(schedule, pp, microbatches, **opts.schedule_options)
     text: list[str | None] = [None]
-    if dist.get_rank() == 0:
-        sharded = None
-        if plan is not None:
-            from autopar.plan import Plan
+    sharded = None
+    if plan is not None:  # every rank reads and checks it, so a refused plan stops all of them
+        from autopar.plan import Plan
+        from autopar.planner import options_from_dict
 
-            loaded = Plan.load(plan)
-            try:
-                loaded.check(captured, inner)
-            except PlanError as e:
-                if not sub_pipeline_tp:
-                    raise
-                raise PlanError(
-                    f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
-                    "for that half, or compile without sub_pipeline_tp)"
-                ) from None
-            sharded = parse(loaded.program)
+        loaded = Plan.load(plan)
+        try:
+            loaded.check(captured, spec)
+        except PlanError as e:
+            if not sub_pipeline_tp:
+                raise
+            raise PlanError(
+                f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
+                "for that half, or compile without sub_pipeline_tp)"
+            ) from None
+        sharded = parse(loaded.program)
+        if options is None and loaded.options:  # the plan's training setup (ZeRO, MiCS) unless overridden
+            options = options_from_dict(loaded.options)
+    if dist.get_rank() == 0:
         prog = plan_pipeline_program(
             captured,
             inner,
@@ -631,14 +635,11 @@ def compile_pipeline(
     zero_axes: tuple[str, ...] = ()
     replica_axes: tuple[str, ...] = ()
     if setup.zero:
+        from autopar.runtime.zero import zero_axes_of
+
         if setup.zero >= 3:
             raise PipelineError("the pipeline runtime implements ZeRO-1/2 (and MiCS); ZeRO-3 is not supported")
-        shard_idx = setup.shard_axes(inner)
-        dp_names = (
-            setup.zero_axes if setup.zero_axes is not None else tuple(n for n in inner.names if n.startswith("dp"))
-        )
-        zero_axes = tuple(inner.names[i] for i in shard_idx if inner.sizes[i] > 1)
-        replica_axes = tuple(n for n in dp_names if n in inner.names and n not in zero_axes and inner.axis_size(n) > 1)
+        zero_axes, replica_axes = zero_axes_of(setup, inner)
     pipe = PipelineModule(program, sched, captured, mesh, get_value, dev, opts, setup.zero, zero_axes, replica_axes)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     if dump_dir:

@@ -148,6 +148,9 @@ class Plan:
                 f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
                 f"inputs give {fp[:12]}): plan again for this model, batch and sequence"
             )
-        want = self.launch_mesh if "pp" in mesh.names else self.mesh_spec
-        if want != mesh:
-            raise PlanError(f"the plan is for mesh {want}, not {mesh}: launch that mesh or plan again")
+        if "pp" in self.launch_mesh.names and "pp" in mesh.names:
+            want, got = self.launch_mesh, mesh
+        else:  # a plan without a pipeline on a pp mesh: its stages are cut at compile time
+            want, got = self.mesh_spec, MeshSpec(tuple((n, s) for n, s in mesh.axes if n != "pp"))
+        if want != got:
+            raise PlanError(f"the plan is for mesh {want}, not {got}: launch that mesh or plan again")

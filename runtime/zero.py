@@ -167,6 +167,21 @@ def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     return zero_axes, replica_axes
 
 
+def whole_gradient_params(program, axes: tuple[str, ...]) -> set[str]:
+    """Parameters of ``program`` replicated over every axis in ``axes`` whose gradient comes out whole
+    on each rank there (no ``grad_sync`` on them): ``ZeroOptimizer``'s ``whole``."""
+    from autopar.passes.ir import Replicate
+
+    names = program.mesh.names
+    on = [names.index(a) for a in axes]
+    return {
+        v.name
+        for v in program.params
+        if all(isinstance(v.type.placements[i], Replicate) for i in on)
+        and not set(axes) & set(v.attrs.get("grad_sync", ()))
+    }
+
+
 def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
     if dist.get_backend(group) == "nccl":
         out = torch.empty(g.numel() // n, dtype=g.dtype, device=g.device)
@@ -176,4 +191,4 @@ def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
     return g.chunk(n)[coord].clone()
 
 
-__all__ = ["ZeroOptimizer", "zero_axes_of"]
+__all__ = ["ZeroOptimizer", "whole_gradient_params", "zero_axes_of"]
