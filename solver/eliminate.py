@@ -9,7 +9,8 @@ node k replaces the terms that mention it by their minimum over x_k:
     series k (neighbours u and v):  g'_uv(x_u, x_v) = min_{x_k} f_k(x_k) + sum_e g_e(x_u, x_k) + sum_e g_e(x_k, x_v)
 
 (the edges between k and one neighbour are summed first; an edge from a node to itself, which
-repeated-layer folding makes, is a node term). Each step keeps its argmin, so once the rest is solved
+repeated-layer folding makes, and an edge one of whose ends is always in the same group, such as a
+node with one candidate, are node terms). Each step keeps its argmin, so once the rest is solved
 the eliminated nodes are filled in backwards: the optimum is the ILP's, with the same objective.
 A transformer layer is series-parallel (residual branches, Q/K/V, attention), so it reduces to a
 single node; what does not reduce (nodes with three or more neighbours once the others are gone)
@@ -128,6 +129,12 @@ class _Graph:
     def add(self, f: _Factor) -> None:
         if f.u == f.v:  # both ends are the same choice: a node term
             self.cost[f.u] = self.cost[f.u] + f.matrix[f.gu, f.gv]
+            return
+        if (f.gu == f.gu[0]).all():  # u is always in one group (one candidate, say): a term of v alone
+            self.cost[f.v] = self.cost[f.v] + f.matrix[f.gu[0], f.gv]
+            return
+        if (f.gv == f.gv[0]).all():
+            self.cost[f.u] = self.cost[f.u] + f.matrix[f.gu, f.gv[0]]
             return
         self.factors[self._next] = f
         for a, b in ((f.u, f.v), (f.v, f.u)):
