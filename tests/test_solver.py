@@ -356,3 +356,23 @@ def test_a_plan_made_on_meta_fits_the_model_with_real_weights():
     assert fingerprint(capture(other.model, other.args, other.kwargs)) != fingerprint(
         capture(meta.model, meta.args, meta.kwargs)
     )
+
+
+def test_least_memory_plan_reaches_the_no_redundancy_bound_on_a_bert_large_layer():
+    """One device's memory / n is a floor no strategy can go under (every byte held at least once) and
+    autopar's least-memory plan of a Table 1 layer reaches it, up to the few tensors too small to
+    split (the Table 2 "bound" column of BENCHMARKS.md)."""
+    from autopar.api import parse_mesh
+    from autopar.models import build
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.shard import ShardOptions, shard, smallest_budget
+    from autopar.solver.cluster import ClusterSpec
+
+    spec = build("mmr-bert-large")
+    captured = capture(spec.model, spec.args, spec.kwargs)
+    opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
+    one = shard(lower(captured, parse_mesh("dp=1")), opts).memory_bytes
+    for mesh, n in (("dp=2", 2), ("a0=2,a1=2,a2=2", 8)):
+        least = smallest_budget(lower(captured, parse_mesh(mesh)), opts)
+        assert one / n <= least <= 1.001 * one / n, (mesh, least, one / n)
