@@ -569,6 +569,8 @@ def launch_options(plan) -> tuple[dict[str, int], dict[str, Any]]:
     MiCS) the pipeline runtime needs; ``microbatch`` is then the whole batch of one step on a pipeline
     (``global_batch / dp`` samples per replica, the runtime cuts it). Without a pipeline it is one
     microbatch (``micro_batch * dp`` samples); with ``microbatches > 1`` accumulate gradients over them.
+    ``"sub_pipeline_tp": true`` in the pipeline section (the search never writes it; the program must
+    then have been planned for half a microbatch) adds ``sub_pipeline_tp=True``.
     """
     from fractions import Fraction
 
@@ -584,6 +586,7 @@ def launch_options(plan) -> tuple[dict[str, int], dict[str, Any]]:
         "schedule": p["schedule"],
         "schedule_options": opts,
         "options": options_from_dict(plan.options),
+        **({"sub_pipeline_tp": True} if p.get("sub_pipeline_tp") else {}),
     }
 
 

@@ -26,10 +26,8 @@ costs. Wave and shifted critical path run on autopar only (torch has neither).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _launch import free_port, init_worker
 from torch import nn
 
 SCHEDULES = [
@@ -418,12 +417,7 @@ def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dic
 
 
 def _worker(rank: int, world: int, port: int, args, result: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    import faulthandler
-
-    faulthandler.dump_traceback_later(args.timeout, exit=True)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=args.timeout))
+    init_worker(rank, world, port, args.timeout)
     try:
         out = emulated(rank, world, args) if args.mode == "emulated" else real(rank, world, args)
         if rank == 0:
@@ -470,9 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:

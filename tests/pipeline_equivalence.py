@@ -82,7 +82,7 @@ def compare_pipeline(
     world: int,
     model_name: str,
     axes: dict[str, int],
-    runs: list[tuple[str, dict]],
+    runs: list[tuple],
     *,
     steps: int = 3,
     microbatches: int = 4,
@@ -93,8 +93,9 @@ def compare_pipeline(
     make_optimizer: bool = False,
     megatron: bool = False,
 ) -> dict[str, Any]:
-    """For each (schedule, schedule options) in ``runs``: train ``steps`` AdamW steps with autopar on
-    the mesh and compare losses and (this rank's) parameters with one single-process reference."""
+    """For each (schedule, schedule options[, this run's own compile keywords]) in ``runs``: train
+    ``steps`` AdamW steps with autopar on the mesh and compare losses and (this rank's) parameters with
+    one single-process reference."""
     from autopar.runtime.init import materialize
 
     preset = f"{PRESETS.get(model_name, model_name)}:batch={batch}"
@@ -109,15 +110,15 @@ def compare_pipeline(
         compile_kwargs["options"] = _megatron_options(spec.model, batches[0], axes, microbatches)
     out: dict[str, Any] = {"ref_losses": torch.tensor(ref_losses)}
     finals: dict[str, dict[str, torch.Tensor]] = {}
-    for schedule, opts in runs:
-        pipe = autopar.compile(  # the model is only read (and captured once for every run)
+    for schedule, opts, *more in runs:
+        extra = dict(more[0]) if more else {}  # this run's own compile keywords (microbatches= too)
+        pipe = autopar.compile(  # the model is only read (and captured once per microbatch shape)
             spec.model,
             mesh,
             kwargs=batches[0],
-            microbatches=microbatches,
             schedule=schedule,
             schedule_options=opts,
-            **compile_kwargs,
+            **{"microbatches": microbatches, **compile_kwargs, **extra},
         )
         losses = []
         if make_optimizer:  # the optimizer runs inside train_step (ZeRO-2 when the plan says so)
@@ -130,7 +131,7 @@ def compare_pipeline(
                 add_noise(noise, pipe.full_state_dict(grads=True))
                 opt.step()
                 opt.zero_grad()
-        key = schedule + "".join(f",{k}={v}" for k, v in opts.items())
+        key = schedule + "".join(f",{k}={v}" for k, v in {**opts, **extra}.items())
         finals[key] = pipe.full_state_dict()
         measured = pipe.measured()  # the last step, from every pipeline rank's trace
         r = pipe.coords()["pp"]
@@ -173,7 +174,13 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
 
 
 def sub_pipeline_events(
-    rank: int, world: int, model_name: str, axes: dict[str, int], microbatches: int = 2, batch: int = 8
+    rank: int,
+    world: int,
+    model_name: str,
+    axes: dict[str, int],
+    microbatches: int = 2,
+    batch: int = 8,
+    megatron: bool = False,
 ) -> dict[str, Any]:
     """One 1F1B step with sub-pipelined tensor parallelism, recording every compute, issue and wait of
     the interleaved sub-microbatches (``autopar.runtime.subpipeline.record_events``), and which issues
@@ -183,7 +190,9 @@ def sub_pipeline_events(
     spec = build(f"{PRESETS.get(model_name, model_name)}:batch={batch}", device="cpu", seed=0)
     b = make_batches(spec.model, spec.kwargs, 1)[0]
     mesh = autopar.init_mesh("cpu", **axes)
-    pipe = autopar.compile(spec.model, mesh, kwargs=b, microbatches=microbatches, sub_pipeline_tp=True)
+    # captured at the half microbatch the stages are built for, so compile reuses the capture
+    kw: dict[str, Any] = {"options": _megatron_options(spec.model, b, axes, 2 * microbatches)} if megatron else {}
+    pipe = autopar.compile(spec.model, mesh, kwargs=b, microbatches=microbatches, sub_pipeline_tp=True, **kw)
     with record_events() as events:
         pipe.train_step(**b)
     issued = overlapped_issues(events)

@@ -119,3 +119,14 @@ def test_sub_pipelining_refuses_an_odd_microbatch_and_a_plan_without_tp_collecti
     prog = lower(capture(spec.model, (), kw), MeshSpec((("dp", 2),)))
     with pytest.raises(SubPipelineError, match="tensor-parallel axis"):
         _check_sub_pipeline(prog, MeshSpec((("pp", 2), ("dp", 2))))
+
+
+def test_a_plan_files_pipeline_section_can_ask_for_sub_pipelining():
+    from autopar.plan import Plan
+    from autopar.search import launch_options
+
+    pipeline = {"pp": 2, "mesh": {"pp": 2, "tp": 2}, "schedule": "1f1b", "microbatches": 4}
+    plan = Plan(fingerprint="x", mesh={"tp": 2}, program="", pipeline=pipeline)
+    assert "sub_pipeline_tp" not in launch_options(plan)[1]
+    plan.pipeline = {**pipeline, "sub_pipeline_tp": True}
+    assert launch_options(plan)[1]["sub_pipeline_tp"] is True

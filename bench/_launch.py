@@ -1,0 +1,26 @@
+"""Start one benchmark worker of N local gloo processes: one thread, a free port, bounded in time."""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_worker(rank: int, world: int, port: int, timeout: float) -> None:
+    """Join the gloo group on ``port`` with one compute thread; print every stack and exit after
+    ``timeout`` seconds, so a hung peer cannot hold the machine (shared/BENCHMARKING.md)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(timeout, exit=True)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
