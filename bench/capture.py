@@ -64,20 +64,14 @@ def main() -> int:
     for model in args.models:
         runs = []
         for _ in range(args.repeat):
-            out = subprocess.run(
-                [sys.executable, __file__, "--one", model], capture_output=True, text=True, check=True
-            )
+            out = subprocess.run([sys.executable, __file__, "--one", model], capture_output=True, text=True, check=True)
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
         med = {
             k: statistics.median(r[k] for r in runs)
             for k in ("build_s", "export_s", "lower_s", "total_s", "peak_rss_mb")
         }
         r = runs[0]
-        same = (
-            "yes"
-            if r["ir_params"] == r["model_params"]
-            else f"NO ({r['ir_params']:,} vs {r['model_params']:,})"
-        )
+        same = "yes" if r["ir_params"] == r["model_params"] else f"NO ({r['ir_params']:,} vs {r['model_params']:,})"
         print(
             f"| {model} | {med['build_s']:.1f} | {med['export_s']:.1f} | {med['lower_s']:.1f} | "
             f"{med['total_s']:.1f} | "

@@ -118,9 +118,7 @@ def main() -> int:
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--dump-dir", default=None, help="write the IR after each pass and each rank's generated code"
-    )
+    p.add_argument("--dump-dir", default=None, help="write the IR after each pass and each rank's generated code")
     p.add_argument("--out", default="out/demo/parallel.json", help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -70,9 +70,7 @@ def draw_gantt(result: SimResult, title: str | None = None, width: float = 12.0)
     handles = [Patch(color=COLOURS[k], label=LABELS[k]) for k in kinds]
     if any(t.end > t.start for t in result.transfers):
         handles.append(Patch(color=COMM_COLOUR, label="p2p transfer"))
-    ax.legend(
-        handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles), frameon=False
-    )
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=len(handles), frameon=False)
     fig.tight_layout()
     return fig
 

@@ -181,9 +181,7 @@ def wave(num_ranks: int, num_microbatches: int, waves: int = 1, max_inflight: in
         raise ScheduleError(f"wave needs waves >= 1, got {W}")
     cap = max_inflight or 2 * P
     placement = wave_placement(P, W)
-    candidates = [
-        list_schedule(placement, M, Priority(bf, df), cap) for bf in (True, False) for df in (True, False)
-    ]
+    candidates = [list_schedule(placement, M, Priority(bf, df), cap) for bf in (True, False) for df in (True, False)]
     best = min(candidates, key=lambda ls: (ls.makespan, ls.peak_inflight))
     return _build("wave", M, placement, best.compute, waves=W, max_inflight=cap)
 

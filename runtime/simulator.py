@@ -66,9 +66,7 @@ class _Rank:
 class _Sim:
     def __init__(self, schedule: Schedule, costs: Costs, p2p: str) -> None:
         if costs.num_stages != schedule.num_stages:
-            raise ScheduleError(
-                f"costs are for {costs.num_stages} stages, the schedule has {schedule.num_stages}"
-            )
+            raise ScheduleError(f"costs are for {costs.num_stages} stages, the schedule has {schedule.num_stages}")
         if p2p not in ("eager", "batched"):
             raise ScheduleError(f"p2p must be 'eager' or 'batched', not {p2p!r}")
         self.s, self.c, self.mode = schedule, costs, p2p
@@ -106,9 +104,7 @@ class _Sim:
             timeline=[r.events for r in self.ranks],
             transfers=self.transfers,
             step_time=max(r.clock for r in self.ranks),
-            busy=[
-                sum((e.end - e.start for e in r.events if e.action.kind in COMPUTE_KINDS), 0) for r in ranks
-            ],
+            busy=[sum((e.end - e.start for e in r.events if e.action.kind in COMPUTE_KINDS), 0) for r in ranks],
             peak_activations=[r.peak for r in ranks],
             peak_activation_bytes=[r.peak_bytes for r in ranks] if self.c.act_bytes is not None else None,
         )
@@ -180,9 +176,7 @@ class _Sim:
             if s > 0 and local[s - 1] == rank.index and (mb, s - 1) not in rank.fwd:
                 raise self.fail(rank, f"input from stage {s - 1} (same rank) not computed yet")
             if s > 0 and local[s - 1] != rank.index and (Kind.RECV_ACT, mb, s) not in rank.posted:
-                raise self.fail(
-                    rank, f"input from stage {s - 1} on rank {local[s - 1]}: no RECV_ACT before it"
-                )
+                raise self.fail(rank, f"input from stage {s - 1} on rank {local[s - 1]}: no RECV_ACT before it")
         elif a.kind is Kind.B:
             assert s is not None and mb is not None
             if key not in rank.fwd:
@@ -194,16 +188,12 @@ class _Sim:
             if s < last and local[s + 1] == rank.index and (mb, s + 1) not in rank.bwd:
                 raise self.fail(rank, f"output gradient from stage {s + 1} (same rank) not computed yet")
             if s < last and local[s + 1] != rank.index and (Kind.RECV_GRAD, mb, s) not in rank.posted:
-                raise self.fail(
-                    rank, f"gradient from stage {s + 1} on rank {local[s + 1]}: no RECV_GRAD before it"
-                )
+                raise self.fail(rank, f"gradient from stage {s + 1} on rank {local[s + 1]}: no RECV_GRAD before it")
         elif a.kind is Kind.RECOMPUTE:
             if key not in rank.fwd or key in rank.bwd or key in rank.recomputed:
                 raise self.fail(rank, "recompute needs a stashed forward whose backward has not run")
             if rank.fwd[key] != a.recompute:
-                raise self.fail(
-                    rank, f"its forward checkpointed a fraction {rank.fwd[key]}, not {a.recompute}"
-                )
+                raise self.fail(rank, f"its forward checkpointed a fraction {rank.fwd[key]}, not {a.recompute}")
         elif a.kind is Kind.REDUCE_GRADS:
             assert s is not None
             if any((m, s) not in rank.bwd for m in range(self.s.num_microbatches)) or s in rank.reduced:

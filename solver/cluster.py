@@ -400,24 +400,17 @@ def _peak_flops(spec: str, raw: Any) -> dict[str, float]:
         if dtype is None:
             close = difflib.get_close_matches(str(key), list(_DTYPES), n=3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ClusterSpecError(
-                f"cluster spec {spec!r}: unknown dtype {key!r} in field 'peak_flops'{hint}"
-            )
+            raise ClusterSpecError(f"cluster spec {spec!r}: unknown dtype {key!r} in field 'peak_flops'{hint}")
         try:
             flops = _parse_flops(value)
         except ValueError as e:
-            raise ClusterSpecError(
-                f"cluster spec {spec!r}: field 'peak_flops.{key}' has the wrong type: {e}"
-            ) from None
+            raise ClusterSpecError(f"cluster spec {spec!r}: field 'peak_flops.{key}' has the wrong type: {e}") from None
         if flops <= 0:
-            raise ClusterSpecError(
-                f"cluster spec {spec!r}: field 'peak_flops.{key}' must be positive, got {value!r}"
-            )
+            raise ClusterSpecError(f"cluster spec {spec!r}: field 'peak_flops.{key}' must be positive, got {value!r}")
         out[dtype] = flops
     if "fp32" not in out or not ({"bf16", "fp16"} & set(out)):
         raise ClusterSpecError(
-            f"cluster spec {spec!r}: field 'peak_flops' needs fp32 and at least one of "
-            f"bf16/fp16, got {sorted(out)}"
+            f"cluster spec {spec!r}: field 'peak_flops' needs fp32 and at least one of bf16/fp16, got {sorted(out)}"
         )
     return out
 
@@ -429,9 +422,7 @@ def _read(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, yaml.YAMLError) as e:
         raise ClusterSpecError(f"cannot read cluster spec {str(path)!r}: {e}") from e
     if not isinstance(data, dict):
-        raise ClusterSpecError(
-            f"cluster spec {str(path)!r} must hold a mapping of fields, got {type(data).__name__}"
-        )
+        raise ClusterSpecError(f"cluster spec {str(path)!r} must hold a mapping of fields, got {type(data).__name__}")
     return data
 
 

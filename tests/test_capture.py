@@ -50,9 +50,7 @@ class DataDependent(torch.nn.Module):
 
 
 def test_uncapturable_model_names_the_source_line():
-    with pytest.raises(
-        CaptureError, match=r"torch.export cannot capture DataDependent(.|\n)*test_capture.py:\d+"
-    ):
+    with pytest.raises(CaptureError, match=r"torch.export cannot capture DataDependent(.|\n)*test_capture.py:\d+"):
         capture(DataDependent(), (torch.randn(3),))
 
 

@@ -27,13 +27,9 @@ scalars = st.one_of(
     st.booleans(),
     st.none(),
     st.text(max_size=8),
-    st.sampled_from(
-        [torch.float32, torch.bfloat16, torch.int64, torch.strided, torch.contiguous_format, DEVICE]
-    ),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.int64, torch.strided, torch.contiguous_format, DEVICE]),
 )
-literals = st.recursive(
-    scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner), max_leaves=6
-)
+literals = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.tuples(inner, inner), max_leaves=6)
 
 
 @st.composite
@@ -117,9 +113,7 @@ def test_lowered_gpt2_verifies_with_shapes_and_counts_parameters():
 def test_verifier_names_the_problem():
     t = TensorType("f32", (4, 6), (R,))
     mesh = MeshSpec((("tp", 4),))
-    good = Program(
-        mesh, (Value("x", "input", t),), (Op(("0",), (t,), "aten.relu", (Ref("x"),)),), (Ref("0"),)
-    )
+    good = Program(mesh, (Value("x", "input", t),), (Op(("0",), (t,), "aten.relu", (Ref("x"),)),), (Ref("0"),))
     verify(good)
     with pytest.raises(VerifyError, match="before it is defined"):
         verify(good.with_(ops=(Op(("0",), (t,), "aten.relu", (Ref("y"),)),)))

@@ -30,9 +30,7 @@ def test_pipeline_schedules_notebook() -> None:
     assert len(images) >= 10  # 7 schedules + the transfer chart + the two plots
     text = "".join(o.get("text", "") for o in outputs)
     registered = next(line for line in text.splitlines() if line.startswith("registered schedules:"))
-    assert {"gpipe", "1f1b", "interleaved", "wave", "scp"} <= set(
-        registered.split(":")[1].replace(",", " ").split()
-    )
+    assert {"gpipe", "1f1b", "interleaved", "wave", "scp"} <= set(registered.split(":")[1].replace(",", " ").split())
 
 
 def test_memory_vs_megatron_notebook() -> None:

@@ -79,9 +79,7 @@ def test_megatron_mlp_is_the_optimum_on_a_tensor_parallel_axis():
     assert linears[1].type.placements == (Partial("sum"),)
     final = insert_collectives(prog)
     verify(final)
-    collectives = [
-        op.target for op in final.ops if op.target in ("all_reduce", "all_gather", "grad_all_reduce")
-    ]
+    collectives = [op.target for op in final.ops if op.target in ("all_reduce", "all_gather", "grad_all_reduce")]
     assert collectives.count("all_reduce") == 1  # the row-parallel partial sum
     assert "all_gather" not in collectives
 
@@ -91,9 +89,7 @@ def _annotate(prog, inputs: dict, ops: list):
     from autopar.passes.ir import Value
     from autopar.passes.shard import format_placements
 
-    new_inputs = tuple(
-        Value(v.name, v.kind, v.type.with_placements(inputs[v.name]), v.attrs) for v in prog.inputs
-    )
+    new_inputs = tuple(Value(v.name, v.kind, v.type.with_placements(inputs[v.name]), v.attrs) for v in prog.inputs)
     new_ops = []
     for op, (out, ins) in zip(prog.ops, ops, strict=True):
         attrs = dict(op.attrs, **{"in": [format_placements(p) for p in ins]})

@@ -71,10 +71,7 @@ def test_generated_schedules_are_sound(s: Schedule) -> None:
         for mb in range(s.num_microbatches):
             for kind in (Kind.F, Kind.B):
                 assert seen[(kind, mb, stage, s.stage_to_rank[stage])] == 1
-    assert (
-        sum(n for (k, *_), n in seen.items() if k in (Kind.F, Kind.B))
-        == 2 * s.num_stages * s.num_microbatches
-    )
+    assert sum(n for (k, *_), n in seen.items() if k in (Kind.F, Kind.B)) == 2 * s.num_stages * s.num_microbatches
     # no send or receive between stages on the same rank: that hand-over is local
     for r, lst in enumerate(s.actions):
         assert all(s.stage_to_rank[a.peer] != r for a in lst if a.kind in P2P_KINDS)
@@ -89,9 +86,7 @@ def test_generated_schedules_are_sound(s: Schedule) -> None:
 def test_text_round_trip(s: Schedule) -> None:
     text = s.to_text()
     assert Schedule.from_text(text) == s
-    assert all(
-        str(Action.parse(line)) == line.strip() for line in text.splitlines()[2:] if line.startswith(" ")
-    )
+    assert all(str(Action.parse(line)) == line.strip() for line in text.splitlines()[2:] if line.startswith(" "))
 
 
 @pytest.mark.parametrize("P,M", [(1, 3), (4, 2), (4, 8), (5, 5)])
