@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, MeshError, PlanError
+from autopar.errors import CaptureError, MeshError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
 from autopar.passes.ir import MeshSpec, Program, Shard
@@ -123,13 +123,38 @@ class CompiledModule(torch.nn.Module):
         self._in_spec, self._out_spec = captured.in_spec, captured.out_spec
         self._inputs = [v for v in program.inputs if v.kind == "input"]
         self._values = {v.name: v for v in program.inputs}
+        self.zero3 = self._shard_zero3() if self.setup.zero >= 3 else None
         self._sync: dict[str, list[torch.nn.Parameter]] = {}
         for v in program.params:
             for axis in v.attrs.get("grad_sync", []):
-                self._sync.setdefault(axis, []).append(gm.get_parameter(v.name))
+                if self.zero3 is not None and v.name in self.zero3.names:
+                    if axis in self.zero3.zero_axes or axis in self.zero3.replica_axes:
+                        continue  # summed by the gather's backward (reduce-scatter)
+                    self._sync.setdefault(axis, []).append(self.zero3.slice_of(v.name))
+                else:
+                    self._sync.setdefault(axis, []).append(gm.get_parameter(v.name))
         self._queued = False
         for p in {id(p): p for ps in self._sync.values() for p in ps}.values():
             p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def _shard_zero3(self):
+        """ZeRO-3: keep this rank's 1/k slice of the data-parallel-replicated parameters only
+        (``autopar.runtime.zero3``); the forward all-gathers them, its backward reduce-scatters."""
+        from autopar.runtime.zero import whole_gradient_params, zero_axes_of
+        from autopar.runtime.zero3 import Zero3Params
+
+        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
+        if not zero_axes:
+            return None
+        need = set(zero_axes) | set(replica_axes)
+        whole = whole_gradient_params(self.program, zero_axes + replica_axes)
+        names = [
+            v.name
+            for v in self.program.params
+            if self.module.get_parameter(v.name).requires_grad
+            and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
+        ]
+        return Zero3Params(self.module, names, self.comm, zero_axes, replica_axes, whole)
 
     # -- the optimizer --------------------------------------------------------------------------
     def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
@@ -137,15 +162,14 @@ class CompiledModule(torch.nn.Module):
         with ZeRO-1/2 (``TrainingSetup.zero``) gradients are reduce-scattered over the data-parallel
         axes, the optimizer states and its step cover this rank's slice only, and the parameters are
         all-gathered after the step (MiCS: inside the partition group, 2-hop synchronization across
-        groups). Without ZeRO it is ``optimizer_cls(model.parameters(), **kwargs)``. A plain
-        ``torch.optim`` optimizer built by hand trains the same numbers but keeps whole states."""
+        groups). With ZeRO-3 the module already holds only this rank's slices (the forward gathers
+        them), so it is ``optimizer_cls(model.parameters(), **kwargs)`` over the slices. Without ZeRO
+        it is the same. A plain ``torch.optim`` optimizer built by hand trains the same numbers but
+        keeps whole states (under ZeRO-1/2)."""
         from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
 
         if self.setup.zero >= 3:
-            raise PlanError(
-                "the plan shards parameters with ZeRO-3, which the runtime does not implement (parameters "
-                "would have to be all-gathered before each use); plan with zero=1 or 2 (or MiCS) instead"
-            )
+            return optimizer_cls(self.parameters(), **kwargs)
         zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
         if not zero_axes:
             return optimizer_cls(self.parameters(), **kwargs)
@@ -190,7 +214,15 @@ class CompiledModule(torch.nn.Module):
                     local = coll.shard_tensor(local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name])
             locals_.append(local.contiguous())
         with coll.use_comm(self.comm):
-            outs = self.module(*locals_)
+            if self.zero3 is None:
+                outs = self.module(*locals_)
+            else:  # ZeRO-3: whole parameters for this forward only; saved ones re-gathered in backward
+                self.zero3.gather()
+                try:
+                    with self.zero3.saved_tensors():
+                        outs = self.module(*locals_)
+                finally:
+                    self.zero3.release()
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     @torch.no_grad()
@@ -201,7 +233,10 @@ class CompiledModule(torch.nn.Module):
             for v in self.program.inputs:
                 if v.kind == "input":
                     continue
-                x = self.module.get_parameter(v.name) if v.kind == "param" else self.module.get_buffer(v.name)
+                if self.zero3 is not None and v.name in self.zero3.names:
+                    x = self.zero3.whole_value(v.name)  # whole over the ZeRO axes, still sharded by the plan
+                else:
+                    x = self.module.get_parameter(v.name) if v.kind == "param" else self.module.get_buffer(v.name)
                 x = x.detach()
                 for p, name in reversed(list(zip(v.type.placements, self.program.mesh.names))):
                     if isinstance(p, Shard):

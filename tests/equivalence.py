@@ -106,13 +106,14 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     instead of the ILP's choice, so every sharding rule it uses is checked numerically too;
     ``strategy="zero2"`` trains data parallel on every axis with ZeRO-2 over all of them, and
     ``"megatron+zero2"`` Megatron's layout with ZeRO-2 over ``dp``, both through the compiled module's
-    sharded optimizer (``make_optimizer``)."""
+    sharded optimizer (``make_optimizer``); ``"megatron+zero3"`` the same layout with ZeRO-3 over ``dp``
+    (each rank keeps its slice of the dp-replicated parameters; the forward all-gathers them)."""
     model, batches = MODELS[model_name]()
     reference = copy.deepcopy(model)
     mesh = autopar.init_mesh("cpu", **axes)
     options = None
     kinds = set(strategy.split("+"))
-    if kinds & {"megatron", "zero2"}:
+    if kinds & {"megatron", "zero2", "zero3"}:
         from autopar.api import mesh_spec
         from autopar.passes.capture import capture
         from autopar.passes.lower import lower
@@ -123,8 +124,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         prog = lower(capture(model, (), batches[0]), mesh_spec(mesh))
         layout = megatron_constraints(prog) if "megatron" in kinds else data_parallel_constraints(prog)
         setup = TrainingSetup()
-        if "zero2" in kinds:  # alone: data parallel on every axis, ZeRO over all of them; with megatron: over dp
-            setup = TrainingSetup(zero=2, zero_axes=None if "megatron" in kinds else tuple(axes))
+        for zero in (2, 3):  # alone: data parallel on every axis, ZeRO over all of them; with megatron: over dp
+            if f"zero{zero}" in kinds:
+                setup = TrainingSetup(zero=zero, zero_axes=None if "megatron" in kinds else tuple(axes))
         # least memory keeps the batch split under pure data parallelism (least communication would
         # gather a tiny model's input and replicate its compute, leaving no gradient for ZeRO to shard)
         objective = "comm" if "megatron" in kinds else "memory"
@@ -150,6 +152,11 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     states: list[int] = []
     losses = train(compiled, batches, states=states)
     full = compiled.full_state_dict()
+    gathered_alive = -1
+    if compiled.zero3 is not None:  # the whole parameters must not outlive the forward
+        loss = _loss(compiled(**batches[0]))
+        gathered_alive = compiled.zero3.gathered_alive()
+        loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
     noise: dict[str, torch.Tensor] = {}
     ref_losses = train(reference, batches, noise=noise)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))
@@ -173,14 +180,17 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "local_numel": torch.tensor(sum(p.numel() for p in compiled.parameters())),
         "optimizer_state_numel": torch.tensor(states[0]),
         "zero_expected_numel": torch.tensor(_zero_expected(compiled)),
+        "zero3_expected_numel": torch.tensor(_zero_expected(compiled, per_tensor=True) // 2),
+        "gathered_alive": torch.tensor(gathered_alive),
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
     }
 
 
-def _zero_expected(compiled) -> int:
+def _zero_expected(compiled, per_tensor: bool = False) -> int:
     """Adam state elements a rank holds under ZeRO-2: two per element of its slice of the parameters
     replicated over the ZeRO axes (gradient summed over all of them, or whole on every rank; padded to
-    equal slices), two per other element."""
+    equal slices), two per other element. ``per_tensor``: each parameter padded and sliced on its own
+    (ZeRO-3's layout, where this halved is also the number of parameter elements the rank keeps)."""
     from autopar.runtime.zero import zero_axes_of
 
     zero_axes, replicas = zero_axes_of(compiled.setup, compiled.program.mesh)
@@ -189,13 +199,14 @@ def _zero_expected(compiled) -> int:
     for a in zero_axes:
         k *= compiled.program.mesh.axis_size(a)
     managed = other = 0
+    shapes = dict(zip(compiled.zero3.names, compiled.zero3.shapes)) if compiled.zero3 is not None else {}
     for v in compiled.program.params:
-        n = compiled.module.get_parameter(v.name).numel()
+        n = shapes[v.name].numel() if v.name in shapes else compiled.module.get_parameter(v.name).numel()
         sync = set(v.attrs.get("grad_sync", ()))
         on = [compiled.program.mesh.names.index(a) for a in need]
         replicated = all(type(v.type.placements[i]).__name__ == "Replicate" for i in on)
         if need and (need <= sync or (replicated and not need & sync)):
-            managed += n
+            managed += -(-n // k) * k if per_tensor else n
         else:
             other += n
     return 2 * (-(-managed // k) + other)

@@ -1,0 +1,163 @@
+"""ZeRO-3 for the dp/tp runtime: each rank keeps 1/k of the data-parallel-replicated parameters.
+
+A managed parameter (the same set ``ZeroOptimizer`` manages: trainable, replicated over the ZeRO and
+replica axes, its gradient summed over all of them or already whole on every rank) is flattened,
+padded to a multiple of k (the product of the ZeRO axes' sizes) and cut into k equal slices, one
+after the other over the ZeRO axes (slices of slices, as ``ZeroOptimizer``); the rank keeps its slice
+as a ``torch.nn.Parameter`` and the generated module's attribute is emptied.
+
+- **forward**: ``gather()`` all-gathers every slice through ``_Gather`` and writes the whole tensors
+  into the generated module's attributes; the caller runs the module under ``saved_tensors()`` and
+  calls ``release()`` afterwards, so the whole parameters do not outlive the forward.
+- **saved for backward**: a tensor the forward saves that lies in a gathered parameter's storage (the
+  weight, or a view such as ``weight.t()``) is packed as a token (which parameter, size, stride,
+  offset) and all-gathered again when the backward unpacks it. The autograd engine unpacks in the
+  same order on every rank of the program, so the collectives match.
+- **backward of the gather**: the whole gradient is reduce-scattered into the slice (summed over the
+  ZeRO axes; a ``whole`` parameter's gradient, equal on every rank, is sliced without a sum), then
+  all-reduced across the replica axes (MiCS's hop 2; not for ``whole`` ones).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime import collectives as coll
+from autopar.runtime.zero import _reduce_scatter
+
+
+class _Gather(torch.autograd.Function):
+    """slice -> padded whole flat vector; backward: the whole gradient -> this rank's slice of it."""
+
+    @staticmethod
+    def forward(ctx: Any, piece: torch.Tensor, owner: Zero3Params, i: int) -> torch.Tensor:
+        ctx.owner, ctx.i = owner, i
+        return owner.all_gather(piece)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):
+        return ctx.owner.scatter_grad(ctx.i, grad), None, None
+
+
+class Zero3Params(torch.nn.Module):
+    """This rank's slices of the managed parameters of ``module`` (a generated GraphModule)."""
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        names: list[str],
+        comm: coll.Comm,
+        zero_axes: tuple[str, ...],
+        replica_axes: tuple[str, ...] = (),
+        whole: set[str] | frozenset[str] = frozenset(),
+    ):
+        super().__init__()
+        self.comm = comm
+        self.zero_axes, self.replica_axes = tuple(zero_axes), tuple(replica_axes)
+        self.parts = math.prod(comm.sizes[a] for a in self.zero_axes)
+        self.names = list(names)
+        self.whole = [n in whole for n in self.names]
+        self.shapes: list[torch.Size] = []
+        self._owners: list[tuple[torch.nn.Module, str]] = []
+        self.slices = torch.nn.ParameterList()
+        for name in self.names:
+            p = module.get_parameter(name)
+            padded = -(-p.numel() // self.parts) * self.parts
+            flat = torch.zeros(padded, dtype=p.dtype, device=p.device)
+            flat[: p.numel()] = p.detach().reshape(-1)
+            for a in self.zero_axes:
+                flat = flat.chunk(comm.sizes[a])[comm.coords[a]]
+            self.slices.append(torch.nn.Parameter(flat.clone(), requires_grad=p.requires_grad))
+            self.shapes.append(p.shape)
+            path, _, attr = name.rpartition(".")
+            owner = module.get_submodule(path) if path else module
+            del owner._parameters[attr]
+            setattr(owner, attr, None)  # filled by gather() for one forward
+            self._owners.append((owner, attr))
+        self._live: dict[int, int] = {}  # storage data_ptr of a gathered flat vector -> parameter index
+        self._gathered: list[weakref.ref] = []  # the last forward's whole tensors (for gathered_alive)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def all_gather(self, piece: torch.Tensor) -> torch.Tensor:
+        """The padded flat vector from this rank's slice (the ZeRO axes in reverse order)."""
+        x = piece.detach()
+        for a in reversed(self.zero_axes):
+            parts = [torch.empty_like(x) for _ in range(self.comm.sizes[a])]
+            dist.all_gather(parts, x.contiguous(), group=self.comm.groups[a])
+            x = torch.cat(parts)
+        return x
+
+    def scatter_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        g = grad.detach().reshape(-1).clone()
+        for a in self.zero_axes:
+            if self.whole[i]:
+                g = g.chunk(self.comm.sizes[a])[self.comm.coords[a]]
+            else:
+                g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
+        if not self.whole[i]:
+            for a in self.replica_axes:
+                dist.all_reduce(g, group=self.comm.groups[a])
+        return g.contiguous()
+
+    # -- one forward ----------------------------------------------------------------------------
+    def gather(self) -> None:
+        """All-gather every parameter into the generated module (autograd-tracked)."""
+        self._gathered = []
+        for i, (piece, (owner, attr)) in enumerate(zip(self.slices, self._owners)):
+            flat = _Gather.apply(piece, self, i)
+            self._gathered.append(weakref.ref(flat))
+            self._live[flat.untyped_storage().data_ptr()] = i
+            n = math.prod(self.shapes[i])
+            setattr(owner, attr, flat[:n].view(self.shapes[i]))
+
+    def release(self) -> None:
+        """Drop the whole parameters (the autograd graph holds tokens, not them)."""
+        for owner, attr in self._owners:
+            setattr(owner, attr, None)
+        self._live.clear()
+
+    def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """Hooks packing a saved tensor that is (a view of) a gathered parameter as a token."""
+
+        def pack(t: torch.Tensor):
+            if self._live and t.layout == torch.strided and t.device.type != "meta":
+                i = self._live.get(t.untyped_storage().data_ptr())
+                if i is not None:
+                    return (_Token, i, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+            return t
+
+        def unpack(x):
+            if isinstance(x, tuple) and x and x[0] is _Token:
+                _, i, size, stride, offset, _rg = x
+                with torch.no_grad():
+                    flat = self.all_gather(self.slices[i])
+                return flat.as_strided(size, stride, offset)
+            return x
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    def gathered_alive(self) -> int:
+        """How many of the last forward's whole parameters are still alive (0 once it returned)."""
+        return sum(r() is not None for r in self._gathered)
+
+    # -- whole values ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def whole_value(self, name: str) -> torch.Tensor:
+        """Parameter ``name`` gathered whole over the ZeRO axes (a collective: call on every rank)."""
+        i = self.names.index(name)
+        return self.all_gather(self.slices[i])[: math.prod(self.shapes[i])].view(self.shapes[i])
+
+    def slice_of(self, name: str) -> torch.nn.Parameter:
+        return self.slices[self.names.index(name)]
+
+
+class _Token:
+    """Marks a packed saved tensor (see ``Zero3Params.saved_tensors``)."""
+
+
+__all__ = ["Zero3Params"]
