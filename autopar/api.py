@@ -201,18 +201,7 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         flat = self._flat_inputs(args, kwargs)
-        locals_ = []
-        for v, x in zip(self._inputs, (x for x in flat if isinstance(x, torch.Tensor))):
-            if tuple(x.shape) != v.type.shape:
-                raise CaptureError(
-                    f"input {v.name} has shape {list(x.shape)} but the model was compiled for "
-                    f"{list(v.type.shape)}; compile again for the new shape"
-                )
-            local = x.to(self.device)
-            for p, name in zip(v.type.placements, self.program.mesh.names):
-                if isinstance(p, Shard):
-                    local = coll.shard_tensor(local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name])
-            locals_.append(local.contiguous())
+        locals_ = coll.local_inputs(self._inputs, flat, self.comm, self.program.mesh.names, self.device)
         with coll.use_comm(self.comm):
             if self.zero3 is None:
                 outs = self.module(*locals_)

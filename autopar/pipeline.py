@@ -386,20 +386,10 @@ class PipelineModule(torch.nn.Module):
         out = []
         for a, kw in split_batch(args, kwargs, self._schedule.num_microbatches * n):
             flat = flatten_inputs(self._in_spec, a, kw)
-            env = {}
-            for v, x in zip(self._inputs, (x for x in flat if isinstance(x, torch.Tensor))):
-                if tuple(x.shape) != v.type.shape:
-                    raise CaptureError(
-                        f"input {v.name} has microbatch shape {list(x.shape)} but the model was compiled for "
-                        f"{list(v.type.shape)}; compile again for the new shape"
-                    )
-                local = x.to(self._device)
-                for p, name in zip(v.type.placements, self._inner.names):
-                    if isinstance(p, Shard):
-                        local = coll.shard_tensor(
-                            local, p.dim, p.chunks, self._comm.sizes[name], self._comm.coords[name]
-                        )
-                env[v.name] = local.contiguous()
+            local = coll.local_inputs(
+                self._inputs, flat, self._comm, self._inner.names, self._device, "microbatch shape"
+            )
+            env = {v.name: t for v, t in zip(self._inputs, local)}
             out.append(env)
         return [out[i : i + n] for i in range(0, len(out), n)]
 

@@ -128,6 +128,20 @@ def _autopar_emulated(sched, rank: int, shape, tf_stage: float):
     )
 
 
+def _torch_step(ts, mine, num_stages: int, inputs, target) -> None:
+    """One torch.distributed.pipelining step on a rank holding stages ``mine``: the first stage takes
+    the inputs, the last the target."""
+    first, last = 0 in mine, num_stages - 1 in mine
+    if first and last:
+        ts.step(inputs, target=target, losses=[])
+    elif first:
+        ts.step(inputs)
+    elif last:
+        ts.step(target=target, losses=[])
+    else:
+        ts.step()
+
+
 def _torch_schedule(name: str, opts: dict, stage_mods: dict[int, nn.Module], S: int, M: int, example, loss_fn):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -190,15 +204,7 @@ def emulated(rank: int, world: int, args) -> dict:
         full = torch.cat([m["x"] for m in mbs])
 
         def torch_step(torch_sched=torch_sched, sched=sched, full=full):
-            mine = sched.stages_of_rank(rank)
-            if 0 in mine and sched.num_stages - 1 in mine:
-                torch_sched.step(full, target=full, losses=[])
-            elif 0 in mine:
-                torch_sched.step(full)
-            elif sched.num_stages - 1 in mine:
-                torch_sched.step(target=full, losses=[])
-            else:
-                torch_sched.step()
+            _torch_step(torch_sched, sched.stages_of_rank(rank), sched.num_stages, full, full)
 
         runs.append((name, opts, sched, ex, mbs, torch_sched, torch_step))
     tc = _one_way_seconds(shape)
@@ -329,15 +335,7 @@ def real(rank: int, world: int, args) -> dict:
             ts, _ = _torch_schedule(name, opts, mods, S, M, example, _ce)
 
         def tstep(ts=ts, sched=sched):
-            mine = sched.stages_of_rank(rank)
-            if 0 in mine and sched.num_stages - 1 in mine:
-                ts.step(ids, target=labels, losses=[])
-            elif 0 in mine:
-                ts.step(ids)
-            elif sched.num_stages - 1 in mine:
-                ts.step(target=labels, losses=[])
-            else:
-                ts.step()
+            _torch_step(ts, sched.stages_of_rank(rank), sched.num_stages, ids, labels)
 
         runs.append((name, opts, pipe, ts, tstep))
     tc = _one_way_seconds((args.mb, args.seq, args.hidden))

@@ -82,9 +82,7 @@ class ZeroOptimizer:
         return set(self.names)
 
     def _slice(self, flat: torch.Tensor) -> torch.Tensor:
-        for a in self.zero_axes:
-            flat = flat.chunk(self.comm.sizes[a])[self.comm.coords[a]]
-        return flat
+        return local_slice(flat, self.comm, self.zero_axes)
 
     @property
     def param_groups(self) -> list[dict]:
@@ -118,11 +116,7 @@ class ZeroOptimizer:
         self.optimizer.step()
         if not self.params:
             return
-        x = self.master.detach()
-        for a in reversed(self.zero_axes):
-            parts = [torch.empty_like(x) for _ in range(self.comm.sizes[a])]
-            dist.all_gather(parts, x.contiguous(), group=self.comm.groups[a])
-            x = torch.cat(parts)
+        x = gather_slices(self.master.detach(), self.comm, self.zero_axes)
         for p, chunk in zip(self.params, x[: self.numel].split([p.numel() for p in self.params])):
             p.copy_(chunk.view_as(p))
 
@@ -151,6 +145,24 @@ class ZeroOptimizer:
         """The optimizer's parameters with names: ``zero.flat`` (this rank's slice), then the others."""
         out = [("zero.flat", self.master)] if self.params else []
         return out
+
+
+def local_slice(flat: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
+    """This rank's slice of a flat vector cut over the ZeRO axes one after the other (slices of
+    slices); its length must divide by the product of their sizes."""
+    for a in zero_axes:
+        flat = flat.chunk(comm.sizes[a])[comm.coords[a]]
+    return flat
+
+
+def gather_slices(piece: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
+    """The inverse of ``local_slice``: all-gather the slices over the ZeRO axes in reverse order."""
+    x = piece
+    for a in reversed(zero_axes):
+        parts = [torch.empty_like(x) for _ in range(comm.sizes[a])]
+        dist.all_gather(parts, x.contiguous(), group=comm.groups[a])
+        x = torch.cat(parts)
+    return x
 
 
 def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -191,4 +203,4 @@ def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
     return g.chunk(n)[coord].clone()
 
 
-__all__ = ["ZeroOptimizer", "whole_gradient_params", "zero_axes_of"]
+__all__ = ["ZeroOptimizer", "gather_slices", "local_slice", "whole_gradient_params", "zero_axes_of"]

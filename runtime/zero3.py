@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import collectives as coll
-from autopar.runtime.zero import _reduce_scatter
+from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice
 
 
 class _Gather(torch.autograd.Function):
@@ -70,9 +70,9 @@ class Zero3Params(torch.nn.Module):
             padded = -(-p.numel() // self.parts) * self.parts
             flat = torch.zeros(padded, dtype=p.dtype, device=p.device)
             flat[: p.numel()] = p.detach().reshape(-1)
-            for a in self.zero_axes:
-                flat = flat.chunk(comm.sizes[a])[comm.coords[a]]
-            self.slices.append(torch.nn.Parameter(flat.clone(), requires_grad=p.requires_grad))
+            self.slices.append(
+                torch.nn.Parameter(local_slice(flat, comm, self.zero_axes).clone(), requires_grad=p.requires_grad)
+            )
             self.shapes.append(p.shape)
             path, _, attr = name.rpartition(".")
             owner = module.get_submodule(path) if path else module
@@ -85,23 +85,16 @@ class Zero3Params(torch.nn.Module):
     # -- collectives -----------------------------------------------------------------------------
     def all_gather(self, piece: torch.Tensor) -> torch.Tensor:
         """The padded flat vector from this rank's slice (the ZeRO axes in reverse order)."""
-        x = piece.detach()
-        for a in reversed(self.zero_axes):
-            parts = [torch.empty_like(x) for _ in range(self.comm.sizes[a])]
-            dist.all_gather(parts, x.contiguous(), group=self.comm.groups[a])
-            x = torch.cat(parts)
-        return x
+        return gather_slices(piece.detach(), self.comm, self.zero_axes)
 
     def scatter_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         g = grad.detach().reshape(-1).clone()
+        if self.whole[i]:  # equal on every rank: no sum, just this rank's slice
+            return local_slice(g, self.comm, self.zero_axes).contiguous()
         for a in self.zero_axes:
-            if self.whole[i]:
-                g = g.chunk(self.comm.sizes[a])[self.comm.coords[a]]
-            else:
-                g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
-        if not self.whole[i]:
-            for a in self.replica_axes:
-                dist.all_reduce(g, group=self.comm.groups[a])
+            g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
+        for a in self.replica_axes:
+            dist.all_reduce(g, group=self.comm.groups[a])
         return g.contiguous()
 
     # -- one forward ----------------------------------------------------------------------------

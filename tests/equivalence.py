@@ -191,6 +191,7 @@ def _zero_expected(compiled, per_tensor: bool = False) -> int:
     replicated over the ZeRO axes (gradient summed over all of them, or whole on every rank; padded to
     equal slices), two per other element. ``per_tensor``: each parameter padded and sliced on its own
     (ZeRO-3's layout, where this halved is also the number of parameter elements the rank keeps)."""
+    from autopar.passes.ir import Replicate
     from autopar.runtime.zero import zero_axes_of
 
     zero_axes, replicas = zero_axes_of(compiled.setup, compiled.program.mesh)
@@ -204,7 +205,7 @@ def _zero_expected(compiled, per_tensor: bool = False) -> int:
         n = shapes[v.name].numel() if v.name in shapes else compiled.module.get_parameter(v.name).numel()
         sync = set(v.attrs.get("grad_sync", ()))
         on = [compiled.program.mesh.names.index(a) for a in need]
-        replicated = all(type(v.type.placements[i]).__name__ == "Replicate" for i in on)
+        replicated = all(isinstance(v.type.placements[i], Replicate) for i in on)
         if need and (need <= sync or (replicated and not need & sync)):
             managed += -(-n // k) * k if per_tensor else n
         else:
