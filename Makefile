@@ -4,15 +4,21 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Every direct and transitive dependency of `make demo` / `make test`, pinned for CI's Python (3.11,
+# linux x86-64); torch itself is left out so TORCH can pick a build (its own dependencies are pinned).
+LOCK := requirements.lock
+PIP := pip==26.3
+PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv lock clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(PIP)"
 	# torch first and pinned: a bare `torch` would pull several GB of CUDA wheels.
-	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q "$(TORCH)" -c $(LOCK)
+	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +32,17 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# Refresh the lock after changing pyproject.toml's dependencies (one command: `make lock`).
+# pip-compile resolves in a throw-away venv; torch is resolved as $(TORCH) so its dependencies are
+# locked, and left out of the file.
+lock:
+	rm -rf .lockenv && $(PYTHON) -m venv .lockenv
+	.lockenv/bin/python -m pip install -q "$(PIP)" "$(PIP_TOOLS)"
+	echo "$(TORCH)" > .lockenv/torch.in
+	CUSTOM_COMPILE_COMMAND="make lock" .lockenv/bin/pip-compile --quiet --strip-extras --extra test --extra hf --unsafe-package torch \
+	    --no-emit-index-url --no-emit-find-links --upgrade -o $(LOCK) pyproject.toml .lockenv/torch.in
+	rm -rf .lockenv
 
 clean:
 	rm -rf $(VENV) build *.egg-info
