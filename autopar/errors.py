@@ -43,6 +43,15 @@ class InfeasibleError(SolverError):
         self.smallest_budget_bytes = smallest_budget_bytes
 
 
+class BaselineUnavailableError(InfeasibleError):
+    """A baseline strategy whose fixed layout cannot exist on the mesh (e.g. a batch of 2 split over 4
+    data-parallel devices); ``reason`` says which dim does not divide, in the user's terms."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
 class ClusterSpecError(AutoparError):
     """A cluster spec with a missing or malformed field."""
 

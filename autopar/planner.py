@@ -14,14 +14,14 @@ from autopar.passes.printer import print_program
 from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.passes.verify import verify
 from autopar.plan import Plan, fingerprint
-from autopar.solver.baselines import BASELINES, run_baselines
+from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 
 
 @dataclass
 class PlanReport:
     plan: Plan
     result: ShardResult
-    baselines: dict[str, ShardResult]
+    baselines: dict[str, ShardResult | Unavailable]  # Unavailable: the baseline cannot run on this mesh, and why
     capture_seconds: float
 
 
@@ -129,16 +129,16 @@ def plan_captured(
         cluster=opts.cluster.to_dict() if opts.cluster else None,
         options=options_dict(opts),
         stats=stats,
-        baselines={
-            k: {
-                "memory_per_device_bytes": v.memory_bytes,
-                "comm_bytes": v.comm_bytes,
-                "comm_seconds": v.comm_seconds,
-            }
-            for k, v in base.items()
-        },
+        baselines={k: baseline_dict(v) for k, v in base.items()},
     )
     return PlanReport(plan, result, base, captured.seconds)
+
+
+def baseline_dict(b: ShardResult | Unavailable) -> dict:
+    """A baseline's entry in the plan file: its predictions, or ``{"unavailable": reason}``."""
+    if isinstance(b, Unavailable):
+        return {"unavailable": b.reason}
+    return {"memory_per_device_bytes": b.memory_bytes, "comm_bytes": b.comm_bytes, "comm_seconds": b.comm_seconds}
 
 
 def plan_model(

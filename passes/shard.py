@@ -185,8 +185,22 @@ class _Builder:
         for g in groups:
             g.candidates = [c for c in g.candidates if self._folded_ok(g, c)]
             if not g.candidates:
-                raise InfeasibleError(f"no strategy is allowed for {_label(g.head)}; relax the constraints")
+                raise InfeasibleError(self._why_no_candidate(g))
         return groups, where
+
+    def _why_no_candidate(self, g: Group) -> str:
+        """The message when every candidate of g is ruled out: by ShardOptions.constrain (which the caller
+        gave) if it constrains a member, otherwise a bug (every op and value can at least be replicated)."""
+        members = [g.head.name if isinstance(g.head, Value) else g.head.result] + [v.name for v in g.values]
+        members += [op.result for op in g.ops]
+        fixed = [m for m in members if m in (self.opts.constrain or {})]
+        if fixed:
+            return (
+                f"no placement that ShardOptions.constrain allows for {', '.join('%' + m for m in fixed)} is valid "
+                f"on mesh {self.mesh} (each sharded dim must divide over the devices of the axes splitting it); "
+                f"allow other placements there or change the mesh"
+            )
+        return f"{_label(g.head)} has no sharding candidate on mesh {self.mesh}; a bug in autopar, please report it"
 
     def _follows(self, op: Op, where: dict[str, int]) -> int | None:
         if not self.opts.collapse or not is_follower(op.target):

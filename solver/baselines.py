@@ -13,14 +13,22 @@ communication) place everything else, so it gets the cheapest execution of that 
 - ``comm``: no constraint, least communication time within the budget (Alpa's objective).
 
 Embedding tables are split by vocabulary on the tp axes, as Megatron's VocabParallelEmbedding.
+
+A baseline fixes a placement (``Exactly``) for every parameter and input. Where one of them is not
+valid for its value's shape on the mesh (a sharded dim that does not divide over the devices of the
+axes sharding it, e.g. a batch of 2 on 4 data-parallel devices), the baseline does not exist on that
+mesh: ``run_baseline`` raises ``BaselineUnavailableError`` naming that dim, and ``run_baselines``
+reports it as ``Unavailable`` beside the others.
 """
 
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
-from autopar.passes.ir import Placement, Program, R, Replicate, Shard
+from autopar.errors import BaselineUnavailableError, InfeasibleError
+from autopar.passes.ir import MeshSpec, Placement, Program, R, Shard, Value
 from autopar.passes.layout import valid
 from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.solver.cost import TrainingSetup
@@ -82,13 +90,30 @@ def megatron_constraints(prog: Program) -> dict:
     return out
 
 
-def _exactly(want: tuple[Placement, ...]):
-    return lambda p: p == want
+@dataclass(frozen=True)
+class Exactly:
+    """A ``ShardOptions.constrain`` predicate admitting one placement, kept as data so that a baseline
+    can say why it cannot run where that placement is not valid."""
+
+    want: tuple[Placement, ...]
+
+    def __call__(self, p: tuple[Placement, ...]) -> bool:
+        return p == self.want
 
 
-def _batch_on(axes: tuple[int, ...], n: int):
-    want = tuple(Shard(0) if i in axes else R for i in range(n))
-    return lambda p: p == want
+@dataclass(frozen=True)
+class Unavailable:
+    """A baseline that does not exist on this mesh, and why, in the user's terms."""
+
+    reason: str
+
+
+def _exactly(want: tuple[Placement, ...]) -> Exactly:
+    return Exactly(tuple(want))
+
+
+def _batch_on(axes: tuple[int, ...], n: int) -> Exactly:
+    return Exactly(tuple(Shard(0) if i in axes else R for i in range(n)))
 
 
 def data_parallel_constraints(prog: Program) -> dict:
@@ -96,34 +121,79 @@ def data_parallel_constraints(prog: Program) -> dict:
     out: dict = {}
     for v in prog.inputs:
         if v.kind == "param":
-            out[v.name] = lambda p: all(isinstance(q, Replicate) for q in p)
+            out[v.name] = _exactly((R,) * n)
         elif v.kind == "input":
             out[v.name] = _batch_on(tuple(range(n)), n)
     return out
 
 
+def unavailable_reason(prog: Program, constrain: dict) -> str | None:
+    """Why the fixed placements in ``constrain`` cannot be laid out on the program's mesh (None if they can):
+    the first value whose required placement splits a dim that does not divide over the axes splitting it."""
+    for v in prog.inputs:
+        c = constrain.get(v.name)
+        if isinstance(c, Exactly) and not valid(c.want, v.type.shape, prog.mesh.sizes):
+            return _why_invalid(v, c.want, prog.mesh)
+    return None
+
+
+def _why_invalid(v: Value, want: tuple[Placement, ...], mesh: MeshSpec) -> str:
+    shape = v.type.shape
+    dims: dict[int, list[int]] = {}
+    for i, p in enumerate(want):
+        if isinstance(p, Shard):
+            dims.setdefault(p.dim, []).append(i)
+    for d, axes in dims.items():
+        what = f"batch {shape[0]}" if v.kind == "input" and d == 0 else f"dim {d} of {v.kind} {v.name}"
+        on = ",".join(f"{mesh.names[i]}={mesh.sizes[i]}" for i in axes)
+        if d >= len(shape):
+            return f"{v.kind} {v.name} has no dim {d} to split over {on}"
+        pieces = math.prod(mesh.sizes[i] for i in axes) * max(want[i].chunks for i in axes)
+        if shape[d] % pieces:
+            size = "" if what.startswith("batch") else f" (size {shape[d]})"
+            return f"{what}{size} does not divide over {pieces} devices ({on})"
+    return f"{v.kind} {v.name} {v.type} cannot be laid out as {','.join(map(str, want))} on mesh {mesh}"
+
+
 def run_baseline(prog: Program, name: str, opts: ShardOptions) -> ShardResult:
-    """Solve the program under a baseline's constraints with the same cost model as autopar."""
-    comm = replace(opts, objective="comm", budget_bytes=None)
-    all_axes = prog.mesh.names
-    if name == "megatron":
-        return shard(prog, replace(comm, constrain=megatron_constraints(prog)))
-    if name == "dp":
-        return shard(prog, replace(comm, constrain=data_parallel_constraints(prog)))
-    if name in ("zero2", "zero3"):
-        setup = replace(opts.setup, zero=int(name[-1]), zero_axes=all_axes)
-        return shard(prog, replace(comm, constrain=data_parallel_constraints(prog), setup=setup))
+    """Solve the program under a baseline's constraints with the same cost model as autopar. Raises
+    ``BaselineUnavailableError`` where the baseline's layout cannot exist on the mesh."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     if name == "comm":
         return shard(prog, replace(opts, objective="comm"))
-    raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    run = replace(opts, objective="comm", budget_bytes=None)
+    if name == "megatron":
+        run = replace(run, constrain=megatron_constraints(prog))
+    else:
+        run = replace(run, constrain=data_parallel_constraints(prog))
+        if name in ("zero2", "zero3"):
+            run = replace(run, setup=replace(opts.setup, zero=int(name[-1]), zero_axes=prog.mesh.names))
+    reason = unavailable_reason(prog, run.constrain)
+    if reason is not None:
+        raise BaselineUnavailableError(f"the {name} baseline cannot run on mesh {prog.mesh}: {reason}", reason)
+    return shard(prog, run)
 
 
-def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, ShardResult]:
-    return {n: run_baseline(prog, n, opts) for n in names}
+def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, ShardResult | Unavailable]:
+    """Every named baseline; one that cannot run on this mesh (its layout impossible, or no strategy within
+    the budget for ``comm``) is an ``Unavailable`` with the reason, so the others and autopar's plan remain."""
+    out: dict[str, ShardResult | Unavailable] = {}
+    for n in names:
+        try:
+            out[n] = run_baseline(prog, n, opts)
+        except BaselineUnavailableError as e:
+            out[n] = Unavailable(e.reason)
+        except InfeasibleError as e:
+            out[n] = Unavailable(str(e))
+    return out
 
 
 __all__ = [
     "BASELINES",
+    "Exactly",
+    "Unavailable",
+    "unavailable_reason",
     "megatron_layout",
     "megatron_constraints",
     "run_baseline",

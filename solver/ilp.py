@@ -148,7 +148,9 @@ def _ilp(
     prob.solve(_solver(backend, time_limit))
     status = pulp.LpStatus[prob.status]
     if status == "Infeasible":
-        raise InfeasibleError("no strategy satisfies the constraints (memory budget too small?)")
+        if budget is not None:
+            raise InfeasibleError("no strategy fits the per-device memory budget")
+        raise InfeasibleError("the strategy ILP has no solution; this is a bug in autopar, please report it")
     if status not in ("Optimal",) and prob.sol_status not in (pulp.LpSolutionIntegerFeasible,):
         raise SolverError(f"the ILP solver ended with status {status!r}")
     choice = [max(range(len(xs)), key=lambda c, xs=xs: xs[c].value() or 0.0) for xs in s]

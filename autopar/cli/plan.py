@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         plan.save(args.output)
     if args.json:
         out = dict(plan.stats)
-        out["baselines"] = {k: v["memory_per_device_bytes"] for k, v in plan.baselines.items()}
+        # a baseline that cannot run on this mesh: null here, its reason in baselines_detail[name]["unavailable"]
+        out["baselines"] = {k: v.get("memory_per_device_bytes") for k, v in plan.baselines.items()}
         out["baselines_detail"] = plan.baselines
         out["mesh"] = dict(plan.launch_mesh.axes)
         out["fingerprint"] = plan.fingerprint
@@ -131,15 +132,19 @@ def _print_report(args, report) -> None:
     )
     mem = s["memory_per_device_bytes"]
     print(f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}")
-    rows = [("autopar", mem, s["comm_bytes"], s["comm_seconds"])]
-    rows += [
-        (k, v["memory_per_device_bytes"], v["comm_bytes"], v["comm_seconds"]) for k, v in report.plan.baselines.items()
+    rows = [
+        ("autopar", {"memory_per_device_bytes": mem, "comm_bytes": s["comm_bytes"], "comm_seconds": s["comm_seconds"]})
     ]
-    for name, m, cb, cs in rows:
+    for name, v in rows + list(report.plan.baselines.items()):
+        if "unavailable" in v:
+            print(f"{name:10s} {'n/a':>14s}  {v['unavailable']}")
+            continue
+        m, cb, cs = v["memory_per_device_bytes"], v["comm_bytes"], v["comm_seconds"]
         ratio = f"{mem / m:.2f}x" if m else "-"
         t = f"{cs * 1e3:.2f} ms" if report.plan.cluster else "-"
         print(f"{name:10s} {m / GiB:>10.3f} GiB {ratio:>11s} {cb / 2**20:>8.1f} MiB {t:>11s}")
-    print("\n(vs autopar: autopar's memory divided by the strategy's; comm counts forward and backward)")
+    print("\n(vs autopar: autopar's memory divided by the strategy's; comm counts forward and backward;")
+    print(" n/a: the baseline's layout cannot exist on this mesh)")
     if report.plan.pipeline:
         print(f"\npipeline ({report.plan.pipeline['schedule']}):\n{report.plan.pipeline['table']}")
         print("(the strategy table above is the whole model on the non-pp axes; each stage holds its share)")
