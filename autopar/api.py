@@ -26,8 +26,9 @@ from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.parser import parse
 from autopar.passes.printer import print_program
-from autopar.passes.shard import ShardOptions
+from autopar.passes.shard import ShardOptions, planning_options
 from autopar.runtime import collectives as coll
+from autopar.solver.cluster import ClusterSpec, local_cluster
 from autopar.solver.cost import TrainingSetup
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]
@@ -100,6 +101,25 @@ def plan_program(
 def _cache_dir() -> Path | None:
     d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
     return None if d in ("", "0", "off") else Path(d)
+
+
+def calibration_dir() -> Path:
+    """Where ``autopar calibrate --save`` writes this machine's spec: autopar's cache directory."""
+    return _cache_dir() or Path.home() / ".cache" / "autopar" / "plans"
+
+
+def local_cluster_spec(device_type: str | None = None, world: int | None = None) -> ClusterSpec:
+    """The cluster this machine is for ``world`` processes: NCCL on CUDA, else gloo; the calibration
+    saved in the cache directory when there is one (``autopar calibrate --save``), else the
+    ``local-gpu`` / ``local-cpu`` preset. A GPU's device memory is read from CUDA."""
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if world is None:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    memory = None
+    if device_type == "cuda":
+        memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    return local_cluster(backend, world, calibration_dir(), memory)
 
 
 class CompiledModule(torch.nn.Module):
@@ -254,6 +274,9 @@ def compile(  # noqa: A001
 ):
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
+    ``options`` default to the fastest plan that fits the device memory (``objective="time"``; least
+    memory with ``ShardOptions(objective="memory")``), priced on ``options.cluster`` or else on this
+    machine (``local_cluster_spec``: the saved ``autopar calibrate`` spec when there is one).
     ``mesh`` is a torch DeviceMesh with named axes. Rank 0 plans and broadcasts the planned IR, so
     every rank runs the same program. With ``plan=`` (a file from ``autopar plan -o``) nothing is
     solved: the plan is checked against this model's graph and this mesh and used as it is. The
@@ -275,6 +298,8 @@ def compile(  # noqa: A001
             "use autopar.init_mesh(dp=2, tp=2)"
         )
     spec = mesh_spec(mesh)
+    if plan is None:  # priced on this machine: the fastest plan within its device memory by default
+        options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
     if "pp" in spec.names:
         from autopar.pipeline import compile_pipeline
 

@@ -43,7 +43,7 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
     if setup.get("zero_axes") is not None:
         setup = dict(setup, zero_axes=tuple(setup["zero_axes"]))
     return ShardOptions(
-        objective=d.get("objective", "memory"),
+        objective=d.get("objective", "memory"),  # plans written before "time" became the default
         alpha=d.get("alpha", 1.0),
         budget_bytes=d.get("budget_bytes"),
         time_limit=d.get("time_limit", 60.0),
@@ -106,6 +106,9 @@ def plan_captured(
     base = run_baselines(prog, opts, baselines)
     sol = result.solution
     stats = {
+        "objective": "time" if opts.objective == "comm" else opts.objective,
+        "budget_bytes": opts.budget_bytes,
+        "step_seconds": result.step_seconds,
         "status": sol.status,
         "solve_seconds": sol.seconds,
         "ilp_variables": sol.variables,

@@ -15,8 +15,9 @@ import dataclasses
 import json
 import time
 
+from megatron_table1 import TABLE1, predict, row_summary
+
 from autopar.search import Scorer, profile_model, search
-from autopar.solver.calibrate import TABLE1, predict, row_summary
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.search_space import SearchSpace
 

@@ -8,6 +8,16 @@ Decisions are made per *group*, not per op (DESIGN "Scale"):
 - a parameter, buffer or input read by one op is folded into that op's group: it is stored the way
   its reader wants it.
 
+Objectives: ``time`` (the default) is the least predicted step time, communication plus computation
+seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
+cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
+``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
+
+Values every rank can compute for itself (``recomputable``: inputs' integer tensors, buffers,
+``arange`` and the cheap ops of those, nothing that needs a gradient) are never moved: every
+placement change of one that would communicate is left out of the problem, so position ids and
+masks are computed (replicated) where they are needed and sliced locally, never gathered.
+
 Every op's result types get the chosen placements, and each op the attribute ``in`` with the
 placements its inputs must have ("*" where any will do); `insert-collectives` turns every mismatch
 into collectives and drops the attribute.
@@ -20,8 +30,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, SolverError
 from autopar.passes.ir import (
+    VIEW_OPS,
     Op,
     Placement,
     Program,
@@ -45,13 +56,15 @@ from autopar.solver.strategies import (
 )
 
 MAX_GROUP_CANDIDATES = 2048
+OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
+CHEAP_FLOPS_PER_ELEMENT = 16  # an op doing at most this many FLOPs per output element is cheap to recompute
 
 
 @dataclass
 class ShardOptions:
-    objective: str = "memory"  # "memory": redundancy + alpha * comm bytes; "comm": comm time (Alpa)
+    objective: str = "time"  # "time": step time within the budget; "memory": redundancy + alpha * comm bytes
     alpha: float = 1.0
-    budget_bytes: float | None = None  # per-device memory budget
+    budget_bytes: float | None = None  # per-device memory budget (None: none; see planning_options)
     time_limit: float | None = 60.0
     backend: str = "cbc"
     setup: TrainingSetup = field(default_factory=TrainingSetup)
@@ -62,6 +75,41 @@ class ShardOptions:
     eliminate: bool = True  # solve series-parallel parts exactly before the ILP (solver/eliminate.py)
     # restrict candidates (baselines): name of a value / op result -> predicate on its placements
     constrain: dict | None = None
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
+                              "budget) or memory (least memory)")  # fmt: skip
+
+
+def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:
+    """What a user-facing entry point plans with: ``opts`` (default: the fastest plan) priced on
+    ``cluster`` when they name none, and for the time objective a budget of the cluster's device
+    memory when they set none."""
+    from dataclasses import replace
+
+    opts = opts or ShardOptions()
+    if opts.cluster is None:
+        opts = replace(opts, cluster=cluster)
+    if opts.objective != "memory" and opts.budget_bytes is None:
+        opts = replace(opts, budget_bytes=float(opts.cluster.device_memory))
+    return opts
+
+
+def recomputable(prog: Program) -> set[str]:
+    """Values each rank can compute for itself at least as cheaply as it could receive them: non-float
+    inputs (every rank holds the global batch), buffers, and the results of views and cheap ops
+    (at most ``CHEAP_FLOPS_PER_ELEMENT`` per output element, e.g. ``arange``, comparisons, cumsum)
+    whose tensor inputs are all recomputable; never a value whose gradient backward needs."""
+    grad = prog.requires_grad()
+    out = {v.name for v in prog.inputs if v.kind == "buffer" or (v.kind == "input" and not v.type.is_float)}
+    for op in prog.ops:
+        if any(r in grad for r in op.results) or any(r.name not in out for r in op.input_refs()):
+            continue
+        numel = sum(t.nbytes / max(t.itemsize, 1) for t in op.types)
+        if op.target in VIEW_OPS or op.flops <= CHEAP_FLOPS_PER_ELEMENT * max(numel, 1):
+            out.update(op.results)
+    return out
 
 
 @dataclass
@@ -87,6 +135,12 @@ class ShardResult:
     redundancy_bytes: float
     comm_bytes: float
     comm_seconds: float
+    compute_seconds: float = 0.0  # predicted forward + backward computation per device
+
+    @property
+    def step_seconds(self) -> float:
+        """The predicted step time the ``time`` objective minimizes: computation plus communication."""
+        return self.compute_seconds + self.comm_seconds
 
 
 def format_placements(p: tuple[Placement, ...] | None) -> str:
@@ -121,6 +175,8 @@ class _Builder:
         self._strat_cache: dict[tuple, tuple[list[Strategy], bool]] = {}
         self._reads: dict[int, dict[str, list[tuple[str, int]]]] = {}
         self._replicated = (R,) * len(prog.mesh.axes)
+        self.recomputable = recomputable(prog)
+        self.params = {v.name for v in prog.params}
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:
@@ -280,7 +336,9 @@ class _Builder:
                 b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs)
                 vol, sec = vol + b, sec + x
                 flop_sec += self.cost.compute_seconds(
-                    op.flops, [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+                    op.flops,
+                    [is_divergent(s, a) for a in range(len(self.mesh.axes))],
+                    0.0 if op.target in VIEW_OPS else op.bytes,
                 )
                 for t, p in zip(op.types, s.outputs):
                     m, r = self.cost.activation_memory(t, p)
@@ -290,13 +348,20 @@ class _Builder:
                         continue
                     t = self.types[ref.name]
                     if i == 0 and op is not g.ops[0] and ref.name in _results_of(g):
-                        b, x = self.cost.redistribute(t, self._placement_in(cand, g, ref.name), p)
+                        src = self._placement_in(cand, g, ref.name)
+                        b, x = self.cost.redistribute(t, src, p, ref.name in self.grad)
+                        if b and ref.name in self.recomputable:
+                            b = x = INF  # computed where it is needed, never moved
                         vol, sec = vol + b, sec + x
                     if ref.name in self.grad:
+                        # a parameter read by two ops whose gradients both need the sync is all-reduced
+                        # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k
+                        readers = len(self.users[ref.name]) if ref.name in self.params else 1
+                        share = 1.0 if readers <= 2 else 1 / readers
                         for a in range(len(self.mesh.axes)):
                             if isinstance(p[a], Replicate) and is_divergent(s, a):
-                                b, x = self.cost.grad_reduce(t, p, a)
-                                vol, sec = vol + b, sec + x
+                                b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
+                                vol, sec = vol + share * b, sec + share * x
             g.memory.append(mem)
             g.redundancy.append(red)
             g.comm_bytes.append(vol)
@@ -310,17 +375,19 @@ class _Builder:
             setattr(g, name, [arr[i] for i in keep])
 
     def objective(self, red: float, vol: float, sec: float, mem: float, flop_sec: float = 0.0) -> float:
-        if self.opts.objective == "comm":
-            # Alpa: the least step time, communication plus computation (ties: less memory)
-            return (sec + flop_sec if self.opts.cluster else vol) + 1e-15 * mem
-        return red + self.opts.alpha * vol
+        if self.opts.objective == "memory":
+            return red + self.opts.alpha * vol
+        # the least step time, communication plus computation seconds (ties: less memory)
+        return sec + flop_sec + 1e-15 * mem
 
-    def edge_costs(self, t: TensorType, srcs: list, dsts: list) -> dict[tuple[int, int], float]:
-        """Objective of moving t from each placement in srcs to each in dsts (None: as it is), keyed by
-        (index in srcs, index in dsts); impossible pairs are left out."""
-        vol, sec = self.cost.redistribute_matrix(t, srcs, dsts)
+    def edge_costs(self, t: TensorType, srcs: list, dsts: list, name: str = "") -> dict[tuple[int, int], float]:
+        """Objective of moving value ``name`` of type t from each placement in srcs to each in dsts (None:
+        as it is), keyed by (index in srcs, index in dsts); impossible pairs are left out, and so are
+        those that would communicate a recomputable value."""
+        vol, sec = self.cost.redistribute_matrix(t, srcs, dsts, name in self.grad if name else None)
         cost = self.objective(0.0, vol, sec, 0.0)
-        rows, cols = np.nonzero(np.isfinite(vol))
+        possible = np.isfinite(vol) & ((vol == 0) if name in self.recomputable else True)
+        rows, cols = np.nonzero(possible)
         return dict(zip(zip(rows.tolist(), cols.tolist()), cost[rows, cols].tolist()))
 
 
@@ -384,8 +451,53 @@ def build_problem(prog: Program, opts: ShardOptions):
                     lambda c: (R,) * len(prog.mesh.axes),
                 )
             )
+    edges += _shared_sync_edges(b, groups, where)
     _keep_distinct_interfaces(groups, nodes, edges, budget=opts.budget_bytes is not None)
     return b, groups, nodes, edges
+
+
+def _sync_needs(b: _Builder, g: Group, op: Op, pos: int, t: TensorType) -> list[tuple]:
+    """Per candidate of g: for each mesh axis, the (bytes, seconds) of the gradient all-reduce that
+    op's read of input ``pos`` needs there ((0, 0) where it needs none)."""
+    out = []
+    for c in g.candidates:
+        s, p = c[op.result], c[op.result].inputs[pos]
+        out.append(
+            tuple(
+                b.cost.grad_reduce(t, p, a, True) if isinstance(p[a], Replicate) and is_divergent(s, a) else (0.0, 0.0)
+                for a in range(len(b.mesh.axes))
+            )
+        )
+    return out
+
+
+def _shared_sync_edges(b: _Builder, groups: list[Group], where: dict[str, int]) -> list[Edge]:
+    """A parameter read by two ops in different groups (tied embeddings) whose gradients both need
+    an axis's all-reduce gets it once, after backward (`insert-collectives` marks it grad_sync), but
+    each read was priced with its own: an edge between the two readers refunds the smaller."""
+    out = []
+    for v in b.prog.params:
+        readers = [(op, i) for op in b.users[v.name] for i, r in enumerate(b.refs(op)) if r.name == v.name]
+        if v.name not in b.grad or len(readers) != 2:
+            continue
+        (op1, i1), (op2, i2) = readers
+        g1, g2 = where[op1.result], where[op2.result]
+        if g1 == g2:
+            continue
+        n1 = _sync_needs(b, groups[g1], op1, i1, v.type)
+        n2 = _sync_needs(b, groups[g2], op2, i2, v.type)
+        ug, uids = _group_ids(n1)
+        vg, vids = _group_ids(n2)
+        cost = {}
+        for x, a in enumerate(uids):
+            for y, c in enumerate(vids):
+                both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, c)]
+                vol, sec = sum(x[0] for x in both), sum(x[1] for x in both)
+                cost[(x, y)] = b.objective(0.0, -vol, -sec, 0.0)
+        e = Edge(g1, g2, ug, vg, cost)
+        e.keys = ("refund", list(uids), list(vids))
+        out.append(e)
+    return out
 
 
 def _keep_distinct_interfaces(groups: list[Group], nodes: list[Node], edges: list[Edge], budget: bool) -> None:
@@ -441,7 +553,7 @@ def _edge(b: _Builder, groups: list[Group], hi: int, gi: int, name: str, want) -
     v_keys = [want(c) for c in g.candidates]
     ug, uids = _group_ids(u_keys)
     vg, vids = _group_ids(v_keys)
-    e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids)))
+    e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids), name))
     e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
     return e
 
@@ -570,8 +682,12 @@ def _apply(prog: Program, b: _Builder, groups: list[Group], edges: list[Edge], s
         name, u_keys, v_keys = e.keys
         a = u_keys[e.u_group[sol.choice[e.u]]]
         bb = v_keys[e.v_group[sol.choice[e.v]]]
-        if bb is not None and a != bb:
-            vol, sec = b.cost.redistribute(b.types[name], a, bb)
+        if name == "refund":  # a shared parameter's gradient synchronized once
+            both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, bb)]
+            totals[2] -= sum(x[0] for x in both)
+            totals[3] -= sum(x[1] for x in both)
+        elif bb is not None and a != bb:
+            vol, sec = b.cost.redistribute(b.types[name], a, bb, name in b.grad)
             totals[2] += vol
             totals[3] += sec
     inputs = tuple(
@@ -584,7 +700,17 @@ def _apply(prog: Program, b: _Builder, groups: list[Group], edges: list[Edge], s
         ops.append(op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})))
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
-    return ShardResult(out, sol, groups, sorted(b.unruled), *totals)
+    compute = sum(g.compute_seconds[c] for g, c in zip(groups, sol.choice) if g.compute_seconds)
+    return ShardResult(out, sol, groups, sorted(b.unruled), *totals, compute_seconds=compute)
 
 
-__all__ = ["ShardOptions", "ShardResult", "shard", "required_inputs", "smallest_budget"]
+__all__ = [
+    "OBJECTIVES",
+    "ShardOptions",
+    "ShardResult",
+    "planning_options",
+    "recomputable",
+    "required_inputs",
+    "shard",
+    "smallest_budget",
+]

@@ -37,7 +37,16 @@ import yaml
 
 from autopar.errors import ClusterSpecError
 
-__all__ = ["ClusterSpec", "COLLECTIVES", "list_clusters", "parse_bytes", "parse_rate", "parse_seconds"]
+__all__ = [
+    "ClusterSpec",
+    "COLLECTIVES",
+    "calibration_file",
+    "list_clusters",
+    "local_cluster",
+    "parse_bytes",
+    "parse_rate",
+    "parse_seconds",
+]
 
 PRESET_DIR = Path(__file__).parent / "clusters"
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", "recv")
@@ -183,12 +192,18 @@ class ClusterSpec:
     inter_node_bandwidth: float  # bytes/s per device across nodes (node NIC bandwidth / devices sharing it)
     inter_node_latency: float  # seconds per collective step across nodes
     backend: str = "nccl"  # torch.distributed backend: "nccl" (GPU) or "gloo" (CPU)
+    # measured by `autopar calibrate` (optional): per collective kind, (latency s, bandwidth bytes/s) of
+    # the intra-node link in the ring model, replacing intra_node_latency/bandwidth for that kind
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+    memory_bandwidth: float | None = None  # bytes/s an elementwise kernel streams (None: not priced)
+    efficiency: float | None = None  # fraction of peak_flops a step sustains (None: the cost model's default)
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)  # where each number comes from
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
         object.__setattr__(self, "notes", dict(self.notes))
+        object.__setattr__(self, "collectives", {k: tuple(v) for k, v in self.collectives.items()})
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))
@@ -222,9 +237,14 @@ class ClusterSpec:
             "inter_node_bandwidth": _field(name, "inter_node_bandwidth", data, parse_rate, positive=True),
             "inter_node_latency": _field(name, "inter_node_latency", data, parse_seconds, positive=False),
             "backend": str(data.get("backend", "nccl")),
+            "collectives": _collectives(name, data.get("collectives") or {}),
+            "memory_bandwidth": _optional(name, "memory_bandwidth", data, parse_rate),
+            "efficiency": _optional(name, "efficiency", data, float),
             "description": str(data.get("description", "")),
             "notes": {str(k): str(v) for k, v in (data.get("notes") or {}).items()},
         }
+        if values["efficiency"] is not None and values["efficiency"] > 1:
+            raise ClusterSpecError(f"cluster spec {name!r}: field 'efficiency' is a fraction of peak, at most 1")
         if values["backend"] not in ("nccl", "gloo"):
             raise ClusterSpecError(
                 f"cluster spec {name!r}: field 'backend' must be nccl or gloo, got {values['backend']!r}"
@@ -264,8 +284,10 @@ class ClusterSpec:
         """Plain numbers (bytes, bytes/s, s, FLOP/s): ``from_dict(to_dict())`` gives an equal spec."""
         out = dataclasses.asdict(self)
         out["peak_flops"] = dict(self.peak_flops)
-        if not out["notes"]:
-            del out["notes"]
+        out["collectives"] = {k: {"latency": a, "bandwidth": b} for k, (a, b) in self.collectives.items()}
+        for key in ("collectives", "memory_bandwidth", "efficiency", "notes"):
+            if not out[key]:
+                del out[key]
         return out
 
     def to_yaml(self) -> str:
@@ -312,7 +334,7 @@ class ClusterSpec:
         n = group_size
         if nbytes == 0 or (n == 1 and kind not in ("send", "recv")):
             return 0.0
-        lat, bw = self.alpha_beta(intra_node)
+        lat, bw = self._link(kind, intra_node)
         if kind in ("send", "recv"):
             return nbytes / bw + lat
         steps = _ring_steps(kind, n)
@@ -324,9 +346,17 @@ class ClusterSpec:
         n = group_size
         if n == 1:
             return 0.0, 0.0
-        lat, bw = self.alpha_beta(intra_node)
+        lat, bw = self._link(kind, intra_node)
         steps = _ring_steps(kind, n)
         return steps / n / bw, steps * lat
+
+    def _link(self, kind: str, intra_node: bool) -> tuple[float, float]:
+        """(latency, bandwidth) a collective of this kind sees: measured for it when calibrated (inside a
+        node; ``recv`` as ``send``), else the link's."""
+        measured = self.collectives.get("send" if kind == "recv" else kind)
+        if intra_node and measured is not None:
+            return measured
+        return self.alpha_beta(intra_node)
 
 
 def _ring_steps(kind: str, n: int) -> int:
@@ -372,6 +402,42 @@ def _field(spec: str, key: str, data: Mapping[str, Any], parse: Any, positive: b
         sign = "positive" if positive else "non-negative"
         raise ClusterSpecError(f"cluster spec {spec!r}: field {key!r} must be {sign}, got {raw!r}")
     return value
+
+
+def _optional(spec: str, key: str, data: Mapping[str, Any], parse: Any) -> float | None:
+    if data.get(key) is None:
+        return None
+    try:
+        value = float(parse(data[key]))
+    except (TypeError, ValueError) as e:
+        raise ClusterSpecError(f"cluster spec {spec!r}: field {key!r} has the wrong type: {e}") from None
+    if value <= 0:
+        raise ClusterSpecError(f"cluster spec {spec!r}: field {key!r} must be positive, got {data[key]!r}")
+    return value
+
+
+def _collectives(spec: str, raw: Any) -> dict[str, tuple[float, float]]:
+    """``{all_reduce: {latency: 50us, bandwidth: 1GB/s}, ...}`` -> kind -> (seconds, bytes/s)."""
+    if not isinstance(raw, Mapping):
+        raise ClusterSpecError(
+            f"cluster spec {spec!r}: field 'collectives' must map a collective to {{latency, bandwidth}}"
+        )
+    out = {}
+    for kind, entry in raw.items():
+        if kind not in COLLECTIVES:
+            raise ClusterSpecError(
+                f"cluster spec {spec!r}: unknown collective {kind!r} in 'collectives'; known: {', '.join(COLLECTIVES)}"
+            )
+        if not isinstance(entry, Mapping) or set(entry) != {"latency", "bandwidth"}:
+            raise ClusterSpecError(f"cluster spec {spec!r}: collectives.{kind} needs exactly latency and bandwidth")
+        try:
+            lat, bw = parse_seconds(entry["latency"]), parse_rate(entry["bandwidth"])
+        except ValueError as e:
+            raise ClusterSpecError(f"cluster spec {spec!r}: collectives.{kind}: {e}") from None
+        if lat < 0 or bw <= 0:
+            raise ClusterSpecError(f"cluster spec {spec!r}: collectives.{kind} needs latency >= 0 and bandwidth > 0")
+        out[str(kind)] = (lat, bw)
+    return out
 
 
 def _devices_per_node(value: Any) -> int:
@@ -443,6 +509,33 @@ def _parse_overrides(preset: str, text: str, base: dict[str, Any]) -> dict[str, 
         else:
             out[key] = value
     return out
+
+
+def calibration_file(cache_dir: str | os.PathLike[str], backend: str) -> Path:
+    """Where ``autopar calibrate --save`` keeps this machine's measured spec for a backend."""
+    return Path(cache_dir) / f"calibration-{backend}.yaml"
+
+
+def local_cluster(
+    backend: str,
+    devices: int,
+    cache_dir: str | os.PathLike[str] | None = None,
+    device_memory: int | None = None,
+) -> ClusterSpec:
+    """This machine as one node of ``devices`` processes on ``backend``: the calibration saved in
+    ``cache_dir`` when there is one, else the ``local-cpu`` (gloo) or ``local-gpu`` (nccl) preset.
+    ``device_memory`` (a GPU's memory) replaces the spec's; on CPU the host memory is shared evenly."""
+    if backend not in ("gloo", "nccl"):
+        raise ClusterSpecError(f"no local cluster description for backend {backend!r}; use gloo or nccl")
+    saved = calibration_file(cache_dir, backend) if cache_dir is not None else None
+    if saved is not None and saved.is_file():
+        spec = ClusterSpec.load(saved)
+    else:
+        spec = ClusterSpec.load("local-cpu" if backend == "gloo" else "local-gpu")
+    if device_memory is None:
+        # CPU processes share the host: what one of ``devices`` gets
+        device_memory = spec.device_memory * spec.devices_per_node // devices
+    return spec.replace(nodes=1, devices_per_node=devices, device_memory=device_memory)
 
 
 def list_clusters() -> dict[str, str]:

@@ -23,7 +23,13 @@ Communication, counted forward and backward (each redistribution has a dual):
     for parameters, the data-parallel gradient all-reduce; reduce-scatter + all-gather under ZeRO)
 
 Bytes become seconds with the ClusterSpec's alpha-beta model of the axis's link (intra-node when
-the axis's ranks share a node, else the inter-node network).
+the axis's ranks share a node, else the inter-node network). There is always a cluster: without one
+the model prices on the ``local-cpu`` preset, never by bytes alone (which would make computing
+everything on every rank free).
+
+Computation: an op's forward plus backward takes three times its forward, the larger of its FLOPs
+at the cluster's sustained rate and its bytes at the cluster's memory bandwidth (a roofline),
+divided over the axes on which its ranks compute different pieces.
 """
 
 from __future__ import annotations
@@ -81,6 +87,8 @@ class CostModel:
     cluster: ClusterSpec | None = None
 
     def __post_init__(self):
+        if self.cluster is None:
+            self.cluster = default_cluster()
         self._zero_axes = self.setup.shard_axes(self.mesh)
         self._intra = _axes_intra_node(self.mesh, self.cluster)
         self._memo: dict = {}
@@ -130,25 +138,31 @@ class CostModel:
         return nbytes * v, nbytes * per_byte + latency
 
     def redistribute(
-        self, t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...]
+        self, t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...], grad: bool | None = None
     ) -> tuple[float, float]:
-        """(bytes, seconds) per device to turn src into dst, forward plus backward; INF if impossible."""
+        """(bytes, seconds) per device to turn src into dst, forward plus backward (``grad``: whether
+        the value has a gradient, default: whether it is a float); INF if impossible."""
         a, b = self._terms.ids([src, dst])
-        v, per_byte, latency = self._terms.terms(a, b, t.is_float, self._redistribute_terms)
+        grad = t.is_float if grad is None else grad
+        v, per_byte, latency = self._terms.terms(a, b, grad, self._redistribute_terms)
         if v == INF:
             return INF, INF
         nbytes = t.nbytes
         return (nbytes * v, nbytes * per_byte + latency) if nbytes else (0.0, 0.0)
 
     def redistribute_matrix(
-        self, t: TensorType, srcs: list[tuple[Placement, ...]], dsts: list[tuple[Placement, ...] | None]
+        self,
+        t: TensorType,
+        srcs: list[tuple[Placement, ...]],
+        dsts: list[tuple[Placement, ...] | None],
+        grad: bool | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """`redistribute` of t from every placement in srcs (rows) to every one in dsts (columns; None
         needs nothing), as two arrays: what prices an edge of the strategy graph at once.
 
         Bytes and seconds are linear in the tensor's global bytes N: bytes = N * v, seconds =
         N * s + latency, with (v, s, latency) per placement pair, computed once per mesh."""
-        cache, grad = self._terms, t.is_float
+        cache, grad = self._terms, t.is_float if grad is None else grad
         a_ids, b_ids = cache.ids(srcs), cache.ids(dsts)
         key = (tuple(a_ids), tuple(b_ids), grad)
         terms = self._blocks.get(key)
@@ -195,20 +209,23 @@ class CostModel:
             factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
             if n == 1:
                 self._memo[key] = 0.0, 0.0, 0.0
-            elif self.cluster is None:
-                self._memo[key] = factor, 0.0, 0.0
             else:
                 self._memo[key] = (factor, *self.cluster.collective_terms(kind, n, self._intra[axis]))
         return self._memo[key]
 
-    def compute_seconds(self, flops: float, split: list[bool]) -> float:
-        """Forward plus backward (3x forward FLOPs) time of an op whose work is divided over the axes
-        where ``split`` is true, at ``EFFICIENCY`` of the cluster's peak (fp32 for fp32 training)."""
-        if self.cluster is None or not flops:
+    def compute_seconds(self, flops: float, split: list[bool], nbytes: float = 0.0) -> float:
+        """Forward plus backward (3x forward) time of an op whose work is divided over the axes where
+        ``split`` is true: its FLOPs at the cluster's efficiency (default ``EFFICIENCY``) of its peak
+        (fp32 for fp32 training), or its bytes at the cluster's memory bandwidth when that is slower."""
+        if not flops and not nbytes:
             return 0.0
         ways = math.prod(n for n, s in zip(self.mesh.sizes, split) if s)
         dtype = "fp32" if self.setup.precision == "fp32" else self.setup.precision
-        return 3.0 * flops / ways / (self.cluster.peak(dtype) * EFFICIENCY)
+        rate = self.cluster.peak(dtype) * (self.cluster.efficiency or EFFICIENCY)
+        seconds = flops / rate
+        if self.cluster.memory_bandwidth and nbytes:
+            seconds = max(seconds, nbytes / self.cluster.memory_bandwidth)
+        return 3.0 * seconds / ways
 
     def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
@@ -223,9 +240,17 @@ class CostModel:
                 vol, sec = vol + 3 * b, sec + 3 * x
         return vol, sec
 
-    def grad_reduce(self, t: TensorType, p: tuple[Placement, ...], axis: int) -> tuple[float, float]:
-        """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``."""
-        return self._collective("all_reduce", self.local_bytes(t, p), axis)
+    def grad_reduce(
+        self, t: TensorType, p: tuple[Placement, ...], axis: int, bucketed: bool = False
+    ) -> tuple[float, float]:
+        """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``; a
+        ``bucketed`` one (a parameter's, synchronized after backward in one flat buffer per axis)
+        pays bandwidth only, the bucket's latency being shared by every parameter in it."""
+        nbytes = self.local_bytes(t, p)
+        if not bucketed:
+            return self._collective("all_reduce", nbytes, axis)
+        v, per_byte, _ = self._collective_terms("all_reduce", axis)
+        return nbytes * v, nbytes * per_byte
 
 
 class _Terms:
@@ -258,19 +283,28 @@ class _Terms:
 _SHARED_TERMS: dict[tuple, _Terms] = {}
 
 
-def _shared_terms(mesh: MeshSpec, intra: list[bool], cluster: ClusterSpec | None) -> _Terms:
-    links = None if cluster is None else (cluster.alpha_beta(True), cluster.alpha_beta(False))
+def default_cluster() -> ClusterSpec:
+    """The spec a cost model without one prices on: the ``local-cpu`` preset."""
+    global _DEFAULT_CLUSTER
+    if _DEFAULT_CLUSTER is None:
+        _DEFAULT_CLUSTER = ClusterSpec.load("local-cpu")
+    return _DEFAULT_CLUSTER
+
+
+_DEFAULT_CLUSTER: ClusterSpec | None = None
+
+
+def _shared_terms(mesh: MeshSpec, intra: list[bool], cluster: ClusterSpec) -> _Terms:
+    links = (cluster.alpha_beta(True), cluster.alpha_beta(False), tuple(sorted(cluster.collectives.items())))
     key = (mesh.sizes, tuple(intra), links)
     if key not in _SHARED_TERMS and len(_SHARED_TERMS) >= 16:
         _SHARED_TERMS.clear()
     return _SHARED_TERMS.setdefault(key, _Terms())
 
 
-def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec | None) -> list[bool]:
+def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:
     """Ranks are laid out row-major over the mesh (last axis fastest): an axis stays inside a node
     when its stride times its size fits in one node's devices."""
-    if cluster is None:
-        return [True] * len(mesh.axes)
     out = []
     stride = 1
     for n in reversed(mesh.sizes):

@@ -72,7 +72,7 @@ def test_unknown_pass_is_named():
 
 def test_megatron_mlp_is_the_optimum_on_a_tensor_parallel_axis():
     """With communication expensive, the ILP finds Megatron's column-then-row split: one all-reduce."""
-    prog = shard(_prog(MeshSpec((("tp", 2),))), ShardOptions(alpha=10.0)).program
+    prog = shard(_prog(MeshSpec((("tp", 2),))), ShardOptions(objective="memory", alpha=10.0)).program
     params = {v.name: v.type.placements for v in prog.params}
     assert params["fc1.weight"] == (Shard(0),) and params["fc2.weight"] == (Shard(1),)
     linears = [op for op in prog.ops if op.target == "aten.linear"]

@@ -30,9 +30,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default="dgx-a100",
         help="cluster spec: a preset (default dgx-a100; merak-3090, ...) or a file",
     )
-    p.add_argument("--objective", choices=["memory", "comm"], default="memory", help="ILP objective (default memory)")
+    p.add_argument(
+        "--objective",
+        choices=["time", "memory", "comm"],
+        default="time",
+        help="time (default): the fastest plan within the memory budget; memory: least redundant memory "
+        "(+ alpha x communication bytes); comm: time under Alpa's name",
+    )
     p.add_argument("--alpha", type=float, default=1.0, help="weight of communication bytes (memory objective)")
-    p.add_argument("--budget-gb", type=float, default=None, help="per-device memory budget in GiB")
+    p.add_argument(
+        "--budget-gb",
+        type=float,
+        default=None,
+        help="per-device memory budget in GiB (default: the cluster's device memory)",
+    )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
     p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
     p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision")
@@ -58,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from autopar.api import parse_mesh
-    from autopar.passes.shard import ShardOptions
+    from autopar.passes.shard import ShardOptions, planning_options
     from autopar.planner import plan_model
     from autopar.solver.baselines import BASELINES
     from autopar.solver.cluster import ClusterSpec
@@ -91,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         cluster=cluster,
         setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
     )
+    opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
     from autopar.planner import PipelineOptions
 
     if (args.chunks > 1 or args.waves) and "pp" not in mesh.names:
@@ -123,7 +135,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_report(args, report) -> None:
     s = report.plan.stats
-    print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {args.objective}, alpha {args.alpha})")
+    objective = {"time": "time (fastest within the budget)", "memory": f"memory (least redundancy, alpha {args.alpha})"}
+    budget = f", budget {s['budget_bytes'] / GiB:.2f} GiB/device" if s.get("budget_bytes") else ""
+    print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {objective[s['objective']]}{budget})")
+    print(f"predicted step: {s['step_seconds'] * 1e3:.3f} ms (computation + communication per device)")
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
     eliminated = f" ({s['ilp_eliminated']} solved by elimination first)" if s.get("ilp_eliminated") else ""
     print(

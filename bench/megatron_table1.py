@@ -1,4 +1,7 @@
-"""Calibration against Megatron-LM's Table 1 (megatron-ptdp-interleaved.md): predicted vs reported TFLOP/s per GPU.
+"""Megatron-LM's Table 1 (megatron-ptdp-interleaved.md) priced by autopar: predicted vs reported TFLOP/s per GPU.
+
+A benchmark of the cost model, used by ``bench/calibrate_megatron.py`` (it was ``solver/calibrate.py``;
+it needs ``autopar.search``, which the solver layer must not import).
 
 Each row of Table 1 up to 145.6B parameters is a GPT model (V = 51,200, s = 2048) trained with
 tensor size t, pipeline size p, n A100-80GB GPUs (DGX A100 nodes of 8) and global batch B, with
@@ -19,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autopar.search import Scorer
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.search_cost import Analytic, Evaluation
 from autopar.solver.search_space import Candidate, divisors
@@ -106,8 +110,6 @@ class Prediction:
 
 def predict(row: MegatronRow, profile, scorer=None, budget_bytes: float | None = None) -> Prediction:
     """Megatron's configuration of ``row`` priced by autopar's cost model (best b and v, see module doc)."""
-    from autopar.search import Scorer
-
     cluster = ClusterSpec.load(row.cluster)
     an = Analytic(profile, cluster, row.batch, precision="bf16")
     scorer = scorer or Scorer()

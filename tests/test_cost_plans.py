@@ -1,0 +1,276 @@
+"""Plans priced on a cluster: recomputable values never moved, dp plans as DDP, calibration, collectives as planned.
+
+Cost here (2 cores): about 40 s, of which ~15 s is one 2-rank gloo spawn and ~10 s the calibration.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from autopar.api import DEFAULT_PIPELINE, parse_mesh
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.ir import Op, Replicate, Shard
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
+from autopar.passes.shard import ShardOptions, recomputable
+from autopar.solver.cluster import ClusterSpec, calibration_file
+from tests._dist import run_distributed
+
+COMMUNICATING = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "grad_all_reduce"}
+# the model of issue 13: GPT-2, 4 layers, hidden 256, vocab 4096, batch 8 x 128
+GPT2_SMALL = "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=4096,n_positions=128,batch=8,seq=128"
+
+
+class LossOnly(torch.nn.Module):
+    """A Hugging Face LM returning its loss only, as a training step uses it (DDP returns no logits
+    gathered from the other ranks either)."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self.m(input_ids=input_ids, labels=labels).loss
+
+
+def _planned(spec: str, mesh: str, opts: ShardOptions, loss_only: bool = False):
+    m = build(spec, device="meta")
+    model = LossOnly(m.model) if loss_only else m.model
+    prog = lower(capture(model, m.args, m.kwargs), parse_mesh(mesh))
+    return prog, PassManager(DEFAULT_PIPELINE, options={"shard": opts}).run(prog)
+
+
+def _moved_recomputable(lowered, planned) -> list[str]:
+    """Collectives whose data is a recomputable value (followed back through other collectives)."""
+    keep = recomputable(lowered)
+    source = {}
+    bad = []
+    for op in planned.ops:
+        if op.target in COMMUNICATING | {"local_shard"}:
+            src = op.input_refs()[0].name
+            source[op.result] = source.get(src, src)
+            if op.target in COMMUNICATING and source[op.result] in keep:
+                bad.append(f"%{op.result} = {op.target}(%{src}) of %{source[op.result]} {op.types[0]}")
+    return bad
+
+
+def _gathered_then_resliced(planned) -> list[str]:
+    users = planned.users()
+    out = []
+    for op in planned.ops:
+        if op.target != "all_gather":
+            continue
+        for u in users.get(op.result, []):
+            if u.target == "local_shard" and (u.kwargs or u.attrs) and _same_axis_dim(op, u):
+                out.append(f"%{op.result} gathered then re-sliced by %{u.result}")
+    return out
+
+
+def _same_axis_dim(a: Op, b: Op) -> bool:
+    get = lambda op, k: op.kwargs.get(k, op.attrs.get(k))  # noqa: E731
+    return get(a, "axis") == get(b, "axis") and get(a, "dim") == get(b, "dim")
+
+
+def test_position_ids_and_masks_are_recomputed_not_gathered(monkeypatch):
+    """`autopar ir gpt2:n_layer=1,n_embd=64,n_head=2 --mesh dp=2,tp=2`: no integer/bool tensor and no
+    value computed from inputs and constants only is communicated; no gather is re-sliced. The same
+    checks find both faults when recomputable values may be moved (the plans before issue 13)."""
+    spec = "gpt2:n_layer=1,n_embd=64,n_head=2"
+    lowered, planned = _planned(spec, "dp=2,tp=2", ShardOptions())
+    assert not _moved_recomputable(lowered, planned)
+    assert not _gathered_then_resliced(planned)
+    assert not [op for op in planned.ops if op.target in COMMUNICATING and not op.types[0].is_float]
+    # broken input: the least-memory plan with recomputable values allowed to move gathers position ids
+    monkeypatch.setattr("autopar.passes.shard.recomputable", lambda prog: set())
+    lowered, old = _planned(spec, "dp=2,tp=2", ShardOptions(objective="memory"))
+    assert len(_moved_recomputable(lowered, old)) > 5
+
+
+def test_dp_plan_splits_the_batch_and_syncs_gradients_only():
+    """GPT-2 of issue 13 on dp=2, priced on this machine's default spec: every matmul split by batch,
+    every parameter replicated, and the only collectives the loss's mean and gradient all-reduces
+    (DDP's): each parameter's after backward (grad_sync), except the position embedding, whose
+    batch-1 lookup is all-reduced once as the gradient of its output (the same bytes)."""
+    _, planned = _planned(GPT2_SMALL, "dp=2", ShardOptions(), loss_only=True)
+    assert all(v.type.placements == (Replicate(),) for v in planned.params)
+    unsynced = [v for v in planned.params if v.attrs.get("grad_sync") != ["dp"]]
+    linear = [op for op in planned.ops if op.target in ("aten.mm", "aten.addmm", "aten.bmm", "aten.linear")]
+    assert linear and all(op.types[0].placements == (Shard(0),) for op in linear)
+    moving = [op for op in planned.ops if op.target in COMMUNICATING]
+    assert [op.target for op in moving] == ["grad_all_reduce"] * len(unsynced) + ["all_reduce"]
+    assert moving[-1].types[0].shape == ()  # the loss
+    assert sum(op.types[0].nbytes for op in moving[:-1]) == sum(v.type.nbytes for v in unsynced)
+
+
+def test_solver_does_not_import_the_search():
+    """Layering: the solver is below autopar's search (the Table 1 check, which needed it, moved to
+    bench/); no solver module imports autopar.search, at its top or inside a function."""
+    import re
+    from pathlib import Path
+
+    import autopar.solver
+
+    importing = re.compile(
+        r"^\s*(from autopar\.search import|from autopar import search\b|import autopar\.search\b)",
+        re.M,
+    )
+    for path in Path(autopar.solver.__file__).parent.glob("*.py"):
+        assert not importing.search(path.read_text()), path
+
+
+def test_megatron_table1_first_row_still_priced_close():
+    """The moved benchmark still runs: Table 1's 1.7B row within 10% of the reported 137 TFLOP/s
+    (BENCHMARKS.md: +3.8%)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        from megatron_table1 import TABLE1, predict
+
+        from autopar.search import profile_model
+    finally:
+        sys.path.pop(0)
+    pred = predict(TABLE1[0], profile_model(TABLE1[0].spec))
+    assert abs(pred.error) < 0.10
+
+
+def test_calibration_writes_a_spec_that_round_trips_and_becomes_the_default(tmp_path, monkeypatch, capsys):
+    from autopar.api import local_cluster_spec
+    from autopar.cli import main
+
+    monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
+    assert local_cluster_spec("cpu", 2).name == "local-cpu"
+    out = tmp_path / "spec.yaml"
+    assert main(["calibrate", "--quick", "-o", str(out), "--save"]) == 0
+    assert "all_reduce" in capsys.readouterr().out
+    spec = ClusterSpec.load(out)
+    assert set(spec.collectives) == {"all_reduce", "all_gather", "reduce_scatter", "send"}
+    assert spec.peak("fp32") > 0 and spec.memory_bandwidth > 0 and spec.efficiency == 1.0
+    assert ClusterSpec.from_dict(spec.to_dict()) == spec
+    assert ClusterSpec.load(calibration_file(tmp_path / "cache", "gloo")) == spec
+    local = local_cluster_spec("cpu", 2)  # what autopar.compile prices with now
+    assert local.name == "local-gloo-calibrated" and local.collectives == spec.collectives
+    lat, bw = spec.collectives["all_gather"]
+    assert spec.collective_seconds("all_gather", 1e6, 2, True) == pytest.approx(1e6 / 2 / bw + lat)
+
+
+# -- the collectives each rank issues equal the plan's -------------------------------------------------
+
+
+def planned_collectives(program) -> list[tuple[str, str, int]]:
+    """(kind, axis, bytes per rank) of every collective one training step of ``program`` issues, as
+    the plan lists them: each IR collective's forward and backward (gloo's reduce-scatter is an
+    all-reduce), then the gradient sync of grad_sync parameters in flat buckets per axis."""
+    from autopar.runtime.collectives import BUCKET_BYTES
+
+    local = lambda t: t.local_nbytes(program.mesh)  # noqa: E731
+    types = program.types()
+    fwd, bwd = [], []
+    for op in program.ops:
+        axis = op.kwargs.get("axis", op.attrs.get("axis"))
+        if op.target == "all_reduce":
+            fwd.append(("all_reduce", axis, local(types[op.input_refs()[0].name])))
+        elif op.target == "all_gather":
+            fwd.append(("all_gather", axis, local(types[op.input_refs()[0].name])))
+        elif op.target == "reduce_scatter":
+            fwd.append(("all_reduce", axis, local(types[op.input_refs()[0].name])))
+            bwd.append(("all_gather", axis, local(op.types[0])))
+        elif op.target == "local_shard" and op.result in program.requires_grad():
+            bwd.append(("all_gather", axis, local(op.types[0])))
+        elif op.target == "grad_all_reduce":
+            bwd.append(("all_reduce", axis, local(op.types[0])))
+    sync = []
+    for axis in program.mesh.names:
+        size = 0
+        for v in program.params:
+            if axis in v.attrs.get("grad_sync", []):
+                size += local(v.type)
+                if size >= BUCKET_BYTES:
+                    sync.append(("all_reduce", axis, size))
+                    size = 0
+        if size:
+            sync.append(("all_reduce", axis, size))
+    return sorted(fwd) + sorted(bwd) + sync
+
+
+def _record(comm, calls: list):
+    """Patch torch.distributed's collectives to append (kind, axis, bytes) to ``calls``."""
+    import torch.distributed as dist
+
+    axis_of = {id(g): a for a, g in comm.groups.items()}
+    saved = {}
+
+    def wrap(name, kind, nbytes):
+        fn = getattr(dist, name)
+        saved[name] = fn
+
+        def call(*args, **kwargs):
+            group = kwargs.get("group")
+            calls.append((kind, axis_of.get(id(group), str(group)), nbytes(*args)))
+            return fn(*args, **kwargs)
+
+        setattr(dist, name, call)
+
+    wrap("all_reduce", "all_reduce", lambda t, *a: t.numel() * t.element_size())
+    wrap("all_gather", "all_gather", lambda parts, t, *a: t.numel() * t.element_size())
+    wrap("all_gather_into_tensor", "all_gather", lambda out, t, *a: t.numel() * t.element_size())
+    wrap("reduce_scatter_tensor", "reduce_scatter", lambda out, t, *a: t.numel() * t.element_size())
+    for name in ("send", "recv", "broadcast", "all_to_all", "all_to_all_single", "isend", "irecv"):
+        wrap(name, name, lambda *a: 0)
+    return lambda: [setattr(dist, k, v) for k, v in saved.items()]
+
+
+def _collectives_worker(rank: int, world: int, spec: str, cache: str) -> dict:
+    import autopar
+    from autopar.api import compile as compile_model
+
+    torch.manual_seed(0)
+    out = {}
+    for name, mesh_axes, opts in (
+        ("dp", {"dp": 2}, ShardOptions(cluster=ClusterSpec.load("local-cpu:intra_node_latency=1us"))),
+        ("tp", {"tp": 2}, ShardOptions(cluster=ClusterSpec.load("local-cpu:intra_node_latency=1us"))),
+        ("calibrated", {"dp": 2}, None),  # priced on the calibration saved in the cache directory
+    ):
+        if name == "calibrated":
+            os.environ["AUTOPAR_CACHE_DIR"] = cache
+        m = build(spec, device="cpu", seed=0)
+        model = LossOnly(m.model)
+        cm = compile_model(model, autopar.init_mesh(**mesh_axes), kwargs=m.kwargs, options=opts)
+        opt = cm.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        calls: list = []
+        undo = _record(cm.comm, calls)
+        try:
+            cm(**m.kwargs).backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            undo()
+        out[name] = {"issued": calls, "planned": planned_collectives(cm.program)}
+    return out
+
+
+@pytest.mark.multiproc
+def test_each_rank_issues_exactly_the_planned_collectives(tmp_path):
+    """One training step per mesh; a hook on torch.distributed records every collective a rank
+    issues (kind, mesh axis, bytes): the list equals what the plan lists, so an unplanned
+    collective fails (that the dp plan of a realistic model is DDP's is checked on the plan above).
+    With a saved calibration that makes communication ruinous, autopar.compile (no options) picks it
+    up and plans no collective at all. Shown failing once: with the gradient bucket left out of
+    planned_collectives, the dp comparison failed on the unplanned 531,456-byte all-reduce."""
+    slow = ClusterSpec.load("local-cpu").replace(
+        name="local-gloo-calibrated", intra_node_latency=10.0, intra_node_bandwidth=1e3
+    )
+    (tmp_path / "cache").mkdir()
+    slow.save(calibration_file(tmp_path / "cache", "gloo"))
+    spec = "gpt2:n_layer=2,n_embd=64,n_head=2,vocab_size=512,n_positions=64,batch=4,seq=64"
+    results = run_distributed(_collectives_worker, 2, spec, str(tmp_path / "cache"))
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            issued, planned = [tuple(x) for x in r["issued"]], [tuple(x) for x in r["planned"]]
+            assert sorted(issued) == sorted(planned), (rank, name, issued, planned)
+        assert ("all_reduce", "dp", 4) in [tuple(x) for x in res["dp"]["issued"]]  # the loss's mean
+        assert res["calibrated"]["issued"] == []
+        assert res["tp"]["issued"]  # tensor parallelism communicates
