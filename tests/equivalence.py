@@ -157,7 +157,7 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
     ref_losses = torch.tensor(train(reference, batches, optimizer), dtype=torch.float64)
     losses = torch.tensor(losses, dtype=torch.float64)
-    param_rel, worst_param = parameter_error(full, reference)
+    param_rel, worst_param, _ = parameter_error(full, reference)
     per_element = STATES_PER_ELEMENT[optimizer]
     return {
         "loss_rel": torch.tensor(loss_error(losses, ref_losses), dtype=torch.float64),

@@ -104,26 +104,30 @@ def loss_error(losses: torch.Tensor, ref: torch.Tensor) -> float:
     return ((losses - ref).abs() / ref.abs()).max().item()
 
 
-def parameter_error(full: dict[str, torch.Tensor], reference: torch.nn.Module) -> tuple[float, str]:
-    """The largest relative difference over every parameter of ``reference``, each tensor measured as
-    max|p - p_ref| / max|p_ref|, and the (user's) name of that parameter. ``full`` is the parallel
-    run's whole state (it may hold buffers too, and a tied parameter under one of its names); a
-    parameter missing from it under every name is an error."""
-    names: dict[int, list[str]] = {}
-    for name, p in reference.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+def parameter_error(
+    full: dict[str, torch.Tensor], reference: torch.nn.Module, whole: bool = True
+) -> tuple[float, str, list[str]]:
+    """The largest relative difference over the parameters of ``reference`` in ``full`` (the parallel
+    run's state: it may hold buffers too, and a tied parameter under one of its names), each tensor
+    measured as max|p - p_ref| / max|p_ref|; the (user's) name of that parameter; and the names of the
+    parameters compared (a tied group by its first name). ``whole``: every parameter must be in ``full``
+    (a pipeline rank holds only its stages': pass False and check the union over ranks)."""
+    groups: dict[int, list[str]] = {}
     params = dict(reference.named_parameters(remove_duplicate=False))
-    worst, where = 0.0, ""
-    for group in names.values():
+    for name, p in params.items():
+        groups.setdefault(id(p), []).append(name)
+    worst, where, compared = 0.0, "", []
+    for group in groups.values():
         present = [n for n in group if n in full]
-        if not present:
+        if whole and not present:
             raise AssertionError(f"the parallel run has no parameter {[user_name(n) for n in group]}")
         for name in present:
             r = params[name].detach()
             err = ((full[name].to(r.dtype) - r).abs().max() / r.abs().max()).item()
             if not err <= worst:  # NaN counts as the worst
                 worst, where = err, user_name(name)
-    return worst, where
+        compared += [user_name(group[0])] if present else []
+    return worst, where, compared
 
 
 def drop_a_row_parallel_all_reduce(gm: fx.GraphModule) -> str:

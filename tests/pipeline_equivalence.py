@@ -12,7 +12,7 @@ from autopar.models import build
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
-from tests.exactness import float64_batch, float64_model, loss_error, loss_of, parameter_error
+from tests.exactness import float64_batch, float64_model, loss_error, loss_of, parameter_error, user_name
 from tests.exactness import make_optimizer as new_optimizer  # compare_pipeline's make_optimizer is a flag
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "bert": "tiny-bert"}
@@ -102,7 +102,7 @@ def compare_pipeline(
                 opt.step()
                 opt.zero_grad()
         key = schedule + "".join(f",{k}={v}" for k, v in {**opts, **extra}.items())
-        param_rel, worst_param = parameter_error(pipe.full_state_dict(), reference)
+        param_rel, worst_param, compared = parameter_error(pipe.full_state_dict(), reference, whole=False)
         measured = pipe.measured()  # the last step, from every pipeline rank's trace
         r = pipe.coords()["pp"]
         sim = simulate(pipe.schedule, Costs.uniform(pipe.schedule.num_stages))
@@ -110,6 +110,8 @@ def compare_pipeline(
             "loss_rel": torch.tensor(loss_error(torch.tensor(losses, dtype=torch.float64), ref_losses)),
             "param_rel": torch.tensor(param_rel, dtype=torch.float64),
             "worst_param": worst_param,
+            "compared": compared,  # this rank's stages' parameters; every one is held by some rank
+            "all_params": [user_name(n) for n, _ in reference.named_parameters()],  # a tied group by its first name
             "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
             "full_numel": torch.tensor(sum(p.numel() for p in reference.parameters())),
             "optimizer_numel": torch.tensor(sum(p.numel() for g in opt.param_groups for p in g["params"])),

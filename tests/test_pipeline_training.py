@@ -59,7 +59,7 @@ SUB_RUNS = [("1f1b", {}, SUB), ("interleaved", {"chunks": 2}, SUB), ("scp", {"al
 
 
 def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] = ()) -> None:
-    largest = {}
+    largest, compared = {}, {}
     for rank, res in enumerate(results):
         for job, out in res.items():
             if "F" in out:
@@ -71,6 +71,8 @@ def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] 
                 assert param_rel < TOL, f"{at}: {r['worst_param']} differs by {param_rel:.2e} relative"
                 old = largest.get(job, (0.0, 0.0))
                 largest[job] = (max(old[0], loss_rel), max(old[1], param_rel))
+                compared.setdefault((job, key), set()).update(r["compared"])
+                assert r["compared"], at
                 # activations are freed when their backward is done: the stash peaks where the simulator says
                 assert r["peak_stash"] == r["sim_peak_stash"], at
                 assert torch.equal(r["measured_computes"], r["sim_computes"]), at
@@ -79,6 +81,9 @@ def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] 
                     assert r["local_numel"] < r["full_numel"], at
                 if job in zero:  # ZeRO-2 / MiCS: the optimizer holds a slice of the replicated parameters
                     assert r["optimizer_numel"] < r["local_numel"], at
+    for (job, key), names in compared.items():  # every parameter is compared on the rank that holds it
+        missing = set(results[0][job][key]["all_params"]) - names
+        assert not missing, f"{where} {job} {key}: no rank compared {sorted(missing)}"
     print(f"{where}: largest relative differences (loss, parameters):", largest)
 
 
