@@ -14,8 +14,8 @@ from tests.exactness import (
     float64_model,
     loss_error,
     loss_of,
-    make_optimizer,
     parameter_error,
+    train,
 )
 
 
@@ -72,22 +72,6 @@ def tiny_mlp(seed: int = 0, batch: int = 8, steps: int = 3):
 
 
 MODELS = {"gpt2": tiny_gpt2, "mlp": tiny_mlp}
-
-
-def train(model, batches, optimizer: str = "sgd", states: list | None = None) -> list[float]:
-    """``len(batches)`` steps of ``optimizer`` (tests/exactness.py); the per-step losses."""
-    opt = make_optimizer(optimizer, model)
-    losses = []
-    for b in batches:
-        loss = loss_of(model(**b))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if states is not None:  # elements of optimizer state this rank holds (per trained element: STATES_PER_ELEMENT)
-        inner = getattr(opt, "optimizer", opt)
-        states.append(sum(t.numel() for st in inner.state.values() for t in st.values() if t.dim() > 0))
-    return losses
 
 
 def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strategy: str = "autopar") -> dict:
@@ -155,8 +139,7 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         loss = loss_of(compiled(**batches[0]))
         gathered_alive = compiled.zero3.gathered_alive()
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
-    ref_losses = torch.tensor(train(reference, batches, optimizer), dtype=torch.float64)
-    losses = torch.tensor(losses, dtype=torch.float64)
+    ref_losses = train(reference, batches, optimizer)
     param_rel, worst_param, _ = parameter_error(full, reference)
     per_element = STATES_PER_ELEMENT[optimizer]
     return {

@@ -12,7 +12,7 @@ from autopar.models import build
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
-from tests.exactness import float64_batch, float64_model, loss_error, loss_of, parameter_error, user_name
+from tests.exactness import float64_batch, float64_model, loss_error, parameter_error, train, user_name
 from tests.exactness import make_optimizer as new_optimizer  # compare_pipeline's make_optimizer is a flag
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "bert": "tiny-bert"}
@@ -32,19 +32,6 @@ def make_batches(model: torch.nn.Module, example: dict, steps: int, seed: int = 
                 b[k] = torch.randint(0, vocab, v.shape, generator=g, dtype=v.dtype)
         out.append(b)
     return out
-
-
-def reference_run(model: torch.nn.Module, batches: list[dict], optimizer: str = "sgd") -> torch.Tensor:
-    """Single-process training of ``model`` in place (``optimizer`` of tests/exactness.py); the losses."""
-    opt = new_optimizer(optimizer, model)
-    losses = []
-    for b in batches:
-        loss = loss_of(model(**b))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return torch.tensor(losses, dtype=torch.float64)
 
 
 def compare_pipeline(
@@ -75,7 +62,7 @@ def compare_pipeline(
     reference = materialize(float64_model(build(preset, device="meta").model), seed=0) if meta else copy.deepcopy(model)
     example = build(preset, device="cpu", seed=0).kwargs if meta else spec.kwargs
     batches = [float64_batch(b) for b in make_batches(reference, example, steps)]
-    ref_losses = reference_run(reference, batches)
+    ref_losses = train(reference, batches)
     mesh = autopar.init_mesh("cpu", **axes)
     compile_kwargs = dict(compile_kwargs or {})
     if megatron:  # Megatron's layout: the residual stream between stages replicated over tp

@@ -244,8 +244,8 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     from autopar.pipeline import split_batch
     from autopar.plan import Plan
     from autopar.runtime.init import materialize
-    from tests.exactness import loss_error, make_optimizer, parameter_error
-    from tests.pipeline_equivalence import make_batches, reference_run
+    from tests.exactness import loss_error, make_optimizer, parameter_error, train
+    from tests.pipeline_equivalence import make_batches
 
     out = {}
     # 1. the default search's plan (no pipeline): a CPU model; microbatches accumulated in one backward
@@ -255,7 +255,7 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     spec = build("tiny-gpt2:batch=8", device="cpu", seed=0)
     reference = copy.deepcopy(spec.model)
     batches = make_batches(reference, spec.kwargs, steps)
-    ref_losses = reference_run(reference, batches)
+    ref_losses = train(reference, batches)
     mesh = autopar.init_mesh("cpu", **axes)
     first = split_batch((), batches[0], m)[0][1]
     model = autopar.compile(spec.model, mesh, kwargs=first, plan=flat)
@@ -273,7 +273,7 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     # 2. pipeline plans made on the meta device (searched; `autopar plan --mesh pp=2,dp=2`): a meta
     # model initialized shard by shard from seed 0
     reference = materialize(build("tiny-gpt2:batch=8", device="meta").model, seed=0)
-    ref_losses = reference_run(reference, batches)
+    ref_losses = train(reference, batches)
     for path in piped:
         plan = Plan.load(path)
         axes, kw = launch_options(plan)
@@ -291,10 +291,13 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
 
 # The one equivalence test in float32, through the model's own loss (Hugging Face casts the logits to
 # float32) as a user trains a preset; every other one runs in float64 at 1e-10 (tests/exactness.py).
-# Rounding alone gave at most LOSS / PARAM relative differences here (measured: see below), so the
-# tolerances sit far above that spread and far below what a sharding bug does.
+# Measured spread of float32 rounding with SGD: here, losses 9.8e-8 and parameters 3.5e-7 to 6.8e-7
+# (max|p - p_ref| / max|p_ref| per tensor); the float64 harness run in float32 on every mesh and
+# schedule of tests/test_equivalence.py and tests/test_pipeline_training.py, losses at most 2.0e-7
+# and parameters at most 3.8e-7. The tolerances sit 50x and 30x above the largest; a sharding bug
+# moves them by 1e-3 or more (tests/test_equivalence.py's dropped all-reduce: 1.3e-3 and 5.8e-2).
 F32_LOSS_TOL = 1e-5
-F32_PARAM_TOL = 1e-5
+F32_PARAM_TOL = 2e-5
 
 
 @pytest.mark.multiproc
