@@ -188,6 +188,7 @@ class PipelineModule(torch.nn.Module):
         names = mesh.mesh_dim_names
         self._opts = opts
         self._program = program
+        self._loss_dtype = program.types()[program.outputs[0].name].torch_dtype
         self._schedule = schedule
         self._mesh = mesh
         self._device = device
@@ -399,8 +400,10 @@ class PipelineModule(torch.nn.Module):
         mbs = self._microbatch_inputs(args, kwargs)
         losses = self._executor.run(mbs)
         last = self._schedule.stage_to_rank[-1]
+        # every pp rank needs the dtype to receive the broadcast: the loss's own, half types as float32
+        dtype = torch.promote_types(self._loss_dtype, torch.float32)
         loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self._device)
-        loss = loss.detach().to(self._device).float().contiguous()
+        loss = loss.detach().to(self._device, dtype).contiguous()
         dist.broadcast(loss, src=self._global_rank(last), group=self._pp_group)
         return loss
 

@@ -1,4 +1,4 @@
-"""Train a model with autopar on a mesh and in a single process; report both (run inside each rank)."""
+"""Train a model with autopar on a dp/tp mesh and in a single process, in float64; compare (run in each rank)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,16 @@ import copy
 import torch
 
 import autopar
+from tests.exactness import (
+    STATES_PER_ELEMENT,
+    drop_a_row_parallel_all_reduce,
+    float64_batch,
+    float64_model,
+    loss_error,
+    loss_of,
+    parameter_error,
+    train,
+)
 
 
 def tiny_gpt2(seed: int = 0, batch: int = 4, seq: int = 16, steps: int = 3):
@@ -64,55 +74,26 @@ def tiny_mlp(seed: int = 0, batch: int = 8, steps: int = 3):
 MODELS = {"gpt2": tiny_gpt2, "mlp": tiny_mlp}
 
 
-def _loss(out):
-    return out if isinstance(out, torch.Tensor) else out.loss
-
-
-# A gradient entry this small next to its tensor's largest is rounding noise of a mathematically zero
-# gradient (GPT-2's key bias: softmax ignores a constant added to every score of a row, so dL/db_k = 0).
-# Adam divides it by its own magnitude and turns noise into a full +-lr step, different on every
-# summation order, so such entries are compared by their gradient (equal within noise), not value.
-NOISE_FLOOR = 1e-7
-# lr 1e-3: GPT-2 weights start at N(0, 0.02); with lr 1e-2 three Adam steps (each ~+-lr per entry)
-# would be larger than the weights themselves, so the comparison would measure the sign of
-# near-cancelling gradient entries rather than training.
-
-
-def train(model, batches, lr: float = 1e-3, noise: dict | None = None, states: list | None = None):
-    make = getattr(model, "make_optimizer", None)  # a compiled module: ZeRO when its plan says so
-    opt = make(torch.optim.AdamW, lr=lr) if make else torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for b in batches:
-        loss = _loss(model(**b))
-        loss.backward()
-        if noise is not None:
-            for name, p in model.named_parameters(remove_duplicate=False):
-                if p.grad is not None:
-                    mask = (p.grad != 0) & (p.grad.abs() <= NOISE_FLOOR * p.grad.abs().max())
-                    noise[name] = noise.get(name, torch.zeros_like(mask)) | mask
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if states is not None:  # elements of optimizer state this rank holds (Adam: 2 per trained element)
-        inner = getattr(opt, "optimizer", opt)
-        states.append(sum(t.numel() for st in inner.state.values() for t in st.values() if t.dim() > 0))
-    return losses
-
-
 def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strategy: str = "autopar") -> dict:
-    """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed.
+    """Run on every rank: autopar on the mesh vs the single-process reference, both from one seed, in
+    float64 with SGD (tests/exactness.py).
 
-    ``strategy="megatron"`` trains Megatron's layout (vocab-parallel embedding, column/row linears)
-    instead of the ILP's choice, so every sharding rule it uses is checked numerically too;
-    ``strategy="zero2"`` trains data parallel on every axis with ZeRO-2 over all of them, and
-    ``"megatron+zero2"`` Megatron's layout with ZeRO-2 over ``dp``, both through the compiled module's
-    sharded optimizer (``make_optimizer``); ``"megatron+zero3"`` the same layout with ZeRO-3 over ``dp``
-    (each rank keeps its slice of the dp-replicated parameters; the forward all-gathers them)."""
+    ``strategy`` is ``+``-joined kinds. ``"megatron"`` trains Megatron's layout (vocab-parallel
+    embedding, column/row linears) instead of the ILP's choice, so every sharding rule it uses is
+    checked numerically too; ``"zero2"`` alone trains data parallel on every axis with ZeRO-2 over all
+    of them, and ``"megatron+zero2"`` Megatron's layout with ZeRO-2 over ``dp``, both through the
+    compiled module's sharded optimizer (``make_optimizer``); ``"megatron+zero3"`` the same layout with
+    ZeRO-3 over ``dp`` (each rank keeps its slice of the dp-replicated parameters; the forward
+    all-gathers them); ``"plan"`` compiles every rank from a plan file made offline. ``"adamw"`` trains
+    with AdamW instead of SGD; ``"broken"`` drops one row-parallel all-reduce from every rank's program
+    (``drop_a_row_parallel_all_reduce``), a sharding bug the comparison must see."""
+    kinds = set(strategy.split("+"))
     model, batches = MODELS[model_name]()
+    model, batches = float64_model(model), [float64_batch(b) for b in batches]
+    optimizer = "adamw" if "adamw" in kinds else "sgd"
     reference = copy.deepcopy(model)
     mesh = autopar.init_mesh("cpu", **axes)
     options = None
-    kinds = set(strategy.split("+"))
     if kinds & {"megatron", "zero2", "zero3"}:
         from autopar.api import mesh_spec
         from autopar.passes.capture import capture
@@ -132,7 +113,7 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         objective = "comm" if "megatron" in kinds else "memory"
         options = ShardOptions(objective=objective, constrain=layout, setup=setup)
     plan = None
-    if strategy == "plan":  # planned offline into a JSON file, then every rank compiles from the file
+    if "plan" in kinds:  # planned offline into a JSON file, then every rank compiles from the file
         import tempfile
 
         import torch.distributed as dist
@@ -149,48 +130,39 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         dist.barrier()
         plan = path[0]
     compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options, plan=plan)
+    dropped = drop_a_row_parallel_all_reduce(compiled.module) if "broken" in kinds else ""
     states: list[int] = []
-    losses = train(compiled, batches, states=states)
+    losses = train(compiled, batches, optimizer, states=states)
     full = compiled.full_state_dict()
     gathered_alive = -1
     if compiled.zero3 is not None:  # the whole parameters must not outlive the forward
-        loss = _loss(compiled(**batches[0]))
+        loss = loss_of(compiled(**batches[0]))
         gathered_alive = compiled.zero3.gathered_alive()
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
-    noise: dict[str, torch.Tensor] = {}
-    ref_losses = train(reference, batches, noise=noise)
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    # relative error of a tensor: ||p - p_ref|| / ||p_ref|| (what torch.allclose's elementwise form
-    # cannot give: Adam divides each entry by its own gradient, so an entry whose gradient cancels to
-    # a tiny value carries float32 summation-order noise; the norm weighs entries by size)
-    worst, worst_elem, excluded = 0.0, 0.0, 0
-    for name, value in full.items():
-        ref = ref_params[name].detach()
-        keep = ~noise.get(name, torch.zeros_like(ref, dtype=torch.bool))
-        excluded += int((~keep).sum())
-        diff = (value - ref)[keep]
-        worst = max(worst, (diff.norm() / ref[keep].norm().clamp_min(1e-12)).item())
-        worst_elem = max(worst_elem, (diff.abs().max() / ref.abs().max().clamp_min(1e-12)).item())
+    ref_losses = train(reference, batches, optimizer)
+    param_rel, worst_param, _ = parameter_error(full, reference)
+    per_element = STATES_PER_ELEMENT[optimizer]
     return {
-        "losses": torch.tensor(losses),
-        "ref_losses": torch.tensor(ref_losses),
-        "param_rel": torch.tensor(worst),
-        "param_rel_elementwise": torch.tensor(worst_elem),
-        "noise_entries": torch.tensor(excluded),
+        "loss_rel": torch.tensor(loss_error(losses, ref_losses), dtype=torch.float64),
+        "param_rel": torch.tensor(param_rel, dtype=torch.float64),
+        "worst_param": worst_param,
+        "dropped": dropped,
+        "states_per_element": torch.tensor(per_element),
         "local_numel": torch.tensor(sum(p.numel() for p in compiled.parameters())),
         "optimizer_state_numel": torch.tensor(states[0]),
-        "zero_expected_numel": torch.tensor(_zero_expected(compiled)),
-        "zero3_expected_numel": torch.tensor(_zero_expected(compiled, per_tensor=True) // 2),
+        "zero_expected_numel": torch.tensor(_zero_expected(compiled, per_element)),
+        "zero3_expected_numel": torch.tensor(_zero_expected(compiled, 1, per_tensor=True)),
         "gathered_alive": torch.tensor(gathered_alive),
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
     }
 
 
-def _zero_expected(compiled, per_tensor: bool = False) -> int:
-    """Adam state elements a rank holds under ZeRO-2: two per element of its slice of the parameters
-    replicated over the ZeRO axes (gradient summed over all of them, or whole on every rank; padded to
-    equal slices), two per other element. ``per_tensor``: each parameter padded and sliced on its own
-    (ZeRO-3's layout, where this halved is also the number of parameter elements the rank keeps)."""
+def _zero_expected(compiled, per_element: int, per_tensor: bool = False) -> int:
+    """Optimizer state elements a rank holds under ZeRO-2: ``per_element`` per element of its slice of
+    the parameters replicated over the ZeRO axes (gradient summed over all of them, or whole on every
+    rank; padded to equal slices), ``per_element`` per other element. ``per_tensor``: each parameter
+    padded and sliced on its own (ZeRO-3's layout, where with ``per_element=1`` this is also the number
+    of parameter elements the rank keeps)."""
     from autopar.passes.ir import Replicate
     from autopar.runtime.zero import zero_axes_of
 
@@ -210,7 +182,7 @@ def _zero_expected(compiled, per_tensor: bool = False) -> int:
             managed += -(-n // k) * k if per_tensor else n
         else:
             other += n
-    return 2 * (-(-managed // k) + other)
+    return per_element * (-(-managed // k) + other)
 
 
 def compare_models(rank: int, world: int, models: list[str], axes: dict[str, int]) -> dict:

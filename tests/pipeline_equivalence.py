@@ -1,4 +1,4 @@
-"""Pipeline training on a mesh vs a single-process run of the same model and data (run in each rank)."""
+"""Pipeline training on a mesh vs a single-process run of the same model and data, in float64 (run in each rank)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from autopar.models import build
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
-from tests.equivalence import NOISE_FLOOR
+from tests.exactness import float64_batch, float64_model, loss_error, parameter_error, train, user_name
+from tests.exactness import make_optimizer as new_optimizer  # compare_pipeline's make_optimizer is a flag
 
 PRESETS = {"gpt2": "tiny-gpt2", "llama": "tiny-llama", "bert": "tiny-bert"}
 
@@ -33,50 +34,6 @@ def make_batches(model: torch.nn.Module, example: dict, steps: int, seed: int = 
     return out
 
 
-def add_noise(noise: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
-    """Mark entries whose gradient is float noise of a mathematically zero gradient (tests/equivalence.py):
-    non-zero but below NOISE_FLOOR of the largest gradient entry of the model. The model-wide largest,
-    not the tensor's: BERT's key bias is a tensor of its own whose every entry is noise (about 1e-12;
-    softmax ignores a constant added to a row of scores), unlike GPT-2's, which sits in the fused QKV
-    bias. Either run's gradient marks an entry."""
-    top = max((g.abs().max() for g in grads.values() if g.numel()), default=torch.tensor(0.0))
-    for name, g in grads.items():
-        mask = (g != 0) & (g.abs() <= NOISE_FLOOR * top)
-        noise[name] = noise.get(name, torch.zeros_like(mask)) | mask
-
-
-def reference_run(model: torch.nn.Module, batches: list[dict], lr: float) -> tuple[list[float], dict, dict]:
-    """Single-process AdamW: losses, final parameters, and the noise masks of tests/equivalence.py."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    noise: dict[str, torch.Tensor] = {}
-    losses = []
-    for b in batches:
-        out = model(**b)
-        loss = out if isinstance(out, torch.Tensor) else out.loss
-        loss.backward()
-        named = model.named_parameters(remove_duplicate=False)
-        add_noise(noise, {n: p.grad for n, p in named if p.grad is not None})
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    return losses, params, noise
-
-
-def _errors(full: dict, ref: dict, noise: dict) -> tuple[float, int, int]:
-    worst, excluded, compared = 0.0, 0, 0
-    for name, value in full.items():
-        if name not in ref:
-            continue  # a buffer
-        r = ref[name]
-        keep = ~noise.get(name, torch.zeros_like(r, dtype=torch.bool))
-        excluded += int((~keep).sum())
-        diff = (value - r)[keep]
-        worst = max(worst, (diff.norm() / r[keep].norm().clamp_min(1e-12)).item())
-        compared += 1
-    return worst, excluded, compared
-
-
 def compare_pipeline(
     rank: int,
     world: int,
@@ -87,59 +44,63 @@ def compare_pipeline(
     steps: int = 3,
     microbatches: int = 4,
     batch: int = 8,
-    lr: float = 1e-3,
     meta: bool = False,
     compile_kwargs: dict | None = None,
     make_optimizer: bool = False,
     megatron: bool = False,
 ) -> dict[str, Any]:
     """For each (schedule, schedule options[, this run's own compile keywords]) in ``runs``: train
-    ``steps`` AdamW steps with autopar on the mesh and compare losses and (this rank's) parameters with
-    one single-process reference."""
+    ``steps`` SGD steps in float64 (tests/exactness.py) with autopar on the mesh and compare the
+    losses and every parameter with one single-process reference. ``make_optimizer``: the pipeline's
+    own optimizer (ZeRO-2 / MiCS when the plan says so) instead of the user's over the local shards."""
     from autopar.runtime.init import materialize
 
     preset = f"{PRESETS.get(model_name, model_name)}:batch={batch}"
     spec = build(preset, device="meta" if meta else "cpu", seed=0)
-    reference = materialize(build(preset, device="meta").model, seed=0) if meta else copy.deepcopy(spec.model)
+    model = float64_model(spec.model)
+    # a meta model is initialized shard by shard by autopar; the reference holds the same numbers
+    reference = materialize(float64_model(build(preset, device="meta").model), seed=0) if meta else copy.deepcopy(model)
     example = build(preset, device="cpu", seed=0).kwargs if meta else spec.kwargs
-    batches = make_batches(reference, example, steps)
-    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    batches = [float64_batch(b) for b in make_batches(reference, example, steps)]
+    ref_losses = train(reference, batches)
     mesh = autopar.init_mesh("cpu", **axes)
     compile_kwargs = dict(compile_kwargs or {})
     if megatron:  # Megatron's layout: the residual stream between stages replicated over tp
-        compile_kwargs["options"] = _megatron_options(spec.model, batches[0], axes, microbatches)
-    out: dict[str, Any] = {"ref_losses": torch.tensor(ref_losses)}
-    finals: dict[str, dict[str, torch.Tensor]] = {}
+        compile_kwargs["options"] = _megatron_options(model, batches[0], axes, microbatches)
+    out: dict[str, Any] = {}
     for schedule, opts, *more in runs:
         extra = dict(more[0]) if more else {}  # this run's own compile keywords (microbatches= too)
         pipe = autopar.compile(  # the model is only read (and captured once per microbatch shape)
-            spec.model,
+            model,
             mesh,
             kwargs=batches[0],
             schedule=schedule,
             schedule_options=opts,
             **{"microbatches": microbatches, **compile_kwargs, **extra},
         )
-        losses = []
         if make_optimizer:  # the optimizer runs inside train_step (ZeRO-2 when the plan says so)
-            opt = pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+            opt = new_optimizer("sgd", pipe)
             losses = [pipe.train_step(**b).item() for b in batches]
-        else:  # the user's own optimizer over the local shards; gradients inspected between steps
-            opt = torch.optim.AdamW(pipe.parameters(), lr=lr)
+        else:  # the user's own optimizer over the local shards
+            opt = new_optimizer("sgd", pipe.parameters())
+            losses = []
             for b in batches:
                 losses.append(pipe.train_step(**b).item())
-                add_noise(noise, pipe.full_state_dict(grads=True))
                 opt.step()
                 opt.zero_grad()
         key = schedule + "".join(f",{k}={v}" for k, v in {**opts, **extra}.items())
-        finals[key] = pipe.full_state_dict()
+        param_rel, worst_param, compared = parameter_error(pipe.full_state_dict(), reference, whole=False)
         measured = pipe.measured()  # the last step, from every pipeline rank's trace
         r = pipe.coords()["pp"]
         sim = simulate(pipe.schedule, Costs.uniform(pipe.schedule.num_stages))
         out[key] = {
-            "losses": torch.tensor(losses),
+            "loss_rel": torch.tensor(loss_error(torch.tensor(losses, dtype=torch.float64), ref_losses)),
+            "param_rel": torch.tensor(param_rel, dtype=torch.float64),
+            "worst_param": worst_param,
+            "compared": compared,  # this rank's stages' parameters; every one is held by some rank
+            "all_params": [user_name(n) for n, _ in reference.named_parameters()],  # a tied group by its first name
             "local_numel": torch.tensor(sum(p.numel() for p in pipe.parameters())),
-            "full_numel": torch.tensor(sum(p.numel() for p in ref_params.values())),
+            "full_numel": torch.tensor(sum(p.numel() for p in reference.parameters())),
             "optimizer_numel": torch.tensor(sum(p.numel() for g in opt.param_groups for p in g["params"])),
             "peak_stash": torch.tensor(pipe.peak_stash),
             "sim_peak_stash": torch.tensor(sim.peak_activations[r]),
@@ -152,11 +113,6 @@ def compare_pipeline(
             ),
             "stages": torch.tensor(sorted(pipe.stages)),
         }
-    for key, full in finals.items():  # compared once every run's noise is known
-        worst, excluded, compared = _errors(full, ref_params, noise)
-        out[key].update(
-            param_rel=torch.tensor(worst), noise_entries=torch.tensor(excluded), compared=torch.tensor(compared)
-        )
     return out
 
 

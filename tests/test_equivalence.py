@@ -1,18 +1,23 @@
-"""Parallel training equals single-process training: losses and parameters within 1e-5 relative."""
+"""Parallel training equals single-process training in float64: losses and every parameter within 1e-10.
+
+One process group per mesh runs every model and strategy on it (tests/equivalence.py): three SGD steps
+from one seed, compared with a single-process run (tests/exactness.py says why float64, SGD and
+non-zero starting parameters). AdamW runs once (ZeRO-2 on dp=2), and on tp=2 a run with one
+row-parallel all-reduce dropped proves that the comparison sees a sharding bug."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests._dist import run_distributed
 from tests.equivalence import compare_models
+from tests.exactness import TOL
 
 pytestmark = pytest.mark.multiproc
 
 MESHES = [
-    ({"dp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron+zero2", "gpt2@megatron+zero3"]),
-    ({"tp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron", "lm@megatron"]),
+    ({"dp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron+zero2+adamw", "gpt2@megatron+zero3"]),
+    ({"tp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron", "lm@megatron", "gpt2@megatron+broken"]),
     ({"dp": 2, "tp": 2}, ["mlp", "gpt2", "gpt2@plan", "gpt2@megatron+zero2", "gpt2@megatron+zero3"]),
 ]
 
@@ -28,28 +33,35 @@ def test_models_train_exactly(axes, models):
     for rank, res in enumerate(results):
         for model, r in res.items():
             where = f"{model} on {axes}, rank {rank}"
-            torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=0, msg=where)
-            assert r["param_rel"] < 1e-5, f"{where}: parameters differ by {r['param_rel']:.2e} relative (norm)"
-            # entries with a noise-only gradient (GPT-2's key biases) are a sliver of the model
-            assert r["noise_entries"] <= 0.01 * r["full_numel"], where
+            loss_rel, param_rel = r["loss_rel"].item(), r["param_rel"].item()
+            if model.endswith("broken"):  # the check must fail on a wrong program
+                assert r["dropped"], where
+                assert loss_rel > 1e3 * TOL and param_rel > 1e3 * TOL, f"{where}: the dropped all-reduce went unseen"
+                continue
+            assert loss_rel < TOL, f"{where}: losses differ by {loss_rel:.2e} relative"
+            assert param_rel < TOL, f"{where}: {r['worst_param']} differs by {param_rel:.2e} relative"
+    largest = {m: max(res[m]["loss_rel"].item() for res in results) for m in models}
+    largest_p = {m: max(res[m]["param_rel"].item() for res in results) for m in models}
+    print(f"{axes}: largest relative differences (loss, parameters):", {m: (largest[m], largest_p[m]) for m in models})
     # every rank holds less than the whole model when anything is sharded
     for model in models:
         r = results[0][model]
+        per_element = r["states_per_element"].item()  # optimizer states per trained element (momentum, Adam's two)
         assert r["local_numel"] <= r["full_numel"]
-        # ZeRO-2: each rank keeps Adam's states for its 1/k slice of the data-parallel parameters, and
-        # the slice is most of its parameters (the test would not show ZeRO otherwise)
-        if model.endswith("zero2"):
+        # ZeRO-2: each rank keeps the optimizer's states for its 1/k slice of the data-parallel
+        # parameters, and the slice is most of its parameters (the test would not show ZeRO otherwise)
+        if "zero2" in model:
             assert r["optimizer_state_numel"] == r["zero_expected_numel"], model
             k = axes.get("dp", 1) if "megatron" in model else world
-            assert r["optimizer_state_numel"] < (1 / k + 0.2) * 2 * r["local_numel"], model
+            assert r["optimizer_state_numel"] < (1 / k + 0.2) * per_element * r["local_numel"], model
         # ZeRO-3: each rank keeps its 1/k slice of the dp-replicated parameters (each padded to a
-        # multiple of k), the rest as the plan shards them, and Adam's states for exactly those; the
-        # whole parameters gathered for a forward are gone when it returns (saved ones are tokens)
-        if model.endswith("zero3"):
+        # multiple of k), the rest as the plan shards them, and the optimizer's states for exactly
+        # those; the whole parameters gathered for a forward are gone when it returns (saved ones are tokens)
+        if "zero3" in model:
             for res in results:
                 r3 = res[model]
                 assert r3["local_numel"] == r3["zero3_expected_numel"], model
-                assert r3["optimizer_state_numel"] == 2 * r3["local_numel"], model
+                assert r3["optimizer_state_numel"] == per_element * r3["local_numel"], model
                 assert r3["gathered_alive"] == 0, model
             k = axes.get("dp", 1)
             assert r["local_numel"] < (1 / k + 0.2) * r["full_numel"] / (world // k), model

@@ -3,10 +3,9 @@
 Multi-process tests run several models, schedules and meshes per spawned process group (spawning is
 the expensive part): pp=2 on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4 (with and without Merak's
 sub-pipelined tensor parallelism); pp=2 x dp=2 x tp=2 (also sub-pipelined) and MiCS on 8. Each run
-trains 3 AdamW steps (lr 1e-3) on 4 microbatches and is compared with one single-process run of the
-same model and batches: per-step losses within 1e-5 relative, every parameter within 1e-5 relative
-in norm (entries whose gradient is float noise of a mathematically zero gradient excluded,
-tests/pipeline_equivalence.py).
+trains 3 SGD steps in float64 on 4 microbatches and is compared with one single-process run of the
+same model and batches (tests/pipeline_equivalence.py, tests/exactness.py): per-step losses and every
+parameter within 1e-10 relative.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.solver.stages import plan_pipeline
 from tests._dist import run_distributed
+from tests.exactness import TOL
 from tests.pipeline_equivalence import compare_jobs
 
 ALL = [
@@ -59,19 +59,20 @@ SUB_RUNS = [("1f1b", {}, SUB), ("interleaved", {"chunks": 2}, SUB), ("scp", {"al
 
 
 def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] = ()) -> None:
+    largest, compared = {}, {}
     for rank, res in enumerate(results):
         for job, out in res.items():
-            if "ref_losses" not in out:
+            if "F" in out:
                 continue  # not a comparison (sub-pipeline events)
-            ref = out["ref_losses"]
             for key, r in out.items():
-                if key == "ref_losses":
-                    continue
                 at = f"{where} {job} {key}, rank {rank}"
-                torch.testing.assert_close(r["losses"], ref, rtol=1e-5, atol=0, msg=at)
-                assert r["param_rel"] < 1e-5, f"{at}: parameters differ by {r['param_rel']:.2e} (norm)"
-                assert r["compared"] > 0, at
-                assert r["noise_entries"] <= 0.01 * r["full_numel"], at
+                loss_rel, param_rel = r["loss_rel"].item(), r["param_rel"].item()
+                assert loss_rel < TOL, f"{at}: losses differ by {loss_rel:.2e} relative"
+                assert param_rel < TOL, f"{at}: {r['worst_param']} differs by {param_rel:.2e} relative"
+                old = largest.get(job, (0.0, 0.0))
+                largest[job] = (max(old[0], loss_rel), max(old[1], param_rel))
+                compared.setdefault((job, key), set()).update(r["compared"])
+                assert r["compared"], at
                 # activations are freed when their backward is done: the stash peaks where the simulator says
                 assert r["peak_stash"] == r["sim_peak_stash"], at
                 assert torch.equal(r["measured_computes"], r["sim_computes"]), at
@@ -80,6 +81,10 @@ def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] 
                     assert r["local_numel"] < r["full_numel"], at
                 if job in zero:  # ZeRO-2 / MiCS: the optimizer holds a slice of the replicated parameters
                     assert r["optimizer_numel"] < r["local_numel"], at
+    for (job, key), names in compared.items():  # every parameter is compared on the rank that holds it
+        missing = set(results[0][job][key]["all_params"]) - names
+        assert not missing, f"{where} {job} {key}: no rank compared {sorted(missing)}"
+    print(f"{where}: largest relative differences (loss, parameters):", largest)
 
 
 # ---------------------------------------------------------------------------------------------

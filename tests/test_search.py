@@ -236,13 +236,16 @@ def test_cli_without_mesh_or_batch_says_what_to_give(capsys):
 # Searched plans train exactly like one process (4 gloo processes)
 
 
-def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int = 3, lr: float = 1e-3) -> dict:
+def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int = 3) -> dict:
+    """Each plan file trained for ``steps`` SGD steps as a user would (the preset's own Hugging Face loss,
+    float32) against one process: the largest relative difference of the losses and of any parameter."""
     import autopar
     from autopar.models import build
     from autopar.pipeline import split_batch
     from autopar.plan import Plan
     from autopar.runtime.init import materialize
-    from tests.pipeline_equivalence import _errors, make_batches, reference_run
+    from tests.exactness import loss_error, make_optimizer, parameter_error, train
+    from tests.pipeline_equivalence import make_batches
 
     out = {}
     # 1. the default search's plan (no pipeline): a CPU model; microbatches accumulated in one backward
@@ -252,11 +255,11 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     spec = build("tiny-gpt2:batch=8", device="cpu", seed=0)
     reference = copy.deepcopy(spec.model)
     batches = make_batches(reference, spec.kwargs, steps)
-    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    ref_losses = train(reference, batches)
     mesh = autopar.init_mesh("cpu", **axes)
     first = split_batch((), batches[0], m)[0][1]
     model = autopar.compile(spec.model, mesh, kwargs=first, plan=flat)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = make_optimizer("sgd", model.parameters())
     losses = []
     for b in batches:
         loss = sum(model(**kw).loss for _, kw in split_batch((), b, m)) / m
@@ -264,32 +267,45 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    worst, _, compared = _errors(model.full_state_dict(), ref_params, noise)
-    out["flat"] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses), "param_rel": torch.tensor(worst),
-                   "compared": torch.tensor(compared), "microbatches": torch.tensor(m)}  # fmt: skip
+    worst, _, _ = parameter_error(model.full_state_dict(), reference)
+    out["flat"] = {"loss_rel": torch.tensor(loss_error(torch.tensor(losses, dtype=torch.float64), ref_losses)),
+                   "param_rel": torch.tensor(worst)}  # fmt: skip
     # 2. pipeline plans made on the meta device (searched; `autopar plan --mesh pp=2,dp=2`): a meta
     # model initialized shard by shard from seed 0
     reference = materialize(build("tiny-gpt2:batch=8", device="meta").model, seed=0)
-    ref_losses, ref_params, noise = reference_run(reference, batches, lr)
+    ref_losses = train(reference, batches)
     for path in piped:
         plan = Plan.load(path)
         axes, kw = launch_options(plan)
         meta = build("tiny-gpt2:batch=8", device="meta")
         mesh = autopar.init_mesh("cpu", **axes)
         pipe = autopar.compile(meta.model, mesh, kwargs=batches[0], plan=path, seed=0, **kw)
-        pipe.make_optimizer(torch.optim.AdamW, lr=lr)
+        make_optimizer("sgd", pipe)
         losses = [pipe.train_step(**b).item() for b in batches]
-        worst, _, compared = _errors(pipe.full_state_dict(), ref_params, noise)
-        out[Path(path).stem] = {"losses": torch.tensor(losses), "ref": torch.tensor(ref_losses),
-                                "param_rel": torch.tensor(worst), "compared": torch.tensor(compared)}  # fmt: skip
+        worst, _, _ = parameter_error(pipe.full_state_dict(), reference, whole=False)
+        out[Path(path).stem] = {"loss_rel": torch.tensor(loss_error(torch.tensor(losses, dtype=torch.float64),
+                                                                     ref_losses)),
+                                "param_rel": torch.tensor(worst)}  # fmt: skip
     return out
+
+
+# The one equivalence test in float32, through the model's own loss (Hugging Face casts the logits to
+# float32) as a user trains a preset; every other one runs in float64 at 1e-10 (tests/exactness.py).
+# Measured spread of float32 rounding with SGD: here, losses 9.8e-8 and parameters 3.5e-7 to 6.8e-7
+# (max|p - p_ref| / max|p_ref| per tensor); the float64 harness run in float32 on every mesh and
+# schedule of tests/test_equivalence.py and tests/test_pipeline_training.py, losses at most 2.0e-7
+# and parameters at most 3.8e-7. The tolerances sit 50x and 30x above the largest; a sharding bug
+# moves them by 1e-3 or more (tests/test_equivalence.py's dropped all-reduce: 1.3e-3 and 5.8e-2).
+F32_LOSS_TOL = 1e-5
+F32_PARAM_TOL = 2e-5
 
 
 @pytest.mark.multiproc
 def test_searched_plans_train_exactly_like_one_process(tmp_path):
     """The default search on 4 CPU processes picks a plan without a pipeline; a search restricted to
     pp = 2 gives a pipeline plan; `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
-    loaded on every rank, train three AdamW steps that match a single process."""
+    loaded on every rank, train three SGD steps that match a single process (float32, the preset's
+    own loss: the tolerances above)."""
     cluster = ClusterSpec.load(LOCAL4)
     flat = search_model("tiny-gpt2", cluster, 8, precision="fp32")
     piped = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,)), precision="fp32")
@@ -309,8 +325,9 @@ def test_searched_plans_train_exactly_like_one_process(tmp_path):
     assert launch_options(Plan.load(cli))[0] == {"pp": 2, "dp": 2}
     paths.append(str(cli))
     results = run_distributed(_train_with_plans, 4, *paths, timeout=600)
-    for r in results:
+    for rank, r in enumerate(results):
         for name, got in r.items():
-            assert torch.allclose(got["losses"], got["ref"], rtol=1e-5, atol=1e-6), name
-            assert got["param_rel"].item() < 1e-4, name
-            assert got["compared"].item() > 0, name
+            loss_rel, param_rel = got["loss_rel"].item(), got["param_rel"].item()
+            print(f"{name}, rank {rank}: losses differ by {loss_rel:.1e}, parameters by {param_rel:.1e}")
+            assert loss_rel < F32_LOSS_TOL, f"{name}, rank {rank}: losses differ by {loss_rel:.2e} relative"
+            assert param_rel < F32_PARAM_TOL, f"{name}, rank {rank}: parameters differ by {param_rel:.2e} relative"

@@ -1,7 +1,7 @@
 """Sub-pipelined tensor parallelism (Merak 5.3) in one process: the interleaved interpreter computes
-what the module computes (outputs and every gradient), it interleaves the sub-microbatches at the
-collectives in both directions, Merak's cost formula, and the refusals. The multi-process equality
-with a single-process run is in tests/test_pipeline_training.py."""
+what the module computes in float64 (outputs and every gradient, within 1e-10 relative), it
+interleaves the sub-microbatches at the collectives in both directions, Merak's cost formula, and the
+refusals. The multi-process equality with a single-process run is in tests/test_pipeline_training.py."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from autopar.passes.ir import MeshSpec
 from autopar.runtime import collectives as coll
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events
+from tests.exactness import TOL
 from tests.pipeline_equivalence import overlapped_issues
 
 
@@ -40,7 +41,7 @@ def _block_module() -> fx.GraphModule:
     h = x
     for i in range(2):
         for n in ("a", "b"):
-            root.register_parameter(f"{n}{i}", torch.nn.Parameter(torch.randn(8, 8) / 3))
+            root.register_parameter(f"{n}{i}", torch.nn.Parameter(torch.randn(8, 8, dtype=torch.float64) / 3))
         f = g.call_function(coll.grad_all_reduce, (h,), {"axis": "tp"})
         t = g.call_function(torch.tanh, (g.call_function(torch.matmul, (f, g.get_attr(f"a{i}"))),))
         r = g.call_function(coll.all_reduce, (g.call_function(torch.matmul, (t, g.get_attr(f"b{i}"))),), {"axis": "tp"})
@@ -55,14 +56,15 @@ def _block_module() -> fx.GraphModule:
 
 def test_interleaved_equals_the_module_in_outputs_and_gradients(one_rank_tp):
     gm = _block_module()
-    xs = [torch.randn(4, 8), torch.randn(4, 8)]
-    gh = torch.randn(4, 8)
+    xs = [torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)]
+    gh = torch.randn(4, 8, dtype=torch.float64)
+    half = torch.tensor(0.5, dtype=torch.float64)
     with coll.use_comm(one_rank_tp):
         want, want_grads = [], []
         for x in xs:
             leaf = x.clone().requires_grad_(True)
             out = gm(leaf)
-            torch.autograd.backward([out[0], out[1]], [torch.tensor(0.5), gh])
+            torch.autograd.backward([out[0], out[1]], [half, gh])
             want.append(out)
             want_grads.append(leaf.grad)
         want_params = {n: p.grad.clone() for n, p in gm.named_parameters()}
@@ -70,14 +72,14 @@ def test_interleaved_equals_the_module_in_outputs_and_gradients(one_rank_tp):
         leaves = [x.clone().requires_grad_(True) for x in xs]
         with record_events() as events:
             outs, tape = Interleaved(gm)([[leaf] for leaf in leaves])
-            tape.backward([[(o[0], torch.tensor(0.5)), (o[1], gh)] for o in outs])
+            tape.backward([[(o[0], half), (o[1], gh)] for o in outs])
     for got, exp in zip(outs, want):
         for a, b in zip(got, exp):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(a, b, rtol=TOL, atol=0)
     for leaf, exp in zip(leaves, want_grads):
-        torch.testing.assert_close(leaf.grad, exp, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(leaf.grad, exp, rtol=TOL, atol=0)
     for n, p in gm.named_parameters():
-        torch.testing.assert_close(p.grad, want_params[n], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(p.grad, want_params[n], rtol=TOL, atol=0)
     # forward: g (all_reduce) x2, reduce_scatter, all_gather; backward cuts: f x2, reduce_scatter, local_shard
     issued = overlapped_issues(events)
     assert sorted(len(v) for v in issued.values()) == [8, 8]
