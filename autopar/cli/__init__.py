@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "plan": "autopar.cli.plan",
     "explain": "autopar.cli.explain",
     "simulate": "autopar.cli.simulate",
+    "check": "autopar.cli.check",
 }
 
 
