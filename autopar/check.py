@@ -30,7 +30,6 @@ from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import _getitem, codegen
 from autopar.passes.ir import (
     COLLECTIVES,
-    DEVICE,
     MeshSpec,
     Op,
     Program,
@@ -39,10 +38,9 @@ from autopar.passes.ir import (
     Shard,
     TensorType,
     Value,
-    map_refs,
-    resolve_target,
 )
 from autopar.passes.printer import print_program
+from autopar.rulecheck import call_op
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 
@@ -62,6 +60,7 @@ class Finding:
     line: str = ""
     source: str = ""
     consumers: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # the op's inputs with their types and placements
 
     def describe(self) -> str:
         if self.kind == "capture":
@@ -71,6 +70,7 @@ class Finding:
             )
         where = f"  # {self.op.path}" if self.op is not None and self.op.path else ""
         src = f"\n  source: {self.source}" if self.source else ""
+        src += f"\n  inputs: {', '.join(self.inputs)}" if self.inputs else ""
         if self.kind == "forward":
             return f"first op whose output differs (by {self.error:.3g}):\n  {self.line}{where}{src}"
         users = "\n".join(f"    {c}" for c in self.consumers)
@@ -152,18 +152,10 @@ def _double(x: Any) -> Any:
 
 
 def _call(op: Op, env: dict[str, Any]) -> Any:
-    def sub(x: Any) -> Any:
-        x = map_refs(x, lambda r: env[r.name])
-        if x is DEVICE:
-            return torch.device("cpu")
-        if isinstance(x, (list, tuple)):
-            return type(x)(sub(v) for v in x)
-        return x
-
     if op.target in COLLECTIVES:  # on whole values every collective is the identity
         x = env[op.args[0].name]
         return x.view_as(x)  # a value of its own, so its gradient is its own
-    return resolve_target(op.target)(*sub(op.args), **{k: sub(v) for k, v in op.kwargs.items()})
+    return call_op(op.target, op.args, op.kwargs, env)
 
 
 def interpret_whole(prog: Program, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -325,7 +317,8 @@ def _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> 
             if outputs and r == outputs[0].name and loss_ref is not None:
                 loss = float(got.detach())
             if err > TOLERANCE:
-                finding = Finding("forward", r, err, op, lines[r], sources.get(r, ""))
+                ins = [f"%{x.name} : {types[x.name]}" for x in op.input_refs()]
+                finding = Finding("forward", r, err, op, lines[r], sources.get(r, ""), inputs=ins)
                 return CheckReport(mesh, loss, loss_ref, err, compared, finding)
             worst = max(worst, err)
             g_ref = ref[r].grad
@@ -355,7 +348,8 @@ def _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> 
         op = prod if isinstance(prod, Op) else None
         line = lines.get(r, f"{prod.kind} %{r} : {prod.type}" if isinstance(prod, Value) else r)
         cons = [lines[c.result] + (f"  # {c.path}" if c.path else "") for c in users.get(r, [])]
-        finding = Finding("gradient", r, err, op, line, sources.get(r, ""), cons)
+        ins = [f"%{x.name} : {types[x.name]}" for x in op.input_refs()] if op is not None else []
+        finding = Finding("gradient", r, err, op, line, sources.get(r, ""), cons, ins)
         return CheckReport(mesh, loss, loss_ref, err, compared, finding)
     return CheckReport(mesh, loss, loss_ref, worst, compared, None)
 

@@ -67,7 +67,7 @@ def one_op_program(target: str, args: tuple, kwargs: dict, mesh: MeshSpec) -> tu
     inputs: list[tuple[str, torch.Tensor]] = []
     ir_args, ir_kwargs = _to_ir(tuple(args), inputs), _to_ir(dict(kwargs), inputs)
     whole = dict(inputs)
-    out = _call(target, ir_args, ir_kwargs, whole)
+    out = call_op(target, ir_args, ir_kwargs, whole)
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
     reps = (R,) * len(mesh.axes)
     types = tuple(TensorType(DTYPE_SHORT[t.dtype], tuple(t.shape), reps) for t in outs)
@@ -77,7 +77,9 @@ def one_op_program(target: str, args: tuple, kwargs: dict, mesh: MeshSpec) -> tu
     return prog, whole
 
 
-def _call(target: str, args: Any, kwargs: Any, env: dict[str, torch.Tensor]) -> Any:
+def call_op(target: str, args: Any, kwargs: Any, env: dict[str, torch.Tensor]) -> Any:
+    """Call the ATen op ``target`` with the IR arguments' refs taken from ``env`` (the device: CPU)."""
+
     def sub(x: Any) -> Any:
         x = map_refs(x, lambda r: env[r.name])
         if x is DEVICE:
@@ -125,7 +127,7 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
     world = SimWorld(mesh)
     g = torch.Generator().manual_seed(seed + 1)
     ref_in = {n: t.detach().clone().requires_grad_(t.is_floating_point()) for n, t in whole.items()}
-    ref_out = _call(op.target, op.args, op.kwargs, ref_in)
+    ref_out = call_op(op.target, op.args, op.kwargs, ref_in)
     ref_outs = list(ref_out) if isinstance(ref_out, (list, tuple)) else [ref_out]
     cots = [torch.randn(t.shape, generator=g, dtype=t.dtype) if t.is_floating_point() else None for t in ref_outs]
     diff_outs = [(o, c) for o, c in zip(ref_outs, cots) if c is not None and o.requires_grad]
