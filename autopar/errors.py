@@ -96,3 +96,12 @@ class StageMemoryError(PipelineError):
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes
         self.smallest_pp = smallest_pp
+
+
+class SimulationError(AutoparError):
+    """The single-process rank simulator found ranks that disagree: different collectives, a deadlock,
+    or a rank that failed."""
+
+
+class CheckError(AutoparError):
+    """``autopar check`` found the sharded program computing something else than the model."""

@@ -22,6 +22,7 @@ as sub-pipelined tensor parallelism does (``ASYNC``, ``runtime/subpipeline.py``)
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,22 +49,29 @@ class Comm:
         )
 
 
-_CURRENT: list[Comm] = []
+# Per thread: the rank simulator (runtime/ranksim.py) runs every simulated rank in its own thread.
+_LOCAL = threading.local()
+
+
+def _stack() -> list[Comm]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
 
 
 @contextlib.contextmanager
 def use_comm(comm: Comm):
-    _CURRENT.append(comm)
+    _stack().append(comm)
     try:
         yield comm
     finally:
-        _CURRENT.pop()
+        _stack().pop()
 
 
 def _comm() -> Comm:
-    if not _CURRENT:
+    if not _stack():
         raise RuntimeError("autopar collectives called outside a compiled module's forward")
-    return _CURRENT[-1]
+    return _stack()[-1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -278,7 +278,11 @@ def _unsqueeze(c: Ctx) -> list[OneD]:
 
 def _squeeze(c: Ctx) -> list[OneD]:
     src = c.ins[0].shape
-    dims = c.op.args[1] if len(c.op.args) > 1 else [i for i, s in enumerate(src) if s == 1]
+    if len(c.op.args) < 2:
+        # squeeze() without dims also drops a sharded dim whose local size is 1 (the rank simulator's
+        # rule test found it): sharding stays off until codegen names the dims (aten.squeeze.dims)
+        return _identity_dims(c, lambda d: None)
+    dims = c.op.args[1]
     dims = {x % len(src) for x in (dims if isinstance(dims, (list, tuple)) else [dims])}
     dims = {d for d in dims if src[d] == 1}
     return _identity_dims(c, lambda d: None if d in dims else d - sum(1 for x in dims if x < d))

@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "explain": "autopar.cli.explain",
     "simulate": "autopar.cli.simulate",
     "calibrate": "autopar.cli.calibrate",
+    "check": "autopar.cli.check",
 }
 
 

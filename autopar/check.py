@@ -1,0 +1,475 @@
+"""`autopar check`: one training step of a plan on simulated ranks in float64 against the unsharded model.
+
+Three runs of the same step (forward, backward with fixed random output gradients), all in float64:
+
+1. the model itself, eagerly (the truth);
+2. the planned program interpreted on whole tensors (collectives are identities on whole values):
+   if it differs from 1, the captured graph is not the model (capture or lowering is wrong);
+3. every rank's generated program on the rank simulator (runtime/ranksim.py), through the same
+   ``CompiledModule`` that training uses (input slicing, gradient sync): each op's per-rank results
+   and gradients are recorded, assembled by their placements and compared with 2.
+
+The first op whose output differs (in program order), or else the op whose backward first makes a
+gradient differ (the latest value in program order with a wrong gradient: its consumers' backward
+made it), is reported with its IR line, module path, source line and placements.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.errors import CheckError
+from autopar.passes.capture import Captured, capture, flatten_inputs
+from autopar.passes.codegen import _getitem, codegen
+from autopar.passes.ir import (
+    COLLECTIVES,
+    MeshSpec,
+    Op,
+    Program,
+    Ref,
+    Replicate,
+    Shard,
+    TensorType,
+    Value,
+)
+from autopar.passes.printer import print_program
+from autopar.rulecheck import call_op
+from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
+from autopar.runtime.ranksim import SimWorld
+
+TOLERANCE = 1e-10  # relative to the value's largest magnitude
+_FLOATS = {"f32": "f64", "f16": "f64", "bf16": "f64"}
+_TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Finding:
+    """Where the sharded program first departs from the unsharded one."""
+
+    kind: str  # "forward" | "gradient" | "capture"
+    value: str
+    error: float
+    op: Op | None = None
+    line: str = ""
+    source: str = ""
+    consumers: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # the op's inputs with their types and placements
+
+    def describe(self) -> str:
+        if self.kind == "capture":
+            return (
+                f"the captured graph differs from the model itself ({self.value}, by {self.error:.3g}): "
+                "capture or lowering is wrong, not the sharding"
+            )
+        where = f"  # {self.op.path}" if self.op is not None and self.op.path else ""
+        src = f"\n  source: {self.source}" if self.source else ""
+        src += f"\n  inputs: {', '.join(self.inputs)}" if self.inputs else ""
+        if self.kind == "forward":
+            return f"first op whose output differs (by {self.error:.3g}):\n  {self.line}{where}{src}"
+        users = "\n".join(f"    {c}" for c in self.consumers)
+        return (
+            f"first gradient that differs (by {self.error:.3g}): of %{self.value}\n  {self.line}{where}{src}\n"
+            f"  made by the backward of its consumers:\n{users}"
+        )
+
+
+@dataclass
+class CheckReport:
+    mesh: MeshSpec
+    loss: float | None
+    loss_reference: float | None
+    max_diff: float  # largest relative difference over every compared value and gradient
+    compared: int
+    finding: Finding | None
+
+    @property
+    def agrees(self) -> bool:
+        return self.finding is None
+
+    def summary(self) -> str:
+        loss = ""
+        if self.loss is not None:
+            loss = f" loss {self.loss:.12g} (model {self.loss_reference:.12g});"
+        if self.agrees:
+            return (
+                f"agrees on mesh {self.mesh}:{loss} largest relative difference {self.max_diff:.3g} over "
+                f"{self.compared} values and gradients (float64, tolerance {TOLERANCE:g})"
+            )
+        return f"DIFFERS on mesh {self.mesh}:{loss}\n{self.finding.describe()}"  # type: ignore[union-attr]
+
+
+# ---------------------------------------------------------------------------------------------
+# float64
+
+
+def to_float64(prog: Program) -> Program:
+    """The program with every floating tensor and dtype argument in float64 (same ops, placements)."""
+
+    def ty(t: TensorType) -> TensorType:
+        return TensorType(_FLOATS.get(t.dtype, t.dtype), t.shape, t.placements)
+
+    def arg(x: Any) -> Any:
+        if isinstance(x, torch.dtype):
+            return torch.float64 if x in _TORCH_FLOATS else x
+        if isinstance(x, (list, tuple)):
+            return type(x)(arg(v) for v in x)
+        if isinstance(x, dict):
+            return {k: arg(v) for k, v in x.items()}
+        return x
+
+    inputs = tuple(Value(v.name, v.kind, ty(v.type), v.attrs) for v in prog.inputs)
+    ops = tuple(
+        op.with_(types=tuple(ty(t) for t in op.types), args=arg(op.args), kwargs=arg(op.kwargs)) for op in prog.ops
+    )
+    return prog.with_(inputs=inputs, ops=ops)
+
+
+class _Float64Mode(TorchDispatchMode):
+    """Runs the model with every cast to a lower float dtype made to float64 (HF's loss upcasts logits
+    with ``.float()``, which on a float64 model would round them to float32)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = {k: (torch.float64 if v in _TORCH_FLOATS else v) for k, v in (kwargs or {}).items()}
+        args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _TORCH_FLOATS else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _double(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype in _TORCH_FLOATS:
+        return x.detach().to(torch.float64)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------
+# The three runs
+
+
+def _call(op: Op, env: dict[str, Any]) -> Any:
+    if op.target in COLLECTIVES:  # on whole values every collective is the identity
+        x = env[op.args[0].name]
+        return x.view_as(x)  # a value of its own, so its gradient is its own
+    return call_op(op.target, op.args, op.kwargs, env)
+
+
+def interpret_whole(prog: Program, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every value of the program computed on whole tensors (gradients retained)."""
+    env: dict[str, Any] = dict(values)
+    for op in prog.ops:
+        out = _call(op, env)
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        for r, t in zip(op.results, outs):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.retain_grad()
+            env[r] = t
+    return env
+
+
+class _Recorder(torch.nn.Module):
+    """Runs a rank's GraphModule node by node and keeps each IR value's local result."""
+
+    def __init__(self, gm: fx.GraphModule, prog: Program):
+        super().__init__()
+        self.gm = gm
+        self.names: dict[fx.Node, str] = {}
+        ops = iter(prog.ops)
+        calls: dict[fx.Node, Op] = {}
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            if node.target is _getitem and node.args[0] in calls:
+                self.names[node] = calls[node.args[0]].results[node.args[1]]
+                continue
+            op = next(ops)
+            calls[node] = op
+            if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
+                self.names[node] = op.result
+        self.values: dict[str, torch.Tensor] = {}
+        self.outputs: tuple = ()
+
+    def forward(self, *args):
+        rec = self
+
+        class Interp(fx.Interpreter):
+            def run_node(self, n):
+                out = super().run_node(n)
+                name = rec.names.get(n)
+                if name is not None and isinstance(out, torch.Tensor):
+                    if out.requires_grad:
+                        out.retain_grad()
+                    rec.values[name] = out
+                return out
+
+        self.values = {}
+        self.outputs = Interp(self.gm).run(*args)
+        return self.outputs
+
+
+def check_program(
+    prog: Program,
+    model: torch.nn.Module,
+    captured: Captured,
+    args: tuple,
+    kwargs: dict,
+    seed: int = 0,
+) -> CheckReport:
+    """One step of ``prog`` (float64, placements planned) on simulated ranks vs the whole program
+    and vs ``model`` (float64 copy made here)."""
+    from autopar.api import CompiledModule
+
+    prog = to_float64(prog)
+    model = copy.deepcopy(model).to(torch.float64)
+    args, kwargs = pytree.tree_map(_double, (args, kwargs))
+    mesh = prog.mesh
+    names = dict(model.named_parameters(remove_duplicate=False))
+    names.update(dict(model.named_buffers(remove_duplicate=False)))
+    for k, v in captured.exported.constants.items():
+        names.setdefault(k, _double(v))
+    flat = flatten_inputs(captured.in_spec, args, kwargs)
+    flat_tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    g = torch.Generator().manual_seed(seed)
+
+    # 1. the model
+    with _Float64Mode():
+        model_out = [o for o in pytree.tree_leaves(model(*args, **kwargs)) if isinstance(o, torch.Tensor)]
+    outputs = [r for r in prog.outputs if isinstance(r, Ref)]
+    types = prog.types()
+    cots = {r.name: torch.randn(types[r.name].shape, generator=g, dtype=torch.float64) for r in outputs}
+    cots = {k: v for k, v in cots.items() if types[k].is_float}
+    float_out = [(o, r) for o, r in zip(model_out, outputs) if r.name in cots and o.requires_grad]
+    with _Float64Mode():
+        torch.autograd.backward([o for o, _ in float_out], [cots[r.name] for _, r in float_out])
+
+    # 2. the program on whole tensors
+    whole_in: dict[str, torch.Tensor] = {}
+    for v, x in zip([v for v in prog.inputs if v.kind == "input"], flat_tensors):
+        whole_in[v.name] = x
+    for v in prog.inputs:
+        if v.kind != "input":
+            whole_in[v.name] = names[v.name].detach().clone().requires_grad_(v.kind == "param" and v.type.is_float)
+    ref = interpret_whole(prog, whole_in)
+    ref_out = [ref[r.name] for r in outputs]
+    diff = [(ref[r.name], cots[r.name]) for r in outputs if r.name in cots and ref[r.name].requires_grad]
+    torch.autograd.backward([o for o, _ in diff], [c for _, c in diff])
+    worst = 0.0
+    for (o, r), m in zip([(ref[r.name], r) for r in outputs], model_out):
+        err = _rel(o.detach(), m.detach())
+        if err > TOLERANCE:
+            return CheckReport(mesh, None, None, err, 0, Finding("capture", f"output %{r.name}", err))
+    for v in prog.params:
+        p = names[v.name]
+        if p.grad is not None and whole_in[v.name].grad is not None:
+            err = _rel(whole_in[v.name].grad, p.grad)
+            if err > TOLERANCE:
+                return CheckReport(mesh, None, None, err, 0, Finding("capture", f"gradient of {v.name}", err))
+
+    # 3. the ranks
+    world = SimWorld(mesh)
+
+    def rank_step(rank: int) -> tuple[_Recorder, dict[str, torch.Tensor | None]]:
+        comm = world.comm(rank)
+        gm = codegen(prog, comm.coords, lambda n: names[n])
+        cm = CompiledModule(gm, prog, captured, comm, "cpu")
+        rec = _Recorder(gm, prog)
+        cm.module = rec
+        cm(*args, **kwargs)
+        coords = list(comm.coords.values())
+        pairs = [
+            (o, distribute_grad(cots[r.name], types[r.name].placements, mesh, coords))
+            for o, r in zip(rec.outputs, prog.outputs)
+            if isinstance(r, Ref) and r.name in cots and o.requires_grad
+        ]
+        torch.autograd.backward([o for o, _ in pairs], [c for _, c in pairs])
+        grads = {v.name: gm.get_parameter(v.name).grad for v in prog.params if v.type.is_float}
+        return rec, grads
+
+    ranks = world.run(rank_step)
+    return _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs)
+
+
+def _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> CheckReport:
+    mesh = prog.mesh
+    types = prog.types()
+    users = prog.users()
+    producers = prog.producers()
+    lines = _ir_lines(prog)
+    sources = _source_lines(captured, prog)
+    compared = 0
+    loss = loss_ref = None
+    if outputs and not types[outputs[0].name].shape and types[outputs[0].name].is_float:
+        loss_ref = float(model_out[0].detach())
+    grad_bad: list[tuple[int, str, float]] = []
+    order = {r: i for i, op in enumerate(prog.ops) for r in op.results}
+    partial = _partial_grads(prog)
+    for op in prog.ops:
+        for r, t in zip(op.results, op.types):
+            if r not in ref or not isinstance(ref[r], torch.Tensor) or any(r not in rec.values for rec, _ in ranks):
+                continue
+            got, spread = assemble([rec.values[r].detach() for rec, _ in ranks], t.placements, mesh)
+            err = max(_rel(got, ref[r].detach()), _rel_spread(spread, ref[r]))
+            compared += 1
+            if outputs and r == outputs[0].name and loss_ref is not None:
+                loss = float(got.detach())
+            if err > TOLERANCE:
+                ins = [f"%{x.name} : {types[x.name]}" for x in op.input_refs()]
+                finding = Finding("forward", r, err, op, lines[r], sources.get(r, ""), inputs=ins)
+                return CheckReport(mesh, loss, loss_ref, err, compared, finding)
+            worst = max(worst, err)
+            g_ref = ref[r].grad
+            grads = [rec.values[r].grad for rec, _ in ranks]
+            if g_ref is None or any(x is None for x in grads):
+                continue
+            g, spread = assemble_grad(grads, t.placements, mesh, partial[r])
+            gerr = max(_rel(g, g_ref), _rel_spread(spread, g_ref))
+            compared += 1
+            if gerr > TOLERANCE:
+                grad_bad.append((order[r], r, gerr))
+            worst = max(worst, gerr if gerr <= TOLERANCE else 0.0)
+    for v in prog.params:
+        g_ref = ref[v.name].grad
+        if g_ref is None:
+            continue
+        got, spread = assemble([grads[v.name] for _, grads in ranks], v.type.placements, mesh)
+        err = max(_rel(got, g_ref), _rel_spread(spread, g_ref))
+        compared += 1
+        if err > TOLERANCE:
+            grad_bad.append((-1, v.name, err))
+        else:
+            worst = max(worst, err)
+    if grad_bad:
+        _, r, err = max(grad_bad)
+        prod = producers[r]
+        op = prod if isinstance(prod, Op) else None
+        line = lines.get(r, f"{prod.kind} %{r} : {prod.type}" if isinstance(prod, Value) else r)
+        cons = [lines[c.result] + (f"  # {c.path}" if c.path else "") for c in users.get(r, [])]
+        ins = [f"%{x.name} : {types[x.name]}" for x in op.input_refs()] if op is not None else []
+        finding = Finding("gradient", r, err, op, line, sources.get(r, ""), cons, ins)
+        return CheckReport(mesh, loss, loss_ref, err, compared, finding)
+    return CheckReport(mesh, loss, loss_ref, worst, compared, None)
+
+
+def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:
+    """For each value, the axes on which each rank's gradient of it is a partial sum: a replicated
+    value read by an op that computes different things on different ranks there, or by an op that
+    does not (all its inputs replicated there) whose result's gradient is partial, except through
+    Megatron's f on that axis (grad_all_reduce, whose backward sums it)."""
+    types = prog.types()
+    out: dict[str, set[int]] = {name: set() for name in types}
+    for op in reversed(prog.ops):
+        ins = op.input_refs()
+        for a in range(len(prog.mesh.sizes)):
+            divergent = any(not isinstance(types[r.name].placements[a], Replicate) for r in ins)
+            if op.target == "grad_all_reduce" and prog.mesh.names[a] == op.kwargs.get("axis"):
+                continue
+            if divergent or any(a in out[r] for r in op.results):
+                for r in ins:
+                    if isinstance(types[r.name].placements[a], Replicate):
+                        out[r.name].add(a)
+    return {k: frozenset(v) for k, v in out.items()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    if a.shape != b.shape:
+        return float("inf")
+    if not b.is_floating_point():
+        return 0.0 if torch.equal(a.to(b.dtype), b) else float("inf")
+    if b.numel() == 0:
+        return 0.0
+    d = (a.to(torch.float64) - b.to(torch.float64)).abs()
+    if torch.isnan(d).any():
+        return 0.0 if torch.equal(torch.isnan(a), torch.isnan(b)) and not torch.isnan(d[~torch.isnan(b)]).any() else 1.0
+    return float(d.max()) / max(1.0, float(b.abs().max()))
+
+
+def _rel_spread(spread: float, ref: torch.Tensor) -> float:
+    if not ref.is_floating_point() or ref.numel() == 0:
+        return 0.0 if spread == 0 else float("inf")
+    return spread / max(1.0, float(ref.detach().abs().max()))
+
+
+def _ir_lines(prog: Program) -> dict[str, str]:
+    """Each op's printed IR line (without the path comment), by each of its results."""
+    text = print_program(prog).splitlines()
+    out: dict[str, str] = {}
+    body = [ln for ln in text if " = " in ln and ln.lstrip().startswith("%")]
+    for op, ln in zip(prog.ops, body):
+        for r in op.results:
+            out[r] = ln.split("  #")[0].rstrip()
+    return out
+
+
+def _source_lines(captured: Captured, prog: Program) -> dict[str, str]:
+    """Best effort: the user's source line of each op, from the exported graph's stack traces (ops
+    matched by module path and target in order; ops lowering made from another op have none)."""
+    from autopar.passes.ir import target_name
+    from autopar.passes.lower import _module_path
+
+    nodes: dict[tuple[str, str], list[str]] = {}
+    for n in captured.exported.graph_module.graph.nodes:
+        if n.op != "call_function" or not hasattr(n.target, "_schema"):
+            continue
+        trace = n.meta.get("stack_trace") or ""
+        frames = [ln.strip() for ln in trace.splitlines() if ln.strip().startswith("File ")]
+        user = [f for f in frames if "/torch/" not in f]
+        nodes.setdefault((_module_path(n), target_name(n.target)), []).append(user[-1] if user else "")
+    out: dict[str, str] = {}
+    seen: dict[tuple[str, str], int] = {}
+    for op in prog.ops:
+        key = (op.path, op.target)
+        i = seen.get(key, 0)
+        seen[key] = i + 1
+        found = nodes.get(key, [])
+        if i < len(found) and found[i]:
+            out[op.result] = found[i]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def check_model(
+    model: torch.nn.Module,
+    args: tuple,
+    kwargs: dict,
+    mesh: MeshSpec,
+    plan: str | None = None,
+    options: Any = None,
+) -> CheckReport:
+    """Plan ``model`` on ``mesh`` (or load ``plan``) and check one step on simulated ranks."""
+    from autopar.api import plan_program
+    from autopar.passes.parser import parse
+
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise CheckError("the model is on the meta device: check needs real weights (build it on the CPU)")
+    captured = capture(model, args, kwargs)
+    inner = MeshSpec(tuple((n, s) for n, s in mesh.axes if n != "pp"))
+    if plan is not None:
+        from autopar.plan import Plan
+
+        loaded = Plan.load(plan)
+        loaded.check(captured, mesh)
+        prog = parse(loaded.program)
+    else:
+        prog = plan_program(captured, inner, options)
+    prog = _strip_pipeline(prog)
+    cap64 = capture(copy.deepcopy(model).to(torch.float64), *pytree.tree_map(_double, (args, kwargs)))
+    return check_program(prog, model, cap64, args, kwargs)
+
+
+def _strip_pipeline(prog: Program) -> Program:
+    """The sharded program of a pipelined plan is checked whole: stage cuts do not change values."""
+    mesh = MeshSpec(tuple((n, s) for n, s in prog.mesh.axes if n != "pp"))
+    if mesh == prog.mesh:
+        return prog
+    raise CheckError(f"the plan's program is over mesh {prog.mesh}; check a plan whose program has no pp axis")
+
+
+__all__ = ["CheckReport", "Finding", "check_model", "check_program", "to_float64", "Shard"]

@@ -1,0 +1,122 @@
+"""`autopar check` and the rank simulator under it: agreement on a scaled-down GPT-3 and a file.py:fn model
+(with a plan file), and the first differing op named when a collective is broken on purpose.
+Cost: about 30-60 s on a loaded 2-core machine (four checks of small models, one process)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from autopar.cli import main
+from autopar.errors import SimulationError
+from autopar.passes.ir import MeshSpec
+from autopar.runtime import collectives as coll
+from autopar.runtime.ranksim import SimWorld
+
+GPT3 = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
+
+MODEL_FILE = """
+import torch
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 16)
+        self.b = torch.nn.Linear(16, 8)
+    def forward(self, x, target):
+        y = self.b(torch.nn.functional.gelu(self.a(x))) + x
+        return torch.nn.functional.mse_loss(y, target)
+def make():
+    torch.manual_seed(0)
+    return Net(), (torch.randn(4, 8), torch.randn(4, 8))
+"""
+
+
+def _check(capsys, *argv: str) -> tuple[int, str]:
+    rc = main(["check", *argv])
+    return rc, capsys.readouterr().out
+
+
+def test_check_agrees_on_scaled_down_gpt3(capsys) -> None:
+    rc, out = _check(capsys, GPT3, "--mesh", "dp=2,tp=2")
+    assert rc == 0 and "agrees on mesh [dp=2, tp=2]" in out, out
+    assert float(re.search(r"largest relative difference (\S+)", out).group(1)) < 1e-10
+
+
+def test_check_file_model_with_plan(tmp_path, capsys) -> None:
+    path = tmp_path / "net.py"
+    path.write_text(MODEL_FILE)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"{path}:make", "--mesh", "dp=2,tp=2", "--no-baselines", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    rc, out = _check(capsys, f"{path}:make", "--mesh", "dp=2,tp=2", "--plan", str(plan))
+    assert rc == 0 and "agrees" in out, out
+
+
+def test_check_names_a_broken_forward_collective(monkeypatch, capsys) -> None:
+    """Reductions that forget to reduce: the first all-reduce or reduce-scatter's output differs and is named."""
+
+    def no_reduce(c, x, axis, op, then=None):
+        return coll.Pending(None, lambda: then(x.clone()) if then is not None else x.clone())
+
+    monkeypatch.setattr(coll, "_start_reduce", no_reduce)
+    rc, out = _check(capsys, GPT3, "--mesh", "tp=2")
+    assert rc == 1 and "first op whose output differs" in out, out
+    assert re.search(r"= (all_reduce|reduce_scatter)\(%\w+\) \{axis=tp", out), out
+    assert "  # transformer" in out and "inputs: %" in out, out  # the module path and the input placements
+
+
+def test_check_names_a_broken_backward_collective(monkeypatch, capsys) -> None:
+    """Megatron's f without its backward all-reduce: forward agrees, a gradient differs, and the op whose
+    backward made it (a grad_all_reduce) is named among the consumers."""
+    monkeypatch.setattr(coll, "_bwd_grad_all_reduce", lambda c, g, axis: coll.Pending(None, lambda: g))
+    rc, out = _check(capsys, GPT3, "--mesh", "tp=2")
+    assert rc == 1 and "first gradient that differs" in out, out
+    assert "grad_all_reduce" in out.split("made by the backward of its consumers:")[1], out
+
+
+def test_simulated_collectives() -> None:
+    """Collectives computed by their definition over simulated ranks, forward and backward; ranks that
+    call different collectives, and a failing rank, are reported."""
+    world = SimWorld(MeshSpec((("dp", 2), ("tp", 2))))
+
+    def step(rank: int):
+        c = world.comm(rank)
+        x = torch.full((2, 3), float(rank), dtype=torch.float64, requires_grad=True)
+        with coll.use_comm(c):
+            y = coll.all_reduce(x, "tp")  # ranks (dp, tp): 0 1 | 2 3
+            z = coll.all_gather(y, "dp", 0)
+            m = torch.tensor([float(rank)])
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=c.groups["dp"])
+            (z * torch.arange(4.0, dtype=torch.float64).view(4, 1)).sum().backward()
+            got = torch.zeros(2)
+            if c.coords["tp"] == 0:
+                c.groups["tp"].send([torch.full((2,), float(rank))], 1, 0).wait()
+            else:
+                c.groups["tp"].recv([got], 0, 0).wait()
+        return float(y[0, 0]), z[:, 0].tolist(), float(m), x.grad[0, 0].item(), got.tolist()
+
+    out = world.run(step)
+    assert [o[0] for o in out] == [1.0, 1.0, 5.0, 5.0]
+    assert out[0][1] == [1.0, 1.0, 5.0, 5.0] and out[3][1] == [1.0, 1.0, 5.0, 5.0]
+    assert [o[2] for o in out] == [2.0, 3.0, 2.0, 3.0]
+    # all_gather's backward keeps the rank's rows (dp=0: rows 0-1 weigh 0,1; dp=1: 2,3); all_reduce's is identity
+    assert [o[3] for o in out] == [0.0, 0.0, 2.0, 2.0]
+    assert out[1][4] == [0.0, 0.0] and out[3][4] == [2.0, 2.0]
+
+    def mismatched(rank: int):
+        with coll.use_comm(world.comm(rank)):
+            coll.all_reduce(torch.ones(rank + 1), "tp")
+
+    with pytest.raises(SimulationError, match="called different collectives"):
+        world.run(mismatched)
+
+    def failing(rank: int):
+        if rank == 2:
+            raise ValueError("boom")
+        with coll.use_comm(world.comm(rank)):
+            coll.all_reduce(torch.ones(1), "tp")
+
+    with pytest.raises(SimulationError, match=r"rank 2 .*boom"):
+        world.run(failing)
