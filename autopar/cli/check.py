@@ -25,6 +25,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", required=True, help="mesh axes, e.g. dp=2,tp=2 (a pp axis is checked without stages)")
     p.add_argument("--plan", default=None, help="check this plan file instead of planning")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
+    p.add_argument(
+        "--objective",
+        choices=["time", "memory"],
+        default="time",
+        help="what the plan minimizes when no --plan is given (as autopar plan; default time, compile's default)",
+    )
     p.set_defaults(func=run)
 
 
@@ -32,12 +38,14 @@ def run(args: argparse.Namespace) -> int:
     from autopar.api import parse_mesh
     from autopar.check import check_model
     from autopar.models import build
+    from autopar.passes.shard import ShardOptions
 
     mesh = parse_mesh(args.mesh)
     if mesh.size > 64:
         raise AutoparError(f"mesh {mesh} has {mesh.size} ranks; the simulator runs every rank: check at most 64")
     spec = build(args.model, device="cpu", seed=args.seed)
-    report = check_model(spec.model, spec.args, spec.kwargs, mesh, plan=args.plan)
+    options = ShardOptions(objective=args.objective)
+    report = check_model(spec.model, spec.args, spec.kwargs, mesh, plan=args.plan, options=options)
     print(f"{spec.description}")
     print(report.summary())
     return 0 if report.agrees else 1
