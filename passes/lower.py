@@ -11,6 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
 from autopar.passes.capture import Captured
+from autopar.passes.functionalize import functionalize
 from autopar.passes.ir import (
     DEVICE,
     DTYPE_SHORT,
@@ -46,11 +47,12 @@ def _module_path(node: torch.fx.Node) -> str:
 
 
 def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
-    """fx graph -> Program with every placement R. addmm and biased linear are split into a
+    """fx graph -> Program with every placement R. In-place ops and writes through views become
+    out-of-place ops first (passes/functionalize.py). addmm and biased linear are split into a
     matmul and an add, so a row-parallel matmul can produce a partial sum before its bias."""
     mesh = mesh or MeshSpec()
     ep = captured.exported
-    gm = ep.graph_module
+    gm = functionalize(ep.graph_module)
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
     for spec, node in zip(ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")):
