@@ -350,7 +350,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local = logits.shape[1]
         start *= local
         groups = [c.groups[a] for a in axes]
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
         row_max = logits.max(dim=1).values
         for g in groups:
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)

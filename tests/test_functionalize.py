@@ -81,3 +81,39 @@ def test_write_through_an_unsupported_view_is_a_clear_error():
     gm = capture(Diagonal(), (torch.randn(4, 4),)).exported.graph_module
     with pytest.raises(CaptureError, match="writes through a view made by aten.unfold"):
         functionalize(gm)
+
+
+@pytest.mark.parametrize(
+    "target,shapes,extra",
+    [
+        ("aten.slice_scatter", [(4, 6, 4), (4, 2, 4)], (1, 2, 6, 2)),
+        ("aten.select_scatter", [(4, 6, 4), (4, 4)], (1, 3)),
+        ("aten.copy", [(4, 6), (6,)], ()),
+        ("aten.fill.Tensor", [(4, 6), ()], ()),
+    ],
+)
+def test_rules_of_functionalized_ops_compute_the_whole_op(target, shapes, extra):
+    """Every strategy of the ops functionalization emits, on an axis of 2: each rank's op on its shards,
+    unsharded, equals the op on whole tensors."""
+    from autopar.passes.ir import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
+    from autopar.runtime.collectives import shard_tensor, unshard_tensor
+    from autopar.solver.strategies import op_strategies
+
+    g = torch.Generator().manual_seed(0)
+    whole = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+    fn = resolve_target(target)
+    expected = fn(*whole, *extra)
+    types = {f"x{i}": TensorType("f64", tuple(s), (Shard(0),)) for i, s in enumerate(shapes)}
+    op = Op(("y",), (TensorType("f64", tuple(expected.shape), (Shard(0),)),), target, (Ref("x0"), Ref("x1"), *extra))
+    strategies, ruled = op_strategies(op, types, MeshSpec((("tp", 2),)), (1,))
+    assert ruled and len(strategies) > 1
+    for s in strategies:
+        assert not any(isinstance(p[0], Partial) for p in s.outputs)  # none offered: nothing to sum
+        outs = []
+        for rank in range(2):
+            local = [shard_tensor(x, p[0].dim, p[0].chunks, 2, rank) if isinstance(p[0], Shard) else x
+                     for x, p in zip(whole, s.inputs)]  # fmt: skip
+            outs.append(fn(*local, *extra))
+        p = s.outputs[0][0]
+        got = unshard_tensor(outs, p.dim, p.chunks) if isinstance(p, Shard) else outs[0]
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=s.label())
