@@ -24,6 +24,7 @@ from autopar.passes.ir import MeshSpec, Shard
 from autopar.passes.lower import lower
 from autopar.passes.parser import parse
 from autopar.passes.printer import print_program
+from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_codegen import (
     insert_transfers,
     prune_outputs,
@@ -55,6 +56,9 @@ ALL = [
 # microbatch shape of the other runs (one capture and one plan serve both)
 SUB = {"microbatches": 2, "sub_pipeline_tp": True}
 # SCP's partial recomputation runs the recompute head and rest interleaved too
+# The least-memory plan shards every stage over tp (the fastest plan of a model this small may replicate
+# it), so the tensor-parallel collectives inside stages, and sub-pipelining them, are exercised.
+SHARDED = ShardOptions(objective="memory")
 SUB_RUNS = [("1f1b", {}, SUB), ("interleaved", {"chunks": 2}, SUB), ("scp", {"alpha1": Fraction(1, 2)}, SUB)]
 
 
@@ -117,10 +121,10 @@ def _check_sub_pipeline_events(results, job: str) -> None:
 
 @pytest.mark.multiproc
 def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather_sub_pipelined():
-    from autopar.passes.shard import ShardOptions
     from autopar.solver.cost import TrainingSetup
 
     zero2 = {"options": ShardOptions(setup=TrainingSetup(zero=2))}
+    sharded = {"options": SHARDED}
     jobs = [
         {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL},
         {
@@ -131,7 +135,13 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather_sub_pipelined()
             "compile_kwargs": zero2,
             "make_optimizer": True,
         },
-        {"name": "gpt2-pp2tp2", "model_name": "gpt2", "axes": {"pp": 2, "tp": 2}, "runs": ALL + SUB_RUNS},
+        {
+            "name": "gpt2-pp2tp2",
+            "model_name": "gpt2",
+            "axes": {"pp": 2, "tp": 2},
+            "runs": ALL + SUB_RUNS,
+            "compile_kwargs": sharded,
+        },
         {
             "name": "llama-pp2tp2-scatter-gather",
             "model_name": "llama",
@@ -155,7 +165,6 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_scatter_gather_sub_pipelined()
 
 @pytest.mark.multiproc
 def test_pp2_dp2_tp2_and_mics():
-    from autopar.passes.shard import ShardOptions
     from autopar.solver.cost import TrainingSetup
 
     mics = ShardOptions(setup=TrainingSetup(zero=2, zero_axes=("dpr", "dp"), mics_group=2))
@@ -165,6 +174,7 @@ def test_pp2_dp2_tp2_and_mics():
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2, "tp": 2},
             "runs": [("1f1b", {}), ("interleaved", {"chunks": 2}), ("1f1b", {}, SUB)],
+            "compile_kwargs": {"options": SHARDED},
         },
         {  # MiCS: partition groups of 2 (dp), replicated over dpr; 2-hop gradient sync
             "name": "gpt2-mics",
@@ -192,6 +202,7 @@ def test_pp2_dp2_tp2_gpipe_wave_scp():
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2, "tp": 2},
             "runs": [r for r in ALL if r[0] in ("gpipe", "wave", "scp")],
+            "compile_kwargs": {"options": SHARDED},
         }
     ]
     _check(run_distributed(compare_jobs, 8, jobs, timeout=1200), "8 ranks")
