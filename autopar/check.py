@@ -153,8 +153,9 @@ def _double(x: Any) -> Any:
 
 def _call(op: Op, env: dict[str, Any]) -> Any:
     if op.target in COLLECTIVES:  # on whole values every collective is the identity
-        x = env[op.args[0].name]
-        return x.view_as(x)  # a value of its own, so its gradient is its own
+        # a copy, not a view: its gradient is its own, and an in-place op on it (div_) must not
+        # change its input, which on the ranks is another tensor
+        return env[op.args[0].name].clone()
     return call_op(op.target, op.args, op.kwargs, env)
 
 
@@ -382,10 +383,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0 if torch.equal(a.to(b.dtype), b) else float("inf")
     if b.numel() == 0:
         return 0.0
-    d = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    if torch.isnan(d).any():
-        return 0.0 if torch.equal(torch.isnan(a), torch.isnan(b)) and not torch.isnan(d[~torch.isnan(b)]).any() else 1.0
-    return float(d.max()) / max(1.0, float(b.abs().max()))
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    finite = torch.isfinite(b)
+    # NaN where NaN, and the same infinities (T5's log of a zero relative distance is -inf)
+    if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()) or not torch.isfinite(a[finite]).all():
+        return 1.0
+    if not finite.any():
+        return 0.0
+    d = (a[finite] - b[finite]).abs()
+    return float(d.max()) / max(1.0, float(b[finite].abs().max()))
 
 
 def _rel_spread(spread: float, ref: torch.Tensor) -> float:
