@@ -17,7 +17,7 @@ made it), is reported with its IR line, module path, source line and placements.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -88,6 +88,7 @@ class CheckReport:
     max_diff: float  # largest relative difference over every compared value and gradient
     compared: int
     finding: Finding | None
+    program: Program | None = None  # the checked program (float64), when the ranks ran
 
     @property
     def agrees(self) -> bool:
@@ -291,7 +292,7 @@ def check_program(
         return rec, grads
 
     ranks = world.run(rank_step)
-    return _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs)
+    return replace(_compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs), program=prog)
 
 
 def _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> CheckReport:
