@@ -11,6 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
 from autopar.passes.capture import Captured
+from autopar.passes.functionalize import functionalize
 from autopar.passes.ir import (
     DEVICE,
     DTYPE_SHORT,
@@ -46,11 +47,12 @@ def _module_path(node: torch.fx.Node) -> str:
 
 
 def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
-    """fx graph -> Program with every placement R. addmm and biased linear are split into a
+    """fx graph -> Program with every placement R. In-place ops and writes through views become
+    out-of-place ops first (passes/functionalize.py). addmm and biased linear are split into a
     matmul and an add, so a row-parallel matmul can produce a partial sum before its bias."""
     mesh = mesh or MeshSpec()
     ep = captured.exported
-    gm = ep.graph_module
+    gm = functionalize(ep.graph_module)
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
     for spec, node in zip(ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")):
@@ -151,10 +153,45 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
             (res,) = emit("aten.add.Tensor", (Ref(mm), bias), {}, [val], node)
             names[node.name] = Ref(res)
             continue
+        if target == "aten.cross_entropy_loss" and _mean_without_weight(args, kwargs):
+            names[node.name] = _lower_mean_cross_entropy(args, kwargs, node, emit)
+            continue
         vals = list(val) if isinstance(val, (list, tuple)) else [val]
         results = emit(target, args, kwargs, vals, node)
         names[node.name] = tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
     return None
+
+
+_CROSS_ENTROPY_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+_CROSS_ENTROPY_DEFAULTS = (None, None, None, 1, -100, 0.0)
+
+
+def _cross_entropy_args(args: tuple, kwargs: dict) -> list:
+    """cross_entropy_loss's arguments by position, defaults filled in."""
+    return [
+        args[i] if i < len(args) else kwargs.get(name, default)
+        for i, (name, default) in enumerate(zip(_CROSS_ENTROPY_ARGS, _CROSS_ENTROPY_DEFAULTS))
+    ]
+
+
+def _mean_without_weight(args: tuple, kwargs: dict) -> bool:
+    _, _, weight, reduction, _, _ = _cross_entropy_args(args, kwargs)
+    return weight is None and reduction == 1
+
+
+def _lower_mean_cross_entropy(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> Ref:
+    """A mean cross-entropy is its sum over the targets that are not ``ignore_index`` divided by
+    their count. As one op, rows split over ranks would make each rank's mean divide by its own count
+    (a partial average is right only when every rank ignores as many targets); as sum / count both
+    parts are partial sums over split rows, reduced before the division."""
+    logits, target, _, _, ignore, smoothing = _cross_entropy_args(args, kwargs)
+    val, target_val = node.meta["val"], node.args[1].meta["val"]
+    (total,) = emit("aten.cross_entropy_loss", (logits, target, None, 2, ignore, smoothing), {}, [val], node)
+    kept = torch.empty(target_val.shape, dtype=torch.bool, device="meta")
+    (mask,) = emit("aten.ne.Scalar", (target, ignore), {}, [kept], node)
+    (count,) = emit("aten.sum", (Ref(mask),), {}, [torch.empty((), dtype=torch.int64, device="meta")], node)
+    (mean,) = emit("aten.div.Tensor", (Ref(total), Ref(count)), {}, [val], node)
+    return Ref(mean)
 
 
 # ---------------------------------------------------------------------------------------------

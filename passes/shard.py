@@ -16,7 +16,8 @@ cluster's device memory); ``comm`` is the same objective under Alpa's name, kept
 Values every rank can compute for itself (``recomputable``: inputs' integer tensors, buffers,
 ``arange`` and the cheap ops of those, nothing that needs a gradient) are never moved: every
 placement change of one that would communicate is left out of the problem, so position ids and
-masks are computed (replicated) where they are needed and sliced locally, never gathered.
+masks are computed (replicated) where they are needed and sliced locally, never gathered. A partial
+sum of such values (the count of non-ignored targets over rows split across ranks) is reduced.
 
 Every op's result types get the chosen placements, and each op the attribute ``in`` with the
 placements its inputs must have ("*" where any will do); `insert-collectives` turns every mismatch
@@ -34,6 +35,7 @@ from autopar.errors import InfeasibleError, SolverError
 from autopar.passes.ir import (
     VIEW_OPS,
     Op,
+    Partial,
     Placement,
     Program,
     R,
@@ -350,8 +352,8 @@ class _Builder:
                     if i == 0 and op is not g.ops[0] and ref.name in _results_of(g):
                         src = self._placement_in(cand, g, ref.name)
                         b, x = self.cost.redistribute(t, src, p, ref.name in self.grad)
-                        if b and ref.name in self.recomputable:
-                            b = x = INF  # computed where it is needed, never moved
+                        if b and ref.name in self.recomputable and not _has_partial(src):
+                            b = x = INF  # computed where it is needed, never moved (a partial sum is reduced)
                         vol, sec = vol + b, sec + x
                     if ref.name in self.grad:
                         # a parameter read by two ops whose gradients both need the sync is all-reduced
@@ -386,9 +388,16 @@ class _Builder:
         those that would communicate a recomputable value."""
         vol, sec = self.cost.redistribute_matrix(t, srcs, dsts, name in self.grad if name else None)
         cost = self.objective(0.0, vol, sec, 0.0)
-        possible = np.isfinite(vol) & ((vol == 0) if name in self.recomputable else True)
+        possible = np.isfinite(vol)
+        if name in self.recomputable:  # never moved; but a partial sum (a count over split rows) is reduced
+            reduced = np.array([_has_partial(s) for s in srcs], dtype=bool)[:, None]
+            possible &= (vol == 0) | reduced
         rows, cols = np.nonzero(possible)
         return dict(zip(zip(rows.tolist(), cols.tolist()), cost[rows, cols].tolist()))
+
+
+def _has_partial(placements) -> bool:
+    return placements is not None and any(isinstance(p, Partial) for p in placements)
 
 
 def _results_of(g: Group) -> set[str]:

@@ -132,6 +132,9 @@ POINTWISE = {
     "aten.where.ScalarSelf",
     "aten.min.other",
     "aten.max.other",
+    "aten.copy",
+    "aten.fill.Tensor",
+    "aten.fill.Scalar",
 }
 # Pointwise ops that are linear in their (single) partial input: P stays P.
 _LINEAR_UNARY = {
@@ -317,6 +320,24 @@ def _split(c: Ctx) -> list[OneD]:
     return res
 
 
+def _scatter(c: Ctx) -> list[OneD]:
+    """slice_scatter(base, src, dim, ...) and select_scatter(base, src, dim, index) (writes through a
+    view, functionalized): src fills a slice of base along dim; any other dim splits base, src and the
+    result alike (select's src lacks dim)."""
+    out = c.outs[0].shape
+    dim = (c.op.args[2] if len(c.op.args) > 2 else c.op.kwargs.get("dim", 0)) % len(out)
+    same_rank = len(c.ins) == 2 and len(c.ins[1].shape) == len(out)
+    res: list[OneD] = [_replicated(c)]
+    if len(c.ins) != 2:
+        return res
+    for d in range(len(out)):
+        if d == dim:
+            continue
+        for k in _shards(out[d], c.n, c.chunk_counts):
+            res.append(((Shard(d, k), Shard(d if same_rank or d < dim else d - 1, k)), (Shard(d, k),)))
+    return res
+
+
 def _cat(c: Ctx) -> list[OneD]:
     rank = len(c.outs[0].shape)
     dim = (c.op.args[1] if len(c.op.args) > 1 else 0) % rank
@@ -475,7 +496,7 @@ def _reduction(c: Ctx) -> list[OneD]:
     src = c.ins[0].shape
     rank = len(src)
     args = c.op.args
-    full = c.op.target in ("aten.sum.default", "aten.mean.default") or len(args) < 2 or args[1] is None
+    full = c.op.target in ("aten.sum", "aten.mean") or len(args) < 2 or args[1] is None
     dims = set(range(rank)) if full else {x % rank for x in args[1]}
     keep = bool(args[2]) if len(args) > 2 and not full else c.op.kwargs.get("keepdim", False)
     op = "avg" if "mean" in c.op.target else "sum"
@@ -498,8 +519,9 @@ def _cumsum(c: Ctx) -> list[OneD]:
 
 def _cross_entropy(c: Ctx) -> list[OneD]:
     """cross_entropy_loss(logits[N, C], target[N], weight=None, reduction, ignore_index, smoothing):
-    rows split (a partial mean or sum), or classes split (Megatron's vocab-parallel loss: a whole
-    loss on every rank, three row-wise all-reduces inside; codegen emits it)."""
+    rows split (a partial sum), or classes split (Megatron's vocab-parallel loss: a whole loss on
+    every rank, three row-wise all-reduces inside; codegen emits it). A mean over split rows is not
+    a partial average: ranks may ignore different numbers of targets (lowering makes it sum / count)."""
     logits = c.ins[0].shape
     args = c.op.args
     reduction = args[3] if len(args) > 3 else c.op.kwargs.get("reduction", 1)
@@ -508,8 +530,8 @@ def _cross_entropy(c: Ctx) -> list[OneD]:
     res: list[OneD] = [_replicated(c)]
     if len(logits) != 2 or len(c.ins) != 2 or weighted or smoothing:
         return res
-    if logits[0] % c.n == 0 and reduction in (1, 2):
-        res.append(((Shard(0), Shard(0)), (Partial("avg" if reduction == 1 else "sum"),)))
+    if logits[0] % c.n == 0 and reduction == 2:
+        res.append(((Shard(0), Shard(0)), (Partial("sum"),)))
     if logits[1] % c.n == 0:
         res.append(((Shard(1), R), (R,)))
     return res
@@ -557,6 +579,8 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
     "aten.select.int": _select,
     "aten.split.Tensor": _split,
     "aten.split_with_sizes": _split,
+    "aten.slice_scatter": _scatter,
+    "aten.select_scatter": _scatter,
     "aten.cat": _cat,
     "aten.mm": _mm,
     "aten.bmm": _bmm,
@@ -573,8 +597,8 @@ RULES: dict[str, Callable[[Ctx], list[OneD]]] = {
     "aten.scaled_dot_product_attention": _sdpa,
     "aten.sum.dim_IntList": _reduction,
     "aten.mean.dim": _reduction,
-    "aten.sum.default": _reduction,
-    "aten.mean.default": _reduction,
+    "aten.sum": _reduction,
+    "aten.mean": _reduction,
     "aten.cumsum": _cumsum,
     "aten.cross_entropy_loss": _cross_entropy,
     "aten.mse_loss": _mse_loss,
