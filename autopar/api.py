@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import CaptureError, MeshError
+from autopar.errors import CaptureError, CheckError, MeshError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
 from autopar.passes.ir import MeshSpec, Program, Shard
@@ -271,6 +271,7 @@ def compile(  # noqa: A001
     scatter_gather: bool = False,
     timeout: float = 600.0,
     sub_pipeline_tp: bool = False,
+    check: bool = False,
 ):
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
@@ -289,6 +290,13 @@ def compile(  # noqa: A001
     tensor-parallel-replicated stage boundary; ``timeout`` bounds every transfer (seconds);
     ``sub_pipeline_tp`` runs each microbatch as two halves whose tensor-parallel collectives overlap
     each other's computation (Merak's sub-pipelined tensor parallelism, docs/runtime.md).
+
+    ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
+    the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
+    verdict broadcast) and raises ``CheckError`` naming the first op whose output or gradient differs.
+    It checks the real-size program, so it takes models of at most ``autopar.check.CHECK_MAX_PARAMS``
+    parameters (a larger one gets an error saying how to check a scaled-down copy with
+    ``autopar check``); dp/tp meshes only.
     """
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -302,6 +310,12 @@ def compile(  # noqa: A001
         options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
     if "pp" in spec.names:
         from autopar.pipeline import compile_pipeline
+
+        if check:
+            raise CheckError(
+                "check=True covers dp/tp meshes; check a pipelined plan's sharded program with "
+                "`autopar check MODEL --mesh ...` (stage cuts do not change values)"
+            )
 
         return compile_pipeline(
             model,
@@ -337,6 +351,8 @@ def compile(  # noqa: A001
             text = [print_program(plan_program(captured, spec, options, dump_dir=dump_dir))]
         dist.broadcast_object_list(text, src=0)
     program = parse(text[0])
+    if check:
+        _check_before_training(program, model, args, kwargs or {})
     device = torch.device(device) if device is not None else _default_device(mesh)
     comm = coll.Comm.from_device_mesh(mesh)
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -358,6 +374,24 @@ def compile(  # noqa: A001
     if dump_dir:
         dump_rank_code(dump_dir, dist.get_rank(), gm, program)
     return CompiledModule(gm, program, captured, comm, device, setup)
+
+
+def _check_before_training(program: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """compile's ``check=True``: rank 0 checks the plan on simulated ranks; every rank raises its verdict."""
+    from autopar.check import check_before_training
+
+    verdict: list[str | None] = [None]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            check_before_training(program, model, args, kwargs)
+        except Exception as e:  # every rank must leave the broadcast below
+            failure, verdict = e, [str(e) if isinstance(e, CheckError) else f"check=True failed on rank 0: {e!r}"]
+    dist.broadcast_object_list(verdict, src=0)
+    if failure is not None:
+        raise failure
+    if verdict[0] is not None:
+        raise CheckError(verdict[0])
 
 
 def dump_rank_code(dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program) -> None:

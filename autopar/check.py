@@ -17,7 +17,7 @@ made it), is reported with its IR line, module path, source line and placements.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +45,9 @@ from autopar.runtime.placement_values import assemble, assemble_grad, distribute
 from autopar.runtime.ranksim import SimWorld
 
 TOLERANCE = 1e-10  # relative to the value's largest magnitude
+# compile(check=True) holds float64 copies of the model (the model, the whole program, every rank's
+# shards) and every rank's activations in one process: at 10M parameters that is about 0.5 GB
+CHECK_MAX_PARAMS = 10_000_000
 _FLOATS = {"f32": "f64", "f16": "f64", "bf16": "f64"}
 _TORCH_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -88,6 +91,7 @@ class CheckReport:
     max_diff: float  # largest relative difference over every compared value and gradient
     compared: int
     finding: Finding | None
+    program: Program | None = None  # the checked program (float64), when the ranks ran
 
     @property
     def agrees(self) -> bool:
@@ -153,8 +157,9 @@ def _double(x: Any) -> Any:
 
 def _call(op: Op, env: dict[str, Any]) -> Any:
     if op.target in COLLECTIVES:  # on whole values every collective is the identity
-        x = env[op.args[0].name]
-        return x.view_as(x)  # a value of its own, so its gradient is its own
+        # a copy, not a view: its gradient is its own, and an in-place op on it (div_) must not
+        # change its input, which on the ranks is another tensor
+        return env[op.args[0].name].clone()
     return call_op(op.target, op.args, op.kwargs, env)
 
 
@@ -290,7 +295,7 @@ def check_program(
         return rec, grads
 
     ranks = world.run(rank_step)
-    return _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs)
+    return replace(_compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs), program=prog)
 
 
 def _compare(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> CheckReport:
@@ -382,10 +387,15 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return 0.0 if torch.equal(a.to(b.dtype), b) else float("inf")
     if b.numel() == 0:
         return 0.0
-    d = (a.to(torch.float64) - b.to(torch.float64)).abs()
-    if torch.isnan(d).any():
-        return 0.0 if torch.equal(torch.isnan(a), torch.isnan(b)) and not torch.isnan(d[~torch.isnan(b)]).any() else 1.0
-    return float(d.max()) / max(1.0, float(b.abs().max()))
+    a, b = a.to(torch.float64), b.to(torch.float64)
+    finite = torch.isfinite(b)
+    # NaN where NaN, and the same infinities (T5's log of a zero relative distance is -inf)
+    if not torch.equal(a[~finite].nan_to_num(), b[~finite].nan_to_num()) or not torch.isfinite(a[finite]).all():
+        return 1.0
+    if not finite.any():
+        return 0.0
+    d = (a[finite] - b[finite]).abs()
+    return float(d.max()) / max(1.0, float(b[finite].abs().max()))
 
 
 def _rel_spread(spread: float, ref: torch.Tensor) -> float:
@@ -447,8 +457,7 @@ def check_model(
     from autopar.api import plan_program
     from autopar.passes.parser import parse
 
-    if any(p.device.type == "meta" for p in model.parameters()):
-        raise CheckError("the model is on the meta device: check needs real weights (build it on the CPU)")
+    _require_weights(model)
     captured = capture(model, args, kwargs)
     inner = MeshSpec(tuple((n, s) for n, s in mesh.axes if n != "pp"))
     if plan is not None:
@@ -459,9 +468,40 @@ def check_model(
         prog = parse(loaded.program)
     else:
         prog = plan_program(captured, inner, options)
+    return check_planned(prog, model, args, kwargs)
+
+
+def check_planned(prog: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> CheckReport:
+    """Check one step of an already planned program of ``model`` (the float64 capture is made here)."""
+    _require_weights(model)
     prog = _strip_pipeline(prog)
     cap64 = capture(copy.deepcopy(model).to(torch.float64), *pytree.tree_map(_double, (args, kwargs)))
     return check_program(prog, model, cap64, args, kwargs)
+
+
+def check_before_training(prog: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> CheckReport:
+    """``autopar.compile(..., check=True)``: the check of the real-size planned program, refused with
+    the way to check a scaled-down copy when the model is larger than ``CHECK_MAX_PARAMS``; raises
+    ``CheckError`` with the report's summary (the first op that differs) when the ranks disagree."""
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    if n > CHECK_MAX_PARAMS:
+        mesh = ",".join(f"{a}={k}" for a, k in prog.mesh.axes)
+        raise CheckError(
+            f"check=True runs one float64 step of every rank of the plan in this process and takes models of at "
+            f"most {CHECK_MAX_PARAMS:,} parameters; this one has {n:,}. Check a scaled-down copy of it instead, on "
+            f"the same mesh: `autopar check PRESET:overrides --mesh {mesh}` (e.g. "
+            f"gpt3-175b:n_layer=2,n_embd=256), or `autopar check file.py:fn --mesh {mesh}` with fn "
+            "returning a small configuration of your model and its inputs; then compile with check=False"
+        )
+    report = check_planned(prog, model, args, kwargs)
+    if not report.agrees:
+        raise CheckError(f"the plan does not train this model exactly (check=True):\n{report.summary()}")
+    return report
+
+
+def _require_weights(model: torch.nn.Module) -> None:
+    if any(p.device.type == "meta" for p in model.parameters()):
+        raise CheckError("the model is on the meta device: check needs real weights (build it on the CPU)")
 
 
 def _strip_pipeline(prog: Program) -> Program:
@@ -472,4 +512,14 @@ def _strip_pipeline(prog: Program) -> Program:
     raise CheckError(f"the plan's program is over mesh {prog.mesh}; check a plan whose program has no pp axis")
 
 
-__all__ = ["CheckReport", "Finding", "check_model", "check_program", "to_float64", "Shard"]
+__all__ = [
+    "CHECK_MAX_PARAMS",
+    "CheckReport",
+    "Finding",
+    "check_before_training",
+    "check_model",
+    "check_planned",
+    "check_program",
+    "to_float64",
+    "Shard",
+]

@@ -97,8 +97,11 @@ def codegen(
             node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), dict(op.kwargs))
         elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
             w, ids = op.args[0], op.args[1]
+            pad = op.args[2] if len(op.args) > 2 else op.kwargs.get("padding_idx", -1)
             node = graph.call_function(
-                coll.vocab_parallel_embedding, (env[w.name], env[ids.name]), {"axes": _vocab_axes(op, types, prog)}
+                coll.vocab_parallel_embedding,
+                (env[w.name], env[ids.name]),
+                {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
             )
         elif op.target == "aten.cross_entropy_loss" and _class_axes(op, types, prog):
             logits, target = op.args[0], op.args[1]

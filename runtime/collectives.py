@@ -330,17 +330,21 @@ ASYNC: dict[Callable, AsyncForm] = {
 }
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axes: list[str]) -> torch.Tensor:
+def vocab_parallel_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, axes: list[str], padding_idx: int = -1
+) -> torch.Tensor:
     """Megatron's vocab-parallel lookup: this rank holds rows [start, start + V_local) of the table
     (its block over ``axes``, outer axis first); ids outside read as zero, so summing over the axes
-    gives the whole lookup. Plain ATen ops, so autograd needs nothing special."""
+    gives the whole lookup. ``padding_idx`` (a global row whose gradient stays zero) is passed on as
+    the local row on the rank that holds it. Plain ATen ops, so autograd needs nothing special."""
     c = _comm()
     block = 0
     for a in axes:
         block = block * c.sizes[a] + c.coords[a]
     start = block * weight.shape[0]
     outside = (ids < start) | (ids >= start + weight.shape[0])
-    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0))
+    local_pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + weight.shape[0] else -1
+    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0), local_pad)
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 

@@ -441,9 +441,14 @@ def _conv(c: Ctx) -> list[OneD]:
 def _embedding(c: Ctx) -> list[OneD]:
     """embedding(W[V, E], ids): ids split (batch), W split by hidden (hidden-parallel), or W split by
     vocabulary (Megatron's vocab-parallel: each rank looks up the ids in its rows, others read as
-    zero, so the output is a partial sum; codegen emits the masked lookup)."""
+    zero, so the output is a partial sum; codegen emits the masked lookup). With
+    ``scale_grad_by_freq`` a row's gradient is divided by its count in the whole batch and every
+    rank must see every id: only the hidden split keeps them all."""
     w, idx = c.ins[0].shape, c.ins[1].shape
     res: list[OneD] = [_replicated(c)]
+    args = c.op.args
+    if (args[3] if len(args) > 3 else c.op.kwargs.get("scale_grad_by_freq", False)) is True:
+        return res + ([((Shard(1), R), (Shard(len(idx)),))] if w[1] % c.n == 0 else [])
     for d in range(len(idx)):
         if idx[d] % c.n == 0:
             res.append(((R, Shard(d)), (Shard(d),)))

@@ -193,7 +193,8 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
         return _conv_case(target, draw)
     if target == "aten.embedding":
         v, e = draw(SIZES), draw(SIZES)
-        return (_f([v, e]), torch.randint(0, v, _shape(draw, 1, 2))), {}
+        pad = draw(st.sampled_from([-1, 0, v - 1]))  # a padding row's gradient stays zero
+        return (_f([v, e]), torch.randint(0, v, _shape(draw, 1, 2)), pad, draw(st.booleans())), {}
     if target == "aten.layer_norm":
         k = draw(st.integers(1, rank))
         norm = s[rank - k :]
