@@ -150,7 +150,7 @@ def _real_pipes(args, mesh) -> dict:
     for variant, n in zip(VARIANTS, (1, 2)):
         _, sub = split_batch((), batch, args.microbatches * n)[0]
         prog = lower(capture(spec.model, (), sub), MeshSpec((("tp", args.tp),)))
-        options = ShardOptions(objective="comm", constrain=megatron_constraints(prog))
+        options = ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
         pipe = autopar.compile(
             spec.model,
             mesh,

@@ -77,6 +77,10 @@ class ShardOptions:
     eliminate: bool = True  # solve series-parallel parts exactly before the ILP (solver/eliminate.py)
     # restrict candidates (baselines): name of a value / op result -> predicate on its placements
     constrain: dict | None = None
+    # a constrained value is read where it is stored, never moved by a collective: a hand-written layout
+    # such as Megatron's computes with each weight shard in place (without this the cheapest execution of
+    # Megatron's storage may gather the weights, ZeRO-3 style)
+    pin_constrained: bool = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -389,6 +393,8 @@ class _Builder:
         vol, sec = self.cost.redistribute_matrix(t, srcs, dsts, name in self.grad if name else None)
         cost = self.objective(0.0, vol, sec, 0.0)
         possible = np.isfinite(vol)
+        if name and self.opts.pin_constrained and name in (self.opts.constrain or {}):
+            possible &= vol == 0  # used where it is stored
         if name in self.recomputable:  # never moved; but a partial sum (a count over split rows) is reduced
             reduced = np.array([_has_partial(s) for s in srcs], dtype=bool)[:, None]
             possible &= (vol == 0) | reduced

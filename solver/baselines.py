@@ -164,7 +164,7 @@ def run_baseline(prog: Program, name: str, opts: ShardOptions) -> ShardResult:
         return shard(prog, replace(opts, objective="comm"))
     run = replace(opts, objective="comm", budget_bytes=None)
     if name == "megatron":
-        run = replace(run, constrain=megatron_constraints(prog))
+        run = replace(run, constrain=megatron_constraints(prog), pin_constrained=True)
     else:
         run = replace(run, constrain=data_parallel_constraints(prog))
         if name in ("zero2", "zero3"):

@@ -110,8 +110,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
                 setup = TrainingSetup(zero=zero, zero_axes=None if "megatron" in kinds else tuple(axes))
         # least memory keeps the batch split under pure data parallelism (least communication would
         # gather a tiny model's input and replicate its compute, leaving no gradient for ZeRO to shard)
-        objective = "comm" if "megatron" in kinds else "memory"
-        options = ShardOptions(objective=objective, constrain=layout, setup=setup)
+        objective = "time" if "megatron" in kinds else "memory"
+        # Megatron computes with each weight shard where it is stored (pin_constrained)
+        options = ShardOptions(objective=objective, constrain=layout, setup=setup, pin_constrained="megatron" in kinds)
     plan = None
     if "plan" in kinds:  # planned offline into a JSON file, then every rank compiles from the file
         import tempfile

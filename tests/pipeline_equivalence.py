@@ -126,7 +126,7 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
     args, kwargs = split_batch((), batch, microbatches)[0]
     inner = MeshSpec(tuple((a, n) for a, n in axes.items() if a != "pp"))
     prog = lower(_capture(model, args, kwargs), inner)
-    return ShardOptions(objective="comm", constrain=megatron_constraints(prog))
+    return ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
 
 
 def sub_pipeline_events(
