@@ -27,6 +27,8 @@ from autopar.passes.ir import (
     target_name,
 )
 
+# Random ops autopar draws itself (passes/dropout.py, runtime/rng.py); any other random op is refused.
+_KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}
 # Ops that only check metadata at trace time; on the meta device they mean nothing.
 _DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}
 
@@ -141,6 +143,13 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         target = target_name(node.target)
         if target in _DROPPED:
             continue
+        if torch.Tag.nondeterministic_seeded in node.target.tags and target not in _KEYED_RANDOM:
+            raise CaptureError(
+                f"{target} at {_module_path(node) or node.name} draws random numbers from torch's generator, "
+                "whose stream differs between ranks, so a sharded run would not compute what one device computes; "
+                "autopar keys only dropout (nn.Dropout, F.dropout, attention dropout) to the element's place in "
+                "the model: use one of those, or move the random draw out of the model's forward"
+            )
         val = node.meta.get("val")
         args, kwargs = conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
         if target == "aten.addmm" and not kwargs and len(args) == 3:

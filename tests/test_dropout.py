@@ -293,3 +293,66 @@ def test_pipelines_train_as_one_device() -> None:
         for key, r in res.items():
             assert r["loss_rel"] < TOL, (rank, key, r)
             assert r["param_rel"] < TOL and r["compared"] > 0, (rank, key, r)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering: attention dropout as math attention, random ops autopar cannot key
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, mask: str, causal: bool, scale: float | None):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+        self.mask, self.causal, self.scale = mask, causal, scale
+
+    def forward(self, x):
+        q, k, v = self.proj(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)  # [batch, heads, seq, dim] each
+        mask = None
+        if self.mask == "bool":
+            mask = torch.ones(5, 5, dtype=torch.bool).triu(2).logical_not()
+        elif self.mask == "float":
+            mask = torch.arange(25, dtype=x.dtype).view(5, 5) / 25
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=self.causal, scale=self.scale
+        )
+        return out.sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    ("mask", "causal", "scale"), [("none", True, None), ("bool", False, 0.7), ("float", False, None)]
+)
+def test_attention_dropout_is_math_attention_with_a_keyed_mask(mask: str, causal: bool, scale: float | None) -> None:
+    """SDPA with dropout_p > 0 lowers to scores, mask, softmax, keyed dropout, weighted sum: the
+    program equals PyTorch's math attention with the mask the generator draws for that op."""
+    torch.manual_seed(0)
+    model = Attention(mask, causal, scale).double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    prog = lower(capture(model, (x,)), MeshSpec((("one", 1),)))
+    assert "aten.scaled_dot_product_attention" not in {op.target for op in prog.ops}
+    (drop,) = [op for op in prog.ops if "rng" in op.attrs]
+    named = dict(model.named_parameters())
+    gm = codegen(prog, {"one": 0}, named.__getitem__, rng=DropoutRng(seed=9))
+    (got,) = gm(x)
+    rng = DropoutRng(seed=9)
+    site = DropoutSite.of(rng, 0, 0.3, drop.type.shape, 0, (R,), ("one",), (1,), {"one": 0}, "cpu")
+    q, k, v = model.proj(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    scores = q @ k.transpose(-2, -1) * (scale if scale is not None else 0.5)
+    if causal:
+        scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).tril().logical_not(), float("-inf"))
+    if mask == "bool":
+        scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).triu(2), float("-inf"))
+    elif mask == "float":
+        scores = scores + torch.arange(25, dtype=x.dtype).view(5, 5) / 25
+    expected = (keyed_dropout(scores.softmax(-1), site) @ v).sum(dim=1)
+    assert (got - expected).abs().max() < 1e-12
+
+
+def test_a_random_op_autopar_cannot_key_is_refused() -> None:
+    from autopar.errors import CaptureError
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.rand_like(x)
+
+    with pytest.raises(CaptureError, match="rand_like.*draws random numbers"):
+        lower(capture(Noisy(), (torch.randn(2, 3),)))
