@@ -356,3 +356,24 @@ def test_a_random_op_autopar_cannot_key_is_refused() -> None:
 
     with pytest.raises(CaptureError, match="rand_like.*draws random numbers"):
         lower(capture(Noisy(), (torch.randn(2, 3),)))
+
+
+def test_sub_microbatches_draw_their_own_rows() -> None:
+    """Sub-pipelined tp runs two halves of microbatch m interleaved node by node: half h draws the
+    mask of sub-microbatch 2m + h, as the plain module does when told that index."""
+    from autopar.runtime.subpipeline import Interleaved
+
+    torch.manual_seed(0)
+    model = DropoutMLP().double()
+    xs = [(torch.randn(2, 16, dtype=torch.float64), torch.randn(2, 16, dtype=torch.float64)) for _ in range(2)]
+    prog = lower(capture(model, xs[0]), MeshSpec((("one", 1),)))
+    rng = DropoutRng(seed=4, microbatches=8)
+    gm = codegen(prog, {"one": 0}, dict(model.named_parameters()).__getitem__, rng=rng)
+    want = []
+    for h, x in enumerate(xs):
+        rng.microbatch = 6 + h
+        want.append(gm(*x)[0])
+    outs, _ = Interleaved(gm)([list(x) for x in xs], first=6)
+    for (got,), exp in zip(outs, want):
+        assert torch.equal(got, exp)
+    assert not torch.equal(want[0], gm(*xs[0])[0])  # the index matters (rng.microbatch is 7 now)
