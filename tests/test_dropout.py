@@ -1,10 +1,10 @@
 """Mesh-invariant dropout (runtime/rng.py): every mesh, microbatch count and recomputation draws the
 masks autopar draws on one device, so training with dropout is exact (float64, 1e-10) in parallel.
 
-Cost on 2 cores: the mask and statistics tests take well under a second; the dp/tp meshes run on
-the single-process rank simulator (tiny GPT-2 and an MLP, 3 SGD steps each on dp=2, tp=2 and
-dp=2 x tp=2, about 20-30 s with planning); the pipeline is one 2-process gloo spawn (pp=2, four
-schedule / microbatch / recomputation runs, about 40-60 s).
+Cost on 2 cores (measured, about 30 s in all): the mask, statistics and lowering tests take about
+2 s; the dp/tp meshes run on the single-process rank simulator (tiny GPT-2 and an MLP, 3 SGD steps on
+five plans over dp=2, tp=2 and dp=2 x tp=2: about 8 s with planning); the pipeline is one 2-process
+gloo spawn (pp=2, four schedule / microbatch / recomputation runs: about 20 s).
 """
 
 from __future__ import annotations
