@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.errors import PipelineError
 from autopar.runtime.collectives import shard_tensor
 
 _MASK64 = (1 << 64) - 1
@@ -112,9 +113,10 @@ class DropoutSite:
         offset = [0] * len(full)
         if m > 1:
             if self.batch_dim is None:
-                raise RuntimeError(
-                    f"dropout {self.key} runs in a pipeline of {m} microbatches but autopar could not tell which "
-                    "dim of its input holds the batch; run with one microbatch or report the model"
+                raise PipelineError(
+                    f"dropout number {self.key} runs in a pipeline of {m} microbatches, but autopar could not tell "
+                    "which dim of its input holds the batch rows (an op on the way has no sharding rule), so it "
+                    "cannot draw the one-device mask: compile with microbatches=1, or set that dropout to 0"
                 )
             if self.batch_dim >= 0:
                 offset[self.batch_dim] = self.rng.microbatch * full[self.batch_dim]
