@@ -28,6 +28,7 @@ from autopar.passes.parser import parse
 from autopar.passes.printer import print_program
 from autopar.passes.shard import ShardOptions, planning_options
 from autopar.runtime import collectives as coll
+from autopar.runtime.rng import rng_for
 from autopar.solver.cluster import ClusterSpec, local_cluster
 from autopar.solver.cost import TrainingSetup
 
@@ -154,6 +155,8 @@ class CompiledModule(torch.nn.Module):
                 else:
                     self._sync.setdefault(axis, []).append(gm.get_parameter(v.name))
         self._queued = False
+        # keyed dropout (runtime/rng.py): each forward draws the masks of the next step
+        self.dropout_rng = getattr(gm, "autopar_rng", None)
         for p in {id(p): p for ps in self._sync.values() for p in ps}.values():
             p.register_post_accumulate_grad_hook(self._on_grad)
 
@@ -232,6 +235,8 @@ class CompiledModule(torch.nn.Module):
                         outs = self.module(*locals_)
                 finally:
                     self.zero3.release()
+        if self.dropout_rng is not None:
+            self.dropout_rng.step += 1
         return pytree.tree_unflatten(list(outs), self._out_spec)
 
     @torch.no_grad()
@@ -369,7 +374,7 @@ def compile(  # noqa: A001
             )
         return t
 
-    gm = codegen(program, comm.coords, get_tensor, device)
+    gm = codegen(program, comm.coords, get_tensor, device, rng=rng_for(program.ops))
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     if dump_dir:
         dump_rank_code(dump_dir, dist.get_rank(), gm, program)

@@ -59,6 +59,7 @@ from autopar.passes.verify import verify
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule
 from autopar.runtime.executor import Buffer, Executor, Part, StageRunner, TraceEvent, measured_result
+from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.timeline import SimResult
 
@@ -233,6 +234,8 @@ class PipelineModule(torch.nn.Module):
                     _register(self, v.name, local, param=False)
             return cache[v.name]
 
+        # keyed dropout (runtime/rng.py): shared by this rank's stages; the executor sets the microbatch
+        self._rng = rng_for(program.ops, schedule.num_microbatches * opts.sub_microbatches)
         fractions: dict[int, set[Fraction]] = {s: set() for s in mine}
         for a in schedule.actions[self._pp_rank]:
             if a.kind is Kind.F and a.recompute:
@@ -298,7 +301,7 @@ class PipelineModule(torch.nn.Module):
 
     # -- construction helpers --------------------------------------------------------------------
     def _build(self, prog: Program, local_tensor, label: str) -> Part:
-        gm = codegen(prog, self._comm.coords, _no_whole, self._device, local_tensor=local_tensor)
+        gm = codegen(prog, self._comm.coords, _no_whole, self._device, local_tensor=local_tensor, rng=self._rng)
         self._stage_gms[label] = gm
         return Part.of(gm, prog)
 
@@ -399,6 +402,8 @@ class PipelineModule(torch.nn.Module):
         reduction, and the optimizer step if ``make_optimizer`` attached one. Returns the mean loss."""
         mbs = self._microbatch_inputs(args, kwargs)
         losses = self._executor.run(mbs)
+        if self._rng is not None:
+            self._rng.step += 1
         last = self._schedule.stage_to_rank[-1]
         # every pp rank needs the dtype to receive the broadcast: the loss's own, half types as float32
         dtype = torch.promote_types(self._loss_dtype, torch.float32)

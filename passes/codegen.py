@@ -12,8 +12,10 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 
+from autopar.errors import PlanError
 from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.runtime import collectives as coll
+from autopar.runtime import rng as keyed
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
@@ -46,6 +48,7 @@ def codegen(
     get_tensor: Callable[[str], torch.Tensor],
     device: torch.device | str = "cpu",
     local_tensor: Callable[[Value], torch.Tensor] | None = None,
+    rng: keyed.DropoutRng | None = None,
 ) -> fx.GraphModule:
     """Build the GraphModule of the rank at mesh coordinates ``coords``.
 
@@ -53,11 +56,14 @@ def codegen(
     ``local_tensor(value)``, when given, returns the rank's ready local shard (a Parameter for a
     parameter) and is used as it is, not copied: pipeline stages on one rank share their tied
     parameters this way (autopar.passes.stage_codegen).
+    ``rng`` is the state the rank's keyed dropouts read (seed, step, microbatch; runtime/rng.py), shared
+    by every module of the rank; the module keeps it as ``autopar_rng`` (a fresh one, seed 0, if none).
     """
     device = torch.device(device)
     sizes = prog.mesh.sizes
     types = prog.types()
     root = torch.nn.Module()
+    root.autopar_rng = rng if rng is not None else keyed.DropoutRng(seed=0)
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     for v in prog.inputs:
@@ -103,6 +109,11 @@ def codegen(
                 (env[w.name], env[ids.name]),
                 {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
             )
+        elif keyed.is_keyed(op.target, op.args):
+            site = _dropout_site(op, prog, coords, device, root.autopar_rng)
+            setattr(root, f"autopar_dropout_{site.key}", site)
+            site_node = graph.get_attr(f"autopar_dropout_{site.key}")
+            node = graph.call_function(keyed.keyed_dropout, (env[op.args[0].name], site_node))
         elif op.target == "aten.cross_entropy_loss" and _class_axes(op, types, prog):
             logits, target = op.args[0], op.args[1]
             reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", 1)
@@ -123,7 +134,30 @@ def codegen(
         node.meta["path"] = op.path
     graph.output(tuple(map_refs(list(prog.outputs), lambda r: env[r.name])))
     gm = fx.GraphModule(root, graph, class_name="RankModule")
+    gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+def _dropout_site(op: Op, prog: Program, coords, device, rng: keyed.DropoutRng) -> keyed.DropoutSite:
+    """The rank's keyed-dropout site of a dropout op numbered by passes/dropout.py."""
+    if "rng" not in op.attrs:
+        raise PlanError(
+            f"dropout %{op.result} ({op.path or 'no module path'}) has no dropout key: the program was planned "
+            "by an older autopar; plan it again (autopar plan, or compile without plan=)"
+        )
+    t = op.type
+    return keyed.DropoutSite.of(
+        rng,
+        op.attrs["rng"],
+        float(op.args[1]),
+        t.shape,
+        op.attrs.get("batch_dim"),
+        t.placements,
+        prog.mesh.names,
+        prog.mesh.sizes,
+        coords,
+        device,
+    )
 
 
 def _vocab_axes(op: Op, types, prog: Program) -> list[str]:

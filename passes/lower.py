@@ -11,6 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
 from autopar.passes.capture import Captured
+from autopar.passes.dropout import key_dropouts
 from autopar.passes.functionalize import functionalize
 from autopar.passes.ir import (
     DEVICE,
@@ -22,9 +23,12 @@ from autopar.passes.ir import (
     Ref,
     TensorType,
     Value,
+    resolve_target,
     target_name,
 )
 
+# Random ops autopar draws itself (passes/dropout.py, runtime/rng.py); any other random op is refused.
+_KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}
 # Ops that only check metadata at trace time; on the meta device they mean nothing.
 _DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}
 
@@ -108,7 +112,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     # a tied weight is listed under each of its names; keep the ones the graph reads
     inputs = [v for v in inputs if v.kind == "input" or v.name in used]
     prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs))
-    return annotate_costs(prog)
+    return key_dropouts(annotate_costs(prog))
 
 
 def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
@@ -139,6 +143,13 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         target = target_name(node.target)
         if target in _DROPPED:
             continue
+        if torch.Tag.nondeterministic_seeded in node.target.tags and target not in _KEYED_RANDOM:
+            raise CaptureError(
+                f"{target} at {_module_path(node) or node.name} draws random numbers from torch's generator, "
+                "whose stream differs between ranks, so a sharded run would not compute what one device computes; "
+                "autopar keys only dropout (nn.Dropout, F.dropout, attention dropout) to the element's place in "
+                "the model: use one of those, or move the random draw out of the model's forward"
+            )
         val = node.meta.get("val")
         args, kwargs = conv(node.args), {k: conv(v) for k, v in node.kwargs.items()}
         if target == "aten.addmm" and not kwargs and len(args) == 3:
@@ -152,6 +163,9 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
             (mm,) = emit("aten.linear", (x, w), {}, [val], node)
             (res,) = emit("aten.add.Tensor", (Ref(mm), bias), {}, [val], node)
             names[node.name] = Ref(res)
+            continue
+        if target == "aten.scaled_dot_product_attention" and _attention_dropout(args, kwargs):
+            names[node.name] = _lower_attention_with_dropout(args, kwargs, node, emit)
             continue
         if target == "aten.cross_entropy_loss" and _mean_without_weight(args, kwargs):
             names[node.name] = _lower_mean_cross_entropy(args, kwargs, node, emit)
@@ -192,6 +206,58 @@ def _lower_mean_cross_entropy(args: tuple, kwargs: dict, node: torch.fx.Node, em
     (count,) = emit("aten.sum", (Ref(mask),), {}, [torch.empty((), dtype=torch.int64, device="meta")], node)
     (mean,) = emit("aten.div.Tensor", (Ref(total), Ref(count)), {}, [val], node)
     return Ref(mean)
+
+
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def _sdpa_args(args: tuple, kwargs: dict) -> list:
+    return [args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(_SDPA_ARGS, _SDPA_DEFAULTS))]
+
+
+def _attention_dropout(args: tuple, kwargs: dict) -> bool:
+    return float(_sdpa_args(args, kwargs)[4]) > 0.0
+
+
+def _lower_attention_with_dropout(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> Ref:
+    """``scaled_dot_product_attention`` with ``dropout_p > 0`` as PyTorch's math attention: scores,
+    mask, softmax, dropout, weighted sum. A fused kernel draws its dropout mask inside, from torch's
+    stream generator; as ops the dropout is keyed like any other (runtime/rng.py), so every mesh and
+    microbatch count draws the mask one device draws."""
+    q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
+    if gqa:
+        raise CaptureError(
+            "scaled_dot_product_attention with enable_gqa=True and dropout_p > 0 is not supported: repeat the "
+            "key/value heads before attention (as Hugging Face's repeat_kv does) or set the attention dropout to 0"
+        )
+    qv, kv, vv = (a.meta["val"] for a in node.args[:3])
+    dev = qv.device
+    scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
+
+    def call(target: str, *a, **kw) -> tuple[Ref, torch.Tensor]:
+        """Emit ``target`` on (Ref, meta value) pairs and constants; its meta value comes from running it."""
+        metas = [x[1] if isinstance(x, tuple) else x for x in a]
+        val = resolve_target(target)(*metas, **{n: dev if x is DEVICE else x for n, x in kw.items()})
+        (res,) = emit(target, tuple(x[0] if isinstance(x, tuple) else x for x in a), kw, [val], node)
+        return Ref(res), val
+
+    kt = call("aten.transpose.int", (k, kv), -2, -1)
+    scores = call("aten.mul.Scalar", call("aten.matmul", (q, qv), kt), scale)
+    if causal:
+        ones = call("aten.ones", [qv.shape[-2], kv.shape[-2]], dtype=torch.bool, device=DEVICE)
+        keep = call("aten.tril", ones)
+        scores = call("aten.masked_fill.Scalar", scores, call("aten.logical_not", keep), float("-inf"))
+    if mask is not None:
+        mv = node.args[3].meta["val"] if len(node.args) > 3 else node.kwargs["attn_mask"].meta["val"]
+        if mv.dtype == torch.bool:
+            scores = call("aten.masked_fill.Scalar", scores, call("aten.logical_not", (mask, mv)), float("-inf"))
+        else:
+            scores = call("aten.add.Tensor", scores, (mask, mv))
+    probs = call("aten.softmax.int", scores, -1)
+    dropped = call("aten.dropout", probs, float(p), True)
+    out, _ = call("aten.matmul", dropped, (v, vv))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

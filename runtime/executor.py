@@ -325,15 +325,19 @@ class Executor:
             return [t.detach() for t in self._acts.pop(key)]
         return self._wait((Kind.RECV_ACT, a.mb, a.stage), waited)
 
-    def _call(self, part: Part, envs: list[dict[str, torch.Tensor]]) -> tuple[list[tuple], Tape | None]:
-        """Run ``part`` on each sub-microbatch: the plain module for one, interleaved at its collectives
-        for more (then with the tape its backward needs)."""
+    def _call(self, part: Part, envs: list[dict[str, torch.Tensor]], mb: int) -> tuple[list[tuple], Tape | None]:
+        """Run ``part`` on each sub-microbatch of microbatch ``mb``: the plain module for one,
+        interleaved at its collectives for more (then with the tape its backward needs). Keyed
+        dropouts (runtime/rng.py) learn which microbatch runs, so a recomputation redraws its mask."""
+        rng = getattr(part.module, "autopar_rng", None)
         if self.sub == 1:
+            if rng is not None:
+                rng.microbatch = mb
             return [part(envs[0])], None
         inter = self._interleaved.get(id(part.module))
         if inter is None:
             inter = self._interleaved[id(part.module)] = Interleaved(part.module)
-        return inter([[env[n] for n in part.inputs] for env in envs])
+        return inter([[env[n] for n in part.inputs] for env in envs], first=mb * self.sub)
 
     def _backprop(self, outputs: list[tuple], grads: list[list], tape: Tape | None, loss: float | None = None):
         """``_backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: the loss scale."""
@@ -361,13 +365,13 @@ class Executor:
         x = a.recompute
         stash = _Stash(envs, recompute=x)
         if not x:
-            outs, stash.tape = self._call(st.whole, envs)
+            outs, stash.tape = self._call(st.whole, envs, a.mb)
             stash.outputs = outs
         else:
             head, rest = st.variants[x]
             stash.rng = _rng_state()
             with torch.no_grad():
-                h_outs, _ = self._call(head, envs)
+                h_outs, _ = self._call(head, envs, a.mb)
             if rest is None:
                 outs = h_outs
             else:
@@ -378,7 +382,7 @@ class Executor:
                     }
                     for ho in h_outs
                 ]
-                outs, stash.tape = self._call(rest, [{**e, **hl} for e, hl in zip(envs, stash.head_leaves)])
+                outs, stash.tape = self._call(rest, [{**e, **hl} for e, hl in zip(envs, stash.head_leaves)], a.mb)
                 stash.outputs = outs
         self._stash[(a.mb, a.stage)] = stash
         if st.is_last:
@@ -397,7 +401,7 @@ class Executor:
         stash = self._stash[(a.mb, a.stage)]
         head, _rest = st.variants[stash.recompute]
         with _restored_rng(stash.rng), torch.enable_grad():
-            stash.head_outputs, stash.head_tape = self._call(head, stash.leaves)
+            stash.head_outputs, stash.head_tape = self._call(head, stash.leaves, a.mb)
 
     def _backward(self, a: Action, waited) -> None:
         st = self.stages[a.stage]

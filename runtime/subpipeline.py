@@ -215,15 +215,17 @@ class Interleaved:
             else:
                 raise NotImplementedError(f"sub-pipelined execution of a {n.op} node ({n.name})")
 
-    def __call__(self, envs: Sequence[Sequence[torch.Tensor]]) -> tuple[list[tuple], Tape | None]:
+    def __call__(self, envs: Sequence[Sequence[torch.Tensor]], first: int = 0) -> tuple[list[tuple], Tape | None]:
         """Run on each sub-microbatch's placeholder values; their outputs, and the tape for the
-        backward (``None`` without autograd)."""
+        backward (``None`` without autograd). ``first``: the index of the first sub-microbatch in the
+        step's batch (sub-microbatch h is ``first + h``), for keyed dropouts (runtime/rng.py)."""
         grad = torch.is_grad_enabled()
         tape = Tape([[] for _ in envs]) if grad else None
-        gens = [self._forward(h, list(xs), tape) for h, xs in enumerate(envs)]
+        gens = [self._forward(h, list(xs), tape, first + h) for h, xs in enumerate(envs)]
         return _drive(gens), tape
 
-    def _forward(self, h: int, inputs: list[torch.Tensor], tape: Tape | None):
+    def _forward(self, h: int, inputs: list[torch.Tensor], tape: Tape | None, index: int = 0):
+        rng = getattr(self.module, "autopar_rng", None)
         env: list = [None] * self.size
         for i, x in zip(self.placeholders, inputs):
             env[i] = x
@@ -235,6 +237,8 @@ class Interleaved:
             form = st.form
             if form is None:
                 _event("F", h, "compute", st.name)
+                if rng is not None:  # the sub-microbatches interleave: set before each op
+                    rng.microbatch = index
                 env[st.index] = st.target(*args, **kwargs)
             else:
                 x = args[0]

@@ -177,7 +177,7 @@ def _linear_partials(c: Ctx) -> list[OneD]:
     p = Partial("sum")
     if t in _LINEAR_UNARY and nin == 1:
         return [((p,), (p,))]
-    if t == "aten.dropout" and c.op.args[1] == 0.0:
+    if t == "aten.dropout":  # identity, or x times a mask keyed by global index (runtime/rng.py): linear
         return [((p,), (p,))]
     if t in ("aten.add.Tensor", "aten.sub.Tensor") and nin == 2 and len(c.op.args) == 2:
         same = all(x.shape == c.outs[0].shape for x in c.ins)
