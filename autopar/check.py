@@ -228,6 +228,15 @@ def check_program(
     and vs ``model`` (float64 copy made here)."""
     from autopar.api import CompiledModule
 
+    keyed = [op for op in prog.ops if "rng" in op.attrs]
+    if keyed:
+        raise CheckError(
+            f"the program has {len(keyed)} dropout op(s) with p > 0 (first: %{keyed[0].result}); the check "
+            "compares against the model run eagerly, whose dropout draws from torch's stream generator, so it "
+            "would differ for that reason alone. Check a copy with dropout off (dropout probabilities 0 in the "
+            "model's config, or a preset override such as resid_pdrop=0). autopar's dropout is mesh-invariant "
+            "by construction (docs/runtime.md, tests/test_dropout.py)."
+        )
     prog = to_float64(prog)
     model = copy.deepcopy(model).to(torch.float64)
     args, kwargs = pytree.tree_map(_double, (args, kwargs))

@@ -121,3 +121,15 @@ def test_simulated_collectives() -> None:
 
     with pytest.raises(SimulationError, match=r"rank 2 .*boom"):
         world.run(failing)
+
+
+def test_check_refuses_a_model_with_dropout_clearly(tmp_path) -> None:
+    """The eager model's dropout draws from torch's stream generator, autopar's from its keyed one: the
+    check says so and how to check the model, instead of reporting a false mismatch."""
+    from autopar.check import check_model
+    from autopar.errors import CheckError
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 8))
+    with pytest.raises(CheckError, match="dropout op"):
+        check_model(model, (torch.randn(4, 8),), {}, MeshSpec((("dp", 2),)))
