@@ -10,9 +10,9 @@ One 4-rank gloo spawn (about 60 s on 2 shared cores) trains T5 on dp=2 x tp=2 (l
 -100 in half the rows) and T5 and OPT on pp=2 x tp=2 (2 microbatches, no padding: a pipeline averages
 per-microbatch means, which equals the batch's mean only when every microbatch counts as many
 targets), each built small from its config, in float64, 3 SGD steps against one single-process run of
-the same model and batches: every parameter within 1e-10 relative, losses within 1e-10 relative (a
-pipeline's ``train_step`` returns its loss in float32 until its float64 change lands, so those losses
-are compared at float32 resolution).
+the same model and batches: every parameter and every loss within 1e-10 relative (a pipeline's
+``train_step`` returns the loss in the model's dtype, float64 here; a float32 loss would be compared at
+float32 resolution).
 """
 
 from __future__ import annotations
