@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 from autopar.errors import CaptureError, CheckError, MeshError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import MeshSpec, Program, Shard
+from autopar.ir.core import MeshSpec, Program, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions, planning_options
 from autopar.runtime import collectives as coll
 from autopar.runtime.rng import rng_for

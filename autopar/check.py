@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.errors import CheckError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import _getitem, codegen
-from autopar.passes.ir import (
+from autopar.ir.core import (
     COLLECTIVES,
     MeshSpec,
     Op,
@@ -39,7 +39,7 @@ from autopar.passes.ir import (
     TensorType,
     Value,
 )
-from autopar.passes.printer import print_program
+from autopar.ir.printer import print_program
 from autopar.rulecheck import call_op
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
@@ -427,7 +427,7 @@ def _ir_lines(prog: Program) -> dict[str, str]:
 def _source_lines(captured: Captured, prog: Program) -> dict[str, str]:
     """Best effort: the user's source line of each op, from the exported graph's stack traces (ops
     matched by module path and target in order; ops lowering made from another op have none)."""
-    from autopar.passes.ir import target_name
+    from autopar.ir.core import target_name
     from autopar.passes.lower import _module_path
 
     nodes: dict[tuple[str, str], list[str]] = {}
@@ -464,7 +464,7 @@ def check_model(
 ) -> CheckReport:
     """Plan ``model`` on ``mesh`` (or load ``plan``) and check one step on simulated ranks."""
     from autopar.api import plan_program
-    from autopar.passes.parser import parse
+    from autopar.ir.parser import parse
 
     _require_weights(model)
     captured = capture(model, args, kwargs)

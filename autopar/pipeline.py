@@ -43,9 +43,9 @@ from torch.utils import _pytree as pytree
 from autopar.errors import CaptureError, MeshError, PipelineError, PlanError, SubPipelineError
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.codegen import codegen, shard_param
-from autopar.passes.ir import MeshSpec, Program, Shard, Value
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
+from autopar.ir.core import MeshSpec, Program, Shard, Value
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_codegen import (
     StageProgram,
@@ -55,7 +55,7 @@ from autopar.passes.stage_codegen import (
     split_for_recompute,
     stage_program,
 )
-from autopar.passes.verify import verify
+from autopar.ir.verify import verify
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule
 from autopar.runtime.executor import Buffer, Executor, Part, StageRunner, TraceEvent, measured_result

@@ -9,7 +9,7 @@ included, in ``pipeline.mesh`` (``autopar.search.launch_options`` reads both).
 
 ``fingerprint`` is the SHA-256 of the captured graph's IR printed without a mesh, so a plan made
 offline for one mesh is refused by a model whose graph differs; the mesh is checked separately.
-Never pickle: the program is the textual IR, which ``autopar.passes.parser.parse`` reads back.
+Never pickle: the program is the textual IR, which ``autopar.ir.parser.parse`` reads back.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from typing import Any
 
 from autopar.errors import PlanError
 from autopar.passes.capture import Captured
-from autopar.passes.ir import MeshSpec, Program, Ref, map_refs
+from autopar.ir.core import MeshSpec, Program, Ref, map_refs
 from autopar.passes.lower import lower
-from autopar.passes.parser import parse
+from autopar.ir.parser import parse
 
 FORMAT = "autopar-plan"
 VERSION = 1

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 
 from autopar.passes.capture import Captured, capture
 from autopar.passes.collectives import insert_collectives
-from autopar.passes.ir import MeshSpec
+from autopar.ir.core import MeshSpec
 from autopar.passes.lower import lower
-from autopar.passes.printer import print_program
+from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions, ShardResult, shard
-from autopar.passes.verify import verify
+from autopar.ir.verify import verify
 from autopar.plan import Plan, fingerprint
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 

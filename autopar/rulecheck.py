@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import (
+from autopar.ir.core import (
     DEVICE,
     DTYPE_SHORT,
     MeshSpec,
@@ -36,7 +36,7 @@ from autopar.passes.ir import (
     map_refs,
     resolve_target,
 )
-from autopar.passes.layout import valid
+from autopar.ir.layout import valid
 from autopar.runtime import collectives as coll
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute, distribute_grad
 from autopar.runtime.ranksim import SimWorld

@@ -132,7 +132,7 @@ def profile_model(spec: str, cache: bool = True) -> Profile:
             pass  # a stale or damaged entry: capture again
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
 
     m = build(one, device="meta")

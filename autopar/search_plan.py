@@ -43,11 +43,11 @@ def build_plan(
     from autopar.models import build
     from autopar.passes.capture import capture
     from autopar.passes.collectives import insert_collectives
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
-    from autopar.passes.printer import print_program
+    from autopar.ir.printer import print_program
     from autopar.passes.shard import ShardOptions
-    from autopar.passes.verify import verify
+    from autopar.ir.verify import verify
     from autopar.plan import Plan, fingerprint
     from autopar.planner import options_dict
     from autopar.search import with_batch
@@ -148,7 +148,7 @@ def data_parallel_axes(prog, activations: bool = True) -> dict:
     on dim 0. Without the activation constraints a model too small for its compute to matter would be
     computed redundantly on every dp rank (the cheapest plan in communication). The ILP decides
     everything on ``tp``."""
-    from autopar.passes.ir import Replicate, Shard
+    from autopar.ir.core import Replicate, Shard
     from autopar.passes.pipeline_split import common_nodes
 
     dp = tuple(i for i, n in enumerate(prog.mesh.names) if n.startswith("dp"))
@@ -196,7 +196,7 @@ def _stage_op_ranges(prog, stage_plan) -> list[tuple[int, int]]:
 def _canonical(sub) -> str:
     """A stage's op signature: targets, types and arguments with value names replaced by their order
     of definition. Two stages with equal signatures get the same ILP (solved once)."""
-    from autopar.passes.ir import map_refs
+    from autopar.ir.core import map_refs
 
     index: dict[str, int] = {}
     lines = []
@@ -220,7 +220,7 @@ def _solve_stages(prog, ranges: list[tuple[int, int]], opts) -> tuple[Any, list[
     value made elsewhere (a received boundary tensor, a parameter another stage stores first), the
     placement its ILP assumed becomes an explicit requirement, so ``insert-collectives`` reshards.
     """
-    from autopar.passes.ir import Program, Ref, Value
+    from autopar.ir.core import Program, Ref, Value
     from autopar.passes.shard import format_placements
 
     types = prog.types()

@@ -105,7 +105,7 @@ def balance() -> None:
     from autopar.errors import StageMemoryError
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
     from autopar.solver.stages import plan_pipeline
 

@@ -136,7 +136,7 @@ def _real_pipes(args, mesh) -> dict:
     import autopar
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions
     from autopar.pipeline import split_batch

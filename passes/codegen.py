@@ -13,7 +13,7 @@ import torch
 import torch.fx as fx
 
 from autopar.errors import PlanError
-from autopar.passes.ir import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
+from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
 

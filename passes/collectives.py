@@ -2,7 +2,7 @@
 
 Two kinds of ops are inserted:
 - redistributions where a producer's placement differs from what a consumer requires (the `in`
-  attribute written by `shard`), one op per step of passes/layout.py's plan: all_reduce (P->R),
+  attribute written by `shard`), one op per step of ir/layout.py's plan: all_reduce (P->R),
   reduce_scatter (P->S), all_gather (S->R), local_shard (R->S, no communication);
 - grad_all_reduce (Megatron's f: identity forward, all-reduce of the gradient backward) where a
   replicated float value feeds a computation that differs across an axis, because each rank's
@@ -14,7 +14,7 @@ after backward instead (data-parallel gradient sync), recorded as the attribute 
 
 from __future__ import annotations
 
-from autopar.passes.ir import (
+from autopar.ir.core import (
     COLLECTIVES,
     Op,
     Partial,
@@ -26,7 +26,7 @@ from autopar.passes.ir import (
     Value,
     map_refs,
 )
-from autopar.passes.layout import redistribute_steps
+from autopar.ir.layout import redistribute_steps
 from autopar.passes.shard import required_inputs
 from autopar.solver.strategies import Strategy, is_divergent
 

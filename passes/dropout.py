@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from autopar.passes.ir import Op, Partial, Program, R, Shard, TensorType
+from autopar.ir.core import Op, Partial, Program, R, Shard, TensorType
 from autopar.runtime.rng import is_keyed
 from autopar.solver.strategies import RULES, Ctx
 

@@ -13,7 +13,7 @@ from autopar.errors import CaptureError
 from autopar.passes.capture import Captured
 from autopar.passes.dropout import key_dropouts
 from autopar.passes.functionalize import functionalize
-from autopar.passes.ir import (
+from autopar.ir.core import (
     DEVICE,
     DTYPE_SHORT,
     MeshSpec,

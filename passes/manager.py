@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.passes.ir import Program
-from autopar.passes.printer import print_program
-from autopar.passes.verify import verify
+from autopar.ir.core import Program
+from autopar.ir.printer import print_program
+from autopar.ir.verify import verify
 
 PassFn = Callable[[Program, Any], Program]  # (program, the pass's options or None) -> program
 PASSES: dict[str, PassFn] = {}

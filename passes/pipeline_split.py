@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PipelineError
-from autopar.passes.ir import MeshSpec, Op, Program, Ref, Value, iter_refs
-from autopar.passes.printer import print_program
+from autopar.ir.core import MeshSpec, Op, Program, Ref, Value, iter_refs
+from autopar.ir.printer import print_program
 
 SPLIT_VERSION = 1  # bump when the algorithm changes: old cache entries are then ignored
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import InfeasibleError, SolverError
-from autopar.passes.ir import (
+from autopar.ir.core import (
     VIEW_OPS,
     Op,
     Partial,

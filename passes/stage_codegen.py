@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from autopar.errors import PipelineError
-from autopar.passes.ir import Op, Program, Ref, Replicate, Shard, TensorType, Value, iter_refs, map_refs
+from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, Value, iter_refs, map_refs
 from autopar.passes.pipeline_split import common_nodes
 
 PP_AXIS = "pp"

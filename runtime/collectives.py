@@ -90,7 +90,7 @@ def local_inputs(values, flat: list, comm: Comm, names: tuple[str, ...], device,
     ``values`` in order: checked against the compiled shape, moved to ``device``, sliced as each
     input's placements over the mesh axes ``names`` say."""
     from autopar.errors import CaptureError
-    from autopar.passes.ir import Shard
+    from autopar.ir.core import Shard
 
     out = []
     for v, x in zip(values, (x for x in flat if isinstance(x, torch.Tensor))):

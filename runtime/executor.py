@@ -47,7 +47,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import RuntimeCommError
-from autopar.passes.ir import Program
+from autopar.ir.core import Program
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, Action, Kind, Schedule
 from autopar.runtime.subpipeline import Interleaved, Tape

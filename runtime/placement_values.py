@@ -4,7 +4,7 @@
 tensor on ``R`` axes, and on ``P`` axes a random piece such that the pieces of an axis sum
 (``P(sum)``) or average (``P(avg)``) to the whole. ``assemble`` is the inverse: it rebuilds the whole
 tensor from every rank's local value, innermost axis first (nested shards, the earlier axis outer,
-as ``passes/layout.py`` defines), and measures how far replicas that should be equal differ. Axes
+as ``ir/layout.py`` defines), and measures how far replicas that should be equal differ. Axes
 named in ``summed`` treat ``R`` as partial sums: a replicated value's gradient is a partial sum on
 every axis where the op that read it computes different things on different ranks (Megatron's f
 sums it), so gradients of such inputs are summed there.
@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from autopar.passes.ir import MeshSpec, Partial, Placement, Replicate, Shard
+from autopar.ir.core import MeshSpec, Partial, Placement, Replicate, Shard
 from autopar.runtime.collectives import shard_tensor, unshard_tensor
 
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import SimulationError
-from autopar.passes.ir import MeshSpec
+from autopar.ir.core import MeshSpec
 from autopar.runtime.collectives import Comm
 
 T = TypeVar("T")

@@ -182,7 +182,7 @@ def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def whole_gradient_params(program, axes: tuple[str, ...]) -> set[str]:
     """Parameters of ``program`` replicated over every axis in ``axes`` whose gradient comes out whole
     on each rank there (no ``grad_sync`` on them): ``ZeroOptimizer``'s ``whole``."""
-    from autopar.passes.ir import Replicate
+    from autopar.ir.core import Replicate
 
     names = program.mesh.names
     on = [names.index(a) for a in axes]

@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass, replace
 
 from autopar.errors import BaselineUnavailableError, InfeasibleError
-from autopar.passes.ir import MeshSpec, Placement, Program, R, Shard, Value
-from autopar.passes.layout import valid
+from autopar.ir.core import MeshSpec, Placement, Program, R, Shard, Value
+from autopar.ir.layout import valid
 from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.solver.cost import TrainingSetup
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.passes.ir import MeshSpec, Placement, Replicate, Shard, TensorType
-from autopar.passes.layout import Unreachable, redistribute_steps, replication
+from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
+from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf

@@ -41,7 +41,7 @@ from dataclasses import replace as dc_replace
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
-from autopar.passes.ir import VIEW_OPS, Op, Program
+from autopar.ir.core import VIEW_OPS, Op, Program
 
 if TYPE_CHECKING:
     from autopar.solver.search_cost import Analytic

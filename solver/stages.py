@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
-from autopar.passes.ir import VIEW_OPS, Placement, Program, Replicate, TensorType
+from autopar.ir.core import VIEW_OPS, Placement, Program, Replicate, TensorType
 from autopar.passes.pipeline_split import (
     Split,
     SplitOptions,

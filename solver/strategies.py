@@ -19,8 +19,8 @@ import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from autopar.passes.ir import MeshSpec, Op, Partial, Placement, Program, R, Replicate, Shard, TensorType
-from autopar.passes.layout import valid
+from autopar.ir.core import MeshSpec, Op, Partial, Placement, Program, R, Replicate, Shard, TensorType
+from autopar.ir.layout import valid
 
 OneD = tuple[tuple[Placement | None, ...], tuple[Placement, ...]]  # (inputs, results) on one axis
 

@@ -164,7 +164,7 @@ def _zero_expected(compiled, per_element: int, per_tensor: bool = False) -> int:
     rank; padded to equal slices), ``per_element`` per other element. ``per_tensor``: each parameter
     padded and sliced on its own (ZeRO-3's layout, where with ``per_element=1`` this is also the number
     of parameter elements the rank keeps)."""
-    from autopar.passes.ir import Replicate
+    from autopar.ir.core import Replicate
     from autopar.runtime.zero import zero_axes_of
 
     zero_axes, replicas = zero_axes_of(compiled.setup, compiled.program.mesh)

@@ -117,7 +117,7 @@ def compare_pipeline(
 
 
 def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int], microbatches: int):
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions
     from autopar.pipeline import _capture, split_batch

@@ -11,7 +11,7 @@ import torch
 
 from autopar.cli import main
 from autopar.errors import SimulationError
-from autopar.passes.ir import MeshSpec
+from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
 from autopar.runtime.ranksim import SimWorld
 

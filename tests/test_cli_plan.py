@@ -16,7 +16,7 @@ import math
 import pytest
 
 from autopar.cli import main
-from autopar.passes.ir import R, Shard
+from autopar.ir.core import R, Shard
 from bench.table2 import meshes
 
 # Every mesh of Table 2 (bench/table2.py: 2, 4 and 8 devices) with mmr-bert-large, whose batch of 2 makes

@@ -60,7 +60,7 @@ def test_check_size_limit_says_how_to_check_a_scaled_down_copy(monkeypatch) -> N
     from autopar.api import plan_program
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.passes.ir import MeshSpec
+    from autopar.ir.core import MeshSpec
 
     spec = build(MODEL, device="cpu", seed=0)
     prog = plan_program(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("dp", 2), ("tp", 2))))

@@ -16,10 +16,10 @@ import torch
 
 from autopar.passes.capture import capture
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import MeshSpec, Partial, R, Shard
+from autopar.ir.core import MeshSpec, Partial, R, Shard
 from autopar.passes.lower import lower
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
 from autopar.runtime.placement_values import assemble
 from autopar.runtime.ranksim import SimWorld
 from autopar.runtime.rng import DropoutRng, DropoutSite, keyed_dropout
@@ -225,7 +225,7 @@ def test_dp_tp_meshes_train_as_one_device(name: str) -> None:
 def test_a_mask_drawn_from_local_indices_is_caught(monkeypatch) -> None:
     """The comparison sees a generator that ignores placements (each rank keys the positions of its
     local elements, as per-rank streams would): tp=2 then trains a different model."""
-    from autopar.passes.ir import local_shape
+    from autopar.ir.core import local_shape
 
     model, batches = gpt2_with_dropout()
     ref_losses, ref_params, _ = train_simulated(model, batches, MeshSpec((("one", 1),)))

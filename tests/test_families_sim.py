@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.check import check_model
-from autopar.passes.ir import MeshSpec, Replicate
+from autopar.ir.core import MeshSpec, Replicate
 from autopar.passes.shard import ShardOptions
 from autopar.solver.cluster import ClusterSpec
 

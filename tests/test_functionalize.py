@@ -95,7 +95,7 @@ def test_write_through_an_unsupported_view_is_a_clear_error():
 def test_rules_of_functionalized_ops_compute_the_whole_op(target, shapes, extra):
     """Every strategy of the ops functionalization emits, on an axis of 2: each rank's op on its shards,
     unsharded, equals the op on whole tensors."""
-    from autopar.passes.ir import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
+    from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
     from autopar.runtime.collectives import shard_tensor, unshard_tensor
     from autopar.solver.strategies import op_strategies
 

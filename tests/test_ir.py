@@ -9,11 +9,11 @@ from hypothesis import strategies as st
 
 from autopar.errors import ParseError, VerifyError
 from autopar.passes.capture import capture
-from autopar.passes.ir import DEVICE, MeshSpec, Op, Partial, Program, R, Ref, Shard, TensorType, Value
+from autopar.ir.core import DEVICE, MeshSpec, Op, Partial, Program, R, Ref, Shard, TensorType, Value
 from autopar.passes.lower import lower
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
-from autopar.passes.verify import verify
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
+from autopar.ir.verify import verify
 
 placements = st.one_of(
     st.just(R),

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.passes.ir import Partial, R, Shard
-from autopar.passes.layout import Unreachable, redistribute_steps, valid
+from autopar.ir.core import Partial, R, Shard
+from autopar.ir.layout import Unreachable, redistribute_steps, valid
 from autopar.runtime.collectives import shard_tensor, unshard_tensor
 
 

@@ -8,12 +8,12 @@ import torch
 from autopar.errors import AutoparError
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
-from autopar.passes.ir import MeshSpec, Partial, R, Shard
+from autopar.ir.core import MeshSpec, Partial, R, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PASSES, PassManager, register_pass
-from autopar.passes.parser import parse
+from autopar.ir.parser import parse
 from autopar.passes.shard import ShardOptions, shard
-from autopar.passes.verify import verify
+from autopar.ir.verify import verify
 
 
 class TwoLinear(torch.nn.Module):
@@ -86,7 +86,7 @@ def test_megatron_mlp_is_the_optimum_on_a_tensor_parallel_axis():
 
 def _annotate(prog, inputs: dict, ops: list):
     """Set placements by hand: inputs by name, ops in order as (result placements, input placements)."""
-    from autopar.passes.ir import Value
+    from autopar.ir.core import Value
     from autopar.passes.shard import format_placements
 
     new_inputs = tuple(Value(v.name, v.kind, v.type.with_placements(inputs[v.name]), v.attrs) for v in prog.inputs)

@@ -17,12 +17,12 @@ from autopar.errors import AutoparError, PipelineError
 from autopar.models import build
 from autopar.passes import pipeline_split as ps
 from autopar.passes.capture import capture
-from autopar.passes.ir import Device, MeshSpec, Op, Program, Ref, TensorType, Value, resolve_target
+from autopar.ir.core import Device, MeshSpec, Op, Program, Ref, TensorType, Value, resolve_target
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
-from autopar.passes.verify import verify
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
+from autopar.ir.verify import verify
 
 NOCACHE = ps.SplitOptions(cache=False)
 

@@ -20,10 +20,10 @@ from autopar.errors import PipelineError, VerifyError
 from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.codegen import codegen
-from autopar.passes.ir import MeshSpec, Shard
+from autopar.ir.core import MeshSpec, Shard
 from autopar.passes.lower import lower
-from autopar.passes.parser import parse
-from autopar.passes.printer import print_program
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_codegen import (
     insert_transfers,
@@ -32,7 +32,7 @@ from autopar.passes.stage_codegen import (
     split_for_recompute,
     stage_program,
 )
-from autopar.passes.verify import verify
+from autopar.ir.verify import verify
 from autopar.pipeline import split_batch
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.costs import Costs
@@ -364,7 +364,7 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
 
 
 def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():
-    from autopar.passes.ir import Op, Ref
+    from autopar.ir.core import Op, Ref
     from autopar.pipeline import _complete_stages, _planned_stages
 
     ann = plan_pipeline(_program(mesh=MeshSpec((("tp", 2),))), 2)[0]

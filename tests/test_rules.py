@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.passes.ir import MeshSpec, Partial, Shard
+from autopar.ir.core import MeshSpec, Partial, Shard
 from autopar.rulecheck import check_strategy, one_op_program, strategies_of
 from autopar.solver import strategies as rules
 

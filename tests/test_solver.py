@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import InfeasibleError, PlanError
-from autopar.passes.ir import MeshSpec, Partial, R, Shard, TensorType
+from autopar.ir.core import MeshSpec, Partial, R, Shard, TensorType
 from autopar.solver.cost import CostModel, TrainingSetup
 from autopar.solver.ilp import Edge, Node, fold_repeated, solve
 
@@ -51,7 +51,7 @@ def test_zero_stages_divide_what_they_shard():
 def test_redistribution_priced_per_edge_matches_the_collectives_step_by_step():
     """CostModel prices an edge at once from per-placement-pair terms linear in the tensor's bytes;
     they must add up to the collectives of `redistribute_steps`, each priced on its own."""
-    from autopar.passes.layout import Unreachable, redistribute_steps
+    from autopar.ir.layout import Unreachable, redistribute_steps
     from autopar.solver.cluster import ClusterSpec
     from autopar.solver.strategies import value_strategies
 
@@ -238,7 +238,7 @@ def test_autopars_least_memory_strategy_never_exceeds_megatrons():
 def test_plan_file_round_trip_and_refusals(tmp_path):
     from autopar.api import parse_mesh
     from autopar.passes.capture import capture
-    from autopar.passes.parser import parse
+    from autopar.ir.parser import parse
     from autopar.passes.shard import ShardOptions
     from autopar.plan import Plan
     from autopar.planner import plan_captured

@@ -16,9 +16,9 @@ from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, Too
 from autopar.models import build
 from autopar.passes import pipeline_split as ps
 from autopar.passes.capture import capture
-from autopar.passes.ir import MeshSpec, Program
+from autopar.ir.core import MeshSpec, Program
 from autopar.passes.lower import lower
-from autopar.passes.parser import parse
+from autopar.ir.parser import parse
 from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate

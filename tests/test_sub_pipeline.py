@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import SubPipelineError
-from autopar.passes.ir import MeshSpec
+from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events

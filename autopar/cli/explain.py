@@ -30,7 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.passes.ir import Op
+    from autopar.ir.core import Op
     from autopar.passes.lower import lower
     from autopar.passes.shard import build_problem
     from autopar.plan import Plan
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _find(groups, key: str) -> int | None:
-    from autopar.passes.ir import Op
+    from autopar.ir.core import Op
 
     for i, g in enumerate(groups):
         names = {r for op in g.ops for r in op.results} | {v.name for v in g.values}

@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
     from autopar.passes.manager import PassManager
-    from autopar.passes.printer import print_program
+    from autopar.ir.printer import print_program
     from autopar.passes.shard import ShardOptions
 
     stages = ["capture", *DEFAULT_PIPELINE]

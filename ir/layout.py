@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from autopar.passes.ir import Partial, Placement, R, Replicate, Shard
+from autopar.ir.core import Partial, Placement, R, Replicate, Shard
 
 
 @dataclass(frozen=True)

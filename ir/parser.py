@@ -1,4 +1,4 @@
-"""Parse the textual IR printed by passes/printer.py back into a Program."""
+"""Parse the textual IR printed by ir/printer.py back into a Program."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from autopar.errors import ParseError
-from autopar.passes.ir import (
+from autopar.ir.core import (
     DEVICE,
     MeshSpec,
     Op,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autopar.errors import VerifyError
-from autopar.passes.ir import COLLECTIVES, Op, Partial, Program, Replicate, Shard, TensorType, iter_refs
+from autopar.ir.core import COLLECTIVES, Op, Partial, Program, Replicate, Shard, TensorType, iter_refs
 
 
 def _check_type(where: str, t: TensorType, prog: Program) -> None:
@@ -132,7 +132,7 @@ def verify(prog: Program, shapes: bool = False) -> None:
 def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
     import torch
 
-    from autopar.passes.ir import DEVICE, Device, map_refs, resolve_target
+    from autopar.ir.core import DEVICE, Device, map_refs, resolve_target
 
     def meta(ref):
         t = types[ref.name]

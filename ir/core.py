@@ -10,7 +10,7 @@ One op per line, SSA names, global shapes, placements per mesh axis (DTensor voc
     output %loss, %logits
 
 "axis" always means a mesh axis and "dim" a tensor dimension. The printer lives in
-``passes/printer.py``, the parser in ``passes/parser.py`` and the verifier in ``passes/verify.py``.
+``ir/printer.py``, the parser in ``ir/parser.py`` and the verifier in ``ir/verify.py``.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ class Program:
         return replace(self, **changes)
 
     def __str__(self) -> str:
-        from autopar.passes.printer import print_program
+        from autopar.ir.printer import print_program
 
         return print_program(self)
 

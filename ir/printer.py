@@ -1,4 +1,4 @@
-"""Print an IR Program as text, one op per line; passes/parser.py reads the same text back."""
+"""Print an IR Program as text, one op per line; ir/parser.py reads the same text back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from autopar.passes.ir import Device, MeshSpec, Op, Program, Ref, TensorType, Value
+from autopar.ir.core import Device, MeshSpec, Op, Program, Ref, TensorType, Value
 
 _TORCH_ENUMS = (torch.dtype, torch.layout, torch.memory_format)
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")

@@ -1,0 +1,2 @@
+"""The IR core, the bottom layer: values, placements, ops and programs (``core``), placement arithmetic
+(``layout``), the printer, the parser and the verifier. It imports nothing of autopar but ``errors``."""
