@@ -47,14 +47,9 @@ from autopar.ir.core import MeshSpec, Program, Shard, Value
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions
-from autopar.passes.stage_codegen import (
-    StageProgram,
-    insert_transfers,
-    prune_outputs,
-    recompute_cut,
-    split_for_recompute,
-    stage_program,
-)
+from autopar.passes.prune import prune_outputs
+from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
+from autopar.passes.transfers import insert_transfers
 from autopar.ir.verify import verify
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule

@@ -25,13 +25,9 @@ from autopar.passes.lower import lower
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions
-from autopar.passes.stage_codegen import (
-    insert_transfers,
-    prune_outputs,
-    recompute_cut,
-    split_for_recompute,
-    stage_program,
-)
+from autopar.passes.prune import prune_outputs
+from autopar.passes.stage_program import recompute_cut, split_for_recompute, stage_program
+from autopar.passes.transfers import insert_transfers
 from autopar.ir.verify import verify
 from autopar.pipeline import split_batch
 from autopar.runtime.actions import COMPUTE_KINDS
