@@ -7,6 +7,9 @@ python bench/pipeline_split.py balance
     gpt2-xl and llama-70b at pp = 4, 8, 16 (and interleaved / waves at pp = 4) on dgx-a100
 python bench/pipeline_split.py once --model gpt3-175b --cache-dir DIR
     one measurement in this process, as JSON (what ``timing`` runs in each child)
+
+autopar is imported inside ``once`` and ``balance``, not at the top: ``once`` times a cold import of it
+(and must set AUTOPAR_CACHE_DIR first), and ``timing`` never needs it.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from autopar.ir.verify import verify
 from autopar.models import build
 from autopar.passes import pipeline_split as ps
 from autopar.passes import split_cache
+from autopar.passes.assign_stages import assign_stages_pass
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
@@ -288,8 +289,6 @@ def test_annotations_round_trip_and_do_not_change_the_fingerprint():
 
 
 def test_pass_manager_runs_pipeline_split_and_the_assign_stages_pass():
-    from autopar.passes.assign_stages import assign_stages_pass
-
     _, prog, _ = preset("tiny-gpt2")
     out = PassManager(["pipeline-split"]).run(prog)
     assert {op.attrs["subgraph"] for op in out.ops} == set(range(6))

@@ -18,7 +18,7 @@ from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.models import build
 from autopar.passes import pipeline_split as ps
-from autopar.passes.assign_stages import assign_stages
+from autopar.passes.assign_stages import assign_stages, assign_stages_pass
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.runtime.costs import Costs
@@ -29,7 +29,7 @@ from autopar.solver import pipeline_shape as shape
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.stage_cost import StageContext, megatron_tp_comm_seconds
 from autopar.solver.stage_plan import StagePlan, module_units
-from autopar.solver.stages import balance_stages
+from autopar.solver.stages import balance_stages, plan_pipeline
 
 A100 = ClusterSpec.load("dgx-a100")
 
@@ -286,9 +286,6 @@ def test_graph_with_no_legal_cut_names_what_crosses():
 def test_the_pass_and_the_old_entry_point_agree():
     """assign_stages_pass (the assign-stages pass) and solver.stages.plan_pipeline (kept until its callers
     move) give what assign_stages gives; the pass needs pp and refuses unknown options."""
-    from autopar.passes.assign_stages import assign_stages_pass
-    from autopar.solver.stages import plan_pipeline
-
     prog, plan, split = assign_stages(gpt2(), 3, microbatches=None)
     assert assign_stages_pass(gpt2(), {"pp": 3, "microbatches": None}) == prog
     old, old_plan, seconds = plan_pipeline(gpt2(), 3)
