@@ -24,7 +24,7 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 from autopar.search.profile import Profile
-from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank
+from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank, num_stages
 
 RECOMPUTE = ("none", "full", "stage-aware")
 ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
@@ -50,9 +50,7 @@ class Candidate:
 
     @property
     def num_stages(self) -> int:
-        if self.schedule == "wave":
-            return 2 * self.pp * self.waves
-        return self.pp * self.chunks
+        return num_stages(self.pp, self.chunks, self.waves)
 
     @property
     def shard_group(self) -> int:
@@ -220,7 +218,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
         levels = _levels(sched, space)
         if not levels:
             continue
-        stages = 2 * fam.pp * w if sched == "wave" else fam.pp * v
+        stages = num_stages(fam.pp, v, w)
         for layout in _layouts(space, sched):
             if layout == "even" and (
                 L % stages or stages == 1 or analytic.even_layout(stages) == analytic.balanced_layout(stages)
