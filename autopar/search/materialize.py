@@ -23,7 +23,7 @@ import hashlib
 import math
 import time
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from autopar.errors import InfeasibleError
 from autopar.ir.core import MeshSpec, Program, Ref, Replicate, Shard, Value, map_refs
@@ -40,15 +40,26 @@ from autopar.plan import Plan, fingerprint
 from autopar.planner import options_dict, options_from_dict
 from autopar.search.price import Evaluation
 from autopar.search.profile import with_batch
+from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
 
-if TYPE_CHECKING:  # the result hands itself to build_plan; a run-time import would be a cycle
-    from autopar.search.result import SearchResult
+
+class SearchOutcome(Protocol):
+    """What ``build_plan`` reads of a search (``result.SearchResult``, which calls it, is one)."""
+
+    spec: str | None
+    precision: str
+    budget_bytes: float
+    cluster: ClusterSpec
+    global_batch: int
+    stats: dict[str, Any]
+
+    def summary(self, ev: Evaluation) -> dict[str, Any]: ...
 
 
 def build_plan(
-    result: SearchResult, ev: Evaluation, time_limit: float = 60.0, backend: str = "cbc", capture_device: str = "meta"
-):
+    result: SearchOutcome, ev: Evaluation, time_limit: float = 60.0, backend: str = "cbc", capture_device: str = "meta"
+) -> Plan:
     """The Plan of candidate ``ev`` of a search (see the module docstring).
 
     ``capture_device="meta"`` allocates no weights. A plan is checked against the graph the training
