@@ -32,7 +32,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
-from autopar.solver.stages import StagePlan
+from autopar.solver.stage_plan import StagePlan
 
 FLOW: tuple[str, ...] = (
     "capture",

@@ -32,7 +32,8 @@ from autopar.passes.pipeline_split import annotate, pipeline_split, split_progra
 from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.passes.transfers import insert_transfers
-from autopar.solver.stages import StagePlan, plan_pipeline
+from autopar.solver.stage_plan import StagePlan
+from autopar.solver.stages import plan_pipeline
 
 PassFn = Callable[[Program, Any], Any]  # (program, the pass's options or None) -> program or (program, info)
 PASSES: dict[str, PassFn] = {}
