@@ -74,9 +74,11 @@ def assign_stages(
 _STAGE_OPTIONS = ("pp", "chunks", "waves", "microbatches", "cluster", "budget_bytes", "efficiency", "precision")
 
 
-def assign_stages_pass(prog: Program, options: Any = None) -> Program:
-    """The ``assign-stages`` pass. ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``,
-    ``microbatches``, ``cluster``, ``budget_bytes``, ``efficiency``, ``precision`` and SplitOptions fields."""
+def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:
+    """The ``assign-stages`` pass: ``stage=s`` on every op, and its report ``(StagePlan, split seconds)``.
+    ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``, ``microbatches``, ``cluster``,
+    ``budget_bytes``, ``efficiency``, ``precision`` and SplitOptions fields. With ``pp=1`` every op is
+    stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no stage plan."""
     opts = dict(options or {})
     if "pp" not in opts:
         raise PipelineError(f"the assign-stages pass needs pp (options: {', '.join(_STAGE_OPTIONS)})")
@@ -87,8 +89,12 @@ def assign_stages_pass(prog: Program, options: Any = None) -> Program:
         known = sorted(_STAGE_OPTIONS + tuple(split_fields))
         raise PipelineError(f"unknown assign-stages option(s) {unknown}; known: {known}")
     pp = stage.pop("pp")
-    annotated, _, _ = assign_stages(prog, pp, split_options=split_options(opts), **stage)
-    return annotated
+    if pp == 1:
+        ops = tuple(op.with_(attrs=dict(op.attrs, stage=0)) for op in prog.ops)
+        return prog.with_(ops=ops, attrs=dict(prog.attrs, pipeline_stages=1)), (None, 0.0)
+    annotated, plan, split = assign_stages(prog, pp, split_options=split_options(opts), **stage)
+    annotated = annotated.with_(attrs=dict(annotated.attrs, pipeline_stages=plan.num_stages))
+    return annotated, (plan, split.seconds)
 
 
 __all__ = ["assign_stages", "assign_stages_pass"]

@@ -378,14 +378,19 @@ def split_options(options: Any) -> SplitOptions:
     known = {f.name for f in dataclasses.fields(SplitOptions)}
     unknown = sorted(set(opts) - known)
     if unknown:
-        where = "; stage options (pp, chunks, waves, ...) belong to the assign-stages pass" if "pp" in unknown else ""
-        raise PipelineError(f"unknown pipeline-split option(s) {unknown}{where}; known: {sorted(known)}")
+        staging = {"chunks", "waves", "microbatches", "cluster", "budget_bytes"} & set(unknown)
+        where = "; stage options (chunks, waves, ...) belong to the assign-stages pass" if staging else ""
+        raise PipelineError(f"unknown split option(s) {unknown}{where}; known: {sorted(known)}")
     return SplitOptions(**opts)
 
 
 def pipeline_split(prog: Program, options: Any = None) -> Program:
-    """The ``pipeline-split`` pass: ``subgraph=k`` on every op (``annotate``). ``options``: None, a
-    SplitOptions or a dict of its fields."""
+    """The ``split`` pass: ``subgraph=k`` on every op (``annotate``). ``options``: None, a SplitOptions
+    or a dict of its fields, plus ``pp``, the pipeline depth: with ``pp=1`` there is nothing to split."""
+    if isinstance(options, dict) and "pp" in options:
+        if options["pp"] == 1:
+            return prog
+        options = {k: v for k, v in options.items() if k != "pp"}
     return annotate(prog, split_program(prog, split_options(options)))
 
 

@@ -1,4 +1,4 @@
-"""pipeline-split: subgraph counts, crossings, exact sequential execution, annotations and caching."""
+"""The split pass: subgraph counts, crossings, exact sequential execution, annotations and caching."""
 
 from __future__ import annotations
 
@@ -288,19 +288,19 @@ def test_annotations_round_trip_and_do_not_change_the_fingerprint():
     assert split_cache.program_fingerprint(other) != split.fingerprint
 
 
-def test_pass_manager_runs_pipeline_split_and_the_assign_stages_pass():
+def test_pass_manager_runs_the_split_and_assign_stages_passes():
     _, prog, _ = preset("tiny-gpt2")
-    out = PassManager(["pipeline-split"]).run(prog)
+    out = PassManager(["split"]).run(prog)
     assert {op.attrs["subgraph"] for op in out.ops} == set(range(6))
-    out = assign_stages_pass(out, {"pp": 3})
+    out, _ = assign_stages_pass(out, {"pp": 3})
     verify(out)
     stages = [op.attrs["stage"] for op in out.ops]
     assert stages == sorted(stages) and set(stages) == {0, 1, 2}
     assert out.attrs["pipeline_stages"] == 3
     with pytest.raises(AutoparError, match="belong to the assign-stages pass"):
-        PassManager("pipeline-split", options={"pipeline-split": {"pp": 3}}).run(prog)
-    with pytest.raises(AutoparError, match="unknown pipeline-split option"):
-        PassManager("pipeline-split", options={"pipeline-split": {"max_crosing": 2}}).run(prog)
+        PassManager("split", options={"split": {"pp": 3, "chunks": 2}}).run(prog)
+    with pytest.raises(AutoparError, match="unknown split option"):
+        PassManager("split", options={"split": {"max_crosing": 2}}).run(prog)
 
 
 def test_split_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
