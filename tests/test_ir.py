@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ParseError, VerifyError
-from autopar.passes.capture import capture
 from autopar.ir.core import DEVICE, MeshSpec, Op, Partial, Program, R, Ref, Shard, TensorType, Value
-from autopar.passes.lower import lower
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
 
 placements = st.one_of(
     st.just(R),
@@ -90,15 +91,11 @@ def test_parse_print_roundtrip(prog):
 
 
 def _tiny_gpt2_program(mesh: MeshSpec | None = None):
-    from autopar.models import build
-
     spec = build("tiny-gpt2")
     return lower(capture(spec.model, spec.args, spec.kwargs), mesh)
 
 
 def test_lowered_gpt2_verifies_with_shapes_and_counts_parameters():
-    from autopar.models import build
-
     prog = _tiny_gpt2_program(MeshSpec((("dp", 2), ("tp", 2))))
     verify(prog, shapes=True)
     assert parse(print_program(prog)) == prog
