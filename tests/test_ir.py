@@ -90,6 +90,16 @@ def test_parse_print_roundtrip(prog):
     assert parse(text) == prog, text
 
 
+def test_strings_named_like_torch_enums_stay_strings():
+    """A bare word is a string unless it names a torch dtype/layout/format (``float``, ``strided``): those
+    are quoted when printed (hypothesis once drew ``grad_sync='float'``, which read back as torch.float32)."""
+    attrs = {"a": "float", "b": "strided", "c": "long", "d": "tp", "e": torch.float32, "f": torch.strided}
+    prog = Program(MeshSpec(()), (Value("x", "param", TensorType("f32", ()), attrs),), (), ())
+    text = print_program(prog)
+    assert "d=tp" in text and "a='float'" in text
+    assert parse(text) == prog
+
+
 def _tiny_gpt2_program(mesh: MeshSpec | None = None):
     spec = build("tiny-gpt2")
     return lower(capture(spec.model, spec.args, spec.kwargs), mesh)
