@@ -19,15 +19,15 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError, CheckError, MeshError
-from autopar.passes.capture import Captured, capture, flatten_inputs
-from autopar.passes.codegen import codegen
 from autopar.ir.core import MeshSpec, Program, Shard
-from autopar.passes.lower import lower
-from autopar.passes.manager import PassManager
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
+from autopar.passes.capture import Captured, capture, flatten_inputs
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, planning_options
 from autopar.runtime import collectives as coll
+from autopar.runtime.codegen import codegen
 from autopar.runtime.rng import rng_for
 from autopar.solver.cluster import ClusterSpec, local_cluster
 from autopar.solver.cost import TrainingSetup

@@ -26,8 +26,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import CheckError
-from autopar.passes.capture import Captured, capture, flatten_inputs
-from autopar.passes.codegen import _getitem, codegen
 from autopar.ir.core import (
     COLLECTIVES,
     MeshSpec,
@@ -40,7 +38,9 @@ from autopar.ir.core import (
     Value,
 )
 from autopar.ir.printer import print_program
+from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.rulecheck import call_op
+from autopar.runtime.codegen import _getitem, codegen
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 

@@ -41,18 +41,18 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import CaptureError, MeshError, PipelineError, PlanError, SubPipelineError
-from autopar.passes.capture import Captured, capture, flatten_inputs
-from autopar.passes.codegen import codegen, shard_param
 from autopar.ir.core import MeshSpec, Program, Shard, Value
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.passes.shard import ShardOptions
+from autopar.ir.verify import verify
+from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.prune import prune_outputs
+from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
-from autopar.ir.verify import verify
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule
+from autopar.runtime.codegen import codegen, shard_param
 from autopar.runtime.executor import Buffer, Executor, Part, StageRunner, TraceEvent, measured_result
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule

@@ -17,20 +17,20 @@ import pytest
 import torch
 
 from autopar.errors import PipelineError, VerifyError
-from autopar.models import build
-from autopar.passes.capture import capture
-from autopar.passes.codegen import codegen
 from autopar.ir.core import MeshSpec, Shard
-from autopar.passes.lower import lower
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.passes.shard import ShardOptions
+from autopar.ir.verify import verify
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
 from autopar.passes.prune import prune_outputs
+from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_program import recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
-from autopar.ir.verify import verify
 from autopar.pipeline import split_batch
 from autopar.runtime.actions import COMPUTE_KINDS
+from autopar.runtime.codegen import codegen
 from autopar.runtime.costs import Costs
 from autopar.runtime.executor import Part, TraceEvent, measured_result
 from autopar.runtime.init import canonical_names, init_value, materialize
