@@ -7,7 +7,7 @@ microbatches lie (``-1``: the value holds no batch rows, e.g. a dropout of a par
 found, which only matters when the program runs as several microbatches). Codegen turns each keyed
 dropout into ``autopar.runtime.rng.keyed_dropout``.
 
-The batch dim is found with the sharding rules (``solver/strategies.py``): a pipeline cuts dim 0 of
+The batch dim is found with the sharding rules (``solver/rules_*.py``): a pipeline cuts dim 0 of
 every user input into microbatches, which is the placement ``S(0)`` of each input on a virtual mesh
 axis of microbatches. The rules propagate it: for each op, the one-axis strategy whose inputs are
 the placements arriving (``S(d)`` for a batch-carrying input, ``R`` for the rest) gives the result's
@@ -21,7 +21,8 @@ import math
 from dataclasses import replace
 
 from autopar.ir.core import Op, Partial, Program, R, Shard, TensorType
-from autopar.solver.strategies import RULES, Ctx
+from autopar.solver.one_axis import Ctx
+from autopar.solver.strategies import RULES
 
 _VIRTUAL = 2  # microbatches on the virtual axis: any count works, the shapes only need to divide
 

@@ -1,4 +1,4 @@
-"""Every sharding rule of solver/strategies.py, checked on simulated ranks against the unsharded op.
+"""Every sharding rule (solver/rules_*.py), checked on simulated ranks against the unsharded op.
 
 For each op target with a rule, hypothesis draws shapes and arguments (``CASES``) and a mesh of one,
 two or three axes; every strategy the rule offers on that mesh (on meshes with more than
@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from autopar.ir.core import MeshSpec, Partial, Shard
 from autopar.rulecheck import check_strategy, one_op_program, strategies_of
-from autopar.solver import strategies as rules
+from autopar.solver.rules_elementwise import POINTWISE
+from autopar.solver.strategies import RULES
 
 F64 = torch.float64
 MESHES = [
@@ -264,9 +265,9 @@ def failures(prog, whole, found) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("target", sorted(rules.RULES))
+@pytest.mark.parametrize("target", sorted(RULES))
 def test_rule(target: str) -> None:
-    examples = 2 if target in rules.POINTWISE else 5
+    examples = 2 if target in POINTWISE else 5
 
     @settings(max_examples=examples, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(_example(target))
@@ -278,21 +279,29 @@ def test_rule(target: str) -> None:
     check()
 
 
-def _broken_linear_partials(c):
+def _broken_linear_partials(real):
     """A wrong rule: claims exp is linear (a partial input gives a partial output)."""
-    out = rules._pointwise(c)
-    if c.op.target == "aten.exp":
-        out.append(((Partial("sum"),), (Partial("sum"),)))
-    return out
+
+    def rule(c):
+        out = real(c)
+        if c.op.target == "aten.exp":
+            out.append(((Partial("sum"),), (Partial("sum"),)))
+        return out
+
+    return rule
 
 
-def _broken_softmax(c):
+def _broken_softmax(real):
     """A wrong rule: lets softmax be split along the dim it normalizes."""
-    dim = c.op.args[1] % len(c.ins[0].shape)
-    out = rules._softmax(c)
-    if c.ins[0].shape[dim] % c.n == 0:
-        out.append(((Shard(dim),), (Shard(dim),)))
-    return out
+
+    def rule(c):
+        dim = c.op.args[1] % len(c.ins[0].shape)
+        out = real(c)
+        if c.ins[0].shape[dim] % c.n == 0:
+            out.append(((Shard(dim),), (Shard(dim),)))
+        return out
+
+    return rule
 
 
 @pytest.mark.parametrize(
@@ -307,7 +316,7 @@ def test_checker_catches_broken_rule(monkeypatch, target, broken, args) -> None:
     mesh = MeshSpec((("a", 2),))
     prog, whole = one_op_program(target, args(), {}, mesh)
     assert failures(prog, whole, strategies_of(prog)) == []
-    monkeypatch.setitem(rules.RULES, target, broken)
+    monkeypatch.setitem(RULES, target, broken(RULES[target]))
     bad = failures(prog, whole, strategies_of(prog))
     assert bad and all("differ" in b for b in bad), bad
 
