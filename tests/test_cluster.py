@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from autopar.errors import ClusterSpecError
-from autopar.solver.cluster import ClusterSpec, list_clusters, parse_bytes, parse_rate, parse_seconds
+from autopar.solver.cluster import ClusterSpec, list_clusters
+from autopar.solver.units import parse_bytes, parse_rate, parse_seconds
 
 PRESETS = ["dgx-a100", "merak-3090", "mics-p3dn", "local-cpu"]
 
