@@ -333,7 +333,7 @@ def test_empty_program_is_an_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoder-decoder: T5 is not a preset (autopar/models.py has no T5 family); built here directly
+# Encoder-decoder: T5 is not a preset (autopar/model_families.py has no T5 family); built here directly
 
 
 @functools.cache

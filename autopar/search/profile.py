@@ -34,11 +34,12 @@ import torch
 
 from autopar.errors import PresetError
 from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
-from autopar.models import _PRESETS, build
+from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.presets import PRESETS
 from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
 
 PROFILE_VERSION = 2  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
@@ -309,7 +310,7 @@ def _saved_for_backward(prog: Program, weights: frozenset[str], commons: set[str
 def with_batch(spec: str, batch: int) -> str:
     """The MODEL string with its example batch set to ``batch`` (presets only)."""
     name, _, rest = spec.partition(":")
-    if name not in _PRESETS:
+    if name not in PRESETS:
         raise PresetError(
             f"the search sets the example batch through the preset override batch=N; {spec!r} is not a "
             "preset: plan it with --mesh, or wrap it as a preset-like function taking the batch"
