@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PlanError
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec, Program, Ref, map_refs
 from autopar.ir.parser import parse
 from autopar.passes.capture import Captured
@@ -85,9 +86,8 @@ class Plan:
     @property
     def mesh_spec(self) -> MeshSpec:
         """The mesh the sharded program is for: the launch mesh without its pipeline axis."""
-        if "pp" in self.mesh:  # written by autopar before plans kept the launch mesh in pipeline.mesh
-            return MeshSpec(tuple((n, s) for n, s in self.mesh.items() if n != "pp"))
-        return MeshSpec(tuple(self.mesh.items()))
+        # a plan written before plans kept the launch mesh in pipeline.mesh has the pipeline axis in mesh
+        return MeshSpec(tuple(self.mesh.items())).without_pipeline()
 
     @property
     def launch_mesh(self) -> MeshSpec:
@@ -148,9 +148,9 @@ class Plan:
                 f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
                 f"inputs give {fp[:12]}): plan again for this model, batch and sequence"
             )
-        if "pp" in self.launch_mesh.names and "pp" in mesh.names:
+        if PIPELINE_AXIS in self.launch_mesh.names and PIPELINE_AXIS in mesh.names:
             want, got = self.launch_mesh, mesh
         else:  # a plan without a pipeline on a pp mesh: its stages are cut at compile time
-            want, got = self.mesh_spec, MeshSpec(tuple((n, s) for n, s in mesh.axes if n != "pp"))
+            want, got = self.mesh_spec, mesh.without_pipeline()
         if want != got:
             raise PlanError(f"the plan is for mesh {want}, not {got}: launch that mesh or plan again")

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture
@@ -72,7 +73,7 @@ def plan_captured(
     """Plan a captured model by the flow (``autopar.passes.flow``). A mesh axis named ``pp`` is pipeline
     parallelism: the intra-op ILP runs on the other axes, then the sharded graph is split into stages
     over it (Merak's split, balanced stages)."""
-    pp = dict(mesh.axes).get("pp")
+    pp = dict(mesh.axes).get(PIPELINE_AXIS)
     po = pipeline or PipelinePlanOptions()
     flow_opts = FlowOptions(
         shard=opts, chunks=po.chunks, waves=po.waves, microbatches=po.microbatches or 1, cache=False

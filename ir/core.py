@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from autopar.ir.axes import PIPELINE_AXIS, is_pipeline_axis
+
 # ---------------------------------------------------------------------------------------------
 # Placements
 
@@ -103,6 +105,15 @@ class MeshSpec:
 
     def index(self, name: str) -> int:
         return self.names.index(name)
+
+    @property
+    def pipeline_size(self) -> int:
+        """The size of the pipeline axis (``pp``, see ``ir/axes.py``); 1 on a mesh without one."""
+        return dict(self.axes).get(PIPELINE_AXIS, 1)
+
+    def without_pipeline(self) -> MeshSpec:
+        """This mesh without its pipeline axis: the mesh the intra-op plan (the ILP) is made for."""
+        return MeshSpec(tuple((a, s) for a, s in self.axes if not is_pipeline_axis(a)))
 
     def __str__(self) -> str:
         return "[" + ", ".join(f"{a}={s}" for a, s in self.axes) + "]"

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from autopar.errors import PipelineError, PlanError
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
@@ -57,7 +58,6 @@ class FlowOptions:
     """How the flow plans, besides the mesh: the sharding options and the pipeline's shape."""
 
     shard: ShardOptions | None = None  # None: ShardOptions()
-    pp_axis: str = "pp"  # the mesh axis the stages are spread over; a mesh without it has one stage
     chunks: int = 1  # Megatron's virtual chunks per pipeline rank
     waves: int | None = None  # Hanayo's waves
     microbatches: int = 1  # in flight: the stage balancer's activation memory
@@ -109,8 +109,8 @@ def plan_program(
     """
     opts = options or FlowOptions()
     shard_opts = opts.shard or ShardOptions()
-    pp = mesh.axis_size(opts.pp_axis) if opts.pp_axis in mesh.names else 1
-    inner = MeshSpec(tuple((a, n) for a, n in mesh.axes if a != opts.pp_axis))
+    pp = mesh.pipeline_size  # the stages are spread over the pp axis; a mesh without it has one stage
+    inner = mesh.without_pipeline()
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR") or None
     if dump_dir:
         _write(dump_dir, f"{flow_index('capture'):02d}-capture.py", captured.exported.graph_module.code)
@@ -125,12 +125,12 @@ def plan_program(
         sharded, result = _shard(lowered, shard_opts, opts.cache and not dump_dir, dump_dir, timings)
     elif sharded.mesh != inner:
         raise PlanError(
-            f"the planned program is for the mesh {sharded.mesh}, not {inner} ({mesh} without {opts.pp_axis})"
+            f"the planned program is for the mesh {sharded.mesh}, not {inner} ({mesh} without {PIPELINE_AXIS})"
         )
     staged, stage_plan, split_seconds = _stage(sharded, pp, opts, shard_opts, dump_dir, timings)
     pm = PassManager(["prune-outputs"], dump_dir=dump_dir, timings=timings)
     train = pm.run(staged, flow_index("prune-outputs") - 1) if _is_loss(staged) else None
-    transfers = {"axis": opts.pp_axis, "scatter_gather": opts.scatter_gather}
+    transfers = {"scatter_gather": opts.scatter_gather}
     n = flow_index("insert-transfers") - 1
     forward = PassManager(["insert-transfers"], None, options={"insert-transfers": transfers}).run(staged, n)
     if dump_dir:

@@ -28,10 +28,9 @@ import math
 from collections import defaultdict
 
 from autopar.errors import PipelineError
+from autopar.ir.axes import PIPELINE_AXIS, tensor_axes
 from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, iter_refs, map_refs
 from autopar.passes.pipeline_split import common_nodes
-
-PP_AXIS = "pp"
 
 
 def stage_of_op(op: Op) -> int:
@@ -40,9 +39,9 @@ def stage_of_op(op: Op) -> int:
     return int(op.attrs["stage"])
 
 
-def _scatter_dim(t: TensorType, prog: Program, tp_axis: str) -> int | None:
+def _scatter_dim(t: TensorType, prog: Program, tp_axis: str | None) -> int | None:
     """The dim a boundary tensor replicated over ``tp_axis`` is cut along (last one that divides)."""
-    if tp_axis not in prog.mesh.names or not t.is_float:
+    if tp_axis is None or not t.is_float:
         return None
     i = prog.mesh.index(tp_axis)
     n = prog.mesh.sizes[i]
@@ -56,8 +55,9 @@ def _scatter_dim(t: TensorType, prog: Program, tp_axis: str) -> int | None:
     return None
 
 
-def insert_transfers(prog: Program, axis: str = PP_AXIS, scatter_gather: bool = False, tp_axis: str = "tp") -> Program:
-    """Add send/recv ops (and, with ``scatter_gather``, local_shard/all_gather) at stage boundaries."""
+def insert_transfers(prog: Program, scatter_gather: bool = False) -> Program:
+    """Add send/recv ops over the pipeline axis at stage boundaries, and with ``scatter_gather``
+    local_shard/all_gather over the first tensor-parallel axis (``tp*``, ``ir/axes.py``) around them."""
     if any(op.target in ("send", "recv") for op in prog.ops):
         raise PipelineError("the program already has send/recv ops")
     num_stages = int(prog.attrs.get("pipeline_stages", 0)) or max((stage_of_op(op) for op in prog.ops), default=0) + 1
@@ -85,6 +85,7 @@ def insert_transfers(prog: Program, axis: str = PP_AXIS, scatter_gather: bool = 
             for b in range(stage_of[r], last.get(r, stage_of[r])):
                 crossing[b].append(r)
     commons = common_nodes(prog)
+    tp_axis = next(iter(tensor_axes(prog.mesh.names)), None)
     types = prog.types()
 
     def grad_of(x: str) -> bool:
@@ -110,7 +111,7 @@ def insert_transfers(prog: Program, axis: str = PP_AXIS, scatter_gather: bool = 
         if t > 0:
             for x in crossing[t - 1]:
                 ty, d = sent_type(x)
-                kw = {"axis": axis, "peer_stage": t - 1, "grad": grad_of(x)}
+                kw = {"axis": PIPELINE_AXIS, "peer_stage": t - 1, "grad": grad_of(x)}
                 name = f"{x}.recv{t}"
                 ops.append(Op((name,), (ty,), "recv", (), kw, {"stage": t}))
                 if d is not None:
@@ -131,11 +132,11 @@ def insert_transfers(prog: Program, axis: str = PP_AXIS, scatter_gather: bool = 
                     skw = {"axis": tp_axis, "dim": d, "chunks": 1}
                     ops.append(Op((part,), (ty,), "local_shard", (Ref(src),), skw, {"stage": t}))
                     src = part
-                kw = {"axis": axis, "peer_stage": t + 1, "grad": grad_of(x)}
+                kw = {"axis": PIPELINE_AXIS, "peer_stage": t + 1, "grad": grad_of(x)}
                 ops.append(Op((f"{x}.send{t + 1}",), (ty,), "send", (Ref(src),), kw, {"stage": t}))
         else:
             outputs = map_refs(prog.outputs, rename)
-    attrs = dict(prog.attrs, pipeline_stages=num_stages, pipeline_axis=axis)
-    if scatter_gather:
+    attrs = dict(prog.attrs, pipeline_stages=num_stages, pipeline_axis=PIPELINE_AXIS)
+    if scatter_gather and tp_axis is not None:
         attrs["scatter_gather"] = tp_axis
     return prog.with_(ops=tuple(ops), outputs=tuple(outputs), attrs=attrs)

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass, replace
 
 from autopar.errors import BaselineUnavailableError, InfeasibleError
+from autopar.ir.axes import is_tensor_axis
 from autopar.ir.core import MeshSpec, Placement, Program, R, Shard, Value
 from autopar.ir.layout import valid
 from autopar.solver.cost import TrainingSetup
@@ -73,7 +74,7 @@ def megatron_layout(prog: Program) -> dict[str, tuple[str, int, int]]:
 
 def megatron_constraints(prog: Program) -> dict:
     names = prog.mesh.names
-    tp = [i for i, n in enumerate(names) if n.startswith("tp")]
+    tp = [i for i, n in enumerate(names) if is_tensor_axis(n)]
     layout = megatron_layout(prog)
     out: dict = {}
     for v in prog.inputs:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
@@ -55,11 +56,11 @@ class TrainingSetup:
     optimizer: str = "adam"  # "adam": two fp32 moments per parameter; "sgd": none
     precision: str = "fp32"  # "fp32" or "bf16"/"fp16" mixed precision (with fp32 master weights)
     zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
-    zero_axes: tuple[str, ...] | None = None  # default: axes whose name starts with "dp"
+    zero_axes: tuple[str, ...] | None = None  # default: the data-parallel (dp*) axes, ir/axes.py
     mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
 
     def shard_axes(self, mesh: MeshSpec) -> tuple[int, ...]:
-        names = self.zero_axes if self.zero_axes is not None else tuple(n for n in mesh.names if n.startswith("dp"))
+        names = self.zero_axes if self.zero_axes is not None else data_axes(mesh.names)
         axes = tuple(mesh.index(n) for n in names if n in mesh.names)
         if self.mics_group is None:
             return axes

@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from autopar.ir.axes import is_pipeline_axis, is_tensor_axis
 from autopar.ir.core import VIEW_OPS, Placement, Program, Replicate, TensorType
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
@@ -97,10 +98,11 @@ class StageContext:
 
 
 def parallel_degrees(prog: Program) -> tuple[int, int, bool]:
-    """(dp, tp, sharded) of a program's mesh: tp the ``tp`` axis, dp every other axis but ``pp``."""
-    axes = dict(prog.mesh.axes)
-    tp = axes.get("tp", 1)
-    dp = math.prod(s for a, s in axes.items() if a not in ("tp", "pp"))
+    """(dp, tp, sharded) of a program's mesh: tp the tensor-parallel (``tp*``) axes, dp every other axis but
+    the pipeline's (``ir/axes.py``)."""
+    axes = prog.mesh.axes
+    tp = math.prod(s for a, s in axes if is_tensor_axis(a))
+    dp = math.prod(s for a, s in axes if not is_tensor_axis(a) and not is_pipeline_axis(a))
 
     def placed(ps: tuple[Placement, ...]) -> bool:
         return any(not isinstance(p, Replicate) for p in ps)

@@ -16,6 +16,7 @@ import math
 import pytest
 
 from autopar.cli import main
+from autopar.ir.axes import is_tensor_axis
 from autopar.ir.core import R, Shard
 from bench.table2 import meshes
 
@@ -35,7 +36,7 @@ def expected_reason(baseline: str, batch: int, axes: dict[str, int]) -> str | No
     batch over every axis, Megatron over the axes not named tp*, the comm baseline fixes nothing."""
     if baseline == "comm":
         return None
-    split = {a: n for a, n in axes.items() if baseline != "megatron" or not a.startswith("tp")}
+    split = {a: n for a, n in axes.items() if baseline != "megatron" or not is_tensor_axis(a)}
     devices = math.prod(split.values())
     if batch % devices == 0:
         return None

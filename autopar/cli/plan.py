@@ -7,6 +7,7 @@ import json
 import sys
 
 from autopar.errors import AutoparError
+from autopar.ir.axes import PIPELINE_AXIS
 
 GiB = 2**30
 
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
     from autopar.planner import PipelinePlanOptions
 
-    if (args.chunks > 1 or args.waves) and "pp" not in mesh.names:
+    if (args.chunks > 1 or args.waves) and PIPELINE_AXIS not in mesh.names:
         raise AutoparError("--chunks and --waves need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
     pipe = PipelinePlanOptions(chunks=args.chunks, waves=args.waves, microbatches=args.microbatches)
     report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe)

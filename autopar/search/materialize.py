@@ -26,6 +26,7 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 from autopar.errors import InfeasibleError
+from autopar.ir.axes import data_axes, is_data_axis
 from autopar.ir.core import MeshSpec, Program, Ref, Replicate, Shard, Value, map_refs
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
@@ -75,7 +76,7 @@ def build_plan(
     capture_seconds = time.perf_counter() - t0
     inner = MeshSpec(tuple(c.inner_mesh().items()))
     prog = lower(captured, inner)
-    zero_axes = tuple(a for a in ("dpr", "dp") if a in inner.names)
+    zero_axes = data_axes(inner.names)
     setup = TrainingSetup(precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None)
     opts = ShardOptions(
         objective="comm",
@@ -161,7 +162,7 @@ def data_parallel_axes(prog: Program, activations: bool = True) -> dict:
     on dim 0. Without the activation constraints a model too small for its compute to matter would be
     computed redundantly on every dp rank (the cheapest plan in communication). The ILP decides
     everything on ``tp``."""
-    dp = tuple(i for i, n in enumerate(prog.mesh.names) if n.startswith("dp"))
+    dp = tuple(i for i, n in enumerate(prog.mesh.names) if is_data_axis(n))
     if not dp:
         return {}
     size = math.prod(prog.mesh.sizes[i] for i in dp)

@@ -23,6 +23,7 @@ from dataclasses import replace as dc_replace
 from fractions import Fraction
 from typing import Any, Protocol
 
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.search.profile import Profile
 from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank, num_stages
 
@@ -88,7 +89,7 @@ class Candidate:
 
     def mesh(self) -> dict[str, int]:
         """The mesh to launch: ``pp`` outermost, then the inner mesh (Megatron's rank order)."""
-        return ({"pp": self.pp} if self.pp > 1 else {}) | self.inner_mesh()
+        return ({PIPELINE_AXIS: self.pp} if self.pp > 1 else {}) | self.inner_mesh()
 
     def describe(self) -> str:
         sched = {

@@ -1,0 +1,51 @@
+"""Mesh axis roles, read from the axis names: the one naming convention every layer of autopar follows.
+
+A mesh axis is named by the user (``autopar.init_mesh(pp=2, dp=2, tp=2)``) and its name says its role:
+
+- ``pp`` (``PIPELINE_AXIS``) is the pipeline axis: the stages are spread over it. The intra-op plan
+  (the ILP) is made for the mesh without it (``MeshSpec.without_pipeline``), and a mesh without it
+  is a one-stage pipeline.
+- an axis whose name starts with ``dp`` (``dp``, ``dpr``, ``dp_outer``) is data-parallel: ZeRO and
+  MiCS shard the optimizer state, gradients and (ZeRO-3) parameters over these axes, the search
+  splits the batch over them, and the stage balance counts them as data parallelism. With MiCS,
+  ``dpr`` holds the replicas of a partition group laid out on ``dp``.
+- an axis whose name starts with ``tp`` is tensor-parallel: the Megatron baseline shards the weights
+  over it, and a pipeline's ``scatter_gather`` cuts the tensors sent between stages over the first one.
+- any other name (``a``, ``ep``) has no role of its own: the ILP places tensors on it as on any axis.
+
+The ILP itself reads no role: on every axis but ``pp`` it chooses placements by cost. The roles only
+choose what is shared or assumed around it (ZeRO's shards, baselines, search constraints, stage costs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+PIPELINE_AXIS = "pp"
+DATA_AXIS_PREFIX = "dp"
+TENSOR_AXIS_PREFIX = "tp"
+
+
+def is_pipeline_axis(name: str) -> bool:
+    """Whether the axis named ``name`` is the pipeline axis (``pp``)."""
+    return name == PIPELINE_AXIS
+
+
+def is_data_axis(name: str) -> bool:
+    """Whether the axis named ``name`` is data-parallel (its name starts with ``dp``)."""
+    return name.startswith(DATA_AXIS_PREFIX)
+
+
+def is_tensor_axis(name: str) -> bool:
+    """Whether the axis named ``name`` is tensor-parallel (its name starts with ``tp``)."""
+    return name.startswith(TENSOR_AXIS_PREFIX)
+
+
+def data_axes(names: Iterable[str]) -> tuple[str, ...]:
+    """The data-parallel axes among ``names``, in their order."""
+    return tuple(n for n in names if is_data_axis(n))
+
+
+def tensor_axes(names: Iterable[str]) -> tuple[str, ...]:
+    """The tensor-parallel axes among ``names``, in their order."""
+    return tuple(n for n in names if is_tensor_axis(n))
