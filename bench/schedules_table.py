@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 from fractions import Fraction
 
-from autopar.runtime.costs import Costs
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.formulas import paper_bubble
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate

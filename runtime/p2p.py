@@ -1,7 +1,7 @@
-"""Lower per-rank compute orders to full action lists: place every SEND/RECV by the pairing rule.
+"""Complete per-rank compute orders into full action lists: place every SEND/RECV by the pairing rule.
 
 A schedule generator decides only the order of ``F``, ``B`` and ``RECOMPUTE`` on each rank;
-``lower`` adds the point-to-point actions and the closing ``REDUCE_GRADS``/``STEP``. The rules, which
+``insert_comm_actions`` adds the point-to-point actions and the closing ``REDUCE_GRADS``/``STEP``. The rules, which
 the executor may rely on:
 
 1. **Only across ranks.** A stage boundary whose two stages sit on the same rank (the bottom of a
@@ -13,7 +13,7 @@ the executor may rely on:
    where the k-th receive names another tensor.
 4. **Batches.** The sends and receives between two compute actions form one batch, meant for one
    ``torch.distributed.batch_isend_irecv`` call: sends first, then receives.
-5. **Receives are posted ahead, where the receiver is when the data is sent.** ``lower`` first puts
+5. **Receives are posted ahead, where the receiver is when the data is sent.** ``insert_comm_actions`` first puts
    each receive right before its consumer and times the lists with nominal costs (T_F = 1,
    T_B = 2, T_R = 1 per stage, no transfer time), under the eager semantics below. It then moves
    every receive to the first gap of the receiving rank that the rank leaves no earlier than the
@@ -42,8 +42,8 @@ from collections import defaultdict
 from collections.abc import Callable, Sequence
 
 from autopar.errors import ScheduleError
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS, Action, Kind, Schedule
-from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
 
 Channel = tuple[int, int]  # (source rank, destination rank)
@@ -128,7 +128,7 @@ def _needed(a: Action, stage_to_rank: Sequence[int], rank: int) -> Action | None
     return None
 
 
-def lower(
+def insert_comm_actions(
     compute: Sequence[Sequence[Action]],
     stage_to_rank: Sequence[int],
     num_microbatches: int,

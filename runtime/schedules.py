@@ -1,7 +1,7 @@
 """Schedule generators (GPipe, 1F1B, interleaved 1F1B, Hanayo waves, Merak SCP) and their registry.
 
 A generator is ``(num_ranks, num_microbatches, **options) -> Schedule``. It decides the placement
-(``stage_to_rank``) and each rank's order of ``F``/``B``/``RECOMPUTE``; ``autopar.runtime.p2p.lower``
+(``stage_to_rank``) and each rank's order of ``F``/``B``/``RECOMPUTE``; ``autopar.runtime.p2p.insert_comm_actions``
 adds the sends, receives, ``REDUCE_GRADS`` and ``STEP``. Adding a schedule is one decorated
 function::
 
@@ -30,7 +30,7 @@ from fractions import Fraction
 from autopar.errors import ScheduleError
 from autopar.runtime.actions import RECOMPUTE, Action, B, F, Schedule, check_placement
 from autopar.runtime.listsched import Priority, list_schedule
-from autopar.runtime.p2p import lower
+from autopar.runtime.p2p import insert_comm_actions
 
 Generator = Callable[..., Schedule]
 SCHEDULES: dict[str, Generator] = {}
@@ -65,7 +65,7 @@ def _build(
     **options: int | Fraction,
 ) -> Schedule:
     check_placement(stage_to_rank, len(compute))
-    actions = lower(compute, stage_to_rank, num_microbatches)
+    actions = insert_comm_actions(compute, stage_to_rank, num_microbatches)
     sizes = (len(compute), len(stage_to_rank), num_microbatches)
     return Schedule(*sizes, tuple(stage_to_rank), actions, name, tuple(options.items()))
 

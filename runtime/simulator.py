@@ -33,8 +33,8 @@ from collections import defaultdict
 from fractions import Fraction
 
 from autopar.errors import ScheduleError
+from autopar.runtime.action_costs import Costs, Number
 from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, SEND_KINDS, Action, Kind, Schedule
-from autopar.runtime.costs import Costs, Number
 from autopar.runtime.timeline import Event, SimResult, Transfer
 
 Key = tuple[Kind, int, int]  # (kind, mb, stage) of a receive, as seen by the receiving rank

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+from autopar.runtime.action_costs import Number
 from autopar.runtime.actions import Action, Schedule
-from autopar.runtime.costs import Number
 
 
 @dataclass(frozen=True)

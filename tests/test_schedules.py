@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ScheduleError
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule
-from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import (
     SCHEDULES,
     gpipe,

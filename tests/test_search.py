@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autopar.errors import InfeasibleError
-from autopar.runtime.costs import Costs
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.search import Scorer, launch_options, profile_model, search, search_model

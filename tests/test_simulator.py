@@ -12,9 +12,9 @@ import pytest
 
 from autopar.cli import main
 from autopar.errors import ScheduleError
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS, RECOMPUTE, Action, B, F, Kind, Schedule
-from autopar.runtime.costs import Costs
-from autopar.runtime.p2p import lower
+from autopar.runtime.p2p import insert_comm_actions
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 
@@ -264,7 +264,7 @@ def test_send_to_the_same_rank_and_unreceived_sends_are_rejected() -> None:
 def receives_just_in_time(s: Schedule) -> Schedule:
     """The same compute orders with every receive right before its consumer (FIFO kept)."""
     compute = [[a for a in actions if a.kind in COMPUTE_KINDS] for actions in s.actions]
-    lists = lower(compute, s.stage_to_rank, s.num_microbatches, post_ahead=False)
+    lists = insert_comm_actions(compute, s.stage_to_rank, s.num_microbatches, post_ahead=False)
     return Schedule(s.num_ranks, s.num_stages, s.num_microbatches, s.stage_to_rank, lists)
 
 

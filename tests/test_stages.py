@@ -21,7 +21,7 @@ from autopar.passes import pipeline_split as ps
 from autopar.passes.assign_stages import assign_stages, assign_stages_pass
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.runtime.costs import Costs
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.solver import partition

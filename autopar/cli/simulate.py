@@ -23,9 +23,9 @@ from fractions import Fraction
 
 from autopar.errors import ScheduleError
 from autopar.plan import Plan
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import Schedule
 from autopar.runtime.chart import save_gantt
-from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import SCHEDULES, make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.runtime.timeline import SimResult

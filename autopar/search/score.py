@@ -13,8 +13,8 @@ import hashlib
 from typing import Any
 
 from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS, Schedule
-from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.search.price import Evaluation
