@@ -135,7 +135,7 @@ def plan_pipeline_program(
                 f"the {schedule.name} schedule places stages on ranks {list(schedule.stage_to_rank)} but the "
                 f"stage plan on {list(plan.stage_to_rank)}"
             )
-    out = insert_transfers(annotated, axis=pp_axis, scatter_gather=scatter_gather)
+    out = insert_transfers(annotated, scatter_gather=scatter_gather)
     verify(out)
     return out
 

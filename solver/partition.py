@@ -73,21 +73,27 @@ def _starts(arg: list[list[int]], stages: int, n: int) -> list[int]:
 
 
 def feasible(n: int, stages: int, fits: Callable[[int, int, int], bool]) -> bool:
-    """Whether some partition into ``stages`` non-empty runs fits, in O(n + stages) calls.
+    """Whether some partition into ``stages`` non-empty runs fits, in O(n * stages) calls.
 
-    Greedy is exact: each stage takes the longest run that fits, leaving one item per stage still
-    to come. By induction it ends at least as far right as any feasible partition does after the
-    same number of stages, since a run inside a run that fits also fits."""
-    start = 0
+    Which runs fit depends on the stage (its microbatches in flight), so taking the longest run that
+    fits stage by stage is not exact: a stage that takes one more item can leave the next stage an
+    item that does not fit it, where a shorter run would have left that item to a later stage. So this
+    keeps, stage by stage, every position the runs so far can end at. The fitting runs ending at ``i``
+    start anywhere from the leftmost such start to ``i - 1`` (a run inside a run that fits also fits),
+    and that leftmost start never moves left as ``i`` grows: two pointers and a prefix count."""
+    reach = [True] + [False] * n  # reach[i]: items [0, i) split into the runs so far
     for s in range(stages):
-        cap = n - (stages - 1 - s)
-        end = start
-        while end < cap and fits(s, start, end + 1):
-            end += 1
-        if end == start:
-            return False
-        start = end
-    return start == n
+        count = [0]
+        for r in reach:
+            count.append(count[-1] + r)  # count[i]: reachable ends before i
+        nxt = [False] * (n + 1)
+        lo = 0
+        for i in range(1, n + 1):
+            while lo < i and not fits(s, lo, i):
+                lo += 1
+            nxt[i] = lo < i and count[i] - count[lo] > 0
+        reach = nxt
+    return reach[n]
 
 
 def even_partition(

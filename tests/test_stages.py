@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
@@ -81,6 +81,8 @@ def instances(draw: st.DrawFn) -> tuple:
 
 @settings(max_examples=300, deadline=None)
 @given(instances())
+# a stage-dependent fit that a greedy longest-run feasibility check got wrong (item 5 fits stages 0 and 2 only)
+@example((7, 3, [0] * 7, [0] * 7, [0, 0, 0, 0, 0, 1, 0], [1, 2, 1], 1))
 def test_dp_equals_brute_force(inst):
     n, stages, times, weights, acts, k, budget = inst
 
