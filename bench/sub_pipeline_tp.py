@@ -139,7 +139,7 @@ def _real_pipes(args, mesh) -> dict:
     from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions
-    from autopar.pipeline import split_batch
+    from autopar.runtime.batch import split_batch
     from autopar.solver.baselines import megatron_constraints
 
     spec = build(_model_spec(args, args.mb * args.microbatches), device="cpu", seed=0)

@@ -58,9 +58,9 @@ def test_compile_check_passes_and_names_a_broken_reduction() -> None:
 def test_check_size_limit_says_how_to_check_a_scaled_down_copy(monkeypatch) -> None:
     from autopar import check
     from autopar.api import plan_program
+    from autopar.ir.core import MeshSpec
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.ir.core import MeshSpec
 
     spec = build(MODEL, device="cpu", seed=0)
     prog = plan_program(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("dp", 2), ("tp", 2))))

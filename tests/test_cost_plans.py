@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from autopar.api import DEFAULT_PIPELINE, parse_mesh
+from autopar.ir.core import Op, Replicate, Shard
 from autopar.models import build
 from autopar.passes.capture import capture
-from autopar.ir.core import Op, Replicate, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, recomputable
