@@ -9,10 +9,11 @@ Every rank writes its local shards under keys that name the shard, not the rank:
     optim.param_groups, extra                            hyper-parameters and the caller's objects
 
 Replicas (data-parallel copies, and a tied parameter held by two pipeline ranks) write identical
-values under one key; DCP's planner keeps one writer per key. A ZeRO-3 slice names its ZeRO axes too. ``load`` reads back exactly the keys
-this rank owns, so resuming gives the numbers an uninterrupted run would have (the optimizer's step
-counts and moments included). A checkpoint is for the same model, mesh and plan: a mesh change would
-need resharding by global offsets, which these shard-named keys do not describe.
+values under one key; DCP's planner keeps one writer per key. A ZeRO-3 slice names its ZeRO axes
+too. ``load`` reads back exactly the keys this rank owns, so resuming gives the numbers an
+uninterrupted run would have (the optimizer's step counts and moments included). A checkpoint is for
+the same model, mesh and plan: a mesh change would need resharding by global offsets, which these
+shard-named keys do not describe.
 """
 
 from __future__ import annotations

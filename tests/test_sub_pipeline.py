@@ -17,8 +17,8 @@ from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events
-from tests.exactness import TOL
 from tests.equivalence import overlapped_issues
+from tests.exactness import TOL
 
 
 @pytest.fixture
