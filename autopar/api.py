@@ -12,7 +12,6 @@ come from), broadcasts the programs and builds this rank's ``autopar.runtime.mod
 
 from __future__ import annotations
 
-import hashlib
 import os
 import weakref
 from pathlib import Path
@@ -25,12 +24,9 @@ from autopar.errors import CheckError, MeshError, PipelineError, PlanError, SubP
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.ir.verify import verify
 from autopar.passes.capture import Captured, capture
-from autopar.passes.lower import lower
-from autopar.passes.manager import PassManager
+from autopar.passes.flow import FlowOptions, cache_dir, flow_index, plan_program
 from autopar.passes.shard import ShardOptions, planning_options
-from autopar.passes.stage_codegen import insert_transfers, prune_outputs
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import sub_microbatch
@@ -38,11 +34,10 @@ from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
-from autopar.runtime.stages import one_stage
 from autopar.solver.cluster import ClusterSpec, local_cluster
 
 PP_AXIS = "pp"  # the mesh axis pipeline stages are placed along; a mesh without it runs one stage
-DEFAULT_PIPELINE = ["shard", "insert-collectives"]
+DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
 
 def init_mesh(device_type: str | None = None, **axes: int):
@@ -84,39 +79,9 @@ def mesh_spec(mesh) -> MeshSpec:
     return MeshSpec(tuple((n, mesh.size(i)) for i, n in enumerate(names)))
 
 
-def plan_program(
-    captured: Captured,
-    mesh: MeshSpec,
-    options: ShardOptions | None = None,
-    pipeline: list[str] | None = None,
-    dump_dir: str | None = None,
-) -> Program:
-    """Lower and run the pass pipeline; solved programs are cached on disk by content."""
-    prog = lower(captured, mesh)
-    options = options or ShardOptions()
-    pipeline = pipeline or DEFAULT_PIPELINE
-    key = hashlib.sha256((print_program(prog) + repr(options) + ",".join(pipeline)).encode()).hexdigest()[:24]
-    cache = _cache_dir() / f"{key}.ir" if _cache_dir() else None
-    dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
-    if cache is not None and cache.exists() and dump_dir is None:
-        return parse(cache.read_text())
-    out = PassManager(pipeline, dump_dir=dump_dir, options={"shard": options}).run(prog)
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(print_program(out))
-        tmp.replace(cache)
-    return out
-
-
-def _cache_dir() -> Path | None:
-    d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
-    return None if d in ("", "0", "off") else Path(d)
-
-
 def calibration_dir() -> Path:
     """Where ``autopar calibrate --save`` writes this machine's spec: autopar's cache directory."""
-    return _cache_dir() or Path.home() / ".cache" / "autopar" / "plans"
+    return cache_dir() or Path.home() / ".cache" / "autopar" / "plans"
 
 
 def local_cluster_spec(device_type: str | None = None, world: int | None = None) -> ClusterSpec:
@@ -250,7 +215,7 @@ def compile(  # noqa: A001
         state=state_keys(model, read, get_value),
     )
     if dump_dir:
-        dump_rank_code(dump_dir, dist.get_rank(), module)
+        _dump_module(dump_dir, dist.get_rank(), module)
     return module
 
 
@@ -264,64 +229,30 @@ def _plan(
     scatter_gather: bool = False,
     dump_dir: str | None = None,
 ) -> tuple[Program, Program | None]:
-    """The planned programs of ``captured`` on ``mesh`` (the whole mesh): the forward program (every
-    output) and the training program (pruned to the loss; ``None`` when the first output is not a
-    scalar float), both cut into ``schedule``'s stages at the same places, with send/recv ops."""
-    inner = MeshSpec(tuple((n, s) for n, s in mesh.axes if n != PP_AXIS))
-    prog = sharded if sharded is not None else plan_program(captured, inner, options, dump_dir=dump_dir)
-    if schedule.num_stages == 1:
-        staged = one_stage(prog, PP_AXIS)
-    elif _planned_stages(prog) == schedule.num_stages:  # a plan file's stages (autopar plan): kept as planned
-        staged = _complete_stages(prog)
-    else:
-        from autopar.solver.stages import plan_pipeline
-
-        waves = dict(schedule.options).get("waves") if schedule.name == "wave" else None
-        chunks = schedule.num_stages // schedule.num_ranks if waves is None else 1
-        mbs = schedule.num_microbatches
-        staged, stage_plan, _ = plan_pipeline(prog, schedule.num_ranks, chunks=chunks, waves=waves, microbatches=mbs)
-        if tuple(stage_plan.stage_to_rank) != tuple(schedule.stage_to_rank):
-            raise PipelineError(
-                f"the {schedule.name} schedule places stages on ranks {list(schedule.stage_to_rank)} but the "
-                f"stage plan on {list(stage_plan.stage_to_rank)}"
-            )
-    forward = insert_transfers(staged, axis=PP_AXIS, scatter_gather=scatter_gather)
-    verify(forward)
-    loss_t = prog.types().get(getattr(prog.outputs[0], "name", ""), None) if prog.outputs else None
-    if loss_t is None or loss_t.shape != () or not loss_t.is_float:
-        if schedule.num_stages > 1:
-            raise PipelineError(
-                "pipeline training needs the model's first output to be the scalar training loss (a Hugging "
-                f"Face model returns it first when given labels); the first output here is {loss_t}"
-            )
-        return forward, None
-    train = insert_transfers(prune_outputs(staged), axis=PP_AXIS, scatter_gather=scatter_gather)
-    verify(train)
-    return forward, train
-
-
-def _planned_stages(prog: Program) -> int | None:
-    """The number of stages a program was already cut into (``stage=`` on its computing ops), if any."""
-    staged = [op.attrs["stage"] for op in prog.ops if "stage" in op.attrs]
-    computing = [op for op in prog.ops if op.target.startswith("aten.")]
-    if not staged or any("stage" not in op.attrs for op in computing):
-        return None
-    return int(prog.attrs.get("pipeline_stages", max(staged) + 1))
-
-
-def _complete_stages(prog: Program) -> Program:
-    """Give ops inserted after the stages were chosen (collectives) the stage of the next staged op in
-    program order, their consumer: stages stay contiguous, and a value crossing to that stage is sent as
-    it was produced and redistributed where it is used."""
-    ops = list(prog.ops)
-    last = max(op.attrs["stage"] for op in ops if "stage" in op.attrs)
-    nxt = last
-    for i in range(len(ops) - 1, -1, -1):
-        if "stage" in ops[i].attrs:
-            nxt = ops[i].attrs["stage"]
-        else:
-            ops[i] = ops[i].with_(attrs=dict(ops[i].attrs, stage=nxt))
-    return prog.with_(ops=tuple(ops), attrs=dict(prog.attrs, pipeline_stages=last + 1))
+    """The planned programs of ``captured`` on ``mesh`` (the whole mesh) by the flow
+    (``passes/flow.py``): the forward program (every output) and the training program (pruned to the
+    loss; ``None`` when the first output is not a scalar float), both cut into ``schedule``'s stages
+    at the same places, with send/recv ops."""
+    waves = dict(schedule.options).get("waves") if schedule.name == "wave" else None
+    chunks = schedule.num_stages // schedule.num_ranks if waves is None else 1
+    flow = FlowOptions(
+        shard=options,
+        pp_axis=PP_AXIS,
+        chunks=chunks,
+        waves=waves,
+        microbatches=schedule.num_microbatches,
+        stage_to_rank=tuple(schedule.stage_to_rank),
+        scatter_gather=scatter_gather,
+    )
+    planned = plan_program(captured, mesh, flow, dump_dir=dump_dir, sharded=sharded)
+    if planned.num_stages != schedule.num_stages:
+        raise PipelineError(
+            f"the {schedule.name} schedule runs {schedule.num_stages} stages but the mesh {mesh} plans "
+            f"{planned.num_stages}: a mesh without a {PP_AXIS} axis is one stage (use 1f1b, gpipe or scp there)"
+        )
+    if planned.num_stages > 1:
+        planned.require_train()  # a pipeline exists to train: refuse a model without a scalar loss here
+    return planned.forward, planned.train
 
 
 _SUB_PIPELINED = {name for name, fn in coll.FUNCTIONS.items() if fn in coll.ASYNC}
@@ -370,21 +301,29 @@ def _check_before_training(program: Program, model: torch.nn.Module, args: tuple
         raise CheckError(verdict[0])
 
 
-def dump_rank_code(dump_dir: str | os.PathLike, rank: int, module: ParallelModule) -> None:
-    """Write the planned programs (``forward.ir``, ``train.ir``, ``schedule.txt``, from rank 0) and each
-    of rank N's generated modules: its Python (``rankN.LABEL.py``) and IR with local shapes
-    (``rankN.LABEL.local.ir``), LABEL being ``forward{s}``, ``stage{s}`` or a recompute part."""
+def _dump_module(dump_dir: str | os.PathLike, rank: int, module: ParallelModule) -> None:
+    """The flow's last pass, ``codegen``, dumped beside the others (``passes/flow.py``): each of rank N's
+    generated modules as Python (``09-codegen.rankN.LABEL.py``, LABEL being ``forward{s}``, ``stage{s}``
+    or a recompute part) and its training stages' IR with local shapes (``.local.ir``); rank 0 also
+    writes the schedule (``schedule.txt``)."""
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
+    n = flow_index("codegen")
     if rank == 0:
-        (d / "forward.ir").write_text(print_program(module.program))
-        if module.train_program is not None:
-            (d / "train.ir").write_text(print_program(module.train_program))
         (d / "schedule.txt").write_text(module.schedule.to_text())
     for label, gm in module.stage_modules.items():
-        (d / f"rank{rank}.{label}.py").write_text(gm.code)
+        (d / f"{n:02d}-codegen.rank{rank}.{label}.py").write_text(gm.code)
     for s, sp in module.stages.items():
-        (d / f"rank{rank}.stage{s}.local.ir").write_text(print_program(sp.program, local=True))
+        (d / f"{n:02d}-codegen.rank{rank}.stage{s}.local.ir").write_text(print_program(sp.program, local=True))
+
+
+def dump_rank_code(dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program) -> None:
+    """Write rank N's generated Python (``rankN.py``) and its IR with local shapes (``rankN.local.ir``)
+    (``autopar ir --dump-dir``)."""
+    d = Path(dump_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / f"rank{rank}.py").write_text(gm.code)
+    (d / f"rank{rank}.local.ir").write_text(print_program(program, local=True))
 
 
 def _default_device(mesh) -> torch.device:

@@ -463,8 +463,8 @@ def check_model(
     options: Any = None,
 ) -> CheckReport:
     """Plan ``model`` on ``mesh`` (or load ``plan``) and check one step on simulated ranks."""
-    from autopar.api import plan_program
     from autopar.ir.parser import parse
+    from autopar.passes.flow import FlowOptions, plan_program
 
     _require_weights(model)
     captured = capture(model, args, kwargs)
@@ -476,7 +476,7 @@ def check_model(
         loaded.check(captured, mesh)
         prog = parse(loaded.program)
     else:
-        prog = plan_program(captured, inner, options)
+        prog = plan_program(captured, inner, FlowOptions(shard=options)).sharded
     return check_planned(prog, model, args, kwargs)
 
 

@@ -6,13 +6,11 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from autopar.passes.capture import Captured, capture
-from autopar.passes.collectives import insert_collectives
 from autopar.ir.core import MeshSpec
-from autopar.passes.lower import lower
 from autopar.ir.printer import print_program
-from autopar.passes.shard import ShardOptions, ShardResult, shard
-from autopar.ir.verify import verify
+from autopar.passes.capture import Captured, capture
+from autopar.passes.flow import FlowOptions, plan_program
+from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 
@@ -54,7 +52,9 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
 
 
 @dataclass
-class PipelineOptions:
+class PipelinePlanOptions:
+    """The pipeline ``autopar plan`` lays out over a mesh's ``pp`` axis."""
+
     chunks: int = 1  # Megatron's virtual chunks per rank
     waves: int | None = None  # Hanayo's waves
     microbatches: int | None = None
@@ -67,23 +67,20 @@ def plan_captured(
     opts: ShardOptions,
     model: str | None = None,
     baselines: tuple[str, ...] = BASELINES,
-    pipeline: PipelineOptions | None = None,
+    pipeline: PipelinePlanOptions | None = None,
 ) -> PlanReport:
-    """Plan a captured model. A mesh axis named ``pp`` is pipeline parallelism: the graph is split into
-    stages over it (passes/pipeline_split.py, solver/stages.py) and the intra-op ILP runs on the
-    other axes."""
+    """Plan a captured model by the flow (``autopar.passes.flow``). A mesh axis named ``pp`` is pipeline
+    parallelism: the intra-op ILP runs on the other axes, then the sharded graph is split into stages
+    over it (Merak's split, balanced stages)."""
     pp = dict(mesh.axes).get("pp")
-    inner = MeshSpec(tuple((a, n) for a, n in mesh.axes if a != "pp")) if pp else mesh
-    prog = lower(captured, inner)
+    po = pipeline or PipelinePlanOptions()
+    flow_opts = FlowOptions(
+        shard=opts, chunks=po.chunks, waves=po.waves, microbatches=po.microbatches or 1, cache=False
+    )
+    planned = plan_program(captured, mesh, flow_opts)
     pipeline_info = None
     if pp:
-        from autopar.solver.stages import plan_pipeline
-
-        po = pipeline or PipelineOptions()
-        prog, stage_plan, split_seconds = plan_pipeline(
-            prog, pp, chunks=po.chunks, waves=po.waves, cluster=opts.cluster, budget_bytes=opts.budget_bytes,
-            microbatches=po.microbatches, precision="fp32" if opts.setup.precision == "fp32" else "bf16",
-        )  # fmt: skip
+        stage_plan = planned.stage_plan
         schedule = po.schedule or stage_plan.schedule
         sched_opts = {"chunks": po.chunks} if schedule == "interleaved" else {}
         if schedule == "wave" and po.waves:
@@ -96,13 +93,12 @@ def plan_captured(
             "chunks": po.chunks,
             "waves": po.waves,
             "microbatches": po.microbatches,
-            "split_seconds": split_seconds,
+            "split_seconds": planned.split_seconds,
             "stage_plan": stage_plan.to_dict(),
             "table": stage_plan.format(),
         }
-    result = shard(prog, opts)
-    final = insert_collectives(result.program)
-    verify(final)
+    result = planned.shard_result
+    prog = planned.lowered
     base = run_baselines(prog, opts, baselines)
     sol = result.solution
     stats = {
@@ -126,8 +122,8 @@ def plan_captured(
     plan = Plan(
         pipeline=pipeline_info,
         fingerprint=fingerprint(captured),
-        mesh=dict(inner.axes),
-        program=print_program(final),
+        mesh=dict(planned.sharded.mesh.axes),
+        program=print_program(planned.staged if pp else planned.sharded),
         model=model,
         cluster=opts.cluster.to_dict() if opts.cluster else None,
         options=options_dict(opts),
@@ -149,7 +145,7 @@ def plan_model(
     mesh: MeshSpec,
     opts: ShardOptions,
     baselines: tuple[str, ...] = BASELINES,
-    pipeline: PipelineOptions | None = None,
+    pipeline: PipelinePlanOptions | None = None,
 ) -> PlanReport:
     from autopar.models import build
 

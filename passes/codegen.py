@@ -55,7 +55,7 @@ def codegen(
     ``get_tensor(name)`` returns a parameter or buffer's whole value; only the local shard is kept.
     ``local_tensor(value)``, when given, returns the rank's ready local shard (a Parameter for a
     parameter) and is used as it is, not copied: pipeline stages on one rank share their tied
-    parameters this way (autopar.passes.stage_codegen).
+    parameters this way (autopar.passes.stage_program).
     ``rng`` is the state the rank's keyed dropouts read (seed, step, microbatch; runtime/rng.py), shared
     by every module of the rank; the module keeps it as ``autopar_rng`` (a fresh one, seed 0, if none).
     """

@@ -3,6 +3,11 @@
     pm = PassManager(["shard", "insert-collectives"], dump_dir="out/ir")
     prog = pm.run(prog)
 
+Every pass of the flow (``autopar.passes.flow.FLOW``) that rewrites IR is registered here by name:
+``shard``, ``insert-collectives``, ``split``, ``assign-stages``, ``prune-outputs``, ``insert-transfers``.
+A pass returns the new program, or ``(program, info)`` where ``info`` is its report (the solver's
+``ShardResult``, the stage plan), kept in ``PassManager.info`` under the pass's name.
+
 With ``dump_dir`` (or the AUTOPAR_DUMP_DIR environment variable) it writes ``00-input.ir``,
 ``01-shard.ir``, ... so any two stages can be diffed; when a pass fails it writes
 ``reproducer.ir`` (the IR the pass got) and ``reproducer.txt`` (the pipeline and the error).
@@ -22,8 +27,14 @@ from autopar.errors import AutoparError
 from autopar.ir.core import Program
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.pipeline_split import annotate, pipeline_split, split_program
+from autopar.passes.prune import prune_outputs
+from autopar.passes.shard import ShardOptions, ShardResult, shard
+from autopar.passes.transfers import insert_transfers
+from autopar.solver.stages import StagePlan, plan_pipeline
 
-PassFn = Callable[[Program, Any], Program]  # (program, the pass's options or None) -> program
+PassFn = Callable[[Program, Any], Any]  # (program, the pass's options or None) -> program or (program, info)
 PASSES: dict[str, PassFn] = {}
 
 
@@ -44,11 +55,11 @@ class PassManager:
     verify_each: bool = True
     options: dict[str, Any] = field(default_factory=dict)  # pass name -> that pass's options
     timings: dict[str, float] = field(default_factory=dict)
+    info: dict[str, Any] = field(default_factory=dict)  # pass name -> what it reported besides the program
 
     def __post_init__(self):
         if isinstance(self.pipeline, str):
             self.pipeline = [p.strip() for p in self.pipeline.split(",") if p.strip()]
-        _register_builtin()
         unknown = [p for p in self.pipeline if p not in PASSES]
         if unknown:
             raise AutoparError(f"unknown pass(es) {unknown}; registered passes: {sorted(PASSES)}")
@@ -69,6 +80,8 @@ class PassManager:
             t0 = time.perf_counter()
             try:
                 out = PASSES[name](prog, self.options.get(name))
+                if isinstance(out, tuple):
+                    out, self.info[name] = out
                 if self.verify_each:
                     verify(out)
             except Exception as e:
@@ -86,11 +99,33 @@ class PassManager:
         return prog
 
 
-def _register_builtin() -> None:
-    if PASSES:
-        return
-    from autopar.passes import collectives, pipeline_split, shard
+def _shard(prog: Program, opts: ShardOptions | None) -> tuple[Program, ShardResult]:
+    result = shard(prog, opts)
+    return result.program, result
 
-    register_pass("shard")(lambda p, opts: shard.shard(p, opts).program)
-    register_pass("insert-collectives")(lambda p, opts: collectives.insert_collectives(p))
-    register_pass("pipeline-split")(pipeline_split.pipeline_split)
+
+def _split(prog: Program, opts: dict | None) -> Program:
+    """Merak's subgraph sequence (``subgraph=k`` on every op); nothing to do for one stage."""
+    if (opts or {}).get("pp", 2) == 1:
+        return prog
+    return annotate(prog, split_program(prog))
+
+
+def _assign_stages(prog: Program, opts: dict | None) -> tuple[Program, tuple[StagePlan | None, float]]:
+    """``stage=s`` on every op: the split balanced over ``pp`` ranks (``chunks``/``waves`` per rank);
+    with ``pp=1`` every op is stage 0."""
+    opts = dict(opts or {})
+    if opts.get("pp", 1) == 1:
+        ops = tuple(op.with_(attrs=dict(op.attrs, stage=0)) for op in prog.ops)
+        return prog.with_(ops=ops, attrs=dict(prog.attrs, pipeline_stages=1)), (None, 0.0)
+    annotated, plan, seconds = plan_pipeline(prog, **opts)
+    return annotated.with_(attrs=dict(annotated.attrs, pipeline_stages=plan.num_stages)), (plan, seconds)
+
+
+register_pass("shard")(_shard)
+register_pass("insert-collectives")(lambda p, opts: insert_collectives(p))
+register_pass("split")(_split)
+register_pass("assign-stages")(_assign_stages)
+register_pass("prune-outputs")(lambda p, opts: prune_outputs(p))
+register_pass("insert-transfers")(lambda p, opts: insert_transfers(p, **(opts or {})))
+register_pass("pipeline-split")(pipeline_split)

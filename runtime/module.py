@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import PipelineError
 from autopar.ir.core import Program, Ref
 from autopar.passes.capture import flatten_inputs
-from autopar.passes.stage_codegen import StageProgram, stage_program
+from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule
 from autopar.runtime.batch import merge_outputs, split_batch

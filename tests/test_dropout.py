@@ -159,7 +159,7 @@ MODELS = {"gpt2": gpt2_with_dropout, "mlp": mlp_with_dropout}
 def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", seed: int = 123):
     """3 SGD steps of ``model`` compiled for ``mesh`` on simulated ranks (as ``autopar.compile`` builds
     each rank); every rank's losses, the whole trained parameters, and the planned program."""
-    from autopar.api import plan_program
+    from autopar.passes.flow import FlowOptions, plan_program
     from autopar.passes.shard import ShardOptions
     from autopar.runtime.module import one_stage_module
     from autopar.solver.baselines import megatron_constraints
@@ -170,7 +170,7 @@ def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", see
     if layout.startswith("megatron"):  # Megatron's parameter layout; least memory shards the activations too
         objective = "memory" if layout == "megatron-memory" else "time"
         options = ShardOptions(objective=objective, constrain=megatron_constraints(lower(captured, mesh)))
-    prog = parse(print_program(plan_program(captured, mesh, options)))
+    prog = parse(print_program(plan_program(captured, mesh, FlowOptions(shard=options)).sharded))
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     world = SimWorld(mesh)
 

@@ -25,14 +25,10 @@ from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.codegen import codegen
 from autopar.passes.lower import lower
+from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions
-from autopar.passes.stage_codegen import (
-    insert_transfers,
-    prune_outputs,
-    recompute_cut,
-    split_for_recompute,
-    stage_program,
-)
+from autopar.passes.stage_program import recompute_cut, split_for_recompute, stage_program
+from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.batch import split_batch
 from autopar.runtime.costs import Costs

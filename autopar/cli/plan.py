@@ -103,11 +103,11 @@ def run(args: argparse.Namespace) -> int:
         setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
     )
     opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
-    from autopar.planner import PipelineOptions
+    from autopar.planner import PipelinePlanOptions
 
     if (args.chunks > 1 or args.waves) and "pp" not in mesh.names:
         raise AutoparError("--chunks and --waves need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
-    pipe = PipelineOptions(chunks=args.chunks, waves=args.waves, microbatches=args.microbatches)
+    pipe = PipelinePlanOptions(chunks=args.chunks, waves=args.waves, microbatches=args.microbatches)
     report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe)
     plan = report.plan
     if args.output:
