@@ -541,6 +541,20 @@ class Executor:
             ) from e
 
 
+def step_barrier(timeout: float) -> Callable[[], None]:
+    """The barrier that opens a recorded step: gloo's monitored one (it names a rank that never
+    arrives within ``timeout`` seconds), else a plain one."""
+    td = datetime.timedelta(seconds=timeout)
+
+    def barrier() -> None:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=td)
+        else:
+            dist.barrier()
+
+    return barrier
+
+
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
 
 
@@ -608,4 +622,4 @@ class _restored_rng:
             torch.cuda.set_rng_state_all(self.saved[1])
 
 
-__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result"]
+__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result", "step_barrier"]

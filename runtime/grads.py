@@ -23,7 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.ir.core import Program
+from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
+from autopar.runtime.actions import Kind, Schedule
 
 
 class GradSync:
@@ -91,6 +94,31 @@ class GradSync:
         self.sync(list(self.params))
 
 
+def reduction_points(
+    program: Program, schedule: Schedule, pp_rank: int, stages: dict[int, StageProgram]
+) -> tuple[dict[int, list[str]], dict[str, tuple[int, ...]]]:
+    """(stage -> the synced parameters whose last backward on rank ``pp_rank`` is that stage's, tied
+    parameter -> the pipeline ranks holding it) for ``program`` cut by ``schedule``; ``stages``: this
+    rank's stage programs."""
+    holders: dict[str, set[int]] = {}
+    if schedule.num_ranks > 1:
+        for s in range(schedule.num_stages):
+            for n in stage_program(program, s).param_names:
+                holders.setdefault(n, set()).add(schedule.stage_to_rank[s])
+    tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
+    last_user: dict[str, int] = {}
+    for a in schedule.actions[pp_rank]:
+        if a.kind is Kind.REDUCE_GRADS and a.stage in stages:
+            for n in stages[a.stage].param_names:
+                last_user[n] = a.stage
+    values = {v.name: v for v in program.inputs}
+    sync_at: dict[int, list[str]] = {}
+    for n in sorted(last_user):
+        if values[n].attrs.get("grad_sync") and n not in tied:
+            sync_at.setdefault(last_user[n], []).append(n)
+    return sync_at, tied
+
+
 def tie_groups(mesh, pp_axis: str, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
     """One process group per set of pipeline ranks sharing a tied parameter, per coordinate of the
     other axes of ``mesh`` (a DeviceMesh; every rank creates every group, in the same order, as
@@ -113,4 +141,4 @@ def tie_groups(mesh, pp_axis: str, tied: dict[str, tuple[int, ...]]) -> dict[tup
     return groups
 
 
-__all__ = ["GradSync", "tie_groups"]
+__all__ = ["GradSync", "reduction_points", "tie_groups"]

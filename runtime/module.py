@@ -21,7 +21,6 @@ each of its parameter shards once (``runtime/params.py``), registered under the 
 from __future__ import annotations
 
 import contextlib
-import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +31,13 @@ from torch.utils import _pytree as pytree
 from autopar.errors import PipelineError
 from autopar.ir.core import Program, Ref
 from autopar.passes.capture import flatten_inputs
-from autopar.passes.stage_program import StageProgram, stage_program
+from autopar.passes.stage_program import StageProgram
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import Kind, Schedule
+from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import merge_outputs, split_batch
-from autopar.runtime.executor import Executor, StageRunner, TraceEvent, measured_result
+from autopar.runtime.executor import Executor, StageRunner, TraceEvent, measured_result, step_barrier
 from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
-from autopar.runtime.grads import GradSync, tie_groups
+from autopar.runtime.grads import GradSync, reduction_points, tie_groups
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
@@ -139,7 +138,7 @@ class ParallelModule(torch.nn.Module):
             )  # fmt: skip
         self._executor = None
         if train is not None:
-            barrier = _barrier(options.timeout) if options.record and dist.is_initialized() else None
+            barrier = step_barrier(options.timeout) if options.record and dist.is_initialized() else None
             self._executor = Executor(
                 schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
                 timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
@@ -177,28 +176,13 @@ class ParallelModule(torch.nn.Module):
 
     def _grad_sync(self, mesh) -> GradSync:
         """Where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters."""
-        schedule = self._schedule
         program = self.train_program or self.program
-        holders: dict[str, set[int]] = {}
-        if schedule.num_ranks > 1:
-            for s in range(schedule.num_stages):
-                for n in stage_program(program, s).param_names:
-                    holders.setdefault(n, set()).add(schedule.stage_to_rank[s])
-        tied = {n: tuple(sorted(r)) for n, r in holders.items() if len(r) > 1}
+        sync_at, tied = reduction_points(program, self._schedule, self._pp_rank, self._stages)
         groups = {}
         if tied:
             if mesh is None:
                 raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
             groups = tie_groups(mesh, self.options.pp_axis, tied)
-        last_user: dict[str, int] = {}
-        for a in schedule.actions[self._pp_rank]:
-            if a.kind is Kind.REDUCE_GRADS:
-                for n in self._stages[a.stage].param_names if a.stage in self._stages else ():
-                    last_user[n] = a.stage
-        sync_at: dict[int, list[str]] = {}
-        for n in sorted(last_user):
-            if self._values[n].attrs.get("grad_sync") and n not in tied:
-                sync_at.setdefault(last_user[n], []).append(n)
         grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
         return GradSync(self._params, grad_sync, self.comm, self._skip_sync, sync_at, tied, groups)
 
@@ -429,18 +413,6 @@ def one_stage_module(
 
 def _nothing(*_args) -> None:
     """REDUCE_GRADS and STEP of a forward-only run."""
-
-
-def _barrier(timeout: float):
-    td = datetime.timedelta(seconds=timeout)
-
-    def barrier() -> None:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=td)
-        else:
-            dist.barrier()
-
-    return barrier
 
 
 __all__ = ["ParallelModule", "RuntimeOptions", "one_stage_module"]
