@@ -391,7 +391,7 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
 
 
 def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():
-    from autopar.api import _complete_stages, _planned_stages
+    from autopar.passes.flow import _complete_stages, _planned_stages
     from autopar.ir.core import Op, Ref
 
     ann = plan_pipeline(_program(mesh=MeshSpec((("tp", 2),))), 2)[0]
