@@ -29,19 +29,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=15
 
+# ruff, and import-linter's lint-imports on the layering contracts in pyproject.toml (through
+# tests/lint_imports.py: a bare lint-imports cannot see ir/, passes/, solver/ and runtime/, which live
+# outside autopar/). `make test` checks the same contracts (tests/test_layers.py).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m tests.lint_imports --no-cache
 
-# Refresh the lock after changing pyproject.toml's dependencies (one command: `make lock`).
-# pip-compile resolves in a throw-away venv; torch is resolved as $(TORCH) so its dependencies are
-# locked, and left out of the file.
+# Refresh the lock after changing pyproject.toml's dependencies (one command: `make lock`): new
+# dependencies are added and every existing pin is kept; `make lock UPGRADE=--upgrade` moves every pin
+# to the newest release. pip-compile resolves in a throw-away venv; torch is resolved as $(TORCH) so its
+# dependencies are locked, and left out of the file.
+UPGRADE ?=
 lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv
 	.lockenv/bin/python -m pip install -q "$(PIP)" "$(PIP_TOOLS)"
 	echo "$(TORCH)" > .lockenv/torch.in
 	CUSTOM_COMPILE_COMMAND="make lock" .lockenv/bin/pip-compile --quiet --strip-extras --extra test --extra hf --unsafe-package torch \
-	    --no-emit-index-url --no-emit-find-links --upgrade -o $(LOCK) pyproject.toml .lockenv/torch.in
+	    --no-emit-index-url --no-emit-find-links $(UPGRADE) -o $(LOCK) pyproject.toml .lockenv/torch.in
 	rm -rf .lockenv
 
 clean:

@@ -39,8 +39,8 @@ from autopar.ir.core import (
 )
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture, flatten_inputs
-from autopar.passes.codegen import _getitem
 from autopar.rulecheck import call_op
+from autopar.runtime.codegen import _getitem
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 

@@ -100,6 +100,7 @@ class EncoderLayers(nn.Module):
 
     def __init__(self, config: Any):
         super().__init__()
+        # deferred: transformers is optional (the hf extra)
         from transformers.models.bert.modeling_bert import BertEncoder
 
         self.config = config

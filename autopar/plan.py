@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import PlanError
-from autopar.passes.capture import Captured
 from autopar.ir.core import MeshSpec, Program, Ref, map_refs
-from autopar.passes.lower import lower
 from autopar.ir.parser import parse
+from autopar.passes.capture import Captured
+from autopar.passes.lower import lower
 
 FORMAT = "autopar-plan"
 VERSION = 1

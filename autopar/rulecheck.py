@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from autopar.passes.codegen import codegen
 from autopar.ir.core import (
     DEVICE,
     DTYPE_SHORT,
@@ -38,6 +37,7 @@ from autopar.ir.core import (
 )
 from autopar.ir.layout import valid
 from autopar.runtime import collectives as coll
+from autopar.runtime.codegen import codegen
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 from autopar.solver.strategies import Strategy, is_divergent, op_strategies

@@ -17,9 +17,8 @@ import time
 
 from megatron_table1 import TABLE1, predict, row_summary
 
-from autopar.search import Scorer, profile_model, search
+from autopar.search import Scorer, SearchSpace, profile_model, search
 from autopar.solver.cluster import ClusterSpec
-from autopar.solver.search_space import SearchSpace
 
 GiB = 2**30
 

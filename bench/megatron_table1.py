@@ -8,7 +8,7 @@ tensor size t, pipeline size p, n A100-80GB GPUs (DGX A100 nodes of 8) and globa
 activation recomputation, the interleaved schedule and the scatter/gather optimization. The paper
 reports per-GPU throughput as Eq. 3 FLOPs (which counts the recomputation pass) over the measured
 iteration time. ``predict`` prices the same configuration with autopar's cost model
-(``solver/search_cost.Analytic`` + the pipeline simulator) on the ``dgx-a100`` preset and turns the
+(``autopar.search.price.Analytic`` + the pipeline simulator) on the ``dgx-a100`` preset and turns the
 predicted step time into TFLOP/s the same way.
 
 Table 1 does not list the micro-batch size b or the number of model chunks v. ``predict`` takes the
@@ -22,10 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.search import Scorer
+from autopar.search.price import Analytic, Evaluation
+from autopar.search.score import Scorer
+from autopar.search.space import Candidate, divisors
 from autopar.solver.cluster import ClusterSpec
-from autopar.solver.search_cost import Analytic, Evaluation
-from autopar.solver.search_space import Candidate, divisors
 
 A100_PEAK = 312e12  # the paper's 16-bit peak, the dgx-a100 preset's bf16 figure
 

@@ -7,6 +7,9 @@ python bench/pipeline_split.py balance
     gpt2-xl and llama-70b at pp = 4, 8, 16 (and interleaved / waves at pp = 4) on dgx-a100
 python bench/pipeline_split.py once --model gpt3-175b --cache-dir DIR
     one measurement in this process, as JSON (what ``timing`` runs in each child)
+
+autopar is imported inside ``once`` and ``balance``, not at the top: ``once`` times a cold import of it
+(and must set AUTOPAR_CACHE_DIR first), and ``timing`` never needs it.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def once(model: str, cache_dir: str) -> dict:
     from autopar.models import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.passes.pipeline_split import fingerprint, split_program
+    from autopar.passes.pipeline_split import split_program
+    from autopar.passes.split_cache import program_fingerprint
 
     t_import = time.perf_counter()
     spec = build(model, device="meta")
@@ -47,7 +51,7 @@ def once(model: str, cache_dir: str) -> dict:
     t_gc = time.perf_counter()
     split = split_program(prog)
     t_split = time.perf_counter()
-    fingerprint(prog)  # the part of split_s that a cache hit still pays
+    program_fingerprint(prog)  # the part of split_s that a cache hit still pays
     t_fp = time.perf_counter()
     return {
         "model": model,
@@ -97,17 +101,14 @@ def timing(model: str, repeats: int) -> None:
         )
 
 
-def schedule(chunks: int, waves: int | None) -> str:
-    return "wave" if waves else ("interleaved" if chunks > 1 else "1f1b")
-
-
 def balance() -> None:
     from autopar.errors import StageMemoryError
-    from autopar.models import build
-    from autopar.passes.capture import capture
     from autopar.ir.core import MeshSpec
+    from autopar.models import build
+    from autopar.passes.assign_stages import assign_stages
+    from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.solver.stages import plan_pipeline
+    from autopar.solver.pipeline_shape import schedule_of
 
     cases = [("gpt2-xl", None), ("llama-70b:batch=1", MeshSpec((("tp", 8),)))]
     print(
@@ -121,11 +122,11 @@ def balance() -> None:
         shapes = [(4, 1, None), (8, 1, None), (16, 1, None), (4, 2, None), (4, 1, 1)]
         for pp, chunks, waves in shapes:
             try:
-                _, plan, _ = plan_pipeline(prog, pp, chunks=chunks, waves=waves, cluster="dgx-a100")
+                _, plan, _ = assign_stages(prog, pp, chunks, waves, None, cluster="dgx-a100")
             except StageMemoryError as e:
                 need = e.smallest_budget_bytes / 2**30
                 print(
-                    f"| {model} | {mesh or '-'} | {schedule(chunks, waves)} | {pp} | - | does not fit "
+                    f"| {model} | {mesh or '-'} | {schedule_of(pp, chunks, waves)} | {pp} | - | does not fit "
                     f"80 GiB (needs {need:.0f} GiB per device) | | | | |"
                 )
                 continue

@@ -22,8 +22,9 @@ def measure(model: str, mesh: str) -> dict:
     from autopar.models import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions, build_problem, shard
+    from autopar.passes.shard import ShardOptions, shard
     from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.sharding import build_problem
 
     spec = build(model, device="meta")
     t0 = time.perf_counter()

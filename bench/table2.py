@@ -28,9 +28,10 @@ from autopar.errors import InfeasibleError
 from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.passes.shard import ShardOptions, shard, smallest_budget
+from autopar.passes.shard import ShardOptions, shard
 from autopar.solver.baselines import run_baseline
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.sharding import smallest_budget
 
 PAPER = {  # Table 2: (Megatron MB, ours MB, ours / Megatron)
     ("mmr-bert-large", 2): (216.06, 185.05, 0.86),

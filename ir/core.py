@@ -372,11 +372,6 @@ class Program:
     def with_(self, **changes: Any) -> Program:
         return replace(self, **changes)
 
-    def __str__(self) -> str:
-        from autopar.ir.printer import print_program
-
-        return print_program(self)
-
 
 def resolve_target(target: str):
     """'aten.view' -> torch.ops.aten.view.default, 'aten.add.Tensor' -> torch.ops.aten.add.Tensor."""

@@ -43,7 +43,9 @@ def format_literal(x: Any) -> str:
         return repr(x)  # 'inf', 'nan' and exact decimal forms all parse back
     if isinstance(x, str):
         # identifiers print bare ({axis=tp, op=sum}); anything the parser could read otherwise is quoted
+        # (a keyword, or a torch dtype/layout/format's name such as float or strided)
         bare = _IDENT.fullmatch(x) is not None and x not in _RESERVED and not x.startswith("torch")
+        bare = bare and not isinstance(getattr(torch, x, None), _TORCH_ENUMS)
         return x if bare else repr(x)
     if isinstance(x, _TORCH_ENUMS):
         return str(x)  # torch.float32, torch.strided, torch.contiguous_format

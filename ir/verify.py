@@ -2,8 +2,23 @@
 
 from __future__ import annotations
 
+import torch
+
 from autopar.errors import VerifyError
-from autopar.ir.core import COLLECTIVES, Op, Partial, Program, Replicate, Shard, TensorType, iter_refs
+from autopar.ir.core import (
+    COLLECTIVES,
+    DEVICE,
+    Device,
+    Op,
+    Partial,
+    Program,
+    Replicate,
+    Shard,
+    TensorType,
+    iter_refs,
+    map_refs,
+    resolve_target,
+)
 
 
 def _check_type(where: str, t: TensorType, prog: Program) -> None:
@@ -130,10 +145,6 @@ def verify(prog: Program, shapes: bool = False) -> None:
 
 
 def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
-    import torch
-
-    from autopar.ir.core import DEVICE, Device, map_refs, resolve_target
-
     def meta(ref):
         t = types[ref.name]
         return torch.empty(t.shape, dtype=t.torch_dtype, device="meta")

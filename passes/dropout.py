@@ -17,13 +17,27 @@ batch dim a view drops (``[1, T, C] -> [T, C]``) is still followed (``[2T, C]``,
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from autopar.ir.core import Op, Partial, Program, R, Shard, TensorType
-from autopar.runtime.rng import is_keyed
 from autopar.solver.strategies import RULES, Ctx
 
 _VIRTUAL = 2  # microbatches on the virtual axis: any count works, the shapes only need to divide
+
+
+def is_keyed(target: str, args: tuple) -> bool:
+    """Whether an IR op is a dropout that draws a mask (training, p > 0)."""
+    if target != "aten.dropout":
+        return False
+    p = args[1] if len(args) > 1 else 0.5
+    train = args[2] if len(args) > 2 else True
+    return bool(train) and not math.isclose(float(p), 0.0)
+
+
+def has_keyed(ops) -> bool:
+    """Whether any of the IR ``ops`` is a keyed dropout (numbered by :func:`key_dropouts`)."""
+    return any("rng" in op.attrs for op in ops)
 
 
 def key_dropouts(prog: Program) -> Program:

@@ -32,7 +32,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
-from autopar.solver.stages import StagePlan
+from autopar.solver.stage_plan import StagePlan
 
 FLOW: tuple[str, ...] = (
     "capture",
@@ -183,7 +183,8 @@ def _stage(
         "budget_bytes": shard_opts.budget_bytes,
         "precision": precision,
     }
-    pm = PassManager(["split", "assign-stages"], dump_dir, options={"assign-stages": stage_opts}, timings=timings)
+    pass_opts = {"split": {"pp": pp}, "assign-stages": stage_opts}
+    pm = PassManager(["split", "assign-stages"], dump_dir, options=pass_opts, timings=timings)
     staged = pm.run(_without_stages(sharded), flow_index("split") - 1)
     stage_plan, split_seconds = pm.info.get("assign-stages", (None, 0.0))
     if stage_plan is not None and opts.stage_to_rank is not None:

@@ -10,9 +10,6 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 from autopar.errors import CaptureError
-from autopar.passes.capture import Captured
-from autopar.passes.dropout import key_dropouts
-from autopar.passes.functionalize import functionalize
 from autopar.ir.core import (
     DEVICE,
     DTYPE_SHORT,
@@ -26,6 +23,9 @@ from autopar.ir.core import (
     resolve_target,
     target_name,
 )
+from autopar.passes.capture import Captured
+from autopar.passes.dropout import key_dropouts
+from autopar.passes.functionalize import functionalize
 
 # Random ops autopar draws itself (passes/dropout.py, runtime/rng.py); any other random op is refused.
 _KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}

@@ -27,12 +27,12 @@ from autopar.errors import AutoparError
 from autopar.ir.core import Program
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
+from autopar.passes.assign_stages import assign_stages_pass
 from autopar.passes.collectives import insert_collectives
-from autopar.passes.pipeline_split import annotate, pipeline_split, split_program
+from autopar.passes.pipeline_split import pipeline_split
 from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.passes.transfers import insert_transfers
-from autopar.solver.stages import StagePlan, plan_pipeline
 
 PassFn = Callable[[Program, Any], Any]  # (program, the pass's options or None) -> program or (program, info)
 PASSES: dict[str, PassFn] = {}
@@ -104,28 +104,9 @@ def _shard(prog: Program, opts: ShardOptions | None) -> tuple[Program, ShardResu
     return result.program, result
 
 
-def _split(prog: Program, opts: dict | None) -> Program:
-    """Merak's subgraph sequence (``subgraph=k`` on every op); nothing to do for one stage."""
-    if (opts or {}).get("pp", 2) == 1:
-        return prog
-    return annotate(prog, split_program(prog))
-
-
-def _assign_stages(prog: Program, opts: dict | None) -> tuple[Program, tuple[StagePlan | None, float]]:
-    """``stage=s`` on every op: the split balanced over ``pp`` ranks (``chunks``/``waves`` per rank);
-    with ``pp=1`` every op is stage 0."""
-    opts = dict(opts or {})
-    if opts.get("pp", 1) == 1:
-        ops = tuple(op.with_(attrs=dict(op.attrs, stage=0)) for op in prog.ops)
-        return prog.with_(ops=ops, attrs=dict(prog.attrs, pipeline_stages=1)), (None, 0.0)
-    annotated, plan, seconds = plan_pipeline(prog, **opts)
-    return annotated.with_(attrs=dict(annotated.attrs, pipeline_stages=plan.num_stages)), (plan, seconds)
-
-
 register_pass("shard")(_shard)
 register_pass("insert-collectives")(lambda p, opts: insert_collectives(p))
-register_pass("split")(_split)
-register_pass("assign-stages")(_assign_stages)
+register_pass("split")(pipeline_split)
+register_pass("assign-stages")(assign_stages_pass)
 register_pass("prune-outputs")(lambda p, opts: prune_outputs(p))
 register_pass("insert-transfers")(lambda p, opts: insert_transfers(p, **(opts or {})))
-register_pass("pipeline-split")(pipeline_split)

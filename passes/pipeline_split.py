@@ -42,113 +42,25 @@ For HF GPT-2 with L layers this gives 2L + 2 subgraphs: embeddings (with the mas
 attention and MLP half of each block, and the head (lm_head and the loss), with one tensor (the
 residual stream) crossing every cut plus one common node (the causal mask) passed along.
 
-The result is cached by a fingerprint of the program (``fingerprint``): in-process and as JSON under
-``$AUTOPAR_CACHE_DIR`` (default ``~/.cache/autopar/plans``; ``off``, ``0`` or empty disables disk).
+The result (``passes/subgraphs.py``) is cached by a fingerprint of the program
+(``passes/split_cache.py``): in-process and as JSON under ``$AUTOPAR_CACHE_DIR`` (default
+``~/.cache/autopar/plans``; ``off``, ``0`` or empty disables disk). Stages are assigned to the
+subgraphs by the next pass, ``autopar.passes.assign_stages``.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import hashlib
-import json
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from autopar.errors import PipelineError
-from autopar.ir.core import MeshSpec, Op, Program, Ref, Value, iter_refs
-from autopar.ir.printer import print_program
-
-SPLIT_VERSION = 1  # bump when the algorithm changes: old cache entries are then ignored
-
-
-@dataclass(frozen=True)
-class SplitOptions:
-    """Knobs of the split; each is part of the cache key."""
-
-    max_crossing: int = 3  # deepest gap level used to re-cut segments (Merak's rule alone is 1)
-    light: float = 0.02  # a segment under this fraction of the largest segment's FLOPs is merged away
-    oversize: float = 4.0  # a segment over this multiple of the median segment's FLOPs is re-cut
-    pieces: int = 5  # ... and so is one that deeper gaps split into this many non-light pieces
-    cache: bool = True  # use the in-process and on-disk caches
-
-    def key(self) -> str:
-        return f"max_crossing={self.max_crossing},light={self.light},oversize={self.oversize},pieces={self.pieces}"
-
-
-@dataclass(frozen=True)
-class Subgraph:
-    """One contiguous run of ops ``prog.ops[start:stop]`` and what flows in and out of it."""
-
-    index: int
-    start: int
-    stop: int
-    label: str  # module path that holds the subgraph's heavy ops, e.g. transformer.h.3.attn
-    inputs: tuple[str, ...]  # non-common tensors received from the previous subgraph (X at start)
-    commons: tuple[str, ...]  # common nodes received (forward only)
-    outputs: tuple[str, ...]  # non-common tensors sent on (X at stop); program outputs for the last
-    commons_out: tuple[str, ...]  # common nodes sent on
-    graph_inputs: tuple[str, ...]  # parameters, buffers and user inputs read here
-    flops: int  # forward FLOPs of the ops (global, the program's batch)
-    params: int  # elements of the parameters first read here
-
-    @property
-    def num_ops(self) -> int:
-        return self.stop - self.start
-
-
-@dataclass(frozen=True)
-class Split:
-    """The subgraph sequence of a program, with its fingerprint and how it was obtained."""
-
-    fingerprint: str
-    num_ops: int
-    subgraphs: tuple[Subgraph, ...]
-    seconds: float = 0.0  # time to compute (or load) the split
-    source: str = "computed"  # "computed", "memory" (in-process cache) or "disk"
-
-    def __len__(self) -> int:
-        return len(self.subgraphs)
-
-    def crossings(self) -> list[tuple[int, int]]:
-        """(non-common tensors, common nodes) crossing each cut, in order."""
-        return [(len(s.outputs), len(s.commons_out)) for s in self.subgraphs[:-1]]
-
-    def subgraph_of_op(self) -> list[int]:
-        out = [0] * self.num_ops
-        for s in self.subgraphs:
-            out[s.start : s.stop] = [s.index] * s.num_ops
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": SPLIT_VERSION,
-            "fingerprint": self.fingerprint,
-            "num_ops": self.num_ops,
-            "subgraphs": [dataclasses.asdict(s) for s in self.subgraphs],
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any], source: str = "disk") -> Split:
-        subs = tuple(
-            Subgraph(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}) for s in data["subgraphs"]
-        )
-        return cls(data["fingerprint"], data["num_ops"], subs, source=source)
-
-    def format(self) -> str:
-        """One line per subgraph: index, op range, label, FLOPs, params, tensors out (+ commons)."""
-        lines = [f"{'sg':>4} {'ops':>13} {'GFLOP':>10} {'params':>12} {'out':>3} {'+c':>3}  label"]
-        for s in self.subgraphs:
-            lines.append(
-                f"{s.index:>4} {f'{s.start}-{s.stop - 1}':>13} {s.flops / 1e9:>10.3f} {s.params:>12,} "
-                f"{len(s.outputs):>3} {len(s.commons_out):>3}  {s.label}"
-            )
-        return "\n".join(lines)
-
+from autopar.ir.core import Op, Program, Ref, Value, iter_refs
+from autopar.passes.split_cache import cached_split, program_fingerprint, remember_split
+from autopar.passes.subgraphs import Split, SplitOptions, Subgraph
 
 # ---------------------------------------------------------------------------------------------
 # Liveness (Algorithm 1 as a sweep)
@@ -370,64 +282,6 @@ def _build(prog: Program, live: _Liveness, cuts: list[int], fingerprint: str) ->
 
 
 # ---------------------------------------------------------------------------------------------
-# Fingerprint and caches
-
-
-def fingerprint(prog: Program) -> str:
-    """sha256 of the program printed without annotations: no op, value or program attrs, no mesh
-    and no placements, so the split is found again after sharding or stage annotation. Op targets,
-    arguments, shapes, dtypes, module paths and FLOPs all count (the split depends on each)."""
-    inputs = tuple(dataclasses.replace(v, attrs={}, type=v.type.with_placements(())) for v in prog.inputs)
-    ops = tuple(op.with_(attrs={}, types=tuple(t.with_placements(()) for t in op.types)) for op in prog.ops)
-    bare = Program(MeshSpec(), inputs, ops, prog.outputs)
-    return hashlib.sha256(print_program(bare).encode()).hexdigest()
-
-
-_MEMORY: dict[str, Split] = {}
-
-
-def cache_dir() -> Path | None:
-    """The on-disk plan cache: $AUTOPAR_CACHE_DIR, default ~/.cache/autopar/plans; None if disabled."""
-    d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
-    return None if d in ("", "0", "off") else Path(d)
-
-
-def _cache_key(fp: str, opts: SplitOptions) -> str:
-    return hashlib.sha256(f"v{SPLIT_VERSION};{fp};{opts.key()}".encode()).hexdigest()[:32]
-
-
-def _load(key: str, fp: str, n: int) -> Split | None:
-    d = cache_dir()
-    path = d / f"split-{key}.json" if d else None
-    if path is None or not path.exists():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if data.get("version") != SPLIT_VERSION or data.get("fingerprint") != fp or data.get("num_ops") != n:
-        return None
-    return Split.from_dict(data, source="disk")
-
-
-def _store(key: str, split: Split) -> None:
-    d = cache_dir()
-    if d is None:
-        return
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        tmp = d / f"split-{key}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(split.to_dict()))
-        tmp.replace(d / f"split-{key}.json")
-    except OSError:
-        pass  # a read-only cache directory only costs the next run the split again
-
-
-def clear_memory_cache() -> None:
-    _MEMORY.clear()
-
-
-# ---------------------------------------------------------------------------------------------
 # Public API
 
 
@@ -437,22 +291,16 @@ def split_program(prog: Program, options: SplitOptions | None = None) -> Split:
     t0 = time.perf_counter()
     if not prog.ops:
         raise PipelineError("the program has no ops: there is nothing to split into pipeline stages")
-    fp = fingerprint(prog)
-    key = _cache_key(fp, opts)
+    fp = program_fingerprint(prog)
     if opts.cache:
-        hit = _MEMORY.get(key)
-        source = "memory"
-        if hit is None:
-            hit, source = _load(key, fp, len(prog.ops)), "disk"
+        hit = cached_split(fp, opts, len(prog.ops))
         if hit is not None:
-            _MEMORY[key] = hit
-            return dataclasses.replace(hit, seconds=time.perf_counter() - t0, source=source)
+            return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
     live = _liveness(prog)
     cuts = _choose_cuts(prog, live, _levels(live), opts)
     split = _build(prog, live, cuts, fp)
     if opts.cache:
-        _MEMORY[key] = split
-        _store(key, split)
+        remember_split(opts, split)
     return dataclasses.replace(split, seconds=time.perf_counter() - t0)
 
 
@@ -522,19 +370,39 @@ def extract(prog: Program, split: Split, first: int, last: int | None = None) ->
     return Program(prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs))
 
 
-def pipeline_split(prog: Program, options: Any = None) -> Program:
-    """The ``pipeline-split`` pass. ``options``: None, a SplitOptions, or a dict with SplitOptions
-    fields plus, to assign stages too, ``pp`` and optionally ``chunks``, ``waves``, ``cluster``,
-    ``budget_bytes``, ``microbatches`` (see ``autopar.solver.stages.plan_pipeline``)."""
-    opts = dict(options or {}) if not isinstance(options, SplitOptions) else dataclasses.asdict(options)
-    split_fields = {f.name for f in dataclasses.fields(SplitOptions)}
-    split_opts = SplitOptions(**{k: v for k, v in opts.items() if k in split_fields})
-    rest = {k: v for k, v in opts.items() if k not in split_fields}
-    if "pp" in rest:
-        from autopar.solver.stages import plan_pipeline
+def split_options(options: Any) -> SplitOptions:
+    """``SplitOptions`` from None, a SplitOptions or a dict of its fields (an unknown key is an error)."""
+    if isinstance(options, SplitOptions):
+        return options
+    opts = dict(options or {})
+    known = {f.name for f in dataclasses.fields(SplitOptions)}
+    unknown = sorted(set(opts) - known)
+    if unknown:
+        staging = {"chunks", "waves", "microbatches", "cluster", "budget_bytes"} & set(unknown)
+        where = "; stage options (chunks, waves, ...) belong to the assign-stages pass" if staging else ""
+        raise PipelineError(f"unknown split option(s) {unknown}{where}; known: {sorted(known)}")
+    return SplitOptions(**opts)
 
-        annotated, _, _ = plan_pipeline(prog, split_options=split_opts, **rest)
-        return annotated
-    if rest:
-        raise PipelineError(f"unknown pipeline-split option(s) {sorted(rest)}; stage options need pp")
-    return annotate(prog, split_program(prog, split_opts))
+
+def pipeline_split(prog: Program, options: Any = None) -> Program:
+    """The ``split`` pass: ``subgraph=k`` on every op (``annotate``). ``options``: None, a SplitOptions
+    or a dict of its fields, plus ``pp``, the pipeline depth: with ``pp=1`` there is nothing to split."""
+    if isinstance(options, dict) and "pp" in options:
+        if options["pp"] == 1:
+            return prog
+        options = {k: v for k, v in options.items() if k != "pp"}
+    return annotate(prog, split_program(prog, split_options(options)))
+
+
+__all__ = [
+    "Split",
+    "SplitOptions",
+    "Subgraph",
+    "annotate",
+    "blockers",
+    "common_nodes",
+    "extract",
+    "pipeline_split",
+    "split_options",
+    "split_program",
+]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autopar.solver.cost import BUCKET_BYTES
+
 
 @dataclass
 class Comm:
@@ -415,9 +417,6 @@ FUNCTIONS = {
     "reduce_scatter": reduce_scatter,
     "all_to_all": all_to_all,
 }
-
-
-BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of at most this size (DDP's default)
 
 
 def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:

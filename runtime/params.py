@@ -18,7 +18,7 @@ import torch
 from autopar.errors import PipelineError
 from autopar.ir.core import MeshSpec, Value
 from autopar.passes.capture import Captured
-from autopar.passes.codegen import shard_param
+from autopar.runtime.codegen import shard_param
 from autopar.runtime.init import init_value
 
 

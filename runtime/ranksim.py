@@ -113,6 +113,14 @@ class _Rendezvous:
         with self.cond:
             self.cond.notify_all()
 
+    def reset(self) -> None:
+        """Forget a collective an aborted run left half-met (its members stopped before all arrived)."""
+        with self.cond:
+            self.slots = [None] * len(self.ranks)
+            self.arrived = 0
+            self.results.clear()
+            self.readers.clear()
+
 
 def _describe(name: str, tensors: Sequence[torch.Tensor], extra: str = "") -> str:
     shapes = ",".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
@@ -342,6 +350,10 @@ class SimWorld:
         The first rank to raise stops the others; its exception is raised here, naming the rank."""
         ranks = list(range(self.size)) if ranks is None else list(ranks)
         results: dict[int, T] = {}
+        if self.aborted:  # the last run stopped its ranks wherever they were: nothing of it may carry over
+            for rv in self._rendezvous:
+                rv.reset()
+            self._boxes.clear()
         self.aborted, self._error = False, None
 
         def main(rank: int) -> None:

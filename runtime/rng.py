@@ -17,13 +17,13 @@ when it is at least ``p``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import PipelineError
+from autopar.passes.dropout import has_keyed
 from autopar.runtime.collectives import shard_tensor
 
 _MASK64 = (1 << 64) - 1
@@ -147,20 +147,6 @@ def keyed_dropout(x: torch.Tensor, site: DropoutSite) -> torch.Tensor:
     return x * mask
 
 
-def is_keyed(target: str, args: tuple) -> bool:
-    """Whether an IR op is a dropout that draws a mask (training, p > 0)."""
-    if target != "aten.dropout":
-        return False
-    p = args[1] if len(args) > 1 else 0.5
-    train = args[2] if len(args) > 2 else True
-    return bool(train) and not math.isclose(float(p), 0.0)
-
-
-def has_keyed(ops) -> bool:
-    """Whether any of the IR ``ops`` is a keyed dropout (numbered by passes/dropout.py)."""
-    return any("rng" in op.attrs for op in ops)
-
-
 def shared_seed() -> int:
     """Rank 0's ``torch.initial_seed()`` on every rank (one broadcast when torch.distributed is up):
     ``torch.manual_seed(s)`` before compiling chooses the masks, as it does for eager PyTorch."""
@@ -177,13 +163,11 @@ def rng_for(ops, microbatches: int = 1) -> DropoutRng | None:
 
 
 __all__ = [
-    "has_keyed",
     "rng_for",
     "shared_seed",
     "DropoutRng",
     "DropoutSite",
     "keyed_dropout",
-    "is_keyed",
     "mix",
     "mix_int",
     "uniform",

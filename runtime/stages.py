@@ -19,9 +19,9 @@ from fractions import Fraction
 import torch
 
 from autopar.ir.core import MeshSpec, Program, Value
-from autopar.passes.codegen import codegen
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
 from autopar.runtime.actions import F, Kind, Schedule
+from autopar.runtime.codegen import codegen
 from autopar.runtime.executor import Buffer, Part, StageRunner
 from autopar.runtime.p2p import lower
 from autopar.runtime.rng import DropoutRng

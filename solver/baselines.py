@@ -30,8 +30,9 @@ from dataclasses import dataclass, replace
 from autopar.errors import BaselineUnavailableError, InfeasibleError
 from autopar.ir.core import MeshSpec, Placement, Program, R, Shard, Value
 from autopar.ir.layout import valid
-from autopar.passes.shard import ShardOptions, ShardResult, shard
 from autopar.solver.cost import TrainingSetup
+from autopar.solver.options import ShardOptions
+from autopar.solver.sharding import Sharding, solve_sharding
 
 BASELINES = ("megatron", "dp", "zero2", "zero3", "comm")
 
@@ -155,13 +156,13 @@ def _why_invalid(v: Value, want: tuple[Placement, ...], mesh: MeshSpec) -> str:
     return f"{v.kind} {v.name} {v.type} cannot be laid out as {','.join(map(str, want))} on mesh {mesh}"
 
 
-def run_baseline(prog: Program, name: str, opts: ShardOptions) -> ShardResult:
+def run_baseline(prog: Program, name: str, opts: ShardOptions) -> Sharding:
     """Solve the program under a baseline's constraints with the same cost model as autopar. Raises
     ``BaselineUnavailableError`` where the baseline's layout cannot exist on the mesh."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
     if name == "comm":
-        return shard(prog, replace(opts, objective="comm"))
+        return solve_sharding(prog, replace(opts, objective="comm"))
     run = replace(opts, objective="comm", budget_bytes=None)
     if name == "megatron":
         run = replace(run, constrain=megatron_constraints(prog), pin_constrained=True)
@@ -172,13 +173,13 @@ def run_baseline(prog: Program, name: str, opts: ShardOptions) -> ShardResult:
     reason = unavailable_reason(prog, run.constrain)
     if reason is not None:
         raise BaselineUnavailableError(f"the {name} baseline cannot run on mesh {prog.mesh}: {reason}", reason)
-    return shard(prog, run)
+    return solve_sharding(prog, run)
 
 
-def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, ShardResult | Unavailable]:
+def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, Sharding | Unavailable]:
     """Every named baseline; one that cannot run on this mesh (its layout impossible, or no strategy within
     the budget for ``comm``) is an ``Unavailable`` with the reason, so the others and autopar's plan remain."""
-    out: dict[str, ShardResult | Unavailable] = {}
+    out: dict[str, Sharding | Unavailable] = {}
     for n in names:
         try:
             out[n] = run_baseline(prog, n, opts)

@@ -159,6 +159,7 @@ def _parse_count(value: Any) -> int:
 def _local_memory_bytes() -> int:
     """This machine's physical memory: psutil, else /proc/meminfo, else a conservative 24 GB."""
     try:
+        # deferred: psutil is optional
         import psutil
 
         return int(psutil.virtual_memory().total)

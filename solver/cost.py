@@ -45,6 +45,7 @@ from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
 EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
+BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of at most this size (DDP's default)
 
 
 @dataclass(frozen=True)
@@ -317,8 +318,6 @@ def program_memory(prog, setup: TrainingSetup | None = None) -> float:
     """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
     with their gradients and optimizer states, inputs, every op's output (collectives included, all
     counted as live at once: an upper bound on saved activations), and the gradient-sync bucket."""
-    from autopar.runtime.collectives import BUCKET_BYTES
-
     model = CostModel(prog.mesh, setup or TrainingSetup())
     total = 0.0
     synced = 0.0

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import InfeasibleError
+from autopar.solver.problem import Edge, Node
 
 MAX_WORK = 5e7  # entries of the table one elimination step builds; bigger steps are left to the ILP
 _CHUNK = 1 << 21  # (objective, memory) pairs of a min-plus block computed at once
@@ -63,8 +64,8 @@ class Elimination:
     """The ILP left after elimination, over the surviving nodes and candidates, and how to expand
     its solution into a choice for every original node."""
 
-    nodes: list  # surviving nodes (ilp.Node), finite-cost candidates only
-    edges: list  # ilp.Edge between surviving nodes (indices into ``nodes``)
+    nodes: list[Node]  # surviving nodes, finite-cost candidates only
+    edges: list[Edge]  # between surviving nodes (indices into ``nodes``)
     keep: list[int]  # original index of each surviving node
     candidates: list[list[int]]  # original candidate index of each surviving candidate
     steps: list[_Step] = field(default_factory=list)
@@ -186,7 +187,7 @@ class _Graph:
 
 
 def _factor(e) -> _Factor:
-    """An ilp.Edge as a dense (objective, memory) matrix over its groups; edges hold no memory."""
+    """An Edge as a dense (objective, memory) matrix over its groups; edges hold no memory."""
     rows = max([*e.u_group, *(a for a, _ in e.cost)]) + 1
     cols = max([*e.v_group, *(b for _, b in e.cost)]) + 1
     m = np.zeros((rows, cols, 2))
@@ -227,8 +228,6 @@ def _min_plus(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _remaining(nodes: list, g: _Graph, steps: list[_Step]) -> Elimination:
     """The surviving nodes and factors as an ILP, without candidates whose cost became infinite. A
     surviving node's memory is its own plus that of the choices eliminated into it (the tie-break)."""
-    from autopar.solver.ilp import Edge, Node
-
     alive = sorted(g.alive)
     index = {k: i for i, k in enumerate(alive)}
     cands, rnodes = [], []

@@ -27,28 +27,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pulp
 
 from autopar.errors import InfeasibleError, SolverError
-
-
-@dataclass
-class Node:
-    name: str
-    costs: list[float]
-    memory: list[float] = field(default_factory=list)  # per candidate, for the budget constraint
-
-
-@dataclass
-class Edge:
-    u: int
-    v: int
-    u_group: list[int]  # group id of each candidate of u
-    v_group: list[int]
-    cost: dict[tuple[int, int], float]  # (group of u, group of v) -> cost; a missing pair is forbidden
-    keys: tuple = ()  # what the caller needs to interpret the groups (not used by the solver)
+from autopar.solver.eliminate import eliminate as reduce_problem
+from autopar.solver.problem import Edge, Node, objective_of
 
 
 @dataclass
@@ -80,8 +65,6 @@ def _solve(
 ) -> Solution:
     t0 = time.perf_counter()
     if eliminate:
-        from autopar.solver.eliminate import eliminate as reduce_problem
-
         reduced = reduce_problem(nodes, edges)
         if _size(reduced.nodes, reduced.edges) <= _size(nodes, edges):  # else elimination did not pay
             choice, optimal, size = _ilp(reduced.nodes, reduced.edges, None, time_limit, backend)
@@ -172,44 +155,9 @@ def _expr(terms) -> pulp.LpAffineExpression:
     return pulp.LpAffineExpression(list(terms))
 
 
-def objective_of(nodes: list[Node], edges: list[Edge], choice: list[int]) -> float:
-    """The objective of a choice of one candidate per node, computed directly."""
-    total = sum(n.costs[c] for n, c in zip(nodes, choice))
-    for e in edges:
-        total += e.cost.get((e.u_group[choice[e.u]], e.v_group[choice[e.v]]), float("inf"))
-    return total
-
-
 def _solver(backend: str, time_limit: float | None):
     if backend == "cbc":
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit)
     if backend == "highs":
         return pulp.HiGHS(msg=False, timeLimit=time_limit)
     raise SolverError(f"unknown ILP back end {backend!r}; use 'cbc' (default) or 'highs'")
-
-
-def fold_repeated(nodes: list[Node], edges: list[Edge], rep: list[int]) -> tuple[list[Node], list[Edge], list[int]]:
-    """The ILP with node i replaced by its representative rep[i] (identical candidates and costs).
-
-    Costs of the nodes a representative stands for are summed into it, and edges between them are
-    folded onto the representatives (edges that coincide are merged by adding their costs), so L
-    identical layers cost about one layer to solve. Returns the reduced nodes and edges and, for
-    each original node, the index of its representative in the reduced node list.
-    """
-    keep = sorted(set(rep))
-    index = {old: new for new, old in enumerate(keep)}
-    reduced = [Node(nodes[i].name, [0.0] * len(nodes[i].costs), [0.0] * len(nodes[i].memory)) for i in keep]
-    for i, node in enumerate(nodes):
-        r = reduced[index[rep[i]]]
-        r.costs = [a + b for a, b in zip(r.costs, node.costs)]
-        r.memory = [a + b for a, b in zip(r.memory, node.memory)]
-    merged: dict[tuple, Edge] = {}
-    for e in edges:
-        u, v = index[rep[e.u]], index[rep[e.v]]
-        key = (u, v, tuple(e.u_group), tuple(e.v_group), tuple(sorted(e.cost)))
-        if key in merged:
-            m = merged[key]
-            m.cost = {k: m.cost[k] + e.cost[k] for k in m.cost}
-        else:
-            merged[key] = Edge(u, v, list(e.u_group), list(e.v_group), dict(e.cost))
-    return reduced, list(merged.values()), [index[rep[i]] for i in range(len(nodes))]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.errors import CaptureError, MeshError
+import autopar
+from autopar.api import parse_mesh
+from autopar.errors import CaptureError, MeshError, PresetError
 from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
@@ -62,17 +64,12 @@ def test_inputs_that_do_not_fit_are_named():
 
 
 def test_mesh_size_must_equal_world_size(monkeypatch):
-    import autopar
-
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(MeshError, match="has 4 devices but the world has 2 processes"):
         autopar.init_mesh("cpu", dp=2, tp=2)
 
 
 def test_bad_mesh_text_and_unknown_preset():
-    from autopar.api import parse_mesh
-    from autopar.errors import PresetError
-
     with pytest.raises(MeshError, match="name=size"):
         parse_mesh("dp=two")
     with pytest.raises(PresetError, match="unknown model preset"):

@@ -17,8 +17,9 @@ from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
-from autopar.passes.shard import ShardOptions, recomputable
+from autopar.passes.shard import ShardOptions
 from autopar.solver.cluster import ClusterSpec, calibration_file
+from autopar.solver.groups import recomputable
 from tests._dist import run_distributed
 
 COMMUNICATING = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "grad_all_reduce"}
@@ -86,7 +87,7 @@ def test_position_ids_and_masks_are_recomputed_not_gathered(monkeypatch):
     assert not _gathered_then_resliced(planned)
     assert not [op for op in planned.ops if op.target in COMMUNICATING and not op.types[0].is_float]
     # broken input: the least-memory plan with recomputable values allowed to move gathers position ids
-    monkeypatch.setattr("autopar.passes.shard.recomputable", lambda prog: set())
+    monkeypatch.setattr("autopar.solver.groups.recomputable", lambda prog: set())
     lowered, old = _planned(spec, "dp=2,tp=2", ShardOptions(objective="memory"))
     assert len(_moved_recomputable(lowered, old)) > 5
 

@@ -18,8 +18,8 @@ from autopar.ir.core import MeshSpec, Partial, R, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import capture
-from autopar.passes.codegen import codegen
 from autopar.passes.lower import lower
+from autopar.runtime.codegen import codegen
 from autopar.runtime.placement_values import assemble
 from autopar.runtime.ranksim import SimWorld
 from autopar.runtime.rng import DropoutRng, DropoutSite, keyed_dropout

@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from autopar.errors import CaptureError
+from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
+from autopar.runtime.collectives import shard_tensor, unshard_tensor
+from autopar.solver.strategies import op_strategies
 
 
 class ShiftRight(torch.nn.Module):
@@ -95,10 +98,6 @@ def test_write_through_an_unsupported_view_is_a_clear_error():
 def test_rules_of_functionalized_ops_compute_the_whole_op(target, shapes, extra):
     """Every strategy of the ops functionalization emits, on an axis of 2: each rank's op on its shards,
     unsharded, equals the op on whole tensors."""
-    from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
-    from autopar.runtime.collectives import shard_tensor, unshard_tensor
-    from autopar.solver.strategies import op_strategies
-
     g = torch.Generator().manual_seed(0)
     whole = [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
     fn = resolve_target(target)

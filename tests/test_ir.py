@@ -8,12 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ParseError, VerifyError
-from autopar.passes.capture import capture
 from autopar.ir.core import DEVICE, MeshSpec, Op, Partial, Program, R, Ref, Shard, TensorType, Value
-from autopar.passes.lower import lower
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
 
 placements = st.one_of(
     st.just(R),
@@ -89,16 +90,22 @@ def test_parse_print_roundtrip(prog):
     assert parse(text) == prog, text
 
 
-def _tiny_gpt2_program(mesh: MeshSpec | None = None):
-    from autopar.models import build
+def test_strings_named_like_torch_enums_stay_strings():
+    """A bare word is a string unless it names a torch dtype/layout/format (``float``, ``strided``): those
+    are quoted when printed (hypothesis once drew ``grad_sync='float'``, which read back as torch.float32)."""
+    attrs = {"a": "float", "b": "strided", "c": "long", "d": "tp", "e": torch.float32, "f": torch.strided}
+    prog = Program(MeshSpec(()), (Value("x", "param", TensorType("f32", ()), attrs),), (), ())
+    text = print_program(prog)
+    assert "d=tp" in text and "a='float'" in text
+    assert parse(text) == prog
 
+
+def _tiny_gpt2_program(mesh: MeshSpec | None = None):
     spec = build("tiny-gpt2")
     return lower(capture(spec.model, spec.args, spec.kwargs), mesh)
 
 
 def test_lowered_gpt2_verifies_with_shapes_and_counts_parameters():
-    from autopar.models import build
-
     prog = _tiny_gpt2_program(MeshSpec((("dp", 2), ("tp", 2))))
     verify(prog, shapes=True)
     assert parse(print_program(prog)) == prog

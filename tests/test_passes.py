@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from autopar.errors import AutoparError
+from autopar.ir.core import MeshSpec, Partial, R, Shard
+from autopar.ir.parser import parse
+from autopar.ir.verify import verify
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
-from autopar.ir.core import MeshSpec, Partial, R, Shard
 from autopar.passes.lower import lower
 from autopar.passes.manager import PASSES, PassManager, register_pass
-from autopar.ir.parser import parse
 from autopar.passes.shard import ShardOptions, shard
-from autopar.ir.verify import verify
 
 
 class TwoLinear(torch.nn.Module):

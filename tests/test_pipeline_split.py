@@ -1,4 +1,4 @@
-"""pipeline-split: subgraph counts, crossings, exact sequential execution, annotations and caching."""
+"""The split pass: subgraph counts, crossings, exact sequential execution, annotations and caching."""
 
 from __future__ import annotations
 
@@ -14,15 +14,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 from autopar.errors import AutoparError, PipelineError
-from autopar.models import build
-from autopar.passes import pipeline_split as ps
-from autopar.passes.capture import capture
 from autopar.ir.core import Device, MeshSpec, Op, Program, Ref, TensorType, Value, resolve_target
-from autopar.passes.lower import lower
-from autopar.passes.manager import PassManager
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
+from autopar.models import build
+from autopar.passes import pipeline_split as ps
+from autopar.passes import split_cache
+from autopar.passes.assign_stages import assign_stages_pass
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
 
 NOCACHE = ps.SplitOptions(cache=False)
 
@@ -281,45 +283,48 @@ def test_annotations_round_trip_and_do_not_change_the_fingerprint():
     assert out.attrs["pipeline_subgraphs"] == 6
     assert "<subgraph=3>" in print_program(out)
     assert parse(print_program(out)) == out
-    assert ps.fingerprint(out) == ps.fingerprint(prog) == split.fingerprint
+    assert split_cache.program_fingerprint(out) == split_cache.program_fingerprint(prog) == split.fingerprint
     other = prog.with_(ops=prog.ops[:-1], outputs=(Ref(prog.ops[-2].result),))
-    assert ps.fingerprint(other) != split.fingerprint
+    assert split_cache.program_fingerprint(other) != split.fingerprint
 
 
-def test_pass_manager_runs_pipeline_split_and_stage_options():
+def test_pass_manager_runs_the_split_and_assign_stages_passes():
     _, prog, _ = preset("tiny-gpt2")
-    out = PassManager(["pipeline-split"]).run(prog)
+    out = PassManager(["split"]).run(prog)
     assert {op.attrs["subgraph"] for op in out.ops} == set(range(6))
-    out = PassManager("pipeline-split", options={"pipeline-split": {"pp": 3}}).run(prog)
+    out, _ = assign_stages_pass(out, {"pp": 3})
+    verify(out)
     stages = [op.attrs["stage"] for op in out.ops]
     assert stages == sorted(stages) and set(stages) == {0, 1, 2}
     assert out.attrs["pipeline_stages"] == 3
-    with pytest.raises(AutoparError, match="need pp"):
-        PassManager("pipeline-split", options={"pipeline-split": {"chunks": 2}}).run(prog)
+    with pytest.raises(AutoparError, match="belong to the assign-stages pass"):
+        PassManager("split", options={"split": {"pp": 3, "chunks": 2}}).run(prog)
+    with pytest.raises(AutoparError, match="unknown split option"):
+        PassManager("split", options={"split": {"max_crosing": 2}}).run(prog)
 
 
 def test_split_is_cached_in_memory_and_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))
     _, prog, _ = preset("tiny-llama")
-    ps.clear_memory_cache()
+    split_cache.clear_memory_cache()
     computed = ps.split_program(prog)
     assert computed.source == "computed"
     files = list(tmp_path.glob("split-*.json"))
     assert len(files) == 1
     assert json.loads(files[0].read_text())["fingerprint"] == computed.fingerprint
     assert ps.split_program(prog).source == "memory"
-    ps.clear_memory_cache()
+    split_cache.clear_memory_cache()
     from_disk = ps.split_program(prog)
     assert from_disk.source == "disk" and from_disk.subgraphs == computed.subgraphs
     # other options are another cache entry; a damaged file is recomputed
     assert ps.split_program(prog, ps.SplitOptions(max_crossing=1)).source == "computed"
-    ps.clear_memory_cache()
+    split_cache.clear_memory_cache()
     files[0].write_text("{not json")
     assert ps.split_program(prog).source == "computed"
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", "off")
-    ps.clear_memory_cache()
+    split_cache.clear_memory_cache()
     assert ps.split_program(prog).source == "computed"
-    assert ps.cache_dir() is None
+    assert split_cache.cache_dir() is None
 
 
 def test_empty_program_is_an_error():

@@ -22,8 +22,8 @@ from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
 from autopar.models import build
+from autopar.passes.assign_stages import assign_stages
 from autopar.passes.capture import capture
-from autopar.passes.codegen import codegen
 from autopar.passes.lower import lower
 from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions
@@ -31,12 +31,12 @@ from autopar.passes.stage_program import recompute_cut, split_for_recompute, sta
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.batch import split_batch
+from autopar.runtime.codegen import codegen
 from autopar.runtime.costs import Costs
 from autopar.runtime.executor import Part, TraceEvent, measured_result
 from autopar.runtime.init import canonical_names, init_value, materialize
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
-from autopar.solver.stages import plan_pipeline
 from tests._dist import run_distributed
 from tests.equivalence import compare_jobs
 from tests.exactness import TOL
@@ -246,7 +246,7 @@ def _program(name: str = "tiny-gpt2", mesh: MeshSpec | None = None, microbatch: 
 
 
 def test_transfers_pair_every_send_with_a_recv_and_round_trip():
-    ann, plan, _ = plan_pipeline(_program(), 2, chunks=2)
+    ann, plan, _ = assign_stages(_program(), 2, chunks=2)
     prog = insert_transfers(ann)
     verify(prog)
     assert parse(print_program(prog)) == prog
@@ -263,7 +263,7 @@ def test_transfers_pair_every_send_with_a_recv_and_round_trip():
 
 
 def test_verifier_rejects_unpaired_and_non_neighbour_transfers():
-    prog = insert_transfers(plan_pipeline(_program(), 2)[0])
+    prog = insert_transfers(assign_stages(_program(), 2)[0])
     recv = next(i for i, op in enumerate(prog.ops) if op.target == "recv")
     dropped = prog.with_(ops=prog.ops[:recv] + prog.ops[recv + 1 :])
     with pytest.raises(VerifyError):
@@ -277,7 +277,7 @@ def test_verifier_rejects_unpaired_and_non_neighbour_transfers():
 def test_scatter_gather_sends_one_tp_shard_and_gathers_it():
     mesh = MeshSpec((("tp", 2),))
     prog = _program(mesh=mesh)  # every placement replicated: each boundary can be scattered
-    out = insert_transfers(plan_pipeline(prog, 2)[0], scatter_gather=True)
+    out = insert_transfers(assign_stages(prog, 2)[0], scatter_gather=True)
     verify(out)
     send = next(op for op in out.ops if op.target == "send" and op.type.is_float)
     assert isinstance(send.type.placements[0], Shard)
@@ -294,7 +294,7 @@ def test_stages_chained_in_one_process_compute_the_models_loss():
     spec = build("tiny-gpt2", device="cpu", seed=0)
     kw = {k: v[:2] for k, v in spec.kwargs.items()}
     prog = prune_outputs(lower(capture(spec.model, (), kw)))
-    tp = insert_transfers(plan_pipeline(prog, 2, chunks=2)[0])
+    tp = insert_transfers(assign_stages(prog, 2, chunks=2)[0])
     named = dict(spec.model.named_parameters(remove_duplicate=False))
     env: dict[str, torch.Tensor] = dict(kw)
     sent: list[torch.Tensor] = []
@@ -319,7 +319,7 @@ def test_stages_chained_in_one_process_compute_the_models_loss():
 
 
 def test_recompute_cut_takes_a_fraction_of_the_subgraphs():
-    tp = insert_transfers(plan_pipeline(_program(), 1)[0])
+    tp = insert_transfers(assign_stages(_program(), 1)[0])
     sp = stage_program(tp, 0)
     n = len({s for s in sp.subgraphs if s >= 0})
     assert n > 2
@@ -391,10 +391,10 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
 
 
 def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():
-    from autopar.passes.flow import _complete_stages, _planned_stages
     from autopar.ir.core import Op, Ref
+    from autopar.passes.flow import _complete_stages, _planned_stages
 
-    ann = plan_pipeline(_program(mesh=MeshSpec((("tp", 2),))), 2)[0]
+    ann = assign_stages(_program(mesh=MeshSpec((("tp", 2),))), 2)[0]
     assert _planned_stages(ann) == 2
     # a collective inserted after the stages were chosen (as autopar plan's insert-collectives does)
     i = next(k for k, op in enumerate(ann.ops) if op.attrs["stage"] == 1 and op.type.is_float)

@@ -1,4 +1,4 @@
-"""The whole-plan search (autopar/search.py, solver/search_space.py): costs from the IR, bounds, the answer."""
+"""The whole-plan search (autopar/search/): costs from the IR, bounds, the answer."""
 
 from __future__ import annotations
 
@@ -17,17 +17,10 @@ from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.search import Scorer, launch_options, profile_model, search, search_model
+from autopar.search.price import Analytic
+from autopar.search.profile import Profile, UnitCost
+from autopar.search.space import Candidate, SearchSpace, chains, families
 from autopar.solver.cluster import ClusterSpec
-from autopar.solver.search_cost import Analytic
-from autopar.solver.search_space import (
-    Candidate,
-    Profile,
-    SearchSpace,
-    UnitCost,
-    chains,
-    families,
-    inflight_counts,
-)
 from tests._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +95,7 @@ def test_inflight_counts_bound_the_simulated_stash(name, P, M, opts):
     sched = make_schedule(name, P, M, **opts)
     sim = simulate(sched, Costs.uniform(sched.num_stages))
     c = Candidate(P, 1, 1, 1, M, name, opts.get("chunks", 1), opts.get("waves", 0))
-    counts = inflight_counts(c)
+    counts = c.inflight_counts()
     assert all(s <= k for s, k in zip(sim.peak_activations, counts))
     if name != "wave":  # exact for one-stage-per-rank schedules and interleaving
         assert sim.peak_activations == [int(k) for k in counts]

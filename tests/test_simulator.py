@@ -323,10 +323,6 @@ def test_cli_chart_and_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> N
 def test_simulate_a_plan_files_pipeline(tmp_path, capsys):
     """`autopar simulate --plan` runs the plan's schedule on its stage times: for 1F1B on two stages the
     step is t0 + t1 + (M - 1) max(t0, t1) with t_s a stage's forward plus backward per microbatch."""
-    import json
-
-    from autopar.cli import main
-
     plan = tmp_path / "plan.json"
     assert (
         main(["plan", "tiny-gpt2", "--mesh", "pp=2,tp=2", "--microbatches", "4", "--no-baselines", "-o", str(plan)])

@@ -3,17 +3,36 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
 
+from autopar.api import parse_mesh
+from autopar.cli import main
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.core import MeshSpec, Partial, R, Shard, TensorType
+from autopar.ir.layout import Unreachable, redistribute_steps
+from autopar.ir.parser import parse
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions, shard
+from autopar.plan import Plan, fingerprint
+from autopar.planner import plan_captured
+from autopar.solver.baselines import run_baseline
+from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import CostModel, TrainingSetup
-from autopar.solver.ilp import Edge, Node, fold_repeated, solve
+from autopar.solver.ilp import solve
+from autopar.solver.problem import Edge, Node, fold_repeated
+from autopar.solver.sharding import smallest_budget
+from autopar.solver.strategies import value_strategies
 
 
 @pytest.mark.parametrize("d,r,c", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 1), (2, 3, 2)])
@@ -51,10 +70,6 @@ def test_zero_stages_divide_what_they_shard():
 def test_redistribution_priced_per_edge_matches_the_collectives_step_by_step():
     """CostModel prices an edge at once from per-placement-pair terms linear in the tensor's bytes;
     they must add up to the collectives of `redistribute_steps`, each priced on its own."""
-    from autopar.ir.layout import Unreachable, redistribute_steps
-    from autopar.solver.cluster import ClusterSpec
-    from autopar.solver.strategies import value_strategies
-
     mesh = MeshSpec((("a0", 2), ("a1", 2), ("a2", 2)))
     cluster = ClusterSpec.load("dgx-a100")
     model = CostModel(mesh, cluster=cluster)
@@ -162,11 +177,6 @@ def test_folding_identical_nodes_keeps_the_optimum():
 
 
 def _tiny(preset="tiny-gpt2", mesh="tp=2"):
-    from autopar.api import parse_mesh
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.passes.lower import lower
-
     spec = build(preset)
     captured = capture(spec.model, spec.args, spec.kwargs)
     return captured, lower(captured, parse_mesh(mesh))
@@ -175,11 +185,6 @@ def _tiny(preset="tiny-gpt2", mesh="tp=2"):
 def test_elimination_keeps_the_optimum_on_a_three_axis_mesh():
     """Elimination against the full ILP where each op mixes data, row and column parallelism over
     three axes (a model small enough for the full ILP to take seconds)."""
-    from dataclasses import replace
-
-    from autopar.passes.shard import ShardOptions, shard, smallest_budget
-    from autopar.solver.cluster import ClusterSpec
-
     _, prog = _tiny("tiny-mlp:batch=2,seq=2", "a0=2,a1=2,a2=2")
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
     for objective in ("memory", "comm"):
@@ -193,8 +198,6 @@ def test_elimination_keeps_the_optimum_on_a_three_axis_mesh():
 
 
 def test_an_impossible_budget_names_the_smallest_that_fits():
-    from autopar.passes.shard import ShardOptions, shard
-
     _, prog = _tiny("tiny-mlp", "tp=2")
     with pytest.raises(InfeasibleError, match="smallest that fits") as err:
         shard(prog, ShardOptions(budget_bytes=1000.0))
@@ -206,28 +209,20 @@ def test_an_impossible_budget_names_the_smallest_that_fits():
 
 
 def test_megatron_baseline_is_megatrons_layout():
-    from autopar.passes.shard import ShardOptions
-    from autopar.solver.baselines import run_baseline
-
     _, prog = _tiny("tiny-gpt2", "dp=2,tp=2")
     res = run_baseline(prog, "megatron", ShardOptions())
-    params = {v.name: v.type.placements for v in res.program.params}
+    params = {v.name: res.placements(v.name) for v in prog.params}
     # HF Conv1D stores [in, out]: QKV column-parallel per head (interleaved thirds), output projection row-parallel
     assert params["transformer.h.0.attn.c_attn.weight"] == (R, Shard(1, 3))
     assert params["transformer.h.0.attn.c_proj.weight"] == (R, Shard(0))
     assert params["transformer.h.0.mlp.c_fc.weight"] == (R, Shard(1))
     assert params["transformer.h.0.mlp.c_proj.weight"] == (R, Shard(0))
     assert params["transformer.h.0.ln_1.weight"] == (R, R)
-    ids = next(v for v in res.program.inputs if v.name == "input_ids")
-    assert ids.type.placements == (Shard(0), R)
+    assert res.placements("input_ids") == (Shard(0), R)
 
 
 def test_autopars_least_memory_strategy_never_exceeds_megatrons():
     """Megatron's layout is one of the ILP's candidates, so the least-memory plan is at most its memory."""
-    from autopar.passes.shard import ShardOptions, smallest_budget
-    from autopar.solver.baselines import run_baseline
-    from autopar.solver.cluster import ClusterSpec
-
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
     for mesh in ("tp=2", "dp=2,tp=2"):
         _, prog = _tiny("mmr-bert-large:batch=2,seq=64", mesh)
@@ -236,13 +231,6 @@ def test_autopars_least_memory_strategy_never_exceeds_megatrons():
 
 
 def test_plan_file_round_trip_and_refusals(tmp_path):
-    from autopar.api import parse_mesh
-    from autopar.passes.capture import capture
-    from autopar.ir.parser import parse
-    from autopar.passes.shard import ShardOptions
-    from autopar.plan import Plan
-    from autopar.planner import plan_captured
-
     captured, _ = _tiny("tiny-mlp", "tp=2")
     report = plan_captured(captured, parse_mesh("tp=2"), ShardOptions(), model="tiny-mlp", baselines=("megatron",))
     path = tmp_path / "plan.json"
@@ -254,8 +242,6 @@ def test_plan_file_round_trip_and_refusals(tmp_path):
     loaded.check(captured, parse_mesh("tp=2"))
     with pytest.raises(PlanError, match="mesh"):
         loaded.check(captured, parse_mesh("dp=2"))
-    from autopar.models import build
-
     other = build("tiny-mlp:batch=8")
     with pytest.raises(PlanError, match="another graph"):
         loaded.check(capture(other.model, other.args, other.kwargs), parse_mesh("tp=2"))
@@ -266,10 +252,6 @@ def test_plan_file_round_trip_and_refusals(tmp_path):
 
 
 def test_cli_plan_json_has_the_documented_fields(tmp_path, capsys):
-    import json
-
-    from autopar.cli import main
-
     assert main(["plan", "tiny-mlp", "--mesh", "dp=2,tp=2", "--json", "-o", str(tmp_path / "p.json")]) == 0
     out = json.loads(capsys.readouterr().out)
     for key in (
@@ -290,8 +272,6 @@ def test_cli_plan_json_has_the_documented_fields(tmp_path, capsys):
 
 
 def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
-    from autopar.cli import main
-
     plan = tmp_path / "p.json"
     assert main(["plan", "tiny-gpt2", "--mesh", "tp=2", "--no-baselines", "-o", str(plan)]) == 0
     capsys.readouterr()
@@ -303,10 +283,6 @@ def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
 
 
 def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):
-    import json
-
-    from autopar.cli import main
-
     assert main(["plan", "tiny-gpt2", "--mesh", "pp=2,tp=2", "--no-baselines", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["stages"]) == 2 and out["split_seconds"] >= 0
@@ -316,14 +292,6 @@ def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):
 
 def test_t5_and_vit_graphs_have_sharding_rules():
     """Every op of a ViT has a rule; T5 falls back only on the in-place ops that shift its labels."""
-    import transformers
-    from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
-
-    from autopar.api import parse_mesh
-    from autopar.passes.capture import capture
-    from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions, shard
-
     transformers.logging.set_verbosity_error()
     with torch.device("meta"):
         t5 = T5ForConditionalGeneration(
@@ -346,10 +314,6 @@ def test_t5_and_vit_graphs_have_sharding_rules():
 def test_a_plan_made_on_meta_fits_the_model_with_real_weights():
     """`autopar plan` traces on the meta device; the cluster run traces the real model. HF GPT-2 gains
     a layout-only op on meta, which must not make the plan look like it belongs to another graph."""
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.plan import fingerprint
-
     meta = build("tiny-gpt2", device="meta")
     real = build("tiny-gpt2", device="cpu", seed=0)
     assert fingerprint(capture(meta.model, meta.args, meta.kwargs)) == fingerprint(
@@ -365,13 +329,6 @@ def test_least_memory_plan_reaches_the_no_redundancy_bound_on_a_bert_large_layer
     """One device's memory / n is a floor no strategy can go under (every byte held at least once) and
     autopar's least-memory plan of a Table 1 layer reaches it, up to the few tensors too small to
     split (the Table 2 "bound" column of BENCHMARKS.md)."""
-    from autopar.api import parse_mesh
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions, shard, smallest_budget
-    from autopar.solver.cluster import ClusterSpec
-
     spec = build("mmr-bert-large")
     captured = capture(spec.model, spec.args, spec.kwargs)
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))

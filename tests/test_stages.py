@@ -1,4 +1,5 @@
-"""Stage assignment: DP optimal against brute force, mappings, in-flight counts, costs, plan, errors."""
+"""Stage assignment (solver/stages.py, passes/assign_stages.py): DP optimal against brute force, mappings,
+in-flight counts, costs, plan, errors."""
 
 from __future__ import annotations
 
@@ -13,17 +14,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
+from autopar.ir.core import MeshSpec, Program
+from autopar.ir.parser import parse
 from autopar.models import build
 from autopar.passes import pipeline_split as ps
+from autopar.passes.assign_stages import assign_stages, assign_stages_pass
 from autopar.passes.capture import capture
-from autopar.ir.core import MeshSpec, Program
 from autopar.passes.lower import lower
-from autopar.ir.parser import parse
 from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
-from autopar.solver import stages as st_
+from autopar.solver import partition
+from autopar.solver import pipeline_shape as shape
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.stage_cost import StageContext, megatron_tp_comm_seconds
+from autopar.solver.stage_plan import StagePlan, module_units
+from autopar.solver.stages import balance_stages, plan_pipeline
 
 A100 = ClusterSpec.load("dgx-a100")
 
@@ -33,6 +39,11 @@ def gpt2(mesh: MeshSpec | None = None) -> Program:
     """tiny-gpt2 (2 layers) captured on the meta device."""
     spec = build("tiny-gpt2", device="meta")
     return lower(capture(spec.model, spec.args, spec.kwargs), mesh)
+
+
+def balance(prog: Program, split: ps.Split, pp: int, **kw) -> StagePlan:
+    """The solver's balance of a split, with the program's common nodes as the pass gives them."""
+    return balance_stages(prog, split, pp, commons=frozenset(ps.common_nodes(prog)), **kw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,15 +90,15 @@ def test_dp_equals_brute_force(inst):
     def fits(s, j, i):
         return sum(weights[j:i]) + k[s] * sum(acts[j:i]) <= budget
 
-    best, starts = st_.min_max_partition(n, stages, cost, fits)
+    best, starts = partition.min_max_partition(n, stages, cost, fits)
     want, want_sq = brute_force(n, stages, cost, fits)
     assert best == want
-    assert st_.feasible(n, stages, fits) == (want < math.inf)
+    assert partition.feasible(n, stages, fits) == (want < math.inf)
     if math.isinf(want):
         assert starts == []
         return
     assert len(starts) == stages and starts[0] == 0 and starts == sorted(set(starts))
-    even = st_.even_partition(n, stages, cost, best, fits)
+    even = partition.even_partition(n, stages, cost, best, fits)
     runs = [(s, j, (even + [n])[s + 1]) for s, j in enumerate(even)]
     assert all(fits(*r) for r in runs)
     assert max(cost(*r) for r in runs) == want
@@ -97,10 +108,10 @@ def test_dp_equals_brute_force(inst):
 def test_plan_bottleneck_is_the_brute_force_optimum_on_a_real_model():
     prog = gpt2()
     split = ps.split_program(prog)
-    one_each = st_.assign_stages(prog, split, len(split))  # stage i = subgraph i: its own time
+    one_each = balance(prog, split, len(split))  # stage i = subgraph i: its own time
     t = [s.seconds for s in one_each.stages]
     for pp in (2, 3, 4):
-        plan = st_.assign_stages(prog, split, pp)
+        plan = balance(prog, split, pp)
         want, _ = brute_force(len(t), pp, lambda s, j, i: sum(t[j:i]), lambda s, j, i: True)
         assert plan.bottleneck_seconds == pytest.approx(want, rel=1e-12)
 
@@ -110,24 +121,24 @@ def test_plan_bottleneck_is_the_brute_force_optimum_on_a_real_model():
 
 
 def test_interleaved_rank_r_holds_chunks_r_r_plus_p():
-    assert st_.stage_ranks(4, chunks=2) == [0, 1, 2, 3, 0, 1, 2, 3]
-    ranks = st_.stage_ranks(3, chunks=3)
+    assert shape.stage_ranks(4, chunks=2) == [0, 1, 2, 3, 0, 1, 2, 3]
+    ranks = shape.stage_ranks(3, chunks=3)
     assert [s for s, r in enumerate(ranks) if r == 1] == [1, 4, 7]
 
 
 def test_waves_are_v_shaped_with_2PW_stages():
-    assert st_.stage_ranks(4, waves=1) == [0, 1, 2, 3, 3, 2, 1, 0]
-    assert st_.stage_ranks(2, waves=2) == [0, 1, 1, 0, 0, 1, 1, 0]
-    assert st_.num_stages(4, waves=3) == 24 == len(st_.stage_ranks(4, waves=3))
+    assert shape.stage_ranks(4, waves=1) == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert shape.stage_ranks(2, waves=2) == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert shape.num_stages(4, waves=3) == 24 == len(shape.stage_ranks(4, waves=3))
 
 
 def test_inflight_formulas():
-    assert st_.inflight(4) == [4, 3, 2, 1]
-    assert st_.inflight(4, microbatches=2) == [2, 2, 2, 1]
+    assert shape.inflight_per_stage(4) == [4, 3, 2, 1]
+    assert shape.inflight_per_stage(4, microbatches=2) == [2, 2, 2, 1]
     # interleaved: warm-up 2(p-r-1) + (v-1)p forwards plus one, spread over the rank's v chunks
-    assert st_.inflight(2, chunks=2) == [2.5, 1.5, 2.5, 1.5]
-    assert st_.inflight(2, waves=1) == [4, 4, 4, 4]
-    assert st_.inflight(2, waves=1, microbatches=3) == [3, 3, 3, 3]
+    assert shape.inflight_per_stage(2, chunks=2) == [2.5, 1.5, 2.5, 1.5]
+    assert shape.inflight_per_stage(2, waves=1) == [4, 4, 4, 4]
+    assert shape.inflight_per_stage(2, waves=1, microbatches=3) == [3, 3, 3, 3]
 
 
 @pytest.mark.parametrize(("name", "options"), [("1f1b", {}), ("interleaved", {"chunks": 2}), ("wave", {"waves": 1})])
@@ -135,8 +146,8 @@ def test_inflight_formulas():
 def test_inflight_never_below_the_simulated_peak(name, options, P, M):
     sched = make_schedule(name, P, M, **options)
     peaks = simulate(sched, Costs.uniform(sched.num_stages)).peak_activations
-    k = st_.inflight(P, options.get("chunks", 1), options.get("waves"), M)
-    ranks = st_.stage_ranks(P, options.get("chunks", 1), options.get("waves"))
+    k = shape.inflight_per_stage(P, options.get("chunks", 1), options.get("waves"), M)
+    ranks = shape.stage_ranks(P, options.get("chunks", 1), options.get("waves"))
     assert tuple(ranks) == sched.stage_to_rank
     per_rank = [sum(k[s] for s in range(len(k)) if ranks[s] == r) for r in range(P)]
     assert all(mine >= sim for mine, sim in zip(per_rank, peaks))
@@ -151,13 +162,13 @@ def test_inflight_never_below_the_simulated_peak(name, options, P, M):
 def test_tensor_parallel_comm_is_two_all_reduces_per_attention_and_mlp():
     prog = gpt2(MeshSpec((("tp", 2),)))
     split = ps.split_program(prog)
-    ctx = st_.StageContext(prog, A100, 1, 2, False, "bf16", 0.5)
+    ctx = StageContext(prog, A100, 1, 2, False, "bf16", 0.5)
     one = A100.collective_seconds("all_reduce", 64 * 64 * 2, 2, True)  # [b*s, h] in bf16
-    got = [st_.megatron_tp_comm_seconds(ctx, s) for s in split.subgraphs]
+    got = [megatron_tp_comm_seconds(ctx, s) for s in split.subgraphs]
     assert got == [0.0, 2 * one, 2 * one, 2 * one, 2 * one, 0.0]
-    no_tp = st_.StageContext(gpt2(), A100, 1, 1, False, "bf16", 0.5)
-    assert all(st_.megatron_tp_comm_seconds(no_tp, s) == 0.0 for s in split.subgraphs)
-    plan = st_.assign_stages(prog, split, 2)
+    no_tp = StageContext(gpt2(), A100, 1, 1, False, "bf16", 0.5)
+    assert all(megatron_tp_comm_seconds(no_tp, s) == 0.0 for s in split.subgraphs)
+    plan = balance(prog, split, 2)
     assert sum(s.comm_seconds for s in plan.stages) == pytest.approx(8 * one)
     assert sum(s.params for s in plan.stages) > 0
 
@@ -165,7 +176,7 @@ def test_tensor_parallel_comm_is_two_all_reduces_per_attention_and_mlp():
 def test_stage_compute_memory_and_parameters():
     prog = gpt2()
     split = ps.split_program(prog)
-    plan = st_.assign_stages(prog, split, 3, efficiency=0.4)
+    plan = balance(prog, split, 3, efficiency=0.4)
     total = sum(v.type.numel for v in prog.params)
     tied = next(v.type.numel for v in prog.params if v.name == "lm_head.weight")
     assert sum(s.params for s in plan.stages) == total + tied  # the tied embedding is on two stages
@@ -183,16 +194,16 @@ def test_stage_compute_memory_and_parameters():
 def test_module_units_compress_layer_ranges():
     paths = ["transformer.wte", "transformer", "transformer.h.0.attn", "transformer.h.0"]
     paths += [f"transformer.h.{i}.mlp.c_fc" for i in range(1, 4)] + ["lm_head", ""]
-    assert st_.module_units(paths) == ("transformer.wte", "transformer.h.0-3", "lm_head")
+    assert module_units(paths) == ("transformer.wte", "transformer.h.0-3", "lm_head")
 
 
 # ---------------------------------------------------------------------------------------------
-# plan_pipeline, the plan's outputs and mappings
+# The assign-stages pass, the plan's outputs and mappings
 
 
-def test_plan_pipeline_annotates_stages_and_serializes():
-    prog, plan, seconds = st_.plan_pipeline(gpt2(), 2)
-    assert seconds >= 0 and plan.num_stages == 2 and plan.schedule == "1f1b"
+def test_assign_stages_annotates_stages_and_serializes():
+    prog, plan, split = assign_stages(gpt2(), 2)
+    assert split.seconds >= 0 and len(split) == 6 and plan.num_stages == 2 and plan.schedule == "1f1b"
     stages = [op.attrs["stage"] for op in prog.ops]
     assert stages == sorted(stages) and set(stages) == {0, 1}
     first_use = {v.name: v.attrs.get("stage") for v in prog.inputs}
@@ -206,13 +217,15 @@ def test_plan_pipeline_annotates_stages_and_serializes():
 
 
 def test_interleaved_and_wave_plans_map_stages_to_ranks():
-    _, inter, _ = st_.plan_pipeline(gpt2(), 2, chunks=2)
+    _, inter, _ = assign_stages(gpt2(), 2, chunks=2)
     assert inter.stage_to_rank == (0, 1, 0, 1) and inter.schedule == "interleaved"
     assert len(inter.rank_memory()) == 2
     assert inter.rank_memory()[0] == pytest.approx(inter.stages[0].memory_bytes + inter.stages[2].memory_bytes)
-    _, wave, _ = st_.plan_pipeline(gpt2(), 2, waves=1)
+    _, wave, _ = assign_stages(gpt2(), 2, waves=1, microbatches=None)
     assert wave.stage_to_rank == (0, 1, 1, 0) and wave.schedule == "wave"
     assert [s.inflight for s in wave.stages] == [4, 4, 4, 4]
+    _, one, _ = assign_stages(gpt2(), 2, waves=1)  # the default: one microbatch per step
+    assert [s.inflight for s in one.stages] == [1, 1, 1, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,34 +234,34 @@ def test_interleaved_and_wave_plans_map_stages_to_ranks():
 
 def test_more_stages_than_subgraphs_says_how_many_exist():
     with pytest.raises(TooFewSubgraphsError, match="only 6 subgraphs") as e:
-        st_.plan_pipeline(gpt2(), 7)
+        assign_stages(gpt2(), 7)
     assert e.value.num_subgraphs == 6
     with pytest.raises(TooFewSubgraphsError, match="pp <= 1 with waves=2"):
-        st_.plan_pipeline(gpt2(), 2, waves=2)
+        assign_stages(gpt2(), 2, waves=2)
     with pytest.raises(PipelineError, match="not both"):
-        st_.plan_pipeline(gpt2(), 2, chunks=2, waves=1)
+        assign_stages(gpt2(), 2, chunks=2, waves=1)
     with pytest.raises(PipelineError, match=">= 1"):
-        st_.plan_pipeline(gpt2(), 0)
+        assign_stages(gpt2(), 0)
 
 
 def test_budget_too_small_reports_the_smallest_budget_and_pipeline():
     prog = gpt2()
     with pytest.raises(StageMemoryError, match="smallest budget") as e:
-        st_.plan_pipeline(prog, 2, budget_bytes=1000)
+        assign_stages(prog, 2, budget_bytes=1000)
     need = e.value.smallest_budget_bytes
-    _, plan, _ = st_.plan_pipeline(prog, 2, budget_bytes=need)
+    _, plan, _ = assign_stages(prog, 2, budget_bytes=need)
     assert max(s.memory_bytes for s in plan.stages) == pytest.approx(need)
     with pytest.raises(StageMemoryError):
-        st_.plan_pipeline(prog, 2, budget_bytes=need * 0.999)
+        assign_stages(prog, 2, budget_bytes=need * 0.999)
     with pytest.raises(StageMemoryError) as e3:
-        st_.plan_pipeline(prog, 3, budget_bytes=1000)
+        assign_stages(prog, 3, budget_bytes=1000)
     budget3 = e3.value.smallest_budget_bytes
     assert budget3 < need  # deeper pipelines need less per device here
     with pytest.raises(StageMemoryError, match="smallest pipeline that fits is pp=3") as e2:
-        st_.plan_pipeline(prog, 2, budget_bytes=budget3)
+        assign_stages(prog, 2, budget_bytes=budget3)
     assert e2.value.smallest_pp == 3
     with pytest.raises(StageMemoryError, match="no deeper pipeline"):
-        st_.plan_pipeline(prog, 2, budget_bytes=1000)
+        assign_stages(prog, 2, budget_bytes=1000)
 
 
 NO_CUT = """mesh @m = []
@@ -265,6 +278,21 @@ def test_graph_with_no_legal_cut_names_what_crosses():
     opts = ps.SplitOptions(max_crossing=1, cache=False)
     assert len(ps.split_program(prog, opts)) == 1
     with pytest.raises(NoLegalCutError, match="no legal cut.*%1 from op 0"):
-        st_.plan_pipeline(prog, 2, split_options=opts)
-    _, plan, _ = st_.plan_pipeline(prog, 1, split_options=opts)  # one stage is always fine
+        assign_stages(prog, 2, split_options=opts)
+    _, plan, _ = assign_stages(prog, 1, split_options=opts)  # one stage is always fine
     assert plan.num_stages == 1
+
+
+def test_the_pass_and_the_old_entry_point_agree():
+    """assign_stages_pass (the assign-stages pass) and solver.stages.plan_pipeline (kept until its callers
+    move) give what assign_stages gives; the pass needs pp and refuses unknown options."""
+    prog, plan, split = assign_stages(gpt2(), 3, microbatches=None)
+    assert assign_stages_pass(gpt2(), {"pp": 3, "microbatches": None})[0] == prog.with_(
+        attrs=dict(prog.attrs, pipeline_stages=3)
+    )
+    old, old_plan, seconds = plan_pipeline(gpt2(), 3)
+    assert old == prog and old_plan.stages == plan.stages and seconds >= 0
+    with pytest.raises(PipelineError, match="needs pp"):
+        assign_stages_pass(gpt2(), {"chunks": 2})
+    with pytest.raises(PipelineError, match="unknown assign-stages option"):
+        assign_stages_pass(gpt2(), {"pp": 2, "chunk": 2})

@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import time
 
+from autopar.api import calibration_dir
 from autopar.errors import AutoparError
+from autopar.runtime.calibrate import calibrate
+from autopar.solver.cluster import calibration_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,10 +38,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.api import calibration_dir
-    from autopar.runtime.calibrate import calibrate
-    from autopar.solver.cluster import calibration_file
-
     if args.ranks < 2:
         raise AutoparError("--ranks must be at least 2: collectives need two processes")
     if not args.output and not args.save:

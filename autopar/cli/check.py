@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+from autopar.api import parse_mesh
+from autopar.check import check_model
 from autopar.errors import AutoparError
+from autopar.models import build
+from autopar.passes.shard import ShardOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,11 +39,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.api import parse_mesh
-    from autopar.check import check_model
-    from autopar.models import build
-    from autopar.passes.shard import ShardOptions
-
     mesh = parse_mesh(args.mesh)
     if mesh.size > 64:
         raise AutoparError(f"mesh {mesh} has {mesh.size} ranks; the simulator runs every rank: check at most 64")

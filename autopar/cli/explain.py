@@ -5,6 +5,14 @@ from __future__ import annotations
 import argparse
 
 from autopar.errors import AutoparError
+from autopar.ir.core import Op
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.plan import Plan
+from autopar.planner import options_from_dict
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.sharding import build_problem
 
 MiB = 2**20
 
@@ -28,15 +36,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.ir.core import Op
-    from autopar.passes.lower import lower
-    from autopar.passes.shard import build_problem
-    from autopar.plan import Plan
-    from autopar.planner import options_from_dict
-    from autopar.solver.cluster import ClusterSpec
-
     plan = Plan.load(args.plan)
     if not plan.model:
         raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
@@ -85,8 +84,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _find(groups, key: str) -> int | None:
-    from autopar.ir.core import Op
-
     for i, g in enumerate(groups):
         names = {r for op in g.ops for r in op.results} | {v.name for v in g.values}
         if isinstance(g.head, Op):

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 
-from autopar.api import DEFAULT_PIPELINE, parse_mesh
+from autopar.api import DEFAULT_PIPELINE, dump_rank_code, parse_mesh
 from autopar.errors import AutoparError
+from autopar.ir.printer import print_program
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
+from autopar.passes.shard import ShardOptions
+from autopar.runtime.codegen import codegen
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,13 +37,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.passes.lower import lower
-    from autopar.passes.manager import PassManager
-    from autopar.ir.printer import print_program
-    from autopar.passes.shard import ShardOptions
-
     stages = ["capture", *DEFAULT_PIPELINE]
     upto = args.upto or stages[-1]
     if upto not in stages:
@@ -53,11 +54,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _dump_ranks(prog, model, dump_dir) -> None:
     """Each rank's generated code, built from the meta model (shapes only, no weights)."""
-    import itertools
-
-    from autopar.api import dump_rank_code
-    from autopar.passes.codegen import codegen
-
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     names, sizes = prog.mesh.names, prog.mesh.sizes
     for rank, coord in enumerate(itertools.product(*(range(n) for n in sizes))):

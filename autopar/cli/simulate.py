@@ -22,7 +22,9 @@ import json
 from fractions import Fraction
 
 from autopar.errors import ScheduleError
+from autopar.plan import Plan
 from autopar.runtime.actions import Schedule
+from autopar.runtime.chart import save_gantt
 from autopar.runtime.costs import Costs
 from autopar.runtime.schedules import SCHEDULES, make_schedule
 from autopar.runtime.simulator import simulate
@@ -97,8 +99,6 @@ def _report(result: SimResult, args: argparse.Namespace) -> None:
                 f"peak stashed activations {result.peak_activations[r]}{mem}"
             )
     if args.chart:
-        from autopar.runtime.chart import save_gantt  # matplotlib only when a chart is asked for
-
         save_gantt(result, args.chart)
 
 
@@ -106,8 +106,6 @@ def _from_plan(args: argparse.Namespace) -> tuple[Schedule, Costs]:
     """The (Schedule, Costs) of a plan file with a pipeline: its schedule and stage count, and per-stage
     forward / backward times from the stage assignment (backward = 2 x forward, TP communication
     split the same way); --microbatches overrides the plan's microbatch count."""
-    from autopar.plan import Plan
-
     plan = Plan.load(args.plan)
     if not plan.pipeline:
         raise ScheduleError(f"{args.plan} has no pipeline: plan it with a pp axis (autopar plan MODEL --mesh pp=4,...)")

@@ -1,18 +1,19 @@
-"""From a searched candidate to a Plan: capture at its micro-batch, its stages, the intra-op ILP per distinct stage.
+"""Materialize a searched candidate as a Plan: capture at its micro-batch, its stages, the intra-op ILP per stage.
 
-``SearchResult.materialize()`` (``autopar/search.py``) calls ``build_plan``:
+``SearchResult.materialize()`` (``result.py``) calls ``build_plan``:
 
 1. capture the model on the meta device (or the CPU) with one microbatch of every data-parallel
    replica (``micro_batch * dp`` samples) and lower it on the mesh without ``pp``;
-2. with a pipeline, split it (Merak's algorithm, ``passes/pipeline_split.py``) and balance the
-   subgraphs over the candidate's stages (``solver/stages.plan_pipeline``, time only: memory was
-   the search's business);
+2. with a pipeline, split it and balance the subgraphs over the candidate's stages (the
+   assign-stages pass, ``autopar.passes.assign_stages``; time only: memory was the search's business);
 3. solve the intra-op ILP (``passes/shard.py``, objective: step time within the budget) once per
    distinct stage: stages whose ops have the same signature (targets, types, arguments with value
    names replaced by their order) share one solve and take its placements by position. The
    ``dp*`` axes stay data parallel (``data_parallel_axes``); the ILP decides the ``tp`` placements;
 4. merge every stage's placements into the one program, make each stage's assumption about values
    made elsewhere an explicit requirement, insert the collectives and verify.
+
+``launch_options`` reads a searched plan back: the mesh and the ``autopar.compile`` options to run it.
 """
 
 from __future__ import annotations
@@ -21,18 +22,44 @@ import dataclasses
 import hashlib
 import math
 import time
-from typing import TYPE_CHECKING, Any
+from fractions import Fraction
+from typing import Any, Protocol
 
 from autopar.errors import InfeasibleError
+from autopar.ir.core import MeshSpec, Program, Ref, Replicate, Shard, Value, map_refs
+from autopar.ir.printer import print_program
+from autopar.ir.verify import verify
+from autopar.models import build
+from autopar.passes.assign_stages import assign_stages
+from autopar.passes.capture import capture
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.lower import lower
+from autopar.passes.pipeline_split import common_nodes
+from autopar.passes.shard import ShardOptions, ShardResult, format_placements, shard
+from autopar.plan import Plan, fingerprint
+from autopar.planner import options_dict, options_from_dict
+from autopar.search.price import Evaluation
+from autopar.search.profile import with_batch
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import TrainingSetup
 
-if TYPE_CHECKING:
-    from autopar.search import SearchResult
-    from autopar.solver.search_cost import Evaluation
+
+class SearchOutcome(Protocol):
+    """What ``build_plan`` reads of a search (``result.SearchResult``, which calls it, is one)."""
+
+    spec: str | None
+    precision: str
+    budget_bytes: float
+    cluster: ClusterSpec
+    global_batch: int
+    stats: dict[str, Any]
+
+    def summary(self, ev: Evaluation) -> dict[str, Any]: ...
 
 
 def build_plan(
-    result: SearchResult, ev: Evaluation, time_limit: float = 60.0, backend: str = "cbc", capture_device: str = "meta"
-):
+    result: SearchOutcome, ev: Evaluation, time_limit: float = 60.0, backend: str = "cbc", capture_device: str = "meta"
+) -> Plan:
     """The Plan of candidate ``ev`` of a search (see the module docstring).
 
     ``capture_device="meta"`` allocates no weights. A plan is checked against the graph the training
@@ -40,19 +67,6 @@ def build_plan(
     one (GPT-2's attention output gains an ``aten.contiguous`` on meta): a run that captures a model with
     real weights on the CPU needs a plan captured with ``capture_device="cpu"``; the pipeline runtime,
     which builds a model on the meta device and initializes it shard by shard, matches a meta plan."""
-    from autopar.models import build
-    from autopar.passes.capture import capture
-    from autopar.passes.collectives import insert_collectives
-    from autopar.ir.core import MeshSpec
-    from autopar.passes.lower import lower
-    from autopar.ir.printer import print_program
-    from autopar.passes.shard import ShardOptions
-    from autopar.ir.verify import verify
-    from autopar.plan import Plan, fingerprint
-    from autopar.planner import options_dict
-    from autopar.search import with_batch
-    from autopar.solver.cost import TrainingSetup
-
     c = ev.candidate
     spec = with_batch(result.spec, c.micro_batch * c.dp)
     t0 = time.perf_counter()
@@ -74,13 +88,12 @@ def build_plan(
     )
     pipeline_info = None
     if c.pp > 1:
-        from autopar.solver.stages import plan_pipeline
-
-        prog, stage_plan, split_seconds = plan_pipeline(
+        prog, stage_plan, split = assign_stages(
             prog, c.pp, chunks=c.chunks if c.schedule == "interleaved" else 1,
-            waves=c.waves if c.schedule == "wave" else None, cluster=result.cluster, budget_bytes=math.inf,
-            microbatches=c.microbatches, precision="fp32" if result.precision == "fp32" else "bf16",
+            waves=c.waves if c.schedule == "wave" else None, microbatches=c.microbatches, cluster=result.cluster,
+            budget_bytes=math.inf, precision="fp32" if result.precision == "fp32" else "bf16",
         )  # fmt: skip
+        split_seconds = split.seconds
         sp = stage_plan.to_dict()
         sp["budget_bytes"] = None  # stages balanced for time only; memory is the search's model (stats.predicted)
         pipeline_info = {
@@ -88,7 +101,7 @@ def build_plan(
             "stage_plan": sp,
             "table": stage_plan.format(),
         }
-        ranges = _stage_op_ranges(prog, stage_plan)
+        ranges = _stage_op_ranges(prog)
     else:
         ranges = [(0, len(prog.ops))]
     if inner.size == 1:  # one device per pipeline stage: nothing to place, every value stays whole
@@ -140,7 +153,7 @@ def build_plan(
     )
 
 
-def data_parallel_axes(prog, activations: bool = True) -> dict:
+def data_parallel_axes(prog: Program, activations: bool = True) -> dict:
     """ILP constraints that keep the search's meaning of the ``dp*`` axes (data parallelism):
     parameters and buffers replicated on them (ZeRO shards their states, which is memory accounting,
     not placement); user inputs and, with ``activations``, every float activation that carries the
@@ -148,9 +161,6 @@ def data_parallel_axes(prog, activations: bool = True) -> dict:
     on dim 0. Without the activation constraints a model too small for its compute to matter would be
     computed redundantly on every dp rank (the cheapest plan in communication). The ILP decides
     everything on ``tp``."""
-    from autopar.ir.core import Replicate, Shard
-    from autopar.passes.pipeline_split import common_nodes
-
     dp = tuple(i for i, n in enumerate(prog.mesh.names) if n.startswith("dp"))
     if not dp:
         return {}
@@ -182,7 +192,7 @@ def data_parallel_axes(prog, activations: bool = True) -> dict:
     return out
 
 
-def _stage_op_ranges(prog, stage_plan) -> list[tuple[int, int]]:
+def _stage_op_ranges(prog: Program) -> list[tuple[int, int]]:
     """Op index range [start, stop) of each pipeline stage, from the ``stage`` annotations."""
     ranges: list[list[int]] = []
     for i, op in enumerate(prog.ops):
@@ -193,11 +203,9 @@ def _stage_op_ranges(prog, stage_plan) -> list[tuple[int, int]]:
     return [(a, b) for a, b in ranges]
 
 
-def _canonical(sub) -> str:
+def _canonical(sub: Program) -> str:
     """A stage's op signature: targets, types and arguments with value names replaced by their order
     of definition. Two stages with equal signatures get the same ILP (solved once)."""
-    from autopar.ir.core import map_refs
-
     index: dict[str, int] = {}
     lines = []
     for v in sub.inputs:
@@ -212,7 +220,9 @@ def _canonical(sub) -> str:
     return hashlib.sha256("\n".join(lines).encode()).hexdigest()
 
 
-def _solve_stages(prog, ranges: list[tuple[int, int]], opts) -> tuple[Any, list[dict[str, Any]]]:
+def _solve_stages(
+    prog: Program, ranges: list[tuple[int, int]], opts: ShardOptions
+) -> tuple[Program, list[dict[str, Any]]]:
     """Solve the intra-op ILP once per distinct stage and write every stage's placements into ``prog``.
 
     A stage is ``prog.ops[a:b]`` with the tensors it receives as inputs. Stages with the same
@@ -220,9 +230,6 @@ def _solve_stages(prog, ranges: list[tuple[int, int]], opts) -> tuple[Any, list[
     value made elsewhere (a received boundary tensor, a parameter another stage stores first), the
     placement its ILP assumed becomes an explicit requirement, so ``insert-collectives`` reshards.
     """
-    from autopar.ir.core import Program, Ref, Value
-    from autopar.passes.shard import format_placements
-
     types = prog.types()
     produced_in = {}
     for k, (a, b) in enumerate(ranges):
@@ -289,13 +296,11 @@ def _solve_stages(prog, ranges: list[tuple[int, int]], opts) -> tuple[Any, list[
     return prog.with_(inputs=inputs, ops=tuple(new_ops)), stats
 
 
-def _shard_or_fallback(sub, opts):
+def _shard_or_fallback(sub: Program, opts: ShardOptions) -> tuple[ShardResult, str]:
     """The ILP with the step-time objective within the budget; if the ILP's own memory model (every
     activation of one microbatch saved, no recomputation) finds nothing within it, the least-memory
     strategy instead; if constraining the activations to data parallelism leaves no strategy, the
     parameters and inputs only (each reported as such)."""
-    from autopar.passes.shard import shard
-
     try:
         return shard(sub, opts), "comm within budget"
     except InfeasibleError:
@@ -307,4 +312,32 @@ def _shard_or_fallback(sub, opts):
         return shard(sub, dataclasses.replace(opts, constrain=loose)), "parameters constrained only"
 
 
-__all__ = ["build_plan", "data_parallel_axes"]
+def launch_options(plan: Plan) -> tuple[dict[str, int], dict[str, Any]]:
+    """(mesh axes for ``autopar.init_mesh``, keyword arguments for ``autopar.compile``) of a searched plan.
+
+        axes, kwargs = launch_options(Plan.load("plan.json"))
+        mesh = autopar.init_mesh(**axes)
+        model = autopar.compile(model, mesh, kwargs=microbatch, plan="plan.json", **kwargs)
+
+    A pipeline plan adds the schedule, its options, the microbatch count and the training setup (ZeRO,
+    MiCS) the pipeline runtime needs; ``microbatch`` is then the whole batch of one step on a pipeline
+    (``global_batch / dp`` samples per replica, the runtime cuts it). Without a pipeline it is one
+    microbatch (``micro_batch * dp`` samples); with ``microbatches > 1`` accumulate gradients over them.
+    ``"sub_pipeline_tp": true`` in the pipeline section (the search never writes it; the program must
+    then have been planned for half a microbatch) adds ``sub_pipeline_tp=True``.
+    """
+    p = plan.pipeline or {}
+    axes = dict(plan.launch_mesh.axes)
+    if p.get("pp", 1) <= 1:
+        return axes, {}
+    opts = {k: Fraction(v) if isinstance(v, str) else v for k, v in (p.get("schedule_options") or {}).items()}
+    return axes, {
+        "microbatches": p.get("microbatches") or 1,
+        "schedule": p["schedule"],
+        "schedule_options": opts,
+        "options": options_from_dict(plan.options),
+        **({"sub_pipeline_tp": True} if p.get("sub_pipeline_tp") else {}),
+    }
+
+
+__all__ = ["build_plan", "data_parallel_axes", "launch_options"]

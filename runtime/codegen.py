@@ -14,6 +14,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
+from autopar.passes.dropout import is_keyed
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
 
@@ -109,7 +110,7 @@ def codegen(
                 (env[w.name], env[ids.name]),
                 {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
             )
-        elif keyed.is_keyed(op.target, op.args):
+        elif is_keyed(op.target, op.args):
             site = _dropout_site(op, prog, coords, device, root.autopar_rng)
             setattr(root, f"autopar_dropout_{site.key}", site)
             site_node = graph.get_attr(f"autopar_dropout_{site.key}")

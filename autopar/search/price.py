@@ -3,23 +3,15 @@
 Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alpha-beta links:
 
 - stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
-  minimizing the largest stage's forward FLOPs (``balanced_layout``), or Megatron's L / S layers
-  each (``even_layout``);
-- compute seconds per microbatch: forward = FLOPs / (peak * EFFICIENCY), backward twice that,
-  recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
-- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
-  inter-node link prices the whole ring);
-- pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
-  plus an all-gather over tp; intra-node when consecutive stages share a node;
-- data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
-  all-reduce (= reduce-scatter + all-gather) of the rank's gradients; ZeRO-2 one reduce-scatter per
-  microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
-  the weights in every forward, backward and recomputation and reduce-scatters every backward;
-  MiCS does the same inside groups of g ranks plus a cross-group all-reduce of 1/g of the gradients
-  (2-hop synchronization);
+  (``stage_layout.py``: balanced FLOPs, or Megatron's L / S layers each);
+- compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
+  twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+- communication (``comm_time.py``): tensor-parallel all-reduces, pipeline transfers and the
+  data-parallel gradient synchronization after each rank's last backward under ZeRO / MiCS; ZeRO-3's
+  weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
-  the stashed activations of the microbatches in flight (closed forms per schedule, see
-  ``inflight_counts``) plus one recomputed layer's activations while it is rematerialized;
+  the stashed activations of the microbatches in flight (closed forms per schedule,
+  ``solver/pipeline_shape.inflight_per_rank``) plus one recomputed layer's activations while it is rematerialized;
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -40,9 +32,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from autopar.runtime.schedules import stage_aware_ratios
+from autopar.search.comm_time import CommTime
+from autopar.search.profile import Profile, UnitCost
+from autopar.search.space import Candidate
+from autopar.search.stage_layout import Layout, balanced_layout, even_layout
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import EFFICIENCY, TrainingSetup
-from autopar.solver.search_space import Candidate, Profile, UnitCost, inflight_counts
+from autopar.solver.pipeline_shape import stage_ranks
 
 
 @dataclass
@@ -117,7 +114,7 @@ class Analytic:
         self.flop_rate = cluster.peak(dtype) * efficiency
         self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
-        self.dpn = cluster.devices_per_node
+        self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
         units = profile.units
         self.n = len(units)
         rows = _augment(units)  # a parameter read by several units (a tied embedding) counts in each
@@ -129,50 +126,14 @@ class Analytic:
         self._bases: dict[tuple, Any] = {}
         self._fractions: dict[tuple, tuple[float, ...]] = {}
 
-    # -- layouts ----------------------------------------------------------------------------------
+    # -- layouts (stage_layout.py) ----------------------------------------------------------------
     @functools.cache  # noqa: B019 - one Analytic per search
-    def balanced_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
-        """Contiguous unit ranges minimizing the largest stage's forward FLOPs; later stages filled first
-        (the first stages hold more microbatches in flight)."""
-        w = [u.flops for u in self.p.units]
-        if stages > self.n:
-            return None
-        lo, hi = max(w), sum(w)
-        for _ in range(100):  # bisection on the bottleneck
-            mid = (lo + hi) / 2
-            if _parts(w, mid) <= stages:
-                hi = mid
-            else:
-                lo = mid
-            if hi - lo <= 1e-9 * hi:
-                break
-        cap = hi
-        out: list[tuple[int, int]] = []
-        stop = self.n
-        for s in range(stages - 1, -1, -1):
-            start, total = stop, 0.0
-            while start > s and total + w[start - 1] <= cap * (1 + 1e-12):
-                start -= 1
-                total += w[start]
-            if s == 0:
-                start = 0
-            out.append((start, stop))
-            stop = start
-        out.reverse()
-        if any(a >= b for a, b in out):
-            return None
-        return tuple(out)
+    def balanced_layout(self, stages: int) -> Layout | None:
+        return balanced_layout([u.flops for u in self.p.units], stages)
 
     @functools.cache  # noqa: B019
-    def even_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None:
-        """Megatron's: L / S layers per stage, the pre units on the first, the post units on the last."""
-        layers = [i for i, x in enumerate(self._is_layer) if x]
-        L = len(layers)
-        if L % stages or not layers:
-            return None
-        k = L // stages
-        cuts = [0] + [layers[s * k] for s in range(1, stages)] + [self.n]
-        return tuple((cuts[s], cuts[s + 1]) for s in range(stages))
+    def even_layout(self, stages: int) -> Layout | None:
+        return even_layout(self._is_layer, stages)
 
     def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
         return self.even_layout(c.num_stages) if c.layout == "even" else self.balanced_layout(c.num_stages)
@@ -190,31 +151,12 @@ class Analytic:
             )
         return self._max_layer_act[key]
 
-    def intra(self, devices: int) -> bool:
-        """Whether a group of ``devices`` consecutive ranks (aligned to its size) stays inside one node."""
-        return 0 < devices <= self.dpn and self.dpn % devices == 0
-
     def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
-        return self.allreduce(nbytes, count, tp, self.intra(tp))
-
-    def allreduce(self, nbytes: float, count: int, n: int, intra: bool) -> float:
-        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks."""
-        if n <= 1 or nbytes <= 0:
-            return 0.0
-        lat, bw = self.cluster.alpha_beta(intra)
-        return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
-
-    def gather(self, nbytes: float, n: int, intra: bool) -> float:
-        """Seconds of one all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over n ranks."""
-        return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+        return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp))
 
     def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
-        if c.schedule == "wave":
-            from autopar.runtime.schedules import wave_placement
-
-            return tuple(wave_placement(c.pp, c.waves))
-        return tuple(s % c.pp for s in range(c.num_stages))
+        return tuple(stage_ranks(c.pp, c.chunks, c.waves))
 
     def recompute_fractions(self, c: Candidate) -> tuple[float, ...]:
         """Fraction of each stage's layers recomputed (per rank for SCP: 1 - alpha_i)."""
@@ -225,8 +167,6 @@ class Analytic:
             return (1.0,) * S
         key = (S, c.alpha1)
         if key not in self._fractions:
-            from autopar.runtime.schedules import stage_aware_ratios
-
             self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, c.alpha))
         return self._fractions[key]
 
@@ -236,7 +176,7 @@ class Analytic:
         part = self._stage_part(c)
         if part is None:
             return None
-        counts = inflight_counts(c)
+        counts = c.inflight_counts()
         per_param = self.bytes_per_param(c)
         s0, s1 = self._sync_coefficients(c)
         weights = [p * per_param for p in part.rank_params]
@@ -269,16 +209,19 @@ class Analytic:
         """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
         key = (c.dp, c.tp, c.shard_group, c.zero, c.microbatches)
         if key not in self._sync:
-            one, two = self.dp_sync(c, 1e6), self.dp_sync(c, 2e6)
+            one, two = self.comm.dp_sync(c, 1e6), self.comm.dp_sync(c, 2e6)
             slope = (two - one) / 1e6
             self._sync[key] = (one - slope * 1e6, slope)
         return self._sync[key]
 
     def bytes_per_param(self, c: Candidate) -> float:
         """Model-state bytes per parameter element on a rank under the candidate's ZeRO / MiCS."""
-        zf = c.shard_group if c.dp > 1 else 1
+        return self._state_bytes(c.zero, c.shard_group if c.dp > 1 else 1)
+
+    def _state_bytes(self, zero: int, group: int) -> float:
+        """Model-state bytes per parameter element with ZeRO stage ``zero`` sharding over ``group`` ranks."""
         w, g, o = self.weight_b, self.grad_b, self.state_b
-        return w / (zf if c.zero >= 3 else 1) + g / (zf if c.zero >= 2 else 1) + o / (zf if c.zero >= 1 else 1)
+        return w / (group if zero >= 3 else 1) + g / (group if zero >= 2 else 1) + o / (group if zero >= 1 else 1)
 
     def _stage_part(self, c: Candidate) -> _Part | None:
         """Per-stage times, kept activations and parameters: everything but ZeRO's per-rank effects
@@ -329,7 +272,7 @@ class Analytic:
         ranks = self.stage_ranks(c)
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
-        intra_g = self.intra(tp * z3)
+        intra_g = self.comm.intra(tp * z3)
         tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
@@ -341,8 +284,8 @@ class Analytic:
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
             fz = bz = 0.0
             if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
-                gather = self.gather(params * self.weight_b, z3, intra_g)
-                fz, bz = gather, gather + self.gather(params * self.grad_b, z3, intra_g)
+                gather = self.comm.gather(params * self.weight_b, z3, intra_g)
+                fz, bz = gather, gather + self.comm.gather(params * self.grad_b, z3, intra_g)
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
             tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
@@ -352,7 +295,7 @@ class Analytic:
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
             params_of.append(params)
         tc = tuple(
-            self.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
+            self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
             for s in range(len(stages) - 1)
         )
         mine: list[list[int]] = [[] for _ in range(c.pp)]
@@ -392,43 +335,7 @@ class Analytic:
         work = 3 * b * (f_tp / tp + f_all - f_tp) / self.flop_rate
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
-        zf = dp if dp > 1 else 1
-        w, g, o = self.weight_b, self.grad_b, self.state_b
-        per = w / (zf if max_shard >= 3 else 1) + g / (zf if max_shard >= 2 else 1) + o / (zf if max_shard >= 1 else 1)
-        return m * work / pp, params * per
-
-    def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
-        """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
-        if r0 == r1 or nbytes <= 0:
-            return 0.0
-        stride = c.dp * c.tp  # ranks of consecutive pipeline stages differ by dp * tp
-        intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
-        if self.scatter_gather and c.tp > 1:
-            send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
-            return send + self.gather(nbytes, c.tp, self.intra(c.tp))
-        return self.cluster.collective_seconds("send", nbytes, 1, intra)
-
-    def dp_sync(self, c: Candidate, params: float) -> float:
-        """Seconds of one rank's data-parallel gradient synchronization per step (see module doc)."""
-        if c.dp <= 1:
-            return 0.0
-        g = c.shard_group
-        grads, weights = params * self.grad_b, params * self.weight_b
-        intra_g = self.intra(c.tp * g)
-        intra_all = self.intra(c.tp * c.dp)
-        if g == c.dp:
-            if c.zero <= 1:
-                return self.allreduce(grads, 1, c.dp, intra_all)
-            if c.zero == 2:
-                return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
-            return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
-        # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
-        across = self.allreduce(grads / g, 1, c.dp // g, intra_all)
-        if c.zero <= 1:
-            return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
-        if c.zero == 2:
-            return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
-        return across
+        return m * work / pp, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
 
     # -- FLOP counts for throughput --------------------------------------------------------------------
     def eq3_flops(self) -> float:
@@ -469,20 +376,6 @@ def _prefix(values: Sequence[float]) -> list[float]:
     for v in values:
         out.append(out[-1] + v)
     return out
-
-
-def _parts(w: Sequence[float], cap: float) -> int:
-    """Contiguous runs needed so that each sums to at most ``cap`` (inf if one item exceeds it)."""
-    parts, total = 1, 0.0
-    for v in w:
-        if v > cap * (1 + 1e-12):
-            return 1 << 30
-        if total + v > cap * (1 + 1e-12):
-            parts += 1
-            total = v
-        else:
-            total += v
-    return parts
 
 
 def _augment(units: tuple[UnitCost, ...]) -> list[dict[str, float]]:

@@ -1,0 +1,80 @@
+"""Seconds of the collectives a candidate runs: tensor-parallel all-reduces, pipeline transfers, data-parallel sync.
+
+With the cluster's alpha-beta links (intra-node when a group of consecutive ranks stays inside one node):
+
+- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
+  inter-node link prices the whole ring);
+- pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
+  plus an all-gather over tp; intra-node when consecutive stages share a node;
+- data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
+  all-reduce (= reduce-scatter + all-gather) of the rank's gradients; ZeRO-2 one reduce-scatter per
+  microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
+  the weights in every forward, backward and recomputation and reduce-scatters every backward (priced
+  per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
+  all-reduce of 1/g of the gradients (2-hop synchronization).
+"""
+
+from __future__ import annotations
+
+from autopar.search.space import Candidate
+from autopar.solver.cluster import ClusterSpec
+
+
+class CommTime:
+    """Collective seconds on one cluster, for model states of ``weight_b`` / ``grad_b`` bytes per element."""
+
+    def __init__(self, cluster: ClusterSpec, weight_b: float, grad_b: float, scatter_gather: bool = True):
+        self.cluster, self.weight_b, self.grad_b = cluster, weight_b, grad_b
+        self.scatter_gather = scatter_gather
+        self.dpn = cluster.devices_per_node
+
+    def intra(self, devices: int) -> bool:
+        """Whether a group of ``devices`` consecutive ranks (aligned to its size) stays inside one node."""
+        return 0 < devices <= self.dpn and self.dpn % devices == 0
+
+    def allreduce(self, nbytes: float, count: int, n: int, intra: bool) -> float:
+        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks."""
+        if n <= 1 or nbytes <= 0:
+            return 0.0
+        lat, bw = self.cluster.alpha_beta(intra)
+        return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
+
+    def gather(self, nbytes: float, n: int, intra: bool) -> float:
+        """Seconds of one all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over n ranks."""
+        return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+
+    def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
+        """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
+        if r0 == r1 or nbytes <= 0:
+            return 0.0
+        stride = c.dp * c.tp  # ranks of consecutive pipeline stages differ by dp * tp
+        intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
+        if self.scatter_gather and c.tp > 1:
+            send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
+            return send + self.gather(nbytes, c.tp, self.intra(c.tp))
+        return self.cluster.collective_seconds("send", nbytes, 1, intra)
+
+    def dp_sync(self, c: Candidate, params: float) -> float:
+        """Seconds of one rank's data-parallel gradient synchronization per step (see the module docstring)."""
+        if c.dp <= 1:
+            return 0.0
+        g = c.shard_group
+        grads, weights = params * self.grad_b, params * self.weight_b
+        intra_g = self.intra(c.tp * g)
+        intra_all = self.intra(c.tp * c.dp)
+        if g == c.dp:
+            if c.zero <= 1:
+                return self.allreduce(grads, 1, c.dp, intra_all)
+            if c.zero == 2:
+                return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
+            return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
+        # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
+        across = self.allreduce(grads / g, 1, c.dp // g, intra_all)
+        if c.zero <= 1:
+            return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        if c.zero == 2:
+            return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+        return across
+
+
+__all__ = ["CommTime"]

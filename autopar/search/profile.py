@@ -1,0 +1,356 @@
+"""Profile a model for the search: capture it once with one sample and read per-layer costs from its IR.
+
+The program is cut into units: ``pre`` (ops before the main layer stack, e.g. the embeddings), one
+unit per layer of the stack (``transformer.h.N``, ``model.layers.N``), ``post`` (final norm, head,
+loss). Per unit and per sample (``UnitCost``): forward FLOPs, parameters, bytes saved for backward,
+bytes entering the unit, and the tensor-parallel all-reduces of Megatron's layout.
+
+- Megatron's tensor parallelism is read off the IR (``solver/megatron_roles.py``, the one copy of the
+  column/row detection): values between a column- and a row-parallel matmul are split over tp, so
+  are their FLOPs and bytes. Each row-parallel output is all-reduced in the forward pass (Megatron's
+  g), each distinct input of a column-parallel matmul in the backward pass (f); an embedding lookup
+  of the largest table is vocabulary-parallel (forward all-reduce of its output). Matrices (2-D
+  parameters) are split over tp, vectors are not.
+- Saved activations: a float tensor is saved for backward when a consumer needs its value to
+  compute gradients (matmuls, attention, norms, nonlinear pointwise ops, products of two tensors)
+  or its producer needs its own output (softmax, tanh, exp, ...); additions, views, casts, dropout
+  with p = 0 save nothing. For a GPT layer this gives 32 s h bytes per sample in 16-bit: Megatron's
+  34 s h without its two dropout masks (fused attention: no s^2 term). Common nodes (masks, rotary
+  tables) are not counted.
+
+``profile_model`` captures a model spec on the meta device and caches its profile on disk by spec
+beside the plan cache (``$AUTOPAR_CACHE_DIR/../profiles``), so a second search skips the capture.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from autopar.errors import PresetError
+from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
+from autopar.models import _PRESETS, build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.pipeline_split import common_nodes
+from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
+
+PROFILE_VERSION = 2  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+
+ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
+# ops whose backward needs nothing but the incoming gradient (they save no activation)
+_NO_SAVE = VIEW_OPS | {
+    "aten.add.Tensor",
+    "aten.add.Scalar",
+    "aten.sub.Tensor",
+    "aten.sub.Scalar",
+    "aten.neg",
+    "aten.dropout",
+    "aten.to.dtype",
+    "aten.to.dtype_layout",
+    "aten._to_copy",
+    "aten.contiguous",
+    "aten.clone",
+    "aten.cat",
+    "aten.sum.dim_IntList",
+    "aten.mean.dim",
+    "aten.embedding",
+    "aten.expand_as",
+    "aten.flatten.using_ints",
+}
+# ops whose backward needs their own output
+_SAVE_OUTPUT = frozenset(
+    {
+        "aten._softmax",
+        "aten.softmax.int",
+        "aten._log_softmax",
+        "aten.log_softmax.int",
+        "aten.tanh",
+        "aten.sigmoid",
+        "aten.exp",
+        "aten.rsqrt",
+        "aten.sqrt",
+    }
+)
+_PRODUCTS = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})  # save operands only when both are tensors
+_LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+# ---------------------------------------------------------------------------------------------
+# Per-unit costs read from the IR
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Forward costs of one unit per sample (bytes at the program's float dtype)."""
+
+    kind: str  # "pre", "layer" or "post"
+    label: str
+    flops: float  # forward FLOPs of every non-view op
+    flops_tp: float  # ... of which Megatron's layout divides over tp
+    mm_flops: float  # matmul and attention FLOPs only (what Megatron's Eq. 3 counts)
+    params_tp: int  # parameter elements split over tp (matrices)
+    params_rep: int  # parameter elements replicated over tp (vectors)
+    act_tp: float  # bytes saved for backward, split over tp
+    act_rep: float  # bytes saved for backward, replicated over tp
+    input_bytes: float  # bytes of the non-common tensors entering the unit (a recomputed layer keeps these)
+    ar_fwd_bytes: float  # bytes all-reduced over tp in the forward pass
+    ar_fwd_count: int  # ... in this many all-reduces
+    ar_bwd_bytes: float  # bytes all-reduced over tp in the backward pass
+    ar_bwd_count: int
+
+    def act(self, tp: int) -> float:
+        return self.act_tp / tp + self.act_rep
+
+    def params(self, tp: int) -> float:
+        return self.params_tp / tp + self.params_rep
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A model's units and the facts the search needs, per sample; saved as JSON in the profile cache."""
+
+    model: str
+    seq: int
+    itemsize: int  # bytes per element of the program's floats (4 for a float32 capture)
+    units: tuple[UnitCost, ...]  # pre, the layers in order, post
+    total_params: int  # distinct parameter elements (a tied weight once)
+    tp_divides: tuple[int, ...]  # sizes tp must divide (attention heads, split feature dims)
+    version: int = PROFILE_VERSION
+
+    @property
+    def num_layers(self) -> int:
+        return sum(u.kind == "layer" for u in self.units)
+
+    @property
+    def mm_flops(self) -> float:
+        """Forward matmul and attention FLOPs per sample of the whole model."""
+        return sum(u.mm_flops for u in self.units)
+
+    def tp_ok(self, tp: int) -> bool:
+        return all(d % tp == 0 for d in self.tp_divides)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        d = dict(d)
+        d["units"] = tuple(UnitCost(**u) for u in d["units"])
+        d["tp_divides"] = tuple(d["tp_divides"])
+        return cls(**d)
+
+
+def _layer_key(path: str) -> tuple[str, int] | None:
+    m = _LAYER.match(path or "")
+    return (m.group("stack"), int(m.group("index"))) if m else None
+
+
+def _units_of(prog: Program) -> list[tuple[str, str, list[Op]]]:
+    """(kind, label, ops) in program order: pre, one per layer of the main stack, post."""
+    keys = [_layer_key(op.path) for op in prog.ops]
+    stacks: dict[str, set[int]] = {}
+    for k in keys:
+        if k:
+            stacks.setdefault(k[0], set()).add(k[1])
+    if not stacks:
+        return [("layer", "model", list(prog.ops))]
+    main = max(stacks, key=lambda s: (len(stacks[s]), s))
+    in_main = [i for i, k in enumerate(keys) if k and k[0] == main]
+    first, last = in_main[0], in_main[-1]
+    units: list[tuple[str, str, list[Op]]] = [("pre", "pre", list(prog.ops[:first]))]
+    current = None
+    for i in range(first, last + 1):
+        k = keys[i]
+        if k and k[0] == main and (current is None or k[1] != current):
+            current = k[1]
+            units.append(("layer", f"{main}.{current}", []))
+        units[-1][2].append(prog.ops[i])
+    units.append(("post", "post", list(prog.ops[last + 1 :])))
+    return units
+
+
+def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) -> Profile:
+    """Read per-sample unit costs from an unsharded lowered program whose inputs hold ``batch`` samples."""
+    types = prog.types()
+    commons = common_nodes(prog)
+    params = {v.name: v for v in prog.inputs if v.kind == "param"}
+    weights = weight_values(prog)  # parameters and views or casts of them
+    saved = _saved_for_backward(prog, weights, commons)
+    # the largest embedding table is the vocabulary (Megatron splits it over tp); position tables are not
+    tables = [op.input_refs()[0].name for op in prog.ops if op.target == "aten.embedding" and op.input_refs()]
+    tables = [n for n in tables if n in weights]
+    vocab = max(tables, key=lambda n: (types[n].shape[0], n)) if tables else None
+    role = dict(zip((id(op) for op in prog.ops), megatron_roles(prog.ops, weights, vocab)))
+    split_values = {r for op in prog.ops if role[id(op)] in (COLUMN, SPLIT) for r in op.results}
+    units = _units_of(prog)
+    unit_of: dict[str, int] = {v.name: -1 for v in prog.inputs}
+    for k, (_, _, ops) in enumerate(units):
+        for op in ops:
+            for r in op.results:
+                unit_of[r] = k
+    tp_divides: set[int] = set()
+    out: list[UnitCost] = []
+    itemsize = 4
+    for k, (kind, label, ops) in enumerate(units):
+        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0)
+        arf = [0.0, 0]
+        arb = [0.0, 0]
+        f_inputs: set[str] = set()
+        seen_params: set[str] = set()
+        seen_in: set[str] = set()
+        for op in ops:
+            refs = [r.name for r in op.input_refs()]
+            for n in refs:
+                if n in params and n not in seen_params:
+                    seen_params.add(n)
+                    if len(params[n].type.shape) >= 2:
+                        c["ptp"] += params[n].type.numel
+                    else:
+                        c["prep"] += params[n].type.numel
+                t = types[n]
+                if (
+                    n not in seen_in
+                    and unit_of.get(n, -1) >= 0
+                    and unit_of[n] < k
+                    and n not in commons
+                    and n not in weights
+                    and t.is_float
+                ):
+                    seen_in.add(n)
+                    c["inb"] += t.nbytes
+            r_ = role[id(op)]
+            if r_ in (ROW, COLUMN):
+                wshape = types[next(n for n in refs if n in weights)].shape
+                # the dim tp splits: a row-parallel weight's input features, a column-parallel one's outputs
+                dim = (0 if op.target == "aten.mm" else 1) if r_ == ROW else (1 if op.target == "aten.mm" else 0)
+                if kind == "layer" and len(wshape) == 2:
+                    tp_divides.add(wshape[dim])
+            if r_ in (ROW, VOCAB):  # partial output all-reduced in the forward pass (g)
+                arf[0] += op.types[0].nbytes
+                arf[1] += 1
+            elif r_ == COLUMN:  # its activation input's gradient all-reduced in the backward pass (f)
+                for n in refs:
+                    if n not in weights and n not in f_inputs:
+                        f_inputs.add(n)
+                        arb[0] += types[n].nbytes
+                        arb[1] += 1
+            elif op.target in ATTENTION and kind == "layer":
+                tp_divides.update(types[n].shape[1] for n in refs[:3] if len(types[n].shape) == 4)
+            if op.target not in VIEW_OPS:
+                c["flops"] += op.flops
+                if r_:
+                    c["flops_tp"] += op.flops
+                if op.target in CONTRACTIONS or op.target in ATTENTION:
+                    c["mm"] += op.flops
+            for r, t in zip(op.results, op.types):
+                if r in saved:
+                    itemsize = t.itemsize
+                    if r in split_values:
+                        c["atp"] += t.nbytes
+                    else:
+                        c["arep"] += t.nbytes
+        out.append(
+            UnitCost(
+                kind=kind,
+                label=label,
+                flops=c["flops"] / batch,
+                flops_tp=c["flops_tp"] / batch,
+                mm_flops=c["mm"] / batch,
+                params_tp=c["ptp"],
+                params_rep=c["prep"],
+                act_tp=c["atp"] / batch,
+                act_rep=c["arep"] / batch,
+                input_bytes=c["inb"] / batch,
+                ar_fwd_bytes=arf[0] / batch,
+                ar_fwd_count=arf[1],
+                ar_bwd_bytes=arb[0] / batch,
+                ar_bwd_count=arb[1],
+            )
+        )
+    # activations saved in a unit but produced in an earlier one are the later unit's input: counted there
+    return Profile(
+        model=model,
+        seq=seq,
+        itemsize=itemsize,
+        units=tuple(out),
+        total_params=sum(v.type.numel for v in params.values()),
+        tp_divides=tuple(sorted(tp_divides)),
+    )
+
+
+def _saved_for_backward(prog: Program, weights: frozenset[str], commons: set[str]) -> set[str]:
+    """Float op results some op needs in its backward pass (see the module docstring)."""
+    types = prog.types()
+    produced = {r for op in prog.ops for r in op.results}
+    saved: set[str] = set()
+    for op in prog.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target in _SAVE_OUTPUT:
+            saved.update(op.results)
+        if op.target in _NO_SAVE:
+            continue
+        tensors = [n for n in refs if types[n].shape != ()]
+        if op.target in _PRODUCTS and len(tensors) < 2:
+            continue
+        saved.update(refs)
+    return {n for n in saved if n in produced and n not in weights and n not in commons and types[n].is_float}
+
+
+# ---------------------------------------------------------------------------------------------
+# Profiles of model specs (one capture per spec, cached)
+
+
+def with_batch(spec: str, batch: int) -> str:
+    """The MODEL string with its example batch set to ``batch`` (presets only)."""
+    name, _, rest = spec.partition(":")
+    if name not in _PRESETS:
+        raise PresetError(
+            f"the search sets the example batch through the preset override batch=N; {spec!r} is not a "
+            "preset: plan it with --mesh, or wrap it as a preset-like function taking the batch"
+        )
+    items = [s.strip() for s in rest.split(",") if s.strip() and not s.strip().startswith("batch=")]
+    return f"{name}:" + ",".join(items + [f"batch={batch}"])
+
+
+_PROFILES: dict[str, Profile] = {}
+
+
+def profile_model(spec: str, cache: bool = True) -> Profile:
+    """Capture ``spec`` with one sample on the meta device and read its per-unit costs (cached)."""
+    one = with_batch(spec, 1)
+    try:  # deferred: transformers is optional (the hf extra); its version is part of the cache key
+        import transformers
+
+        tv = transformers.__version__
+    except ImportError:  # pragma: no cover - the presets need transformers
+        tv = ""
+    key = hashlib.sha256(f"{one}|{torch.__version__}|{tv}|{PROFILE_VERSION}".encode()).hexdigest()[:24]
+    if cache and key in _PROFILES:
+        return _PROFILES[key]
+    d = cache_dir("profiles") if cache else None
+    path = d / f"{key}.json" if d else None
+    if path is not None and path.exists():
+        try:
+            prof = Profile.from_dict(json.loads(path.read_text()))
+            _PROFILES[key] = prof
+            return prof
+        except (ValueError, TypeError, KeyError):
+            pass  # a stale or damaged entry: capture again
+    m = build(one, device="meta")
+    prog = lower(capture(m.model, m.args, m.kwargs), MeshSpec())
+    seq = next((v.type.shape[1] for v in prog.inputs if v.kind == "input" and len(v.type.shape) >= 2), 0)
+    prof = profile_program(prog, batch=1, model=spec, seq=seq)
+    if cache:
+        _PROFILES[key] = prof
+    if path is not None:
+        write_atomic(path, json.dumps(prof.to_dict()))
+    return prof
+
+
+__all__ = ["PROFILE_VERSION", "Profile", "UnitCost", "profile_model", "profile_program", "with_batch"]

@@ -1,0 +1,107 @@
+"""Score priced candidates by simulation: the schedule's action lists run with the candidate's per-stage costs.
+
+Each rank then synchronizes its data-parallel gradients (``Evaluation.reduce``). Without a pipeline the
+step has a closed form. Large schedules (more than ``FULL_SIMULATION`` forward actions) are simulated at
+two smaller microbatch counts congruent to m modulo pp and extrapolated linearly (marked
+"extrapolated"). Schedules are built once per shape and kept as text beside the plan cache
+(``$AUTOPAR_CACHE_DIR/../schedules``); results are cached by per-stage costs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.runtime.actions import COMPUTE_KINDS, Schedule
+from autopar.runtime.costs import Costs
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.simulator import simulate
+from autopar.search.price import Evaluation
+
+FULL_SIMULATION = 2048  # simulate exactly up to this many forward actions (stages x microbatches)
+
+
+class Scorer:
+    """Simulates candidates; caches schedules by shape and results by per-stage costs."""
+
+    def __init__(self, full_limit: int = FULL_SIMULATION):
+        self.full_limit = full_limit
+        self.schedules: dict[tuple, Any] = {}
+        self.results: dict[tuple, tuple[list[float], list[float]]] = {}
+        self.simulations = 0
+
+    def schedule(self, name: str, P: int, M: int, opts: tuple):
+        """The schedule's action lists: built once per shape, kept as text in the schedule cache."""
+        key = (name, P, M, opts)
+        if key not in self.schedules:
+            d = cache_dir("schedules")
+            tag = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+            path = d / f"{name}-{P}-{M}-{tag}.txt" if d else None
+            sched = None
+            if path is not None and path.exists():
+                try:
+                    sched = Schedule.from_text(path.read_text())
+                except Exception:  # a damaged entry: build again
+                    sched = None
+            if sched is None:
+                sched = make_schedule(name, P, M, **dict(opts))
+                if path is not None:
+                    write_atomic(path, sched.to_text())
+            self.schedules[key] = sched
+        return self.schedules[key]
+
+    def costs(self, ev: Evaluation):
+        """Per-stage costs for the simulator: recomputation folded into the backward where the
+        schedule has no RECOMPUTE actions (interleaved, waves)."""
+        c = ev.candidate
+        tb, tr = list(ev.tb), list(ev.tr)
+        if c.schedule in ("interleaved", "wave"):
+            tb = [b + x * r for b, x, r in zip(tb, ev.recompute_fraction, tr)]
+            tr = [0.0] * len(tr)
+        return Costs.uniform(len(ev.tf), tf=list(ev.tf), tb=tb, tr=tr, tc=list(ev.tc) if ev.tc else 0.0)
+
+    def finish_times(self, ev: Evaluation, M: int) -> tuple[list[float], list[float]]:
+        """(per-rank time of the last compute action, per-rank busy time) for M microbatches."""
+        c = ev.candidate
+        opts = tuple(sorted(c.schedule_options().items()))
+        costs = self.costs(ev)
+        key = (c.schedule, c.pp, M, opts, costs)
+        if key not in self.results:
+            sched = self.schedule(c.schedule, c.pp, M, opts)
+            res = simulate(sched, costs)
+            self.simulations += 1
+            finish = [
+                max((float(e.end) for e in evs if e.action.kind in COMPUTE_KINDS), default=0.0) for evs in res.timeline
+            ]
+            self.results[key] = (finish, [float(b) for b in res.busy])
+        return self.results[key]
+
+    def score(self, ev: Evaluation) -> Evaluation:
+        """Set ``ev.step_time`` (simulated, or closed form without a pipeline) and ``ev.bubble``."""
+        c = ev.candidate
+        m = c.microbatches
+        if c.pp == 1:
+            busy = m * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
+            ev.step_time, ev.bubble, ev.simulated = busy + ev.reduce[0], 0.0, "closed form"
+            return ev
+        P = c.pp
+        if ev.candidate.num_stages * m <= self.full_limit or m < 3 * P:
+            finish, busy = self.finish_times(ev, m)
+            ev.simulated = "exact"
+        else:
+            m1 = 2 * P + m % P
+            f1, b1 = self.finish_times(ev, m1)
+            f2, b2 = self.finish_times(ev, m1 + P)
+            k = (m - m1) / P
+            finish = [a + k * (b - a) for a, b in zip(f1, f2)]
+            busy = [a + k * (b - a) for a, b in zip(b1, b2)]
+            ev.simulated = "extrapolated"
+        step = max(f + r for f, r in zip(finish, ev.reduce))
+        ev.step_time = max(step, ev.lower_bound)
+        top = max(busy)
+        ev.bubble = (max(finish) - top) / top if top else 0.0
+        return ev
+
+
+__all__ = ["FULL_SIMULATION", "Scorer"]

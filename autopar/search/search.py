@@ -1,0 +1,254 @@
+"""The search: the ``top`` fastest whole plans of a model for a cluster within a memory budget, by branch and bound.
+
+    from autopar.search import search_model
+    result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536)
+    print(result.format(top=5))           # step time, MFU, peak memory per rank of the best plans
+    plan = result.materialize()           # the intra-op ILP per distinct stage -> an autopar Plan
+    plan.save("plan.json")
+
+or ``autopar plan gpt3-175b --cluster dgx-a100:nodes=128 --global-batch 1536 --top 5 -o plan.json``.
+
+How a search runs (what is exact and what is estimated: docs/user_guide.md, "How the search works"),
+one file per step:
+
+1. **Profile** (``profile.py``): the model is captured once on the meta device with one sample per
+   batch and lowered; per-layer FLOPs, parameters, saved activations and Megatron-style
+   tensor-parallel all-reduces are read from the IR (cached on disk by model spec).
+2. **Enumerate and price** (``space.py``, ``price.py``): every candidate of the ``SearchSpace`` is
+   priced analytically (``Analytic.evaluate``): per-stage times, per-rank memory, and a lower bound
+   on the step time. Candidates over the memory budget are dropped; so are dominated ones (ZeRO-0
+   when dp > 1, a slower recomputation or higher ZeRO stage of a configuration that fits with less).
+3. **Score** (``score.py``): survivors are visited in order of their lower bound (``order="bound"``)
+   or in any given order; a candidate whose lower bound exceeds the K-th best step time found so far
+   cannot be among the K best and is not simulated (branch and bound: the answer does not depend on
+   the visiting order, tests/test_search.py shuffles it). Others are simulated.
+4. **Materialize** (``materialize.py``): ``SearchResult.materialize`` captures the model at the
+   chosen micro-batch, splits it into the chosen stages, solves the intra-op ILP once per distinct
+   stage, merges the placements and inserts the collectives: a Plan file that
+   ``autopar.compile(model, mesh, plan=...)`` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+import sys
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from autopar.errors import InfeasibleError
+from autopar.search.price import Analytic, Evaluation
+from autopar.search.profile import Profile, profile_model
+from autopar.search.result import GiB, SearchResult
+from autopar.search.score import Scorer
+from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, families, max_shard
+from autopar.solver.cluster import ClusterSpec
+
+_BOUND_SLACK = 1e-9  # relative: float sums of the bound and the simulator differ in the last bits
+
+
+def search(
+    profile: Profile,
+    cluster: ClusterSpec,
+    global_batch: int,
+    budget_bytes: float | None = None,
+    space: SearchSpace | None = None,
+    top: int = 1,
+    precision: str = "bf16",
+    order: str = "bound",
+    seed: int = 0,
+    progress: bool = False,
+    scorer: Scorer | None = None,
+    spec: str | None = None,
+) -> SearchResult:
+    """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: device memory).
+
+    Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
+    priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
+    increasing bound and priced candidates are scored best first, each only once nothing cheaper is
+    left; "shuffle" visits families and their candidates in a random order drawn from ``seed``,
+    "given" in enumeration order. A family or candidate whose bound exceeds the K-th best step time
+    found so far is skipped. The answer does not depend on the order. Equal step times are broken by
+    memory, then by the candidate's fields. Raises ``InfeasibleError`` (with
+    ``smallest_budget_bytes``) when nothing fits.
+    """
+    t0 = time.perf_counter()
+    space = dataclasses.replace(space or SearchSpace(), devices_per_node=cluster.devices_per_node)
+    budget = float(budget_bytes if budget_bytes is not None else cluster.device_memory)
+    an = Analytic(profile, cluster, global_batch, precision=precision)
+    keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
+            "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip
+    stats: dict[str, Any] = dict.fromkeys(keys, 0)
+    fams = families(an, space, cluster.world_size)
+    stats["families"] = len(fams)
+    bounds = {f: an.family_bounds(f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f)) for f in fams}
+    rng = random.Random(seed)
+    if order == "bound":
+        fams.sort(key=lambda f: (bounds[f][0], f))
+    elif order == "shuffle":
+        rng.shuffle(fams)
+    elif order != "given":
+        raise ValueError(f"order must be bound, shuffle or given, not {order!r}")
+    scorer = scorer or Scorer()
+    heap: list[tuple] = []  # the K best so far as (-step, -memory, inverted candidate order, evaluation)
+    best_first = order == "bound"
+    queue: list[tuple] = []  # priced, unscored candidates: (lower bound, candidate, evaluation)
+
+    def kth() -> float:
+        return -heap[0][0] if len(heap) >= top else math.inf
+
+    def consider(ev: Evaluation) -> None:
+        if ev.lower_bound > kth() * (1 + _BOUND_SLACK):
+            stats["pruned_by_bound"] += 1
+            return
+        scorer.score(ev)
+        stats["scored"] += 1
+        item = (-ev.step_time, -ev.memory, _Inverted(ev.candidate), ev)
+        if len(heap) < top:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+
+    def drain(limit: float) -> None:
+        """Score queued candidates with a lower bound up to ``limit``, best first."""
+        while queue and queue[0][0] <= limit:
+            consider(heapq.heappop(queue)[2])
+
+    bar = tqdm(total=len(fams), desc="search", unit="family", file=sys.stderr, disable=not progress, leave=False)
+    for i, f in enumerate(fams):
+        if best_first:
+            drain(bounds[f][0])  # everything queued that could beat this family goes first
+        if bounds[f][0] > kth() * (1 + _BOUND_SLACK):
+            rest = fams[i:] if best_first else [f]  # families come by increasing bound: all later ones too
+            stats["families_pruned_by_bound"] += len(rest)
+            stats["pruned_by_bound"] += sum(ch.size for g in rest for ch in chains(an, space, g))
+            stats["space"] += sum(ch.size for g in rest for ch in chains(an, space, g))
+            bar.update(len(rest))
+            if best_first:
+                break
+            continue
+        bar.update(1)
+        family_chains = list(chains(an, space, f))
+        size = sum(ch.size for ch in family_chains)
+        stats["space"] += size
+        if bounds[f][1] > budget:  # the model states alone do not fit
+            stats["families_over_budget"] += 1
+            stats["over_budget"] += size
+            continue
+        found: list[Evaluation] = []
+        for ch in family_chains:
+            stats["dominated"] += ch.dominated
+            stats["unsupported"] += ch.unsupported
+            found += _staircase(an, ch, budget, stats)
+        if best_first:
+            for ev in found:
+                heapq.heappush(queue, (ev.lower_bound, ev.candidate, ev))
+        else:
+            if order == "shuffle":
+                rng.shuffle(found)
+            for ev in found:
+                consider(ev)
+        bar.set_postfix(scored=stats["scored"], refresh=False)
+    drain(math.inf)
+    bar.close()
+    if not heap:
+        _no_fit(an, space, fams, cluster, global_batch, budget, stats)
+    best = sorted((e for *_, e in heap), key=lambda e: e.sort_key)
+    stats["simulations"] = scorer.simulations
+    stats["schedules_built"] = len(scorer.schedules)
+    stats["search_seconds"] = time.perf_counter() - t0
+    stats.setdefault("profile_seconds", 0.0)
+    return SearchResult(best, stats, an, cluster, global_batch, budget, space, spec, precision, scorer)
+
+
+def _staircase(an: Analytic, ch: Chain, budget: float, stats: dict[str, Any]) -> list[Evaluation]:
+    """The non-dominated candidates of a chain that fit: for each ZeRO stage (ascending) the least
+    recomputation that fits, kept only if it recomputes strictly less than every lower stage's.
+    Memory is non-increasing along the levels, so the first fitting level is found by bisection."""
+    out: list[Evaluation] = []
+    limit = len(ch.levels)  # levels at or beyond this are dominated by a lower ZeRO stage
+    for z in ch.zeros:
+        lo, hi, fit, first = 0, limit, None, limit  # the first fitting level lies in [lo, hi)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ev = an.evaluate(ch.candidate(z, mid))
+            stats["priced"] += 1
+            if ev is not None and ev.memory <= budget:
+                fit, first, hi = ev, mid, mid
+            else:
+                lo = mid + 1
+        stats["over_budget"] += first  # below the first fitting level: over budget (memory is monotone)
+        stats["dominated"] += len(ch.levels) - first - (fit is not None)
+        if fit is not None:
+            out.append(fit)
+            limit = first
+    return out
+
+
+class _Inverted:
+    """Reverses a candidate's order so that the heap's root is the worst of the K kept."""
+
+    __slots__ = ("c",)
+
+    def __init__(self, c: Candidate):
+        self.c = c
+
+    def __lt__(self, other: _Inverted) -> bool:
+        return self.c > other.c
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Inverted) and self.c == other.c
+
+
+def smallest_memory(an: Analytic, space: SearchSpace, fams: list[Family]) -> float:
+    """The least per-device memory of any candidate: each chain at its strongest ZeRO stage and most
+    recomputation (memory is monotone along both)."""
+    best = math.inf
+    for f in fams:
+        for ch in chains(an, space, f):
+            ev = an.evaluate(ch.candidate(ch.zeros[-1], len(ch.levels) - 1))
+            if ev is not None:
+                best = min(best, ev.memory)
+    return best
+
+
+def _no_fit(an: Analytic, space: SearchSpace, fams: list[Family], cluster: ClusterSpec, B: int, budget: float,
+            stats: dict) -> None:  # fmt: skip
+    smallest = smallest_memory(an, space, fams)
+    model = an.p.model or "the model"
+    if smallest == math.inf:
+        raise InfeasibleError(
+            f"no configuration of {model} exists on {cluster.world_size} devices with global batch {B}: the batch "
+            "must be divisible by a data-parallel size and the search space must not be empty",
+        )
+    raise InfeasibleError(
+        f"no plan of {model} fits {budget / GiB:.2f} GiB per device on {cluster.name} x {cluster.world_size} with "
+        f"global batch {B} ({stats['space']:,} candidates); the smallest budget that fits is {smallest / GiB:.2f} GiB "
+        f"({smallest:,.0f} bytes): raise --budget-gb, use more devices, or allow more ZeRO stages / recomputation",
+        smallest_budget_bytes=smallest,
+    )
+
+
+def search_model(
+    spec: str,
+    cluster: ClusterSpec | str,
+    global_batch: int,
+    budget_bytes: float | None = None,
+    space: SearchSpace | None = None,
+    **kw: Any,
+) -> SearchResult:
+    """``search`` for a model spec (preset with overrides): profile it (cached), then search."""
+    cl = cluster if isinstance(cluster, ClusterSpec) else ClusterSpec.load(cluster)
+    t0 = time.perf_counter()
+    prof = profile_model(spec)
+    seconds = time.perf_counter() - t0
+    result = search(prof, cl, global_batch, budget_bytes, space, spec=spec, **kw)
+    result.stats["profile_seconds"] = seconds
+    return result
+
+
+__all__ = ["search", "search_model", "smallest_memory"]

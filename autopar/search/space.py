@@ -1,0 +1,304 @@
+"""The search space: the candidate configurations of a whole plan, and their families and chains.
+
+``autopar plan MODEL --cluster SPEC --global-batch B`` (``autopar/search/search.py``) searches over
+
+    mesh          pp x dp x tp = the cluster's devices (tp innermost, then dp, then pp, as Megatron
+                  lays ranks out: a tp group stays inside a node when tp divides the devices per node)
+    micro-batch   b, a divisor of B / dp; m = B / (dp b) microbatches per pipeline
+    schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path
+    recompute     none, full (every transformer layer keeps only its input), or Merak's stage-aware
+                  ratios alpha_i (SCP only; alpha_1 the largest that fits, on a 1/20 grid)
+    ZeRO / MiCS   stage 1, 2, 3 over the dp group or inside MiCS partition groups of g ranks
+
+A ``Family`` is a mesh and a micro-batch (the candidates sharing a step-time and a memory lower
+bound); a ``Chain`` the candidates of a family that differ only in ZeRO stage and recomputation.
+Pricing a candidate is ``price.py``; profiles ``profile.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from dataclasses import replace as dc_replace
+from fractions import Fraction
+from typing import Any, Protocol
+
+from autopar.search.profile import Profile
+from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank, num_stages
+
+RECOMPUTE = ("none", "full", "stage-aware")
+ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One configuration of the whole plan. Field order is the tie-break order of equal step times."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int  # samples per microbatch per data-parallel replica
+    microbatches: int  # per pipeline per step
+    schedule: str  # "none" (pp = 1: gradient accumulation), "1f1b", "interleaved", "wave", "scp"
+    chunks: int = 1  # interleaved v
+    waves: int = 0  # Hanayo W
+    recompute: str = "none"  # "none", "full", "stage-aware"
+    alpha1: int = 0  # stage-aware alpha_1 in 1/ALPHA_GRID
+    zero: int = 0
+    mics_group: int = 0  # 0: ZeRO over the whole dp group
+    layout: str = "balanced"  # "balanced" (min-max FLOPs) or "even" (Megatron: L / S layers per stage)
+
+    @property
+    def num_stages(self) -> int:
+        return num_stages(self.pp, self.chunks, self.waves)
+
+    @property
+    def shard_group(self) -> int:
+        return self.mics_group or self.dp
+
+    @property
+    def alpha(self) -> Fraction:
+        return Fraction(self.alpha1, ALPHA_GRID)
+
+    def inflight_counts(self) -> list[float]:
+        """Stage-microbatches whose activations each pipeline rank stashes at its peak
+        (``solver/pipeline_shape.inflight_per_rank``)."""
+        return inflight_per_rank(self.schedule, self.pp, self.microbatches, self.chunks, self.waves)
+
+    def schedule_options(self) -> dict[str, Any]:
+        """Keyword options of ``autopar.runtime.schedules.make_schedule`` for this candidate."""
+        if self.schedule == "interleaved":
+            return {"chunks": self.chunks}
+        if self.schedule == "wave":
+            return {"waves": self.waves}
+        if self.schedule == "scp":
+            return {"alpha1": self.alpha}
+        if self.schedule == "1f1b" and self.recompute == "full":
+            return {"recompute": 1}
+        return {}
+
+    def inner_mesh(self) -> dict[str, int]:
+        """The axes the intra-op plan shards over, outermost first, size-1 axes left out: ``dp`` and
+        ``tp``; with MiCS ``dpr`` (replicas of a partition group) and ``dp`` (the group)."""
+        if self.mics_group:
+            axes = {"dpr": self.dp // self.mics_group, "dp": self.mics_group, "tp": self.tp}
+        else:
+            axes = {"dp": self.dp, "tp": self.tp}
+        return {a: n for a, n in axes.items() if n > 1} or {"dp": 1}
+
+    def mesh(self) -> dict[str, int]:
+        """The mesh to launch: ``pp`` outermost, then the inner mesh (Megatron's rank order)."""
+        return ({"pp": self.pp} if self.pp > 1 else {}) | self.inner_mesh()
+
+    def describe(self) -> str:
+        sched = {
+            "none": "no pipeline",
+            "1f1b": "1f1b",
+            "interleaved": f"interleaved v={self.chunks}",
+            "wave": f"wave W={self.waves}",
+            "scp": "scp",
+        }[self.schedule]
+        rc = self.recompute if self.recompute != "stage-aware" else f"stage-aware a1={float(self.alpha):.2f}"
+        z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
+        lay = " even" if self.layout == "even" else ""
+        return f"pp{self.pp} dp{self.dp} tp{self.tp} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["alpha1"] = float(self.alpha)
+        return d
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search may choose; ``None`` leaves a dimension to the search. Defaults are the full space."""
+
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    micro_batch: tuple[int, ...] | None = None
+    schedules: tuple[str, ...] = SCHEDULES
+    chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
+    waves: tuple[int, ...] = (1, 2)
+    recompute: tuple[str, ...] = ("none", "full", "stage-aware")
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    mics: bool = True  # also MiCS partition groups: divisors g of dp, node-aligned (see _node_aligned)
+    mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
+    devices_per_node: int = 8  # set from the cluster by the search
+    pipeline_zero3: bool = False  # ZeRO-3 / MiCS-3 with pp > 1 (the pipeline runtime implements 1 and 2)
+    layouts: tuple[str, ...] = ("balanced", "even")
+    max_pp: int | None = None  # default: the number of layers
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(world: int, profile: Profile, global_batch: int, space: SearchSpace) -> Iterator[tuple[int, int, int]]:
+    """(pp, dp, tp) with pp dp tp = world, tp dividing the layers' heads and split dims, dp dividing B."""
+    layers = profile.num_layers
+    for tp in divisors(world):
+        if (space.tp and tp not in space.tp) or not profile.tp_ok(tp):
+            continue
+        for pp in divisors(world // tp):
+            dp = world // tp // pp
+            if space.pp and pp not in space.pp or space.dp and dp not in space.dp:
+                continue
+            if pp > (space.max_pp or max(layers, 1)) or global_batch % dp:
+                continue
+            yield pp, dp, tp
+
+
+class Pricer(Protocol):
+    """What enumerating families and chains reads of the analytic pricer (``price.Analytic``)."""
+
+    p: Profile
+    B: int
+    n: int
+
+    def balanced_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None: ...
+    def even_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None: ...
+
+
+@dataclass(frozen=True, order=True)
+class Family:
+    """A mesh and a micro-batch: the candidates sharing a step-time and a memory lower bound."""
+
+    pp: int
+    dp: int
+    tp: int
+    micro_batch: int
+    microbatches: int
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Candidates of a family that differ only in ZeRO stage and recomputation.
+
+    ``zeros`` ascend and ``levels`` go from the least recomputation to the most: memory falls and
+    step time rises along both, so per ZeRO stage only the first level that fits is worth scoring,
+    and a higher ZeRO stage only with strictly less recomputation (``autopar.search`` walks it).
+    """
+
+    base: Candidate
+    zeros: tuple[int, ...]
+    levels: tuple[tuple[str, int], ...]  # (recompute, alpha1)
+    dominated: int = 0  # ZeRO-0 candidates left out (ZeRO-1: same time, less memory)
+    unsupported: int = 0  # ZeRO-3 candidates left out with pp > 1
+
+    def candidate(self, zero: int, level: int) -> Candidate:
+        rc, a = self.levels[level]
+        return dc_replace(self.base, zero=zero, recompute=rc, alpha1=a)
+
+    @property
+    def size(self) -> int:
+        return len(self.zeros) * len(self.levels) + self.dominated + self.unsupported
+
+
+def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
+    out = []
+    for pp, dp, tp in meshes(world, analytic.p, analytic.B, space):
+        per_replica = analytic.B // dp
+        for b in divisors(per_replica):
+            if not space.micro_batch or b in space.micro_batch:
+                out.append(Family(pp, dp, tp, b, per_replica // b))
+    return out
+
+
+def max_shard(space: SearchSpace, fam: Family) -> int:
+    """The strongest ZeRO stage the space allows for the family (for its memory lower bound)."""
+    zs = [z for z in space.zero if z < 3 or fam.pp == 1 or space.pipeline_zero3]
+    return max(zs, default=0) if fam.dp > 1 else 0
+
+
+def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]:
+    """Every chain of a family: schedule x chunks/waves x stage layout x MiCS group."""
+    L = analytic.p.num_layers
+    for sched, v, w in _schedules(fam.pp, L, space):
+        levels = _levels(sched, space)
+        if not levels:
+            continue
+        stages = num_stages(fam.pp, v, w)
+        for layout in _layouts(space, sched):
+            if layout == "even" and (
+                L % stages or stages == 1 or analytic.even_layout(stages) == analytic.balanced_layout(stages)
+            ):
+                continue  # no even layout, or the same stages as the balanced one
+            if layout == "balanced" and stages > analytic.n:
+                continue
+            for g, zeros, dominated, unsupported in _zeros(fam, space):
+                base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
+                                 mics_group=g, layout=layout)  # fmt: skip
+                n = len(levels)
+                yield Chain(base, zeros, levels, dominated * n, unsupported * n)
+
+
+def _schedules(pp: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int, int]]:
+    if pp == 1:
+        if "none" in space.schedules:
+            yield "none", 1, 0
+        return
+    if "1f1b" in space.schedules:
+        yield "1f1b", 1, 0
+    if "scp" in space.schedules:
+        yield "scp", 1, 0
+    if "interleaved" in space.schedules:
+        for v in space.chunks:
+            if v > 1 and pp * v <= layers:
+                yield "interleaved", v, 0
+    if "wave" in space.schedules:
+        for w in space.waves:
+            if 2 * pp * w <= layers:
+                yield "wave", 1, w
+
+
+def _levels(sched: str, space: SearchSpace) -> tuple[tuple[str, int], ...]:
+    """Recomputation settings from the least to the most recomputation."""
+    if sched == "scp":  # Merak's schedule with stage-aware ratios (alpha_1 = 0: full recomputation)
+        if "stage-aware" in space.recompute:
+            return tuple(("stage-aware", a) for a in range(ALPHA_GRID, -1, -1))
+        return (("stage-aware", 0),) if "full" in space.recompute else ()
+    return tuple((rc, 0) for rc in ("none", "full") if rc in space.recompute)
+
+
+def _layouts(space: SearchSpace, sched: str) -> tuple[str, ...]:
+    return ("balanced",) if sched == "none" else space.layouts
+
+
+def _node_aligned(devices: int, space: SearchSpace) -> bool:
+    """A MiCS partition group of this many devices fills part of one node or a few whole nodes."""
+    dpn = space.devices_per_node
+    return dpn % devices == 0 if devices <= dpn else devices % dpn == 0 and devices <= space.mics_max_nodes * dpn
+
+
+def _zeros(fam: Family, space: SearchSpace) -> Iterator[tuple[int, tuple[int, ...], int, int]]:
+    """(MiCS group, ZeRO stages ascending, ZeRO-0 stages dominated, ZeRO-3 stages unsupported)."""
+    if fam.dp == 1:
+        yield 0, (0,), 0, 0
+        return
+    groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
+                    if space.mics else [])  # fmt: skip
+    for g in groups:
+        zs = sorted(z for z in space.zero if z > 0 or (g == 0 and 1 not in space.zero))
+        dominated = int(g == 0 and 0 in space.zero and 1 in space.zero)
+        unsupported = 0
+        if fam.pp > 1 and not space.pipeline_zero3:
+            unsupported = sum(z >= 3 for z in zs)
+            zs = [z for z in zs if z < 3]
+        if zs:
+            yield g, tuple(zs), dominated, unsupported
+
+
+__all__ = [
+    "ALPHA_GRID",
+    "Candidate",
+    "SearchSpace",
+    "Chain",
+    "Family",
+    "Pricer",
+    "chains",
+    "divisors",
+    "families",
+    "max_shard",
+    "meshes",
+]

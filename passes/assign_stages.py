@@ -1,0 +1,100 @@
+"""Pass assign-stages: split a program into subgraphs (Merak) and put contiguous runs of them on pipeline stages.
+
+    prog, stage_plan, split = assign_stages(prog, pp=4, chunks=2, microbatches=8)
+
+The split is ``passes/pipeline_split.py`` (cached by the program's fingerprint), the balance
+``solver/stages.balance_stages`` (min-max stage time within the memory budget, in-flight microbatches
+of ``solver/pipeline_shape.py``). The program comes back with ``subgraph=k`` and ``stage=s`` on every op
+(graph inputs: those of their first use) and ``pipeline_stages`` in its attrs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from autopar.errors import NoLegalCutError, PipelineError
+from autopar.ir.core import Program
+from autopar.passes.pipeline_split import annotate, blockers, common_nodes, split_options, split_program
+from autopar.passes.subgraphs import Split, SplitOptions
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import EFFICIENCY
+from autopar.solver.pipeline_shape import check_shape, num_stages
+from autopar.solver.stage_cost import CommFn, megatron_tp_comm_seconds
+from autopar.solver.stage_plan import StagePlan
+from autopar.solver.stages import balance_stages, pipeline_shape_text
+
+
+def assign_stages(
+    prog: Program,
+    pp: int,
+    chunks: int = 1,
+    waves: int | None = None,
+    microbatches: int | None = 1,
+    *,
+    cluster: ClusterSpec | str | None = None,
+    budget_bytes: float | None = None,
+    efficiency: float = EFFICIENCY,
+    precision: str = "bf16",
+    split_options: SplitOptions | None = None,
+    comm_fn: CommFn = megatron_tp_comm_seconds,
+) -> tuple[Program, StagePlan, Split]:
+    """Split ``prog`` and balance its subgraphs over ``pp`` ranks holding ``pp * chunks`` (interleaved)
+    or ``2 * pp * waves`` (wave) stages; ``microbatches`` per step (None: as many as the schedule keeps
+    in flight). Returns the annotated program, the StagePlan and the Split (``split.seconds``: the time
+    the split took, near zero from its cache). ``cluster`` defaults to ``dgx-a100``, ``budget_bytes`` to
+    its device memory."""
+    check_shape(pp, chunks, waves)
+    split = split_program(prog, split_options)
+    S = num_stages(pp, chunks, waves)
+    if len(split) == 1 and S > 1:
+        raise NoLegalCutError(
+            f"{pipeline_shape_text(pp, chunks, waves)} needs {S} stages, but the graph has no legal cut: at every "
+            f"gap between ops more tensors cross than the split allows. Longest-lived tensors: "
+            f"{'; '.join(blockers(prog))}. Raise SplitOptions.max_crossing, or restructure the model so that "
+            "layers hand on one tensor."
+        )
+    plan = balance_stages(
+        prog,
+        split,
+        pp,
+        chunks,
+        waves,
+        cluster,
+        budget_bytes,
+        microbatches,
+        commons=frozenset(common_nodes(prog)),
+        efficiency=efficiency,
+        precision=precision,
+        comm_fn=comm_fn,
+    )
+    return annotate(prog, split, plan.stage_of_subgraph), plan, split
+
+
+_STAGE_OPTIONS = ("pp", "chunks", "waves", "microbatches", "cluster", "budget_bytes", "efficiency", "precision")
+
+
+def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:
+    """The ``assign-stages`` pass: ``stage=s`` on every op, and its report ``(StagePlan, split seconds)``.
+    ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``, ``microbatches``, ``cluster``,
+    ``budget_bytes``, ``efficiency``, ``precision`` and SplitOptions fields. With ``pp=1`` every op is
+    stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no stage plan."""
+    opts = dict(options or {})
+    if "pp" not in opts:
+        raise PipelineError(f"the assign-stages pass needs pp (options: {', '.join(_STAGE_OPTIONS)})")
+    stage = {k: opts.pop(k) for k in _STAGE_OPTIONS if k in opts}
+    split_fields = {f.name for f in dataclasses.fields(SplitOptions)}
+    unknown = sorted(set(opts) - split_fields)
+    if unknown:
+        known = sorted(_STAGE_OPTIONS + tuple(split_fields))
+        raise PipelineError(f"unknown assign-stages option(s) {unknown}; known: {known}")
+    pp = stage.pop("pp")
+    if pp == 1:
+        ops = tuple(op.with_(attrs=dict(op.attrs, stage=0)) for op in prog.ops)
+        return prog.with_(ops=ops, attrs=dict(prog.attrs, pipeline_stages=1)), (None, 0.0)
+    annotated, plan, split = assign_stages(prog, pp, split_options=split_options(opts), **stage)
+    annotated = annotated.with_(attrs=dict(annotated.attrs, pipeline_stages=plan.num_stages))
+    return annotated, (plan, split.seconds)
+
+
+__all__ = ["assign_stages", "assign_stages_pass"]

@@ -1,0 +1,56 @@
+"""What the sharding solve is asked for (ShardOptions: objective, memory budget, ILP back end, constraints)
+and the options a user-facing entry point plans with.
+
+Objectives: ``time`` (the default) is the least predicted step time, communication plus computation
+seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
+cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
+``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from autopar.errors import SolverError
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import TrainingSetup
+
+OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
+
+
+@dataclass
+class ShardOptions:
+    objective: str = "time"  # "time": step time within the budget; "memory": redundancy + alpha * comm bytes
+    alpha: float = 1.0
+    budget_bytes: float | None = None  # per-device memory budget (None: none; see planning_options)
+    time_limit: float | None = 60.0
+    backend: str = "cbc"
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    cluster: ClusterSpec | None = None
+    shard_inputs: bool = True
+    collapse: bool = True
+    reuse_layers: bool = True  # solve identical repeated layers once
+    eliminate: bool = True  # solve series-parallel parts exactly before the ILP (solver/eliminate.py)
+    # restrict candidates (baselines): name of a value / op result -> predicate on its placements
+    constrain: dict | None = None
+    # a constrained value is read where it is stored, never moved by a collective: a hand-written layout
+    # such as Megatron's computes with each weight shard in place (without this the cheapest execution of
+    # Megatron's storage may gather the weights, ZeRO-3 style)
+    pin_constrained: bool = False
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
+                              "budget) or memory (least memory)")  # fmt: skip
+
+
+def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:
+    """What a user-facing entry point plans with: ``opts`` (default: the fastest plan) priced on
+    ``cluster`` when they name none, and for the time objective a budget of the cluster's device
+    memory when they set none."""
+    opts = opts or ShardOptions()
+    if opts.cluster is None:
+        opts = replace(opts, cluster=cluster)
+    if opts.objective != "memory" and opts.budget_bytes is None:
+        opts = replace(opts, budget_bytes=float(opts.cluster.device_memory))
+    return opts

@@ -1,0 +1,328 @@
+"""Solve a program's sharding: build the strategy problem (solver/groups.py's groups as nodes, resharding
+between them as edges), solve it (solver/ilp.py), and report the strategy chosen for every value and op
+result with its predicted memory, communication and computation. The `shard` pass (passes/shard.py) writes
+the chosen placements into the IR; the baselines (solver/baselines.py) solve under constraints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.errors import InfeasibleError
+from autopar.ir.core import Op, Placement, Program, R, Replicate, TensorType, Value
+from autopar.solver.groups import Group, GroupBuilder, label, layer_key, unnamed
+from autopar.solver.ilp import Solution, solve
+from autopar.solver.options import ShardOptions
+from autopar.solver.problem import Edge, Node, fold_repeated
+from autopar.solver.strategies import Strategy, is_divergent
+
+
+@dataclass
+class Sharding:
+    """The solved strategy problem: the strategy of every value and op result, and what it is predicted to cost."""
+
+    solution: Solution
+    groups: list[Group]
+    chosen: dict[str, Strategy]  # value / op result name -> strategy (outputs: its placements; inputs: required)
+    unruled: list[str]  # targets without a sharding rule (replicated)
+    memory_bytes: float  # predicted per-device memory (sum over the chosen candidates)
+    redundancy_bytes: float
+    comm_bytes: float
+    comm_seconds: float
+    compute_seconds: float = 0.0  # predicted forward + backward computation per device
+
+    @property
+    def step_seconds(self) -> float:
+        """The predicted step time the ``time`` objective minimizes: computation plus communication."""
+        return self.compute_seconds + self.comm_seconds
+
+    def placements(self, name: str) -> tuple[Placement, ...]:
+        """The chosen placements of value (or op result) ``name``."""
+        return self.chosen[name].outputs[0]
+
+
+def solve_sharding(prog: Program, opts: ShardOptions | None = None) -> Sharding:
+    """The strategy of every value of ``prog`` under ``opts``; with a memory budget nothing fits, an
+    InfeasibleError naming the smallest budget that does."""
+    opts = opts or ShardOptions()
+    b, groups, nodes, edges = build_problem(prog, opts)
+    try:
+        sol = _solve_problem(nodes, edges, groups, opts)
+    except InfeasibleError:
+        if opts.budget_bytes is None:
+            raise
+        smallest = smallest_budget(prog, opts)
+        raise InfeasibleError(
+            f"no strategy fits a per-device budget of {opts.budget_bytes / 2**30:.2f} GiB; the smallest that "
+            f"fits is {smallest / 2**30:.2f} GiB ({smallest:,.0f} bytes): raise --budget-gb, add devices, or "
+            "shard optimizer states (ZeRO)",
+            smallest_budget_bytes=smallest,
+        ) from None
+    return _predict(b, groups, edges, sol)
+
+
+def smallest_budget(prog: Program, opts: ShardOptions) -> float:
+    """The least per-device memory any strategy needs (the ILP with memory as the objective)."""
+    # an infinite budget keeps every candidate not dominated in (cost, memory): the least memory too
+    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=float("inf")))
+    for n in nodes:
+        n.costs = list(n.memory)
+    for e in edges:
+        e.cost = {k: 0.0 for k in e.cost}
+    sol = _solve_problem(nodes, edges, groups, replace(opts, budget_bytes=None))
+    return sum(g.memory[c] for g, c in zip(groups, sol.choice) if g.memory)
+
+
+def _solve_problem(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: ShardOptions) -> Solution:
+    args = dict(budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend, eliminate=opts.eliminate)
+    found = repeated_layers(groups) if opts.reuse_layers else None
+    # (repeated layers whose costs differ after all are not identical: solved in full)
+    if found is None or any(nodes[i].costs != nodes[r].costs for i, r in enumerate(found[0])):
+        sol = solve(nodes, edges, **args)
+        sol.layers = 0
+        return sol
+    rep, n_layers = found
+    rnodes, redges, index = fold_repeated(nodes, edges, rep)
+    sol = solve(rnodes, redges, **args)
+    sol.choice = [sol.choice[index[i]] for i in range(len(nodes))]
+    sol.layers = n_layers
+    return sol
+
+
+def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solution) -> Sharding:
+    """The chosen strategies and their totals: the groups' own costs plus the resharding between them."""
+    chosen: dict[str, Strategy] = {}
+    totals = [0.0, 0.0, 0.0, 0.0]  # memory, redundancy, comm bytes, comm seconds
+    for g, c in zip(groups, sol.choice):
+        chosen.update(g.candidates[c])
+        for k, arr in enumerate((g.memory, g.redundancy, g.comm_bytes, g.comm_seconds)):
+            if arr:
+                totals[k] += arr[c]
+    for e in edges:  # resharding between groups
+        name, u_keys, v_keys = e.keys
+        a = u_keys[e.u_group[sol.choice[e.u]]]
+        bb = v_keys[e.v_group[sol.choice[e.v]]]
+        if name == "refund":  # a shared parameter's gradient synchronized once
+            both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, bb)]
+            totals[2] -= sum(x[0] for x in both)
+            totals[3] -= sum(x[1] for x in both)
+        elif bb is not None and a != bb:
+            vol, sec = b.cost.redistribute(b.types[name], a, bb, name in b.grad)
+            totals[2] += vol
+            totals[3] += sec
+    compute = sum(g.compute_seconds[c] for g, c in zip(groups, sol.choice) if g.compute_seconds)
+    return Sharding(sol, groups, chosen, sorted(b.unruled), *totals, compute_seconds=compute)
+
+
+def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list[Group], list[Node], list[Edge]]:
+    """The program's strategy problem: one node per group (its candidates' objective and memory), an edge per
+    value read across groups (the cost of moving it between each pair of placements), refund edges for
+    parameters whose gradient two groups synchronize once, and an output sink that wants every output
+    replicated."""
+    b = GroupBuilder(prog, opts)
+    groups, where = b.build_groups()
+    priced: dict[tuple, Group] = {}
+    for g in groups:
+        # identical groups (the same group in every layer) have index-aligned candidates: price once
+        sig = _signature(g)  # before pricing prunes impossible candidates
+        same = priced.get(sig)
+        if same is not None:
+            g.candidates = _rename(same, g)
+            g.memory, g.redundancy = list(same.memory), list(same.redundancy)
+            g.comm_bytes, g.comm_seconds = list(same.comm_bytes), list(same.comm_seconds)
+            g.compute_seconds = list(same.compute_seconds)
+            continue
+        b.price(g)
+        priced[sig] = g
+    nodes = [
+        Node(
+            label(g.head),
+            [
+                b.objective(r, v, s, m, f)
+                for r, v, s, m, f in zip(g.redundancy, g.comm_bytes, g.comm_seconds, g.memory, g.compute_seconds)
+            ],
+            g.memory,
+        )
+        for g in groups
+    ]
+    edges: list[Edge] = []
+    for gi, g in enumerate(groups):
+        members = g.results() | {v.name for v in g.values}
+        for op in g.ops:
+            for pos, ref in enumerate(b.refs(op)):
+                if ref.name in members:
+                    continue
+                hi = where[ref.name]
+                edges.append(_edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos]))
+    out_refs = [r for r in prog.outputs if hasattr(r, "name")]
+    if out_refs:
+        sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
+        groups.append(sink)
+        nodes.append(Node("<output>", [0.0], [0.0]))
+        for ref in out_refs:
+            edges.append(
+                _edge(
+                    b,
+                    groups,
+                    where[ref.name],
+                    len(groups) - 1,
+                    ref.name,
+                    lambda c: (R,) * len(prog.mesh.axes),
+                )
+            )
+    edges += _shared_sync_edges(b, groups, where)
+    _keep_distinct_interfaces(groups, nodes, edges, budget=opts.budget_bytes is not None)
+    return b, groups, nodes, edges
+
+
+def _sync_needs(b: GroupBuilder, g: Group, op: Op, pos: int, t: TensorType) -> list[tuple]:
+    """Per candidate of g: for each mesh axis, the (bytes, seconds) of the gradient all-reduce that
+    op's read of input ``pos`` needs there ((0, 0) where it needs none)."""
+    out = []
+    for c in g.candidates:
+        s, p = c[op.result], c[op.result].inputs[pos]
+        out.append(
+            tuple(
+                b.cost.grad_reduce(t, p, a, True) if isinstance(p[a], Replicate) and is_divergent(s, a) else (0.0, 0.0)
+                for a in range(len(b.mesh.axes))
+            )
+        )
+    return out
+
+
+def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> list[Edge]:
+    """A parameter read by two ops in different groups (tied embeddings) whose gradients both need
+    an axis's all-reduce gets it once, after backward (`insert-collectives` marks it grad_sync), but
+    each read was priced with its own: an edge between the two readers refunds the smaller."""
+    out = []
+    for v in b.prog.params:
+        readers = [(op, i) for op in b.users[v.name] for i, r in enumerate(b.refs(op)) if r.name == v.name]
+        if v.name not in b.grad or len(readers) != 2:
+            continue
+        (op1, i1), (op2, i2) = readers
+        g1, g2 = where[op1.result], where[op2.result]
+        if g1 == g2:
+            continue
+        n1 = _sync_needs(b, groups[g1], op1, i1, v.type)
+        n2 = _sync_needs(b, groups[g2], op2, i2, v.type)
+        ug, uids = _group_ids(n1)
+        vg, vids = _group_ids(n2)
+        cost = {}
+        for x, a in enumerate(uids):
+            for y, c in enumerate(vids):
+                both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, c)]
+                vol, sec = sum(x[0] for x in both), sum(x[1] for x in both)
+                cost[(x, y)] = b.objective(0.0, -vol, -sec, 0.0)
+        e = Edge(g1, g2, ug, vg, cost)
+        e.keys = ("refund", list(uids), list(vids))
+        out.append(e)
+    return out
+
+
+def _keep_distinct_interfaces(groups: list[Group], nodes: list[Node], edges: list[Edge], budget: bool) -> None:
+    """Exact reduction: the rest of the ILP sees a group only through the placements on its edges, so
+    of the candidates with the same placements on every edge only the cheapest can be optimal (with a
+    memory budget, those not dominated in both cost and memory)."""
+    touching: list[list[tuple[Edge, str]]] = [[] for _ in groups]
+    for e in edges:
+        touching[e.u].append((e, "u"))
+        touching[e.v].append((e, "v"))
+    for gi, g in enumerate(groups):
+        node = nodes[gi]
+        n = len(node.costs)
+        if n <= 1:
+            continue
+        classes: dict[tuple, list[int]] = {}
+        for c in range(n):
+            key = tuple(e.u_group[c] if side == "u" else e.v_group[c] for e, side in touching[gi])
+            classes.setdefault(key, []).append(c)
+        keep: list[int] = []
+        for members in classes.values():
+            if not budget:
+                keep.append(min(members, key=lambda c: (node.costs[c], node.memory[c])))
+                continue
+            for c in members:  # Pareto front on (cost, memory)
+                dominated = any(
+                    (node.costs[d] <= node.costs[c] and node.memory[d] <= node.memory[c])
+                    and (node.costs[d] < node.costs[c] or node.memory[d] < node.memory[c] or d < c)
+                    for d in members
+                    if d != c
+                )
+                if not dominated:
+                    keep.append(c)
+        keep.sort()
+        if len(keep) == n:
+            continue
+        node.costs = [node.costs[c] for c in keep]
+        node.memory = [node.memory[c] for c in keep]
+        for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
+            arr = getattr(g, name)
+            if arr:
+                setattr(g, name, [arr[c] for c in keep])
+        for e, side in touching[gi]:
+            if side == "u":
+                e.u_group = [e.u_group[c] for c in keep]
+            else:
+                e.v_group = [e.v_group[c] for c in keep]
+
+
+def _edge(b: GroupBuilder, groups: list[Group], hi: int, gi: int, name: str, want) -> Edge:
+    h, g = groups[hi], groups[gi]
+    u_keys = [b.placement_in(c, h, name) for c in h.candidates]
+    v_keys = [want(c) for c in g.candidates]
+    ug, uids = _group_ids(u_keys)
+    vg, vids = _group_ids(v_keys)
+    e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids), name))
+    e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
+    return e
+
+
+def _group_ids(keys):
+    ids: dict = {}
+    out = []
+    for k in keys:
+        ids.setdefault(k, len(ids))
+        out.append(ids[k])
+    return out, ids
+
+
+def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
+    """For each group its representative: the same group of the first layer when every layer of the
+    model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups."""
+    layer_of = [layer_key(g.head.path if isinstance(g.head, Op) else g.head.name) for g in groups]
+    stacks: dict[str, dict[int, list[int]]] = {}
+    for i, key in enumerate(layer_of):
+        if key is not None:
+            stacks.setdefault(key[0], {}).setdefault(key[1], []).append(i)
+    if not stacks:
+        return None
+    stack = max(stacks.values(), key=len)
+    layers = [stack[k] for k in sorted(stack)]
+    if len(layers) < 2:
+        return None
+    sig = [[_signature(groups[i]) for i in layer] for layer in layers]
+    if any(s != sig[0] for s in sig[1:]):
+        return None
+    rep = list(range(len(groups)))
+    for layer in layers[1:]:
+        for i, first in zip(layer, layers[0]):
+            rep[i] = first
+    return rep, len(layers)
+
+
+def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
+    """dst's candidates as the pruned (priced) list of src, matching members by position."""
+    names = {a: b for x, y in zip(src.ops, dst.ops) for a, b in zip(x.results, y.results)}
+    names |= {x.name: y.name for x, y in zip(src.values, dst.values)}
+    if isinstance(src.head, Value):
+        names[src.head.name] = dst.head.name
+    return [{names[k]: v for k, v in c.items()} for c in src.candidates]
+
+
+def _signature(g: Group) -> tuple:
+    """Everything a group's candidates and prices depend on, without value names: groups with equal
+    signatures (the same group in every layer) have index-aligned candidates and equal costs."""
+    if isinstance(g.head, Value):
+        return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
+    ops = tuple((op.target, op.types, unnamed((op.args, op.kwargs))) for op in g.ops)
+    return ("ops", ops, tuple(v.type for v in g.values), len(g.candidates))
