@@ -6,7 +6,7 @@ Three runs of the same step (forward, backward with fixed random output gradient
 2. the planned program interpreted on whole tensors (collectives are identities on whole values):
    if it differs from 1, the captured graph is not the model (capture or lowering is wrong);
 3. every rank's generated program on the rank simulator (runtime/ranksim.py), through the same
-   ``CompiledModule`` that training uses (input slicing, gradient sync): each op's per-rank results
+   ``ParallelModule`` that training uses (input slicing, gradient sync): each op's per-rank results
    and gradients are recorded, assembled by their placements and compared with 2.
 
 The first op whose output differs (in program order), or else the op whose backward first makes a
@@ -40,7 +40,7 @@ from autopar.ir.core import (
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.rulecheck import call_op
-from autopar.runtime.codegen import _getitem, codegen
+from autopar.runtime.codegen import _getitem
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 
@@ -226,7 +226,7 @@ def check_program(
 ) -> CheckReport:
     """One step of ``prog`` (float64, placements planned) on simulated ranks vs the whole program
     and vs ``model`` (float64 copy made here)."""
-    from autopar.api import CompiledModule
+    from autopar.runtime.module import one_stage_module
 
     keyed = [op for op in prog.ops if "rng" in op.attrs]
     if keyed:
@@ -288,10 +288,10 @@ def check_program(
 
     def rank_step(rank: int) -> tuple[_Recorder, dict[str, torch.Tensor | None]]:
         comm = world.comm(rank)
-        gm = codegen(prog, comm.coords, lambda n: names[n])
-        cm = CompiledModule(gm, prog, captured, comm, "cpu")
+        cm = one_stage_module(prog, captured.in_spec, captured.out_spec, comm, lambda n: names[n])
+        gm = cm.stage_modules["forward0"]
         rec = _Recorder(gm, prog)
-        cm.module = rec
+        cm.forward_runners[0].whole.module = rec
         cm(*args, **kwargs)
         coords = list(comm.coords.values())
         pairs = [
@@ -463,8 +463,8 @@ def check_model(
     options: Any = None,
 ) -> CheckReport:
     """Plan ``model`` on ``mesh`` (or load ``plan``) and check one step on simulated ranks."""
-    from autopar.api import plan_program
     from autopar.ir.parser import parse
+    from autopar.passes.flow import FlowOptions, plan_program
 
     _require_weights(model)
     captured = capture(model, args, kwargs)
@@ -476,7 +476,7 @@ def check_model(
         loaded.check(captured, mesh)
         prog = parse(loaded.program)
     else:
-        prog = plan_program(captured, inner, options)
+        prog = plan_program(captured, inner, FlowOptions(shard=options)).sharded
     return check_planned(prog, model, args, kwargs)
 
 

@@ -134,12 +134,12 @@ def _model_spec(args, batch: int) -> str:
 
 def _real_pipes(args, mesh) -> dict:
     import autopar
+    from autopar.ir.core import MeshSpec
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions
-    from autopar.pipeline import split_batch
+    from autopar.runtime.batch import split_batch
     from autopar.solver.baselines import megatron_constraints
 
     spec = build(_model_spec(args, args.mb * args.microbatches), device="cpu", seed=0)

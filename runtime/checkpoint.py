@@ -1,4 +1,4 @@
-"""Save and resume pipeline training with torch.distributed.checkpoint (DCP).
+"""Save and resume training with torch.distributed.checkpoint (DCP), on every mesh.
 
 Every rank writes its local shards under keys that name the shard, not the rank:
 
@@ -9,10 +9,11 @@ Every rank writes its local shards under keys that name the shard, not the rank:
     optim.param_groups, extra                            hyper-parameters and the caller's objects
 
 Replicas (data-parallel copies, and a tied parameter held by two pipeline ranks) write identical
-values under one key; DCP's planner keeps one writer per key. ``load`` reads back exactly the keys
-this rank owns, so resuming gives the numbers an uninterrupted run would have (the optimizer's step
-counts and moments included). A checkpoint is for the same model, mesh and plan: a mesh change would
-need resharding by global offsets, which these shard-named keys do not describe.
+values under one key; DCP's planner keeps one writer per key. A ZeRO-3 slice names its ZeRO axes
+too. ``load`` reads back exactly the keys this rank owns, so resuming gives the numbers an
+uninterrupted run would have (the optimizer's step counts and moments included). A checkpoint is for
+the same model, mesh and plan: a mesh change would need resharding by global offsets, which these
+shard-named keys do not describe.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _optimizer_keys(pipe, optimizer) -> list[str]:
             if isinstance(optimizer, ZeroOptimizer) and p is optimizer.master:
                 # the flat vector holds this pipeline rank's parameters: its key names the pipeline rank
                 c, n = optimizer.comm.coords, optimizer.comm.sizes
-                axes = (pipe.pp_axis, *optimizer.zero_axes)
+                axes = tuple(a for a in (pipe.pp_axis, *optimizer.zero_axes) if a in c)
                 keys.append("zero.flat|" + ",".join(f"{a}={c[a]}/{n[a]}" for a in axes))
             elif id(p) in by_id:
                 keys.append(by_id[id(p)])

@@ -35,6 +35,7 @@ simulated one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections import defaultdict
@@ -195,7 +196,10 @@ class Executor:
     ``stages``: this rank's stages. ``peer_rank(s)``: the global rank holding stage ``s`` in this
     rank's pipeline (same data/tensor-parallel coordinates). ``reduce_grads(s)`` and ``step()``
     implement ``REDUCE_GRADS`` and ``STEP``. ``sub_microbatches``: how many sub-microbatches each
-    microbatch comes as (sub-pipelined tensor parallelism; 1: none).
+    microbatch comes as (sub-pipelined tensor parallelism; 1: none). ``keep_outputs``: the last stage
+    keeps every output of each microbatch (``outputs``) instead of taking the first as the loss (a
+    forward-only run). ``stage_context(s)`` wraps each forward and recomputation of stage ``s`` (ZeRO-3
+    gathers the stage's parameters there).
     """
 
     def __init__(
@@ -213,8 +217,13 @@ class Executor:
         barrier: Callable[[], None] | None = None,
         device: torch.device | str = "cpu",
         sub_microbatches: int = 1,
+        keep_outputs: bool = False,
+        stage_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
     ):
         self.schedule = schedule
+        self.keep_outputs = keep_outputs
+        self.stage_context = stage_context or (lambda _stage: contextlib.nullcontext())
+        self.outputs: list[list[tuple]] = []
         self.sub = sub_microbatches
         self._interleaved: dict[int, Interleaved] = {}
         self.pp_rank = pp_rank
@@ -257,6 +266,7 @@ class Executor:
         self._stash: dict[tuple[int, int], _Stash] = {}
         self._done: dict[int, object] = {}
         self._losses: list[torch.Tensor] = [torch.zeros(())] * m
+        self.outputs = [[] for _ in range(m)]
         trace: list[TraceEvent] = []
         if self.record and self.barrier is not None:
             self._guard(self.barrier, "the barrier before the step", -1)
@@ -292,6 +302,7 @@ class Executor:
                     live -= 1
                 i += 1
             self._drain()
+        self._stash = {}  # a forward-only run leaves its stashes
         self.trace = trace
         self.peak_stash = peak
         return self._losses if self._last_local() else []
@@ -303,9 +314,11 @@ class Executor:
     def _do(self, a: Action) -> list[tuple[Action, float]]:
         waited: list[tuple[Action, float]] = []
         if a.kind is Kind.F:
-            self._forward(a, waited)
+            with self.stage_context(a.stage):
+                self._forward(a, waited)
         elif a.kind is Kind.RECOMPUTE:
-            self._recompute(a)
+            with self.stage_context(a.stage):
+                self._recompute(a)
         elif a.kind is Kind.B:
             self._backward(a, waited)
         elif a.kind is Kind.REDUCE_GRADS:
@@ -385,6 +398,9 @@ class Executor:
                 outs, stash.tape = self._call(rest, [{**e, **hl} for e, hl in zip(envs, stash.head_leaves)], a.mb)
                 stash.outputs = outs
         self._stash[(a.mb, a.stage)] = stash
+        if st.is_last and self.keep_outputs:
+            self.outputs[a.mb] = [tuple(o) for o in outs]
+            return
         if st.is_last:
             losses = [o[0].detach() for o in outs]
             self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
@@ -525,6 +541,20 @@ class Executor:
             ) from e
 
 
+def step_barrier(timeout: float) -> Callable[[], None]:
+    """The barrier that opens a recorded step: gloo's monitored one (it names a rank that never
+    arrives within ``timeout`` seconds), else a plain one."""
+    td = datetime.timedelta(seconds=timeout)
+
+    def barrier() -> None:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=td)
+        else:
+            dist.barrier()
+
+    return barrier
+
+
 _COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
 
 
@@ -592,4 +622,4 @@ class _restored_rng:
             torch.cuda.set_rng_state_all(self.saved[1])
 
 
-__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result"]
+__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result", "step_barrier"]

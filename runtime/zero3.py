@@ -1,14 +1,16 @@
-"""ZeRO-3 for the dp/tp runtime: each rank keeps 1/k of the data-parallel-replicated parameters.
+"""ZeRO-3: each rank keeps 1/k of the data-parallel-replicated parameters, on every mesh.
 
 A managed parameter (the same set ``ZeroOptimizer`` manages: trainable, replicated over the ZeRO and
 replica axes, its gradient summed over all of them or already whole on every rank) is flattened,
 padded to a multiple of k (the product of the ZeRO axes' sizes) and cut into k equal slices, one
 after the other over the ZeRO axes (slices of slices, as ``ZeroOptimizer``); the rank keeps its slice
-as a ``torch.nn.Parameter`` and the generated module's attribute is emptied.
+as a ``torch.nn.Parameter``, and the attribute of every generated module that reads the parameter
+(``attach``: a rank's forward program, its pipeline stages and their recomputation parts) is emptied.
 
-- **forward**: ``gather()`` all-gathers every slice through ``_Gather`` and writes the whole tensors
-  into the generated module's attributes; the caller runs the module under ``saved_tensors()`` and
-  calls ``release()`` afterwards, so the whole parameters do not outlive the forward.
+- **forward**: ``gathered(names)`` all-gathers the slices of ``names`` (all, or one pipeline stage's)
+  through ``_Gather``, writes the whole tensors into the modules' attributes, runs the body under
+  ``saved_tensors()`` and empties the attributes again, so the whole parameters do not outlive the
+  forward (a pipeline gathers a stage's parameters around each of its forwards and recomputations).
 - **saved for backward**: a tensor the forward saves that lies in a gathered parameter's storage (the
   weight, or a view such as ``weight.t()``) is packed as a token (which parameter, size, stride,
   offset) and all-gathered again when the backward unpacks it. The autograd engine unpacks in the
@@ -20,6 +22,7 @@ as a ``torch.nn.Parameter`` and the generated module's attribute is emptied.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any
@@ -44,29 +47,29 @@ class _Gather(torch.autograd.Function):
         return ctx.owner.scatter_grad(ctx.i, grad), None, None
 
 
-class Zero3Params(torch.nn.Module):
-    """This rank's slices of the managed parameters of ``module`` (a generated GraphModule)."""
+class Zero3Params:
+    """This rank's slices of the managed parameters ``names`` of ``params`` (name -> local shard)."""
 
     def __init__(
         self,
-        module: torch.nn.Module,
+        params: dict[str, torch.nn.Parameter],
         names: list[str],
         comm: coll.Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
     ):
-        super().__init__()
         self.comm = comm
         self.zero_axes, self.replica_axes = tuple(zero_axes), tuple(replica_axes)
         self.parts = math.prod(comm.sizes[a] for a in self.zero_axes)
         self.names = list(names)
+        self._index = {n: i for i, n in enumerate(self.names)}
         self.whole = [n in whole for n in self.names]
         self.shapes: list[torch.Size] = []
-        self._owners: list[tuple[torch.nn.Module, str]] = []
-        self.slices = torch.nn.ParameterList()
+        self._owners: list[list[tuple[torch.nn.Module, str]]] = [[] for _ in self.names]
+        self.slices: list[torch.nn.Parameter] = []
         for name in self.names:
-            p = module.get_parameter(name)
+            p = params[name]
             padded = -(-p.numel() // self.parts) * self.parts
             flat = torch.zeros(padded, dtype=p.dtype, device=p.device)
             flat[: p.numel()] = p.detach().reshape(-1)
@@ -74,13 +77,22 @@ class Zero3Params(torch.nn.Module):
                 torch.nn.Parameter(local_slice(flat, comm, self.zero_axes).clone(), requires_grad=p.requires_grad)
             )
             self.shapes.append(p.shape)
-            path, _, attr = name.rpartition(".")
-            owner = module.get_submodule(path) if path else module
-            del owner._parameters[attr]
-            setattr(owner, attr, None)  # filled by gather() for one forward
-            self._owners.append((owner, attr))
         self._live: dict[int, int] = {}  # storage data_ptr of a gathered flat vector -> parameter index
         self._gathered: list[weakref.ref] = []  # the last forward's whole tensors (for gathered_alive)
+
+    def attach(self, module: torch.nn.Module) -> None:
+        """Empty ``module``'s attribute of every managed parameter it holds; ``gather`` fills it."""
+        for i, name in enumerate(self.names):
+            path, _, attr = name.rpartition(".")
+            try:
+                owner = module.get_submodule(path) if path else module
+            except AttributeError:
+                continue
+            if attr not in owner._parameters:
+                continue
+            del owner._parameters[attr]
+            setattr(owner, attr, None)
+            self._owners[i].append((owner, attr))
 
     # -- collectives -----------------------------------------------------------------------------
     def all_gather(self, piece: torch.Tensor) -> torch.Tensor:
@@ -98,21 +110,36 @@ class Zero3Params(torch.nn.Module):
         return g.contiguous()
 
     # -- one forward ----------------------------------------------------------------------------
-    def gather(self) -> None:
-        """All-gather every parameter into the generated module (autograd-tracked)."""
+    def _indices(self, names) -> list[int]:
+        return list(range(len(self.names))) if names is None else [self._index[n] for n in names if n in self._index]
+
+    def gather(self, names=None) -> None:
+        """All-gather parameters ``names`` (default: all) into the modules (autograd-tracked)."""
         self._gathered = []
-        for i, (piece, (owner, attr)) in enumerate(zip(self.slices, self._owners)):
-            flat = _Gather.apply(piece, self, i)
+        for i in self._indices(names):
+            flat = _Gather.apply(self.slices[i], self, i)
             self._gathered.append(weakref.ref(flat))
             self._live[flat.untyped_storage().data_ptr()] = i
-            n = math.prod(self.shapes[i])
-            setattr(owner, attr, flat[:n].view(self.shapes[i]))
+            whole = flat[: math.prod(self.shapes[i])].view(self.shapes[i])
+            for owner, attr in self._owners[i]:
+                setattr(owner, attr, whole)
 
-    def release(self) -> None:
+    def release(self, names=None) -> None:
         """Drop the whole parameters (the autograd graph holds tokens, not them)."""
-        for owner, attr in self._owners:
-            setattr(owner, attr, None)
+        for i in self._indices(names):
+            for owner, attr in self._owners[i]:
+                setattr(owner, attr, None)
         self._live.clear()
+
+    @contextlib.contextmanager
+    def gathered(self, names=None):
+        """Run the body with parameters ``names`` (default: all) gathered; saved ones become tokens."""
+        self.gather(names)
+        try:
+            with self.saved_tensors():
+                yield
+        finally:
+            self.release(names)
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks packing a saved tensor that is (a view of) a gathered parameter as a token."""
@@ -140,13 +167,20 @@ class Zero3Params(torch.nn.Module):
 
     # -- whole values ---------------------------------------------------------------------------
     @torch.no_grad()
-    def whole_value(self, name: str) -> torch.Tensor:
-        """Parameter ``name`` gathered whole over the ZeRO axes (a collective: call on every rank)."""
-        i = self.names.index(name)
-        return self.all_gather(self.slices[i])[: math.prod(self.shapes[i])].view(self.shapes[i])
+    def whole_value(self, name: str, grad: bool = False) -> torch.Tensor:
+        """Parameter ``name`` (its gradient with ``grad``: zeros where none) gathered whole over the
+        ZeRO axes (a collective: call on every rank)."""
+        i = self._index[name]
+        piece = self.slices[i]
+        if grad:
+            piece = piece.grad if piece.grad is not None else torch.zeros_like(piece)
+        return self.all_gather(piece)[: math.prod(self.shapes[i])].view(self.shapes[i])
 
     def slice_of(self, name: str) -> torch.nn.Parameter:
-        return self.slices[self.names.index(name)]
+        return self.slices[self._index[name]]
+
+    def manages(self, name: str) -> bool:
+        return name in self._index
 
 
 class _Token:

@@ -148,6 +148,27 @@ def parameter_error(
     return worst, where, compared
 
 
+def state_error(full: dict[str, torch.Tensor], reference: torch.nn.Module) -> tuple[float, str, list[str]]:
+    """``full`` against every key of ``reference.state_dict()`` (parameters and buffers, tied names
+    too): the largest relative difference, each tensor measured as max|x - x_ref| / max|x_ref| (exact
+    equality where the reference is all zeros or not a float), the (user's) key of that tensor, and
+    the keys missing from ``full`` or not in the reference's state dict."""
+    ref = reference.state_dict()
+    worst, where = 0.0, ""
+    for key, r in ref.items():
+        if key not in full:
+            continue
+        x = full[key].to(r.device)
+        if not r.is_floating_point() or not r.abs().max() > 0:
+            err = 0.0 if torch.equal(x.to(r.dtype), r) else float("inf")
+        else:
+            err = ((x.to(r.dtype) - r).abs().max() / r.abs().max()).item()
+        if not err <= worst:  # NaN counts as the worst
+            worst, where = err, user_name(key)
+    missing = sorted(user_name(k) for k in set(ref) ^ set(full))
+    return worst, where, missing
+
+
 def drop_a_row_parallel_all_reduce(gm: fx.GraphModule) -> str:
     """Break a rank's program on purpose (tests only): the first all-reduce that sums a matmul's
     partial products (a row-parallel linear) is removed, so its consumers see this rank's partial sum.

@@ -1,4 +1,4 @@
-"""Checkpoints resume pipeline training exactly; a dead rank stops the others with a clear error."""
+"""Checkpoints resume training exactly on every mesh; a dead rank stops the others with a clear error."""
 
 from __future__ import annotations
 
@@ -16,18 +16,22 @@ pytestmark = pytest.mark.multiproc
 
 
 def _resume(rank: int, world: int, path: str) -> dict:
-    """3 steps straight vs 1 step, save, a fresh compile, load, 2 steps: on two meshes and optimizers."""
+    """3 steps straight vs 1 step, save, a fresh compile, load, 2 steps: on three meshes (dp x tp from a
+    meta-device model with ZeRO-3, pp x dp with ZeRO-2, pp x tp) and two optimizers."""
     import autopar
     from autopar.models import build
     from autopar.passes.shard import ShardOptions
     from autopar.runtime import checkpoint
     from autopar.solver.cost import TrainingSetup
-    from tests.pipeline_equivalence import make_batches
+    from tests.equivalence import make_batches
 
     spec = build("tiny-gpt2:batch=8", device="cpu", seed=0)
     batches = make_batches(spec.model, spec.kwargs, 3)
+    meta = build("tiny-gpt2:batch=8", device="meta").model  # initialized shard by shard from the seed
     out = {}
     cases = {
+        # no pipeline: a one-stage module on dp x tp, from a meta-device model, ZeRO-3 over dp
+        "dp2tp2-meta-zero3": ({"dp": 2, "tp": 2}, "1f1b", {}, ShardOptions(setup=TrainingSetup(zero=3)), True),
         # ZeRO-2 over dp: optimizer states are slices of a flat vector
         "pp2dp2-zero2": ({"pp": 2, "dp": 2}, "1f1b", {}, ShardOptions(setup=TrainingSetup(zero=2)), True),
         # the user's own AdamW over the local shards, interleaved stages, tensor parallel
@@ -36,9 +40,11 @@ def _resume(rank: int, world: int, path: str) -> dict:
     for case, (axes, sched, sopts, options, zero) in cases.items():
         mesh = autopar.init_mesh("cpu", **axes)
 
-        def fresh(mesh=mesh, sched=sched, sopts=sopts, options=options, zero=zero):
+        model = meta if "meta" in case else spec.model
+
+        def fresh(mesh=mesh, sched=sched, sopts=sopts, options=options, zero=zero, model=model):
             pipe = autopar.compile(
-                spec.model,
+                model,
                 mesh,
                 kwargs=batches[0],
                 microbatches=4,
@@ -96,8 +102,7 @@ def _dying(rank: int, world: int, port: int, result: str, timeout: float) -> Non
 
     faulthandler.dump_traceback_later(240, exit=True)  # the test's own guard: never hang CI
     from autopar.models import build
-    from autopar.pipeline import compile_pipeline
-    from tests.pipeline_equivalence import make_batches
+    from tests.equivalence import make_batches
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     import autopar
@@ -106,7 +111,7 @@ def _dying(rank: int, world: int, port: int, result: str, timeout: float) -> Non
     batches = make_batches(spec.model, spec.kwargs, 2)
     mesh = autopar.init_mesh("cpu", pp=2)
     # record=False: no barrier opens the step, so the failure surfaces in the point-to-point transfers
-    pipe = compile_pipeline(
+    pipe = autopar.compile(
         spec.model, mesh, kwargs=batches[0], microbatches=4, schedule="1f1b", timeout=timeout, record=False
     )
     pipe.train_step(**batches[0])

@@ -57,13 +57,13 @@ def test_compile_check_passes_and_names_a_broken_reduction() -> None:
 
 def test_check_size_limit_says_how_to_check_a_scaled_down_copy(monkeypatch) -> None:
     from autopar import check
-    from autopar.api import plan_program
+    from autopar.ir.core import MeshSpec
     from autopar.models import build
     from autopar.passes.capture import capture
-    from autopar.ir.core import MeshSpec
+    from autopar.passes.flow import plan_program
 
     spec = build(MODEL, device="cpu", seed=0)
-    prog = plan_program(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("dp", 2), ("tp", 2))))
+    prog = plan_program(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("dp", 2), ("tp", 2)))).sharded
     assert check.check_before_training(prog, spec.model, spec.args, spec.kwargs).agrees
     monkeypatch.setattr(check, "CHECK_MAX_PARAMS", 1000)
     with pytest.raises(CheckError, match=r"at most 1,000 parameters; this one has [\d,]+\..*autopar check .*dp=2,tp=2"):

@@ -117,7 +117,7 @@ GPT2_DROPOUT = (
 def gpt2_with_dropout(batch: int = 4, seq: int = 8, steps: int = 3):
     """Tiny GPT-2 with embedding, attention (SDPA with dropout_p) and residual dropout, in float64."""
     from autopar.models import build
-    from tests.pipeline_equivalence import make_batches
+    from tests.equivalence import make_batches
 
     spec = build(f"{GPT2_DROPOUT},batch={batch},seq={seq}", device="cpu", seed=0)
     model = float64_model(spec.model)
@@ -159,8 +159,9 @@ MODELS = {"gpt2": gpt2_with_dropout, "mlp": mlp_with_dropout}
 def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", seed: int = 123):
     """3 SGD steps of ``model`` compiled for ``mesh`` on simulated ranks (as ``autopar.compile`` builds
     each rank); every rank's losses, the whole trained parameters, and the planned program."""
-    from autopar.api import CompiledModule, plan_program
+    from autopar.passes.flow import FlowOptions, plan_program
     from autopar.passes.shard import ShardOptions
+    from autopar.runtime.module import one_stage_module
     from autopar.solver.baselines import megatron_constraints
 
     model = copy.deepcopy(model)
@@ -169,14 +170,13 @@ def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", see
     if layout.startswith("megatron"):  # Megatron's parameter layout; least memory shards the activations too
         objective = "memory" if layout == "megatron-memory" else "time"
         options = ShardOptions(objective=objective, constrain=megatron_constraints(lower(captured, mesh)))
-    prog = parse(print_program(plan_program(captured, mesh, options)))
+    prog = parse(print_program(plan_program(captured, mesh, FlowOptions(shard=options)).sharded))
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     world = SimWorld(mesh)
 
     def rank_step(rank: int):
         comm = world.comm(rank)
-        gm = codegen(prog, comm.coords, named.__getitem__, rng=DropoutRng(seed))
-        cm = CompiledModule(gm, prog, captured, comm, "cpu")
+        cm = one_stage_module(prog, captured.in_spec, captured.out_spec, comm, named.__getitem__, rng=DropoutRng(seed))
         losses = train(cm, batches)
         assert cm.dropout_rng.step == len(batches)  # each step drew new masks
         return losses, cm.full_state_dict()

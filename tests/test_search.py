@@ -234,11 +234,11 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     float32) against one process: the largest relative difference of the losses and of any parameter."""
     import autopar
     from autopar.models import build
-    from autopar.pipeline import split_batch
     from autopar.plan import Plan
+    from autopar.runtime.batch import split_batch
     from autopar.runtime.init import materialize
+    from tests.equivalence import make_batches
     from tests.exactness import loss_error, make_optimizer, parameter_error, train
-    from tests.pipeline_equivalence import make_batches
 
     out = {}
     # 1. the default search's plan (no pipeline): a CPU model; microbatches accumulated in one backward

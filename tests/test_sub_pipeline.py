@@ -17,8 +17,8 @@ from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events
+from tests.equivalence import overlapped_issues
 from tests.exactness import TOL
-from tests.pipeline_equivalence import overlapped_issues
 
 
 @pytest.fixture
@@ -105,16 +105,16 @@ def test_merak_sub_pipelined_cost():
 
 
 def test_sub_pipelining_refuses_an_odd_microbatch_and_a_plan_without_tp_collectives():
+    from autopar.api import _check_sub_pipeline
     from autopar.models import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.pipeline import PipelineOptions, _check_sub_pipeline, _sub_microbatch
+    from autopar.runtime.batch import sub_microbatch
 
     x = torch.zeros(12, 4)
-    opts = PipelineOptions(microbatches=4, sub_pipeline_tp=True)
     with pytest.raises(SubPipelineError, match="multiple of 8"):
-        _sub_microbatch((x,), {}, opts)
-    (half,), _ = _sub_microbatch((torch.zeros(16, 4),), {}, opts)
+        sub_microbatch((x,), {}, 4, 2)
+    (half,), _ = sub_microbatch((torch.zeros(16, 4),), {}, 4, 2)
     assert half.shape == (2, 4)
     spec = build("tiny-gpt2", device="meta")
     kw = {k: v[:1] for k, v in spec.kwargs.items()}

@@ -1,0 +1,81 @@
+"""The whole model from the shards: every key of the user's state dict, gathered on every rank.
+
+``whole_values`` gathers each value this rank's stages hold whole over the mesh axes without the
+pipeline (ZeRO-3 slices first, then each ``Shard`` placement, innermost axis first): a collective
+over those axes, whose groups hold the same stages, so every member walks the same names in the same
+order. ``share_over_pipeline`` then broadcasts each value from the first pipeline rank holding it to
+the others, so every rank ends with every value. ``shard_keys`` names each local shard for
+checkpoints (the name plus the coordinates of the axes it is cut over).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from autopar.ir.core import Program, Shard
+from autopar.runtime import collectives as coll
+
+
+@torch.no_grad()
+def whole_values(
+    program: Program, local: Callable[[str], torch.Tensor | None], comm: coll.Comm
+) -> dict[str, torch.Tensor]:
+    """Each value of ``program`` for which ``local(name)`` gives this rank's piece (whole over the ZeRO
+    axes), gathered whole over the program's mesh axes."""
+    out = {}
+    with coll.use_comm(comm):
+        for v in program.inputs:
+            if v.kind == "input":
+                continue
+            x = local(v.name)
+            if x is None:
+                continue
+            for p, name in reversed(list(zip(v.type.placements, program.mesh.names))):
+                if isinstance(p, Shard):
+                    x = coll._gather(comm, x, name, p.dim, p.chunks)
+            out[v.name] = x
+    return out
+
+
+@torch.no_grad()
+def share_over_pipeline(values: dict[str, torch.Tensor], group, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every pipeline rank's ``values`` on every pipeline rank of ``group`` (a collective over it); a
+    value held by several (a tied parameter) comes from the first."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return dict(values)
+    metas: list = [None] * n
+    dist.all_gather_object(metas, [(k, tuple(t.shape), t.dtype) for k, t in values.items()], group=group)
+    out: dict[str, torch.Tensor] = {}
+    for src, meta in enumerate(metas):
+        for name, shape, dtype in meta:
+            if name in out:
+                continue
+            t = values[name].contiguous() if name in values else torch.empty(shape, dtype=dtype, device=device)
+            wire = t.view(torch.uint8) if t.dtype == torch.bool else t
+            dist.broadcast(wire, src=dist.get_global_rank(group, src), group=group)
+            out[name] = t
+    return out
+
+
+def shard_keys(
+    program: Program, names, coords: dict[str, int], extra_axes: dict[str, tuple[str, ...]]
+) -> dict[str, str]:
+    """Name -> a key unique to this shard: the name plus the coordinates of the axes it is sharded
+    over (``wte.weight|tp=1/2``), and of ``extra_axes[name]`` (a ZeRO-3 slice's axes); replicas share
+    the key (what checkpoints are keyed by)."""
+    values = {v.name: v for v in program.inputs}
+    out = {}
+    for name in names:
+        v = values[name]
+        axes = [a for p, (a, n) in zip(v.type.placements, program.mesh.axes) if isinstance(p, Shard) and n > 1]
+        axes += [a for a in extra_axes.get(name, ()) if a not in axes]
+        parts = [f"{a}={coords[a]}/{program.mesh.axis_size(a)}" for a in axes]
+        out[name] = name + ("|" + ",".join(parts) if parts else "")
+    return out
+
+
+__all__ = ["share_over_pipeline", "shard_keys", "whole_values"]

@@ -1,0 +1,418 @@
+"""ParallelModule: one rank's share of a compiled model, the same class on every mesh.
+
+A mesh without a pipeline axis is a one-stage pipeline run by the same code. The module is built from
+two planned programs of the whole model (stages and transfers already in them): ``forward`` keeps
+every output of the model, ``train`` only the loss (``None`` when the first output is no scalar
+float). Both cut the model at the same places and share every parameter, so this rank materializes
+each of its parameter shards once (``runtime/params.py``), registered under the user's names.
+
+- ``forward(*args, **kwargs)`` returns the model's outputs. On one stage it runs with autograd (the
+  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the global
+  batch cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it
+  runs forward only through the stages and broadcasts the outputs over the pipeline axis.
+- ``train_step(*args, **kwargs)`` runs the schedule (``runtime/executor.py``): every microbatch's
+  forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction and the
+  optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
+- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/zero.py``); ZeRO-3 keeps only this rank's
+  slices and gathers a stage's parameters around each of its forwards (``runtime/zero3.py``).
+- ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autopar.errors import PipelineError
+from autopar.ir.core import Program, Ref
+from autopar.passes.capture import flatten_inputs
+from autopar.passes.stage_program import StageProgram
+from autopar.runtime import collectives as coll
+from autopar.runtime.actions import Schedule
+from autopar.runtime.batch import merge_outputs, split_batch
+from autopar.runtime.executor import Executor, StageRunner, TraceEvent, measured_result, step_barrier
+from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
+from autopar.runtime.grads import GradSync, reduction_points, tie_groups
+from autopar.runtime.params import LocalTensors, register
+from autopar.runtime.rng import DropoutRng
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.stages import StageBuilder, forward_schedule, one_stage, recompute_fractions
+from autopar.runtime.timeline import SimResult
+from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
+from autopar.runtime.zero3 import Zero3Params
+from autopar.solver.cost import TrainingSetup
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    """How the module runs (besides its programs, schedule and training setup)."""
+
+    microbatches: int = 1
+    pp_axis: str = "pp"
+    timeout: float = 600.0  # seconds any transfer may take before the step fails with RuntimeCommError
+    record: bool = True  # record every action's start and end in train_step (a barrier starts each step)
+    # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
+    # while the other computes; the stages are built for a half
+    sub_pipeline_tp: bool = False
+
+    @property
+    def sub_microbatches(self) -> int:
+        return 2 if self.sub_pipeline_tp else 1
+
+
+class ParallelModule(torch.nn.Module):
+    """This rank's stages of the model: call it with the whole batch, as the original module."""
+
+    def __init__(
+        self,
+        forward: Program,
+        train: Program | None,
+        schedule: Schedule,
+        in_spec,
+        out_spec,
+        comm: coll.Comm,
+        get_value,
+        device: torch.device | str,
+        setup: TrainingSetup | None = None,
+        options: RuntimeOptions | None = None,
+        *,
+        mesh=None,
+        rng: DropoutRng | None = None,
+        state: tuple[dict[str, str], dict[str, torch.Tensor]] | None = None,
+    ):
+        """``forward``/``train``: the planned programs (``stage=`` on every op, send/recv between
+        stages); ``get_value(name)``: a parameter or buffer's whole value (only this rank's shard is
+        kept); ``mesh``: the DeviceMesh, needed on a pipeline with parameters tied across its ranks;
+        ``rng``: the keyed dropouts' state; ``state``: the user's state-dict keys -> program values and
+        the whole values of keys no program reads (``runtime/params.state_keys``; default: the
+        programs' own names)."""
+        super().__init__()
+        self.setup = setup or TrainingSetup()
+        self.options = options = options or RuntimeOptions()
+        self.comm = comm
+        self.device = torch.device(device)
+        self.program, self.train_program = forward, train
+        self.dropout_rng = rng
+        self._schedule = schedule
+        self._in_spec, self._out_spec = in_spec, out_spec
+        self._inputs = [v for v in forward.inputs if v.kind == "input"]
+        self._values = {v.name: v for v in forward.inputs}
+        pp_axis = options.pp_axis
+        self._pp_group = comm.groups.get(pp_axis)
+        self._pp_rank = comm.coords.get(pp_axis, 0)
+        self._optimizer = None
+        mine = schedule.stages_of_rank(self._pp_rank)
+        self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
+        builder = StageBuilder(comm.coords, self._local, self.device, rng)
+        self.forward_runners, forward_stages = builder.runners(forward, mine, {}, "forward")
+        self._runners: dict[int, StageRunner] = {}
+        self._stages: dict[int, StageProgram] = {}
+        if train is not None:
+            fractions = recompute_fractions(schedule, self._pp_rank)
+            self._runners, self._stages = builder.runners(train, mine, fractions, "stage")
+        self._builder = builder
+        self._state = state
+        self.zero3 = self._shard_zero3()
+        params = self._local.params
+        if self.zero3 is not None:
+            params.update({n: self.zero3.slice_of(n) for n in self.zero3.names})
+        self._params = params
+        self._grads = self._grad_sync(mesh)
+        self._grads.install_hooks()
+        stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
+        context = (lambda s: self.zero3.gathered(stage_names[s])) if self.zero3 is not None else None
+        peer = self._peer_rank
+        n = options.microbatches * options.sub_microbatches
+        self._one_stage = schedule.num_stages == 1
+        self._forward_executor = None
+        if not self._one_stage:
+            self._forward_executor = Executor(
+                forward_schedule(schedule, n), self._pp_rank, self.forward_runners, peer, comm,
+                _nothing, _nothing, timeout=options.timeout, record=False, device=self.device,
+                keep_outputs=True, stage_context=context,
+            )  # fmt: skip
+        self._executor = None
+        if train is not None:
+            barrier = step_barrier(options.timeout) if options.record and dist.is_initialized() else None
+            self._executor = Executor(
+                schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
+                timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
+                sub_microbatches=options.sub_microbatches, stage_context=context,
+            )  # fmt: skip
+
+    # -- construction helpers --------------------------------------------------------------------
+    def _peer_rank(self, stage: int) -> int:
+        """The global rank holding ``stage`` in this rank's pipeline."""
+        return dist.get_global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
+
+    def _shard_zero3(self) -> Zero3Params | None:
+        """ZeRO-3: keep this rank's 1/k slice of the data-parallel-replicated parameters only."""
+        if self.setup.zero < 3:
+            return None
+        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
+        if not zero_axes:
+            return None
+        need = set(zero_axes) | set(replica_axes)
+        whole = whole_gradient_params(self.program, zero_axes + replica_axes)
+        params = self._local.params
+        names = [
+            v.name
+            for v in self.program.params
+            if v.name in params
+            and params[v.name].requires_grad
+            and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
+        ]
+        zero3 = Zero3Params(params, names, self.comm, zero_axes, replica_axes, whole)
+        for gm in self._builder.modules.values():
+            zero3.attach(gm)
+        for n in names:  # the slice takes the whole shard's place under the user's name
+            register(self, n, zero3.slice_of(n))
+        return zero3
+
+    def _grad_sync(self, mesh) -> GradSync:
+        """Where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters."""
+        program = self.train_program or self.program
+        sync_at, tied = reduction_points(program, self._schedule, self._pp_rank, self._stages)
+        groups = {}
+        if tied:
+            if mesh is None:
+                raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
+            groups = tie_groups(mesh, self.options.pp_axis, tied)
+        grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
+        return GradSync(self._params, grad_sync, self.comm, self._skip_sync, sync_at, tied, groups)
+
+    def _skip_sync(self, name: str, axis: str) -> bool:
+        """Whether ZeRO reduces ``name``'s gradient over ``axis`` itself."""
+        if self.zero3 is not None and self.zero3.manages(name):
+            return axis in self.zero3.zero_axes + self.zero3.replica_axes
+        opt = self._optimizer
+        return isinstance(opt, ZeroOptimizer) and opt.manages(name) and axis in opt.zero_axes + opt.replica_axes
+
+    # -- the optimizer ---------------------------------------------------------------------------
+    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
+        """``optimizer_cls(**kwargs)`` over this rank's parameters, as the plan's training setup says,
+        attached to ``train_step`` (which steps it). With ZeRO-1/2 (``TrainingSetup.zero``) gradients
+        are reduce-scattered over the data-parallel axes, the optimizer states and step cover this
+        rank's slice only, and the parameters are all-gathered after the step (MiCS: inside the
+        partition group, 2-hop synchronization across groups). With ZeRO-3 the module holds only this
+        rank's slices, and the optimizer is ``optimizer_cls`` over them. A ``torch.optim`` optimizer
+        built by hand over ``parameters()`` trains the same numbers but keeps whole states under
+        ZeRO-1/2, and the caller steps it."""
+        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
+        if 1 <= self.setup.zero <= 2 and zero_axes:
+            grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
+            whole = whole_gradient_params(self.program, zero_axes + replica_axes)
+            opt = ZeroOptimizer(
+                self._params, grad_sync, optimizer_cls, self.comm, zero_axes, replica_axes, whole, **kwargs
+            )
+        else:
+            opt = optimizer_cls(list(self._params.values()), **kwargs)
+        self._optimizer = opt
+        return opt
+
+    def _step(self) -> None:
+        """STEP: tied gradients summed and synced, then the attached optimizer's step."""
+        self._grads.reduce_tied()
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad()
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def _local_inputs(self, args: tuple, kwargs: dict, what: str = "shape") -> dict[str, torch.Tensor]:
+        flat = flatten_inputs(self._in_spec, args, kwargs)
+        local = coll.local_inputs(self._inputs, flat, self.comm, self.program.mesh.names, self.device, what)
+        return {v.name: t for v, t in zip(self._inputs, local)}
+
+    def _pieces(self, args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
+        """This rank's inputs of each piece the stages run: microbatches, or their halves when
+        sub-pipelined, dim 0 cut in order."""
+        n = self.options.microbatches * self.options.sub_microbatches
+        if n == 1:
+            return [self._local_inputs(args, kwargs)]
+        return [self._local_inputs(a, kw, "microbatch shape") for a, kw in split_batch(args, kwargs, n)]
+
+    # -- calling ---------------------------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """The model's outputs for the global batch (on a pipeline: forward only, on every rank)."""
+        pieces = self._pieces(args, kwargs)
+        if self._one_stage:
+            part = self.forward_runners[0].whole
+            gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
+            outs = []
+            with coll.use_comm(self.comm), gathered:
+                for i, env in enumerate(pieces):
+                    if self.dropout_rng is not None:
+                        self.dropout_rng.microbatch = i
+                    outs.append(part(env))
+        else:
+            with torch.no_grad():
+                self._forward_executor.run(pieces)
+            outs = self._broadcast_outputs(self._forward_executor.outputs)
+        if self.dropout_rng is not None:
+            self.dropout_rng.step += 1
+        return pytree.tree_unflatten(merge_outputs(outs), self._out_spec)
+
+    def _broadcast_outputs(self, outputs: list[list[tuple]]) -> list[list[Any]]:
+        """Each piece's outputs, from the rank of the last stage to every pipeline rank."""
+        src = self._peer_rank(self._schedule.num_stages - 1)
+        mesh, types = self.program.mesh, self.program.types()
+        out = []
+        for got in outputs:
+            values = list(got[0]) if got else [None] * len(self.program.outputs)
+            for i, r in enumerate(self.program.outputs):
+                if not isinstance(r, Ref):
+                    values[i] = r
+                    continue
+                t = types[r.name]
+                x = values[i] if values[i] is not None else torch.empty(t.local_shape(mesh), dtype=t.torch_dtype)
+                x = x.detach().to(self.device).contiguous()
+                dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, src=src, group=self._pp_group)
+                values[i] = x
+            out.append(values)
+        return out
+
+    def train_step(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward of every microbatch of the global batch under the schedule, gradient
+        reduction, and the optimizer step if ``make_optimizer`` attached one. Returns the mean loss."""
+        if self._executor is None:
+            raise PipelineError(
+                "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
+                "model returns it first when given labels); call the module for its outputs instead"
+            )
+        pieces = self._pieces(args, kwargs)
+        sub = self.options.sub_microbatches
+        self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
+        try:
+            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)])
+        finally:
+            self._grads.enabled = True
+        if self.dropout_rng is not None:
+            self.dropout_rng.step += 1
+        # every pipeline rank needs the dtype to receive the broadcast: the loss's own, half types as float32
+        loss_type = self.train_program.types()[self.train_program.outputs[0].name]
+        dtype = torch.promote_types(loss_type.torch_dtype, torch.float32)
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        loss = loss.detach().to(self.device, dtype).contiguous()
+        if self._schedule.num_ranks > 1:
+            dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)
+        return loss
+
+    # -- the whole model -------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every key of the user's ``model.state_dict()`` (parameters and buffers, tied names too),
+        gathered whole over every mesh axis, on every rank (a collective over all of them).
+        ``grads=True``: the parameters' gradients instead (zeros where there is none)."""
+        values = self._whole(grads)
+        if self._state is None:
+            return values
+        keys, unread = self._state
+        out = {}
+        for key, name in keys.items():
+            if name in values:
+                out[key] = values[name]
+        if not grads:
+            out.update({k: v.clone() for k, v in unread.items()})
+        return out
+
+    def _whole(self, grads: bool = False) -> dict[str, torch.Tensor]:
+        """Every value of the programs, whole, by program name, on every rank."""
+
+        def local(name: str) -> torch.Tensor | None:
+            if self.zero3 is not None and self.zero3.manages(name):
+                return self.zero3.whole_value(name, grad=grads)
+            t = self._local.tensors.get(name)
+            if t is None or (grads and not isinstance(t, torch.nn.Parameter)):
+                return None
+            if grads:
+                return t.grad.detach() if t.grad is not None else torch.zeros_like(t)
+            return t.detach()
+
+        values = whole_values(self.program, local, self.comm)
+        if self._schedule.num_ranks > 1:
+            values = share_over_pipeline(values, self._pp_group, self.device)
+        return values
+
+    def local_keys(self) -> dict[str, str]:
+        """Name -> a key unique to this rank's shard of it (``wte.weight|tp=1/2``; a ZeRO-3 slice also
+        names its ZeRO axes); replicas share the key (what checkpoints are keyed by)."""
+        extra = {n: self.zero3.zero_axes for n in self.zero3.names} if self.zero3 is not None else {}
+        return shard_keys(self.program, self._local.tensors, self.comm.coords, extra)
+
+    # -- inspection ------------------------------------------------------------------------------
+    @property
+    def optimizer(self):
+        """The optimizer ``make_optimizer`` attached (``None`` if the caller steps its own)."""
+        return self._optimizer
+
+    @property
+    def pp_axis(self) -> str:
+        return self.options.pp_axis
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule
+
+    @property
+    def stages(self) -> dict[int, StageProgram]:
+        """This rank's stage programs of training."""
+        return dict(self._stages)
+
+    @property
+    def stage_modules(self) -> dict[str, torch.fx.GraphModule]:
+        """Generated GraphModules of this rank: ``forward{s}`` (every output), ``stage{s}`` (training)
+        and recompute parts ``stage{s}.head{x}`` / ``stage{s}.rest{x}``."""
+        return dict(self._builder.modules)
+
+    @property
+    def trace(self) -> list[TraceEvent]:
+        """Start and end of every action of this rank's last training step (seconds since it began)."""
+        return list(self._executor.trace) if self._executor is not None else []
+
+    @property
+    def peak_stash(self) -> int:
+        """Most microbatch-stages whose activations this rank held at once in the last step."""
+        return self._executor.peak_stash if self._executor is not None else 0
+
+    def measured(self) -> SimResult:
+        """The last step as a SimResult (chart, bubble ratios) from every pipeline rank's trace.
+        Collective over the pipeline axis."""
+        traces: list[Any] = [self.trace]
+        if self._schedule.num_ranks > 1:
+            traces = [None] * self._schedule.num_ranks
+            dist.all_gather_object(traces, self.trace, group=self._pp_group)
+        return measured_result(self._schedule, traces)
+
+    def coords(self) -> dict[str, int]:
+        return dict(self.comm.coords)
+
+
+def one_stage_module(
+    program: Program,
+    in_spec,
+    out_spec,
+    comm: coll.Comm,
+    get_value,
+    device: torch.device | str = "cpu",
+    *,
+    setup: TrainingSetup | None = None,
+    rng: DropoutRng | None = None,
+) -> ParallelModule:
+    """The module of a sharded program without stages, run as one stage (forward only: the rank
+    simulator's ``autopar check``, and tests that train a program through ``forward``)."""
+    staged = one_stage(program)
+    return ParallelModule(
+        staged, None, make_schedule("1f1b", 1, 1), in_spec, out_spec, comm, get_value, device, setup, rng=rng
+    )
+
+
+def _nothing(*_args) -> None:
+    """REDUCE_GRADS and STEP of a forward-only run."""
+
+
+__all__ = ["ParallelModule", "RuntimeOptions", "one_stage_module"]

@@ -1,0 +1,113 @@
+"""Build a rank's pipeline stages from a planned program: one GraphModule per stage, sharing parameters.
+
+A planned program (``stage=`` on every op, send/recv at the boundaries) is cut into its stages
+(``stage_program``); each stage this rank holds becomes a ``StageRunner`` for the executor, its
+GraphModule generated with the rank's ready local shards (``local_tensor``), so the stages of one
+rank, its forward and its training programs share one tensor per parameter. With recomputation the
+stage is also built as a head (run without autograd in ``F``) and a rest. A mesh without a pipeline
+axis is a one-stage pipeline: the same code builds its single stage.
+
+``forward_schedule`` is the forward-only action list of a schedule's placement: every microbatch
+through every stage, no backward (``ParallelModule.forward`` on a pipeline).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from fractions import Fraction
+
+import torch
+
+from autopar.ir.core import MeshSpec, Program, Value
+from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
+from autopar.runtime.actions import F, Kind, Schedule
+from autopar.runtime.codegen import codegen
+from autopar.runtime.executor import Buffer, Part, StageRunner
+from autopar.runtime.p2p import lower
+from autopar.runtime.rng import DropoutRng
+
+
+class StageBuilder:
+    """Generates the GraphModules of one rank's stages; ``modules`` keeps them by label."""
+
+    def __init__(
+        self,
+        coords: dict[str, int],
+        local_tensor: Callable[[Value], torch.Tensor],
+        device: torch.device,
+        rng: DropoutRng | None,
+    ):
+        self.coords, self.local_tensor, self.device, self.rng = coords, local_tensor, device, rng
+        self.modules: dict[str, torch.fx.GraphModule] = {}
+
+    def part(self, prog: Program, label: str) -> Part:
+        gm = codegen(prog, self.coords, _no_whole, self.device, local_tensor=self.local_tensor, rng=self.rng)
+        self.modules[label] = gm
+        return Part.of(gm, prog)
+
+    def runners(
+        self, program: Program, stages: list[int], recompute: dict[int, set[Fraction]], label: str
+    ) -> tuple[dict[int, StageRunner], dict[int, StageProgram]]:
+        """The runners of ``stages`` of ``program`` (with the recompute variants each needs)."""
+        inner = program.mesh
+        runners: dict[int, StageRunner] = {}
+        programs: dict[int, StageProgram] = {}
+        for s in stages:
+            sp = stage_program(program, s)
+            programs[s] = sp
+            whole = self.part(sp.program, f"{label}{s}")
+            runner = StageRunner(
+                s, whole, [_buffer(v, inner) for v in sp.recv], [_buffer(v, inner) for v in sp.send], sp.is_last
+            )
+            for x in sorted(recompute.get(s, ())):
+                cut = recompute_cut(sp, x)
+                if cut >= len(sp.program.ops):
+                    runner.variants[x] = (whole, None)
+                else:
+                    head, rest = split_for_recompute(sp.program, cut)
+                    runner.variants[x] = (
+                        self.part(head, f"{label}{s}.head{x}"),
+                        self.part(rest, f"{label}{s}.rest{x}"),
+                    )
+            runners[s] = runner
+        return runners, programs
+
+
+def recompute_fractions(schedule: Schedule, pp_rank: int) -> dict[int, set[Fraction]]:
+    """Per stage of rank ``pp_rank``, the recompute fractions its forwards use."""
+    out: dict[int, set[Fraction]] = {}
+    for a in schedule.actions[pp_rank]:
+        if a.kind is Kind.F and a.recompute:
+            out.setdefault(a.stage, set()).add(a.recompute)
+    return out
+
+
+def forward_schedule(schedule: Schedule, microbatches: int) -> Schedule:
+    """Every microbatch forward through every stage of ``schedule``'s placement, in microbatch order."""
+    s2r = schedule.stage_to_rank
+    compute = [
+        [F(m, s) for m in range(microbatches) for s in schedule.stages_of_rank(r)] for r in range(schedule.num_ranks)
+    ]
+    # each receive right before its consumer: sound for the executor's eager point-to-point (no
+    # backward runs, so no two ranks wait on each other)
+    actions = lower(compute, s2r, microbatches, post_ahead=False)
+    return Schedule(schedule.num_ranks, schedule.num_stages, microbatches, s2r, actions, "forward")
+
+
+def one_stage(program: Program, pp_axis: str = "pp") -> Program:
+    """A program without stages as a one-stage pipeline (``stage=0`` on every op, no transfers): how a
+    mesh without a pipeline axis runs."""
+    ops = tuple(op if op.attrs.get("stage") == 0 else op.with_(attrs=dict(op.attrs, stage=0)) for op in program.ops)
+    return program.with_(ops=ops, attrs=dict(program.attrs, pipeline_stages=1, pipeline_axis=pp_axis))
+
+
+def _buffer(v: Value, inner: MeshSpec) -> Buffer:
+    t = v.type
+    return Buffer(v.name, t.local_shape(inner), t.torch_dtype, bool(v.attrs.get("grad")))
+
+
+def _no_whole(name: str) -> torch.Tensor:
+    raise AssertionError(f"{name} should come from local_tensor")
+
+
+__all__ = ["StageBuilder", "forward_schedule", "one_stage", "recompute_fractions"]
