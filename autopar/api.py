@@ -20,13 +20,17 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from autopar.check import check_before_training
 from autopar.errors import CheckError, MeshError, PipelineError, PlanError, SubPipelineError
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, cache_dir, flow_index, plan_program
 from autopar.passes.shard import ShardOptions, planning_options
+from autopar.plan import Plan
+from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import sub_microbatch
@@ -36,7 +40,6 @@ from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
 from autopar.solver.cluster import ClusterSpec, local_cluster
 
-PP_AXIS = "pp"  # the mesh axis pipeline stages are placed along; a mesh without it runs one stage
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
 
@@ -154,7 +157,7 @@ def compile(  # noqa: A001
             "use autopar.init_mesh(dp=2, tp=2)"
         )
     spec = mesh_spec(mesh)
-    pp = spec.axis_size(PP_AXIS) if PP_AXIS in spec.names else 1
+    pp = spec.pipeline_size
     if check and pp > 1:
         raise CheckError(
             "check=True covers dp/tp meshes; check a pipelined plan's sharded program with "
@@ -162,14 +165,11 @@ def compile(  # noqa: A001
         )
     if plan is None:  # priced on this machine: the fastest plan within its device memory by default
         options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
-    run = RuntimeOptions(microbatches, PP_AXIS, timeout, record, sub_pipeline_tp)
+    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp)
     captured = _capture(model, *sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches))
     sched = make_schedule(schedule, pp, microbatches, **dict(schedule_options or {}))
     sharded = None
     if plan is not None:  # every rank reads and checks it, so a refused plan stops all of them
-        from autopar.plan import Plan
-        from autopar.planner import options_from_dict
-
         loaded = Plan.load(plan)
         try:
             loaded.check(captured, spec)
@@ -237,7 +237,6 @@ def _plan(
     chunks = schedule.num_stages // schedule.num_ranks if waves is None else 1
     flow = FlowOptions(
         shard=options,
-        pp_axis=PP_AXIS,
         chunks=chunks,
         waves=waves,
         microbatches=schedule.num_microbatches,
@@ -248,7 +247,7 @@ def _plan(
     if planned.num_stages != schedule.num_stages:
         raise PipelineError(
             f"the {schedule.name} schedule runs {schedule.num_stages} stages but the mesh {mesh} plans "
-            f"{planned.num_stages}: a mesh without a {PP_AXIS} axis is one stage (use 1f1b, gpipe or scp there)"
+            f"{planned.num_stages}: a mesh without a {PIPELINE_AXIS} axis is one stage (use 1f1b, gpipe or scp there)"
         )
     if planned.num_stages > 1:
         planned.require_train()  # a pipeline exists to train: refuse a model without a scalar loss here
@@ -285,7 +284,6 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
 
 def _check_before_training(program: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
     """compile's ``check=True``: rank 0 checks the plan on simulated ranks; every rank raises its verdict."""
-    from autopar.check import check_before_training
 
     verdict: list[str | None] = [None]
     failure: Exception | None = None

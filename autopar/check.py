@@ -36,11 +36,17 @@ from autopar.ir.core import (
     Shard,
     TensorType,
     Value,
+    target_name,
 )
+from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture, flatten_inputs
+from autopar.passes.flow import FlowOptions, plan_program
+from autopar.passes.lower import _module_path
+from autopar.plan import Plan
 from autopar.rulecheck import call_op
 from autopar.runtime.codegen import _getitem
+from autopar.runtime.module import one_stage_module
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 
@@ -226,7 +232,6 @@ def check_program(
 ) -> CheckReport:
     """One step of ``prog`` (float64, placements planned) on simulated ranks vs the whole program
     and vs ``model`` (float64 copy made here)."""
-    from autopar.runtime.module import one_stage_module
 
     keyed = [op for op in prog.ops if "rng" in op.attrs]
     if keyed:
@@ -427,8 +432,6 @@ def _ir_lines(prog: Program) -> dict[str, str]:
 def _source_lines(captured: Captured, prog: Program) -> dict[str, str]:
     """Best effort: the user's source line of each op, from the exported graph's stack traces (ops
     matched by module path and target in order; ops lowering made from another op have none)."""
-    from autopar.ir.core import target_name
-    from autopar.passes.lower import _module_path
 
     nodes: dict[tuple[str, str], list[str]] = {}
     for n in captured.exported.graph_module.graph.nodes:
@@ -463,15 +466,11 @@ def check_model(
     options: Any = None,
 ) -> CheckReport:
     """Plan ``model`` on ``mesh`` (or load ``plan``) and check one step on simulated ranks."""
-    from autopar.ir.parser import parse
-    from autopar.passes.flow import FlowOptions, plan_program
 
     _require_weights(model)
     captured = capture(model, args, kwargs)
-    inner = MeshSpec(tuple((n, s) for n, s in mesh.axes if n != "pp"))
+    inner = mesh.without_pipeline()
     if plan is not None:
-        from autopar.plan import Plan
-
         loaded = Plan.load(plan)
         loaded.check(captured, mesh)
         prog = parse(loaded.program)
@@ -515,7 +514,7 @@ def _require_weights(model: torch.nn.Module) -> None:
 
 def _strip_pipeline(prog: Program) -> Program:
     """The sharded program of a pipelined plan is checked whole: stage cuts do not change values."""
-    mesh = MeshSpec(tuple((n, s) for n, s in prog.mesh.axes if n != "pp"))
+    mesh = prog.mesh.without_pipeline()
     if mesh == prog.mesh:
         return prog
     raise CheckError(f"the plan's program is over mesh {prog.mesh}; check a plan whose program has no pp axis")

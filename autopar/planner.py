@@ -9,11 +9,13 @@ from dataclasses import dataclass
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
+from autopar.models import build
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
+from autopar.solver.cost import TrainingSetup
 
 
 @dataclass
@@ -36,8 +38,6 @@ def options_dict(opts: ShardOptions) -> dict:
 
 
 def options_from_dict(d: dict, cluster=None) -> ShardOptions:
-    from autopar.solver.cost import TrainingSetup
-
     setup = d.get("setup", {})
     if setup.get("zero_axes") is not None:
         setup = dict(setup, zero_axes=tuple(setup["zero_axes"]))
@@ -148,8 +148,6 @@ def plan_model(
     baselines: tuple[str, ...] = BASELINES,
     pipeline: PipelinePlanOptions | None = None,
 ) -> PlanReport:
-    from autopar.models import build
-
     m = build(spec, device="meta")
     t0 = time.perf_counter()
     captured = capture(m.model, m.args, m.kwargs)

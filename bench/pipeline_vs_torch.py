@@ -222,7 +222,7 @@ def emulated(rank: int, world: int, args) -> dict:
             if ts is not None:
                 times[name]["torch"].append(_timed(tstep))
     if rank == 0:
-        from autopar.runtime.costs import Costs
+        from autopar.runtime.action_costs import Costs
         from autopar.runtime.simulator import simulate
 
         for name, opts, sched, *_ in runs:
@@ -369,8 +369,8 @@ def real(rank: int, world: int, args) -> dict:
 
 def _measured_costs(sched, m, tc: float = 0.0):
     """Per-stage mean forward/backward/recompute seconds of a measured step, as simulator Costs."""
+    from autopar.runtime.action_costs import Costs
     from autopar.runtime.actions import Kind
-    from autopar.runtime.costs import Costs
 
     acc: dict[tuple[Kind, int], list[float]] = {}
     for events in m.timeline:

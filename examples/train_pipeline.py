@@ -23,7 +23,7 @@ from autopar.api import parse_mesh
 from autopar.models import build
 from autopar.passes.shard import ShardOptions
 from autopar.runtime import checkpoint
-from autopar.runtime.costs import Costs
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.simulator import simulate
 from autopar.solver.cost import TrainingSetup
 

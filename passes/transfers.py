@@ -35,7 +35,7 @@ from autopar.passes.pipeline_split import common_nodes
 
 def stage_of_op(op: Op) -> int:
     if "stage" not in op.attrs:
-        raise PipelineError(f"%{op.result} = {op.target} has no stage annotation; run plan_pipeline first")
+        raise PipelineError(f"%{op.result} = {op.target} has no stage annotation; run the assign-stages pass first")
     return int(op.attrs["stage"])
 
 

@@ -26,11 +26,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from autopar.errors import PipelineError
+from autopar.ir.axes import PIPELINE_AXIS
+from autopar.runtime.zero import ZeroOptimizer
 
 
 def _optimizer_keys(pipe, optimizer) -> list[str]:
     """A checkpoint key for each parameter of ``optimizer``, in its param_groups order."""
-    from autopar.runtime.zero import ZeroOptimizer
 
     local = pipe.local_keys()
     by_id = {id(p): local[n] for n, p in pipe.named_parameters()}
@@ -41,7 +42,7 @@ def _optimizer_keys(pipe, optimizer) -> list[str]:
             if isinstance(optimizer, ZeroOptimizer) and p is optimizer.master:
                 # the flat vector holds this pipeline rank's parameters: its key names the pipeline rank
                 c, n = optimizer.comm.coords, optimizer.comm.sizes
-                axes = tuple(a for a in (pipe.pp_axis, *optimizer.zero_axes) if a in c)
+                axes = tuple(a for a in (PIPELINE_AXIS, *optimizer.zero_axes) if a in c)
                 keys.append("zero.flat|" + ",".join(f"{a}={c[a]}/{n[a]}" for a in axes))
             elif id(p) in by_id:
                 keys.append(by_id[id(p)])
@@ -95,7 +96,6 @@ def save(path: str | os.PathLike, pipe, optimizer=None, extra: Any = None) -> No
 def load(path: str | os.PathLike, pipe, optimizer=None) -> Any:
     """Restore ``pipe``'s shards (and ``optimizer``'s states) from ``path`` in place; returns ``extra``.
     Collective over every rank."""
-    from autopar.runtime.zero import ZeroOptimizer
 
     path = os.fspath(path)
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

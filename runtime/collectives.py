@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from autopar.errors import CaptureError
+from autopar.ir.core import Shard
 from autopar.solver.cost import BUCKET_BYTES
 
 
@@ -91,8 +93,6 @@ def local_inputs(values, flat: list, comm: Comm, names: tuple[str, ...], device,
     """This rank's shard of each tensor in ``flat`` (the flattened call inputs), for the program inputs
     ``values`` in order: checked against the compiled shape, moved to ``device``, sliced as each
     input's placements over the mesh axes ``names`` say."""
-    from autopar.errors import CaptureError
-    from autopar.ir.core import Shard
 
     out = []
     for v, x in zip(values, (x for x in flat if isinstance(x, torch.Tensor))):

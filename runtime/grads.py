@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
@@ -119,12 +120,12 @@ def reduction_points(
     return sync_at, tied
 
 
-def tie_groups(mesh, pp_axis: str, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
+def tie_groups(mesh, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
     """One process group per set of pipeline ranks sharing a tied parameter, per coordinate of the
     other axes of ``mesh`` (a DeviceMesh; every rank creates every group, in the same order, as
     ``new_group`` requires)."""
     names = mesh.mesh_dim_names
-    pp_index = names.index(pp_axis)
+    pp_index = names.index(PIPELINE_AXIS)
     groups: dict[tuple[int, ...], Any] = {}
     me = dist.get_rank()
     others = [range(mesh.size(i)) for i in range(len(names)) if i != pp_index]

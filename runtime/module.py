@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import PipelineError
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program, Ref
 from autopar.passes.capture import flatten_inputs
 from autopar.passes.stage_program import StageProgram
@@ -53,7 +54,6 @@ class RuntimeOptions:
     """How the module runs (besides its programs, schedule and training setup)."""
 
     microbatches: int = 1
-    pp_axis: str = "pp"
     timeout: float = 600.0  # seconds any transfer may take before the step fails with RuntimeCommError
     record: bool = True  # record every action's start and end in train_step (a barrier starts each step)
     # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
@@ -102,9 +102,8 @@ class ParallelModule(torch.nn.Module):
         self._in_spec, self._out_spec = in_spec, out_spec
         self._inputs = [v for v in forward.inputs if v.kind == "input"]
         self._values = {v.name: v for v in forward.inputs}
-        pp_axis = options.pp_axis
-        self._pp_group = comm.groups.get(pp_axis)
-        self._pp_rank = comm.coords.get(pp_axis, 0)
+        self._pp_group = comm.groups.get(PIPELINE_AXIS)
+        self._pp_rank = comm.coords.get(PIPELINE_AXIS, 0)
         self._optimizer = None
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
@@ -182,7 +181,7 @@ class ParallelModule(torch.nn.Module):
         if tied:
             if mesh is None:
                 raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
-            groups = tie_groups(mesh, self.options.pp_axis, tied)
+            groups = tie_groups(mesh, tied)
         grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
         return GradSync(self._params, grad_sync, self.comm, self._skip_sync, sync_at, tied, groups)
 
@@ -349,10 +348,6 @@ class ParallelModule(torch.nn.Module):
     def optimizer(self):
         """The optimizer ``make_optimizer`` attached (``None`` if the caller steps its own)."""
         return self._optimizer
-
-    @property
-    def pp_axis(self) -> str:
-        return self.options.pp_axis
 
     @property
     def schedule(self) -> Schedule:

@@ -19,11 +19,13 @@ from fractions import Fraction
 import torch
 
 from autopar.ir.core import MeshSpec, Program, Value
+from autopar.passes.assign_stages import assign_stages_pass
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
+from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import F, Kind, Schedule
 from autopar.runtime.codegen import codegen
 from autopar.runtime.executor import Buffer, Part, StageRunner
-from autopar.runtime.p2p import lower
+from autopar.runtime.p2p import insert_comm_actions
 from autopar.runtime.rng import DropoutRng
 
 
@@ -90,15 +92,15 @@ def forward_schedule(schedule: Schedule, microbatches: int) -> Schedule:
     ]
     # each receive right before its consumer: sound for the executor's eager point-to-point (no
     # backward runs, so no two ranks wait on each other)
-    actions = lower(compute, s2r, microbatches, post_ahead=False)
+    actions = insert_comm_actions(compute, s2r, microbatches, post_ahead=False)
     return Schedule(schedule.num_ranks, schedule.num_stages, microbatches, s2r, actions, "forward")
 
 
-def one_stage(program: Program, pp_axis: str = "pp") -> Program:
-    """A program without stages as a one-stage pipeline (``stage=0`` on every op, no transfers): how a
-    mesh without a pipeline axis runs."""
-    ops = tuple(op if op.attrs.get("stage") == 0 else op.with_(attrs=dict(op.attrs, stage=0)) for op in program.ops)
-    return program.with_(ops=ops, attrs=dict(program.attrs, pipeline_stages=1, pipeline_axis=pp_axis))
+def one_stage(program: Program) -> Program:
+    """A program without stages as a one-stage pipeline, as the flow makes it for a mesh without a
+    pipeline axis: its ``assign-stages`` (``stage=0`` on every op) and ``insert-transfers`` (none)."""
+    staged, _ = assign_stages_pass(program, {"pp": 1})
+    return insert_transfers(staged)
 
 
 def _buffer(v: Value, inner: MeshSpec) -> Buffer:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.ir.axes import data_axes
+from autopar.ir.core import Replicate
 from autopar.runtime import collectives as coll
 
 
@@ -173,7 +175,7 @@ def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if not setup.zero:
         return (), ()
     shard_idx = setup.shard_axes(mesh)
-    dp_names = setup.zero_axes if setup.zero_axes is not None else tuple(n for n in mesh.names if n.startswith("dp"))
+    dp_names = setup.zero_axes if setup.zero_axes is not None else data_axes(mesh.names)
     zero_axes = tuple(mesh.names[i] for i in shard_idx if mesh.sizes[i] > 1)
     replica_axes = tuple(n for n in dp_names if n in mesh.names and n not in zero_axes and mesh.axis_size(n) > 1)
     return zero_axes, replica_axes
@@ -182,7 +184,6 @@ def zero_axes_of(setup, mesh) -> tuple[tuple[str, ...], tuple[str, ...]]:
 def whole_gradient_params(program, axes: tuple[str, ...]) -> set[str]:
     """Parameters of ``program`` replicated over every axis in ``axes`` whose gradient comes out whole
     on each rank there (no ``grad_sync`` on them): ``ZeroOptimizer``'s ``whole``."""
-    from autopar.ir.core import Replicate
 
     names = program.mesh.names
     on = [names.index(a) for a in axes]

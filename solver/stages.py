@@ -210,19 +210,4 @@ def _no_fit(
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# Transitional: the old entry point, until its callers (autopar/planner.py, autopar/pipeline.py,
-# tests/test_pipeline_training.py) call autopar.passes.assign_stages.assign_stages. Delete with them.
-
-
-def plan_pipeline(prog: Program, pp: int, chunks: int = 1, waves: int | None = None, **kw) -> tuple:
-    """Deprecated: ``autopar.passes.assign_stages.assign_stages`` (its third result is the Split;
-    this returns ``split.seconds`` there, as before)."""
-    # transitional: the one solver -> passes import, deferred so that the solver imports no pass
-    from autopar.passes.assign_stages import assign_stages
-
-    annotated, plan, split = assign_stages(prog, pp, chunks, waves, kw.pop("microbatches", None), **kw)
-    return annotated, plan, split.seconds
-
-
-__all__ = ["DEFAULT_CLUSTER", "SplitLike", "balance_stages", "load_cluster", "plan_pipeline", "too_few_subgraphs"]
+__all__ = ["DEFAULT_CLUSTER", "SplitLike", "balance_stages", "load_cluster", "too_few_subgraphs"]

@@ -17,9 +17,10 @@ from typing import Any
 import torch
 
 import autopar
+from autopar.ir.axes import PIPELINE_AXIS
 from autopar.models import build
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS
-from autopar.runtime.costs import Costs
 from autopar.runtime.simulator import simulate
 from tests.exactness import (
     STATES_PER_ELEMENT,
@@ -360,7 +361,7 @@ def compare_train_step(
         key = schedule + "".join(f",{k}={v}" for k, v in {**opts, **extra}.items())
         state_rel, worst_key, missing = state_error(pipe.full_state_dict(), reference)
         measured = pipe.measured()  # the last step, from every pipeline rank's trace
-        r = pipe.coords().get("pp", 0)
+        r = pipe.coords().get(PIPELINE_AXIS, 0)
         sim = simulate(pipe.schedule, Costs.uniform(pipe.schedule.num_stages))
         out[key] = {
             "loss_rel": torch.tensor(loss_error(torch.tensor(losses, dtype=torch.float64), ref_losses)),
@@ -394,7 +395,7 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
     from autopar.solver.baselines import megatron_constraints
 
     args, kwargs = split_batch((), batch, microbatches)[0]
-    inner = MeshSpec(tuple((a, n) for a, n in axes.items() if a != "pp"))
+    inner = MeshSpec(tuple(axes.items())).without_pipeline()
     prog = lower(_capture(model, args, kwargs), inner)
     return ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
 

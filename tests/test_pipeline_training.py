@@ -29,10 +29,10 @@ from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_program import recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
+from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.batch import split_batch
 from autopar.runtime.codegen import codegen
-from autopar.runtime.costs import Costs
 from autopar.runtime.executor import Part, TraceEvent, measured_result
 from autopar.runtime.init import canonical_names, init_value, materialize
 from autopar.runtime.schedules import make_schedule

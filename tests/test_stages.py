@@ -29,7 +29,7 @@ from autopar.solver import pipeline_shape as shape
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.stage_cost import StageContext, megatron_tp_comm_seconds
 from autopar.solver.stage_plan import StagePlan, module_units
-from autopar.solver.stages import balance_stages, plan_pipeline
+from autopar.solver.stages import balance_stages
 
 A100 = ClusterSpec.load("dgx-a100")
 
@@ -285,15 +285,15 @@ def test_graph_with_no_legal_cut_names_what_crosses():
     assert plan.num_stages == 1
 
 
-def test_the_pass_and_the_old_entry_point_agree():
-    """assign_stages_pass (the assign-stages pass) and solver.stages.plan_pipeline (kept until its callers
-    move) give what assign_stages gives; the pass needs pp and refuses unknown options."""
+def test_the_pass_gives_what_assign_stages_gives():
+    """assign_stages_pass (the assign-stages pass of the flow) gives what assign_stages gives, with the stage
+    plan and the split's seconds as its report; pp=1 is one stage; it needs pp and refuses unknown options."""
     prog, plan, split = assign_stages(gpt2(), 3, microbatches=None)
-    assert assign_stages_pass(gpt2(), {"pp": 3, "microbatches": None})[0] == prog.with_(
-        attrs=dict(prog.attrs, pipeline_stages=3)
-    )
-    old, old_plan, seconds = plan_pipeline(gpt2(), 3)
-    assert old == prog and old_plan.stages == plan.stages and seconds >= 0
+    out, (report, seconds) = assign_stages_pass(gpt2(), {"pp": 3, "microbatches": None})
+    assert out == prog.with_(attrs=dict(prog.attrs, pipeline_stages=3))
+    assert report.stages == plan.stages and seconds >= 0
+    one, (none, _) = assign_stages_pass(gpt2(), {"pp": 1})
+    assert none is None and {op.attrs["stage"] for op in one.ops} == {0} and one.attrs["pipeline_stages"] == 1
     with pytest.raises(PipelineError, match="needs pp"):
         assign_stages_pass(gpt2(), {"chunks": 2})
     with pytest.raises(PipelineError, match="unknown assign-stages option"):

@@ -6,8 +6,16 @@ import argparse
 import json
 import sys
 
+from autopar.api import parse_mesh
 from autopar.errors import AutoparError
 from autopar.ir.axes import PIPELINE_AXIS
+from autopar.models import list_presets
+from autopar.passes.shard import ShardOptions, planning_options
+from autopar.planner import PipelinePlanOptions, plan_model
+from autopar.search import run_cli
+from autopar.solver.baselines import BASELINES
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import TrainingSetup
 
 GiB = 2**30
 
@@ -69,23 +77,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from autopar.api import parse_mesh
-    from autopar.passes.shard import ShardOptions, planning_options
-    from autopar.planner import plan_model
-    from autopar.solver.baselines import BASELINES
-    from autopar.solver.cluster import ClusterSpec
-    from autopar.solver.cost import TrainingSetup
-
     if args.list_models:
-        from autopar.models import list_presets
-
         for name, desc in list_presets().items():
             print(f"{name:18s} {desc}")
         return 0
     # -- search hook ------------------------------------------------------------------------------------
     if not args.mesh and args.global_batch is not None:
-        from autopar.search import run_cli
-
         return run_cli(args)
     args.precision = "fp32" if args.precision is None else args.precision
     args.zero = 0 if args.zero is None else args.zero
@@ -104,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
         setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
     )
     opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
-    from autopar.planner import PipelinePlanOptions
 
     if (args.chunks > 1 or args.waves) and PIPELINE_AXIS not in mesh.names:
         raise AutoparError("--chunks and --waves need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
