@@ -86,7 +86,8 @@ def _mean_loss(y, target=None):
 def _autopar_emulated(sched, rank: int, shape, tf_stage: float):
     from autopar.runtime.actions import Kind
     from autopar.runtime.collectives import Comm
-    from autopar.runtime.executor import Buffer, Executor, Part, StageRunner
+    from autopar.runtime.executor import Executor
+    from autopar.runtime.stage_runner import Buffer, Part, StageRunner
 
     S = sched.num_stages
     runners = {}
@@ -183,8 +184,8 @@ def _timed(fn) -> float:
 
 
 def emulated(rank: int, world: int, args) -> dict:
-    from autopar.runtime.executor import measured_result
     from autopar.runtime.schedules import make_schedule
+    from autopar.runtime.trace import measured_result
 
     P, M = world, args.microbatches
     shape = (args.mb, args.seq, args.hidden)

@@ -90,8 +90,9 @@ def _stage_module(layers: int, per_sample: float, last: bool) -> fx.GraphModule:
 
 def _emulated_executors(args, mesh, tm: float) -> dict:
     from autopar.runtime.collectives import Comm
-    from autopar.runtime.executor import Buffer, Executor, Part, StageRunner
+    from autopar.runtime.executor import Executor
     from autopar.runtime.schedules import make_schedule
+    from autopar.runtime.stage_runner import Buffer, Part, StageRunner
 
     pp_rank, tp_rank = mesh.get_coordinate()
     sched = make_schedule(args.schedule, args.pp, args.microbatches)

@@ -38,156 +38,27 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from fractions import Fraction
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from autopar.errors import RuntimeCommError
-from autopar.ir.core import Program
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, Action, Kind, Schedule
+from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule
+from autopar.runtime.executor_state import (
+    PendingReceive,
+    Stash,
+    backprop,
+    is_comm_failure,
+    restored_rng,
+    rng_state,
+    to_wire,
+    wire_view,
+)
+from autopar.runtime.stage_runner import Part, StageRunner
 from autopar.runtime.subpipeline import Interleaved, Tape
-from autopar.runtime.timeline import Event, SimResult, Transfer
-
-# ---------------------------------------------------------------------------------------------
-# What the executor runs
-
-
-@dataclass
-class Part:
-    """A GraphModule and the names of its placeholders (the program's ``input`` values, in order)."""
-
-    module: fx.GraphModule
-    inputs: tuple[str, ...]
-    grad: tuple[bool, ...]  # whether a gradient flows through each input
-
-    @classmethod
-    def of(cls, module: fx.GraphModule, prog: Program) -> Part:
-        values = [v for v in prog.inputs if v.kind == "input"]
-        return cls(module, tuple(v.name for v in values), tuple(bool(v.attrs.get("grad")) for v in values))
-
-    def __call__(self, env: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple(self.module(*(env[n] for n in self.inputs)))
-
-
-@dataclass
-class Buffer:
-    """A tensor crossing a stage boundary: its local shape and dtype, and whether a gradient returns."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    grad: bool
-
-
-@dataclass
-class StageRunner:
-    """Everything the executor needs about one stage held by this rank."""
-
-    index: int
-    whole: Part
-    recv: list[Buffer]  # received values, in message order (the placeholders of the same names)
-    send: list[Buffer]  # sent values, in message order (the module's outputs, in order)
-    is_last: bool
-    # recompute fraction -> (prefix run without autograd in F, rest or None when all is recomputed)
-    variants: dict[Fraction, tuple[Part, Part | None]] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------------------------------------
-# Traces and the measured SimResult
-
-
-@dataclass(frozen=True)
-class TraceEvent:
-    """One action as it ran: seconds since the step began (all ranks start after one barrier)."""
-
-    action: Action
-    start: float
-    end: float
-
-
-def measured_result(schedule: Schedule, traces: Sequence[Sequence[TraceEvent]]) -> SimResult:
-    """The simulator's result type built from measured traces (one list per pipeline rank).
-
-    ``step_time`` is the end of the last compute action on any rank (the pipeline proper; gradient
-    reduction and the optimizer step come after it and are not part of the bubble), ``busy`` the time
-    each rank spent in F, B and RECOMPUTE, so ``bubble_ratio`` and ``idle_fraction`` mean what they
-    mean for a simulation. Transfers pair the k-th send of a channel with its k-th receive and run
-    from the later of the two posts to the end of the receive's wait.
-    """
-    ranks = range(schedule.num_ranks)
-    timeline = [[Event(r, e.action, e.start, e.end) for e in traces[r]] for r in ranks]
-    compute_ends = [e.end for r in ranks for e in traces[r] if e.action.kind in COMPUTE_KINDS]
-    step = max(compute_ends, default=0.0)
-    busy = [sum(e.end - e.start for e in traces[r] if e.action.kind in COMPUTE_KINDS) for r in ranks]
-    sends: dict[tuple[int, int], list[TraceEvent]] = defaultdict(list)
-    recvs: dict[tuple[int, int], list[TraceEvent]] = defaultdict(list)
-    s2r = schedule.stage_to_rank
-    for r in ranks:
-        for e in traces[r]:
-            a = e.action
-            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                sends[(r, s2r[a.peer])].append(e)
-            elif a.kind in (Kind.RECV_ACT, Kind.RECV_GRAD):
-                recvs[(s2r[a.peer], r)].append(e)
-    transfers = []
-    for (src, dst), ss in sends.items():
-        for s, rv in zip(ss, recvs.get((src, dst), [])):
-            transfers.append(Transfer(src, dst, s.action, rv.action, max(s.start, rv.start), rv.end))
-    peaks = [_peak_stash(traces[r]) for r in ranks]
-    return SimResult(schedule, timeline, transfers, step, busy, peaks)
-
-
-def _peak_stash(trace: Sequence[TraceEvent]) -> int:
-    live = peak = 0
-    for e in trace:
-        if e.action.kind is Kind.F:
-            live += 1
-            peak = max(peak, live)
-        elif e.action.kind is Kind.B:
-            live -= 1
-    return peak
-
-
-# ---------------------------------------------------------------------------------------------
-# The executor
-
-
-_WIRE = {torch.bool: torch.uint8}  # dtypes gloo cannot send are sent as their bytes
-
-
-def _wire(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().contiguous()
-    return t.view(_WIRE[t.dtype]) if t.dtype in _WIRE else t
-
-
-@dataclass
-class _Pending:
-    """A posted receive: its buffers and the works of the batch it was posted in."""
-
-    buffers: list[torch.Tensor]
-    works: list
-    action: Action
-    peer_rank: int
-
-
-@dataclass
-class _Stash:
-    """One (microbatch, stage)'s activations, one entry per sub-microbatch in each list."""
-
-    leaves: list[dict[str, torch.Tensor]]  # the stage's inputs (received leaves and user inputs)
-    outputs: list[tuple[torch.Tensor, ...]] = field(default_factory=list)  # autograd goes back from these
-    tape: Tape | None = None  # the sub-pipelined backward of the outputs (None: plain autograd)
-    recompute: Fraction = Fraction(0)
-    head_leaves: list[dict[str, torch.Tensor]] = field(default_factory=list)  # prefix outputs, as leaves
-    head_outputs: list[tuple[torch.Tensor, ...]] | None = None  # prefix outputs with autograd (RECOMPUTE)
-    head_tape: Tape | None = None
-    rng: tuple | None = None
+from autopar.runtime.trace import TraceEvent, finish_receive
 
 
 class Executor:
@@ -261,9 +132,9 @@ class Executor:
         self._acts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its inputs, handed over
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its output grads
         self._to_send: dict[tuple[Kind, int, int], list[torch.Tensor]] = {}
-        self._pending: dict[tuple[Kind, int, int], _Pending] = {}
+        self._pending: dict[tuple[Kind, int, int], PendingReceive] = {}
         self._in_flight: list[tuple[list, Action, int, list[torch.Tensor]]] = []
-        self._stash: dict[tuple[int, int], _Stash] = {}
+        self._stash: dict[tuple[int, int], Stash] = {}
         self._done: dict[int, object] = {}
         self._losses: list[torch.Tensor] = [torch.zeros(())] * m
         self.outputs = [[] for _ in range(m)]
@@ -293,7 +164,7 @@ class Executor:
                 if self._ready is not None:  # the compute began once its inputs had arrived
                     start = max(start, self._ready - t0)
                 for recv, done in waited:  # a receive ends when its consumer has its data
-                    _finish(trace, recv, done - t0)
+                    finish_receive(trace, recv, done - t0)
                 trace.append(TraceEvent(a, start, end))
                 if a.kind is Kind.F:
                     live += 1
@@ -353,10 +224,10 @@ class Executor:
         return inter([[env[n] for n in part.inputs] for env in envs], first=mb * self.sub)
 
     def _backprop(self, outputs: list[tuple], grads: list[list], tape: Tape | None, loss: float | None = None):
-        """``_backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: the loss scale."""
+        """``backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: the loss scale."""
         if tape is None:
             for o, g in zip(outputs, grads):
-                _backprop(o, g, loss)
+                backprop(o, g, loss)
             return
         if loss is not None:
             tape.backward([[(o[0], torch.full_like(o[0], loss))] for o in outputs])
@@ -376,13 +247,13 @@ class Executor:
             leaves.update(inputs)
             envs.append(leaves)
         x = a.recompute
-        stash = _Stash(envs, recompute=x)
+        stash = Stash(envs, recompute=x)
         if not x:
             outs, stash.tape = self._call(st.whole, envs, a.mb)
             stash.outputs = outs
         else:
             head, rest = st.variants[x]
-            stash.rng = _rng_state()
+            stash.rng = rng_state()
             with torch.no_grad():
                 h_outs, _ = self._call(head, envs, a.mb)
             if rest is None:
@@ -410,13 +281,13 @@ class Executor:
         if nxt in self._local:
             self._acts[(a.mb, nxt)] = [o.detach() for o in flat]
         else:
-            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [_wire(o) for o in flat]
+            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [to_wire(o) for o in flat]
 
     def _recompute(self, a: Action) -> None:
         st = self.stages[a.stage]
         stash = self._stash[(a.mb, a.stage)]
         head, _rest = st.variants[stash.recompute]
-        with _restored_rng(stash.rng), torch.enable_grad():
+        with restored_rng(stash.rng), torch.enable_grad():
             stash.head_outputs, stash.head_tape = self._call(head, stash.leaves, a.mb)
 
     def _backward(self, a: Action, waited) -> None:
@@ -458,7 +329,7 @@ class Executor:
             if prev in self._local:
                 self._grads[(a.mb, prev)] = out
             else:
-                self._to_send[(Kind.SEND_GRAD, a.mb, a.stage)] = [_wire(g) for g in out]
+                self._to_send[(Kind.SEND_GRAD, a.mb, a.stage)] = [to_wire(g) for g in out]
         del stash  # the microbatch's activations are freed here
 
     # -- point-to-point --------------------------------------------------------------------------
@@ -473,7 +344,7 @@ class Executor:
                 posted.append((a, tensors, peer))
             else:
                 bufs = self._buffers(a)
-                ops += [dist.P2POp(dist.irecv, _wire_view(b), peer) for b in bufs]
+                ops += [dist.P2POp(dist.irecv, wire_view(b), peer) for b in bufs]
                 posted.append((a, bufs, peer))
         works = self._guard(lambda: dist.batch_isend_irecv(ops), batch[0], -1) if ops else []
         per_op = len(works) == len(ops)  # gloo: one work per op; NCCL may return one for the batch
@@ -485,7 +356,7 @@ class Executor:
                 self._in_flight.append((mine, a, peer, tensors))
             else:
                 kind = Kind.RECV_ACT if a.kind is Kind.RECV_ACT else Kind.RECV_GRAD
-                self._pending[(kind, a.mb, a.stage)] = _Pending(tensors, mine, a, peer)
+                self._pending[(kind, a.mb, a.stage)] = PendingReceive(tensors, mine, a, peer)
 
     def _buffers(self, a: Action) -> list[torch.Tensor]:
         st = self.stages[a.stage]
@@ -530,7 +401,7 @@ class Executor:
         except RuntimeCommError:
             raise
         except RuntimeError as e:  # gloo/NCCL report a dead peer or a timeout as RuntimeError
-            if not _is_comm_failure(e):
+            if not is_comm_failure(e):
                 raise
             me = dist.get_rank() if dist.is_initialized() else 0
             with_peer = f" with rank {peer}" if peer >= 0 else ""
@@ -541,85 +412,4 @@ class Executor:
             ) from e
 
 
-def step_barrier(timeout: float) -> Callable[[], None]:
-    """The barrier that opens a recorded step: gloo's monitored one (it names a rank that never
-    arrives within ``timeout`` seconds), else a plain one."""
-    td = datetime.timedelta(seconds=timeout)
-
-    def barrier() -> None:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=td)
-        else:
-            dist.barrier()
-
-    return barrier
-
-
-_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
-
-
-def _is_comm_failure(e: BaseException) -> bool:
-    """Whether an error comes from the transport (a dead or stuck peer), not from the computation."""
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = f"{type(e).__name__} {e}".lower()
-    return any(w in text for w in _COMM_WORDS)
-
-
-def _wire_view(b: torch.Tensor) -> torch.Tensor:
-    return b.view(_WIRE[b.dtype]) if b.dtype in _WIRE else b
-
-
-def _finish(trace: list[TraceEvent], recv: Action, end: float) -> None:
-    for k in range(len(trace) - 1, -1, -1):
-        if trace[k].action == recv:
-            trace[k] = TraceEvent(recv, trace[k].start, end)
-            return
-
-
-def _backprop(
-    outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], loss_scale: float | None = None
-) -> None:
-    """Back-propagate ``grads`` from ``outputs`` (``None``: no gradient flows back through it). With
-    ``loss_scale`` the first output is the loss and its gradient is ``loss_scale``."""
-    if loss_scale is not None:
-        grads = [torch.full_like(outputs[0], loss_scale)]
-        outputs = outputs[:1]
-    ts, gs = [], []
-    for o, g in zip(outputs, grads):
-        if g is None or not isinstance(o, torch.Tensor) or not o.requires_grad:
-            continue
-        ts.append(o)
-        gs.append(g)
-    if ts:
-        torch.autograd.backward(ts, gs)
-
-
-def _rng_state() -> tuple:
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda
-
-
-class _restored_rng:
-    """Run a recomputation with the RNG state its forward saw (dropout masks come out the same)."""
-
-    def __init__(self, state: tuple | None):
-        self.state = state
-
-    def __enter__(self):
-        if self.state is None:
-            return
-        self.saved = _rng_state()
-        torch.set_rng_state(self.state[0])
-        if self.state[1] is not None:
-            torch.cuda.set_rng_state_all(self.state[1])
-
-    def __exit__(self, *exc):
-        if self.state is None:
-            return
-        torch.set_rng_state(self.saved[0])
-        if self.saved[1] is not None:
-            torch.cuda.set_rng_state_all(self.saved[1])
-
-
-__all__ = ["Buffer", "Executor", "Part", "StageRunner", "TraceEvent", "measured_result", "step_barrier"]
+__all__ = ["Executor"]

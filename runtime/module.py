@@ -36,14 +36,16 @@ from autopar.passes.stage_program import StageProgram
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import merge_outputs, split_batch
-from autopar.runtime.executor import Executor, StageRunner, TraceEvent, measured_result, step_barrier
+from autopar.runtime.executor import Executor
 from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync, reduction_points, tie_groups
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
+from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, one_stage, recompute_fractions
 from autopar.runtime.timeline import SimResult
+from autopar.runtime.trace import TraceEvent, measured_result, step_barrier
 from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
 from autopar.runtime.zero3 import Zero3Params
 from autopar.solver.cost import TrainingSetup

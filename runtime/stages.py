@@ -24,9 +24,9 @@ from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import F, Kind, Schedule
 from autopar.runtime.codegen import codegen
-from autopar.runtime.executor import Buffer, Part, StageRunner
 from autopar.runtime.p2p import insert_comm_actions
 from autopar.runtime.rng import DropoutRng
+from autopar.runtime.stage_runner import Buffer, Part, StageRunner
 
 
 class StageBuilder:

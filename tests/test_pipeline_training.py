@@ -33,10 +33,11 @@ from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS
 from autopar.runtime.batch import split_batch
 from autopar.runtime.codegen import codegen
-from autopar.runtime.executor import Part, TraceEvent, measured_result
 from autopar.runtime.init import canonical_names, init_value, materialize
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
+from autopar.runtime.stage_runner import Part
+from autopar.runtime.trace import TraceEvent, measured_result
 from tests._dist import run_distributed
 from tests.equivalence import compare_jobs
 from tests.exactness import TOL

@@ -1,0 +1,54 @@
+"""What the executor runs for one stage of a rank: its GraphModule parts and its boundary buffers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+import torch.fx as fx
+
+from autopar.ir.core import Program
+
+
+@dataclass
+class Part:
+    """A GraphModule and the names of its placeholders (the program's ``input`` values, in order)."""
+
+    module: fx.GraphModule
+    inputs: tuple[str, ...]
+    grad: tuple[bool, ...]  # whether a gradient flows through each input
+
+    @classmethod
+    def of(cls, module: fx.GraphModule, prog: Program) -> Part:
+        values = [v for v in prog.inputs if v.kind == "input"]
+        return cls(module, tuple(v.name for v in values), tuple(bool(v.attrs.get("grad")) for v in values))
+
+    def __call__(self, env: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        return tuple(self.module(*(env[n] for n in self.inputs)))
+
+
+@dataclass
+class Buffer:
+    """A tensor crossing a stage boundary: its local shape and dtype, and whether a gradient returns."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    grad: bool
+
+
+@dataclass
+class StageRunner:
+    """Everything the executor needs about one stage held by this rank."""
+
+    index: int
+    whole: Part
+    recv: list[Buffer]  # received values, in message order (the placeholders of the same names)
+    send: list[Buffer]  # sent values, in message order (the module's outputs, in order)
+    is_last: bool
+    # recompute fraction -> (prefix run without autograd in F, rest or None when all is recomputed)
+    variants: dict[Fraction, tuple[Part, Part | None]] = field(default_factory=dict)
+
+
+__all__ = ["Buffer", "Part", "StageRunner"]
