@@ -27,8 +27,9 @@ from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture
-from autopar.passes.flow import FlowOptions, cache_dir, flow_index, plan_program
+from autopar.passes.flow import FlowOptions, flow_index, plan_program
 from autopar.passes.shard import ShardOptions, planning_options
+from autopar.passes.split_cache import cache_dir
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll

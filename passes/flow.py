@@ -33,6 +33,8 @@ from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
+from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.solver.pipeline_shape import num_stages
 from autopar.solver.stage_plan import StagePlan
 
 FLOW: tuple[str, ...] = (
@@ -147,16 +149,14 @@ def _shard(
     """``shard`` and ``insert-collectives``; the result is kept on disk by content (lowered IR, options)."""
     names = ["shard", "insert-collectives"]
     key = hashlib.sha256((print_program(lowered) + repr(opts) + ",".join(names)).encode()).hexdigest()[:24]
-    path = cache_dir() / f"{key}.ir" if cache and cache_dir() else None
+    folder = cache_dir() if cache else None
+    path = folder / f"{key}.ir" if folder else None
     if path is not None and path.exists():
         return parse(path.read_text()), None
     pm = PassManager(names, dump_dir, options={"shard": opts}, timings=timings)
     out = pm.run(lowered, flow_index("shard") - 1)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(print_program(out))
-        tmp.replace(path)
+        write_atomic(path, print_program(out))
     return out, pm.info.get("shard")
 
 
@@ -165,11 +165,9 @@ def _stage(
 ) -> tuple[Program, StagePlan | None, float]:
     """``split`` and ``assign-stages``: a plan's own stages when it has the right number, else Merak's split
     balanced over ``pp`` ranks (one stage without a pipeline)."""
-    num_stages = pp * opts.chunks if opts.waves is None else 2 * pp * opts.waves
-    if pp == 1:
-        num_stages = 1
+    stages = 1 if pp == 1 else num_stages(pp, opts.chunks, opts.waves)
     planned = _planned_stages(sharded)
-    if planned is not None and planned == num_stages:
+    if planned is not None and planned == stages:
         staged = _complete_stages(sharded)
         verify(staged)
         return staged, None, 0.0
@@ -242,17 +240,10 @@ def _without_stages(prog: Program) -> Program:
     return prog.with_(ops=ops, attrs=attrs)
 
 
-def cache_dir() -> Path | None:
-    """Where solved programs (and ``autopar calibrate --save`` specs) are kept: ``$AUTOPAR_CACHE_DIR``,
-    default ``~/.cache/autopar/plans``; ``AUTOPAR_CACHE_DIR=off`` turns the cache off."""
-    d = os.environ.get("AUTOPAR_CACHE_DIR", str(Path.home() / ".cache" / "autopar" / "plans"))
-    return None if d in ("", "0", "off") else Path(d)
-
-
 def _write(dump_dir: str | os.PathLike, name: str, text: str) -> None:
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
     (d / name).write_text(text)
 
 
-__all__ = ["FLOW", "FlowOptions", "Planned", "cache_dir", "flow_index", "plan_program"]
+__all__ = ["FLOW", "FlowOptions", "Planned", "flow_index", "plan_program"]
