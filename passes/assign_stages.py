@@ -15,8 +15,8 @@ from typing import Any
 
 from autopar.errors import NoLegalCutError, PipelineError
 from autopar.ir.core import Program
-from autopar.passes.pipeline_split import annotate, blockers, common_nodes, split_options, split_program
-from autopar.passes.subgraphs import Split, SplitOptions
+from autopar.passes.pipeline_split import blockers, common_nodes, split_options, split_program
+from autopar.passes.subgraphs import Split, SplitOptions, annotate
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import EFFICIENCY
 from autopar.solver.pipeline_shape import check_shape, num_stages

@@ -58,9 +58,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.errors import PipelineError
-from autopar.ir.core import Op, Program, Ref, Value, iter_refs
+from autopar.ir.core import Op, Program, Value, iter_refs
 from autopar.passes.split_cache import cached_split, program_fingerprint, remember_split
-from autopar.passes.subgraphs import Split, SplitOptions, Subgraph
+from autopar.passes.subgraphs import Split, SplitOptions, Subgraph, annotate
 
 # ---------------------------------------------------------------------------------------------
 # Liveness (Algorithm 1 as a sweep)
@@ -324,52 +324,6 @@ def blockers(prog: Program, top: int = 3) -> list[str]:
     return out
 
 
-def annotate(prog: Program, split: Split, stage_of_subgraph: list[int] | None = None) -> Program:
-    """Record the split in the IR: ``subgraph=k`` (and ``stage=s``) on every op, and on every graph
-    input the subgraph (stage) of its first use."""
-    sg_of_op = split.subgraph_of_op()
-
-    def tag(attrs: dict[str, Any], k: int) -> dict[str, Any]:
-        out = {a: v for a, v in attrs.items() if a not in ("subgraph", "stage")}
-        out["subgraph"] = k
-        if stage_of_subgraph is not None:
-            out["stage"] = stage_of_subgraph[k]
-        return out
-
-    ops = tuple(op.with_(attrs=tag(op.attrs, sg_of_op[i])) for i, op in enumerate(prog.ops))
-    first: dict[str, int] = {}
-    for s in split.subgraphs:
-        for name in s.graph_inputs:
-            first.setdefault(name, s.index)
-    inputs = tuple(
-        dataclasses.replace(v, attrs=tag(v.attrs, first[v.name])) if v.name in first else v for v in prog.inputs
-    )
-    attrs = dict(prog.attrs)
-    attrs["pipeline_subgraphs"] = len(split)
-    if stage_of_subgraph is not None:
-        attrs["pipeline_stages"] = max(stage_of_subgraph) + 1
-    return prog.with_(ops=ops, inputs=inputs, attrs=attrs)
-
-
-def extract(prog: Program, split: Split, first: int, last: int | None = None) -> Program:
-    """Subgraphs ``first..last`` (inclusive) as a self-contained Program: the tensors crossing into
-    it (and the common nodes) become inputs named as in ``prog``, followed by the parameters,
-    buffers and user inputs it reads; its outputs are what crosses out of it."""
-    last = first if last is None else last
-    a, b = split.subgraphs[first], split.subgraphs[last]
-    types = prog.types()
-    received = [Value(name, "input", types[name]) for name in (*a.inputs, *a.commons)]
-    reads: dict[str, None] = {}
-    for s in split.subgraphs[first : last + 1]:
-        reads.update(dict.fromkeys(s.graph_inputs))
-    graph_inputs = [v for v in prog.inputs if v.name in reads]
-    if last == len(split) - 1:
-        outputs = prog.outputs
-    else:
-        outputs = tuple(Ref(name) for name in (*b.outputs, *b.commons_out))
-    return Program(prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs))
-
-
 def split_options(options: Any) -> SplitOptions:
     """``SplitOptions`` from None, a SplitOptions or a dict of its fields (an unknown key is an error)."""
     if isinstance(options, SplitOptions):
@@ -398,10 +352,8 @@ __all__ = [
     "Split",
     "SplitOptions",
     "Subgraph",
-    "annotate",
     "blockers",
     "common_nodes",
-    "extract",
     "pipeline_split",
     "split_options",
     "split_program",

@@ -1,4 +1,6 @@
-"""The result of a pipeline split as plain data: its options, its subgraphs (op ranges and what crosses), JSON.
+"""The result of a pipeline split as plain data (its options, its subgraphs: op ranges and what crosses, JSON),
+and the two ways it goes back into the IR: ``annotate`` (``subgraph=``/``stage=`` on every op) and ``extract``
+(a run of subgraphs as a program of its own).
 
 ``autopar.passes.pipeline_split.split_program`` computes a ``Split``; ``passes/split_cache.py`` keeps it.
 """
@@ -8,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+from autopar.ir.core import Program, Ref, Value
 
 SPLIT_VERSION = 1  # bump when the algorithm changes: old cache entries are then ignored
 
@@ -96,4 +100,50 @@ class Split:
         return "\n".join(lines)
 
 
-__all__ = ["SPLIT_VERSION", "Split", "SplitOptions", "Subgraph"]
+def annotate(prog: Program, split: Split, stage_of_subgraph: list[int] | None = None) -> Program:
+    """Record the split in the IR: ``subgraph=k`` (and ``stage=s``) on every op, and on every graph
+    input the subgraph (stage) of its first use."""
+    sg_of_op = split.subgraph_of_op()
+
+    def tag(attrs: dict[str, Any], k: int) -> dict[str, Any]:
+        out = {a: v for a, v in attrs.items() if a not in ("subgraph", "stage")}
+        out["subgraph"] = k
+        if stage_of_subgraph is not None:
+            out["stage"] = stage_of_subgraph[k]
+        return out
+
+    ops = tuple(op.with_(attrs=tag(op.attrs, sg_of_op[i])) for i, op in enumerate(prog.ops))
+    first: dict[str, int] = {}
+    for s in split.subgraphs:
+        for name in s.graph_inputs:
+            first.setdefault(name, s.index)
+    inputs = tuple(
+        dataclasses.replace(v, attrs=tag(v.attrs, first[v.name])) if v.name in first else v for v in prog.inputs
+    )
+    attrs = dict(prog.attrs)
+    attrs["pipeline_subgraphs"] = len(split)
+    if stage_of_subgraph is not None:
+        attrs["pipeline_stages"] = max(stage_of_subgraph) + 1
+    return prog.with_(ops=ops, inputs=inputs, attrs=attrs)
+
+
+def extract(prog: Program, split: Split, first: int, last: int | None = None) -> Program:
+    """Subgraphs ``first..last`` (inclusive) as a self-contained Program: the tensors crossing into
+    it (and the common nodes) become inputs named as in ``prog``, followed by the parameters,
+    buffers and user inputs it reads; its outputs are what crosses out of it."""
+    last = first if last is None else last
+    a, b = split.subgraphs[first], split.subgraphs[last]
+    types = prog.types()
+    received = [Value(name, "input", types[name]) for name in (*a.inputs, *a.commons)]
+    reads: dict[str, None] = {}
+    for s in split.subgraphs[first : last + 1]:
+        reads.update(dict.fromkeys(s.graph_inputs))
+    graph_inputs = [v for v in prog.inputs if v.name in reads]
+    if last == len(split) - 1:
+        outputs = prog.outputs
+    else:
+        outputs = tuple(Ref(name) for name in (*b.outputs, *b.commons_out))
+    return Program(prog.mesh, (*received, *graph_inputs), prog.ops[a.start : b.stop], outputs, dict(prog.attrs))
+
+
+__all__ = ["SPLIT_VERSION", "Split", "SplitOptions", "Subgraph", "annotate", "extract"]

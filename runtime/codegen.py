@@ -17,6 +17,7 @@ from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value,
 from autopar.passes.dropout import is_keyed
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
+from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
@@ -106,7 +107,7 @@ def codegen(
             w, ids = op.args[0], op.args[1]
             pad = op.args[2] if len(op.args) > 2 else op.kwargs.get("padding_idx", -1)
             node = graph.call_function(
-                coll.vocab_parallel_embedding,
+                vocab_parallel_embedding,
                 (env[w.name], env[ids.name]),
                 {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
             )
@@ -120,7 +121,7 @@ def codegen(
             reduction = op.args[3] if len(op.args) > 3 else op.kwargs.get("reduction", 1)
             ignore = op.args[4] if len(op.args) > 4 else op.kwargs.get("ignore_index", -100)
             node = graph.call_function(
-                coll.vocab_parallel_cross_entropy,
+                vocab_parallel_cross_entropy,
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
             )
         else:

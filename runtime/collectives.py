@@ -72,7 +72,7 @@ def use_comm(comm: Comm):
         _stack().pop()
 
 
-def _comm() -> Comm:
+def current_comm() -> Comm:
     if not _stack():
         raise RuntimeError("autopar collectives called outside a compiled module's forward")
     return _stack()[-1]
@@ -209,7 +209,7 @@ def _bwd_all_to_all(c: Comm, g, axis, src_dim, src_chunks, dim, chunks) -> Pendi
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, op, pending=None):
-        c = _comm()
+        c = current_comm()
         ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
         return (pending or _fwd_all_reduce(c, x, axis, op)).wait()
 
@@ -221,7 +221,7 @@ class _AllReduce(torch.autograd.Function):
 class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis):
-        ctx.comm, ctx.axis = _comm(), axis
+        ctx.comm, ctx.axis = current_comm(), axis
         return x.view_as(x)
 
     @staticmethod
@@ -232,7 +232,7 @@ class _GradAllReduce(torch.autograd.Function):
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, chunks, pending=None):
-        ctx.comm, ctx.args = _comm(), (axis, dim, chunks)
+        ctx.comm, ctx.args = current_comm(), (axis, dim, chunks)
         return (pending or _fwd_all_gather(ctx.comm, x, axis, dim, chunks)).wait()
 
     @staticmethod
@@ -243,7 +243,7 @@ class _AllGather(torch.autograd.Function):
 class _LocalShard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, dim, chunks):
-        ctx.comm, ctx.args = _comm(), (axis, dim, chunks)
+        ctx.comm, ctx.args = current_comm(), (axis, dim, chunks)
         return _local(ctx.comm, x, axis, dim, chunks)
 
     @staticmethod
@@ -254,7 +254,7 @@ class _LocalShard(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, op, dim, chunks, pending=None):
-        c = ctx.comm = _comm()
+        c = ctx.comm = current_comm()
         ctx.args = (axis, op, dim, chunks)
         return (pending or _fwd_reduce_scatter(c, x, axis, op, dim, chunks)).wait()
 
@@ -266,7 +266,7 @@ class _ReduceScatter(torch.autograd.Function):
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, axis, src_dim, src_chunks, dim, chunks, pending=None):
-        c = ctx.comm = _comm()
+        c = ctx.comm = current_comm()
         ctx.args = (axis, src_dim, src_chunks, dim, chunks)
         return (pending or _fwd_all_to_all(c, x, *ctx.args)).wait()
 
@@ -332,83 +332,6 @@ ASYNC: dict[Callable, AsyncForm] = {
 }
 
 
-def vocab_parallel_embedding(
-    weight: torch.Tensor, ids: torch.Tensor, axes: list[str], padding_idx: int = -1
-) -> torch.Tensor:
-    """Megatron's vocab-parallel lookup: this rank holds rows [start, start + V_local) of the table
-    (its block over ``axes``, outer axis first); ids outside read as zero, so summing over the axes
-    gives the whole lookup. ``padding_idx`` (a global row whose gradient stays zero) is passed on as
-    the local row on the rank that holds it. Plain ATen ops, so autograd needs nothing special."""
-    c = _comm()
-    block = 0
-    for a in axes:
-        block = block * c.sizes[a] + c.coords[a]
-    start = block * weight.shape[0]
-    outside = (ids < start) | (ids >= start + weight.shape[0])
-    local_pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + weight.shape[0] else -1
-    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0), local_pad)
-    return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits whose class dim is split over ``axes`` (Megatron's vocab-parallel
-    loss): the max, the softmax denominator and the target's logit are all-reduced (three reductions
-    of one number per row) instead of gathering the logits."""
-
-    @staticmethod
-    def forward(ctx, logits, target, axes, reduction, ignore_index):
-        c = _comm()
-        start = 0
-        for a in axes:
-            start = start * c.sizes[a] + c.coords[a]
-        local = logits.shape[1]
-        start *= local
-        groups = [c.groups[a] for a in axes]
-        # half types are upcast for the exponentials and sums; float32 and float64 keep their precision
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        row_max = logits.max(dim=1).values
-        for g in groups:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)
-        shifted = logits - row_max.unsqueeze(1)
-        exp = shifted.exp()
-        denom = exp.sum(dim=1)
-        ignored = target == ignore_index
-        outside = (target < start) | (target >= start + local) | ignored
-        idx = (target - start).masked_fill(outside, 0)
-        picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
-        for g in groups:
-            dist.all_reduce(denom, op=dist.ReduceOp.SUM, group=g)
-            dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=g)
-        loss = (denom.log() - picked).masked_fill(ignored, 0.0)
-        count = (~ignored).sum()
-        ctx.save_for_backward(exp / denom.unsqueeze(1), idx, outside, ignored, count)
-        ctx.reduction = reduction
-        if reduction == 1:  # mean over the rows that are not ignored
-            return loss.sum() / count
-        return loss.sum() if reduction == 2 else loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, idx, outside, ignored, count = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0])
-        g[rows, idx] -= (~outside).to(g.dtype)
-        g = g.masked_fill(ignored.unsqueeze(1), 0.0)
-        if ctx.reduction == 1:
-            g = g * (grad / count)
-        elif ctx.reduction == 2:
-            g = g * grad
-        else:
-            g = g * grad.unsqueeze(1)
-        return g, None, None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, axes: list[str], reduction: int = 1, ignore_index: int = -100
-) -> torch.Tensor:
-    return _VocabParallelCrossEntropy.apply(logits, target, axes, reduction, ignore_index)
-
-
 FUNCTIONS = {
     "all_reduce": all_reduce,
     "grad_all_reduce": grad_all_reduce,
@@ -421,7 +344,7 @@ FUNCTIONS = {
 
 def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:
     """All-reduce (sum) the gradients of parameters over their axis, in flat buckets, in place."""
-    c = _comm()
+    c = current_comm()
     for axis, params in params_by_axis.items():
         bucket: list[torch.nn.Parameter] = []
         size = 0

@@ -244,7 +244,7 @@ class Interleaved:
                 x = args[0]
                 cut = tape is not None and form.backward is not None and x.requires_grad
                 if form.forward is not None:
-                    c = coll._comm()
+                    c = coll.current_comm()
                     work = form.forward(c, *args, **kwargs)
                     _event("F", h, "issue", st.name)
                     yield
@@ -264,7 +264,7 @@ class Interleaved:
                     cut_off = functools.partial(_detach, detached=detached)
                     for j in st.live:
                         env[j] = pytree.tree_map(cut_off, env[j])
-                    tape.cuts[h].append(_Cut(coll._comm(), form, kwargs, st.name, x, out, detached))
+                    tape.cuts[h].append(_Cut(coll.current_comm(), form, kwargs, st.name, x, out, detached))
                 env[st.index] = out
             for k in st.free:
                 env[k] = None

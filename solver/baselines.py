@@ -24,7 +24,6 @@ reports it as ``Unavailable`` beside the others.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, replace
 
 from autopar.errors import BaselineUnavailableError, InfeasibleError
@@ -32,44 +31,11 @@ from autopar.ir.axes import is_tensor_axis
 from autopar.ir.core import MeshSpec, Placement, Program, R, Shard, Value
 from autopar.ir.layout import valid
 from autopar.solver.cost import TrainingSetup
+from autopar.solver.megatron_roles import megatron_layout
 from autopar.solver.options import ShardOptions
 from autopar.solver.sharding import Sharding, solve_sharding
 
 BASELINES = ("megatron", "dp", "zero2", "zero3", "comm")
-
-_COLUMN = re.compile(
-    r"(c_attn|q_proj|k_proj|v_proj|query|key|value|qkv|gate_proj|up_proj|c_fc|fc1|w1|w3|intermediate\.dense|lm_head)$"
-)
-_ROW = re.compile(r"(c_proj|o_proj|out_proj|down_proj|fc2|w2|wo|output\.dense|dense)$")
-_FUSED_QKV = re.compile(r"(c_attn|qkv)$")
-
-
-def megatron_layout(prog: Program) -> dict[str, tuple[str, int, int]]:
-    """Parameter name -> ("column" | "row", tensor dim to shard, chunks) for Megatron's strategy."""
-    layout: dict[str, tuple[str, int, int]] = {}
-    readers = prog.users()
-    for v in prog.params:
-        module, _, kind = v.name.rpartition(".")
-        users = readers[v.name]
-        if any(u.target == "aten.embedding" for u in users) and kind == "weight":
-            layout[v.name] = ("vocab", 0, 1)  # vocab-parallel embedding (and the tied output layer)
-            continue
-        role = "column" if _COLUMN.search(module) else "row" if _ROW.search(module) else None
-        if role is None:
-            continue
-        # nn.Linear keeps W as [out, in] (aten.linear); HF Conv1D as [in, out] (aten.mm / addmm)
-        transposed = any(u.target == "aten.mm" for u in users)
-        out_dim = 1 if transposed else 0
-        chunks = 3 if _FUSED_QKV.search(module) else 1
-        if kind == "bias":
-            if role == "column":
-                layout[v.name] = ("column", 0, chunks)
-            continue
-        if len(v.type.shape) != 2:
-            continue
-        dim = out_dim if role == "column" else 1 - out_dim
-        layout[v.name] = (role, dim, chunks if role == "column" else 1)
-    return layout
 
 
 def megatron_constraints(prog: Program) -> dict:

@@ -25,6 +25,7 @@ from autopar.passes.assign_stages import assign_stages_pass
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
+from autopar.passes.subgraphs import annotate, extract
 
 NOCACHE = ps.SplitOptions(cache=False)
 
@@ -60,7 +61,7 @@ def run_split(prog: Program, split: ps.Split, tensors: dict[str, torch.Tensor]) 
     passed: dict[str, torch.Tensor] = {}
     outs: tuple[Any, ...] = ()
     for sg in split.subgraphs:
-        sub = ps.extract(prog, split, sg.index)
+        sub = extract(prog, split, sg.index)
         verify(sub)  # self-contained: every use is defined by its inputs or its own ops
         received = [v.name for v in sub.inputs if v.kind == "input" and v.name in passed]
         assert received == [*sg.inputs, *sg.commons]
@@ -274,7 +275,7 @@ def test_random_programs_split_exactly(prog, max_crossing, oversize):
 def test_annotations_round_trip_and_do_not_change_the_fingerprint():
     _, prog, _ = preset("tiny-gpt2")
     split = ps.split_program(prog, NOCACHE)
-    out = ps.annotate(prog, split)
+    out = annotate(prog, split)
     sg = [op.attrs["subgraph"] for op in out.ops]
     assert sg == sorted(sg) and sg[-1] == len(split) - 1
     first = {v.name: v.attrs["subgraph"] for v in out.inputs}
