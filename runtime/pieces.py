@@ -72,9 +72,11 @@ def flat_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[tuple[
         return [((first, *[0] * (len(shape) - 1)), (last - first + 1, *shape[1:]))]
     if first == last:  # within one row: recurse into it
         return [((first, *o), (1, *s)) for o, s in flat_boxes(shape[1:], start - first * inner, stop - first * inner)]
-    head = flat_boxes(shape, start, (first + 1) * inner)
-    body = flat_boxes(shape, (first + 1) * inner, last * inner)
-    tail = flat_boxes(shape, last * inner, stop)
+    lo = start if start % inner == 0 else (first + 1) * inner  # whole rows from here...
+    hi = stop if stop % inner == 0 else last * inner  # ...to here; partial rows around them
+    head = flat_boxes(shape, start, lo) if lo > start else []
+    body = flat_boxes(shape, lo, hi) if hi > lo else []
+    tail = flat_boxes(shape, hi, stop) if stop > hi else []
     return head + body + tail
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing
 import os
 import time
@@ -263,3 +264,111 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
     assert outcome.startswith("RuntimeCommError"), outcome
     assert "rank 0 (pipeline rank 0)" in outcome and "peer rank probably died" in outcome
     assert float(seconds) < 2 * timeout + 10  # bounded by the transfer timeout, not forever
+
+
+# -- bad checkpoints get named errors; an interrupted save is never the latest -----------------------------
+
+
+def _mlp_run(preset: str = "tiny-mlp"):
+    import autopar
+    from autopar.models import build
+
+    spec = build(preset, device="cpu", seed=0)
+    pipe = autopar.compile(spec.model, autopar.init_mesh("cpu", dp=1), args=spec.args, kwargs=spec.kwargs)
+    opt = pipe.make_optimizer(torch.optim.AdamW, lr=1e-3)
+    pipe.train_step(*spec.args, **spec.kwargs)
+    return pipe, opt
+
+
+def test_bad_checkpoints_get_named_errors(tmp_path, monkeypatch):
+    """Interrupted saves, lost, truncated or altered files, another model, pickled objects and a malicious
+    .metadata each get their CheckpointError; no plain unpickling happens on load. Cost: one process, two
+    compiles of tiny-mlp (a few seconds)."""
+    import pickle
+
+    import autopar
+    from autopar.errors import (
+        CheckpointMismatchError,
+        CorruptCheckpointError,
+        IncompleteCheckpointError,
+        MeshError,
+        UnsafeCheckpointError,
+    )
+    from autopar.runtime import checkpoint, checkpoint_files
+
+    with _one_process():
+        pipe, opt = _mlp_run()
+        first, second = (
+            checkpoint.save(tmp_path / "1", pipe, opt, step=1),
+            checkpoint.save(tmp_path / "2", pipe, opt, step=2),
+        )
+        assert checkpoint.latest(tmp_path) == second
+
+        def killed(*_args):  # the process dies after DCP wrote every file, before the manifest
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as m:
+            m.setattr(checkpoint, "commit", killed)
+            for where in (tmp_path / "3", second):  # a new directory, and over the latest checkpoint
+                with pytest.raises(KeyboardInterrupt):
+                    checkpoint.save(where, pipe, opt, step=3)
+                assert (where / ".metadata").exists()
+                with pytest.raises(IncompleteCheckpointError, match="never committed"):
+                    checkpoint.load(where, pipe, opt)
+        assert checkpoint.latest(tmp_path) == first  # the overwritten one is no checkpoint any more
+
+        # no plain unpickling on load: DCP's metadata goes through the allow-list, tensors weights_only
+        with monkeypatch.context() as m:
+            m.setattr(pickle, "load", lambda *a, **k: pytest.fail("pickle.load on a checkpoint"))
+            m.setattr(pickle, "loads", lambda *a, **k: pytest.fail("pickle.loads on a checkpoint"))
+            checkpoint.load(first, pipe, opt)
+        manifest = checkpoint_files.read_manifest(first)
+        assert manifest["optimizer"]["param_groups"][0]["lr"] == 1e-3  # hyper-parameters are JSON
+
+        data = sorted(first.glob("*.distcp"))[0]
+        original = data.read_bytes()
+        data.write_bytes(original[: len(original) // 2])
+        with pytest.raises(CorruptCheckpointError, match="truncated"):
+            checkpoint.load(first, pipe, opt)
+        data.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+        with pytest.raises(CorruptCheckpointError, match="SHA-256"):
+            checkpoint.load(first, pipe, opt)
+        data.unlink()
+        with pytest.raises(IncompleteCheckpointError, match="missing"):
+            checkpoint.load(first, pipe, opt)
+        data.write_bytes(original)
+        checkpoint.load(first, pipe, opt)
+
+        other, other_opt = _mlp_run("tiny-mlp:hidden=48")
+        with pytest.raises(CheckpointMismatchError, match="another model.*fc_in.weight"):
+            checkpoint.load(first, other, other_opt)
+        with pytest.raises(MeshError, match="world has 1 processes"):  # a world too small for the mesh
+            autopar.init_mesh("cpu", dp=2, tp=2)
+
+        # a .metadata that would run code (its checksum updated, as whoever altered it would)
+        marker = tmp_path / "ran"
+        evil = pickle.dumps(_Evil(str(marker)))
+        (first / ".metadata").write_bytes(evil)
+        manifest["files"][".metadata"] = checkpoint_files._digest(first / ".metadata")
+        (first / checkpoint_files.MANIFEST).write_text(json.dumps(manifest))
+        with pytest.raises(UnsafeCheckpointError, match="os.system|posix.system"):
+            checkpoint.load(first, pipe, opt)
+        assert not marker.exists()
+
+        # a DCP checkpoint holding a pickled object (DCP would load it with weights_only=False)
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save({"model/fc_in.weight": torch.zeros(2), "obj": {"a": [1, 2]}}, checkpoint_id=str(tmp_path / "obj"))
+        (tmp_path / "obj" / checkpoint_files.MANIFEST).write_text(json.dumps(manifest | {"files": {}}))
+        with pytest.raises(UnsafeCheckpointError, match="pickled objects"):
+            checkpoint.load(tmp_path / "obj", pipe, opt)
+
+
+class _Evil:
+    """Pickles as a call of os.system."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
