@@ -42,6 +42,7 @@ from autopar.runtime.state_pieces import (
     model_pieces,
     optimizer_params,
     state_pieces,
+    tied_keys,
 )
 from autopar.runtime.zero import ZeroOptimizer
 
@@ -91,13 +92,7 @@ def _manifest(pipe, optimizer, held: dict[str, Held], lr_scheduler, objects, ext
     """What the manifest holds besides the files: the model's keys, every state that is not a tensor."""
     keys, unread = pipe.state_keys()
     types = {v.name: v.type for v in pipe.program.inputs}
-    first: dict[str, str] = {}
-    aliases = {}
-    for key, name in keys.items():
-        if name in first:
-            aliases[key] = first[name]
-        else:
-            first[name] = key
+    first, aliases = tied_keys(keys)
     tensors = {k: {"shape": list(types[n].shape), "dtype": str(types[n].torch_dtype)} for n, k in first.items()}
     tensors.update({k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unread.items()})
     out: dict[str, Any] = {"step": step, "model": tensors, "aliases": aliases}

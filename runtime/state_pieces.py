@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from autopar.errors import CheckpointError
-from autopar.runtime.pieces import Pieces, boxes, dim_runs
+from autopar.runtime.pieces import Box, Pieces, boxes, dim_runs
 from autopar.runtime.zero import ZeroOptimizer
 
 
@@ -38,19 +38,32 @@ class Held:
     start: int
     stop: int
 
+    def boxes(self, buffer: torch.Tensor, at: int = 0) -> list[Box]:
+        """The boxes of ``buffer`` (contiguous; its flat element ``at`` holds this tensor's kept element
+        ``start``, the next ones follow), each a view of it at its global offsets."""
+        return boxes(buffer.reshape(-1)[at:], self.local_shape, self.runs, self.start, self.stop)
+
     def pieces(self, buffer: torch.Tensor, at: int = 0) -> Pieces:
-        """``buffer`` (contiguous; its flat element ``at`` holds this tensor's kept element ``start``, the
-        next ones follow) as pieces of the global tensor."""
-        flat = buffer.reshape(-1)[at:]
-        return Pieces(self.shape, buffer.dtype, boxes(flat, self.local_shape, self.runs, self.start, self.stop))
+        """``buffer`` (as for ``boxes``) as pieces of the global tensor."""
+        return Pieces(self.shape, buffer.dtype, self.boxes(buffer, at))
+
+
+def tied_keys(keys: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(program value -> its first user key, every other user key of a value -> that first key) from
+    ``ParallelModule.state_keys()``'s key -> value map: a tied tensor is stored once, under its first name."""
+    first: dict[str, str] = {}
+    aliases = {}
+    for key, name in keys.items():
+        if name in first:
+            aliases[key] = first[name]
+        else:
+            first[name] = key
+    return first, aliases
 
 
 def held_tensors(pipe) -> dict[str, Held]:
     """Program name -> how this rank holds that value of the user's model (those with a user key)."""
-    keys, _ = pipe.state_keys()
-    first: dict[str, str] = {}
-    for key, name in keys.items():
-        first.setdefault(name, key)
+    first, _ = tied_keys(pipe.state_keys()[0])
     values = {v.name: v for v in pipe.program.inputs}
     mesh, coords = pipe.program.mesh, pipe.comm.coords
     out = {}
@@ -146,4 +159,5 @@ __all__ = [
     "optimizer_params",
     "slice_range",
     "state_pieces",
+    "tied_keys",
 ]
