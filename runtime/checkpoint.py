@@ -24,6 +24,7 @@ altered file, or pickled objects, each with its own ``CheckpointError``.
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from autopar.errors import CheckpointMismatchError
 from autopar.runtime.checkpoint_files import SafeReader, commit, latest, read_manifest, uncommit, verify
 from autopar.runtime.jsonstate import decode, encode
+from autopar.runtime.pieces import Pieces
 from autopar.runtime.state_pieces import (
     Held,
     held_tensors,
@@ -74,6 +76,79 @@ def save(
     a JSON ``extra`` to the directory ``path``; ``step`` orders checkpoints for ``latest``. Collective
     over every rank; the caller's objects are saved from rank 0."""
     path = Path(path)
+    state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
+    metadata = dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist())
+    commit(path, metadata, manifest)
+    return path
+
+
+class PendingSave:
+    """An asynchronous save in flight: ``wait()`` (collective, on every rank) waits for its files and
+    commits the checkpoint."""
+
+    def __init__(self, path: Path, future: Future, manifest: dict[str, Any]):
+        self.path, self._future, self._manifest = path, future, manifest
+
+    def wait(self) -> Path:
+        commit(self.path, self._future.result(), self._manifest)
+        return self.path
+
+
+def save_async(
+    path: str | os.PathLike,
+    pipe,
+    optimizer=None,
+    *,
+    lr_scheduler=None,
+    objects: dict[str, Stateful] | None = None,
+    extra: Any = None,
+    step: int | None = None,
+) -> PendingSave:
+    """``save``, but the tensors are copied to host memory here and written by a background thread
+    (DCP's ``async_save``, over a process group of its own) while training goes on; call ``wait()`` on
+    the result on every rank before the next save (the checkpoint is committed then)."""
+    path = Path(path)
+    state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
+    future = dcp.async_save(
+        state,
+        storage_writer=FileSystemWriter(path),
+        process_group=None if _no_dist() else _checkpoint_group(),
+        async_stager=_HostStager(),
+        no_dist=_no_dist(),
+    )
+    return PendingSave(path, future, manifest)
+
+
+class _HostStager:
+    """DCP's ``AsyncStager``: a copy of every piece in host memory, made before ``async_save`` returns."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.staged() if isinstance(v, Pieces) else v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing is held between saves."""
+
+
+_GROUPS: dict[int, Any] = {}
+
+
+def _checkpoint_group():
+    """A gloo group of every rank for the background writes, apart from training's collectives (made once
+    per default group: a collective the first time)."""
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def _prepare(path: Path, pipe, optimizer, lr_scheduler, objects, extra, step) -> tuple[dict[str, Any], dict]:
+    """What a save writes: the pieces of every tensor by key, and the manifest; ``path`` uncommitted."""
     held = held_tensors(pipe)
     manifest = _manifest(pipe, optimizer, held, lr_scheduler, objects, extra, step)  # refuses bad objects first
     state: dict[str, Any] = model_pieces(pipe, held)
@@ -83,9 +158,7 @@ def save(
         for p, parts in optimizer_params(pipe, optimizer, held):
             state.update(state_pieces(parts, inner.state.get(p, {})))
     uncommit(path)
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist())
-    commit(path, metadata, manifest)
-    return path
+    return state, manifest
 
 
 def _manifest(pipe, optimizer, held: dict[str, Held], lr_scheduler, objects, extra, step) -> dict[str, Any]:
@@ -246,4 +319,4 @@ def _install_optimizer(path: Path, optimizer, manifest: dict[str, Any], loaded: 
     optimizer.load_state_dict({"state": states, "param_groups": groups})
 
 
-__all__ = ["Stateful", "latest", "load", "save"]
+__all__ = ["PendingSave", "Stateful", "latest", "load", "save", "save_async"]

@@ -163,6 +163,13 @@ class Pieces(torch.Tensor):
                 return b.view
         raise ValueError(f"{index.fqn} has no box at {list(index.offset)} on this rank")
 
+    def staged(self) -> Pieces:
+        """The same pieces with each box copied to host memory (what an asynchronous save writes while
+        training goes on)."""
+        return Pieces(
+            self.shape, self.dtype, [Box(b.view.detach().to("cpu", copy=True), b.offsets) for b in self._boxes]
+        )
+
     def __repr__(self) -> str:  # the default one would run operations
         return f"Pieces({list(self.shape)}, {self.dtype}, {len(self._boxes)} boxes)"
 
