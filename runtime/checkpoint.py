@@ -70,16 +70,29 @@ def save(
     objects: dict[str, Stateful] | None = None,
     extra: Any = None,
     step: int | None = None,
-) -> Path:
+    asynchronous: bool = False,
+) -> Path | PendingSave:
     """Write a checkpoint of ``pipe`` (a ParallelModule), ``optimizer`` (``pipe.make_optimizer``'s or
     the caller's over ``pipe.parameters()``), ``lr_scheduler``, the caller's ``objects`` (by name) and
     a JSON ``extra`` to the directory ``path``; ``step`` orders checkpoints for ``latest``. Collective
-    over every rank; the caller's objects are saved from rank 0."""
+    over every rank; the caller's objects are saved from rank 0.
+
+    ``asynchronous``: the tensors are copied to host memory here and written by a background thread
+    (DCP's ``async_save``, over a process group of its own) while training goes on; call ``wait()`` on
+    the returned ``PendingSave`` on every rank before the next save (it commits the checkpoint)."""
     path = Path(path)
     state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
-    metadata = dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist())
-    commit(path, metadata, manifest)
-    return path
+    if not asynchronous:
+        commit(path, dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist()), manifest)
+        return path
+    future = dcp.async_save(
+        state,
+        storage_writer=FileSystemWriter(path),
+        process_group=None if _no_dist() else _checkpoint_group(),
+        async_stager=_HostStager(),
+        no_dist=_no_dist(),
+    )
+    return PendingSave(path, future, manifest)
 
 
 class PendingSave:
@@ -92,31 +105,6 @@ class PendingSave:
     def wait(self) -> Path:
         commit(self.path, self._future.result(), self._manifest)
         return self.path
-
-
-def save_async(
-    path: str | os.PathLike,
-    pipe,
-    optimizer=None,
-    *,
-    lr_scheduler=None,
-    objects: dict[str, Stateful] | None = None,
-    extra: Any = None,
-    step: int | None = None,
-) -> PendingSave:
-    """``save``, but the tensors are copied to host memory here and written by a background thread
-    (DCP's ``async_save``, over a process group of its own) while training goes on; call ``wait()`` on
-    the result on every rank before the next save (the checkpoint is committed then)."""
-    path = Path(path)
-    state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
-    future = dcp.async_save(
-        state,
-        storage_writer=FileSystemWriter(path),
-        process_group=None if _no_dist() else _checkpoint_group(),
-        async_stager=_HostStager(),
-        no_dist=_no_dist(),
-    )
-    return PendingSave(path, future, manifest)
 
 
 class _HostStager:
@@ -319,4 +307,4 @@ def _install_optimizer(path: Path, optimizer, manifest: dict[str, Any], loaded: 
     optimizer.load_state_dict({"state": states, "param_groups": groups})
 
 
-__all__ = ["PendingSave", "Stateful", "latest", "load", "save", "save_async"]
+__all__ = ["PendingSave", "Stateful", "latest", "load", "save"]

@@ -415,7 +415,7 @@ class _Evil:
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_call(tmp_path):
-    """save_async copies to host memory and writes in the background while training goes on: loaded
+    """An asynchronous save copies to host memory and writes in the background while training goes on: loaded
     back, the model and optimizer are bit for bit what they were at the call. Cost: one process, two
     compiles of tiny-mlp."""
     from autopar.runtime import checkpoint
@@ -424,7 +424,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_call(tmp_path):
         pipe, opt = _mlp_run()
         at_call = {k: v.clone() for k, v in pipe.full_state_dict().items()}
         states = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
-        pending = checkpoint.save_async(tmp_path / "a", pipe, opt, step=1)
+        pending = checkpoint.save(tmp_path / "a", pipe, opt, step=1, asynchronous=True)
         from autopar.models import build
 
         spec = build("tiny-mlp", device="cpu", seed=0)
