@@ -105,3 +105,23 @@ class SimulationError(AutoparError):
 
 class CheckError(AutoparError):
     """``autopar check`` found the sharded program computing something else than the model."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint that cannot be saved or loaded as asked."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint of another model: keys missing or of another shape than this model's."""
+
+
+class IncompleteCheckpointError(CheckpointError):
+    """A checkpoint whose save never committed (interrupted), or one of whose files is missing."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint file whose size or checksum differs from what the save recorded (truncated, overwritten)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint holding pickled objects, whose loading could run code: autopar never writes such."""

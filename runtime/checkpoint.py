@@ -1,139 +1,310 @@
-"""Save and resume training with torch.distributed.checkpoint (DCP), on every mesh.
+"""Save training on one mesh and resume it on any other, with torch.distributed.checkpoint (DCP).
 
-Every rank writes its local shards under keys that name the shard, not the rank:
+A checkpoint is laid out as the user's model, never as the mesh that saved it
+(``runtime/state_pieces.py``): ``model/<key>`` for each key of ``model.state_dict()`` (a tied
+parameter once, under its first name) and ``optim/<key>/<state>`` for its optimizer state, in the
+parameter's own shape. Every rank writes the pieces it holds at their global offsets (a local shard,
+a strided shard's pieces, a ZeRO-3 slice, ZeRO-2's states cut back per parameter; replicas write
+once), and on load reads exactly the saved chunks that overlap what it holds on the new mesh
+(``runtime/pieces.py``): nothing is gathered on one rank.
 
-    model/transformer.h.0.attn.c_attn.weight|tp=1/2      a parameter sharded over tp (coordinate 1 of 2)
-    model/transformer.ln_f.weight                        replicated: every replica writes the same key
-    optim/transformer.ln_f.weight/exp_avg                the optimizer state of a parameter
-    optim/zero.flat|dp=0/2/exp_avg_sq                    ZeRO-2: this rank's slice of the flat states
-    optim.param_groups, extra                            hyper-parameters and the caller's objects
+Everything else is JSON in the manifest ``autopar.json`` (``runtime/jsonstate.py``; nothing is
+pickled): the optimizer's hyper-parameters, the learning-rate scheduler's state, the caller's
+``Stateful`` objects (a data loader's position), a JSON ``extra``, the keyed dropouts' step, the
+model's keys and shapes, and each file's size and SHA-256. Writing the manifest commits the save
+(``runtime/checkpoint_files.py``): an interrupted save is no checkpoint, ``latest(root)`` returns the
+last committed one, and ``load`` refuses a checkpoint of another model, a missing, truncated or
+altered file, or pickled objects, each with its own ``CheckpointError``.
 
-Replicas (data-parallel copies, and a tied parameter held by two pipeline ranks) write identical
-values under one key; DCP's planner keeps one writer per key. A ZeRO-3 slice names its ZeRO axes
-too. ``load`` reads back exactly the keys this rank owns, so resuming gives the numbers an
-uninterrupted run would have (the optimizer's step counts and moments included). A checkpoint is for
-the same model, mesh and plan: a mesh change would need resharding by global offsets, which these
-shard-named keys do not describe.
+    checkpoint.save(f"ckpt/step-{step}", pipe, opt, lr_scheduler=sched, objects={"data": loader}, step=step)
+    ...  # any mesh, any plan of the same model, any number of processes
+    extra = checkpoint.load(checkpoint.latest("ckpt"), pipe, opt, lr_scheduler=sched, objects={"data": loader})
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-from typing import Any
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
-from autopar.errors import PipelineError
-from autopar.ir.axes import PIPELINE_AXIS
+from autopar.errors import CheckpointMismatchError
+from autopar.runtime.checkpoint_files import SafeReader, commit, latest, read_manifest, uncommit, verify
+from autopar.runtime.jsonstate import decode, encode
+from autopar.runtime.pieces import Pieces
+from autopar.runtime.state_pieces import (
+    Held,
+    held_tensors,
+    inner_optimizer,
+    model_pieces,
+    optimizer_params,
+    state_pieces,
+    tied_keys,
+)
 from autopar.runtime.zero import ZeroOptimizer
 
 
-def _optimizer_keys(pipe, optimizer) -> list[str]:
-    """A checkpoint key for each parameter of ``optimizer``, in its param_groups order."""
+class Stateful(Protocol):
+    """What a caller's object needs to be saved with a checkpoint (DCP's ``Stateful``)."""
 
-    local = pipe.local_keys()
-    by_id = {id(p): local[n] for n, p in pipe.named_parameters()}
-    inner = optimizer.optimizer if isinstance(optimizer, ZeroOptimizer) else optimizer
-    keys = []
-    for group in inner.param_groups:
-        for p in group["params"]:
-            if isinstance(optimizer, ZeroOptimizer) and p is optimizer.master:
-                # the flat vector holds this pipeline rank's parameters: its key names the pipeline rank
-                c, n = optimizer.comm.coords, optimizer.comm.sizes
-                axes = tuple(a for a in (PIPELINE_AXIS, *optimizer.zero_axes) if a in c)
-                keys.append("zero.flat|" + ",".join(f"{a}={c[a]}/{n[a]}" for a in axes))
-            elif id(p) in by_id:
-                keys.append(by_id[id(p)])
-            else:
-                raise PipelineError("the optimizer holds a tensor that is not a parameter of this pipeline")
-    return keys
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def state_dict(pipe, optimizer=None, extra: Any = None) -> dict[str, Any]:
-    """The flat dict ``save`` writes: local shards, optimizer states, hyper-parameters, ``extra``."""
-    out: dict[str, Any] = {}
-    for name, key in pipe.local_keys().items():
-        out[f"model/{key}"] = _tensor(pipe, name)
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def save(
+    path: str | os.PathLike,
+    pipe,
+    optimizer=None,
+    *,
+    lr_scheduler=None,
+    objects: dict[str, Stateful] | None = None,
+    extra: Any = None,
+    step: int | None = None,
+    asynchronous: bool = False,
+) -> Path | PendingSave:
+    """Write a checkpoint of ``pipe`` (a ParallelModule), ``optimizer`` (``pipe.make_optimizer``'s or
+    the caller's over ``pipe.parameters()``), ``lr_scheduler``, the caller's ``objects`` (by name) and
+    a JSON ``extra`` to the directory ``path``; ``step`` orders checkpoints for ``latest``. Collective
+    over every rank; the caller's objects are saved from rank 0.
+
+    ``asynchronous``: the tensors are copied to host memory here and written by a background thread
+    (DCP's ``async_save``, over a process group of its own) while training goes on; call ``wait()`` on
+    the returned ``PendingSave`` on every rank before the next save (it commits the checkpoint)."""
+    path = Path(path)
+    state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
+    if not asynchronous:
+        commit(path, dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist()), manifest)
+        return path
+    future = dcp.async_save(
+        state,
+        storage_writer=FileSystemWriter(path),
+        process_group=None if _no_dist() else _checkpoint_group(),
+        async_stager=_HostStager(),
+        no_dist=_no_dist(),
+    )
+    return PendingSave(path, future, manifest)
+
+
+class PendingSave:
+    """An asynchronous save in flight: ``wait()`` (collective, on every rank) waits for its files and
+    commits the checkpoint."""
+
+    def __init__(self, path: Path, future: Future, manifest: dict[str, Any]):
+        self.path, self._future, self._manifest = path, future, manifest
+
+    def wait(self) -> Path:
+        commit(self.path, self._future.result(), self._manifest)
+        return self.path
+
+
+class _HostStager:
+    """DCP's ``AsyncStager``: a copy of every piece in host memory, made before ``async_save`` returns."""
+
+    _synchronize_after_execute = False
+    should_synchronize_after_execute = False
+
+    def stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.staged() if isinstance(v, Pieces) else v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+    def synchronize_staging(self) -> None:
+        """Staging is synchronous: nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing is held between saves."""
+
+
+_GROUPS: dict[int, Any] = {}
+
+
+def _checkpoint_group():
+    """A gloo group of every rank for the background writes, apart from training's collectives (made once
+    per default group: a collective the first time)."""
+    key = id(dist.group.WORLD)
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo")
+    return _GROUPS[key]
+
+
+def _prepare(path: Path, pipe, optimizer, lr_scheduler, objects, extra, step) -> tuple[dict[str, Any], dict]:
+    """What a save writes: the pieces of every tensor by key, and the manifest; ``path`` uncommitted."""
+    held = held_tensors(pipe)
+    manifest = _manifest(pipe, optimizer, held, lr_scheduler, objects, extra, step)  # refuses bad objects first
+    state: dict[str, Any] = model_pieces(pipe, held)
+    state.update({f"model/{key}": t for key, t in pipe.state_keys()[1].items()})
     if optimizer is not None:
-        sd = optimizer.state_dict()
-        keys = _optimizer_keys(pipe, optimizer)
-        for i, key in enumerate(keys):
-            for k, v in sd["state"].get(i, {}).items():
-                out[f"optim/{key}/{k}"] = v if isinstance(v, torch.Tensor) else torch.tensor(v)
-        out["optim.param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]])
-    if extra is not None:
-        out["extra"] = _pack(extra)
+        inner = inner_optimizer(optimizer)
+        for p, parts in optimizer_params(pipe, optimizer, held):
+            state.update(state_pieces(parts, inner.state.get(p, {})))
+    uncommit(path)
+    return state, manifest
+
+
+def _manifest(pipe, optimizer, held: dict[str, Held], lr_scheduler, objects, extra, step) -> dict[str, Any]:
+    """What the manifest holds besides the files: the model's keys, every state that is not a tensor."""
+    keys, unread = pipe.state_keys()
+    types = {v.name: v.type for v in pipe.program.inputs}
+    first, aliases = tied_keys(keys)
+    tensors = {k: {"shape": list(types[n].shape), "dtype": str(types[n].torch_dtype)} for n, k in first.items()}
+    tensors.update({k: {"shape": list(t.shape), "dtype": str(t.dtype)} for k, t in unread.items()})
+    out: dict[str, Any] = {"step": step, "model": tensors, "aliases": aliases}
+    out["saved_on"] = {"mesh": dict(zip(pipe.program.mesh.names, pipe.program.mesh.sizes)), "zero": pipe.setup.zero}
+    rng = pipe.dropout_rng
+    out["dropout_rng"] = {"seed": rng.seed, "step": rng.step} if rng is not None else None
+    if optimizer is not None:
+        inner = inner_optimizer(optimizer)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in inner.param_groups]
+        scalars: dict[str, dict[str, Any]] = {}
+        for p, parts in optimizer_params(pipe, optimizer, held):
+            for name, value in inner.state.get(p, {}).items():
+                if not isinstance(value, torch.Tensor):
+                    for h, _ in parts:
+                        scalars.setdefault(h.key, {})[name] = value
+        out["optimizer"] = encode({"param_groups": groups, "scalars": scalars}, "optimizer")
+    if lr_scheduler is not None:
+        out["lr_scheduler"] = encode(lr_scheduler.state_dict(), "lr_scheduler")
+    out["objects"] = {name: encode(obj.state_dict(), name) for name, obj in (objects or {}).items()}
+    out["extra"] = encode(extra, "extra")
     return out
 
 
-def _pack(obj: Any) -> torch.Tensor:
-    """A picklable object as a flat byte tensor (DCP would otherwise flatten nested containers)."""
-    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-
-
-def _unpack(t: torch.Tensor) -> Any:
-    return pickle.loads(t.numpy().tobytes())  # noqa: S301 - a checkpoint this code wrote
-
-
-def _tensor(pipe, name: str) -> torch.Tensor:
-    mod = pipe
-    *path, attr = name.split(".")
-    for p in path:
-        mod = mod._modules[p]
-    t = mod._parameters[attr] if attr in mod._parameters else mod._buffers[attr]
-    return t.detach()
-
-
-def save(path: str | os.PathLike, pipe, optimizer=None, extra: Any = None) -> None:
-    """Write a checkpoint of ``pipe`` (and ``optimizer``, and any picklable ``extra``) to ``path``;
-    collective over every rank."""
-    dcp.save(state_dict(pipe, optimizer, extra), checkpoint_id=os.fspath(path))
-
-
 @torch.no_grad()
-def load(path: str | os.PathLike, pipe, optimizer=None) -> Any:
-    """Restore ``pipe``'s shards (and ``optimizer``'s states) from ``path`` in place; returns ``extra``.
-    Collective over every rank."""
+def load(
+    path: str | os.PathLike,
+    pipe,
+    optimizer=None,
+    *,
+    lr_scheduler=None,
+    objects: dict[str, Stateful] | None = None,
+    check_files: bool = True,
+) -> Any:
+    """Restore ``pipe`` (and ``optimizer``, ``lr_scheduler``, the caller's ``objects``) in place from
+    the checkpoint at ``path``, saved on any mesh; returns the saved ``extra``. ``check_files``: compare
+    every file's size and SHA-256 with the manifest first. Collective over every rank."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    if check_files:
+        verify(path, manifest)
+    meta = SafeReader(path).read_metadata().state_dict_metadata
+    held = held_tensors(pipe)
+    _check_model(path, pipe, manifest)
+    state: dict[str, Any] = model_pieces(pipe, held)
+    state.update({f"model/{key}": t for key, t in pipe.state_keys()[1].items()})
+    loaded: list[tuple[list[str], dict]] = []
+    if optimizer is not None:
+        for p, parts in optimizer_params(pipe, optimizer, held):
+            loaded.append(([h.key for h, _ in parts], _allocate_states(path, p, parts, meta, state)))
+    dcp.load(state, storage_reader=SafeReader(path), no_dist=_no_dist())
+    if isinstance(pipe.optimizer, ZeroOptimizer):
+        pipe.optimizer.refresh_master()  # ZeRO-2's flat slice holds a copy of the parameters
+    if optimizer is not None:
+        _install_optimizer(path, optimizer, manifest, loaded)
+    if lr_scheduler is not None:
+        lr_scheduler.load_state_dict(decode(_section(path, manifest, "lr_scheduler")))
+    for name, obj in (objects or {}).items():
+        saved = manifest.get("objects", {})
+        if name not in saved:
+            raise CheckpointMismatchError(f"the checkpoint at {path} holds no object {name!r} (it has {sorted(saved)})")
+        obj.load_state_dict(decode(saved[name]))
+    rng = manifest.get("dropout_rng")
+    if rng is not None and pipe.dropout_rng is not None:
+        pipe.dropout_rng.seed, pipe.dropout_rng.step = rng["seed"], rng["step"]
+    return decode(manifest.get("extra"))
 
-    path = os.fspath(path)
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    sd: dict[str, Any] = {}
-    for name, key in pipe.local_keys().items():
-        if f"model/{key}" not in meta:
-            raise PipelineError(
-                f"the checkpoint at {path} has no {key}: it was written for another model, mesh or plan"
+
+def _section(path: Path, manifest: dict[str, Any], name: str) -> Any:
+    if manifest.get(name) is None:
+        raise CheckpointMismatchError(f"the checkpoint at {path} was saved without {name.replace('_', ' ')} state")
+    return manifest[name]
+
+
+def _check_model(path: Path, pipe, manifest: dict[str, Any]) -> None:
+    """The checkpoint holds this model: the same keys with the same shapes (dtypes may differ: loading
+    casts)."""
+    mine = _manifest(pipe, None, {}, None, None, None, None)["model"]
+    saved = manifest.get("model", {})
+    missing = sorted(set(mine) - set(saved))
+    extra = sorted(set(saved) - set(mine))
+    shapes = [
+        f"{k} {saved[k]['shape']} (this model: {mine[k]['shape']})"
+        for k in mine
+        if k in saved and saved[k]["shape"] != mine[k]["shape"]
+    ]
+    if missing or extra or shapes:
+        parts = []
+        if missing:
+            parts.append(f"it lacks {len(missing)} of this model's tensors ({', '.join(missing[:4])})")
+        if extra:
+            parts.append(f"it has {len(extra)} tensors this model lacks ({', '.join(extra[:4])})")
+        if shapes:
+            parts.append(f"{len(shapes)} have another shape ({'; '.join(shapes[:4])})")
+        raise CheckpointMismatchError(
+            f"the checkpoint at {path} is of another model: {', '.join(parts)}; load it into its own model"
+        )
+
+
+def _allocate_states(path: Path, p: torch.Tensor, parts: list[tuple[Held, int]], meta, state: dict) -> dict:
+    """This rank's tensors of every saved optimizer state of parameter ``p`` (laid out as ``p``),
+    registered in ``state`` as the pieces DCP loads into."""
+    names: set[str] | None = None
+    for h, _ in parts:
+        prefix = f"optim/{h.key}/"
+        have = {k[len(prefix) :] for k in meta if k.startswith(prefix)}
+        if names is not None and have != names:
+            raise CheckpointMismatchError(
+                f"the checkpoint at {path} has optimizer states {sorted(have)} for {h.key} but {sorted(names)} for "
+                "other parameters sharded together (ZeRO): it cannot be loaded into this optimizer"
             )
-        sd[f"model/{key}"] = _tensor(pipe, name)
-    keys: list[str] = []
-    if optimizer is not None:
-        keys = _optimizer_keys(pipe, optimizer)
-        for key in keys:
-            prefix = f"optim/{key}/"
-            for k, m in meta.items():
-                if k.startswith(prefix) and hasattr(m, "size"):
-                    sd[k] = torch.empty(tuple(m.size), dtype=m.properties.dtype)
-    for key in ("optim.param_groups", "extra") if optimizer is not None else ("extra",):
-        if key in meta:
-            sd[key] = torch.empty(tuple(meta[key].size), dtype=torch.uint8)
-    dcp.load(sd, checkpoint_id=path)
-    if optimizer is not None:
-        current = optimizer.state_dict()
-        state: dict[int, dict[str, Any]] = {}
-        for i, key in enumerate(keys):
-            prefix = f"optim/{key}/"
-            entry = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix)}
-            if entry:
-                state[i] = entry
-        groups = current["param_groups"]
-        saved = _unpack(sd["optim.param_groups"]) if "optim.param_groups" in sd else []
-        for g, s in zip(groups, saved):
-            g.update({k: v for k, v in s.items() if k != "params"})
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-        if isinstance(optimizer, ZeroOptimizer):
-            optimizer.refresh_master()
-    return _unpack(sd["extra"]) if "extra" in sd else None
+        names = have
+    out: dict[str, torch.Tensor] = {}
+    for name in sorted(names or ()):
+        first = meta[f"optim/{parts[0][0].key}/{name}"]
+        if len(first.size) == 0:
+            out[name] = torch.empty((), dtype=first.properties.dtype)
+            state[f"optim/{parts[0][0].key}/{name}"] = out[name]
+            continue
+        t = torch.zeros(p.shape, dtype=first.properties.dtype, device=p.device)
+        for h, at in parts:
+            m = meta[f"optim/{h.key}/{name}"]
+            if tuple(m.size) != h.shape:
+                raise CheckpointMismatchError(
+                    f"the checkpoint's optimizer state {name} of {h.key} has shape {list(m.size)}, the parameter "
+                    f"{list(h.shape)}"
+                )
+            if h.start < h.stop:
+                state[f"optim/{h.key}/{name}"] = h.pieces(t, at)
+        out[name] = t
+    return out
 
 
-__all__ = ["load", "save", "state_dict"]
+def _install_optimizer(path: Path, optimizer, manifest: dict[str, Any], loaded: list[tuple[list[str], dict]]) -> None:
+    """The loaded states (each parameter's, with the user keys it holds), the states that are not tensors
+    and the saved hyper-parameters into ``optimizer``."""
+    saved = decode(_section(path, manifest, "optimizer"))
+    current = optimizer.state_dict()
+    groups = current["param_groups"]
+    if len(saved["param_groups"]) != len(groups):
+        raise CheckpointMismatchError(
+            f"the checkpoint at {path} has {len(saved['param_groups'])} optimizer parameter groups, this optimizer "
+            f"{len(groups)}: build the optimizer with the same groups"
+        )
+    for g, s in zip(groups, saved["param_groups"]):
+        g.update({k: v for k, v in s.items() if k != "params"})
+    states = {}
+    for i, (keys, entry) in enumerate(loaded):
+        entry = {**saved["scalars"].get(keys[0], {}), **entry} if keys else entry
+        if entry:
+            states[i] = entry
+    optimizer.load_state_dict({"state": states, "param_groups": groups})
+
+
+__all__ = ["PendingSave", "Stateful", "latest", "load", "save"]

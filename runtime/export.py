@@ -4,8 +4,7 @@
 pipeline (ZeRO-3 slices first, then each ``Shard`` placement, innermost axis first): a collective
 over those axes, whose groups hold the same stages, so every member walks the same names in the same
 order. ``share_over_pipeline`` then broadcasts each value from the first pipeline rank holding it to
-the others, so every rank ends with every value. ``shard_keys`` names each local shard for
-checkpoints (the name plus the coordinates of the axes it is cut over).
+the others, so every rank ends with every value.
 """
 
 from __future__ import annotations
@@ -61,21 +60,4 @@ def share_over_pipeline(values: dict[str, torch.Tensor], group, device: torch.de
     return out
 
 
-def shard_keys(
-    program: Program, names, coords: dict[str, int], extra_axes: dict[str, tuple[str, ...]]
-) -> dict[str, str]:
-    """Name -> a key unique to this shard: the name plus the coordinates of the axes it is sharded
-    over (``wte.weight|tp=1/2``), and of ``extra_axes[name]`` (a ZeRO-3 slice's axes); replicas share
-    the key (what checkpoints are keyed by)."""
-    values = {v.name: v for v in program.inputs}
-    out = {}
-    for name in names:
-        v = values[name]
-        axes = [a for p, (a, n) in zip(v.type.placements, program.mesh.axes) if isinstance(p, Shard) and n > 1]
-        axes += [a for a in extra_axes.get(name, ()) if a not in axes]
-        parts = [f"{a}={coords[a]}/{program.mesh.axis_size(a)}" for a in axes]
-        out[name] = name + ("|" + ",".join(parts) if parts else "")
-    return out
-
-
-__all__ = ["share_over_pipeline", "shard_keys", "whole_values"]
+__all__ = ["share_over_pipeline", "whole_values"]

@@ -37,7 +37,7 @@ from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import merge_outputs, split_batch
 from autopar.runtime.executor import Executor
-from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
+from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync, reduction_points, tie_groups
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
@@ -339,11 +339,17 @@ class ParallelModule(torch.nn.Module):
             values = share_over_pipeline(values, self._pp_group, self.device)
         return values
 
-    def local_keys(self) -> dict[str, str]:
-        """Name -> a key unique to this rank's shard of it (``wte.weight|tp=1/2``; a ZeRO-3 slice also
-        names its ZeRO axes); replicas share the key (what checkpoints are keyed by)."""
-        extra = {n: self.zero3.zero_axes for n in self.zero3.names} if self.zero3 is not None else {}
-        return shard_keys(self.program, self._local.tensors, self.comm.coords, extra)
+    def state_keys(self) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+        """(each key of the user's ``model.state_dict()`` -> the program value holding it, tied names to
+        one value; the whole tensors of the keys no program reads): what checkpoints are keyed by."""
+        if self._state is None:
+            return {n: n for n, v in self._values.items() if v.kind != "input"}, {}
+        return self._state
+
+    def local_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by program name, as it holds them (a ZeRO-3 slice in its
+        parameter's place)."""
+        return {**self._local.tensors, **self._params}
 
     # -- inspection ------------------------------------------------------------------------------
     @property
