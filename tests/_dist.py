@@ -61,12 +61,18 @@ def _worker(rank: int, world: int, port: int, fn, args, result_dir: str, timeout
             dist.destroy_process_group()
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
-    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+def forkserver():
+    """The multiprocessing context whose processes fork from the preloaded server (``PRELOAD``)."""
     global _started
-    if not _started:  # the preload list is read when the forkserver starts, at the first group
+    if not _started:  # the preload list is read when the forkserver starts, at the first use
         mp.set_forkserver_preload(PRELOAD)
         _started = True
+    return mp.get_context("forkserver")
+
+
+def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
+    forkserver()
     with tempfile.TemporaryDirectory() as d:
         try:
             args = (world, _free_port(), fn, args, d, timeout, dict(os.environ))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import multiprocessing
 import os
 import time
 import traceback
@@ -14,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests._dist import _free_port, run_distributed
+from tests._dist import _free_port, forkserver, run_distributed
 
 pytestmark = pytest.mark.multiproc
 
@@ -289,8 +288,8 @@ def _dying(rank: int, world: int, port: int, result: str, timeout: float) -> Non
 
 
 def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
-    ctx = multiprocessing.get_context("spawn")
-    port, result, timeout = _free_port(), str(tmp_path / "rank0.txt"), 20.0
+    ctx = forkserver()  # processes forked from the preloaded server: no import time per rank
+    port, result, timeout = _free_port(), str(tmp_path / "rank0.txt"), 10.0
     procs = [ctx.Process(target=_dying, args=(r, 2, port, result, timeout)) for r in range(2)]
     for p in procs:
         p.start()
