@@ -1,10 +1,12 @@
 """Train under torchrun with a checkpoint every few steps, so a job that loses a rank restarts and goes on.
 
-A template for a fault-tolerant run of a compiled model, on one node or many:
+A template for a fault-tolerant run of a compiled model, on one node or many (docs/user_guide.md,
+"Multi-node launch, restarts and SLURM", has the cluster and SLURM commands):
 
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1    # restarts need a fresh store each (check_restartable)
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_elastic.py --mesh pp=2 \\
-        --steps 20 --every 5 --ckpt-dir out/elastic
-    # two nodes (here two launchers on this machine; on a cluster one per node, HOST the first node):
+        --steps 20 --every 5 --ckpt-dir out/elastic --fail-at 1:8
+    # two nodes: this on every node, HOST the first one (here: twice on this machine, HOST 127.0.0.1)
     torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 --rdzv-id job1 \\
         --max-restarts 3 examples/train_elastic.py --mesh pp=2 --steps 20 --every 5 --ckpt-dir out/elastic
     python examples/train_elastic.py --reference --steps 20    # the same training in one process, no autopar
@@ -140,11 +142,12 @@ def reference(args: argparse.Namespace) -> tuple[list[float], torch.nn.Module]:
     return losses, model
 
 
-def _kill_after_first_forward() -> Callable[[], None]:
-    """From now on, the first module this process runs ends it with SIGKILL (as a lost node would, without
-    a word) once its forward returned; returns the remover."""
+def _kill_after_first_forward(why: str) -> Callable[[], None]:
+    """From now on, the first module this process runs ends it with SIGKILL once its forward returned (as a
+    lost node would: no exception, no cleanup), saying ``why`` first; returns the remover."""
 
     def hook(*_: Any) -> None:
+        print(why, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
     return torch.nn.modules.module.register_module_forward_hook(hook).remove
@@ -219,7 +222,7 @@ def train(args: argparse.Namespace) -> None:
         step = data.step + 1
         remove = None
         if args.fail_at == (rank, step) and attempt == 0:
-            remove = _kill_after_first_forward()
+            remove = _kill_after_first_forward(f"rank {rank}: SIGKILL in step {step} (--fail-at)")
         a, kw = data.batch(step)
         loss = pipe.train_step(*a, **kw).item()
         if remove is not None:
