@@ -19,7 +19,7 @@ last checkpoint, and a save cut short is never taken for one (``checkpoint.lates
 steps after the resume are the steps the lost run would have taken: the data of step ``n`` depends
 on ``n`` alone. ``--fail-at RANK:STEP`` tries it: that rank kills itself (SIGKILL) in the middle of
 that step, after its first stage forward, on the first attempt only (``TORCHELASTIC_RESTART_COUNT``
-is 0).
+is 0: torchrun counts a restart on the node whose process died; the other nodes rejoin uncounted).
 
 The checkpoint directory must be visible to every node (a shared file system): each rank writes its
 own shards, and on resume reads those of the mesh it runs on now, whatever mesh saved them. The model
@@ -71,9 +71,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fail-at", default=None, metavar="RANK:STEP", help="kill RANK in STEP (first attempt only)")
     p.add_argument("--reference", action="store_true", help="train the plain model in this one process instead")
     args = p.parse_args(argv)
-    for name in ("steps", "every", "microbatches", "warmup"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be at least 1, not {getattr(args, name)}")
+    for name, least in (("steps", 1), ("every", 1), ("microbatches", 1), ("warmup", 1), ("keep", 0)):
+        if getattr(args, name) < least:
+            p.error(f"--{name} must be at least {least}, not {getattr(args, name)}")
     if args.fail_at is not None:
         rank, _, step = args.fail_at.partition(":")
         if not (rank.isdigit() and step.isdigit() and 1 <= int(step) <= args.steps):
@@ -110,7 +110,7 @@ class Data:
         return pytree.tree_map(draw, self.example)
 
 
-def build(args: argparse.Namespace):
+def build(args: argparse.Namespace) -> tuple[Any, Data]:
     """The model with real weights from the seed, and its data."""
     from autopar.models import build as build_model
 
@@ -199,6 +199,8 @@ def train(args: argparse.Namespace) -> None:
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
+    if args.fail_at is not None and args.fail_at[0] >= dist.get_world_size():
+        raise SystemExit(f"--fail-at names rank {args.fail_at[0]}, but the ranks are 0..{dist.get_world_size() - 1}")
     mesh = autopar.init_mesh(**dict(parse_mesh(args.mesh).axes))
     spec, data = build(args)
     options = ShardOptions(setup=TrainingSetup(zero=args.zero)) if args.zero else None
