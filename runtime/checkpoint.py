@@ -39,11 +39,11 @@ def _optimizer_keys(pipe, optimizer) -> list[str]:
     keys = []
     for group in inner.param_groups:
         for p in group["params"]:
-            if isinstance(optimizer, ZeroOptimizer) and p is optimizer.master:
+            if isinstance(optimizer, ZeroOptimizer) and optimizer.flat_name(p) is not None:
                 # the flat vector holds this pipeline rank's parameters: its key names the pipeline rank
                 c, n = optimizer.comm.coords, optimizer.comm.sizes
                 axes = tuple(a for a in (PIPELINE_AXIS, *optimizer.zero_axes) if a in c)
-                keys.append("zero.flat|" + ",".join(f"{a}={c[a]}/{n[a]}" for a in axes))
+                keys.append(f"{optimizer.flat_name(p)}|" + ",".join(f"{a}={c[a]}/{n[a]}" for a in axes))
             elif id(p) in by_id:
                 keys.append(by_id[id(p)])
             else:

@@ -7,38 +7,46 @@ float). Both cut the model at the same places and share every parameter, so this
 each of its parameter shards once (``runtime/params.py``), registered under the user's names.
 
 - ``forward(*args, **kwargs)`` returns the model's outputs. On one stage it runs with autograd (the
-  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the global
-  batch cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it
-  runs forward only through the stages and broadcasts the outputs over the pipeline axis.
+  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the batch
+  cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it runs
+  forward only through the stages and broadcasts the outputs over the pipeline axis. ``eval()``
+  turns dropout off.
 - ``train_step(*args, **kwargs)`` runs the schedule (``runtime/executor.py``): every microbatch's
-  forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction and the
-  optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
-- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/zero.py``); ZeRO-3 keeps only this rank's
-  slices and gathers a stage's parameters around each of its forwards (``runtime/zero3.py``).
+  forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction, clipping
+  and the optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
+- The batch is the global one, or this rank's data-parallel shard (``RuntimeOptions.batch``,
+  ``runtime/inputs.py``); ``data_layout`` says which rows a rank takes.
+- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/optim.py``, ``runtime/zero.py``), with
+  parameter groups by the user's names; ZeRO-3 keeps only this rank's slices and gathers a stage's
+  parameters around each of its forwards (``runtime/zero3.py``). ``clip_grad_norm_``:
+  ``runtime/clip.py``.
 - ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import PipelineError
+from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program, Ref
-from autopar.passes.capture import flatten_inputs
+from autopar.passes.dropout import batch_dims
 from autopar.passes.stage_program import StageProgram
+from autopar.runtime import clip
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
-from autopar.runtime.batch import merge_outputs, split_batch
+from autopar.runtime.batch import DataLayout, LossWeight, merge_outputs, take_rows
 from autopar.runtime.executor import Executor
 from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync, reduction_points, tie_groups
+from autopar.runtime.inputs import CallInputs
+from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
@@ -61,6 +69,8 @@ class RuntimeOptions:
     # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
     # while the other computes; the stages are built for a half
     sub_pipeline_tp: bool = False
+    batch: str = "global"  # "global": every rank is given the whole batch; "local": its data-parallel shard
+    loss_weight: LossWeight | None = None  # each piece's weight in the step's loss (None: equal pieces)
 
     @property
     def sub_microbatches(self) -> int:
@@ -86,13 +96,15 @@ class ParallelModule(torch.nn.Module):
         mesh=None,
         rng: DropoutRng | None = None,
         state: tuple[dict[str, str], dict[str, torch.Tensor]] | None = None,
+        leaves: tuple[int, ...] | None = None,
     ):
         """``forward``/``train``: the planned programs (``stage=`` on every op, send/recv between
         stages); ``get_value(name)``: a parameter or buffer's whole value (only this rank's shard is
         kept); ``mesh``: the DeviceMesh, needed on a pipeline with parameters tied across its ranks;
         ``rng``: the keyed dropouts' state; ``state``: the user's state-dict keys -> program values and
         the whole values of keys no program reads (``runtime/params.state_keys``; default: the
-        programs' own names)."""
+        programs' own names); ``leaves``: where each input of the programs is among the call's
+        flattened inputs (needed for local batches)."""
         super().__init__()
         self.setup = setup or TrainingSetup()
         self.options = options = options or RuntimeOptions()
@@ -107,6 +119,9 @@ class ParallelModule(torch.nn.Module):
         self._pp_group = comm.groups.get(PIPELINE_AXIS)
         self._pp_rank = comm.coords.get(PIPELINE_AXIS, 0)
         self._optimizer = None
+        self._clip: tuple[float, float] | None = None  # make_optimizer's (max_grad_norm, norm_type)
+        self._stepped = False  # train_step stepped the attached optimizer since the last forward
+        self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
@@ -117,6 +132,7 @@ class ParallelModule(torch.nn.Module):
             fractions = recompute_fractions(schedule, self._pp_rank)
             self._runners, self._stages = builder.runners(train, mine, fractions, "stage")
         self._builder = builder
+        self._setup_inputs(leaves)
         self._state = state
         self.zero3 = self._shard_zero3()
         params = self._local.params
@@ -195,52 +211,98 @@ class ParallelModule(torch.nn.Module):
         return isinstance(opt, ZeroOptimizer) and opt.manages(name) and axis in opt.zero_axes + opt.replica_axes
 
     # -- the optimizer ---------------------------------------------------------------------------
-    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
-        """``optimizer_cls(**kwargs)`` over this rank's parameters, as the plan's training setup says,
-        attached to ``train_step`` (which steps it). With ZeRO-1/2 (``TrainingSetup.zero``) gradients
-        are reduce-scattered over the data-parallel axes, the optimizer states and step cover this
-        rank's slice only, and the parameters are all-gathered after the step (MiCS: inside the
-        partition group, 2-hop synchronization across groups). With ZeRO-3 the module holds only this
-        rank's slices, and the optimizer is ``optimizer_cls`` over them. A ``torch.optim`` optimizer
-        built by hand over ``parameters()`` trains the same numbers but keeps whole states under
-        ZeRO-1/2, and the caller steps it."""
-        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
-        if 1 <= self.setup.zero <= 2 and zero_axes:
-            grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
-            whole = whole_gradient_params(self.program, zero_axes + replica_axes)
-            opt = ZeroOptimizer(
-                self._params, grad_sync, optimizer_cls, self.comm, zero_axes, replica_axes, whole, **kwargs
+    def make_optimizer(
+        self,
+        optimizer_cls: type[torch.optim.Optimizer],
+        param_groups: ParamGroups | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        **kwargs: Any,
+    ) -> torch.optim.Optimizer:
+        """``optimizer_cls(groups, **kwargs)`` over this rank's parameters, as the plan's training setup
+        says, attached to ``train_step`` (which steps it, after clipping the gradients' global norm to
+        ``max_grad_norm`` when given: ``grad_norm`` then holds the norm). ``param_groups``: the groups
+        by the user's parameter names, a list of dicts or a callable name -> options
+        (``runtime/optim.py``). With ZeRO-1/2 (``TrainingSetup.zero``) gradients are reduce-scattered
+        over the data-parallel axes, the optimizer states and step cover this rank's slice only, and
+        the parameters are all-gathered after the step (MiCS: inside the partition group, 2-hop
+        synchronization across groups); the result is a ``torch.optim.Optimizer`` a learning-rate
+        scheduler drives. With ZeRO-3 the module holds only this rank's slices, and the optimizer is
+        ``optimizer_cls`` over them. A ``torch.optim`` optimizer built by hand over ``parameters()``
+        trains the same numbers but keeps whole states under ZeRO-1/2, and the caller steps it."""
+        trainable = [v.name for v in self.program.params if v.type.is_float]
+        users: dict[str, list[str]] = {n: [n] for n in trainable}
+        if self._state is not None:
+            users = {n: [] for n in trainable}
+            for key, n in self._state[0].items():
+                if n in users:
+                    users[n].append(key)
+        groups = resolve_groups(param_groups, users, trainable)
+        grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
+        self._optimizer = build_optimizer(
+            optimizer_cls, groups, self._params, grad_sync, self.setup, self.program, self.comm, **kwargs
+        )
+        self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
+        return self._optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the gradients' global ``norm_type``
+        norm (every element counted once across every mesh axis and ZeRO slice), scaled to at most
+        ``max_norm``; returns the norm, on every rank. Call it between the backward (or a ``train_step``
+        whose optimizer the caller steps) and the optimizer's step; collective over every rank."""
+        if self._stepped:
+            raise OptimizerError(
+                "train_step already stepped the optimizer make_optimizer attached, so no gradient is left to clip: "
+                "give make_optimizer(..., max_grad_norm=...) to clip inside train_step (model.grad_norm holds the norm)"
             )
-        else:
-            opt = optimizer_cls(list(self._params.values()), **kwargs)
-        self._optimizer = opt
-        return opt
+        pieces = clip.grad_pieces(self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied)
+        dtype = next(iter(self._params.values())).dtype if self._params else torch.float32
+        self.grad_norm = clip.clip_grad_norm_(pieces, max_norm, norm_type, self.comm, dtype)
+        return self.grad_norm
 
     def _step(self) -> None:
-        """STEP: tied gradients summed and synced, then the attached optimizer's step."""
+        """STEP: tied gradients summed and synced, then clipping and the attached optimizer's step."""
         self._grads.reduce_tied()
         if self._optimizer is not None:
+            if self._clip is not None:
+                self.clip_grad_norm_(*self._clip)
             self._optimizer.step()
             self._optimizer.zero_grad()
 
     # -- inputs ----------------------------------------------------------------------------------
-    def _local_inputs(self, args: tuple, kwargs: dict, what: str = "shape") -> dict[str, torch.Tensor]:
-        flat = flatten_inputs(self._in_spec, args, kwargs)
-        local = coll.local_inputs(self._inputs, flat, self.comm, self.program.mesh.names, self.device, what)
-        return {v.name: t for v, t in zip(self._inputs, local)}
+    def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:
+        """Which inputs each program reads on this rank, who takes which rows, and how calls become pieces."""
+        users = {v.name for v in self._inputs}
 
-    def _pieces(self, args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
-        """This rank's inputs of each piece the stages run: microbatches, or their halves when
-        sub-pipelined, dim 0 cut in order."""
-        n = self.options.microbatches * self.options.sub_microbatches
-        if n == 1:
-            return [self._local_inputs(args, kwargs)]
-        return [self._local_inputs(a, kw, "microbatch shape") for a, kw in split_batch(args, kwargs, n)]
+        def reads(runners: dict[int, StageRunner]) -> set[str]:
+            parts = [p for r in runners.values() for p in (r.whole, *(x for v in r.variants.values() for x in v))]
+            return {n for p in parts if p is not None for n in p.inputs if n in users}
+
+        self._reads_forward, self._reads_train = reads(self.forward_runners), reads(self._runners)
+        self._last = self._schedule.num_stages - 1 in self.forward_runners
+        rows = [v.type.shape[0] for v in self._inputs if v.type.shape]
+        mesh, opts = self.program.mesh, self.options
+        layout = DataLayout.of(
+            mesh.names, mesh.sizes, self.comm.coords, opts.microbatches * opts.sub_microbatches,
+            max(set(rows), key=rows.count) if rows else 0,
+        )  # fmt: skip
+        self._call = CallInputs(
+            self._in_spec, self._inputs, self.comm, mesh, self.device, layout, leaves=leaves,
+            local=opts.batch == "local", loss_weight=opts.loss_weight,
+        )  # fmt: skip
+        names = dict(zip((v.name for v in self._inputs), self._call.labels))
+        read = sorted(self._reads_forward | self._reads_train, key=[v.name for v in self._inputs].index)
+        self.data_layout = replace(layout, inputs=tuple(names[n] for n in read))
+        dims = batch_dims(self.program) if self._call.local else {}
+        self._row_outputs = [isinstance(r, Ref) and dims.get(r.name) == 0 for r in self.program.outputs]
 
     # -- calling ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """The model's outputs for the global batch (on a pipeline: forward only, on every rank)."""
-        pieces = self._pieces(args, kwargs)
+        """The model's outputs for the batch (on a pipeline: forward only, on every rank). With local
+        batches, outputs carrying the batch are this rank's rows; a loss is the whole batch's."""
+        self._stepped = False
+        pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
         if self._one_stage:
             part = self.forward_runners[0].whole
             gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
@@ -253,13 +315,19 @@ class ParallelModule(torch.nn.Module):
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
-            outs = self._broadcast_outputs(self._forward_executor.outputs)
-        if self.dropout_rng is not None:
+            outs, weights = self._broadcast_outputs(self._forward_executor.outputs, weights)
+        if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
-        return pytree.tree_unflatten(merge_outputs(outs), self._out_spec)
+        merged = merge_outputs(outs, weights)
+        if self._call.local:
+            rows = self.data_layout.data_rows()
+            merged = [take_rows(x, rows) if keep else x for x, keep in zip(merged, self._row_outputs)]
+        return pytree.tree_unflatten(merged, self._out_spec)
 
-    def _broadcast_outputs(self, outputs: list[list[tuple]]) -> list[list[Any]]:
-        """Each piece's outputs, from the rank of the last stage to every pipeline rank."""
+    def _broadcast_outputs(
+        self, outputs: list[list[tuple]], weights: list[float] | None
+    ) -> tuple[list[list[Any]], list[float] | None]:
+        """Each piece's outputs (and weights), from the rank of the last stage to every pipeline rank."""
         src = self._peer_rank(self._schedule.num_stages - 1)
         mesh, types = self.program.mesh, self.program.types()
         out = []
@@ -275,33 +343,55 @@ class ParallelModule(torch.nn.Module):
                 dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, src=src, group=self._pp_group)
                 values[i] = x
             out.append(values)
-        return out
+        if self.options.loss_weight is not None:
+            w = torch.tensor(weights or [0.0] * len(outputs), dtype=torch.float64, device=self.device)
+            dist.broadcast(w, src=src, group=self._pp_group)
+            weights = w.tolist()
+        return out, weights
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
-        """Forward and backward of every microbatch of the global batch under the schedule, gradient
-        reduction, and the optimizer step if ``make_optimizer`` attached one. Returns the mean loss."""
+        """Forward and backward of every microbatch of the batch under the schedule, gradient reduction,
+        and clipping and the optimizer step if ``make_optimizer`` attached one. Returns the step's loss:
+        the mean of the microbatches' losses, or weighted by ``loss_weight``."""
         if self._executor is None:
             raise PipelineError(
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
                 "model returns it first when given labels); call the module for its outputs instead"
             )
-        pieces = self._pieces(args, kwargs)
+        self._stepped = False
+        pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
         sub = self.options.sub_microbatches
+        scales = None
+        if weights is not None:  # each piece's loss back-propagates its share of the batch's weight
+            scales = [[w / sum(weights) for w in weights[i : i + sub]] for i in range(0, len(weights), sub)]
         self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
         try:
-            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)])
+            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
         finally:
             self._grads.enabled = True
-        if self.dropout_rng is not None:
+        if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
         # every pipeline rank needs the dtype to receive the broadcast: the loss's own, half types as float32
         loss_type = self.train_program.types()[self.train_program.outputs[0].name]
         dtype = torch.promote_types(loss_type.torch_dtype, torch.float32)
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        if not losses:
+            loss = torch.zeros((), device=self.device)
+        elif scales is not None:  # each microbatch's loss (weighted over its halves) times its share
+            loss = sum(sum(s) * x for s, x in zip(scales, losses))
+        else:
+            loss = torch.stack(losses).mean()
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
             dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)
+        self._stepped = self._optimizer is not None
         return loss
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Training mode (dropout draws masks) or, ``mode=False`` / ``eval()``, evaluation (dropout off)."""
+        super().train(mode)
+        if self.dropout_rng is not None:
+            self.dropout_rng.training = mode
+        return self
 
     # -- the whole model -------------------------------------------------------------------------
     @torch.no_grad()
