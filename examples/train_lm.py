@@ -182,8 +182,8 @@ def run(args) -> dict:
     out = {"loss": [], "grad_norm": [], "lr": [], "eval": []}
     from tqdm import tqdm
 
-    bar = tqdm(total=args.steps, initial=start, disable=rank != 0 or not args.progress, unit="step")
-    for step in range(start + 1, args.steps + 1):
+    bar = tqdm(total=args.until or args.steps, initial=start, disable=rank != 0 or not args.progress, unit="step")
+    for step in range(start + 1, (args.until or args.steps) + 1):
         out["lr"].append(opt.param_groups[0]["lr"])
         loss, norm = step_fn(next(train_batches))
         sched.step()
@@ -274,7 +274,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, interleaved, wave, scp)")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp axes (0-3)")
     p.add_argument("--reference", action="store_true", help="train the plain model in this one process")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--steps", type=int, default=200, help="steps of the learning-rate schedule")
+    p.add_argument("--until", type=int, default=0, help="stop after this step (0: --steps); --resume goes on")
     p.add_argument("--batch", type=int, default=16, help="global batch (windows per step, all ranks together)")
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--dim", type=int, default=128)

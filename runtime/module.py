@@ -36,7 +36,6 @@ from torch.utils import _pytree as pytree
 from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program, Ref
-from autopar.passes.dropout import batch_dims
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime import clip
 from autopar.runtime import collectives as coll
@@ -294,15 +293,19 @@ class ParallelModule(torch.nn.Module):
         names = dict(zip((v.name for v in self._inputs), self._call.labels))
         read = sorted(self._reads_forward | self._reads_train, key=[v.name for v in self._inputs].index)
         self.data_layout = replace(layout, inputs=tuple(names[n] for n in read))
-        dims = batch_dims(self.program) if self._call.local else {}
-        self._row_outputs = [isinstance(r, Ref) and dims.get(r.name) == 0 for r in self.program.outputs]
+        # outputs carrying the batch on dim 0 (as inputs do): with local batches a rank gets its rows of them
+        types = self.program.types()
+        self._row_outputs = [
+            isinstance(r, Ref) and bool(types[r.name].shape) and types[r.name].shape[0] == layout.piece_rows
+            for r in self.program.outputs
+        ]
 
     # -- calling ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """The model's outputs for the batch (on a pipeline: forward only, on every rank). With local
         batches, outputs carrying the batch are this rank's rows; a loss is the whole batch's."""
-        self._stepped = False
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
+        self._stepped = False
         if self._one_stage:
             part = self.forward_runners[0].whole
             gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
@@ -358,8 +361,8 @@ class ParallelModule(torch.nn.Module):
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
                 "model returns it first when given labels); call the module for its outputs instead"
             )
-        self._stepped = False
         pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
+        self._stepped = False
         sub = self.options.sub_microbatches
         scales = None
         if weights is not None:  # each piece's loss back-propagates its share of the batch's weight
