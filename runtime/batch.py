@@ -91,16 +91,32 @@ class DataLayout:
         return [k * self.piece_rows + self.replica * q + j for k in range(self.pieces) for j in range(q)]
 
 
-def take_rows(batch: Any, rows: Sequence[int]) -> Any:
-    """``batch`` (any pytree) with dim 0 of every tensor of at least one dim indexed by ``rows``."""
+def take_rows(batch: Any, rows: Sequence[int], which: Sequence[bool] | None = None) -> Any:
+    """``batch`` (any pytree) with dim 0 of every tensor of at least one dim indexed by ``rows``
+    (``which``: only of the flat leaves it marks ``True``)."""
     index = torch.tensor(list(rows), dtype=torch.long)
+    flat, spec = pytree.tree_flatten(batch)
+    marks = which if which is not None else [True] * len(flat)
+    out = [
+        x.index_select(0, index.to(x.device)) if mark and isinstance(x, torch.Tensor) and x.dim() > 0 else x
+        for x, mark in zip(flat, marks)
+    ]
+    return pytree.tree_unflatten(out, spec)
 
-    def take(x):
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return x.index_select(0, index.to(x.device))
-        return x
 
-    return pytree.tree_map(take, batch)
+def loss_scales(weights: Sequence[float], sub: int) -> list[list[float]]:
+    """Per microbatch (``sub`` pieces each), the gradient each piece's loss back-propagates: its
+    share of the batch's weight."""
+    total = sum(weights)
+    return [[w / total for w in weights[i : i + sub]] for i in range(0, len(weights), sub)]
+
+
+def step_loss(losses: Sequence[torch.Tensor], scales: Sequence[Sequence[float]] | None) -> torch.Tensor:
+    """The step's loss from its microbatches': their mean, or with ``loss_scales`` each microbatch's
+    loss (weighted over its pieces) times its share."""
+    if scales is None:
+        return torch.stack(list(losses)).mean()
+    return sum(sum(s) * x for s, x in zip(scales, losses))
 
 
 def token_count(labels: str = "labels", ignore_index: int = -100, shift: int = 0) -> LossWeight:
@@ -187,8 +203,10 @@ def merge_outputs(parts: Sequence[Sequence[Any]], weights: Sequence[float] | Non
 __all__ = [
     "DataLayout",
     "LossWeight",
+    "loss_scales",
     "merge_outputs",
     "split_batch",
+    "step_loss",
     "sub_microbatch",
     "take_rows",
     "token_count",

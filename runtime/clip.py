@@ -90,15 +90,15 @@ def clip_grad_norm_(
     max_norm: float,
     norm_type: float,
     comm: coll.Comm,
-    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Scale every gradient of ``pieces`` (from ``grad_pieces`` on every rank) so that their global
-    ``norm_type``-norm is at most ``max_norm``; returns that norm (before scaling) in ``dtype``, the
-    same on every rank. A collective over every mesh axis."""
+    ``norm_type``-norm is at most ``max_norm``; returns that norm (before scaling) in the gradients'
+    dtype, the same on every rank. A collective over every mesh axis."""
     p = float(norm_type)
     if not (p > 0):
         raise OptimizerError(f"norm_type must be positive or inf, not {norm_type}")
     device = pieces[0][0].device if pieces else torch.device("cpu")
+    dtype = pieces[0][0].dtype if pieces else torch.float32
     acc = torch.zeros((), dtype=torch.float64, device=device)
     for g, mine in pieces:
         if mine is False:

@@ -18,17 +18,19 @@ the data-parallel ranks when each holds a share of it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.errors import BatchError, CaptureError
-from autopar.ir.core import MeshSpec, Shard, Value
+from autopar.ir.core import MeshSpec, Program, Shard, Value
 from autopar.passes.capture import flatten_inputs
 from autopar.runtime import collectives as coll
 from autopar.runtime.batch import DataLayout, LossWeight
+from autopar.runtime.stage_runner import StageRunner
 
 
 def leaf_labels(in_spec) -> list[str]:
@@ -41,6 +43,12 @@ def leaf_labels(in_spec) -> list[str]:
         head = f"args[{top.idx}]" if path[0].idx == 0 else str(top.key)
         labels[i] = head + pytree.keystr(path[2:])
     return labels
+
+
+def stage_reads(runners: Mapping[int, StageRunner]) -> set[str]:
+    """The names of the inputs the parts of ``runners`` read (user inputs and received boundary values)."""
+    parts = [p for r in runners.values() for p in (r.whole, *(x for v in r.variants.values() for x in v))]
+    return {n for p in parts if p is not None for n in p.inputs}
 
 
 class CallInputs:
@@ -81,6 +89,21 @@ class CallInputs:
                     f"{others} do not carry the batch ({layout.piece_rows} rows) on dim 0: compile with batch='global'"
                 )
             layout.require_divisible()
+
+    @classmethod
+    def of(cls, in_spec, program: Program, comm: coll.Comm, device: torch.device, pieces: int, **kw) -> CallInputs:
+        """For the user inputs of ``program`` run as ``pieces`` pieces (the rows of one piece: the
+        program's inputs' most common dim 0)."""
+        values = [v for v in program.inputs if v.kind == "input"]
+        rows = [v.type.shape[0] for v in values if v.type.shape]
+        mesh = program.mesh
+        piece_rows = max(set(rows), key=rows.count) if rows else 0
+        layout = DataLayout.of(mesh.names, mesh.sizes, comm.coords, pieces, piece_rows)
+        return cls(in_spec, values, comm, mesh, device, layout, **kw)
+
+    def layout_reading(self, reads: set[str]) -> DataLayout:
+        """The layout, with the user's names of the inputs in ``reads`` (in call order) as its ``inputs``."""
+        return replace(self.layout, inputs=tuple(lab for v, lab in zip(self.values, self.labels) if v.name in reads))
 
     def _rows_as_layout(self, v: Value) -> bool:
         """Whether ``v``'s placements split its rows over the data-parallel axes as the layout does:
@@ -211,4 +234,4 @@ class CallInputs:
         return total.item()
 
 
-__all__ = ["CallInputs", "leaf_labels"]
+__all__ = ["CallInputs", "leaf_labels", "stage_reads"]

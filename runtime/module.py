@@ -26,7 +26,7 @@ each of its parameter shards once (``runtime/params.py``), registered under the 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,17 +35,18 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.ir.core import Program, Ref
+from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime import clip
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
-from autopar.runtime.batch import DataLayout, LossWeight, merge_outputs, take_rows
+from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
 from autopar.runtime.executor import Executor
 from autopar.runtime.export import shard_keys, share_over_pipeline, whole_values
-from autopar.runtime.grads import GradSync, reduction_points, tie_groups
-from autopar.runtime.inputs import CallInputs
-from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups
+from autopar.runtime.grads import GradSync
+from autopar.runtime.inputs import CallInputs, stage_reads
+from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
+from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
@@ -53,8 +54,8 @@ from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, one_stage, recompute_fractions
 from autopar.runtime.timeline import SimResult
 from autopar.runtime.trace import TraceEvent, measured_result, step_barrier
-from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
-from autopar.runtime.zero3 import Zero3Params
+from autopar.runtime.zero import ZeroOptimizer
+from autopar.runtime.zero3 import shard_zero3
 from autopar.solver.cost import TrainingSetup
 
 
@@ -113,7 +114,6 @@ class ParallelModule(torch.nn.Module):
         self.dropout_rng = rng
         self._schedule = schedule
         self._in_spec, self._out_spec = in_spec, out_spec
-        self._inputs = [v for v in forward.inputs if v.kind == "input"]
         self._values = {v.name: v for v in forward.inputs}
         self._pp_group = comm.groups.get(PIPELINE_AXIS)
         self._pp_rank = comm.coords.get(PIPELINE_AXIS, 0)
@@ -133,12 +133,19 @@ class ParallelModule(torch.nn.Module):
         self._builder = builder
         self._setup_inputs(leaves)
         self._state = state
-        self.zero3 = self._shard_zero3()
+        # ZeRO-3: this rank's 1/k slices of the data-parallel-replicated parameters take their places
         params = self._local.params
-        if self.zero3 is not None:
-            params.update({n: self.zero3.slice_of(n) for n in self.zero3.names})
+        self.zero3 = shard_zero3(self.setup, forward, params, comm, builder.modules.values())
+        for n in self.zero3.names if self.zero3 is not None else ():
+            params[n] = self.zero3.slice_of(n)
+            register(self, n, params[n])
         self._params = params
-        self._grads = self._grad_sync(mesh)
+        self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
+        # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
+        self._grads = GradSync.of(
+            train or forward, schedule, self._pp_rank, self._stages, params, self._sync_axes, comm, self._skip_sync,
+            mesh,
+        )  # fmt: skip
         self._grads.install_hooks()
         stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
         context = (lambda s: self.zero3.gathered(stage_names[s])) if self.zero3 is not None else None
@@ -166,42 +173,6 @@ class ParallelModule(torch.nn.Module):
         """The global rank holding ``stage`` in this rank's pipeline."""
         return dist.get_global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
 
-    def _shard_zero3(self) -> Zero3Params | None:
-        """ZeRO-3: keep this rank's 1/k slice of the data-parallel-replicated parameters only."""
-        if self.setup.zero < 3:
-            return None
-        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
-        if not zero_axes:
-            return None
-        need = set(zero_axes) | set(replica_axes)
-        whole = whole_gradient_params(self.program, zero_axes + replica_axes)
-        params = self._local.params
-        names = [
-            v.name
-            for v in self.program.params
-            if v.name in params
-            and params[v.name].requires_grad
-            and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
-        ]
-        zero3 = Zero3Params(params, names, self.comm, zero_axes, replica_axes, whole)
-        for gm in self._builder.modules.values():
-            zero3.attach(gm)
-        for n in names:  # the slice takes the whole shard's place under the user's name
-            register(self, n, zero3.slice_of(n))
-        return zero3
-
-    def _grad_sync(self, mesh) -> GradSync:
-        """Where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters."""
-        program = self.train_program or self.program
-        sync_at, tied = reduction_points(program, self._schedule, self._pp_rank, self._stages)
-        groups = {}
-        if tied:
-            if mesh is None:
-                raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
-            groups = tie_groups(mesh, tied)
-        grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
-        return GradSync(self._params, grad_sync, self.comm, self._skip_sync, sync_at, tied, groups)
-
     def _skip_sync(self, name: str, axis: str) -> bool:
         """Whether ZeRO reduces ``name``'s gradient over ``axis`` itself."""
         if self.zero3 is not None and self.zero3.manages(name):
@@ -219,28 +190,15 @@ class ParallelModule(torch.nn.Module):
         norm_type: float = 2.0,
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
-        """``optimizer_cls(groups, **kwargs)`` over this rank's parameters, as the plan's training setup
-        says, attached to ``train_step`` (which steps it, after clipping the gradients' global norm to
-        ``max_grad_norm`` when given: ``grad_norm`` then holds the norm). ``param_groups``: the groups
-        by the user's parameter names, a list of dicts or a callable name -> options
-        (``runtime/optim.py``). With ZeRO-1/2 (``TrainingSetup.zero``) gradients are reduce-scattered
-        over the data-parallel axes, the optimizer states and step cover this rank's slice only, and
-        the parameters are all-gathered after the step (MiCS: inside the partition group, 2-hop
-        synchronization across groups); the result is a ``torch.optim.Optimizer`` a learning-rate
-        scheduler drives. With ZeRO-3 the module holds only this rank's slices, and the optimizer is
-        ``optimizer_cls`` over them. A ``torch.optim`` optimizer built by hand over ``parameters()``
-        trains the same numbers but keeps whole states under ZeRO-1/2, and the caller steps it."""
-        trainable = [v.name for v in self.program.params if v.type.is_float]
-        users: dict[str, list[str]] = {n: [n] for n in trainable}
-        if self._state is not None:
-            users = {n: [] for n in trainable}
-            for key, n in self._state[0].items():
-                if n in users:
-                    users[n].append(key)
-        groups = resolve_groups(param_groups, users, trainable)
-        grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
+        """``optimizer_cls(groups, **kwargs)`` over this rank's parameters as the plan's training setup
+        says (``runtime/optim.py``: ZeRO-1/2 and MiCS slices, ``param_groups`` by the user's names),
+        attached to ``train_step``, which steps it after clipping the global gradient norm to
+        ``max_grad_norm`` when given (``grad_norm`` then holds the norm). A ``torch.optim`` optimizer
+        built by hand over ``parameters()`` trains the same numbers but keeps whole states under
+        ZeRO-1/2, and the caller steps it."""
+        groups = resolve_groups(param_groups, *user_names(self.program, self._state))
         self._optimizer = build_optimizer(
-            optimizer_cls, groups, self._params, grad_sync, self.setup, self.program, self.comm, **kwargs
+            optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
         )
         self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
         return self._optimizer
@@ -256,8 +214,7 @@ class ParallelModule(torch.nn.Module):
                 "give make_optimizer(..., max_grad_norm=...) to clip inside train_step (model.grad_norm holds the norm)"
             )
         pieces = clip.grad_pieces(self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied)
-        dtype = next(iter(self._params.values())).dtype if self._params else torch.float32
-        self.grad_norm = clip.clip_grad_norm_(pieces, max_norm, norm_type, self.comm, dtype)
+        self.grad_norm = clip.clip_grad_norm_(pieces, max_norm, norm_type, self.comm)
         return self.grad_norm
 
     def _step(self) -> None:
@@ -272,33 +229,15 @@ class ParallelModule(torch.nn.Module):
     # -- inputs ----------------------------------------------------------------------------------
     def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:
         """Which inputs each program reads on this rank, who takes which rows, and how calls become pieces."""
-        users = {v.name for v in self._inputs}
-
-        def reads(runners: dict[int, StageRunner]) -> set[str]:
-            parts = [p for r in runners.values() for p in (r.whole, *(x for v in r.variants.values() for x in v))]
-            return {n for p in parts if p is not None for n in p.inputs if n in users}
-
-        self._reads_forward, self._reads_train = reads(self.forward_runners), reads(self._runners)
+        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self._runners)
         self._last = self._schedule.num_stages - 1 in self.forward_runners
-        rows = [v.type.shape[0] for v in self._inputs if v.type.shape]
-        mesh, opts = self.program.mesh, self.options
-        layout = DataLayout.of(
-            mesh.names, mesh.sizes, self.comm.coords, opts.microbatches * opts.sub_microbatches,
-            max(set(rows), key=rows.count) if rows else 0,
+        opts = self.options
+        self._call = CallInputs.of(
+            self._in_spec, self.program, self.comm, self.device, opts.microbatches * opts.sub_microbatches,
+            leaves=leaves, local=opts.batch == "local", loss_weight=opts.loss_weight,
         )  # fmt: skip
-        self._call = CallInputs(
-            self._in_spec, self._inputs, self.comm, mesh, self.device, layout, leaves=leaves,
-            local=opts.batch == "local", loss_weight=opts.loss_weight,
-        )  # fmt: skip
-        names = dict(zip((v.name for v in self._inputs), self._call.labels))
-        read = sorted(self._reads_forward | self._reads_train, key=[v.name for v in self._inputs].index)
-        self.data_layout = replace(layout, inputs=tuple(names[n] for n in read))
-        # outputs carrying the batch on dim 0 (as inputs do): with local batches a rank gets its rows of them
-        types = self.program.types()
-        self._row_outputs = [
-            isinstance(r, Ref) and bool(types[r.name].shape) and types[r.name].shape[0] == layout.piece_rows
-            for r in self.program.outputs
-        ]
+        self.data_layout = self._call.layout_reading(self._reads_forward | self._reads_train)
+        self._row_outputs = batch_outputs(self.program, self.data_layout.piece_rows)
 
     # -- calling ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
@@ -318,39 +257,16 @@ class ParallelModule(torch.nn.Module):
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
-            outs, weights = self._broadcast_outputs(self._forward_executor.outputs, weights)
+            src = self._peer_rank(self._schedule.num_stages - 1)
+            outs = broadcast_outputs(self.program, self._forward_executor.outputs, src, self._pp_group, self.device)
+            if self.options.loss_weight is not None:
+                weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
         if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
         merged = merge_outputs(outs, weights)
-        if self._call.local:
-            rows = self.data_layout.data_rows()
-            merged = [take_rows(x, rows) if keep else x for x, keep in zip(merged, self._row_outputs)]
+        if self._call.local:  # this rank's rows of the outputs carrying the batch
+            merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         return pytree.tree_unflatten(merged, self._out_spec)
-
-    def _broadcast_outputs(
-        self, outputs: list[list[tuple]], weights: list[float] | None
-    ) -> tuple[list[list[Any]], list[float] | None]:
-        """Each piece's outputs (and weights), from the rank of the last stage to every pipeline rank."""
-        src = self._peer_rank(self._schedule.num_stages - 1)
-        mesh, types = self.program.mesh, self.program.types()
-        out = []
-        for got in outputs:
-            values = list(got[0]) if got else [None] * len(self.program.outputs)
-            for i, r in enumerate(self.program.outputs):
-                if not isinstance(r, Ref):
-                    values[i] = r
-                    continue
-                t = types[r.name]
-                x = values[i] if values[i] is not None else torch.empty(t.local_shape(mesh), dtype=t.torch_dtype)
-                x = x.detach().to(self.device).contiguous()
-                dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, src=src, group=self._pp_group)
-                values[i] = x
-            out.append(values)
-        if self.options.loss_weight is not None:
-            w = torch.tensor(weights or [0.0] * len(outputs), dtype=torch.float64, device=self.device)
-            dist.broadcast(w, src=src, group=self._pp_group)
-            weights = w.tolist()
-        return out, weights
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of every microbatch of the batch under the schedule, gradient reduction,
@@ -364,9 +280,7 @@ class ParallelModule(torch.nn.Module):
         pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
         self._stepped = False
         sub = self.options.sub_microbatches
-        scales = None
-        if weights is not None:  # each piece's loss back-propagates its share of the batch's weight
-            scales = [[w / sum(weights) for w in weights[i : i + sub]] for i in range(0, len(weights), sub)]
+        scales = loss_scales(weights, sub) if weights is not None else None
         self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
         try:
             losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
@@ -377,12 +291,7 @@ class ParallelModule(torch.nn.Module):
         # every pipeline rank needs the dtype to receive the broadcast: the loss's own, half types as float32
         loss_type = self.train_program.types()[self.train_program.outputs[0].name]
         dtype = torch.promote_types(loss_type.torch_dtype, torch.float32)
-        if not losses:
-            loss = torch.zeros((), device=self.device)
-        elif scales is not None:  # each microbatch's loss (weighted over its halves) times its share
-            loss = sum(sum(s) * x for s, x in zip(scales, losses))
-        else:
-            loss = torch.stack(losses).mean()
+        loss = step_loss(losses, scales) if losses else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
             dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)

@@ -26,6 +26,19 @@ from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes
 ParamGroups = Sequence[Mapping[str, Any]] | Callable[[str], Mapping[str, Any] | None]
 
 
+def user_names(program, state) -> tuple[dict[str, list[str]], list[str]]:
+    """(program name -> the user's names of that parameter, the trainable program names in order) of
+    ``program``; ``state``: the user's state-dict keys -> program names (``None``: the same names)."""
+    trainable = [v.name for v in program.params if v.type.is_float]
+    if state is None:
+        return {n: [n] for n in trainable}, trainable
+    names: dict[str, list[str]] = {n: [] for n in trainable}
+    for key, n in state[0].items():
+        if n in names:
+            names[n].append(key)
+    return names, trainable
+
+
 def resolve_groups(
     spec: ParamGroups | None, names: Mapping[str, list[str]], trainable: Sequence[str]
 ) -> list[tuple[dict[str, Any], list[str]]] | None:
@@ -96,4 +109,4 @@ def build_optimizer(
     return optimizer_cls(torch_groups, **kwargs)
 
 
-__all__ = ["ParamGroups", "build_optimizer", "resolve_groups"]
+__all__ = ["ParamGroups", "build_optimizer", "resolve_groups", "user_names"]
