@@ -38,8 +38,8 @@ import torch
 from autopar.errors import BatchError, OptimizerError
 from autopar.runtime.batch import DataLayout, merge_outputs, token_count
 from autopar.runtime.optim import resolve_groups
-from tests.equivalence import tiny_padded_gpt, train_lm_example
-from tests.exactness import TOL, state_error
+from tests.equivalence import tiny_mlp, tiny_padded_gpt, train_lm_example
+from tests.exactness import TOL, float64_batch, float64_model, state_error
 
 MAX_NORM = 0.05  # below every step's norm here, so every step is clipped
 
@@ -68,7 +68,8 @@ def _reference(model, batches, make_opt, make_sched, clip: bool = True) -> dict:
     out = {"loss": [], "norm": [], "lr": []}
     for b in batches:
         out["lr"].append(opt.param_groups[0]["lr"])
-        loss = model(**b)[0]
+        result = model(**b)
+        loss = result[0] if isinstance(result, tuple) else result
         loss.backward()
         if clip:
             out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
@@ -151,6 +152,7 @@ def _zero2_groups_clip(rank: int) -> dict:
             run["loss"].append(loss.item())
             run["norm"].append(norm.item())
         out[mode] = _compare(run, ref, m.full_state_dict(), reference)
+        out[mode]["direct"] = list(m._call._direct)
         if mode == "global":
             out["errors"] = [
                 _raises(lambda m=m: m.train_step(**autopar.data.local_batch(m, batches[0])), BatchError),
@@ -162,6 +164,39 @@ def _zero2_groups_clip(rank: int) -> dict:
         if mode == "local":
             out["errors"].append(_raises(lambda m=m: m.train_step(**batches[0]), BatchError))
     return out
+
+
+def _float_inputs_zero3(rank: int) -> dict:
+    """dp=2 x tp=2, float inputs the plan splits over dp (each rank's rows are its share as they come),
+    ZeRO-3 over dp, clipping inside ``train_step``: local vs global batches vs one process."""
+    import autopar
+    from autopar.passes.shard import ShardOptions
+    from autopar.solver.cost import TrainingSetup
+
+    model, batches = tiny_mlp(steps=2)
+    model, batches = float64_model(model), [float64_batch(b) for b in batches]
+    sgd = {"lr": 0.1, "momentum": 0.9}
+    reference = copy.deepcopy(model)
+    ref = _reference(reference, batches, lambda m: torch.optim.SGD(m.parameters(), **sgd), _constant)
+    mesh = autopar.init_mesh("cpu", dp=2, tp=2)
+    # least memory keeps the batch split over dp (least time may replicate a model this small)
+    options = ShardOptions(objective="memory", setup=TrainingSetup(zero=3))
+    out: dict = {}
+    for mode in ("global", "local"):
+        m = autopar.compile(model, mesh, kwargs=batches[0], options=options, microbatches=2, batch=mode)
+        m.make_optimizer(torch.optim.SGD, max_grad_norm=MAX_NORM, **sgd)
+        run = {"loss": [], "norm": [], "lr": [sgd["lr"]] * len(batches)}
+        for b in batches:
+            run["loss"].append(m.train_step(**(b if mode == "global" else autopar.data.local_batch(m, b))).item())
+            run["norm"].append(m.grad_norm.item())
+        out[mode] = _compare(run, ref, m.full_state_dict(), reference)
+        out[mode]["direct"] = list(m._call._direct)
+        out[mode]["zero3"] = m.zero3 is not None and bool(m.zero3.names)
+    return out
+
+
+def _constant(opt):
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 
 
 def _naive_norm(m) -> float:
@@ -278,7 +313,13 @@ def _four(rank: int, world: int, ckpt_dir: str) -> dict:
     import time
 
     out = {}
-    for name, fn in (("zero2", _zero2_groups_clip), ("tokens", _tokens), ("eval", _eval_and_determinism)):
+    jobs = (
+        ("zero2", _zero2_groups_clip),
+        ("float", _float_inputs_zero3),
+        ("tokens", _tokens),
+        ("eval", _eval_and_determinism),
+    )
+    for name, fn in jobs:
         t0 = time.perf_counter()
         out[name] = fn(rank)
         out[name]["seconds"] = time.perf_counter() - t0
@@ -311,6 +352,12 @@ def test_training_loop_on_four_ranks(tmp_path):
         assert "max_grad_norm" in z["errors"][1], z["errors"][1]
         assert "wte.weight" in z["errors"][2], z["errors"][2]
         assert "has 4" in z["errors"][3] and "batch='global'" in z["errors"][3], z["errors"][3]
+        # token ids: the plan keeps them whole on every rank (recomputable), so each rank's rows are gathered
+        assert not any(z["local"]["direct"]), z["local"]["direct"]
+        f = res["float"]
+        for mode in ("global", "local"):
+            _check_run(f[mode], f"rank {rank} dp2 x tp2 float inputs, ZeRO-3 {mode}")
+        assert all(f["local"]["direct"]) and f["local"]["zero3"], "the plan splits the rows over dp: used as given"
         t = res["tokens"]
         for mode in ("global", "local"):
             _check_run(t[mode], f"rank {rank} pp2 x dp2 tokens {mode}")
@@ -357,12 +404,7 @@ def _eight(rank: int, world: int) -> dict:
     model, batches = tiny_padded_gpt(steps=3)
     sgd = {"lr": 0.1, "momentum": 0.9}
     reference = copy.deepcopy(model)
-    ref = _reference(
-        reference,
-        batches,
-        lambda m: torch.optim.SGD(m.parameters(), **sgd),
-        lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0),
-    )
+    ref = _reference(reference, batches, lambda m: torch.optim.SGD(m.parameters(), **sgd), _constant)
     mesh = autopar.init_mesh("cpu", pp=2, dp=2, tp=2)
     # least memory: every stage sharded over tp, ZeRO-2 over dp
     options = ShardOptions(objective="memory", setup=TrainingSetup(zero=2))
