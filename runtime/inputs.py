@@ -146,12 +146,12 @@ class CallInputs:
         lay = self.layout
         want = lay.local_batch if self.local else lay.global_batch
         for v, label, x, batched in zip(self.values, self.labels, given, self._batched):
+            if x is not None and not isinstance(x, torch.Tensor):
+                raise BatchError(f"input {label!r} must be a tensor (as in the example inputs), not {type(x).__name__}")
             if x is None:
                 if v.name in reads:
-                    raise BatchError(
-                        f"input {label!r} is read by this rank's pipeline stages but was not passed: pass this "
-                        f"rank's shard of it (autopar.data.local_batch)"
-                    )
+                    what = "this rank's shard (autopar.data.local_batch)" if self.local else "the whole batch"
+                    raise BatchError(f"input {label!r} is read by this rank's stages but was not passed: pass {what}")
                 continue
             if not batched or x.dim() == 0 or x.shape[0] == want:
                 continue
