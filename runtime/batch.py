@@ -107,7 +107,7 @@ def take_rows(batch: Any, rows: Sequence[int], which: Sequence[bool] | None = No
 def loss_scales(weights: Sequence[float], sub: int) -> list[list[float]]:
     """Per microbatch (``sub`` pieces each), the gradient each piece's loss back-propagates: its
     share of the batch's weight."""
-    total = sum(weights)
+    total = sum(weights) or math.nan  # a batch with nothing to average: a NaN loss, as one device gives
     return [[w / total for w in weights[i : i + sub]] for i in range(0, len(weights), sub)]
 
 

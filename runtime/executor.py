@@ -282,7 +282,10 @@ class Executor:
         if st.is_last:
             losses = [o[0].detach() for o in outs]
             w = self._scales[a.mb]
-            self._losses[a.mb] = losses[0] if len(losses) == 1 else sum(s * x for s, x in zip(w, losses)) / sum(w)
+            if len(losses) == 1 or not sum(w):
+                self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            else:
+                self._losses[a.mb] = sum(s * x for s, x in zip(w, losses)) / sum(w)
             return
         flat = [o for out in outs for o in out]
         nxt = a.stage + 1
