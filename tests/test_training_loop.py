@@ -25,9 +25,9 @@ ranks), its labels padded with -100 by a different amount per row (``tiny_padded
   equal ``torch.nn.utils.clip_grad_norm_``'s single process, also with sub-pipelined tp (halves
   weighted by their tokens; scaling the halves equally instead is 5e-5 off, checked by hand).
 
-Cost on the shared 2-core machine (wall, with other work running): the 4-rank group 23-50 s (about
-45 s of CPU, 12 s of it spawning), the 8-rank group 35-60 s (about 70 s of CPU, half of it spawning
-and importing), the single-process test under a second. Largest differences seen: 5e-14 (AdamW
+Cost on the 2-core machine: 47 s in all when it is otherwise idle (the 4-rank group 18.5 s, the
+8-rank group 28 s, about half of each spawning and importing; the single-process test under a
+second), 23-50 s and 35-60 s while other work runs. Largest differences seen: 5e-14 (AdamW
 parameters through ZeRO-2), 2e-16 (the clipped norm on 8 ranks).
 """
 
