@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.check import check_before_training
-from autopar.errors import CheckError, MeshError, PipelineError, PlanError, SubPipelineError
+from autopar.errors import BatchError, CheckError, MeshError, PipelineError, PlanError, SubPipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
@@ -34,7 +34,7 @@ from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
-from autopar.runtime.batch import sub_microbatch
+from autopar.runtime.batch import LossWeight, sub_microbatch, token_count
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import rng_for
@@ -121,6 +121,8 @@ def compile(  # noqa: A001
     sub_pipeline_tp: bool = False,
     check: bool = False,
     record: bool = True,
+    batch: str = "global",
+    loss_weight: str | LossWeight | None = None,
 ) -> ParallelModule:
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
@@ -142,6 +144,15 @@ def compile(  # noqa: A001
     every transfer (seconds); ``record`` times every action of a step (a barrier opens it);
     ``sub_pipeline_tp`` runs each microbatch as two halves whose tensor-parallel collectives overlap
     each other's computation (Merak's sub-pipelined tensor parallelism, docs/runtime.md).
+
+    ``batch="global"`` (the default): every call passes the whole batch, on every rank, and each rank
+    slices its shard. ``batch="local"``: each rank passes only its data-parallel shard, the rows
+    ``autopar.data`` gives it (``BatchSampler``, ``local_batch``; ranks of a pipeline's middle stages may
+    pass nothing); outputs carrying the batch come back as this rank's rows. The example inputs are
+    always the global batch. ``loss_weight``: the loss is a mean whose items the pieces (microbatches)
+    hold unequally, e.g. tokens with padding: ``"tokens"`` (the targets of ``labels`` other than -100)
+    or a function of a piece's inputs by name giving its weight (``autopar.data.token_count``); the
+    step's loss and gradient are then the whole batch's mean, not the mean of the microbatches' means.
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
@@ -166,8 +177,16 @@ def compile(  # noqa: A001
         )
     if plan is None:  # priced on this machine: the fastest plan within its device memory by default
         options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
-    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp)
-    captured = _capture(model, *sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches))
+    if batch not in ("global", "local"):
+        raise BatchError(
+            f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {batch!r}"
+        )
+    weight = token_count() if loss_weight == "tokens" else loss_weight
+    if isinstance(weight, str) or (weight is not None and not callable(weight)):
+        raise BatchError(f"loss_weight must be 'tokens' or a function of a piece's inputs, not {loss_weight!r}")
+    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp, batch, weight)
+    example = sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches)
+    captured = _capture(model, *example)
     sched = make_schedule(schedule, pp, microbatches, **dict(schedule_options or {}))
     sharded = None
     if plan is not None:  # every rank reads and checks it, so a refused plan stops all of them
@@ -214,6 +233,7 @@ def compile(  # noqa: A001
         mesh=mesh,
         rng=rng_for(forward.ops, microbatches * run.sub_microbatches),
         state=state_keys(model, read, get_value),
+        leaves=tuple(i for i, x in enumerate(pytree.tree_leaves(example)) if isinstance(x, torch.Tensor)),
     )
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)

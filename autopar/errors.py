@@ -11,6 +11,14 @@ class CaptureError(AutoparError):
     """torch.export could not capture the model, or the example inputs do not fit it."""
 
 
+class BatchError(CaptureError):
+    """A batch that does not fit the plan: its size, or an input a rank's stages read is missing."""
+
+
+class OptimizerError(AutoparError):
+    """Parameter groups that do not name the model's parameters, or gradients clipped out of order."""
+
+
 class IRError(AutoparError):
     """The IR is malformed: a parse error or a verifier failure."""
 

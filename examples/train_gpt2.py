@@ -17,24 +17,14 @@ import math
 import os
 import subprocess
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
 
+from autopar.data import text_corpus as corpus
+
 VOCAB = 256  # bytes
-
-
-def corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
-    """Bytes of the standard library's .py files, in a fixed order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    data = bytearray()
-    for path in sorted(root.glob("*.py")):
-        data += path.read_bytes()
-        if len(data) >= max_bytes:
-            break
-    return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
 def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int):

@@ -9,7 +9,8 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
   only the stage's inputs) and the rest with it; ``RECOMPUTE`` re-runs that prefix with autograd
   (restoring the RNG state of the forward) before ``B``, without waiting for the gradient.
 - ``B(mb, s)`` back-propagates the received output gradient (the last stage: the loss times
-  ``1/M``, so the step's gradient is that of the mean microbatch loss), accumulates parameter
+  ``1/M``, so the step's gradient is that of the mean microbatch loss; or times each microbatch's
+  ``loss_scales`` entry, e.g. its share of the batch's tokens), accumulates parameter
   gradients, and frees the microbatch's stash at once.
 - Consecutive ``SEND_*``/``RECV_*`` between two compute actions are one
   ``torch.distributed.batch_isend_irecv``. Receives are posted where the list puts them, ahead of
@@ -119,16 +120,22 @@ class Executor:
             )
 
     # -- one step --------------------------------------------------------------------------------
-    def run(self, microbatches: Sequence[dict[str, torch.Tensor] | Sequence[dict[str, torch.Tensor]]]) -> list:
+    def run(
+        self,
+        microbatches: Sequence[dict[str, torch.Tensor] | Sequence[dict[str, torch.Tensor]]],
+        loss_scales: Sequence[Sequence[float]] | None = None,
+    ) -> list:
         """Run the list once; returns the losses of the microbatches if this rank holds the last stage.
-        Each microbatch is its user inputs by name, or with sub-microbatches a list of them."""
+        Each microbatch is its user inputs by name, or with sub-microbatches a list of them.
+        ``loss_scales``: per microbatch, the gradient each sub-microbatch's loss back-propagates
+        (default ``1/(M n)``); a microbatch's loss is then its sub-microbatches' weighted mean."""
         m = self.schedule.num_microbatches
         if len(microbatches) != m:
             raise ValueError(f"the schedule is for {m} microbatches, got {len(microbatches)}")
         self._mbs = [list(mb) if isinstance(mb, (list, tuple)) else [mb] for mb in microbatches]
         if any(len(mb) != self.sub for mb in self._mbs):
             raise ValueError(f"each microbatch should come as {self.sub} sub-microbatches")
-        self._scale = 1.0 / (m * self.sub)
+        self._scales = [list(s) for s in loss_scales] if loss_scales else [[1.0 / (m * self.sub)] * self.sub] * m
         self._acts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its inputs, handed over
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its output grads
         self._to_send: dict[tuple[Kind, int, int], list[torch.Tensor]] = {}
@@ -223,14 +230,14 @@ class Executor:
             inter = self._interleaved[id(part.module)] = Interleaved(part.module)
         return inter([[env[n] for n in part.inputs] for env in envs], first=mb * self.sub)
 
-    def _backprop(self, outputs: list[tuple], grads: list[list], tape: Tape | None, loss: float | None = None):
-        """``backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: the loss scale."""
+    def _backprop(self, outputs: list[tuple], grads: list[list], tape: Tape | None, loss: list[float] | None = None):
+        """``backprop`` of every sub-microbatch (interleaved with a tape); ``loss``: each one's loss scale."""
         if tape is None:
-            for o, g in zip(outputs, grads):
-                backprop(o, g, loss)
+            for h, (o, g) in enumerate(zip(outputs, grads)):
+                backprop(o, g, loss[h] if loss is not None else None)
             return
         if loss is not None:
-            tape.backward([[(o[0], torch.full_like(o[0], loss))] for o in outputs])
+            tape.backward([[(o[0], torch.full_like(o[0], s))] for o, s in zip(outputs, loss)])
         else:
             tape.backward([list(zip(o, g)) for o, g in zip(outputs, grads)])
 
@@ -274,7 +281,11 @@ class Executor:
             return
         if st.is_last:
             losses = [o[0].detach() for o in outs]
-            self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            w = self._scales[a.mb]
+            if len(losses) == 1 or not sum(w):
+                self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            else:
+                self._losses[a.mb] = sum(s * x for s, x in zip(w, losses)) / sum(w)
             return
         flat = [o for out in outs for o in out]
         nxt = a.stage + 1
@@ -302,7 +313,7 @@ class Executor:
             it = iter(got)  # each sub-microbatch's gradients in turn
             grads = [[next(it) if b.grad else None for b in st.send] for _ in range(n)]
         self._ready = time.perf_counter()
-        loss = self._scale if st.is_last else None
+        loss = self._scales[a.mb] if st.is_last else None
         if stash.recompute:
             if stash.head_outputs is None:
                 raise RuntimeCommError(f"{Action(Kind.B, a.stage, a.mb)} ran before its RECOMPUTE")

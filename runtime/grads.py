@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.errors import PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
@@ -49,6 +50,18 @@ class GradSync:
         self.tie_groups = tie_groups or {}
         self.enabled = True  # the backward hook's; train_step reduces at its own actions
         self._queued = False
+
+    @classmethod
+    def of(cls, program: Program, schedule: Schedule, pp_rank: int, stages, params, grad_sync, comm, skip, mesh=None):
+        """The reductions of a rank's ``params`` for ``program`` cut by ``schedule`` (``stages``: the
+        rank's stage programs; ``mesh``: the DeviceMesh, needed for parameters tied across pipeline ranks)."""
+        sync_at, tied = reduction_points(program, schedule, pp_rank, stages)
+        groups = {}
+        if tied:
+            if mesh is None:
+                raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
+            groups = tie_groups(mesh, tied)
+        return cls(params, grad_sync, comm, skip, sync_at, tied, groups)
 
     def by_axis(self, names) -> dict[str, list[torch.nn.Parameter]]:
         out: dict[str, list[torch.nn.Parameter]] = {}

@@ -7,14 +7,19 @@ float). Both cut the model at the same places and share every parameter, so this
 each of its parameter shards once (``runtime/params.py``), registered under the user's names.
 
 - ``forward(*args, **kwargs)`` returns the model's outputs. On one stage it runs with autograd (the
-  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the global
-  batch cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it
-  runs forward only through the stages and broadcasts the outputs over the pipeline axis.
+  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the batch
+  cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it runs
+  forward only through the stages and broadcasts the outputs over the pipeline axis. ``eval()``
+  turns dropout off.
 - ``train_step(*args, **kwargs)`` runs the schedule (``runtime/executor.py``): every microbatch's
-  forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction and the
-  optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
-- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/zero.py``); ZeRO-3 keeps only this rank's
-  slices and gathers a stage's parameters around each of its forwards (``runtime/zero3.py``).
+  forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction, clipping
+  and the optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
+- The batch is the global one, or this rank's data-parallel shard (``RuntimeOptions.batch``,
+  ``runtime/inputs.py``); ``data_layout`` says which rows a rank takes.
+- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/optim.py``, ``runtime/zero.py``), with
+  parameter groups by the user's names; ZeRO-3 keeps only this rank's slices and gathers a stage's
+  parameters around each of its forwards (``runtime/zero3.py``). ``clip_grad_norm_``:
+  ``runtime/clip.py``.
 - ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank.
 """
 
@@ -28,17 +33,20 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import PipelineError
+from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.ir.core import Program, Ref
-from autopar.passes.capture import flatten_inputs
+from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
+from autopar.runtime import clip
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
-from autopar.runtime.batch import merge_outputs, split_batch
+from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
 from autopar.runtime.executor import Executor
 from autopar.runtime.export import share_over_pipeline, whole_values
-from autopar.runtime.grads import GradSync, reduction_points, tie_groups
+from autopar.runtime.grads import GradSync
+from autopar.runtime.inputs import CallInputs, stage_reads
+from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
+from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
@@ -46,8 +54,8 @@ from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, one_stage, recompute_fractions
 from autopar.runtime.timeline import SimResult
 from autopar.runtime.trace import TraceEvent, measured_result, step_barrier
-from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
-from autopar.runtime.zero3 import Zero3Params
+from autopar.runtime.zero import ZeroOptimizer
+from autopar.runtime.zero3 import shard_zero3
 from autopar.solver.cost import TrainingSetup
 
 
@@ -61,6 +69,8 @@ class RuntimeOptions:
     # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
     # while the other computes; the stages are built for a half
     sub_pipeline_tp: bool = False
+    batch: str = "global"  # "global": every rank is given the whole batch; "local": its data-parallel shard
+    loss_weight: LossWeight | None = None  # each piece's weight in the step's loss (None: equal pieces)
 
     @property
     def sub_microbatches(self) -> int:
@@ -86,13 +96,15 @@ class ParallelModule(torch.nn.Module):
         mesh=None,
         rng: DropoutRng | None = None,
         state: tuple[dict[str, str], dict[str, torch.Tensor]] | None = None,
+        leaves: tuple[int, ...] | None = None,
     ):
         """``forward``/``train``: the planned programs (``stage=`` on every op, send/recv between
         stages); ``get_value(name)``: a parameter or buffer's whole value (only this rank's shard is
         kept); ``mesh``: the DeviceMesh, needed on a pipeline with parameters tied across its ranks;
         ``rng``: the keyed dropouts' state; ``state``: the user's state-dict keys -> program values and
         the whole values of keys no program reads (``runtime/params.state_keys``; default: the
-        programs' own names)."""
+        programs' own names); ``leaves``: where each input of the programs is among the call's
+        flattened inputs (needed for local batches)."""
         super().__init__()
         self.setup = setup or TrainingSetup()
         self.options = options = options or RuntimeOptions()
@@ -102,11 +114,13 @@ class ParallelModule(torch.nn.Module):
         self.dropout_rng = rng
         self._schedule = schedule
         self._in_spec, self._out_spec = in_spec, out_spec
-        self._inputs = [v for v in forward.inputs if v.kind == "input"]
         self._values = {v.name: v for v in forward.inputs}
         self._pp_group = comm.groups.get(PIPELINE_AXIS)
         self._pp_rank = comm.coords.get(PIPELINE_AXIS, 0)
         self._optimizer = None
+        self._clip: tuple[float, float] | None = None  # make_optimizer's (max_grad_norm, norm_type)
+        self._stepped = False  # train_step stepped the attached optimizer since the last forward
+        self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
@@ -117,13 +131,21 @@ class ParallelModule(torch.nn.Module):
             fractions = recompute_fractions(schedule, self._pp_rank)
             self._runners, self._stages = builder.runners(train, mine, fractions, "stage")
         self._builder = builder
+        self._setup_inputs(leaves)
         self._state = state
-        self.zero3 = self._shard_zero3()
+        # ZeRO-3: this rank's 1/k slices of the data-parallel-replicated parameters take their places
         params = self._local.params
-        if self.zero3 is not None:
-            params.update({n: self.zero3.slice_of(n) for n in self.zero3.names})
+        self.zero3 = shard_zero3(self.setup, forward, params, comm, builder.modules.values())
+        for n in self.zero3.names if self.zero3 is not None else ():
+            params[n] = self.zero3.slice_of(n)
+            register(self, n, params[n])
         self._params = params
-        self._grads = self._grad_sync(mesh)
+        self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
+        # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
+        self._grads = GradSync.of(
+            train or forward, schedule, self._pp_rank, self._stages, params, self._sync_axes, comm, self._skip_sync,
+            mesh,
+        )  # fmt: skip
         self._grads.install_hooks()
         stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
         context = (lambda s: self.zero3.gathered(stage_names[s])) if self.zero3 is not None else None
@@ -151,42 +173,6 @@ class ParallelModule(torch.nn.Module):
         """The global rank holding ``stage`` in this rank's pipeline."""
         return dist.get_global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
 
-    def _shard_zero3(self) -> Zero3Params | None:
-        """ZeRO-3: keep this rank's 1/k slice of the data-parallel-replicated parameters only."""
-        if self.setup.zero < 3:
-            return None
-        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
-        if not zero_axes:
-            return None
-        need = set(zero_axes) | set(replica_axes)
-        whole = whole_gradient_params(self.program, zero_axes + replica_axes)
-        params = self._local.params
-        names = [
-            v.name
-            for v in self.program.params
-            if v.name in params
-            and params[v.name].requires_grad
-            and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
-        ]
-        zero3 = Zero3Params(params, names, self.comm, zero_axes, replica_axes, whole)
-        for gm in self._builder.modules.values():
-            zero3.attach(gm)
-        for n in names:  # the slice takes the whole shard's place under the user's name
-            register(self, n, zero3.slice_of(n))
-        return zero3
-
-    def _grad_sync(self, mesh) -> GradSync:
-        """Where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters."""
-        program = self.train_program or self.program
-        sync_at, tied = reduction_points(program, self._schedule, self._pp_rank, self._stages)
-        groups = {}
-        if tied:
-            if mesh is None:
-                raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
-            groups = tie_groups(mesh, tied)
-        grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
-        return GradSync(self._params, grad_sync, self.comm, self._skip_sync, sync_at, tied, groups)
-
     def _skip_sync(self, name: str, axis: str) -> bool:
         """Whether ZeRO reduces ``name``'s gradient over ``axis`` itself."""
         if self.zero3 is not None and self.zero3.manages(name):
@@ -195,52 +181,70 @@ class ParallelModule(torch.nn.Module):
         return isinstance(opt, ZeroOptimizer) and opt.manages(name) and axis in opt.zero_axes + opt.replica_axes
 
     # -- the optimizer ---------------------------------------------------------------------------
-    def make_optimizer(self, optimizer_cls: type[torch.optim.Optimizer], **kwargs: Any):
-        """``optimizer_cls(**kwargs)`` over this rank's parameters, as the plan's training setup says,
-        attached to ``train_step`` (which steps it). With ZeRO-1/2 (``TrainingSetup.zero``) gradients
-        are reduce-scattered over the data-parallel axes, the optimizer states and step cover this
-        rank's slice only, and the parameters are all-gathered after the step (MiCS: inside the
-        partition group, 2-hop synchronization across groups). With ZeRO-3 the module holds only this
-        rank's slices, and the optimizer is ``optimizer_cls`` over them. A ``torch.optim`` optimizer
+    def make_optimizer(
+        self,
+        optimizer_cls: type[torch.optim.Optimizer],
+        param_groups: ParamGroups | None = None,
+        *,
+        max_grad_norm: float | None = None,
+        norm_type: float = 2.0,
+        **kwargs: Any,
+    ) -> torch.optim.Optimizer:
+        """``optimizer_cls(groups, **kwargs)`` over this rank's parameters as the plan's training setup
+        says (``runtime/optim.py``: ZeRO-1/2 and MiCS slices, ``param_groups`` by the user's names),
+        attached to ``train_step``, which steps it after clipping the global gradient norm to
+        ``max_grad_norm`` when given (``grad_norm`` then holds the norm). A ``torch.optim`` optimizer
         built by hand over ``parameters()`` trains the same numbers but keeps whole states under
         ZeRO-1/2, and the caller steps it."""
-        zero_axes, replica_axes = zero_axes_of(self.setup, self.program.mesh)
-        if 1 <= self.setup.zero <= 2 and zero_axes:
-            grad_sync = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in self._params}
-            whole = whole_gradient_params(self.program, zero_axes + replica_axes)
-            opt = ZeroOptimizer(
-                self._params, grad_sync, optimizer_cls, self.comm, zero_axes, replica_axes, whole, **kwargs
+        groups = resolve_groups(param_groups, *user_names(self.program, self._state))
+        self._optimizer = build_optimizer(
+            optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
+        )
+        self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
+        return self._optimizer
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the whole model: the gradients' global ``norm_type``
+        norm (every element counted once across every mesh axis and ZeRO slice), scaled to at most
+        ``max_norm``; returns the norm, on every rank. Call it between the backward (or a ``train_step``
+        whose optimizer the caller steps) and the optimizer's step; collective over every rank."""
+        if self._stepped:
+            raise OptimizerError(
+                "train_step already stepped the optimizer make_optimizer attached, so no gradient is left to clip: "
+                "give make_optimizer(..., max_grad_norm=...) to clip inside train_step (model.grad_norm holds the norm)"
             )
-        else:
-            opt = optimizer_cls(list(self._params.values()), **kwargs)
-        self._optimizer = opt
-        return opt
+        pieces = clip.grad_pieces(self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied)
+        self.grad_norm = clip.clip_grad_norm_(pieces, max_norm, norm_type, self.comm)
+        return self.grad_norm
 
     def _step(self) -> None:
-        """STEP: tied gradients summed and synced, then the attached optimizer's step."""
+        """STEP: tied gradients summed and synced, then clipping and the attached optimizer's step."""
         self._grads.reduce_tied()
         if self._optimizer is not None:
+            if self._clip is not None:
+                self.clip_grad_norm_(*self._clip)
             self._optimizer.step()
             self._optimizer.zero_grad()
 
     # -- inputs ----------------------------------------------------------------------------------
-    def _local_inputs(self, args: tuple, kwargs: dict, what: str = "shape") -> dict[str, torch.Tensor]:
-        flat = flatten_inputs(self._in_spec, args, kwargs)
-        local = coll.local_inputs(self._inputs, flat, self.comm, self.program.mesh.names, self.device, what)
-        return {v.name: t for v, t in zip(self._inputs, local)}
-
-    def _pieces(self, args: tuple, kwargs: dict) -> list[dict[str, torch.Tensor]]:
-        """This rank's inputs of each piece the stages run: microbatches, or their halves when
-        sub-pipelined, dim 0 cut in order."""
-        n = self.options.microbatches * self.options.sub_microbatches
-        if n == 1:
-            return [self._local_inputs(args, kwargs)]
-        return [self._local_inputs(a, kw, "microbatch shape") for a, kw in split_batch(args, kwargs, n)]
+    def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:
+        """Which inputs each program reads on this rank, who takes which rows, and how calls become pieces."""
+        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self._runners)
+        self._last = self._schedule.num_stages - 1 in self.forward_runners
+        opts = self.options
+        self._call = CallInputs.of(
+            self._in_spec, self.program, self.comm, self.device, opts.microbatches * opts.sub_microbatches,
+            leaves=leaves, local=opts.batch == "local", loss_weight=opts.loss_weight,
+        )  # fmt: skip
+        self.data_layout = self._call.layout_reading(self._reads_forward | self._reads_train)
+        self._row_outputs = batch_outputs(self.program, self.data_layout.piece_rows)
 
     # -- calling ---------------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """The model's outputs for the global batch (on a pipeline: forward only, on every rank)."""
-        pieces = self._pieces(args, kwargs)
+        """The model's outputs for the batch (on a pipeline: forward only, on every rank). With local
+        batches, outputs carrying the batch are this rank's rows; a loss is the whole batch's."""
+        pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
+        self._stepped = False
         if self._one_stage:
             part = self.forward_runners[0].whole
             gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
@@ -253,55 +257,53 @@ class ParallelModule(torch.nn.Module):
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
-            outs = self._broadcast_outputs(self._forward_executor.outputs)
-        if self.dropout_rng is not None:
+            src = self._peer_rank(self._schedule.num_stages - 1)
+            outs = broadcast_outputs(self.program, self._forward_executor.outputs, src, self._pp_group, self.device)
+            if self.options.loss_weight is not None:
+                weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
+        if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
-        return pytree.tree_unflatten(merge_outputs(outs), self._out_spec)
-
-    def _broadcast_outputs(self, outputs: list[list[tuple]]) -> list[list[Any]]:
-        """Each piece's outputs, from the rank of the last stage to every pipeline rank."""
-        src = self._peer_rank(self._schedule.num_stages - 1)
-        mesh, types = self.program.mesh, self.program.types()
-        out = []
-        for got in outputs:
-            values = list(got[0]) if got else [None] * len(self.program.outputs)
-            for i, r in enumerate(self.program.outputs):
-                if not isinstance(r, Ref):
-                    values[i] = r
-                    continue
-                t = types[r.name]
-                x = values[i] if values[i] is not None else torch.empty(t.local_shape(mesh), dtype=t.torch_dtype)
-                x = x.detach().to(self.device).contiguous()
-                dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, src=src, group=self._pp_group)
-                values[i] = x
-            out.append(values)
-        return out
+        merged = merge_outputs(outs, weights)
+        if self._call.local:  # this rank's rows of the outputs carrying the batch
+            merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
+        return pytree.tree_unflatten(merged, self._out_spec)
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
-        """Forward and backward of every microbatch of the global batch under the schedule, gradient
-        reduction, and the optimizer step if ``make_optimizer`` attached one. Returns the mean loss."""
+        """Forward and backward of every microbatch of the batch under the schedule, gradient reduction,
+        and clipping and the optimizer step if ``make_optimizer`` attached one. Returns the step's loss:
+        the mean of the microbatches' losses, or weighted by ``loss_weight``."""
         if self._executor is None:
             raise PipelineError(
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
                 "model returns it first when given labels); call the module for its outputs instead"
             )
-        pieces = self._pieces(args, kwargs)
+        pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
+        self._stepped = False
         sub = self.options.sub_microbatches
+        scales = loss_scales(weights, sub) if weights is not None else None
         self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
         try:
-            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)])
+            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
         finally:
             self._grads.enabled = True
-        if self.dropout_rng is not None:
+        if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
         # every pipeline rank needs the dtype to receive the broadcast: the loss's own, half types as float32
         loss_type = self.train_program.types()[self.train_program.outputs[0].name]
         dtype = torch.promote_types(loss_type.torch_dtype, torch.float32)
-        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+        loss = step_loss(losses, scales) if losses else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
             dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)
+        self._stepped = self._optimizer is not None
         return loss
+
+    def train(self, mode: bool = True) -> ParallelModule:
+        """Training mode (dropout draws masks) or, ``mode=False`` / ``eval()``, evaluation (dropout off)."""
+        super().train(mode)
+        if self.dropout_rng is not None:
+            self.dropout_rng.training = mode
+        return self
 
     # -- the whole model -------------------------------------------------------------------------
     @torch.no_grad()

@@ -80,6 +80,7 @@ class DropoutRng:
     step: int = 0
     microbatch: int = 0
     microbatches: int = 1
+    training: bool = True  # the module's train()/eval(): in eval mode no mask is drawn (dropout is the identity)
 
 
 @dataclass
@@ -140,7 +141,10 @@ class DropoutSite:
 
 
 def keyed_dropout(x: torch.Tensor, site: DropoutSite) -> torch.Tensor:
-    """``dropout(x, p, train=True)`` with the site's keyed mask: kept elements scaled by 1/(1-p)."""
+    """``dropout(x, p, train=True)`` with the site's keyed mask: kept elements scaled by 1/(1-p); the
+    identity in eval mode."""
+    if not site.rng.training:
+        return x
     if site.p >= 1.0:
         return x * 0.0
     mask = site.keep().expand(x.shape).to(x.dtype) * (1.0 / (1.0 - site.p))

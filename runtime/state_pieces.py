@@ -108,11 +108,12 @@ def optimizer_params(pipe, optimizer, held: dict[str, Held]) -> list[tuple[torch
     """Each parameter of ``optimizer`` in its param_groups order, with the user tensors whose elements it
     holds: (held, index of that tensor's first kept element in it); ZeRO-2's flat slice holds several."""
     by_id = {id(t): name for name, t in pipe.local_tensors().items()}
+    flats = {id(f.master): f for f in optimizer.flats if f.params} if isinstance(optimizer, ZeroOptimizer) else {}
     out = []
     for group in inner_optimizer(optimizer).param_groups:
         for p in group["params"]:
-            if isinstance(optimizer, ZeroOptimizer) and p is optimizer.master:
-                out.append((p, _flat_parts(optimizer, held, by_id)))
+            if id(p) in flats:
+                out.append((p, _flat_parts(optimizer, flats[id(p)], held, by_id)))
             elif id(p) in by_id and by_id[id(p)] in held:
                 out.append((p, [(held[by_id[id(p)]], 0)]))
             else:
@@ -123,11 +124,11 @@ def optimizer_params(pipe, optimizer, held: dict[str, Held]) -> list[tuple[torch
     return out
 
 
-def _flat_parts(opt: ZeroOptimizer, held: dict[str, Held], by_id: dict[int, str]) -> list[tuple[Held, int]]:
-    """The parameters in ZeRO-2's flat slice: each one's kept range and where it starts in the slice."""
-    start, stop = slice_range(opt.padded, opt.comm, opt.zero_axes)
+def _flat_parts(opt: ZeroOptimizer, flat, held: dict[str, Held], by_id: dict[int, str]) -> list[tuple[Held, int]]:
+    """The parameters in one group's ZeRO-2 flat slice: each one's kept range and where it starts in the slice."""
+    start, stop = slice_range(flat.padded, opt.comm, opt.zero_axes)
     parts, offset = [], 0
-    for p in opt.params:
+    for p in flat.params:
         a, b = max(start, offset), min(stop, offset + p.numel())
         if a < b:
             h = held[by_id[id(p)]]

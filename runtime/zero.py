@@ -1,7 +1,8 @@
 """ZeRO-2 over the data-parallel axes, with MiCS's partition groups and 2-hop gradient synchronization.
 
 The parameters whose gradients a data-parallel step sums (``grad_sync`` over every data-parallel
-axis) are kept, per rank, as one flat vector in a fixed order. After the last backward of a step:
+axis) are kept, per rank, as one flat vector in a fixed order (one per parameter group, so each group's
+options, such as no weight decay on biases, apply to its own slice). After the last backward of a step:
 
 1. **hop 1, inside the partition group** (the ``zero_axes``, MiCS section 3.4): reduce-scatter of the
    flat gradient, so each rank holds the summed gradient of its 1/k slice only (ZeRO-2). gloo has no
@@ -36,8 +37,48 @@ from autopar.ir.core import Replicate
 from autopar.runtime import collectives as coll
 
 
-class ZeroOptimizer:
-    """Wraps ``optimizer_cls`` with ZeRO-2 sharding of the data-parallel gradient and optimizer states."""
+class _Flat:
+    """One parameter group's managed parameters as one padded flat vector; ``master`` is this rank's
+    slice of it, the parameter the wrapped optimizer steps."""
+
+    def __init__(
+        self,
+        names: list[str],
+        params: list[torch.nn.Parameter],
+        n_summed: int,
+        comm: coll.Comm,
+        zero_axes: tuple[str, ...],
+    ):
+        self.names, self.params = names, params
+        self.numel = sum(p.numel() for p in params)
+        parts = math.prod(comm.sizes[a] for a in zero_axes)
+        self.padded = -(-self.numel // parts) * parts
+        dtype = params[0].dtype if params else torch.float32
+        device = params[0].device if params else torch.device("cpu")
+        flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        if params:
+            flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in params])
+        self.master = torch.nn.Parameter(local_slice(flat, comm, zero_axes).clone())
+        # entries of gradients that are already whole on every rank (counted once in each reduction)
+        self.whole = torch.zeros(self.padded, dtype=torch.bool, device=device)
+        self.whole[n_summed : self.numel] = True
+
+    def flat_of(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``tensors`` (one per parameter, in order) as one padded flat vector."""
+        flat = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
+        if tensors:
+            flat[: self.numel] = torch.cat([t.reshape(-1) for t in tensors])
+        return flat
+
+
+class ZeroOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer_cls`` with ZeRO-2 sharding of the data-parallel gradient and optimizer states.
+
+    ``groups``: the parameter groups, each (its options, the names of its parameters); default one
+    group of every parameter. Each group's managed parameters are one flat vector, so the wrapped
+    optimizer has the same groups with the same options (a learning-rate scheduler works on them). It
+    is a ``torch.optim.Optimizer`` in what schedulers and checkpoints use: ``param_groups``, ``state``,
+    ``step``, ``zero_grad``, ``state_dict``, ``load_state_dict``."""
 
     def __init__(
         self,
@@ -48,31 +89,39 @@ class ZeroOptimizer:
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
+        groups: list[tuple[dict[str, Any], list[str]]] | None = None,
         **kwargs: Any,
     ):
+        # torch.optim.Optimizer.__init__ is not called: the wrapped optimizer holds the groups and states
         self.comm = comm
         self.zero_axes = tuple(zero_axes)
         self.replica_axes = tuple(replica_axes)
         need = set(self.zero_axes) | set(self.replica_axes)
-        names = sorted(n for n, p in params.items() if p.requires_grad)
-        summed = [n for n in names if need <= set(grad_sync.get(n, ()))]
-        self.names = summed + [n for n in names if n in whole and n not in set(summed)]
-        self.params = [params[n] for n in self.names]
-        self.others = [params[n] for n in names if n not in set(self.names)]
-        self.numel = sum(p.numel() for p in self.params)
-        self.parts = math.prod(comm.sizes[a] for a in self.zero_axes)
-        self.padded = -(-self.numel // self.parts) * self.parts
-        dtype = self.params[0].dtype if self.params else torch.float32
-        device = self.params[0].device if self.params else torch.device("cpu")
-        flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        if self.params:
-            flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.master = torch.nn.Parameter(self._slice(flat).clone())
-        # entries of gradients that are already whole on every rank (counted once in each reduction)
-        n_summed = sum(params[n].numel() for n in summed)
-        self._whole = torch.zeros(self.padded, dtype=torch.bool, device=device)
-        self._whole[n_summed : self.numel] = True
-        self.optimizer = optimizer_cls(([self.master] if self.params else []) + self.others, **kwargs)
+        trainable = sorted(n for n, p in params.items() if p.requires_grad)
+        if groups is None:
+            groups = [({}, trainable)]
+        self.names: list[str] = []
+        self.flats: list[_Flat] = []
+        torch_groups = []
+        for options, members in groups:
+            mine = sorted(n for n in members if n in params and params[n].requires_grad)
+            summed = [n for n in mine if need <= set(grad_sync.get(n, ()))]
+            flat_names = summed + [n for n in mine if n in whole and n not in set(summed)]
+            flat = _Flat(
+                flat_names,
+                [params[n] for n in flat_names],
+                sum(params[n].numel() for n in summed),
+                comm,
+                self.zero_axes,
+            )
+            others = [params[n] for n in mine if n not in set(flat_names)]
+            self.names += flat_names
+            self.flats.append(flat)
+            torch_groups.append({**options, "params": ([flat.master] if flat.params else []) + others})
+        self._managed = set(self.names)
+        self._reduced = False
+        self.optimizer = optimizer_cls(torch_groups, **kwargs)
+        self.defaults = self.optimizer.defaults
 
     # -- the flat layout -------------------------------------------------------------------------
     def manages(self, name: str) -> bool:
@@ -80,52 +129,73 @@ class ZeroOptimizer:
         return name in self._managed
 
     @property
-    def _managed(self) -> set[str]:
-        return set(self.names)
+    def master(self) -> torch.nn.Parameter | None:
+        """The first group's slice (``None`` when it manages no parameter)."""
+        return self.flats[0].master if self.flats and self.flats[0].params else None
 
-    def _slice(self, flat: torch.Tensor) -> torch.Tensor:
-        return local_slice(flat, self.comm, self.zero_axes)
+    def flat_name(self, p: torch.Tensor) -> str | None:
+        """``zero.flat`` (the first group's slice), ``zero.flat.g{i}`` (group i's), else ``None``."""
+        for i, f in enumerate(self.flats):
+            if f.params and p is f.master:
+                return "zero.flat" if i == 0 else f"zero.flat.g{i}"
+        return None
 
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict]:  # type: ignore[override]
         return self.optimizer.param_groups
+
+    @property
+    def state(self):  # type: ignore[override]
+        return self.optimizer.state
 
     # -- the step --------------------------------------------------------------------------------
     def reduce_gradients(self) -> None:
-        """Hops 1 and 2: this rank's slice of the summed gradient, into ``master.grad``."""
-        if not self.params:
+        """Hops 1 and 2: this rank's slice of the summed gradient, into each group's ``master.grad``;
+        once per step (``clip_grad_norm_`` may have done it before the step)."""
+        if self._reduced:
             return
-        g = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        g[: self.numel] = torch.cat([x.reshape(-1) for x in grads])
-        whole = self._whole
-        for a in self.zero_axes:
-            if self.comm.coords[a] != 0:
-                g.masked_fill_(whole, 0.0)
-            g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
-            whole = whole.chunk(self.comm.sizes[a])[self.comm.coords[a]]
-        for a in self.replica_axes:
-            if self.comm.coords[a] != 0:
-                g.masked_fill_(whole, 0.0)
-            dist.all_reduce(g, group=self.comm.groups[a])
-        self.master.grad = g.clone()
-        for p in self.params:
-            p.grad = None  # ZeRO-2: only the slice's gradient is kept
+        self._reduced = True
+        for f in self.flats:
+            if not f.params:
+                continue
+            g = f.flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in f.params])
+            whole = f.whole
+            for a in self.zero_axes:
+                if self.comm.coords[a] != 0:
+                    g.masked_fill_(whole, 0.0)
+                g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
+                whole = whole.chunk(self.comm.sizes[a])[self.comm.coords[a]]
+            for a in self.replica_axes:
+                if self.comm.coords[a] != 0:
+                    g.masked_fill_(whole, 0.0)
+                dist.all_reduce(g, group=self.comm.groups[a])
+            f.master.grad = g.clone()
+            for p in f.params:
+                p.grad = None  # ZeRO-2: only the slice's gradient is kept
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:  # type: ignore[override]
+        if closure is not None:
+            raise TypeError("autopar's ZeRO optimizer takes no closure")
         self.reduce_gradients()
         self.optimizer.step()
-        if not self.params:
-            return
-        x = gather_slices(self.master.detach(), self.comm, self.zero_axes)
-        for p, chunk in zip(self.params, x[: self.numel].split([p.numel() for p in self.params])):
-            p.copy_(chunk.view_as(p))
+        self._reduced = False
+        for f in self.flats:
+            if not f.params:
+                continue
+            x = gather_slices(f.master.detach(), self.comm, self.zero_axes)
+            for p, chunk in zip(f.params, x[: f.numel].split([p.numel() for p in f.params])):
+                p.copy_(chunk.view_as(p))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        for p in self.params:
-            p.grad = None
+        self._reduced = False
+        for f in self.flats:
+            for p in f.params:
+                p.grad = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise TypeError("give every parameter group to make_optimizer (param_groups=); ZeRO's flat slices are fixed")
 
     # -- checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -136,17 +206,13 @@ class ZeroOptimizer:
 
     @torch.no_grad()
     def refresh_master(self) -> None:
-        """Copy the parameters into the flat slice again (after loading parameters from a checkpoint)."""
-        if not self.params:
-            return
-        flat = torch.zeros(self.padded, dtype=self.master.dtype, device=self.master.device)
-        flat[: self.numel] = torch.cat([p.detach().reshape(-1) for p in self.params])
-        self.master.copy_(self._slice(flat))
+        """Copy the parameters into the flat slices again (after loading parameters from a checkpoint)."""
+        for f in self.flats:
+            if f.params:
+                f.master.copy_(local_slice(f.flat_of([p.detach() for p in f.params]), self.comm, self.zero_axes))
 
-    def named_tensors(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """The optimizer's parameters with names: ``zero.flat`` (this rank's slice), then the others."""
-        out = [("zero.flat", self.master)] if self.params else []
-        return out
+    def __repr__(self) -> str:
+        return f"ZeroOptimizer({self.optimizer!r}, zero_axes={self.zero_axes}, replica_axes={self.replica_axes})"
 
 
 def local_slice(flat: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import collectives as coll
-from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice
+from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice, whole_gradient_params, zero_axes_of
 
 
 class _Gather(torch.autograd.Function):
@@ -183,8 +183,31 @@ class Zero3Params:
         return name in self._index
 
 
+def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: coll.Comm, modules) -> Zero3Params | None:
+    """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
+    managed ones sliced and emptied from every generated module of ``modules``; ``None`` otherwise."""
+    if setup.zero < 3:
+        return None
+    zero_axes, replica_axes = zero_axes_of(setup, program.mesh)
+    if not zero_axes:
+        return None
+    need = set(zero_axes) | set(replica_axes)
+    whole = whole_gradient_params(program, zero_axes + replica_axes)
+    names = [
+        v.name
+        for v in program.params
+        if v.name in params
+        and params[v.name].requires_grad
+        and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
+    ]
+    zero3 = Zero3Params(params, names, comm, zero_axes, replica_axes, whole)
+    for gm in modules:
+        zero3.attach(gm)
+    return zero3
+
+
 class _Token:
     """Marks a packed saved tensor (see ``Zero3Params.saved_tensors``)."""
 
 
-__all__ = ["Zero3Params"]
+__all__ = ["Zero3Params", "shard_zero3"]

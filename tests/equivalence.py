@@ -450,3 +450,42 @@ def compare_jobs(rank: int, world: int, jobs: list[dict]) -> dict[str, Any]:
         fn = sub_pipeline_events if job.pop("kind", "compare") == "events" else compare_train_step
         out[name] = fn(rank, world, **job)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the training loop (tests/test_training_loop.py): examples/train_lm.py's GPT, pure PyTorch
+
+_EXAMPLE = "autopar_example_train_lm"
+
+
+def train_lm_example():
+    """``examples/train_lm.py`` as a module (loaded once per process)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if _EXAMPLE not in sys.modules:
+        path = Path(__file__).resolve().parent.parent / "examples" / "train_lm.py"
+        spec = importlib.util.spec_from_file_location(_EXAMPLE, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[_EXAMPLE] = module
+        spec.loader.exec_module(module)
+    return sys.modules[_EXAMPLE]
+
+
+def tiny_padded_gpt(seed: int = 0, batch: int = 8, steps: int = 3, dropout: float = 0.0, seq: int = 8):
+    """The example's GPT, tiny, in float64 (``float64_model``: no parameter starts at zero), and
+    ``steps`` batches of next-token labels whose rows end in a random number (0 to seq - 2) of
+    ignored (-100) positions, so microbatches hold different numbers of targets."""
+    ex = train_lm_example()
+    torch.manual_seed(seed)
+    model = float64_model(ex.GPT(ex.GPTConfig(vocab=64, seq=seq, dim=32, heads=2, layers=2, dropout=dropout)))
+    g = torch.Generator().manual_seed(seed + 1)
+    batches = []
+    for _ in range(steps):
+        ids = torch.randint(0, 64, (batch, seq + 1), generator=g)
+        labels = ids[:, 1:].clone()
+        pad = torch.randint(0, seq - 1, (batch,), generator=g)
+        labels[torch.arange(seq) >= seq - pad[:, None]] = -100
+        batches.append({"input_ids": ids[:, :-1].contiguous(), "labels": labels})
+    return model, batches

@@ -24,6 +24,8 @@ Three choices keep rounding rounding:
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -66,9 +68,8 @@ def user_name(name: str) -> str:
 def float64_model(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
     """The model in float64 (a Hugging Face language model wrapped in ``LogitsLoss``), with every
     all-zero parameter given N(0, 0.02) values drawn from ``seed``."""
-    from transformers import PreTrainedModel
-
-    if isinstance(model, PreTrainedModel):
+    transformers = sys.modules.get("transformers")  # a model is none of its classes unless it was imported
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
         model = LogitsLoss(model)
     model = model.double()
     g = torch.Generator().manual_seed(seed)
