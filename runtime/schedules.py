@@ -34,7 +34,7 @@ from autopar.errors import ScheduleError
 from autopar.runtime.actions import RECOMPUTE, Action, B, F, Schedule, check_placement
 from autopar.runtime.listsched import Priority, list_schedule
 from autopar.runtime.p2p import insert_comm_actions
-from autopar.runtime.zero_bubble import delay_weights, dualpipev_orders, zbv_orders
+from autopar.runtime.zero_bubble import checkpointed, delay_weights, dualpipev_orders, zbv_orders
 from autopar.solver.pipeline_shape import stage_ranks
 
 Generator = Callable[..., Schedule]
@@ -223,20 +223,30 @@ def _one_f_one_b_with_weights(num_ranks: int, num_microbatches: int, warmup, del
     return compute
 
 
+def _zero_bubble(name: str, M: int, placement: Sequence[int], orders: list[list[Action]], recompute: int) -> Schedule:
+    """``_build`` for a zero-bubble order, with every stage checkpointed when ``recompute=1``."""
+    if recompute not in (0, 1):
+        raise ScheduleError(f"{name} takes recompute=0 or 1, got {recompute}")
+    if recompute:
+        return _build(name, M, placement, [checkpointed(o) for o in orders], recompute=1)
+    return _build(name, M, placement, orders)
+
+
 @register("zb-h1")
-def zb_h1(num_ranks: int, num_microbatches: int) -> Schedule:
+def zb_h1(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
     """Zero Bubble's ZB-H1 (Qi et al. 2.1): 1F1B whose rank r runs its W r backwards late.
 
     Bubble (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W), at 1F1B's peak activation
-    memory (P stage stashes on every rank, counted until the W).
+    memory (P stage stashes on every rank, counted until the W). ``recompute=1`` checkpoints every
+    stage (a ``RECOMPUTE`` right before each ``B``), as for every zero-bubble schedule here.
     """
     P, M = num_ranks, num_microbatches
-    compute = _one_f_one_b_with_weights(P, M, lambda r: P - r - 1, lambda r: r)
-    return _build("zb-h1", M, range(P), compute)
+    orders = _one_f_one_b_with_weights(P, M, lambda r: P - r - 1, lambda r: r)
+    return _zero_bubble("zb-h1", M, range(P), orders, recompute)
 
 
 @register("zb-h2")
-def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
+def zb_h2(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
     """Zero Bubble's ZB-H2 (Qi et al. 2.2): 2(P-r-1) warm-up forwards on rank r, W 2r backwards late.
 
     The layout is a parallelogram: bubble (p-1)(T_F + T_B - 2T_W) inside each rank's span, zero when
@@ -244,21 +254,21 @@ def zb_h2(num_ranks: int, num_microbatches: int) -> Schedule:
     start and end (``SimResult.span_bubble`` against ``step_time``, docs/schedules.md).
     """
     P, M = num_ranks, num_microbatches
-    compute = _one_f_one_b_with_weights(P, M, lambda r: 2 * (P - r - 1), lambda r: 2 * r)
-    return _build("zb-h2", M, range(P), compute)
+    orders = _one_f_one_b_with_weights(P, M, lambda r: 2 * (P - r - 1), lambda r: 2 * r)
+    return _zero_bubble("zb-h2", M, range(P), orders, recompute)
 
 
 @register("zbv")
-def zbv(num_ranks: int, num_microbatches: int) -> Schedule:
+def zbv(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
     """Zero Bubble's ZB-V (Qi et al. 6): two chunks per rank in a V, F-B-W groups; zero bubble inside each
     rank's span when T_F = T_B = T_W, at 1F1B's peak activation memory."""
     P, M = num_ranks, num_microbatches
-    return _build("zbv", M, stage_ranks(P, waves=1), zbv_orders(P, M))
+    return _zero_bubble("zbv", M, stage_ranks(P, waves=1), zbv_orders(P, M), recompute)
 
 
 @register("dualpipev")
-def dualpipev(num_ranks: int, num_microbatches: int) -> Schedule:
+def dualpipev(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
     """DeepSeek's DualPipeV (DualPipe cut in half): the V placement, forward of one chunk beside the whole
     backward of the other in the steady state, split backwards at both ends; needs M >= 2P."""
     P, M = num_ranks, num_microbatches
-    return _build("dualpipev", M, stage_ranks(P, waves=1), dualpipev_orders(P, M))
+    return _zero_bubble("dualpipev", M, stage_ranks(P, waves=1), dualpipev_orders(P, M), recompute)

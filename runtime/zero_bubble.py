@@ -18,6 +18,9 @@ papers' handcrafted schedules; ``autopar.runtime.schedules`` registers them (``z
   chunk 1; cool-down r pairs of B (chunk 0, chunk 1), then P - r of B, W of chunk 0, then the
   remaining W, chunk 1's first. Lists are made for max(M, 2P - 1) microbatches and the padding's
   actions dropped (dropping actions only removes dependencies).
+- ``checkpointed(order)``: any of them with full activation checkpointing: every ``F`` stashes only
+  the stage's input and a ``RECOMPUTE`` runs right before each ``B`` (not waiting for the gradient).
+  The recomputed activations then live until the ``W``, which needs them too.
 - ``dualpipev_orders``: DeepSeek's DualPipeV (DualPipe cut in half: one copy of the weights, the same
   V placement), after the published reference schedule in eight phases. Its main phase pairs a
   forward of one chunk with a *whole* backward of the other (an unsplit ``B``: no ``W`` follows),
@@ -31,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from autopar.errors import ScheduleError
-from autopar.runtime.actions import Action, B, F, Kind, W
+from autopar.runtime.actions import RECOMPUTE, Action, B, F, Kind, W
 
 
 def delay_weights(order: Sequence[Action], delay: int) -> list[Action]:
@@ -47,6 +50,18 @@ def delay_weights(order: Sequence[Action], delay: int) -> list[Action]:
                 w = backwards[done - 1 - delay]
                 out.append(W(w.mb, w.stage))  # type: ignore[arg-type]
     out += [W(b.mb, b.stage) for b in backwards[max(done - delay, 0) :]]  # type: ignore[arg-type]
+    return out
+
+
+def checkpointed(order: Sequence[Action]) -> list[Action]:
+    """``order`` with every forward checkpointed (``recompute=1``) and its ``RECOMPUTE`` right before its ``B``."""
+    out: list[Action] = []
+    for a in order:
+        if a.kind is Kind.F:
+            a = F(a.mb, a.stage, 1)  # type: ignore[arg-type]
+        elif a.kind is Kind.B:
+            out.append(RECOMPUTE(a.mb, a.stage))  # type: ignore[arg-type]
+        out.append(a)
     return out
 
 
@@ -163,4 +178,4 @@ def dualpipev_orders(num_ranks: int, num_microbatches: int) -> list[list[Action]
     return orders
 
 
-__all__ = ["delay_weights", "dualpipev_orders", "zbv_orders"]
+__all__ = ["checkpointed", "delay_weights", "dualpipev_orders", "zbv_orders"]

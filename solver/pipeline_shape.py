@@ -20,6 +20,7 @@ a rank's count is shared evenly by its stages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from autopar.errors import PipelineError
 
@@ -44,6 +45,17 @@ def stage_ranks(pp: int, chunks: int = 1, waves: int | None = None) -> list[int]
     if waves:
         return [j if j < pp else 2 * pp - 1 - j for _ in range(waves) for j in range(2 * pp)]
     return [s % pp for s in range(pp * chunks)]
+
+
+def placement_shape(stage_to_rank: Sequence[int], pp: int) -> tuple[int, int | None]:
+    """The (chunks, waves) whose ``stage_ranks`` is ``stage_to_rank`` (a schedule's placement): interleaved
+    chunks, or the V of waves (wave, ZB-V, DualPipeV); refuses any other placement."""
+    placement, stages = list(stage_to_rank), len(stage_to_rank)
+    if stages % pp == 0 and placement == stage_ranks(pp, stages // pp):
+        return stages // pp, None
+    if stages % (2 * pp) == 0 and placement == stage_ranks(pp, waves=stages // (2 * pp)):
+        return 1, stages // (2 * pp)
+    raise PipelineError(f"stage placement {placement} on {pp} ranks is neither interleaved nor a V of waves")
 
 
 def inflight_per_rank(
@@ -87,6 +99,7 @@ __all__ = [
     "inflight_per_rank",
     "inflight_per_stage",
     "num_stages",
+    "placement_shape",
     "schedule_of",
     "stage_ranks",
 ]

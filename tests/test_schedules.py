@@ -34,7 +34,7 @@ def schedules(draw: st.DrawFn) -> Schedule:
         options["chunks"] = draw(st.integers(1, 3))
     if name == "wave":
         options["waves"] = draw(st.integers(1, 3))
-    if name == "1f1b":
+    if name in ("1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"):
         options["recompute"] = draw(st.integers(0, 1))
     if name == "scp":
         options["alpha1"] = draw(st.sampled_from([Fraction(0), Fraction(1, 10), Fraction(1, 3), Fraction(1)]))

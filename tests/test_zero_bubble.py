@@ -7,11 +7,14 @@ input-gradient and weight-gradient times on one stage (``Costs.tb`` is the whole
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections import Counter
 from fractions import Fraction
 from functools import cache
 
 import pytest
+import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -21,6 +24,7 @@ from autopar.runtime.actions import P2P_KINDS, Action, B, F, Kind, Schedule, W
 from autopar.runtime.formulas import dualpipev_equal, paper_bubble, zb_h1, zb_h2
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
+from autopar.runtime.split_backward import deferring_weights, run_backward
 from autopar.runtime.timeline import SimResult
 
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")
@@ -261,3 +265,99 @@ def test_zbv_and_dualpipev_orders_equal_torchs() -> None:
                     continue
                 s = schedule(name, p, m)
                 assert all(ours(s, r) == theirs(cls, p, m, r) for r in range(p)), (name, p, m)
+
+
+# ---- the split backward itself ----------------------------------------------------------------------------
+
+
+class _Branchy(torch.nn.Module):
+    """Linears, a layer norm, a weight used twice (once on the other's input path), and an output no input
+    reaches: every case ``split_backward`` distinguishes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.norm = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8), torch.nn.LayerNorm(8)
+        self.shared, self.pos = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))) @ self.shared
+        return torch.tanh(y) @ self.shared.t() + self.pos, self.pos * 2
+
+
+def _gradients(model: torch.nn.Module, x: torch.Tensor, split: bool, run_w: bool = True):
+    x = x.clone().requires_grad_(True)
+    y, z = model(x)
+    pairs = [(y, torch.full_like(y, 0.3)), (z, torch.ones_like(z))]
+    todo, node = [y.grad_fn], None
+    while node is None:  # the GELU's backward: on the input path only
+        n = todo.pop()
+        node = n if n.name().startswith("Gelu") else None
+        todo += [c for c, _ in n.next_functions if c is not None]
+    runs: list[str] = []
+    node.register_prehook(lambda g: runs.append("gelu"))
+    if not split:
+        torch.autograd.backward(*zip(*pairs))
+        return x.grad, {n: p.grad for n, p in model.named_parameters()}, runs
+    with deferring_weights() as pending:
+        run_backward(*zip(*pairs))
+    assert all(p.grad is None for p in model.parameters()), "B computed weight gradients"
+    after_b = list(runs)
+    if run_w:
+        for w in pending:
+            w.run()
+    assert runs == after_b, "W ran a node of the input path again"
+    return x.grad, {n: p.grad for n, p in model.named_parameters()}, runs
+
+
+def test_split_backward_equals_the_whole_backward_and_runs_each_node_once() -> None:
+    """B fills the input's gradient and no weight's; W then fills every weight's, equal to one whole backward
+    (bit for bit here), without running the input path again (the GELU's backward ran once, in B)."""
+    torch.manual_seed(0)
+    model = _Branchy().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    whole = _gradients(copy.deepcopy(model), x, split=False)
+    split = _gradients(copy.deepcopy(model), x, split=True)
+    assert torch.equal(whole[0], split[0]) and split[2] == ["gelu"]
+    assert all(torch.equal(whole[1][n], split[1][n]) for n in whole[1])
+    skipped = _gradients(copy.deepcopy(model), x, split=True, run_w=False)  # the check is not vacuous
+    assert torch.equal(whole[0], skipped[0]) and all(g is None for g in skipped[1].values())
+
+
+def test_split_backward_of_a_generated_stage() -> None:
+    """A stage GraphModule codegen made (tiny GPT-2's second stage, float64): the received activation's
+    gradient after B and every parameter's after W equal a whole backward's."""
+    from autopar.models import build
+    from autopar.passes.assign_stages import assign_stages
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.prune import prune_outputs
+    from autopar.passes.stage_program import stage_program
+    from autopar.passes.transfers import insert_transfers
+    from autopar.runtime.codegen import codegen
+    from autopar.runtime.stage_runner import Part
+
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    model = spec.model.double()
+    kw = {k: v[:2] for k, v in spec.kwargs.items()}
+    prog = insert_transfers(assign_stages(prune_outputs(lower(capture(model, (), kw))), 2)[0])
+    first, second = stage_program(prog, 0), stage_program(prog, 1)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    env: dict[str, torch.Tensor] = dict(kw)
+    sent = Part.of(codegen(first.program, {}, lambda n: named[n]), first.program)(env)
+    results = []
+    for split in (False, True):
+        gm = codegen(second.program, {}, lambda n: named[n].detach())
+        params, stage = dict(gm.named_parameters()), Part.of(gm, second.program)
+        leaves = {v.name: t.detach().clone().requires_grad_(t.is_floating_point()) for v, t in zip(second.recv, sent)}
+        loss = stage({**env, **leaves})[0]
+        with deferring_weights() if split else contextlib.nullcontext() as pending:
+            run_backward([loss], [torch.ones_like(loss)])
+        if split:
+            assert all(p.grad is None for p in params.values())
+            for w in pending:
+                w.run()
+        results.append(([t.grad for t in leaves.values() if t.grad is not None], params))
+    (x0, p0), (x1, p1) = results
+    assert x0 and all(torch.allclose(a, b, rtol=1e-13, atol=0) for a, b in zip(x0, x1))
+    trained = [n for n, p in p0.items() if p.grad is not None]
+    assert trained and all(torch.allclose(p0[n].grad, p1[n].grad, rtol=1e-13, atol=1e-300) for n in trained)
