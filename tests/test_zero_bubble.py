@@ -26,6 +26,7 @@ from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.runtime.split_backward import deferring_weights, run_backward
 from autopar.runtime.timeline import SimResult
+from autopar.search.space import SearchSpace
 
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")
 MINIMUM_M = {  # the fewest microbatches each schedule's published bubble needs
@@ -361,3 +362,30 @@ def test_split_backward_of_a_generated_stage() -> None:
     assert x0 and all(torch.allclose(a, b, rtol=1e-13, atol=0) for a, b in zip(x0, x1))
     trained = [n for n, p in p0.items() if p.grad is not None]
     assert trained and all(torch.allclose(p0[n].grad, p1[n].grad, rtol=1e-13, atol=1e-300) for n in trained)
+
+
+# ---- the search -------------------------------------------------------------------------------------------
+
+
+def test_the_search_prices_zero_bubble_and_picks_the_v_when_memory_allows() -> None:
+    """A 16-layer GPT on pp=4 x dp=2: with memory to spare the search's best plans are the V schedules
+    (DualPipeV, then ZB-V: the smallest bubbles); a budget below DualPipeV's price but above ZB-V's
+    picks ZB-V; one below ZB-V's picks a schedule with 1F1B's memory. Memory is priced with each
+    schedule's in-flight count (a microbatch counted until its W), the step by simulating its lists
+    with the weight-gradient part of each backward as W."""
+    from autopar.search import search
+    from autopar.solver.cluster import ClusterSpec
+    from tests.test_search import gpt_profile
+
+    prof, cluster = gpt_profile(layers=16, V=8192), ClusterSpec.load("dgx-a100:nodes=1")
+    space = SearchSpace(pp=(4,), dp=(2,), tp=(1,), zero=(1,), recompute=("none",), mics=False, micro_batch=(1,))
+    best = search(prof, cluster, 32, space=space, top=20).best
+    by_name = {e.candidate.schedule: e for e in reversed(best)}  # each schedule's fastest plan
+    assert [e.candidate.schedule for e in best[:2]] == ["dualpipev", "zbv"]
+    assert by_name["zbv"].bubble < by_name["zb-h1"].bubble < by_name["1f1b"].bubble
+    assert by_name["zbv"].info["inflight"] == [8.0] * 4 and by_name["zb-h1"].info["inflight"] == [4.0] * 4
+    assert by_name["zbv"].memory < by_name["dualpipev"].memory
+    budget = (by_name["zbv"].memory + by_name["dualpipev"].memory) / 2
+    assert search(prof, cluster, 32, budget, space=space).best[0].candidate.schedule == "zbv"
+    tight = search(prof, cluster, 32, by_name["zbv"].memory * 0.99, space=space).best[0]
+    assert tight.candidate.schedule not in ("zbv", "dualpipev") and tight.memory < by_name["zbv"].memory

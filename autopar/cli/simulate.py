@@ -119,11 +119,7 @@ def _from_plan(args: argparse.Namespace) -> tuple[Schedule, Costs]:
         raise ScheduleError(f"{args.plan} has no pipeline: plan it with a pp axis (autopar plan MODEL --mesh pp=4,...)")
     pipe = plan.pipeline
     stages = pipe["stage_plan"]["stages"]
-    options = {}
-    if pipe.get("chunks", 1) > 1:
-        options["chunks"] = pipe["chunks"]
-    if pipe.get("waves"):
-        options["waves"] = pipe["waves"]
+    options = {k: Fraction(v) if isinstance(v, str) else v for k, v in (pipe.get("schedule_options") or {}).items()}
     micro = pipe.get("microbatches") or args.microbatches
     schedule = make_schedule(pipe["schedule"], pipe["pp"], micro, **options)
     per_stage = [Fraction(st["compute_seconds"] + st["comm_seconds"]).limit_denominator(10**12) for st in stages]
