@@ -7,7 +7,8 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
 - compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
   twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
-  once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup);
+  once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
+  all of the first stage's (it has no input gradient to compute: its input is data);
 - communication (``comm_time.py``): tensor-parallel all-reduces, pipeline transfers and the
   data-parallel gradient synchronization after each rank's last backward under ZeRO / MiCS; ZeRO-3's
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
@@ -302,6 +303,7 @@ class Analytic:
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
             params_of.append(params)
+        tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
         tc = tuple(
             self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
             for s in range(len(stages) - 1)
