@@ -376,26 +376,31 @@ def real(rank: int, world: int, args) -> dict:
 
 
 def _measured_costs(sched, m, tc: float = 0.0):
-    """Per-stage mean forward/backward/recompute seconds of a measured step, as simulator Costs."""
+    """Per-stage mean forward/backward/recompute/weight-gradient seconds of a measured step, as simulator
+    Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's)."""
     from autopar.runtime.action_costs import Costs
-    from autopar.runtime.actions import Kind
+    from autopar.runtime.actions import Kind, split_backwards
 
-    acc: dict[tuple[Kind, int], list[float]] = {}
+    acc: dict[tuple[str, int], list[float]] = {}
     for events in m.timeline:
+        split = split_backwards([e.action for e in events])
         for e in events:
-            if e.action.kind in (Kind.F, Kind.B, Kind.RECOMPUTE):
-                frac = float(e.action.recompute) if e.action.kind is Kind.RECOMPUTE else 1.0
-                acc.setdefault((e.action.kind, e.action.stage), []).append((e.end - e.start) / max(frac, 1e-9))
+            a = e.action
+            if a.kind in (Kind.F, Kind.B, Kind.W, Kind.RECOMPUTE):
+                frac = float(a.recompute) if a.kind is Kind.RECOMPUTE else 1.0
+                kind = "split B" if a.kind is Kind.B and (a.mb, a.stage) in split else a.kind.value
+                acc.setdefault((kind, a.stage), []).append((e.end - e.start) / max(frac, 1e-9))
     S = sched.num_stages
 
     def mean(kind, s, default):
         xs = acc.get((kind, s))
         return statistics.fmean(xs) if xs else default
 
-    tf = [mean(Kind.F, s, 0.0) for s in range(S)]
-    tb = [mean(Kind.B, s, 0.0) for s in range(S)]
-    tr = [mean(Kind.RECOMPUTE, s, tf[s]) for s in range(S)]
-    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc)
+    tf = [mean("F", s, 0.0) for s in range(S)]
+    tw = [mean("W", s, 0.0) for s in range(S)]
+    tb = [mean("B", s, mean("split B", s, 0.0) + tw[s]) for s in range(S)]
+    tr = [mean("RECOMPUTE", s, tf[s]) for s in range(S)]
+    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=[min(w, b) for w, b in zip(tw, tb)])
 
 
 def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dict:

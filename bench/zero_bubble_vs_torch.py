@@ -17,7 +17,9 @@ too (torch's Schedule1F1B; ZB-H2 on autopar only). Costs are a rank's share per 
 (B): A B A B ... For each: median and min step time, the throughput ratio (torch's median over
 autopar's), autopar's bubble from its action trace (``measured_result``), both sides' bubble from the
 step time against the busiest rank's compute M (T_F + T_B + T_W), and the simulator's bubble for the
-same costs, without and with the measured one-way transfer time.
+same costs, without and with the measured one-way transfer time, and with the F, B and W times
+autopar's last step measured (the sleeps' overshoot and each action's fixed cost: what is left
+between the two is time between actions, posting transfers and waiting).
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
 """
@@ -35,7 +37,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from _launch import free_port, init_worker
-from pipeline_vs_torch import _autopar_emulated, _mean_loss, _one_way_seconds, _summary, _table, _timed, _torch_step
+from pipeline_vs_torch import (
+    _autopar_emulated,
+    _mean_loss,
+    _measured_costs,
+    _one_way_seconds,
+    _summary,
+    _timed,
+    _torch_step,
+)
+from pipeline_vs_torch import _table as one_table
 from pipeline_vs_torch import _torch_schedule as torch_schedule
 from torch import nn
 
@@ -130,12 +141,14 @@ def emulated(rank: int, world: int, args) -> dict:
         if ts is not None:
             tstep()
     times = {name: {"autopar": [], "torch": [], "bubble": []} for name, *_ in runs}
+    last = {}
     for _ in range(args.repeats):
         for name, _opts, sched, ex, mbs, ts, tstep in runs:
             times[name]["autopar"].append(_timed(lambda ex=ex, mbs=mbs: ex.run(mbs)))
             traces = [None] * world
             dist.all_gather_object(traces, ex.trace)
-            times[name]["bubble"].append(float(measured_result(sched, traces).bubble_ratio))
+            last[name] = measured_result(sched, traces)
+            times[name]["bubble"].append(float(last[name].bubble_ratio))
             if ts is not None:
                 times[name]["torch"].append(_timed(tstep))
     out = {}
@@ -145,8 +158,19 @@ def emulated(rank: int, world: int, args) -> dict:
             sim = simulate(sched, simulated_costs(sched, args))
             out[name] = _summary(times[name], float(sim.bubble_ratio), ideal, opts)
             out[name]["sim_bubble_tc"] = float(simulate(sched, simulated_costs(sched, args, tc)).bubble_ratio)
+            measured = simulate(sched, _measured_costs(sched, last[name], tc))
+            out[name]["sim_bubble_measured"] = float(measured.bubble_ratio)
             out[name]["tc_s"] = tc
     return out
+
+
+def _table(res: dict) -> str:
+    """pipeline_vs_torch's table, with the simulation of autopar's own measured action times beside it."""
+    lines = one_table(res, True).splitlines()
+    lines[0] += " bubble simulated, measured costs + t_c |"
+    lines[1] += "---|"
+    rows = [f"{row} {r['sim_bubble_measured']:.3f} |" for row, r in zip(lines[2:], res.values())]
+    return "\n".join([*lines[:2], *rows])
 
 
 def _worker(rank: int, world: int, port: int, args, result: str) -> None:
@@ -184,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.hidden} f32 T_F={args.tf}s T_B={args.tb}s T_W={args.tw}s per rank share "
         f"({time.perf_counter() - t0:.0f} s)"
     )
-    print(_table(res, True))
+    print(_table(res))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
