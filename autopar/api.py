@@ -40,6 +40,7 @@ from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
 from autopar.solver.cluster import ClusterSpec, local_cluster
+from autopar.solver.pipeline_shape import placement_shape
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
@@ -138,8 +139,9 @@ def compile(  # noqa: A001
     The result is a ``ParallelModule`` on every mesh (``autopar.runtime.module``); a mesh without a
     ``pp`` axis is a one-stage pipeline. The inputs are the global batch, cut into ``microbatches``
     (the model is captured with one microbatch's inputs); calling the module returns the model's
-    outputs, ``train_step(**batch)`` runs ``schedule`` (gpipe, 1f1b, interleaved, wave, scp) with
-    ``schedule_options`` (chunks=, waves=, alpha1=, recompute=) and returns the loss.
+    outputs, ``train_step(**batch)`` runs ``schedule`` (gpipe, 1f1b, interleaved, wave, scp, zb-h1,
+    zb-h2, zbv, dualpipev) with ``schedule_options`` (chunks=, waves=, alpha1=, recompute=) and
+    returns the loss.
     ``scatter_gather`` sends 1/tp of each tensor-parallel-replicated stage boundary; ``timeout`` bounds
     every transfer (seconds); ``record`` times every action of a step (a barrier opens it);
     ``sub_pipeline_tp`` runs each microbatch as two halves whose tensor-parallel collectives overlap
@@ -254,8 +256,7 @@ def _plan(
     (``passes/flow.py``): the forward program (every output) and the training program (pruned to the
     loss; ``None`` when the first output is not a scalar float), both cut into ``schedule``'s stages
     at the same places, with send/recv ops."""
-    waves = dict(schedule.options).get("waves") if schedule.name == "wave" else None
-    chunks = schedule.num_stages // schedule.num_ranks if waves is None else 1
+    chunks, waves = placement_shape(schedule.stage_to_rank, schedule.num_ranks)
     flow = FlowOptions(
         shard=options,
         chunks=chunks,

@@ -83,13 +83,16 @@ def _mean_loss(y, target=None):
     return y.mean()
 
 
-def _autopar_emulated(sched, rank: int, shape, tf_stage: float):
+def _autopar_emulated(sched, rank: int, shape, tf_stage: float, module=None):
+    """autopar's Executor over this rank's emulated stages: ``module(k)`` is a stage module doing ``k``
+    of a stage's work (default ``SleepStage(k t_f, 2 k t_f)``; recomputation's head and rest split it)."""
     from autopar.runtime.actions import Kind
     from autopar.runtime.collectives import Comm
     from autopar.runtime.executor import Executor
     from autopar.runtime.stage_runner import Buffer, Part, StageRunner
 
     S = sched.num_stages
+    module = module or (lambda k: SleepStage(k * tf_stage, 2 * k * tf_stage))
     runners = {}
     fractions: dict[int, set[Fraction]] = {}
     for a in sched.actions[rank]:
@@ -99,12 +102,12 @@ def _autopar_emulated(sched, rank: int, shape, tf_stage: float):
         last = s == S - 1
         name = "x" if s == 0 else "x_in"
 
-        def part(tf: float, tb: float, last: bool, inp: str, grad: bool) -> Part:
-            mod = SleepStage(tf, tb)
+        def part(k: float, last: bool, inp: str, grad: bool) -> Part:
+            mod = module(k)
             fn = (lambda t, mod=mod: (mod(t).mean(),)) if last else (lambda t, mod=mod: (mod(t),))
             return Part(fn, (inp,), (grad,))
 
-        whole = part(tf_stage, 2 * tf_stage, last, name, s > 0)
+        whole = part(1.0, last, name, s > 0)
         recv = [Buffer("x_in", shape, torch.float32, True)] if s > 0 else []
         send = [] if last else [Buffer("y", shape, torch.float32, True)]
         runner = StageRunner(s, whole, recv, send, last)
@@ -112,8 +115,8 @@ def _autopar_emulated(sched, rank: int, shape, tf_stage: float):
             if x == 1:
                 runner.variants[x] = (whole, None)
             else:
-                head = part(float(x) * tf_stage, float(x) * 2 * tf_stage, False, name, s > 0)
-                rest = part((1 - float(x)) * tf_stage, (1 - float(x)) * 2 * tf_stage, last, "h", True)
+                head = part(float(x), False, name, s > 0)
+                rest = part(1 - float(x), last, "h", True)
                 runner.variants[x] = (head, rest)
         runners[s] = runner
     return Executor(
@@ -144,15 +147,19 @@ def _torch_step(ts, mine, num_stages: int, inputs, target) -> None:
 
 
 def _torch_schedule(name: str, opts: dict, stage_mods: dict[int, nn.Module], S: int, M: int, example, loss_fn):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    """torch's schedule of autopar's ``name``, over hand-built stages: ZB-H1 is torch's
+    ScheduleInterleavedZeroBubble with one stage per rank, ZB-V and DualPipeV their own classes."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
 
     dev = torch.device("cpu")
     stages = [PipelineStage(mod, s, S, dev, input_args=(example(s),)) for s, mod in sorted(stage_mods.items())]
-    if name == "gpipe":
-        return ScheduleGPipe(stages[0], M, loss_fn=loss_fn), stages
-    if name == "1f1b":
-        return Schedule1F1B(stages[0], M, loss_fn=loss_fn), stages
-    return ScheduleInterleaved1F1B(stages, M, loss_fn=loss_fn), stages
+    single = {"gpipe": ts.ScheduleGPipe, "1f1b": ts.Schedule1F1B}
+    if name in single:
+        return single[name](stages[0], M, loss_fn=loss_fn), stages
+    multi = {"zb-h1": ts.ScheduleInterleavedZeroBubble, "zbv": ts.ScheduleZBVZeroBubble}
+    multi["dualpipev"] = ts.ScheduleDualPipeV
+    return multi.get(name, ts.ScheduleInterleaved1F1B)(stages, M, loss_fn=loss_fn), stages
 
 
 def _one_way_seconds(shape, reps: int = 20) -> float:
@@ -369,26 +376,31 @@ def real(rank: int, world: int, args) -> dict:
 
 
 def _measured_costs(sched, m, tc: float = 0.0):
-    """Per-stage mean forward/backward/recompute seconds of a measured step, as simulator Costs."""
+    """Per-stage mean forward/backward/recompute/weight-gradient seconds of a measured step, as simulator
+    Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's)."""
     from autopar.runtime.action_costs import Costs
-    from autopar.runtime.actions import Kind
+    from autopar.runtime.actions import Kind, split_backwards
 
-    acc: dict[tuple[Kind, int], list[float]] = {}
+    acc: dict[tuple[str, int], list[float]] = {}
     for events in m.timeline:
+        split = split_backwards([e.action for e in events])
         for e in events:
-            if e.action.kind in (Kind.F, Kind.B, Kind.RECOMPUTE):
-                frac = float(e.action.recompute) if e.action.kind is Kind.RECOMPUTE else 1.0
-                acc.setdefault((e.action.kind, e.action.stage), []).append((e.end - e.start) / max(frac, 1e-9))
+            a = e.action
+            if a.kind in (Kind.F, Kind.B, Kind.W, Kind.RECOMPUTE):
+                frac = float(a.recompute) if a.kind is Kind.RECOMPUTE else 1.0
+                kind = "split B" if a.kind is Kind.B and (a.mb, a.stage) in split else a.kind.value
+                acc.setdefault((kind, a.stage), []).append((e.end - e.start) / max(frac, 1e-9))
     S = sched.num_stages
 
     def mean(kind, s, default):
         xs = acc.get((kind, s))
         return statistics.fmean(xs) if xs else default
 
-    tf = [mean(Kind.F, s, 0.0) for s in range(S)]
-    tb = [mean(Kind.B, s, 0.0) for s in range(S)]
-    tr = [mean(Kind.RECOMPUTE, s, tf[s]) for s in range(S)]
-    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc)
+    tf = [mean("F", s, 0.0) for s in range(S)]
+    tw = [mean("W", s, 0.0) for s in range(S)]
+    tb = [mean("B", s, mean("split B", s, 0.0) + tw[s]) for s in range(S)]
+    tr = [mean("RECOMPUTE", s, tf[s]) for s in range(S)]
+    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=[min(w, b) for w, b in zip(tw, tb)])
 
 
 def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dict:

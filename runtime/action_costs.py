@@ -29,6 +29,10 @@ def _spread(value: PerStage, n: int, what: str) -> tuple[Number, ...]:
     return values
 
 
+def _half(value: Number) -> Number:
+    return value / 2 if isinstance(value, float) else Fraction(value) / 2
+
+
 def _scaled(value: PerStage, factor: Fraction) -> PerStage:
     if isinstance(value, float):
         return value * float(factor)
@@ -41,7 +45,10 @@ def _scaled(value: PerStage, factor: Fraction) -> PerStage:
 class Costs:
     """What each action costs, per stage.
 
-    ``tf[s]``, ``tb[s]``: forward / backward time of one microbatch through stage ``s``.
+    ``tf[s]``, ``tb[s]``: forward / whole backward time of one microbatch through stage ``s``.
+    ``tw[s]``: the part of ``tb[s]`` that computes weight gradients: a ``W`` costs ``tw``, a ``B``
+    whose ``W`` comes later ``tb - tw`` (the Zero Bubble paper's T_B is ``tb - tw``, its T_W ``tw``);
+    defaults to ``tb / 2`` (matmuls: the input and the weight gradient cost the same).
     ``tr[s]``: time to recompute *all* of stage ``s``'s activations; a ``RECOMPUTE`` with fraction
     ``x`` costs ``x * tr[s]`` (Merak's T_recompute; defaults to ``tf``).
     ``tc[s]``: time of one transfer across the boundary between stages ``s`` and ``s + 1``
@@ -50,6 +57,8 @@ class Costs:
     ``input_bytes[s]``: bytes it keeps under full recomputation (its input). A forward with
     recompute fraction ``x`` stashes ``(1 - x) * act_bytes + x * input_bytes``; the ``RECOMPUTE``
     re-materialises ``x * act_bytes`` until the backward frees everything.
+    ``w_bytes[s]``: bytes a split ``B`` adds that live until its ``W`` (the output gradients of the
+    weight ops; the stash itself stays until the ``W`` as well).
     ``t_reduce[s]``: time of ``REDUCE_GRADS(s)``; ``t_step``: time of ``STEP``.
     """
 
@@ -61,6 +70,14 @@ class Costs:
     input_bytes: tuple[Number, ...] | None = None
     t_reduce: tuple[Number, ...] | None = None
     t_step: Number = 0
+    tw: tuple[Number, ...] | None = None
+    w_bytes: tuple[Number, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.tw is None:
+            object.__setattr__(self, "tw", tuple(_half(b) for b in self.tb))
+        if any(not 0 <= w <= b for w, b in zip(self.tw, self.tb)):  # type: ignore[arg-type]
+            raise ScheduleError(f"tw {self.tw} must lie between 0 and the whole backward tb {self.tb}")
 
     @property
     def num_stages(self) -> int:
@@ -78,6 +95,8 @@ class Costs:
         input_bytes: PerStage = 0,
         t_reduce: PerStage = 0,
         t_step: Number = 0,
+        tw: PerStage | None = None,
+        w_bytes: PerStage | None = None,
     ) -> Costs:
         """Costs given per stage: a scalar applies to every stage (every boundary for ``tc``)."""
         n = num_stages
@@ -91,6 +110,8 @@ class Costs:
             input_bytes=_spread(input_bytes, n, "input_bytes"),
             t_reduce=_spread(t_reduce, n, "t_reduce"),
             t_step=t_step,
+            tw=None if tw is None else _spread(tw, n, "tw"),
+            w_bytes=None if w_bytes is None else _spread(w_bytes, n, "w_bytes"),
         )
 
     @classmethod
@@ -102,8 +123,9 @@ class Costs:
         tr: PerStage | None = None,
         tc: PerStage = 0,
         act_bytes: PerStage | None = None,
+        tw: PerStage | None = None,
     ) -> Costs:
-        """Scalar ``tf``/``tb``/``tr``/``act_bytes`` are for one rank's share of the model (model / P).
+        """Scalar ``tf``/``tb``/``tr``/``tw``/``act_bytes`` are for one rank's share of the model (model / P).
 
         They are split evenly over that rank's stages, so schedules with more stages per rank
         (interleaved, waves) do the same total work and their step times compare directly. This is
@@ -122,4 +144,5 @@ class Costs:
             tr=None if tr is None else split(tr),
             tc=tc,
             act_bytes=None if act_bytes is None else split(act_bytes),
+            tw=None if tw is None else split(tw),
         )

@@ -10,7 +10,12 @@ Vocabulary:
   ``Schedule.stage_to_rank[s]`` says which rank holds stage ``s`` and ``Schedule.stages_of_rank(r)``
   lists a rank's stages in pipeline order.
 - ``F(mb, stage)`` runs the forward of microbatch ``mb`` through ``stage``; ``B(mb, stage)`` its
-  backward. ``F.recompute`` is the fraction (0..1) of the stage's activations that the forward does
+  backward. Zero-bubble schedules split the backward: when the list also holds ``W(mb, stage)``,
+  ``B`` computes only the gradients of the stage's inputs (what the previous stage waits for) and
+  ``W``, later on the same rank, the gradients of the stage's weights (``split_backwards`` names
+  the split ones). A microbatch-stage's activations stay stashed until its backward is complete:
+  its ``W`` when split, its ``B`` otherwise (``ends_backward``).
+- ``F.recompute`` is the fraction (0..1) of the stage's activations that the forward does
   *not* stash: ``0`` stores everything, ``1`` is full activation checkpointing (only the stage
   input is kept), anything between is Merak's stage-aware recomputation. When it is non-zero a
   ``RECOMPUTE(mb, stage)`` with the same fraction must run after the ``F`` and before the ``B``.
@@ -27,6 +32,7 @@ Text form, one action per line (``str(action)`` / ``Action.parse``)::
 
     F mb=0 stage=2
     F mb=0 stage=2 recompute=1/2
+    W mb=0 stage=2
     SEND_ACT mb=0 stage=2 peer=3
     REDUCE_GRADS stage=2
     STEP
@@ -50,6 +56,7 @@ class Kind(str, Enum):
 
     F = "F"
     B = "B"
+    W = "W"
     RECOMPUTE = "RECOMPUTE"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
@@ -59,7 +66,7 @@ class Kind(str, Enum):
     STEP = "STEP"
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.RECOMPUTE})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.RECOMPUTE})
 SEND_KINDS = frozenset({Kind.SEND_ACT, Kind.SEND_GRAD})
 RECV_KINDS = frozenset({Kind.RECV_ACT, Kind.RECV_GRAD})
 P2P_KINDS = SEND_KINDS | RECV_KINDS
@@ -137,6 +144,21 @@ def F(mb: int, stage: int, recompute: Fraction | int = 0) -> Action:
 def B(mb: int, stage: int) -> Action:
     """Backward of microbatch ``mb`` through ``stage``."""
     return Action(Kind.B, stage, mb)
+
+
+def W(mb: int, stage: int) -> Action:
+    """Weight gradients of microbatch ``mb`` through ``stage``, after its input-gradient ``B``."""
+    return Action(Kind.W, stage, mb)
+
+
+def split_backwards(actions: Sequence[Action]) -> frozenset[tuple[int, int]]:
+    """The (mb, stage) whose backward ``actions`` split into ``B`` and ``W`` (those with a ``W``)."""
+    return frozenset((a.mb, a.stage) for a in actions if a.kind is Kind.W)  # type: ignore[misc]
+
+
+def ends_backward(a: Action, split: frozenset[tuple[int, int]]) -> bool:
+    """Whether ``a`` completes its microbatch-stage's backward (frees its stash): ``W``, or an unsplit ``B``."""
+    return a.kind is Kind.W or (a.kind is Kind.B and (a.mb, a.stage) not in split)
 
 
 def RECOMPUTE(mb: int, stage: int, fraction: Fraction | int = 1) -> Action:

@@ -1,6 +1,7 @@
 """Draw a simulated pipeline step as a Gantt chart, one row per rank, as in the papers' figures.
 
-Forward, backward and recompute boxes carry their microbatch number; a rank's later model chunks
+Forward, backward (input gradients, where a zero-bubble schedule splits it), weight-gradient and
+recompute boxes carry their microbatch number; a rank's later model chunks
 (interleaved, waves) are drawn in lighter shades of the same colour, like Megatron's Fig. 4.
 Point-to-point transfers are thin bars under the receiving rank's boxes. Uses matplotlib's
 object API (no pyplot), so it works headless and inside notebooks alike.
@@ -18,9 +19,9 @@ from matplotlib.patches import Patch
 from autopar.runtime.actions import COMPUTE_KINDS, Kind
 from autopar.runtime.timeline import SimResult
 
-COLOURS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.RECOMPUTE: "#8172B3"}
+COLOURS = {Kind.F: "#4C72B0", Kind.B: "#DD8452", Kind.W: "#55A868", Kind.RECOMPUTE: "#8172B3"}
 COMM_COLOUR = "#9E9E9E"
-LABELS = {Kind.F: "forward", Kind.B: "backward", Kind.RECOMPUTE: "recompute"}
+LABELS = {Kind.F: "forward", Kind.B: "backward", Kind.W: "weight gradients", Kind.RECOMPUTE: "recompute"}
 
 
 def _shade(colour: str, chunk: int, chunks: int) -> tuple[float, float, float]:

@@ -11,12 +11,14 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
 - ``B(mb, s)`` back-propagates the received output gradient (the last stage: the loss times
   ``1/M``, so the step's gradient is that of the mean microbatch loss; or times each microbatch's
   ``loss_scales`` entry, e.g. its share of the batch's tokens), accumulates parameter
-  gradients, and frees the microbatch's stash at once.
+  gradients, and frees the microbatch's stash at once. When the list holds ``W(mb, s)`` too, ``B``
+  computes only the input gradients and ``W`` later the weight gradients, from the graph ``B`` kept
+  (``runtime/split_backward.py``); the stash is freed at ``W``.
 - Consecutive ``SEND_*``/``RECV_*`` between two compute actions are one
-  ``torch.distributed.batch_isend_irecv``. Receives are posted where the list puts them, ahead of
-  their consumers (Hanayo's prefetch), into buffers whose local shapes come from the IR; the
-  consumer waits for them. Sends stay in flight until the end of the step. Neighbouring stages on
-  one rank (a wave's turn) hand tensors over locally.
+  ``torch.distributed.batch_isend_irecv`` (``runtime/executor_p2p.py``). Receives are posted where
+  the list puts them, ahead of their consumers (Hanayo's prefetch), into buffers whose local shapes
+  come from the IR; the consumer waits for them. Sends stay in flight until the end of the step.
+  Neighbouring stages on one rank (a wave's or a V's turn) hand tensors over locally.
 - ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
   reduction, tied-parameter reduction, the optimizer).
 - With ``sub_microbatches=n > 1`` (Merak's sub-pipelined tensor parallelism) every microbatch
@@ -37,7 +39,6 @@ simulated one.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,17 +47,10 @@ import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule
-from autopar.runtime.executor_state import (
-    PendingReceive,
-    Stash,
-    backprop,
-    is_comm_failure,
-    restored_rng,
-    rng_state,
-    to_wire,
-    wire_view,
-)
+from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule, ends_backward, split_backwards
+from autopar.runtime.executor_p2p import PointToPoint
+from autopar.runtime.executor_state import Stash, backprop, is_comm_failure, restored_rng, rng_state, to_wire
+from autopar.runtime.split_backward import WeightGrads, deferring_weights
 from autopar.runtime.stage_runner import Part, StageRunner
 from autopar.runtime.subpipeline import Interleaved, Tape
 from autopar.runtime.trace import TraceEvent, finish_receive
@@ -109,6 +103,8 @@ class Executor:
         self.barrier = barrier
         self.device = torch.device(device)
         self.actions = schedule.actions[pp_rank]
+        self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
+        self.p2p = PointToPoint(stages, peer_rank, self._guard, timeout, self.device, sub_microbatches)
         self.trace: list[TraceEvent] = []
         self.peak_stash = 0
         s2r = schedule.stage_to_rank
@@ -138,11 +134,9 @@ class Executor:
         self._scales = [list(s) for s in loss_scales] if loss_scales else [[1.0 / (m * self.sub)] * self.sub] * m
         self._acts: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its inputs, handed over
         self._grads: dict[tuple[int, int], list[torch.Tensor]] = {}  # (mb, stage) -> its output grads
-        self._to_send: dict[tuple[Kind, int, int], list[torch.Tensor]] = {}
-        self._pending: dict[tuple[Kind, int, int], PendingReceive] = {}
-        self._in_flight: list[tuple[list, Action, int, list[torch.Tensor]]] = []
+        self.p2p.reset()
         self._stash: dict[tuple[int, int], Stash] = {}
-        self._done: dict[int, object] = {}
+        self._weights: dict[tuple[int, int], list[WeightGrads]] = {}  # what each split B left for its W
         self._losses: list[torch.Tensor] = [torch.zeros(())] * m
         self.outputs = [[] for _ in range(m)]
         trace: list[TraceEvent] = []
@@ -159,7 +153,7 @@ class Executor:
                     while j < n and self.actions[j].kind in P2P_KINDS:
                         j += 1
                     start = time.perf_counter() - t0
-                    self._post(self.actions[i:j])
+                    self.p2p.post(self.actions[i:j])
                     end = time.perf_counter() - t0
                     trace.extend(TraceEvent(b, start, end) for b in self.actions[i:j])
                     i = j
@@ -176,10 +170,9 @@ class Executor:
                 if a.kind is Kind.F:
                     live += 1
                     peak = max(peak, live)
-                elif a.kind is Kind.B:
-                    live -= 1
+                live -= ends_backward(a, self._split)
                 i += 1
-            self._drain()
+            self.p2p.drain()
         self._stash = {}  # a forward-only run leaves its stashes
         self.trace = trace
         self.peak_stash = peak
@@ -199,11 +192,14 @@ class Executor:
                 self._recompute(a)
         elif a.kind is Kind.B:
             self._backward(a, waited)
+        elif a.kind is Kind.W:
+            for weights in self._weights.pop((a.mb, a.stage)):
+                weights.run()  # the graph its B kept, and the microbatch's activations, are freed here
         elif a.kind is Kind.REDUCE_GRADS:
-            self._drain()
+            self.p2p.drain()
             self._guard(lambda: self.reduce_grads(a.stage), a, -1)
         elif a.kind is Kind.STEP:
-            self._drain()
+            self.p2p.drain()
             self._guard(self.step_fn, a, -1)
         return waited
 
@@ -214,7 +210,7 @@ class Executor:
         key = (a.mb, a.stage)
         if key in self._acts:
             return [t.detach() for t in self._acts.pop(key)]
-        return self._wait((Kind.RECV_ACT, a.mb, a.stage), waited)
+        return self.p2p.wait((Kind.RECV_ACT, a.mb, a.stage), waited)
 
     def _call(self, part: Part, envs: list[dict[str, torch.Tensor]], mb: int) -> tuple[list[tuple], Tape | None]:
         """Run ``part`` on each sub-microbatch of microbatch ``mb``: the plain module for one,
@@ -292,7 +288,7 @@ class Executor:
         if nxt in self._local:
             self._acts[(a.mb, nxt)] = [o.detach() for o in flat]
         else:
-            self._to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [to_wire(o) for o in flat]
+            self.p2p.to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [to_wire(o) for o in flat]
 
     def _recompute(self, a: Action) -> None:
         st = self.stages[a.stage]
@@ -309,25 +305,17 @@ class Executor:
             grads: list[list[torch.Tensor | None]] = [[None] for _ in range(n)]
         else:
             key = (a.mb, a.stage)
-            got = self._grads.pop(key) if key in self._grads else self._wait((Kind.RECV_GRAD, a.mb, a.stage), waited)
+            got = self._grads.pop(key) if key in self._grads else self.p2p.wait((Kind.RECV_GRAD, a.mb, a.stage), waited)
             it = iter(got)  # each sub-microbatch's gradients in turn
             grads = [[next(it) if b.grad else None for b in st.send] for _ in range(n)]
         self._ready = time.perf_counter()
-        loss = self._scales[a.mb] if st.is_last else None
-        if stash.recompute:
-            if stash.head_outputs is None:
-                raise RuntimeCommError(f"{Action(Kind.B, a.stage, a.mb)} ran before its RECOMPUTE")
-            _head, rest = st.variants[stash.recompute]
-            if rest is None:
-                self._backprop(stash.head_outputs, grads, stash.head_tape, loss)
-            else:
-                self._backprop(stash.outputs, grads, stash.tape, loss)
-                k = len(stash.head_outputs[0])
-                names = list(zip(rest.inputs[:k], rest.grad[:k]))
-                inner = [[hl[name].grad if g else None for name, g in names] for hl in stash.head_leaves]
-                self._backprop(stash.head_outputs, inner, stash.head_tape)
+        if stash.recompute and stash.head_outputs is None:
+            raise RuntimeCommError(f"{Action(Kind.B, a.stage, a.mb)} ran before its RECOMPUTE")
+        if (a.mb, a.stage) in self._split:  # input gradients now, the weights' at its W
+            with deferring_weights() as self._weights[(a.mb, a.stage)]:
+                self._propagate(st, stash, grads, a.mb)
         else:
-            self._backprop(stash.outputs, grads, stash.tape, loss)
+            self._propagate(st, stash, grads, a.mb)
         if a.stage > 0:
             out = []
             for leaves in stash.leaves:
@@ -340,72 +328,27 @@ class Executor:
             if prev in self._local:
                 self._grads[(a.mb, prev)] = out
             else:
-                self._to_send[(Kind.SEND_GRAD, a.mb, a.stage)] = [to_wire(g) for g in out]
+                self.p2p.to_send[(Kind.SEND_GRAD, a.mb, a.stage)] = [to_wire(g) for g in out]
         del stash  # the microbatch's activations are freed here
 
-    # -- point-to-point --------------------------------------------------------------------------
-    def _post(self, batch: Sequence[Action]) -> None:
-        ops: list[dist.P2POp] = []
-        posted: list[tuple[Action, list[torch.Tensor], int]] = []
-        for a in batch:
-            peer = self.peer_rank(a.peer)
-            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                tensors = self._to_send.pop((a.kind, a.mb, a.stage))
-                ops += [dist.P2POp(dist.isend, t, peer) for t in tensors]
-                posted.append((a, tensors, peer))
-            else:
-                bufs = self._buffers(a)
-                ops += [dist.P2POp(dist.irecv, wire_view(b), peer) for b in bufs]
-                posted.append((a, bufs, peer))
-        works = self._guard(lambda: dist.batch_isend_irecv(ops), batch[0], -1) if ops else []
-        per_op = len(works) == len(ops)  # gloo: one work per op; NCCL may return one for the batch
-        k = 0
-        for a, tensors, peer in posted:
-            mine = works[k : k + len(tensors)] if per_op else list(works)
-            k += len(tensors)
-            if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
-                self._in_flight.append((mine, a, peer, tensors))
-            else:
-                kind = Kind.RECV_ACT if a.kind is Kind.RECV_ACT else Kind.RECV_GRAD
-                self._pending[(kind, a.mb, a.stage)] = PendingReceive(tensors, mine, a, peer)
-
-    def _buffers(self, a: Action) -> list[torch.Tensor]:
-        st = self.stages[a.stage]
-        specs = st.recv if a.kind is Kind.RECV_ACT else [b for b in st.send if b.grad]
-        return [torch.empty(b.shape, dtype=b.dtype, device=self.device) for _ in range(self.sub) for b in specs]
-
-    def _wait(self, key: tuple[Kind, int, int], waited) -> list[torch.Tensor]:
-        p = self._pending.pop(key, None)
-        if p is None:
-            kind, mb, stage = key
-            raise RuntimeCommError(
-                f"{kind.value} mb={mb} stage={stage} is needed but was never posted: the action list is "
-                "unsound for this executor"
-            )
-        for w in p.works:
-            self._complete(w, p.action, p.peer_rank)
-        waited.append((p.action, time.perf_counter()))
-        return p.buffers
-
-    def _drain(self) -> None:
-        """Wait for every send still in flight (their buffers may then be freed)."""
-        for works, a, peer, _tensors in self._in_flight:
-            for w in works:
-                self._complete(w, a, peer)
-        self._in_flight = []
-        self._done = {}
-
-    def _complete(self, work, a: Action, peer: int) -> None:
-        """Wait for one work once (a gloo receive waited twice would wait for another message)."""
-        if id(work) in self._done:
+    def _propagate(self, st: StageRunner, stash: Stash, grads: list[list], mb: int) -> None:
+        """Back-propagate a stage's output gradients ``grads`` (the last stage: the loss scale) through
+        what its forward stashed: the recomputed prefix after the rest when it was checkpointed."""
+        loss = self._scales[mb] if st.is_last else None
+        if not stash.recompute:
+            self._backprop(stash.outputs, grads, stash.tape, loss)
             return
-        self._guard(lambda: work.wait(timeout=self._td()), a, peer)
-        self._done[id(work)] = work  # kept alive until the step ends, so its id is not reused
+        _head, rest = st.variants[stash.recompute]
+        if rest is None:
+            self._backprop(stash.head_outputs, grads, stash.head_tape, loss)  # type: ignore[arg-type]
+            return
+        self._backprop(stash.outputs, grads, stash.tape, loss)
+        k = len(stash.head_outputs[0])  # type: ignore[index]
+        names = list(zip(rest.inputs[:k], rest.grad[:k]))
+        inner = [[hl[name].grad if g else None for name, g in names] for hl in stash.head_leaves]
+        self._backprop(stash.head_outputs, inner, stash.head_tape)  # type: ignore[arg-type]
 
     # -- failures --------------------------------------------------------------------------------
-    def _td(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.timeout)
-
     def _guard(self, fn, what, peer: int):
         try:
             return fn()

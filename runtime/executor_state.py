@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.actions import Action
+from autopar.runtime.split_backward import run_backward
 from autopar.runtime.subpipeline import Tape
 
 _WIRE = {torch.bool: torch.uint8}  # dtypes gloo cannot send are sent as their bytes
@@ -65,7 +66,8 @@ def backprop(
     outputs: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None], loss_scale: float | None = None
 ) -> None:
     """Back-propagate ``grads`` from ``outputs`` (``None``: no gradient flows back through it). With
-    ``loss_scale`` the first output is the loss and its gradient is ``loss_scale``."""
+    ``loss_scale`` the first output is the loss and its gradient is ``loss_scale``. Inside
+    ``split_backward.deferring_weights`` only the input gradients (B; W deferred)."""
     if loss_scale is not None:
         grads = [torch.full_like(outputs[0], loss_scale)]
         outputs = outputs[:1]
@@ -76,7 +78,7 @@ def backprop(
         ts.append(o)
         gs.append(g)
     if ts:
-        torch.autograd.backward(ts, gs)
+        run_backward(ts, gs)
 
 
 def rng_state() -> tuple:

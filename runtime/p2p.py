@@ -1,6 +1,6 @@
 """Complete per-rank compute orders into full action lists: place every SEND/RECV by the pairing rule.
 
-A schedule generator decides only the order of ``F``, ``B`` and ``RECOMPUTE`` on each rank;
+A schedule generator decides only the order of ``F``, ``B``, ``W`` and ``RECOMPUTE`` on each rank;
 ``insert_comm_actions`` adds the point-to-point actions and the closing ``REDUCE_GRADS``/``STEP``. The rules, which
 the executor may rely on:
 
@@ -15,7 +15,8 @@ the executor may rely on:
    ``torch.distributed.batch_isend_irecv`` call: sends first, then receives.
 5. **Receives are posted ahead, where the receiver is when the data is sent.** ``insert_comm_actions`` first puts
    each receive right before its consumer and times the lists with nominal costs (T_F = 1,
-   T_B = 2, T_R = 1 per stage, no transfer time), under the eager semantics below. It then moves
+   T_B = 2, T_R = 1 per stage, a split B and its W 1 each, no transfer time), under the eager
+   semantics below. It then moves
    every receive to the first gap of the receiving rank that the rank leaves no earlier than the
    moment the matching send is posted (never later than the consumer, keeping FIFO order).
 
@@ -74,8 +75,8 @@ class _Messages:
         for rank, order in enumerate(compute):
             for i, a in enumerate(order):
                 if a.kind not in COMPUTE_KINDS:
-                    raise ScheduleError(f"rank {rank} compute order holds {a}; give only F, B and RECOMPUTE")
-                if a.kind is Kind.RECOMPUTE:
+                    raise ScheduleError(f"rank {rank} compute order holds {a}; give only F, B, W and RECOMPUTE")
+                if a.kind in (Kind.RECOMPUTE, Kind.W):  # they neither send nor receive
                     continue
                 msg = _message(a, stage_to_rank, rank)
                 if msg is not None:
@@ -110,8 +111,8 @@ class _Messages:
                 out.extend(recvs[rank].get(gap, ()))
                 if gap < len(order):
                     out.append(order[gap])
-            last_b = {a.stage: i for i, a in enumerate(order) if a.kind is Kind.B}
-            out.extend(Action(Kind.REDUCE_GRADS, s) for s in sorted(last_b, key=last_b.__getitem__))
+            last = {a.stage: i for i, a in enumerate(order) if a.kind in (Kind.B, Kind.W)}  # after the last W
+            out.extend(Action(Kind.REDUCE_GRADS, s) for s in sorted(last, key=last.__getitem__))
             out.append(Action(Kind.STEP))
             lists.append(tuple(out))
         return tuple(lists)

@@ -1,9 +1,9 @@
-"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, Hanayo waves, Merak SCP) and their registry.
+"""Schedule generators (GPipe, 1F1B, interleaved 1F1B, Hanayo waves, Merak SCP, zero bubble) and their registry.
 
 A generator is ``(num_ranks, num_microbatches, **options) -> Schedule``. It decides the placement
-(``stage_to_rank``) and each rank's order of ``F``/``B``/``RECOMPUTE``; ``autopar.runtime.p2p.insert_comm_actions``
-adds the sends, receives, ``REDUCE_GRADS`` and ``STEP``. Adding a schedule is one decorated
-function::
+(``stage_to_rank``) and each rank's order of ``F``/``B``/``W``/``RECOMPUTE``;
+``autopar.runtime.p2p.insert_comm_actions`` adds the sends, receives, ``REDUCE_GRADS`` and ``STEP``.
+Adding a schedule is one decorated function::
 
     @register("my-schedule")
     def my_schedule(num_ranks: int, num_microbatches: int) -> Schedule: ...
@@ -11,15 +11,18 @@ function::
 after which ``make_schedule("my-schedule", P, M)``, ``autopar simulate --schedule my-schedule`` and
 the property tests (which iterate over ``SCHEDULES``) all pick it up.
 
-Placements: GPipe, 1F1B and SCP put stage ``r`` on rank ``r``. Interleaved puts stage ``s`` on rank
-``s % P`` (rank ``r`` holds chunks ``r, r+P, r+2P, ...``). Waves use the V shape: stage
-``s = 2Pw + j`` is on rank ``j`` for ``j < P`` and on rank ``2P-1-j`` otherwise, so stages ``P-1, P``
-share rank ``P-1`` and stages ``2P-1, 2P`` share rank 0 (local hand-overs, no p2p).
+Placements (``solver.pipeline_shape.stage_ranks``): GPipe, 1F1B, SCP, ZB-H1 and ZB-H2 put stage ``r``
+on rank ``r``. Interleaved puts stage ``s`` on rank ``s % P`` (rank ``r`` holds chunks ``r, r+P, r+2P,
+...``). Waves, ZB-V and DualPipeV use the V shape: stage ``s = 2Pw + j`` is on rank ``j`` for ``j < P``
+and on rank ``2P-1-j`` otherwise, so stages ``P-1, P`` share rank ``P-1`` and stages ``2P-1, 2P``
+share rank 0 (local hand-overs, no p2p).
 
 Memory bounds the property tests check (in-flight microbatch-stages per rank ``r``, i.e. stashed
 activations): GPipe ``M``; 1F1B ``min(P - r, M)``, so ``P`` on rank 0; SCP the same except
 ``min(3, M)`` on the penultimate rank; interleaved its warm-up + 1, ``min(2(P-r-1) + (v-1)P + 1, vM)``;
-waves ``2W * min(max_inflight, M)``.
+waves ``2W * min(max_inflight, M)``; the zero-bubble schedules count a microbatch-stage until its
+``W``: ZB-H1 ``min(P, M)``, ZB-H2 ``min(2P - 1, M)``, ZB-V ``2P`` stage stashes of half a rank's
+share each (1F1B's rank 0), DualPipeV ``2P + 1`` of them (DualPipe's PP + 1).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from autopar.errors import ScheduleError
 from autopar.runtime.actions import RECOMPUTE, Action, B, F, Schedule, check_placement
 from autopar.runtime.listsched import Priority, list_schedule
 from autopar.runtime.p2p import insert_comm_actions
+from autopar.runtime.zero_bubble import checkpointed, delay_weights, dualpipev_orders, zbv_orders
+from autopar.solver.pipeline_shape import stage_ranks
 
 Generator = Callable[..., Schedule]
 SCHEDULES: dict[str, Generator] = {}
@@ -139,12 +144,6 @@ def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sched
     return _build("interleaved", M, [s % P for s in range(P * v)], compute, chunks=v)
 
 
-def wave_placement(num_ranks: int, waves: int) -> list[int]:
-    """Hanayo's V-shaped placement of 2PW stages: down ranks 0..P-1, up P-1..0, repeated W times."""
-    P = num_ranks
-    return [j if j < P else 2 * P - 1 - j for _ in range(waves) for j in range(2 * P)]
-
-
 def stage_aware_ratios(num_stages: int, alpha1: Fraction | int) -> list[Fraction]:
     """Merak's non-recomputation ratios alpha_i (section 5.2), as a 0-based list for stages 1..s.
 
@@ -180,7 +179,7 @@ def wave(num_ranks: int, num_microbatches: int, waves: int = 1, max_inflight: in
     if W < 1:
         raise ScheduleError(f"wave needs waves >= 1, got {W}")
     cap = max_inflight or 2 * P
-    placement = wave_placement(P, W)
+    placement = stage_ranks(P, waves=W)
     candidates = [list_schedule(placement, M, Priority(bf, df), cap) for bf in (True, False) for df in (True, False)]
     best = min(candidates, key=lambda ls: (ls.makespan, ls.peak_inflight))
     return _build("wave", M, placement, best.compute, waves=W, max_inflight=cap)
@@ -212,3 +211,64 @@ def shifted_critical_path(num_ranks: int, num_microbatches: int, alpha1: Fractio
             order.insert(order.index(fwd[1][0]) + 1, fwd[2][0])
         compute.append(order)
     return _build("scp", M, range(P), compute, alpha1=Fraction(alpha1))
+
+
+def _one_f_one_b_with_weights(num_ranks: int, num_microbatches: int, warmup, delay) -> list[list[Action]]:
+    """Per rank r: 1F1B's F/B order with ``warmup(r)`` forwards first, W delayed by ``delay(r)`` backwards."""
+    P, M = num_ranks, num_microbatches
+    compute = []
+    for r in range(P):
+        order = one_f_one_b([[F(m, r)] for m in range(M)], [[B(m, r)] for m in range(M)], warmup(r))
+        compute.append(delay_weights(order, delay(r)))
+    return compute
+
+
+def _zero_bubble(name: str, M: int, placement: Sequence[int], orders: list[list[Action]], recompute: int) -> Schedule:
+    """``_build`` for a zero-bubble order, with every stage checkpointed when ``recompute=1``."""
+    if recompute not in (0, 1):
+        raise ScheduleError(f"{name} takes recompute=0 or 1, got {recompute}")
+    if recompute:
+        return _build(name, M, placement, [checkpointed(o) for o in orders], recompute=1)
+    return _build(name, M, placement, orders)
+
+
+@register("zb-h1")
+def zb_h1(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
+    """Zero Bubble's ZB-H1 (Qi et al. 2.1): 1F1B whose rank r runs its W r backwards late.
+
+    Bubble (p-1)(T_F + T_B - T_W) against 1F1B's (p-1)(T_F + T_B + T_W), at 1F1B's peak activation
+    memory (P stage stashes on every rank, counted until the W). ``recompute=1`` checkpoints every
+    stage (a ``RECOMPUTE`` right before each ``B``), as for every zero-bubble schedule here.
+    """
+    P, M = num_ranks, num_microbatches
+    orders = _one_f_one_b_with_weights(P, M, lambda r: P - r - 1, lambda r: r)
+    return _zero_bubble("zb-h1", M, range(P), orders, recompute)
+
+
+@register("zb-h2")
+def zb_h2(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
+    """Zero Bubble's ZB-H2 (Qi et al. 2.2): 2(P-r-1) warm-up forwards on rank r, W 2r backwards late.
+
+    The layout is a parallelogram: bubble (p-1)(T_F + T_B - 2T_W) inside each rank's span, zero when
+    T_F + T_B = 2 T_W, at 2P - 1 stashes (about twice 1F1B's). A synchronous step adds the staggered
+    start and end (``SimResult.span_bubble`` against ``step_time``, docs/schedules.md).
+    """
+    P, M = num_ranks, num_microbatches
+    orders = _one_f_one_b_with_weights(P, M, lambda r: 2 * (P - r - 1), lambda r: 2 * r)
+    return _zero_bubble("zb-h2", M, range(P), orders, recompute)
+
+
+@register("zbv")
+def zbv(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
+    """Zero Bubble's ZB-V (Qi et al. 6): two chunks per rank in a V, F-B-W groups; zero bubble inside each
+    rank's span when T_F = T_B = T_W, at 1F1B's peak activation memory."""
+    P, M = num_ranks, num_microbatches
+    return _zero_bubble("zbv", M, stage_ranks(P, waves=1), zbv_orders(P, M), recompute)
+
+
+@register("dualpipev")
+def dualpipev(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
+    """DeepSeek's DualPipeV (DualPipe cut in half): the V placement, forward of one chunk beside the whole
+    backward of the other in the steady state, split backwards at both ends; needs M >= 2P."""
+    P, M = num_ranks, num_microbatches
+    return _zero_bubble("dualpipev", M, stage_ranks(P, waves=1), dualpipev_orders(P, M), recompute)

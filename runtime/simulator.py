@@ -7,7 +7,8 @@ the action when a list is unsound:
 
 - a forward whose input is not there (no ``RECV_ACT`` before it, or the previous stage's ``F`` has
   not run on this rank when the hand-over is local); a backward before its forward, before its
-  ``RECOMPUTE``, or before its output gradient arrived; a duplicate or missing ``F``/``B``;
+  ``RECOMPUTE``, or before its output gradient arrived; a ``W`` before its ``B``; a duplicate or
+  missing ``F``/``B``/``W``;
 - a send to a stage on the same rank (local hand-overs have no p2p), a send before the tensor
   exists, a receive paired with a send of another tensor (pairing is FIFO per directed rank pair,
   see ``autopar.runtime.p2p``), a send that nobody receives;
@@ -24,6 +25,10 @@ Point-to-point semantics (``p2p=``):
   the receiver to have posted its receive): the transfer runs from the later of the two posts for
   ``tc``. A list that passes here cannot deadlock under blocking-but-batched p2p.
 
+A ``B`` whose ``W`` is in the list (``actions.split_backwards``) costs ``tb - tw`` and the ``W``
+``tw``; an unsplit ``B`` costs ``tb``. A microbatch-stage stays stashed until its backward is complete
+(``actions.ends_backward``): its ``W`` when split.
+
 The result, with both bubble ratios the papers use, is a ``SimResult`` (``autopar.runtime.timeline``).
 """
 
@@ -34,7 +39,16 @@ from fractions import Fraction
 
 from autopar.errors import ScheduleError
 from autopar.runtime.action_costs import Costs, Number
-from autopar.runtime.actions import COMPUTE_KINDS, P2P_KINDS, SEND_KINDS, Action, Kind, Schedule
+from autopar.runtime.actions import (
+    COMPUTE_KINDS,
+    P2P_KINDS,
+    SEND_KINDS,
+    Action,
+    Kind,
+    Schedule,
+    ends_backward,
+    split_backwards,
+)
 from autopar.runtime.timeline import Event, SimResult, Transfer
 
 Key = tuple[Kind, int, int]  # (kind, mb, stage) of a receive, as seen by the receiving rank
@@ -44,8 +58,10 @@ Channel = tuple[int, int]  # (source rank, destination rank)
 class _Rank:
     """What one rank has done so far: finished tensors and its stash of activations."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, split: frozenset[tuple[int, int]]) -> None:
         self.index = index
+        self.split = split  # (mb, stage) whose backward is a B and a later W
+        self.weights: set[tuple[int, int]] = set()  # W done
         self.pc = 0
         self.clock: Number = 0
         self.fwd: dict[tuple[int, int], Fraction] = {}  # (mb, stage) -> recompute fraction
@@ -70,7 +86,7 @@ class _Sim:
         if p2p not in ("eager", "batched"):
             raise ScheduleError(f"p2p must be 'eager' or 'batched', not {p2p!r}")
         self.s, self.c, self.mode = schedule, costs, p2p
-        self.ranks = [_Rank(r) for r in range(schedule.num_ranks)]
+        self.ranks = [_Rank(r, split_backwards(lst)) for r, lst in enumerate(schedule.actions)]
         # per channel: sends and posted receives in FIFO order, as (action, post time, action index)
         self.sends: dict[Channel, list[tuple[Action, Number, int]]] = defaultdict(list)
         self.recvs: dict[Channel, list[tuple[Action, Number, int]]] = defaultdict(list)
@@ -124,9 +140,15 @@ class _Sim:
         for rank in self.ranks:
             for stage in self.s.stages_of_rank(rank.index):
                 for mb in range(self.s.num_microbatches):
-                    if (mb, stage) not in rank.bwd:
-                        what = "B" if (mb, stage) in rank.fwd else "F"
+                    if not self.finished(rank, mb, stage):
+                        what = "W" if (mb, stage) in rank.bwd else "B" if (mb, stage) in rank.fwd else "F"
                         raise ScheduleError(f"rank {rank.index} never runs {what}(mb={mb}, stage={stage})")
+
+    @staticmethod
+    def finished(rank: _Rank, mb: int, stage: int) -> bool:
+        """Whether the backward of (mb, stage) is complete on ``rank`` (its W ran, when split)."""
+        key = (mb, stage)
+        return key in rank.weights if key in rank.split else key in rank.bwd
 
     def step(self, rank: _Rank) -> bool:
         """Run rank's next action if it can; False when it must wait for another rank."""
@@ -139,7 +161,7 @@ class _Sim:
             return False
         start = max(rank.clock, self.arrival[(rank.index, need)]) if need is not None else rank.clock
         self.account(rank, a)
-        end = start + self.cost(a)
+        end = start + self.cost(a, rank.split)
         rank.events.append(Event(rank.index, a, start, end))
         rank.clock, rank.pc = end, rank.pc + 1
         return True
@@ -153,7 +175,7 @@ class _Sim:
             return (Kind.RECV_GRAD, a.mb, s)  # type: ignore[return-value]
         return None
 
-    def cost(self, a: Action) -> Number:
+    def cost(self, a: Action, split: frozenset[tuple[int, int]]) -> Number:
         s, c = a.stage, self.c
         if a.kind is Kind.STEP:
             return c.t_step
@@ -161,7 +183,9 @@ class _Sim:
         if a.kind is Kind.F:
             return c.tf[s]
         if a.kind is Kind.B:
-            return c.tb[s]
+            return c.tb[s] - c.tw[s] if (a.mb, s) in split else c.tb[s]  # type: ignore[index]
+        if a.kind is Kind.W:
+            return c.tw[s]  # type: ignore[index]
         if a.kind is Kind.RECOMPUTE:
             return c.tr[s] * a.recompute
         return c.t_reduce[s] if c.t_reduce is not None else 0
@@ -189,6 +213,11 @@ class _Sim:
                 raise self.fail(rank, f"output gradient from stage {s + 1} (same rank) not computed yet")
             if s < last and local[s + 1] != rank.index and (Kind.RECV_GRAD, mb, s) not in rank.posted:
                 raise self.fail(rank, f"gradient from stage {s + 1} on rank {local[s + 1]}: no RECV_GRAD before it")
+        elif a.kind is Kind.W:
+            if key not in rank.bwd:
+                raise self.fail(rank, "weight gradients before the B of this microbatch and stage")
+            if key in rank.weights:
+                raise self.fail(rank, "second W of this microbatch and stage")
         elif a.kind is Kind.RECOMPUTE:
             if key not in rank.fwd or key in rank.bwd or key in rank.recomputed:
                 raise self.fail(rank, "recompute needs a stashed forward whose backward has not run")
@@ -196,8 +225,8 @@ class _Sim:
                 raise self.fail(rank, f"its forward checkpointed a fraction {rank.fwd[key]}, not {a.recompute}")
         elif a.kind is Kind.REDUCE_GRADS:
             assert s is not None
-            if any((m, s) not in rank.bwd for m in range(self.s.num_microbatches)) or s in rank.reduced:
-                raise self.fail(rank, "gradients reduced before every backward of the stage ran, or twice")
+            if any(not self.finished(rank, m, s) for m in range(self.s.num_microbatches)) or s in rank.reduced:
+                raise self.fail(rank, "gradients reduced before every backward (and W) of the stage ran, or twice")
             rank.reduced.add(s)
         elif a.kind is Kind.STEP and rank.reduced != set(self.s.stages_of_rank(rank.index)):
             raise self.fail(rank, "optimizer step before REDUCE_GRADS of every stage on this rank")
@@ -213,19 +242,25 @@ class _Sim:
             rank.recomputed.add(key)  # type: ignore[arg-type]
         elif a.kind is Kind.B:
             rank.bwd.add(key)  # type: ignore[arg-type]
-            rank.stash -= 1
+        elif a.kind is Kind.W:
+            rank.weights.add(key)  # type: ignore[arg-type]
+        done = ends_backward(a, rank.split)
+        rank.stash -= done
         if self.c.act_bytes is None or s is None or a.kind not in COMPUTE_KINDS:
             return
         act = self.c.act_bytes[s]
         inp = self.c.input_bytes[s] if self.c.input_bytes is not None else 0
+        grads = self.c.w_bytes[s] if self.c.w_bytes is not None and key in rank.split else 0
         x = rank.fwd[key]  # type: ignore[index]
         kept = (1 - x) * act + x * inp if x else act
         if a.kind is Kind.F:
             rank.bytes += kept
         elif a.kind is Kind.RECOMPUTE:
             rank.bytes += x * act
+        elif not done:  # a split B: the stash stays, the weight ops' output gradients join it
+            rank.bytes += grads
         else:
-            rank.bytes -= kept + x * act
+            rank.bytes -= kept + x * act + grads
         rank.peak_bytes = max(rank.peak_bytes, rank.bytes)
 
     def post(self, rank: _Rank, a: Action, index: int) -> tuple[Channel, int]:
@@ -291,6 +326,4 @@ class _Sim:
 
 def simulate(schedule: Schedule, costs: Costs, *, p2p: str = "eager") -> SimResult:
     """Execute ``schedule`` with ``costs``; raise ``ScheduleError`` if it is unsound (see module doc)."""
-    sim = _Sim(schedule, costs, p2p)
-    sim._received = defaultdict(int)
-    return sim.run()
+    return _Sim(schedule, costs, p2p).run()

@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import collectives as coll
+from autopar.runtime.split_backward import run_backward
 
 _EVENTS: list[tuple[str, int, str, str]] | None = None
 
@@ -143,7 +144,8 @@ class Tape:
 
 
 def _autograd(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], h: int, label: str) -> None:
-    """Back-propagate one segment of sub-microbatch ``h`` from (output, gradient) pairs."""
+    """Back-propagate one segment of sub-microbatch ``h`` from (output, gradient) pairs (its B only
+    inside ``split_backward.deferring_weights``: each segment's W is deferred on its own)."""
     ts, gs = [], []
     for t, g in pairs:
         if g is None or not isinstance(t, torch.Tensor) or not t.requires_grad:
@@ -152,7 +154,7 @@ def _autograd(pairs: list[tuple[torch.Tensor, torch.Tensor | None]], h: int, lab
         gs.append(g)
     if ts:
         _event("B", h, "compute", label)
-        torch.autograd.backward(ts, gs)
+        run_backward(ts, gs)
 
 
 def _drive(gens: list) -> list:

@@ -9,6 +9,11 @@ Bubble ratios (all exact when costs are ints/Fractions):
   busiest rank sets the ideal). 1F1B with equal stages gives (p-1)/m.
 - ``idle_fraction = sum_r (step_time - busy[r]) / (P * step_time)``: idle share of all device time,
   the "bubble / total" reading (see docs/schedules.md for how Hanayo's formula compares).
+- ``span_bubble = max_r (span[r] - busy[r])``, ``span[r]`` from rank r's first compute start to its
+  last compute end: the idle time *inside* each rank's own span, the bubble when consecutive steps
+  overlap (rank r starts the next step as soon as it ends this one, which the Zero Bubble paper's
+  optimizer post-validation allows). ZB-H2's and ZB-V's published bubbles are in this sense; a
+  synchronous step (autopar's: REDUCE_GRADS and STEP end it) pays ``step_time - busy`` instead.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from autopar.runtime.action_costs import Number
-from autopar.runtime.actions import Action, Schedule
+from autopar.runtime.actions import COMPUTE_KINDS, Action, Schedule
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,7 @@ class SimResult:
     bubble_ratio_per_rank: list[Number] = field(init=False)
     bubble_ratio: Number = field(init=False)
     idle_fraction: Number = field(init=False)
+    span_bubble: Number = field(init=False)
 
     def __post_init__(self) -> None:
         t = self.step_time
@@ -68,6 +74,7 @@ class SimResult:
         self.bubble_ratio = _ratio(t - max(self.busy), max(self.busy))
         idle = sum(t - b for b in self.busy)
         self.idle_fraction = _ratio(idle, len(self.busy) * t)
+        self.span_bubble = max(_span(events) - b for events, b in zip(self.timeline, self.busy))
 
     def to_json(self) -> dict[str, Any]:
         """Summary as JSON-ready numbers (floats); the exact values stay on the object."""
@@ -81,12 +88,19 @@ class SimResult:
             "bubble_ratio": float(self.bubble_ratio),
             "bubble_ratio_per_rank": [float(x) for x in self.bubble_ratio_per_rank],
             "idle_fraction": float(self.idle_fraction),
+            "span_bubble": float(self.span_bubble),
             "busy": [float(x) for x in self.busy],
             "peak_activations": list(self.peak_activations),
             "peak_activation_bytes": None
             if self.peak_activation_bytes is None
             else [float(x) for x in self.peak_activation_bytes],
         }
+
+
+def _span(events: list[Event]) -> Number:
+    """From a rank's first compute start to its last compute end (0 if it computes nothing)."""
+    computes = [e for e in events if e.action.kind in COMPUTE_KINDS]
+    return max(e.end for e in computes) - min(e.start for e in computes) if computes else 0
 
 
 def _ratio(num: Number, den: Number) -> Number:

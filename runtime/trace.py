@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from autopar.runtime.actions import COMPUTE_KINDS, Action, Kind, Schedule
+from autopar.runtime.actions import COMPUTE_KINDS, Action, Kind, Schedule, ends_backward, split_backwards
 from autopar.runtime.timeline import Event, SimResult, Transfer
 
 
@@ -29,7 +29,7 @@ def measured_result(schedule: Schedule, traces: Sequence[Sequence[TraceEvent]]) 
 
     ``step_time`` is the end of the last compute action on any rank (the pipeline proper; gradient
     reduction and the optimizer step come after it and are not part of the bubble), ``busy`` the time
-    each rank spent in F, B and RECOMPUTE, so ``bubble_ratio`` and ``idle_fraction`` mean what they
+    each rank spent in F, B, W and RECOMPUTE, so ``bubble_ratio`` and ``idle_fraction`` mean what they
     mean for a simulation. Transfers pair the k-th send of a channel with its k-th receive and run
     from the later of the two posts to the end of the receive's wait.
     """
@@ -57,13 +57,14 @@ def measured_result(schedule: Schedule, traces: Sequence[Sequence[TraceEvent]]) 
 
 
 def _peak_stash(trace: Sequence[TraceEvent]) -> int:
+    """Most microbatch-stages stashed at once: from each F to the end of its backward (its W when split)."""
+    split = split_backwards([e.action for e in trace])
     live = peak = 0
     for e in trace:
         if e.action.kind is Kind.F:
             live += 1
             peak = max(peak, live)
-        elif e.action.kind is Kind.B:
-            live -= 1
+        live -= ends_backward(e.action, split)
     return peak
 
 

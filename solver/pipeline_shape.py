@@ -12,6 +12,10 @@ simulator): the stage-microbatches whose activations rank r stashes at its peak,
     SCP (Merak)             the same, except 3 on the penultimate rank (Fig. 3c runs a third forward ahead)
     interleaved, v chunks   the warm-up plus one, min(2 (pp - r - 1) + (v - 1) pp + 1, v m)
     waves, W                2 W min(2 pp, m) (the wave schedule's in-flight cap is 2 pp microbatches)
+    ZB-H1                   min(pp, m) on every rank (a microbatch-stage counts until its W)
+    ZB-H2                   min(2 pp - 1, m)
+    ZB-V                    min(2 pp, 2 m) chunk stashes (2 pp when m >= 2 pp - 1; fewer below: a bound)
+    DualPipeV               2 pp + 1 chunk stashes (it needs m >= 2 pp)
 
 ``microbatches=None`` means m is large enough not to cap anything. Per stage (``inflight_per_stage``)
 a rank's count is shared evenly by its stages.
@@ -20,10 +24,12 @@ a rank's count is shared evenly by its stages.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from autopar.errors import PipelineError
 
-SCHEDULES = ("none", "1f1b", "interleaved", "wave", "scp")
+SCHEDULES = ("none", "1f1b", "interleaved", "wave", "scp", "zb-h1", "zb-h2", "zbv", "dualpipev")
+V_SCHEDULES = ("wave", "zbv", "dualpipev")  # two stages per rank and wave, in a V
 
 
 def num_stages(pp: int, chunks: int = 1, waves: int | None = None) -> int:
@@ -46,6 +52,17 @@ def stage_ranks(pp: int, chunks: int = 1, waves: int | None = None) -> list[int]
     return [s % pp for s in range(pp * chunks)]
 
 
+def placement_shape(stage_to_rank: Sequence[int], pp: int) -> tuple[int, int | None]:
+    """The (chunks, waves) whose ``stage_ranks`` is ``stage_to_rank`` (a schedule's placement): interleaved
+    chunks, or the V of waves (wave, ZB-V, DualPipeV); refuses any other placement."""
+    placement, stages = list(stage_to_rank), len(stage_to_rank)
+    if stages % pp == 0 and placement == stage_ranks(pp, stages // pp):
+        return stages // pp, None
+    if stages % (2 * pp) == 0 and placement == stage_ranks(pp, waves=stages // (2 * pp)):
+        return 1, stages // (2 * pp)
+    raise PipelineError(f"stage placement {placement} on {pp} ranks is neither interleaved nor a V of waves")
+
+
 def inflight_per_rank(
     schedule: str, pp: int, microbatches: int | None, chunks: int = 1, waves: int | None = None
 ) -> list[float]:
@@ -61,6 +78,9 @@ def inflight_per_rank(
         return [float(min(2 * (pp - r - 1) + (chunks - 1) * pp + 1, chunks * m)) for r in range(pp)]
     if schedule == "wave":
         return [float(2 * (waves or 1) * min(2 * pp, m)) for _ in range(pp)]
+    zero_bubble = {"zb-h1": min(pp, m), "zb-h2": min(2 * pp - 1, m), "zbv": min(2 * pp, 2 * m), "dualpipev": 2 * pp + 1}
+    if schedule in zero_bubble:
+        return [float(zero_bubble[schedule])] * pp
     raise PipelineError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
 
 
@@ -83,10 +103,12 @@ def check_shape(pp: int, chunks: int = 1, waves: int | None = None) -> None:
 
 __all__ = [
     "SCHEDULES",
+    "V_SCHEDULES",
     "check_shape",
     "inflight_per_rank",
     "inflight_per_stage",
     "num_stages",
+    "placement_shape",
     "schedule_of",
     "stage_ranks",
 ]

@@ -2,7 +2,10 @@
 
 Multi-process tests run several models, schedules and meshes per spawned process group (spawning is
 the expensive part): pp=2 on 2 ranks; pp=2 x dp=2 and pp=2 x tp=2 on 4 (with and without Merak's
-sub-pipelined tensor parallelism); pp=2 x dp=2 x tp=2 (also sub-pipelined) and MiCS on 8. Each run
+sub-pipelined tensor parallelism); pp=2 x dp=2 x tp=2 (also sub-pipelined) and MiCS on 8. The
+zero-bubble schedules (ZB-H1, ZB-H2, ZB-V, DualPipeV: B and W apart) run inside the same spawns: each
+on pp=2 (GPT-2 and LLaMA) and pp=2 x dp=2, with recomputation, ZeRO-2, ZeRO-3, tensor parallelism
+(ILP-sharded and sub-pipelined; Megatron's layout with scatter/gather). Each run
 trains 3 SGD steps in float64 on 4 microbatches and is compared with one single-process run of the
 same model and batches (tests/equivalence.py, tests/exactness.py): per-step losses and every
 parameter within 1e-10 relative.
@@ -57,6 +60,8 @@ SUB = {"microbatches": 2, "sub_pipeline_tp": True}
 # it), so the tensor-parallel collectives inside stages, and sub-pipelining them, are exercised.
 SHARDED = ShardOptions(objective="memory")
 SUB_RUNS = [("1f1b", {}, SUB), ("interleaved", {"chunks": 2}, SUB), ("scp", {"alpha1": Fraction(1, 2)}, SUB)]
+# zero bubble: each backward split into B (input gradients) and W (weight gradients, runtime/split_backward.py)
+ZB = [("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
 
 
 def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] = ()) -> None:
@@ -94,11 +99,12 @@ def _check(results, where: str, tp_sharded: bool = False, zero: tuple[str, ...] 
 def test_pp2_every_schedule_gpt2_llama_bert_and_meta_init_and_dp2_one_stage():
     """Every schedule on pp=2 (forward's outputs, the losses and the whole gathered model equal the
     single process's); a mesh without pp is a one-stage pipeline: train_step on dp=2 with 2
-    microbatches (gradient accumulation), also with the stage recomputed."""
-    runs = [*ALL, ("1f1b", {"recompute": 1})]
+    microbatches (gradient accumulation), also with the stage recomputed. The zero-bubble schedules on
+    GPT-2 and LLaMA, one with every stage checkpointed (recomputed before B, kept until W)."""
+    runs = [*ALL, ("1f1b", {"recompute": 1}), *ZB, ("zbv", {"recompute": 1})]
     jobs = [
         {"name": "gpt2", "model_name": "gpt2", "axes": {"pp": 2}, "runs": runs},
-        {"name": "llama", "model_name": "llama", "axes": {"pp": 2}, "runs": ALL},
+        {"name": "llama", "model_name": "llama", "axes": {"pp": 2}, "runs": ALL + ZB},
         {"name": "bert", "model_name": "bert", "axes": {"pp": 2}, "runs": ALL},
         # built on the meta device, initialized shard by shard; the reference is materialize()d
         {"name": "gpt2-meta", "model_name": "gpt2", "axes": {"pp": 2}, "runs": [("1f1b", {})], "meta": True},
@@ -136,7 +142,7 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
             "name": "gpt2-pp2dp2-zero3",
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2},
-            "runs": [("1f1b", {})],
+            "runs": [("1f1b", {}), ("zb-h1", {})],  # W reduce-scatters into the slices
             "compile_kwargs": zero3,
             "make_optimizer": True,
             "steps": 2,
@@ -150,12 +156,12 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
             "microbatches": 2,
             "steps": 2,
         },
-        {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL},
+        {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL + ZB},
         {
             "name": "gpt2-pp2dp2-zero2",
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2},
-            "runs": [("1f1b", {}), ("wave", {"waves": 1})],
+            "runs": [("1f1b", {}), ("wave", {"waves": 1}), ("zbv", {})],
             "compile_kwargs": zero2,
             "make_optimizer": True,
         },
@@ -163,14 +169,20 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
             "name": "gpt2-pp2tp2",
             "model_name": "gpt2",
             "axes": {"pp": 2, "tp": 2},
-            "runs": ALL + SUB_RUNS,
+            "runs": ALL + SUB_RUNS + [("zbv", {}, SUB)],  # each sub-pipelined segment split into B and W
             "compile_kwargs": sharded,
         },
         {
             "name": "llama-pp2tp2-scatter-gather",
             "model_name": "llama",
             "axes": {"pp": 2, "tp": 2},
-            "runs": [("1f1b", {}), ("interleaved", {"chunks": 2}), ("1f1b", {}, SUB), ("gpipe", {}, SUB)],
+            "runs": [
+                ("1f1b", {}),
+                ("interleaved", {"chunks": 2}),
+                ("1f1b", {}, SUB),
+                ("gpipe", {}, SUB),
+                ("zb-h1", {}),
+            ],
             "compile_kwargs": {"scatter_gather": True},
             "megatron": True,  # Megatron's layout keeps the boundary replicated over tp: 1/t goes on the wire
         },

@@ -18,9 +18,9 @@ from autopar.runtime.schedules import (
     make_schedule,
     register,
     stage_aware_ratios,
-    wave_placement,
 )
 from autopar.runtime.simulator import simulate
+from autopar.solver.pipeline_shape import stage_ranks
 
 
 @st.composite
@@ -34,10 +34,12 @@ def schedules(draw: st.DrawFn) -> Schedule:
         options["chunks"] = draw(st.integers(1, 3))
     if name == "wave":
         options["waves"] = draw(st.integers(1, 3))
-    if name == "1f1b":
+    if name in ("1f1b", "zb-h1", "zb-h2", "zbv", "dualpipev"):
         options["recompute"] = draw(st.integers(0, 1))
     if name == "scp":
         options["alpha1"] = draw(st.sampled_from([Fraction(0), Fraction(1, 10), Fraction(1, 3), Fraction(1)]))
+    if name == "dualpipev":
+        M = max(M, 2 * P)  # its minimum: one microbatch per stage
     return make_schedule(name, P, M, **options)
 
 
@@ -55,6 +57,14 @@ def stash_bound(s: Schedule, rank: int) -> int | None:
         return min(2 * (P - rank - 1) + (v - 1) * P + 1, M * v)
     if s.name == "wave":
         return 2 * int(opts["waves"]) * min(int(opts["max_inflight"]), M)
+    if s.name == "zb-h1":  # counted until each W: P on every rank (1F1B's rank 0)
+        return min(P, M)
+    if s.name == "zb-h2":
+        return min(2 * P - 1, M)
+    if s.name == "zbv":  # 2P half-share stashes: 1F1B's P shares
+        return 2 * P
+    if s.name == "dualpipev":  # DualPipe's PP + 1 chunks
+        return 2 * P + 1
     return None  # a newly registered schedule: soundness is still checked
 
 
@@ -65,12 +75,17 @@ def test_generated_schedules_are_sound(s: Schedule) -> None:
     # the simulator raises on deadlock, unmatched or mismatched p2p, B before F, F before its input
     eager = simulate(s, costs)
     simulate(s, costs, p2p="batched")  # and the lists cannot deadlock under blocking batched p2p
-    # every microbatch has exactly one F and one B per stage, on the rank that holds the stage
+    # every microbatch has exactly one F and one B per stage, on the rank that holds the stage, and at
+    # most one W: one for every B of the zero-bubble schedules but DualPipeV (whose steady state runs
+    # whole backwards), none for the others
     seen = Counter((a.kind, a.mb, a.stage, r) for r, lst in enumerate(s.actions) for a in lst)
+    split = s.name in ("zb-h1", "zb-h2", "zbv")
     for stage in range(s.num_stages):
         for mb in range(s.num_microbatches):
             for kind in (Kind.F, Kind.B):
                 assert seen[(kind, mb, stage, s.stage_to_rank[stage])] == 1
+            weights = seen[(Kind.W, mb, stage, s.stage_to_rank[stage])]
+            assert weights == 1 if split else weights <= (s.name == "dualpipev")
     assert sum(n for (k, *_), n in seen.items() if k in (Kind.F, Kind.B)) == 2 * s.num_stages * s.num_microbatches
     # no send or receive between stages on the same rank: that hand-over is local
     for r, lst in enumerate(s.actions):
@@ -101,7 +116,7 @@ def test_placements() -> None:
     s = make_schedule("interleaved", 4, 8, chunks=3)
     assert s.stage_to_rank == tuple(st % 4 for st in range(12))
     assert s.stages_of_rank(1) == [1, 5, 9]
-    assert wave_placement(3, 2) == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0]
+    assert stage_ranks(3, waves=2) == [0, 1, 2, 2, 1, 0, 0, 1, 2, 2, 1, 0]
     w = make_schedule("wave", 3, 3, waves=2)
     assert w.stages_of_rank(0) == [0, 5, 6, 11] and w.stages_of_rank(2) == [2, 3, 8, 9]
     # the V's turns (2->3 on rank 2, 5->6 on rank 0, 8->9 on rank 2) carry no p2p at all

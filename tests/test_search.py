@@ -119,7 +119,7 @@ def _pipeline_candidates(an: Analytic, space: SearchSpace, world: int, limit: in
 def test_lower_bound_never_exceeds_the_simulated_step_and_extrapolation_matches():
     an = Analytic(gpt_profile(), ClusterSpec.load("dgx-a100:nodes=2"), 64)
     evs = _pipeline_candidates(an, SMALL, 16, 40)
-    assert {e.candidate.schedule for e in evs} == {"1f1b", "scp", "interleaved", "wave"}
+    assert {e.candidate.schedule for e in evs} == {"1f1b", "scp", "interleaved", "wave", "zb-h1", "zb-h2", "dualpipev"}
     exact = Scorer(full_limit=10**9)
     for ev in evs:
         step = exact.score(dataclasses.replace(ev)).step_time
@@ -295,12 +295,13 @@ F32_PARAM_TOL = 2e-5
 
 @pytest.mark.multiproc
 def test_searched_plans_train_exactly_like_one_process(tmp_path):
-    """The default search on 4 CPU processes picks a plan without a pipeline; a search restricted to
-    pp = 2 gives a pipeline plan; `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
+    """A search on 4 CPU processes restricted to pp = 1 gives a plan without a pipeline, one restricted
+    to pp = 2 a pipeline plan (a zero-bubble schedule: the default search prefers it to pp = 1 here);
+    `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
     loaded on every rank, train three SGD steps that match a single process (float32, the preset's
     own loss: the tolerances above)."""
     cluster = ClusterSpec.load(LOCAL4)
-    flat = search_model("tiny-gpt2", cluster, 8, precision="fp32")
+    flat = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(1,)), precision="fp32")
     piped = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,)), precision="fp32")
     assert flat.best[0].candidate.pp == 1 and piped.best[0].candidate.pp == 2
     paths = []

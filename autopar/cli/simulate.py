@@ -6,12 +6,15 @@ Examples::
     autopar simulate --schedule interleaved --stages 4 --microbatches 8 --chunks 2 --json
     autopar simulate --schedule wave --stages 4 --microbatches 4 --waves 2 --chart wave.png
     autopar simulate --schedule scp --stages 8 --microbatches 16 --tr 1 --print
+    autopar simulate --schedule zbv --stages 4 --microbatches 8 --tb 2 --tw 1 --chart zbv.png
 
 ``--tf/--tb/--tr`` are the forward/backward/recompute time of one rank's share of the model
-(model / P), split evenly over that rank's stages, so schedules with more stages per rank do the
-same total work; ``--tc`` is the time of one point-to-point transfer. The pair (Schedule, Costs)
-is all the simulator needs: ``_from_flags`` builds it from these flags, and a plan file can feed
-the same pair later (P, M, schedule, per-stage costs) without touching ``_report``.
+(model / P), ``--tw`` the part of ``--tb`` that computes weight gradients (what a zero-bubble
+schedule's W costs; default half of it), split evenly over that rank's stages, so schedules with
+more stages per rank do the same total work; ``--tc`` is the time of one point-to-point transfer.
+The pair (Schedule, Costs) is all the simulator needs: ``_from_flags`` builds it from these flags,
+and a plan file can feed the same pair later (P, M, schedule, per-stage costs) without touching
+``_report``.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--tf", type=Fraction, default=Fraction(1), help="forward time of a rank's share")
     parser.add_argument("--tb", type=Fraction, default=Fraction(2), help="backward time of a rank's share")
     parser.add_argument("--tr", type=Fraction, help="recompute time of a rank's share (default: tf)")
+    parser.add_argument("--tw", type=Fraction, help="weight-gradient part of --tb, a W's time (default: tb/2)")
     parser.add_argument("--tc", type=Fraction, default=Fraction(0), help="time of one p2p transfer")
     parser.add_argument("--act-bytes", type=float, help="activation bytes one microbatch stashes per rank share")
     parser.add_argument("--p2p", choices=("eager", "batched"), default="eager", help="p2p semantics")
@@ -76,7 +80,9 @@ def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
             raise ScheduleError(f"--{flag} does not apply to the {args.schedule} schedule")
         options[keyword] = value
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, **options)
-    costs = Costs.from_rank_share(schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes)
+    costs = Costs.from_rank_share(
+        schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes, tw=args.tw
+    )
     return schedule, costs
 
 
@@ -92,6 +98,8 @@ def _report(result: SimResult, args: argparse.Namespace) -> None:
         print(f"step time        {float(result.step_time):g}")
         print(f"bubble ratio     {float(result.bubble_ratio):.4f}   (bubble / ideal compute, Megatron)")
         print(f"idle fraction    {float(result.idle_fraction):.4f}   (bubble / total time, Hanayo/Chimera)")
+        span = result.span_bubble / max(result.busy) if max(result.busy) else 0
+        print(f"span bubble      {float(span):.4f}   (idle inside each rank's span / compute: overlapped steps)")
         for r in range(s.num_ranks):
             mem = "" if result.peak_activation_bytes is None else f"  {float(result.peak_activation_bytes[r]):g} B"
             print(
@@ -111,11 +119,7 @@ def _from_plan(args: argparse.Namespace) -> tuple[Schedule, Costs]:
         raise ScheduleError(f"{args.plan} has no pipeline: plan it with a pp axis (autopar plan MODEL --mesh pp=4,...)")
     pipe = plan.pipeline
     stages = pipe["stage_plan"]["stages"]
-    options = {}
-    if pipe.get("chunks", 1) > 1:
-        options["chunks"] = pipe["chunks"]
-    if pipe.get("waves"):
-        options["waves"] = pipe["waves"]
+    options = {k: Fraction(v) if isinstance(v, str) else v for k, v in (pipe.get("schedule_options") or {}).items()}
     micro = pipe.get("microbatches") or args.microbatches
     schedule = make_schedule(pipe["schedule"], pipe["pp"], micro, **options)
     per_stage = [Fraction(st["compute_seconds"] + st["comm_seconds"]).limit_denominator(10**12) for st in stages]

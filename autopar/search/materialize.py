@@ -90,8 +90,7 @@ def build_plan(
     pipeline_info = None
     if c.pp > 1:
         prog, stage_plan, split = assign_stages(
-            prog, c.pp, chunks=c.chunks if c.schedule == "interleaved" else 1,
-            waves=c.waves if c.schedule == "wave" else None, microbatches=c.microbatches, cluster=result.cluster,
+            prog, c.pp, chunks=c.chunks, waves=c.waves or None, microbatches=c.microbatches, cluster=result.cluster,
             budget_bytes=math.inf, precision="fp32" if result.precision == "fp32" else "bf16",
         )  # fmt: skip
         split_seconds = split.seconds

@@ -6,22 +6,27 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
   (``stage_layout.py``: balanced FLOPs, or Megatron's L / S layers each);
 - compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
   twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+  of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
+  once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
+  all of the first stage's (it has no input gradient to compute: its input is data);
 - communication (``comm_time.py``): tensor-parallel all-reduces, pipeline transfers and the
   data-parallel gradient synchronization after each rank's last backward under ZeRO / MiCS; ZeRO-3's
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
   the stashed activations of the microbatches in flight (closed forms per schedule,
-  ``solver/pipeline_shape.inflight_per_rank``) plus one recomputed layer's activations while it is rematerialized;
+  ``solver/pipeline_shape.inflight_per_rank``; zero-bubble schedules count a microbatch until its W)
+  plus one recomputed layer's activations while it is rematerialized;
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
-  gradients). It equals the papers' closed forms for uniform stages.
+  gradients; not with a split backward, whose W may run while it travels). It equals the papers'
+  closed forms for uniform stages.
 
 What is estimated rather than exact: efficiency is a constant fraction of peak (no dependence on
 matrix sizes or micro-batch size), elementwise kernels are priced as FLOPs, the optimizer step and
 the tied-embedding all-reduce between the first and last stage are not priced, and in-flight counts
-for interleaved and wave schedules are upper bounds (every stashed microbatch counted at the
-largest chunk's size).
+for interleaved, wave and V schedules are upper bounds (every stashed microbatch counted at the
+largest chunk's size), and the output gradients a split backward keeps from B to W are not counted.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from typing import Any
 from autopar.runtime.schedules import stage_aware_ratios
 from autopar.search.comm_time import CommTime
 from autopar.search.profile import Profile, UnitCost
-from autopar.search.space import Candidate
+from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_layout import Layout, balanced_layout, even_layout
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import EFFICIENCY, TrainingSetup
@@ -62,6 +67,7 @@ class Evaluation:
     simulated: str = ""  # "exact", "extrapolated" or "closed form"
     bubble: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    tw: tuple[float, ...] = ()  # per stage: the weight-gradient part of tb (a zero-bubble schedule's W)
 
     @property
     def memory(self) -> float:
@@ -84,6 +90,7 @@ class _Part:
     tb: tuple[float, ...]
     tr: tuple[float, ...]
     tc: tuple[float, ...]
+    tw: tuple[float, ...]
     act_kept: tuple[float, ...]
     trans: tuple[float, ...]
     rank_params: tuple[float, ...]  # parameter elements held per device
@@ -117,7 +124,7 @@ class Analytic:
         self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
         units = profile.units
         self.n = len(units)
-        rows = _augment(units)  # a parameter read by several units (a tied embedding) counts in each
+        rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
         self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
         self._is_layer = [u.kind == "layer" for u in units]
         self._max_layer_act: dict[tuple[int, int, int], float] = {}
@@ -185,10 +192,9 @@ class Analytic:
         if c.pp == 1:
             lb = c.microbatches * part.rank_busy[0] + reduce[0]
         else:
-            lb = max(
-                h + c.microbatches * busy + max(t, r)
-                for h, busy, t, r in zip(part.rank_head, part.rank_busy, part.rank_tail, reduce)
-            )
+            tails = [0.0] * c.pp if c.schedule in ZERO_BUBBLE else part.rank_tail
+            ends = zip(part.rank_head, part.rank_busy, tails, reduce)
+            lb = max(h + c.microbatches * busy + max(t, r) for h, busy, t, r in ends)
         return Evaluation(
             candidate=c,
             stages=part.stages,
@@ -197,6 +203,7 @@ class Analytic:
             tb=part.tb,
             tr=part.tr,
             tc=part.tc,
+            tw=part.tw,
             recompute_fraction=part.x,
             reduce=reduce,
             rank_memory=mem,
@@ -235,7 +242,7 @@ class Analytic:
             self._parts[key] = None
             return None
         x = self.recompute_fractions(c)
-        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, mine, head, tail = base
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, mine, head, tail = base
         kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
         trans = [la if xs else 0.0 for la, xs in zip(layer_act, x)]
         part = _Part(
@@ -246,6 +253,7 @@ class Analytic:
             tb=tb,
             tr=tr,
             tc=tc,
+            tw=tw,
             act_kept=tuple(kept),
             trans=tuple(trans),
             rank_params=tuple(sum(params[s] for s in ss) for ss in mine),
@@ -273,7 +281,7 @@ class Analytic:
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
         intra_g = self.comm.intra(tp * z3)
-        tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
+        tf, tb, tr, tw, acts, saving, layer_act, params_of = [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
             f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
@@ -289,11 +297,13 @@ class Analytic:
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
             tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
+            tw.append(b * S("wflops", a, e) / tp / rate)
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
             params_of.append(params)
+        tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
         tc = tuple(
             self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
             for s in range(len(stages) - 1)
@@ -305,21 +315,8 @@ class Analytic:
         for s in range(len(stages) - 1):
             head.append(head[-1] + tf[s] + tc[s])
             tail.append(tail[-1] + tb[s] + tc[s])
-        base = (
-            stages,
-            ranks,
-            tuple(tf),
-            tuple(tb),
-            tuple(tr),
-            tc,
-            acts,
-            saving,
-            layer_act,
-            params_of,
-            mine,
-            head,
-            tail,
-        )
+        times = tuple(tuple(t) for t in (tf, tb, tr))
+        base = (stages, ranks, *times, tc, tuple(tw), acts, saving, layer_act, params_of, mine, head, tail)
         self._bases[key] = base
         return base
 
@@ -368,6 +365,7 @@ _SUMMED = (
     "linput_bytes",
     "lar_fwd_bytes",
     "lar_fwd_count",
+    "wflops",
 )
 
 
@@ -378,10 +376,11 @@ def _prefix(values: Sequence[float]) -> list[float]:
     return out
 
 
-def _augment(units: tuple[UnitCost, ...]) -> list[dict[str, float]]:
+def _augment(units: tuple[UnitCost, ...], seq: int) -> list[dict[str, float]]:
     out = []
     for u in units:
         d = asdict(u)
+        d["wflops"] = min(2 * seq * u.params_tp, u.flops_tp)  # weight gradients: the weight matmuls once more
         lay = u.kind == "layer"
         d["lflops"] = u.flops if lay else 0.0
         d["lflops_tp"] = u.flops_tp if lay else 0.0

@@ -59,7 +59,8 @@ class Scorer:
         if c.schedule in ("interleaved", "wave"):
             tb = [b + x * r for b, x, r in zip(tb, ev.recompute_fraction, tr)]
             tr = [0.0] * len(tr)
-        return Costs.uniform(len(ev.tf), tf=list(ev.tf), tb=tb, tr=tr, tc=list(ev.tc) if ev.tc else 0.0)
+        tw = [min(w, b) for w, b in zip(ev.tw, tb)] if ev.tw else None  # what a zero-bubble W costs
+        return Costs.uniform(len(ev.tf), tf=list(ev.tf), tb=tb, tr=tr, tc=list(ev.tc) if ev.tc else 0.0, tw=tw)
 
     def finish_times(self, ev: Evaluation, M: int) -> tuple[list[float], list[float]]:
         """(per-rank time of the last compute action, per-rank busy time) for M microbatches."""

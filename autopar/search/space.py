@@ -5,7 +5,9 @@
     mesh          pp x dp x tp = the cluster's devices (tp innermost, then dp, then pp, as Megatron
                   lays ranks out: a tp group stays inside a node when tp divides the devices per node)
     micro-batch   b, a divisor of B / dp; m = B / (dp b) microbatches per pipeline
-    schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path
+    schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path,
+                  the zero-bubble ZB-H1, ZB-H2, ZB-V and DualPipeV (backward split into B and W;
+                  ZB-V and DualPipeV on the V of two stages per rank, DualPipeV with m >= 2 pp)
     recompute     none, full (every transformer layer keeps only its input), or Merak's stage-aware
                   ratios alpha_i (SCP only; alpha_1 the largest that fits, on a 1/20 grid)
     ZeRO / MiCS   stage 1, 2, 3 over the dp group or inside MiCS partition groups of g ranks
@@ -27,6 +29,8 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.search.profile import Profile
 from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank, num_stages
 
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")  # each backward split into B and W
+
 RECOMPUTE = ("none", "full", "stage-aware")
 ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
 
@@ -40,9 +44,9 @@ class Candidate:
     tp: int
     micro_batch: int  # samples per microbatch per data-parallel replica
     microbatches: int  # per pipeline per step
-    schedule: str  # "none" (pp = 1: gradient accumulation), "1f1b", "interleaved", "wave", "scp"
+    schedule: str  # "none" (pp = 1: gradient accumulation), "1f1b", "interleaved", "wave", "scp", or ZERO_BUBBLE
     chunks: int = 1  # interleaved v
-    waves: int = 0  # Hanayo W
+    waves: int = 0  # Hanayo W; 1 for ZB-V and DualPipeV (their V)
     recompute: str = "none"  # "none", "full", "stage-aware"
     alpha1: int = 0  # stage-aware alpha_1 in 1/ALPHA_GRID
     zero: int = 0
@@ -74,7 +78,7 @@ class Candidate:
             return {"waves": self.waves}
         if self.schedule == "scp":
             return {"alpha1": self.alpha}
-        if self.schedule == "1f1b" and self.recompute == "full":
+        if self.schedule in ("1f1b", *ZERO_BUBBLE) and self.recompute == "full":
             return {"recompute": 1}
         return {}
 
@@ -98,7 +102,7 @@ class Candidate:
             "interleaved": f"interleaved v={self.chunks}",
             "wave": f"wave W={self.waves}",
             "scp": "scp",
-        }[self.schedule]
+        }.get(self.schedule, self.schedule)
         rc = self.recompute if self.recompute != "stage-aware" else f"stage-aware a1={float(self.alpha):.2f}"
         z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
         lay = " even" if self.layout == "even" else ""
@@ -215,7 +219,7 @@ def max_shard(space: SearchSpace, fam: Family) -> int:
 def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]:
     """Every chain of a family: schedule x chunks/waves x stage layout x MiCS group."""
     L = analytic.p.num_layers
-    for sched, v, w in _schedules(fam.pp, L, space):
+    for sched, v, w in _schedules(fam.pp, L, space, fam.microbatches):
         levels = _levels(sched, space)
         if not levels:
             continue
@@ -234,7 +238,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 yield Chain(base, zeros, levels, dominated * n, unsupported * n)
 
 
-def _schedules(pp: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, int, int]]:
+def _schedules(pp: int, layers: int, space: SearchSpace, microbatches: int) -> Iterator[tuple[str, int, int]]:
     if pp == 1:
         if "none" in space.schedules:
             yield "none", 1, 0
@@ -251,6 +255,12 @@ def _schedules(pp: int, layers: int, space: SearchSpace) -> Iterator[tuple[str, 
         for w in space.waves:
             if 2 * pp * w <= layers:
                 yield "wave", 1, w
+    for name in ZERO_BUBBLE:
+        v_shaped = name in ("zbv", "dualpipev")
+        if name not in space.schedules or (v_shaped and 2 * pp > layers):
+            continue
+        if name != "dualpipev" or microbatches >= 2 * pp:
+            yield name, 1, int(v_shaped)
 
 
 def _levels(sched: str, space: SearchSpace) -> tuple[tuple[str, int], ...]:
@@ -292,6 +302,7 @@ def _zeros(fam: Family, space: SearchSpace) -> Iterator[tuple[int, tuple[int, ..
 
 __all__ = [
     "ALPHA_GRID",
+    "ZERO_BUBBLE",
     "Candidate",
     "SearchSpace",
     "Chain",
