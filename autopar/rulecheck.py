@@ -37,6 +37,7 @@ from autopar.ir.core import (
 )
 from autopar.ir.layout import valid
 from autopar.runtime import collectives as coll
+from autopar.runtime import vocab_parallel
 from autopar.runtime.codegen import codegen
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute, distribute_grad
 from autopar.runtime.ranksim import SimWorld
@@ -134,7 +135,8 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
     if diff_outs:
         torch.autograd.backward([o for o, _ in diff_outs], [c for _, c in diff_outs])
     gm = codegen(placed, world.coords(0), lambda name: whole[name])
-    communicates = any(getattr(n.target, "__module__", "") == coll.__name__ for n in gm.graph.nodes)
+    communicating = {coll.__name__, vocab_parallel.__name__}  # the modules whose calls communicate
+    communicates = any(getattr(n.target, "__module__", "") in communicating for n in gm.graph.nodes)
     coords_of = [list(world.coords(r).values()) for r in range(world.size)]
 
     def rank_step(rank: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
