@@ -11,7 +11,10 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
   the stashed activations of the microbatches in flight (closed forms per schedule,
-  ``solver/pipeline_shape.inflight_per_rank``) plus one recomputed layer's activations while it is rematerialized;
+  ``solver/pipeline_shape.inflight_per_rank``) plus what a stage holds only while it runs: one recomputed
+  layer's activations while it is rematerialized and, with ZeRO-3, the stage's whole weights, which the
+  runtime gathers around each of its forwards and recomputations (``runtime/zero3.py``; the whole model
+  without a pipeline);
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -88,7 +91,7 @@ class _Part:
     trans: tuple[float, ...]
     rank_params: tuple[float, ...]  # parameter elements held per device
     rank_kept: tuple[float, ...]  # bytes kept per stashed microbatch (the rank's largest stage)
-    rank_trans: tuple[float, ...]  # bytes of one recomputed layer while it is rematerialized
+    rank_trans: tuple[float, ...]  # bytes held while a stage runs: a recomputed layer, ZeRO-3's gathered weights
     rank_busy: tuple[float, ...]  # compute seconds per microbatch
     rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
     rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
@@ -235,9 +238,9 @@ class Analytic:
             self._parts[key] = None
             return None
         x = self.recompute_fractions(c)
-        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, mine, head, tail = base
+        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, gathered, mine, head, tail = base
         kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
-        trans = [la if xs else 0.0 for la, xs in zip(layer_act, x)]
+        trans = [(la if xs else 0.0) + g for la, xs, g in zip(layer_act, x, gathered)]
         part = _Part(
             stages=stages,
             ranks=ranks,
@@ -273,7 +276,7 @@ class Analytic:
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
         intra_g = self.comm.intra(tp * z3)
-        tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
+        tf, tb, tr, acts, saving, layer_act, params_of, gathered = [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
             f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
@@ -286,6 +289,7 @@ class Analytic:
             if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
                 gather = self.comm.gather(params * self.weight_b, z3, intra_g)
                 fz, bz = gather, gather + self.comm.gather(params * self.grad_b, z3, intra_g)
+                bz += self.comm.mics_hop(params * self.grad_b, c)  # MiCS: every backward's shard across groups
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
             tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
@@ -294,6 +298,7 @@ class Analytic:
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
             params_of.append(params)
+            gathered.append(params * self.weight_b if z3 else 0.0)
         tc = tuple(
             self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
             for s in range(len(stages) - 1)
@@ -316,6 +321,7 @@ class Analytic:
             saving,
             layer_act,
             params_of,
+            gathered,
             mine,
             head,
             tail,
