@@ -418,15 +418,18 @@ F32_PARAM_TOL = 2e-5
 @pytest.mark.multiproc
 def test_searched_plans_train_exactly_like_one_process(tmp_path, piped_search):
     """The default search on 4 CPU processes picks a plan without a pipeline; a search restricted to
-    pp = 2 gives a pipeline plan; `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
-    loaded on every rank, train three SGD steps that match a single process (float32, the preset's
-    own loss: the tolerances above)."""
+    pp = 2 gives a pipeline plan, and restricted to ZeRO-3 too a pipeline plan with ZeRO-3 (offered by
+    default); `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and loaded on every rank,
+    train three SGD steps that match a single process (float32, the preset's own loss: the tolerances
+    above)."""
     cluster = ClusterSpec.load(LOCAL4)
     flat = search_model("tiny-gpt2", cluster, 8, precision="fp32")
     piped = piped_search
+    zero3 = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,), zero=(3,)), precision="fp32")
     assert flat.best[0].candidate.pp == 1 and piped.best[0].candidate.pp == 2
+    assert (zero3.best[0].candidate.pp, zero3.best[0].candidate.dp, zero3.best[0].candidate.zero) == (2, 2, 3)
     paths = []
-    for res, device, name in ((flat, "cpu", "flat"), (piped, "meta", "piped")):
+    for res, device, name in ((flat, "cpu", "flat"), (piped, "meta", "piped"), (zero3, "meta", "zero3")):
         p = tmp_path / f"{name}.json"
         res.materialize(capture_device=device).save(p)
         paths.append(str(p))
