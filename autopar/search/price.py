@@ -263,9 +263,14 @@ class Analytic:
 
     def _base(self, c: Candidate, z3: int):
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
-        layers), boundary transfers, activations and the bytes full recomputation saves, per stage."""
+        layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
+        with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
         key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
         if key in self._bases:
+            return self._bases[key]
+        if z3:
+            plain = self._base(c, 0)
+            self._bases[key] = None if plain is None else self._zero3(c, z3, plain)
             return self._bases[key]
         stages = self.layout(c)
         if stages is None:
@@ -275,8 +280,7 @@ class Analytic:
         ranks = self.stage_ranks(c)
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
-        intra_g = self.comm.intra(tp * z3)
-        tf, tb, tr, acts, saving, layer_act, params_of, gathered = [], [], [], [], [], [], [], []
+        tf, tb, tr, acts, saving, layer_act, params_of = [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
             f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
@@ -285,20 +289,14 @@ class Analytic:
             lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
             rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
-            fz = bz = 0.0
-            if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
-                gather = self.comm.gather(params * self.weight_b, z3, intra_g)
-                fz, bz = gather, gather + self.comm.gather(params * self.grad_b, z3, intra_g)
-                bz += self.comm.mics_hop(params * self.grad_b, c)  # MiCS: every backward's shard across groups
-            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
-            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
-            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp))
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
             params_of.append(params)
-            gathered.append(params * self.weight_b if z3 else 0.0)
         tc = tuple(
             self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
             for s in range(len(stages) - 1)
@@ -306,10 +304,7 @@ class Analytic:
         mine: list[list[int]] = [[] for _ in range(c.pp)]
         for s, r in enumerate(ranks):
             mine[r].append(s)
-        head, tail = [0.0], [0.0]  # microbatch 0's forward reaching stage s; the last gradient leaving it
-        for s in range(len(stages) - 1):
-            head.append(head[-1] + tf[s] + tc[s])
-            tail.append(tail[-1] + tb[s] + tc[s])
+        head, tail = _head_tail(tf, tb, tc)
         base = (
             stages,
             ranks,
@@ -321,13 +316,29 @@ class Analytic:
             saving,
             layer_act,
             params_of,
-            gathered,
+            [0.0] * len(stages),  # bytes of weights gathered while the stage runs (ZeRO-3)
             mine,
             head,
             tail,
         )
         self._bases[key] = base
         return base
+
+    def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
+        """``base`` under ZeRO-3 over ``z3`` ranks: every forward, backward and recomputation all-gathers the
+        stage's weights, every backward reduce-scatters its gradients (and with MiCS all-reduces the shard
+        across the groups), and the whole weights are held while the stage runs."""
+        stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, _, mine, _, _ = base
+        intra_g = self.comm.intra(c.tp * z3)
+        gather = [self.comm.gather(p * self.weight_b, z3, intra_g) for p in params]
+        scatter = [
+            self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c) for p in params
+        ]
+        tf = tuple(t + g for t, g in zip(tf, gather))
+        tb = tuple(t + g + r for t, g, r in zip(tb, gather, scatter))
+        tr = tuple(t + g for t, g in zip(tr, gather))
+        gathered = [p * self.weight_b for p in params]
+        return (stages, ranks, tf, tb, tr, tc, acts, saving, layer_act, params, gathered, mine, *_head_tail(tf, tb, tc))
 
     def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
@@ -375,6 +386,15 @@ _SUMMED = (
     "lar_fwd_bytes",
     "lar_fwd_count",
 )
+
+
+def _head_tail(tf: Sequence[float], tb: Sequence[float], tc: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage: when microbatch 0's forward reaches it, and how long the last gradient takes from it to stage 0."""
+    head, tail = [0.0], [0.0]
+    for s in range(len(tf) - 1):
+        head.append(head[-1] + tf[s] + tc[s])
+        tail.append(tail[-1] + tb[s] + tc[s])
+    return head, tail
 
 
 def _prefix(values: Sequence[float]) -> list[float]:
