@@ -101,10 +101,28 @@ def plan_captured(
     result = planned.shard_result
     prog = planned.lowered
     base = run_baselines(prog, opts, baselines)
+    plan = Plan(
+        pipeline=pipeline_info,
+        fingerprint=fingerprint(captured),
+        mesh=dict(planned.sharded.mesh.axes),
+        program=print_program(planned.staged if pp else planned.sharded),
+        model=model,
+        cluster=opts.cluster.to_dict() if opts.cluster else None,
+        options=options_dict(opts),
+        stats=shard_stats(result, opts, len(prog.ops)),
+        baselines={k: baseline_dict(v) for k, v in base.items()},
+    )
+    return PlanReport(plan, result, base, captured.seconds)
+
+
+def shard_stats(result: ShardResult, opts: ShardOptions, ops: int) -> dict:
+    """The shard pass's report in a plan file: the objective it solved, the ILP's status and size, and its
+    predictions per device; ``how``: the attempt that solved it (``passes.shard.attempts``)."""
     sol = result.solution
-    stats = {
+    return {
         "objective": "time" if opts.objective == "comm" else opts.objective,
         "budget_bytes": opts.budget_bytes,
+        "how": result.how,
         "step_seconds": result.step_seconds,
         "status": sol.status,
         "solve_seconds": sol.seconds,
@@ -118,20 +136,8 @@ def plan_captured(
         "comm_bytes": result.comm_bytes,
         "comm_seconds": result.comm_seconds,
         "unruled_ops": result.unruled,
-        "ops": len(prog.ops),
+        "ops": ops,
     }
-    plan = Plan(
-        pipeline=pipeline_info,
-        fingerprint=fingerprint(captured),
-        mesh=dict(planned.sharded.mesh.axes),
-        program=print_program(planned.staged if pp else planned.sharded),
-        model=model,
-        cluster=opts.cluster.to_dict() if opts.cluster else None,
-        options=options_dict(opts),
-        stats=stats,
-        baselines={k: baseline_dict(v) for k, v in base.items()},
-    )
-    return PlanReport(plan, result, base, captured.seconds)
 
 
 def baseline_dict(b: ShardResult | Unavailable) -> dict:

@@ -1,7 +1,7 @@
 """Search time and candidates for the whole-plan search on big presets (BENCHMARKS.md, issue 7).
 
     .venv/bin/python bench/search.py                 # gpt2-xl / 8, llama-70b / 64, gpt3-175b / 1024 GPUs
-    .venv/bin/python bench/search.py --materialize   # also the plan: capture + intra-op ILP per distinct stage
+    .venv/bin/python bench/search.py --materialize   # also the plan: capture + the flow (ILP, split, stages)
 
 Each model runs in a fresh process with an empty cache directory, so "cold" includes capturing the
 model on the meta device and building every schedule; the same search is then repeated in that
@@ -53,10 +53,12 @@ def one(model: str, cluster: str, batch: int, materialize: bool) -> dict:
         t0 = time.perf_counter()
         plan = warm.materialize()
         out["materialize_seconds"] = time.perf_counter() - t0
-        ilp = plan.stats["stage_ilp"]
-        out["stages"] = len(ilp)
-        out["stage_ilps_solved"] = sum(s["solved"] for s in ilp)
-        out["ilp_seconds"] = sum(s["solve_seconds"] for s in ilp)
+        shard, passes = plan.stats["shard"], plan.stats["pass_seconds"]
+        out["stages"] = len(plan.pipeline["stage_plan"]["stages"]) if plan.pipeline.get("stage_plan") else 1
+        out["layers_solved_once"] = shard["layers_solved_once"]
+        out["ilp_seconds"] = shard["solve_seconds"]
+        out["shard_seconds"] = passes["shard"]
+        out["stage_seconds"] = passes.get("split", 0.0) + passes.get("assign-stages", 0.0)
         out["capture_seconds"] = plan.stats["capture_seconds"]
         out["plan_bytes"] = len(plan.to_json())
     return out
@@ -64,7 +66,7 @@ def one(model: str, cluster: str, batch: int, materialize: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--materialize", action="store_true", help="also build the plan (capture + ILP per stage)")
+    ap.add_argument("--materialize", action="store_true", help="also build the plan (capture + the flow)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--one", nargs=3, metavar=("MODEL", "CLUSTER", "BATCH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -105,12 +107,16 @@ def main() -> None:
             f"{b['peak_memory_bytes'] / GiB:.1f} | {b['simulated']} |"
         )
     if args.materialize:
-        print("\n| model | stages | distinct stage ILPs solved | capture s | ILP s | plan total s | plan file MB |")
-        print("|---|---|---|---|---|---|---|")
+        print(
+            "\n| model | stages | layers solved once | capture s | shard pass s (ILP s) | split + stages s | "
+            "plan total s | plan file MB |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(
-                f"| {r['model']} | {r['stages']} | {r['stage_ilps_solved']} | {r['capture_seconds']:.1f} | "
-                f"{r['ilp_seconds']:.1f} | {r['materialize_seconds']:.1f} | {r['plan_bytes'] / 1e6:.2f} |"
+                f"| {r['model']} | {r['stages']} | {r['layers_solved_once']} | {r['capture_seconds']:.1f} | "
+                f"{r['shard_seconds']:.1f} ({r['ilp_seconds']:.1f}) | {r['stage_seconds']:.1f} | "
+                f"{r['materialize_seconds']:.1f} | {r['plan_bytes'] / 1e6:.2f} |"
             )
 
 

@@ -8,7 +8,9 @@ through ``plan_program``; only ``codegen`` (one GraphModule per stage of a rank)
 the rank. A mesh without the pipeline axis is a one-stage pipeline: ``split`` does nothing, every op
 gets ``stage=0`` and ``insert-transfers`` adds no send/recv. Stages are assigned before the outputs are
 pruned, so the forward program (every model output) and the training program (the loss) are cut at the
-same places and share every parameter placement.
+same places and share every parameter placement. The memory budget is per device: ``shard`` solves the
+whole program, of which a device holds 1/pp, within pp budgets; ``assign-stages`` holds each rank's stages to one
+(``FlowOptions.stage_budget_bytes`` may set its own).
 
 With ``dump_dir`` (or ``AUTOPAR_DUMP_DIR``) every pass writes its output, numbered in flow order:
 ``01-capture.py`` (the exported graph), ``02-lower.ir`` ... ``08-insert-transfers.ir`` (the training
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from autopar.errors import PipelineError, PlanError
@@ -63,6 +65,9 @@ class FlowOptions:
     chunks: int = 1  # Megatron's virtual chunks per pipeline rank
     waves: int | None = None  # Hanayo's waves
     microbatches: int = 1  # in flight: the stage balancer's activation memory
+    # the stage balancer's memory budget per device; None: the shard budget (ShardOptions.budget_bytes), math.inf:
+    # balance time alone (the search, whose own model, with recomputation and ZeRO, decided what fits)
+    stage_budget_bytes: float | None = None
     stage_to_rank: tuple[int, ...] | None = None  # the schedule's placement, checked against the stage plan
     scatter_gather: bool = False  # Megatron: send 1/t of tp-replicated boundary tensors
     cache: bool = True  # reuse a sharded program solved before (on disk, keyed by content)
@@ -112,6 +117,11 @@ def plan_program(
     opts = options or FlowOptions()
     shard_opts = opts.shard or ShardOptions()
     pp = mesh.pipeline_size  # the stages are spread over the pp axis; a mesh without it has one stage
+    whole = shard_opts
+    if pp > 1 and shard_opts.budget_bytes is not None:
+        # the budget is per device, and a device holds 1/pp of the program: the shard pass, which solves the
+        # whole program before it is split, gets pp budgets; assign-stages holds each stage to the budget
+        whole = replace(shard_opts, budget_bytes=shard_opts.budget_bytes * pp)
     inner = mesh.without_pipeline()
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR") or None
     if dump_dir:
@@ -124,7 +134,7 @@ def plan_program(
         verify(lowered)
         if dump_dir:
             _write(dump_dir, f"{flow_index('lower'):02d}-lower.ir", print_program(lowered))
-        sharded, result = _shard(lowered, shard_opts, opts.cache and not dump_dir, dump_dir, timings)
+        sharded, result = _shard(lowered, whole, opts.cache and not dump_dir, dump_dir, timings)
     elif sharded.mesh != inner:
         raise PlanError(
             f"the planned program is for the mesh {sharded.mesh}, not {inner} ({mesh} without {PIPELINE_AXIS})"
@@ -178,7 +188,7 @@ def _stage(
         "waves": opts.waves,
         "microbatches": opts.microbatches,
         "cluster": shard_opts.cluster,
-        "budget_bytes": shard_opts.budget_bytes,
+        "budget_bytes": shard_opts.budget_bytes if opts.stage_budget_bytes is None else opts.stage_budget_bytes,
         "precision": precision,
     }
     pass_opts = {"split": {"pp": pp}, "assign-stages": stage_opts}

@@ -4,23 +4,34 @@ Every value's type and every op's result types get the chosen placements, and ea
 ``in`` with the placements its inputs must have ("*" where any will do); `insert-collectives` turns
 every mismatch into collectives and drops the attribute. What the solver decides, and how, is in
 solver/groups.py (decisions and their prices) and solver/sharding.py (the problem and its solution).
+
+Two options are the pass's own (solver/options.py): ``data_parallel`` becomes constraints on the program it
+solves (solver/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), and with
+``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
+``how`` names the attempt that solved it.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
+from autopar.errors import InfeasibleError
+from autopar.ir.axes import data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
+from autopar.solver.baselines import data_parallel_constraints
 from autopar.solver.options import OBJECTIVES, ShardOptions, planning_options
 from autopar.solver.sharding import Sharding, solve_sharding
+
+AS_ASKED = "as asked"
 
 
 @dataclass
 class ShardResult(Sharding):
-    """The solved strategy and the program it was written into."""
+    """The solved strategy, the program it was written into, and which attempt solved it (``attempts``)."""
 
     program: Program = field(kw_only=True)
+    how: str = field(default=AS_ASKED, kw_only=True)
 
 
 def format_placements(p: tuple[Placement, ...] | None) -> str:
@@ -37,9 +48,65 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
     return out
 
 
+def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
+    """What ``shard`` tries, in order, each named: ``opts``; with ``opts.fallbacks`` then the least memory
+    without a budget (when the budget, or the solver's memory model of one microbatch with every activation
+    saved, leaves nothing), and when the batch-carrying activations were constrained, the same two with the
+    inputs constrained only (an op whose activations cannot all stay split on the batch)."""
+    out = [(AS_ASKED, opts)]
+    if not opts.fallbacks:
+        return out
+    least = replace(opts, objective="memory", budget_bytes=None)
+    if least != opts:
+        out.append(("least memory", least))
+    if opts.data_parallel == "activations":
+        out.append(("data parallel inputs only", replace(opts, data_parallel="inputs")))
+        out.append(("data parallel inputs only, least memory", replace(least, data_parallel="inputs")))
+    return out
+
+
 def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
-    """``prog`` with the placements of the strategy solved under ``opts`` (see the module docstring)."""
-    solved = solve_sharding(prog, opts)
+    """``prog`` with the placements of the strategy solved under ``opts`` (see the module docstring); when
+    no attempt finds one, the first attempt's InfeasibleError."""
+    first: InfeasibleError | None = None
+    for how, attempt in attempts(opts or ShardOptions()):
+        try:
+            solved = solve_sharding(prog, _constrained(prog, attempt))
+        except InfeasibleError as e:
+            first = first or _explained(e, attempt)
+            continue
+        return _written(prog, solved, how)
+    assert first is not None  # attempts() lists the options as given first
+    raise first
+
+
+def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
+    """A constraint's error under ``data_parallel`` says where the constraints came from."""
+    if opts.data_parallel is None or e.smallest_budget_bytes is not None:
+        return e
+    where = "the inputs and the activations" if opts.data_parallel == "activations" else "the inputs"
+    return InfeasibleError(
+        f"{e} (ShardOptions.data_parallel={opts.data_parallel!r} keeps the dp* axes data parallel: weights "
+        f"replicated there, the batch split in {where})"
+    )
+
+
+def _constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
+    """``opts`` with ``data_parallel`` turned into ``constrain`` entries (both must hold where both constrain)."""
+    if opts.data_parallel is None:
+        return opts
+    dp = data_parallel_constraints(prog, data_axes(prog.mesh.names), activations=opts.data_parallel == "activations")
+    given = opts.constrain or {}
+    both = {n: _all_of(dp[n], given[n]) for n in dp.keys() & given.keys()}
+    return replace(opts, constrain={**dp, **given, **both})
+
+
+def _all_of(a, b):
+    return lambda p: a(p) and b(p)
+
+
+def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
+    """``prog`` with the chosen placements written into its types and each op's ``in`` attribute."""
     chosen = solved.chosen
     inputs = tuple(
         Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs)) for v in prog.inputs
@@ -52,13 +119,15 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     sol = solved.solution
     out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
-    return ShardResult(**{f.name: getattr(solved, f.name) for f in fields(solved)}, program=out)
+    return ShardResult(**{f.name: getattr(solved, f.name) for f in fields(solved)}, program=out, how=how)
 
 
 __all__ = [
+    "AS_ASKED",
     "OBJECTIVES",
     "ShardOptions",
     "ShardResult",
+    "attempts",
     "format_placements",
     "planning_options",
     "required_inputs",

@@ -24,6 +24,7 @@ reports it as ``Unavailable`` beside the others.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from autopar.errors import BaselineUnavailableError, InfeasibleError
@@ -60,13 +61,24 @@ def megatron_constraints(prog: Program) -> dict:
 
 @dataclass(frozen=True)
 class Exactly:
-    """A ``ShardOptions.constrain`` predicate admitting one placement, kept as data so that a baseline
-    can say why it cannot run where that placement is not valid."""
+    """A ``ShardOptions.constrain`` predicate admitting one placement per mesh axis (``None``: any placement
+    on that axis), kept as data so that a baseline can say why it cannot run where it is not valid."""
 
-    want: tuple[Placement, ...]
+    want: tuple[Placement | None, ...]
+
+    def __post_init__(self) -> None:  # the axes it fixes (the solver calls it once per candidate placement)
+        object.__setattr__(self, "_fixed", tuple((i, w) for i, w in enumerate(self.want) if w is not None))
 
     def __call__(self, p: tuple[Placement, ...]) -> bool:
-        return p == self.want
+        for i, w in self._fixed:
+            if p[i] != w:
+                return False
+        return True
+
+    @property
+    def strictest(self) -> tuple[Placement, ...]:
+        """``want`` with ``R`` for ``None``: valid exactly when some placement the predicate admits is."""
+        return tuple(R if w is None else w for w in self.want)
 
 
 @dataclass(frozen=True)
@@ -84,14 +96,41 @@ def _batch_on(axes: tuple[int, ...], n: int) -> Exactly:
     return Exactly(tuple(Shard(0) if i in axes else R for i in range(n)))
 
 
-def data_parallel_constraints(prog: Program) -> dict:
-    n = len(prog.mesh.axes)
+def data_parallel_constraints(prog: Program, axes: Iterable[str] | None = None, activations: bool = False) -> dict:
+    """``ShardOptions.constrain`` entries that make the mesh ``axes`` (default: every axis) data parallel:
+    parameters and buffers replicated on them (ZeRO shards their states, which is memory accounting, not
+    placement), user inputs split on dim 0, the batch. With ``activations`` also every float activation
+    that carries the batch: one a gradient flows through, not computed from weights alone, whose dim 0
+    divides over the axes. Without that a model too small for its compute to matter would be computed
+    whole on every data-parallel rank (the cheapest plan in communication). The other axes are left to
+    the ILP (``None`` in each ``Exactly``), and so are axes of size 1 (nothing to split). The ``dp``
+    baseline is every axis; the search's plans (``ShardOptions.data_parallel``) are the ``dp*`` axes."""
+    names = prog.mesh.names
+    on = {n for n, s in prog.mesh.axes if s > 1 and (axes is None or n in axes)}
+    if not on:
+        return {}
+
+    def exactly(p: Placement) -> Exactly:
+        return Exactly(tuple(p if n in on else None for n in names))
+
+    size = math.prod(s for n, s in zip(names, prog.mesh.sizes) if n in on)
     out: dict = {}
     for v in prog.inputs:
-        if v.kind == "param":
-            out[v.name] = _exactly((R,) * n)
-        elif v.kind == "input":
-            out[v.name] = _batch_on(tuple(range(n)), n)
+        if v.kind in ("param", "buffer"):
+            out[v.name] = exactly(R)
+        elif v.kind == "input" and v.type.shape:
+            out[v.name] = exactly(Shard(0))
+    if activations:
+        weights = {v.name for v in prog.inputs if v.kind in ("param", "buffer")}
+        grad = prog.requires_grad()
+        for op in prog.ops:
+            refs = op.input_refs()
+            if refs and all(r.name in weights for r in refs):
+                weights.update(op.results)
+                continue
+            for r, t in zip(op.results, op.types):
+                if r in grad and t.shape and t.shape[0] >= size and t.shape[0] % size == 0:
+                    out[r] = exactly(Shard(0))
     return out
 
 
@@ -100,8 +139,8 @@ def unavailable_reason(prog: Program, constrain: dict) -> str | None:
     the first value whose required placement splits a dim that does not divide over the axes splitting it."""
     for v in prog.inputs:
         c = constrain.get(v.name)
-        if isinstance(c, Exactly) and not valid(c.want, v.type.shape, prog.mesh.sizes):
-            return _why_invalid(v, c.want, prog.mesh)
+        if isinstance(c, Exactly) and not valid(c.strictest, v.type.shape, prog.mesh.sizes):
+            return _why_invalid(v, c.strictest, prog.mesh)
     return None
 
 
@@ -162,6 +201,7 @@ __all__ = [
     "Exactly",
     "Unavailable",
     "unavailable_reason",
+    "data_parallel_constraints",
     "megatron_layout",
     "megatron_constraints",
     "run_baseline",

@@ -5,6 +5,10 @@ Objectives: ``time`` (the default) is the least predicted step time, communicati
 seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
 cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
 ``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
+
+``data_parallel`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
+``constrain`` entries (solver/baselines.py:data_parallel_constraints) and retries; the solver itself
+(solver/sharding.py) reads ``constrain`` only.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
 
 OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
+DATA_PARALLEL = (None, "inputs", "activations")
 
 
 @dataclass
@@ -37,11 +42,23 @@ class ShardOptions:
     # such as Megatron's computes with each weight shard in place (without this the cheapest execution of
     # Megatron's storage may gather the weights, ZeRO-3 style)
     pin_constrained: bool = False
+    # the mesh axes named dp* are data parallel (the search's meaning of its dp): "inputs": parameters and
+    # buffers replicated on them, user inputs split on the batch (dim 0); "activations": also every
+    # activation that carries the batch (without it a model too small for its compute to matter is computed
+    # whole on every dp rank, which communicates least); None: the ILP places everything by cost
+    data_parallel: str | None = None
+    # when nothing fits: retry with the least memory and no budget, then (data_parallel="activations")
+    # with the inputs constrained only, and each of those with the least memory; ShardResult.how says which
+    fallbacks: bool = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
                               "budget) or memory (least memory)")  # fmt: skip
+        if self.data_parallel not in DATA_PARALLEL:
+            raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
+                              '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '
+                              "(also every batch-carrying activation split)")  # fmt: skip
 
 
 def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:

@@ -3,20 +3,23 @@ programs cut at the same stages, a plan's own stages kept. Planning only (meta d
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
 import torch
 
 from autopar.api import parse_mesh
-from autopar.errors import PipelineError
+from autopar.errors import PipelineError, StageMemoryError
 from autopar.ir.parser import parse
 from autopar.ir.verify import verify
 from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.flow import FLOW, FlowOptions, flow_index, plan_program
+from autopar.passes.lower import lower
 from autopar.passes.manager import PASSES
 from autopar.passes.shard import ShardOptions
+from autopar.solver.sharding import smallest_budget
 
 GPT2 = "gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16,batch=4,seq=8"
 
@@ -53,6 +56,20 @@ def test_pipeline_flow_dumps_and_verifies_every_pass(captured, tmp_path):
     }.items()
     sends = [op for op in planned.train.ops if op.target == "send"]
     assert sends and all(op.attrs["stage"] == 0 for op in sends)
+
+
+def test_budget_is_per_device_and_the_stage_budget_its_own(captured):
+    """The memory budget is per device. The shard pass solves the whole program before the split, a device
+    holds 1/pp of it: the least memory the whole program needs does not fit one budget but fits pp of them.
+    assign-stages holds each rank's stages to the budget, or to ``FlowOptions.stage_budget_bytes``."""
+    mesh = parse_mesh("pp=2,tp=2")
+    least = smallest_budget(lower(captured, mesh.without_pipeline()), ShardOptions())
+    opts = ShardOptions(budget_bytes=0.75 * least)
+    planned = plan_program(captured, mesh, FlowOptions(shard=opts, stage_budget_bytes=math.inf, cache=False))
+    assert planned.shard_result.how == "as asked" and planned.shard_result.memory_bytes <= 1.5 * least
+    assert planned.stage_plan.budget_bytes == math.inf
+    with pytest.raises(StageMemoryError):
+        plan_program(captured, mesh, FlowOptions(shard=opts, stage_budget_bytes=1.0, cache=False))
 
 
 def test_mesh_without_pipeline_is_one_stage(captured):

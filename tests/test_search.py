@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import math
+import random
+import re
 from fractions import Fraction
 from pathlib import Path
 
@@ -13,13 +16,18 @@ import pytest
 import torch
 
 from autopar.errors import InfeasibleError
+from autopar.ir.core import R, Shard
+from autopar.ir.parser import parse
+from autopar.ir.verify import verify
+from autopar.passes.flow import FLOW, flow_index
 from autopar.runtime.action_costs import Costs
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.search import Scorer, launch_options, profile_model, search, search_model
 from autopar.search.price import Analytic
 from autopar.search.profile import Profile, UnitCost
-from autopar.search.space import Candidate, SearchSpace, chains, families
+from autopar.search.space import Candidate, Family, SearchSpace, chains, families
+from autopar.search.stage_layout import balanced_layout
 from autopar.solver.cluster import ClusterSpec
 from tests._dist import run_distributed
 
@@ -134,6 +142,55 @@ def test_lower_bound_never_exceeds_the_simulated_step_and_extrapolation_matches(
             assert b.simulated == "extrapolated" and b.step_time == pytest.approx(a, rel=1e-9), c.describe()
 
 
+def test_balanced_layout_reaches_the_least_bottleneck_and_fills_later_stages_first():
+    """Against brute force over every layout: the largest stage's FLOPs are the least possible, and among the
+    layouts that reach it the last stage starts earliest, then the one before it (the first stages hold
+    more microbatches in flight)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        w = [float(rng.randint(1, 6)) for _ in range(n)]  # small integers: many ties
+        stages = rng.randint(1, n + 1)
+        got = balanced_layout(w, stages)
+        if stages > n:
+            assert got is None
+            continue
+        layouts = [tuple(zip((0, *cuts), (*cuts, n))) for cuts in itertools.combinations(range(1, n), stages - 1)]
+        bottleneck = {lay: max(sum(w[a:b]) for a, b in lay) for lay in layouts}
+        least = min(bottleneck.values())
+        assert bottleneck[got] == least, (w, stages, got)
+        best = min((lay for lay in layouts if bottleneck[lay] == least), key=lambda lay: [a for a, _ in lay][::-1])
+        assert got == best, (w, stages, got, best)
+
+
+def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
+    """By default the search offers ZeRO-3 (and MiCS-3) with a pipeline, priced as runtime/zero3.py runs it:
+    a stage's whole weights all-gathered around each of its forwards and recomputations (and again in its
+    backward, which reduce-scatters the gradients; with MiCS each backward also all-reduces the shard across
+    the groups), and held whole while the stage runs."""
+    prof, cluster = gpt_profile(), ClusterSpec.load("dgx-a100:nodes=2")
+    an = Analytic(prof, cluster, 64)
+    fam = Family(pp=2, dp=8, tp=1, micro_batch=1, microbatches=8)
+    assert any(3 in ch.zeros for ch in chains(an, SearchSpace(), fam))
+    assert not any(3 in ch.zeros for ch in chains(an, SearchSpace(pipeline_zero3=False), fam))
+    one = Candidate(2, 8, 1, 1, 8, "1f1b", recompute="full", zero=1)
+    for mics in (0, 4):
+        z1 = an.evaluate(dataclasses.replace(one, mics_group=mics))
+        z3 = an.evaluate(dataclasses.replace(one, zero=3, mics_group=mics))
+        group = mics or 8
+        for s, (a, b) in enumerate(z1.stages):
+            params = an._sum("params_tp", a, b) + an._sum("params_rep", a, b)
+            gather = an.comm.gather(params * an.weight_b, group, an.comm.intra(group))
+            scatter = an.comm.gather(params * an.grad_b, group, an.comm.intra(group))
+            hop = an.comm.allreduce(params * an.grad_b / group, 1, 8 // group, True) if mics else 0.0
+            assert z3.tf[s] - z1.tf[s] == pytest.approx(gather, rel=1e-9)
+            assert z3.tr[s] - z1.tr[s] == pytest.approx(gather, rel=1e-9)
+            assert z3.tb[s] - z1.tb[s] == pytest.approx(gather + scatter + hop, rel=1e-9)
+            rank = z3.stage_rank[s]
+            assert z3.rank_memory[rank] - z3.weight_memory[rank] >= params * an.weight_b
+        assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
+
+
 # ---------------------------------------------------------------------------------------------
 # The search's answer
 
@@ -226,6 +283,71 @@ def test_cli_without_mesh_or_batch_says_what_to_give(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
+# Materializing a plan: the flow
+
+
+@pytest.fixture(scope="module")
+def piped_search():
+    """The search restricted to pp = 2 on 4 CPU devices (a pipeline plan of tiny-gpt2), ~2 s."""
+    return search_model("tiny-gpt2", ClusterSpec.load(LOCAL4), 8, space=SearchSpace(pp=(2,)), precision="fp32")
+
+
+def test_materialized_plan_is_made_by_the_flow_with_the_dp_axes_data_parallel(piped_search, tmp_path):
+    """The search's plan runs the flow's passes: its dump directory holds each one but codegen (which runs
+    on the ranks), every IR verified; the plan stores the assign-stages pass's output; the shard pass solved
+    the whole program as asked, the two layers once; on the dp axis parameters stay replicated and the batch
+    split."""
+    c = piped_search.best[0].candidate
+    assert c.pp == 2 and c.dp == 2
+    plan = piped_search.materialize(dump_dir=tmp_path)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    stems = {re.sub(r"(\.forward)?\.(ir|py)$", "", n) for n in names}
+    assert stems == {f"{flow_index(n):02d}-{n}" for n in FLOW if n != "codegen"}, names
+    for name in names:
+        if name.endswith(".ir"):
+            verify(parse((tmp_path / name).read_text()))
+    assert plan.program == (tmp_path / f"{flow_index('assign-stages'):02d}-assign-stages.ir").read_text()
+    shard = plan.stats["shard"]
+    assert (shard["how"], shard["status"], shard["layers_solved_once"]) == ("as asked", "optimal", 2)
+    assert set(plan.stats["pass_seconds"]) == set(FLOW[FLOW.index("shard") : FLOW.index("codegen")])
+    prog = parse(plan.program)
+    assert {op.attrs["stage"] for op in prog.ops} == {0, 1} and prog.attrs["pipeline_stages"] == 2
+    dp = prog.mesh.names.index("dp")
+    for v in prog.inputs:
+        want = Shard(0) if v.kind == "input" else R
+        assert v.type.placements[dp] == want, (v.name, v.kind, v.type)
+
+
+def test_shard_pass_falls_back_and_says_how():
+    """The search's shard options (data-parallel activations, fallbacks): an op that cannot keep the batch
+    split (an unruled ``aten.diff``, replicated only) leaves only the inputs data parallel; a budget nothing
+    fits leaves the least memory; the result says which. Without fallbacks the error names the cause."""
+    from autopar.api import parse_mesh
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.shard import ShardOptions, shard
+
+    class Diff(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(8, 8, device="meta")
+
+        def forward(self, x):
+            return torch.diff(self.fc(x), dim=1).square().sum()
+
+    prog = lower(capture(Diff(), (torch.empty(4, 8, device="meta"),)), parse_mesh("dp=2"))
+    with pytest.raises(InfeasibleError, match="data_parallel='activations'"):
+        shard(prog, ShardOptions(data_parallel="activations"))
+    cases = [("activations", None, "data parallel inputs only"),
+             ("activations", 1.0, "data parallel inputs only, least memory"),
+             ("inputs", 1.0, "least memory"), ("inputs", None, "as asked")]  # fmt: skip
+    for dp, budget, how in cases:
+        res = shard(prog, ShardOptions(data_parallel=dp, budget_bytes=budget, fallbacks=True))
+        assert res.how == how, (dp, budget, res.how)
+        assert {v.kind: str(v.type.placements[0]) for v in res.program.inputs} == {"param": "R", "input": "S(0)"}
+
+
+# ---------------------------------------------------------------------------------------------
 # Searched plans train exactly like one process (4 gloo processes)
 
 
@@ -294,18 +416,20 @@ F32_PARAM_TOL = 2e-5
 
 
 @pytest.mark.multiproc
-def test_searched_plans_train_exactly_like_one_process(tmp_path):
+def test_searched_plans_train_exactly_like_one_process(tmp_path, piped_search):
     """A search on 4 CPU processes restricted to pp = 1 gives a plan without a pipeline, one restricted
-    to pp = 2 a pipeline plan (a zero-bubble schedule: the default search prefers it to pp = 1 here);
-    `autopar plan --mesh pp=2,dp=2` another. All, written to JSON and
-    loaded on every rank, train three SGD steps that match a single process (float32, the preset's
-    own loss: the tolerances above)."""
+    to pp = 2 a pipeline plan (a zero-bubble schedule: the default search prefers it to pp = 1 here), and
+    restricted to ZeRO-3 too a pipeline plan with ZeRO-3 (offered by default); `autopar plan --mesh
+    pp=2,dp=2` another. All, written to JSON and loaded on every rank, train three SGD steps that match a
+    single process (float32, the preset's own loss: the tolerances above)."""
     cluster = ClusterSpec.load(LOCAL4)
     flat = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(1,)), precision="fp32")
-    piped = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,)), precision="fp32")
+    piped = piped_search
+    zero3 = search_model("tiny-gpt2", cluster, 8, space=SearchSpace(pp=(2,), zero=(3,)), precision="fp32")
     assert flat.best[0].candidate.pp == 1 and piped.best[0].candidate.pp == 2
+    assert (zero3.best[0].candidate.pp, zero3.best[0].candidate.dp, zero3.best[0].candidate.zero) == (2, 2, 3)
     paths = []
-    for res, device, name in ((flat, "cpu", "flat"), (piped, "meta", "piped")):
+    for res, device, name in ((flat, "cpu", "flat"), (piped, "meta", "piped"), (zero3, "meta", "zero3")):
         p = tmp_path / f"{name}.json"
         res.materialize(capture_device=device).save(p)
         paths.append(str(p))

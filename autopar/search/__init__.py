@@ -18,7 +18,7 @@ One module per step (see ``search.py`` for how a search runs):
 from __future__ import annotations
 
 from autopar.search.cli import run_cli
-from autopar.search.materialize import build_plan, data_parallel_axes, launch_options
+from autopar.search.materialize import build_plan, launch_options
 from autopar.search.price import Analytic, Evaluation
 from autopar.search.profile import Profile, UnitCost, profile_model, profile_program, with_batch
 from autopar.search.result import SearchResult
@@ -37,7 +37,6 @@ __all__ = [
     "SearchSpace",
     "UnitCost",
     "build_plan",
-    "data_parallel_axes",
     "launch_options",
     "profile_model",
     "profile_program",

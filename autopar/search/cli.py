@@ -37,20 +37,19 @@ def run_cli(args: argparse.Namespace) -> int:
         out = result.to_dict(args.top)
         if plan is not None:
             out["plan_file"] = args.output
-            out["stage_ilp"] = plan.stats["stage_ilp"]
+            out["shard"] = plan.stats["shard"]
         json.dump(out, sys.stdout, indent=1)
         print()
         return 0
     print(result.format(args.top))
     if plan is not None:
-        ilp = plan.stats["stage_ilp"]
-        solved = sum(s["solved"] for s in ilp)
+        sh = plan.stats["shard"]
         print(
-            f"\nplan written to {args.output}: mesh {plan.pipeline['mesh']}, intra-op ILP solved for {solved} "
-            f"distinct stage(s) of {len(ilp)} ({', '.join(sorted({s['how'] for s in ilp}))})"
+            f"\nplan written to {args.output}: mesh {plan.pipeline['mesh']}, intra-op ILP {sh['status']} "
+            f"({sh['how']}, {sh['layers_solved_once']} repeated layers solved once) in {sh['solve_seconds']:.1f} s"
         )
     else:
-        print("\n(add -o plan.json to write the best plan: the intra-op ILP then runs once per distinct stage)")
+        print("\n(add -o plan.json to write the best plan: the flow then plans it as autopar plan --mesh does)")
     return 0
 
 

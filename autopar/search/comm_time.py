@@ -11,7 +11,8 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
   microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
   the weights in every forward, backward and recomputation and reduce-scatters every backward (priced
   per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
-  all-reduce of 1/g of the gradients (2-hop synchronization).
+  all-reduce of 1/g of the gradients (2-hop synchronization): once per step, after the last backward,
+  with ZeRO-1/2; in every backward with ZeRO-3, whose gradient shards are made there (``runtime/zero3.py``).
 """
 
 from __future__ import annotations
@@ -69,12 +70,20 @@ class CommTime:
                 return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
             return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
         # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
-        across = self.allreduce(grads / g, 1, c.dp // g, intra_all)
+        across = self.mics_hop(grads, c)
         if c.zero <= 1:
             return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
         if c.zero == 2:
             return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
-        return across
+        return 0.0  # ZeRO-3: every backward scatters its gradients and all-reduces the shard (priced in tb)
+
+    def mics_hop(self, grad_bytes: float, c: Candidate) -> float:
+        """MiCS's second hop: the all-reduce of the 1/g shard of ``grad_bytes`` of gradients across the
+        dp / g partition groups (0 without MiCS)."""
+        g = c.shard_group
+        if g >= c.dp:
+            return 0.0
+        return self.allreduce(grad_bytes / g, 1, c.dp // g, self.intra(c.tp * c.dp))
 
 
 __all__ = ["CommTime"]

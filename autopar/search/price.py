@@ -15,7 +15,9 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
   the stashed activations of the microbatches in flight (closed forms per schedule,
   ``solver/pipeline_shape.inflight_per_rank``; zero-bubble schedules count a microbatch until its W)
-  plus one recomputed layer's activations while it is rematerialized;
+  plus what a stage holds only while it runs: one recomputed layer's activations while it is
+  rematerialized and, with ZeRO-3, the stage's whole weights, which the runtime gathers around each of
+  its forwards and recomputations (``runtime/zero3.py``; the whole model without a pipeline);
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -95,7 +97,7 @@ class _Part:
     trans: tuple[float, ...]
     rank_params: tuple[float, ...]  # parameter elements held per device
     rank_kept: tuple[float, ...]  # bytes kept per stashed microbatch (the rank's largest stage)
-    rank_trans: tuple[float, ...]  # bytes of one recomputed layer while it is rematerialized
+    rank_trans: tuple[float, ...]  # bytes held while a stage runs: a recomputed layer, ZeRO-3's gathered weights
     rank_busy: tuple[float, ...]  # compute seconds per microbatch
     rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
     rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
@@ -242,9 +244,9 @@ class Analytic:
             self._parts[key] = None
             return None
         x = self.recompute_fractions(c)
-        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, mine, head, tail = base
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, head, tail = base
         kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
-        trans = [la if xs else 0.0 for la, xs in zip(layer_act, x)]
+        trans = [(la if xs else 0.0) + g for la, xs, g in zip(layer_act, x, gathered)]
         part = _Part(
             stages=stages,
             ranks=ranks,
@@ -268,9 +270,14 @@ class Analytic:
 
     def _base(self, c: Candidate, z3: int):
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
-        layers), boundary transfers, activations and the bytes full recomputation saves, per stage."""
+        layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
+        with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
         key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
         if key in self._bases:
+            return self._bases[key]
+        if z3:
+            plain = self._base(c, 0)
+            self._bases[key] = None if plain is None else self._zero3(c, z3, plain)
             return self._bases[key]
         stages = self.layout(c)
         if stages is None:
@@ -280,7 +287,6 @@ class Analytic:
         ranks = self.stage_ranks(c)
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
-        intra_g = self.comm.intra(tp * z3)
         tf, tb, tr, tw, acts, saving, layer_act, params_of = [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
@@ -290,13 +296,9 @@ class Analytic:
             lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
             rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
-            fz = bz = 0.0
-            if z3:  # weights gathered for every forward, backward and recomputation; gradients scattered
-                gather = self.comm.gather(params * self.weight_b, z3, intra_g)
-                fz, bz = gather, gather + self.comm.gather(params * self.grad_b, z3, intra_g)
-            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + fz)
-            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) + bz)
-            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + fz)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp))
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
             tw.append(b * S("wflops", a, e) / tp / rate)
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
@@ -311,14 +313,43 @@ class Analytic:
         mine: list[list[int]] = [[] for _ in range(c.pp)]
         for s, r in enumerate(ranks):
             mine[r].append(s)
-        head, tail = [0.0], [0.0]  # microbatch 0's forward reaching stage s; the last gradient leaving it
-        for s in range(len(stages) - 1):
-            head.append(head[-1] + tf[s] + tc[s])
-            tail.append(tail[-1] + tb[s] + tc[s])
-        times = tuple(tuple(t) for t in (tf, tb, tr))
-        base = (stages, ranks, *times, tc, tuple(tw), acts, saving, layer_act, params_of, mine, head, tail)
+        head, tail = _head_tail(tf, tb, tc)
+        base = (
+            stages,
+            ranks,
+            tuple(tf),
+            tuple(tb),
+            tuple(tr),
+            tc,
+            tuple(tw),
+            acts,
+            saving,
+            layer_act,
+            params_of,
+            [0.0] * len(stages),  # bytes of weights gathered while the stage runs (ZeRO-3)
+            mine,
+            head,
+            tail,
+        )
         self._bases[key] = base
         return base
+
+    def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
+        """``base`` under ZeRO-3 over ``z3`` ranks: every forward, backward and recomputation all-gathers the
+        stage's weights, every backward reduce-scatters its gradients (and with MiCS all-reduces the shard
+        across the groups), and the whole weights are held while the stage runs."""
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _ = base
+        intra_g = self.comm.intra(c.tp * z3)
+        gather = [self.comm.gather(p * self.weight_b, z3, intra_g) for p in params]
+        scatter = [
+            self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c) for p in params
+        ]
+        tf = tuple(t + g for t, g in zip(tf, gather))
+        tb = tuple(t + g + r for t, g, r in zip(tb, gather, scatter))
+        tr = tuple(t + g for t, g in zip(tr, gather))
+        gathered = [p * self.weight_b for p in params]
+        head_tail = _head_tail(tf, tb, tc)
+        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail)
 
     def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
@@ -367,6 +398,15 @@ _SUMMED = (
     "lar_fwd_count",
     "wflops",
 )
+
+
+def _head_tail(tf: Sequence[float], tb: Sequence[float], tc: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage: when microbatch 0's forward reaches it, and how long the last gradient takes from it to stage 0."""
+    head, tail = [0.0], [0.0]
+    for s in range(len(tf) - 1):
+        head.append(head[-1] + tf[s] + tc[s])
+        tail.append(tail[-1] + tb[s] + tc[s])
+    return head, tail
 
 
 def _prefix(values: Sequence[float]) -> list[float]:

@@ -3,7 +3,7 @@
     from autopar.search import search_model
     result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536)
     print(result.format(top=5))           # step time, MFU, peak memory per rank of the best plans
-    plan = result.materialize()           # the intra-op ILP per distinct stage -> an autopar Plan
+    plan = result.materialize()           # the flow (passes/flow.py) at the best candidate -> an autopar Plan
     plan.save("plan.json")
 
 or ``autopar plan gpt3-175b --cluster dgx-a100:nodes=128 --global-batch 1536 --top 5 -o plan.json``.
@@ -23,9 +23,9 @@ one file per step:
    cannot be among the K best and is not simulated (branch and bound: the answer does not depend on
    the visiting order, tests/test_search.py shuffles it). Others are simulated.
 4. **Materialize** (``materialize.py``): ``SearchResult.materialize`` captures the model at the
-   chosen micro-batch, splits it into the chosen stages, solves the intra-op ILP once per distinct
-   stage, merges the placements and inserts the collectives: a Plan file that
-   ``autopar.compile(model, mesh, plan=...)`` loads.
+   chosen micro-batch and runs the flow (``passes/flow.py``: the intra-op ILP on the whole program,
+   the collectives, the split into the chosen stages), as ``autopar plan --mesh`` does: a Plan file
+   that ``autopar.compile(model, mesh, plan=...)`` loads.
 """
 
 from __future__ import annotations

@@ -130,7 +130,9 @@ class SearchSpace:
     mics: bool = True  # also MiCS partition groups: divisors g of dp, node-aligned (see _node_aligned)
     mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
     devices_per_node: int = 8  # set from the cluster by the search
-    pipeline_zero3: bool = False  # ZeRO-3 / MiCS-3 with pp > 1 (the pipeline runtime implements 1 and 2)
+    # ZeRO-3 / MiCS-3 also with pp > 1: the runtime gathers a stage's weights around each of its forwards and
+    # recomputations (runtime/zero3.py), as price.py prices it; False leaves those candidates out
+    pipeline_zero3: bool = True
     layouts: tuple[str, ...] = ("balanced", "even")
     max_pp: int | None = None  # default: the number of layers
 
@@ -189,7 +191,7 @@ class Chain:
     zeros: tuple[int, ...]
     levels: tuple[tuple[str, int], ...]  # (recompute, alpha1)
     dominated: int = 0  # ZeRO-0 candidates left out (ZeRO-1: same time, less memory)
-    unsupported: int = 0  # ZeRO-3 candidates left out with pp > 1
+    unsupported: int = 0  # ZeRO-3 candidates left out with pp > 1 (SearchSpace.pipeline_zero3=False)
 
     def candidate(self, zero: int, level: int) -> Candidate:
         rc, a = self.levels[level]

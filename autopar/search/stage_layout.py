@@ -1,13 +1,16 @@
 """Stage layouts of the search: the profile's units [pre, layer 0..L-1, post] cut into S contiguous stages.
 
-``balanced_layout`` minimizes the largest stage's forward FLOPs (a bisection on the bottleneck; later
-stages are filled first, since the first stages hold more microbatches in flight); ``even_layout`` is
-Megatron's, L / S layers per stage.
+``balanced_layout`` minimizes the largest stage's forward FLOPs, the bottleneck found exactly by the stage
+balancer's own partition (``solver/partition.min_max_partition``); among the layouts that reach it, it takes
+the one that fills later stages first, since the first stages hold more microbatches in flight (the
+partition's own choice fills the earlier ones). ``even_layout`` is Megatron's, L / S layers per stage.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from autopar.solver.partition import min_max_partition
 
 Layout = tuple[tuple[int, int], ...]  # unit range [start, stop) of each stage
 
@@ -18,19 +21,13 @@ def balanced_layout(flops: Sequence[float], stages: int) -> Layout | None:
     w, n = list(flops), len(flops)
     if stages > n:
         return None
-    lo, hi = max(w), sum(w)
-    for _ in range(100):  # bisection on the bottleneck
-        mid = (lo + hi) / 2
-        if _parts(w, mid) <= stages:
-            hi = mid
-        else:
-            lo = mid
-        if hi - lo <= 1e-9 * hi:
-            break
-    cap = hi
+    prefix = [0.0]
+    for v in w:
+        prefix.append(prefix[-1] + v)
+    cap, _ = min_max_partition(n, stages, lambda s, j, i: prefix[i] - prefix[j])
     out: list[tuple[int, int]] = []
     stop = n
-    for s in range(stages - 1, -1, -1):
+    for s in range(stages - 1, -1, -1):  # each stage from the last takes as many units as fit under the cap
         start, total = stop, 0.0
         while start > s and total + w[start - 1] <= cap * (1 + 1e-12):
             start -= 1
@@ -55,20 +52,6 @@ def even_layout(is_layer: Sequence[bool], stages: int) -> Layout | None:
     k = L // stages
     cuts = [0] + [layers[s * k] for s in range(1, stages)] + [len(is_layer)]
     return tuple((cuts[s], cuts[s + 1]) for s in range(stages))
-
-
-def _parts(w: Sequence[float], cap: float) -> int:
-    """Contiguous runs needed so that each sums to at most ``cap`` (inf if one item exceeds it)."""
-    parts, total = 1, 0.0
-    for v in w:
-        if v > cap * (1 + 1e-12):
-            return 1 << 30
-        if total + v > cap * (1 + 1e-12):
-            parts += 1
-            total = v
-        else:
-            total += v
-    return parts
 
 
 __all__ = ["Layout", "balanced_layout", "even_layout"]
