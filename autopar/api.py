@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils import _pytree as pytree
 
 from autopar.check import check_before_training
@@ -47,8 +48,6 @@ DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs aft
 
 def init_mesh(device_type: str | None = None, **axes: int):
     """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
     size = 1
@@ -163,8 +162,6 @@ def compile(  # noqa: A001
     parameters (a larger one gets an error saying how to check a scaled-down copy with
     ``autopar check``); dp/tp meshes only.
     """
-    from torch.distributed.device_mesh import DeviceMesh
-
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(
             f"mesh must be a torch DeviceMesh with named axes, not {type(mesh).__name__}; "

@@ -43,7 +43,7 @@ from autopar.passes.flow import FlowOptions, plan_program
 from autopar.plan import Plan
 from autopar.rulecheck import call_op
 from autopar.runtime.codegen import _getitem
-from autopar.runtime.module import one_stage_module
+from autopar.runtime.one_stage import one_stage_module
 from autopar.runtime.placement_values import distribute_grad
 from autopar.runtime.ranksim import SimWorld
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.search.price import Analytic, Evaluation
+from autopar.search.evaluation import Evaluation
+from autopar.search.price import Analytic
 from autopar.search.score import Scorer
 from autopar.search.space import Candidate, divisors
 from autopar.solver.cluster import ClusterSpec

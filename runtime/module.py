@@ -49,9 +49,8 @@ from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, 
 from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
 from autopar.runtime.rng import DropoutRng
-from autopar.runtime.schedules import make_schedule
 from autopar.runtime.stage_runner import StageRunner
-from autopar.runtime.stages import StageBuilder, forward_schedule, one_stage, recompute_fractions
+from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
 from autopar.runtime.timeline import SimResult
 from autopar.runtime.trace import TraceEvent, measured_result, step_barrier
 from autopar.runtime.zero import ZeroOptimizer
@@ -397,27 +396,8 @@ class ParallelModule(torch.nn.Module):
         return dict(self.comm.coords)
 
 
-def one_stage_module(
-    program: Program,
-    in_spec,
-    out_spec,
-    comm: coll.Comm,
-    get_value,
-    device: torch.device | str = "cpu",
-    *,
-    setup: TrainingSetup | None = None,
-    rng: DropoutRng | None = None,
-) -> ParallelModule:
-    """The module of a sharded program without stages, run as one stage (forward only: the rank
-    simulator's ``autopar check``, and tests that train a program through ``forward``)."""
-    staged = one_stage(program)
-    return ParallelModule(
-        staged, None, make_schedule("1f1b", 1, 1), in_spec, out_spec, comm, get_value, device, setup, rng=rng
-    )
-
-
 def _nothing(*_args) -> None:
     """REDUCE_GRADS and STEP of a forward-only run."""
 
 
-__all__ = ["ParallelModule", "RuntimeOptions", "one_stage_module"]
+__all__ = ["ParallelModule", "RuntimeOptions"]

@@ -161,7 +161,7 @@ def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", see
     each rank); every rank's losses, the whole trained parameters, and the planned program."""
     from autopar.passes.flow import FlowOptions, plan_program
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime.module import one_stage_module
+    from autopar.runtime.one_stage import one_stage_module
     from autopar.solver.baselines import megatron_constraints
 
     model = copy.deepcopy(model)

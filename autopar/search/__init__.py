@@ -18,8 +18,9 @@ One module per step (see ``search.py`` for how a search runs):
 from __future__ import annotations
 
 from autopar.search.cli import run_cli
+from autopar.search.evaluation import Evaluation
 from autopar.search.materialize import build_plan, launch_options
-from autopar.search.price import Analytic, Evaluation
+from autopar.search.price import Analytic
 from autopar.search.profile import Profile, UnitCost, profile_model, profile_program, with_batch
 from autopar.search.result import SearchResult
 from autopar.search.score import FULL_SIMULATION, Scorer

@@ -35,7 +35,7 @@ from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
 from autopar.plan import Plan, fingerprint
 from autopar.planner import options_dict, options_from_dict, shard_stats
-from autopar.search.price import Evaluation
+from autopar.search.evaluation import Evaluation
 from autopar.search.profile import with_batch
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup

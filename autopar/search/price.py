@@ -34,51 +34,19 @@ largest chunk's size), and the output gradients a split backward keeps from B to
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from autopar.runtime.schedules import stage_aware_ratios
 from autopar.search.comm_time import CommTime
+from autopar.search.evaluation import Evaluation
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_layout import Layout, balanced_layout, even_layout
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import EFFICIENCY, TrainingSetup
 from autopar.solver.pipeline_shape import stage_ranks
-
-
-@dataclass
-class Evaluation:
-    """A candidate priced by the analytic model (and, after scoring, by the simulator)."""
-
-    candidate: Candidate
-    stages: tuple[tuple[int, int], ...]  # unit range [start, stop) of each stage
-    stage_rank: tuple[int, ...]
-    tf: tuple[float, ...]  # per stage, one microbatch
-    tb: tuple[float, ...]
-    tr: tuple[float, ...]  # recomputing all of the stage's recomputed layers once
-    tc: tuple[float, ...]  # per stage boundary
-    recompute_fraction: tuple[float, ...]  # per stage: the fraction the schedule recomputes
-    reduce: tuple[float, ...]  # per rank: data-parallel gradient synchronization after its last backward
-    rank_memory: tuple[float, ...]  # per rank, bytes
-    weight_memory: tuple[float, ...]  # per rank, model states
-    lower_bound: float
-    step_time: float | None = None
-    simulated: str = ""  # "exact", "extrapolated" or "closed form"
-    bubble: float | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    tw: tuple[float, ...] = ()  # per stage: the weight-gradient part of tb (a zero-bubble schedule's W)
-
-    @property
-    def memory(self) -> float:
-        return max(self.rank_memory)
-
-    @property
-    def sort_key(self) -> tuple:
-        """Fastest first; equal step times: least memory, then the candidate's field order."""
-        return (self.step_time if self.step_time is not None else math.inf, self.memory, self.candidate)
 
 
 @dataclass(frozen=True)
@@ -433,4 +401,4 @@ def _augment(units: tuple[UnitCost, ...], seq: int) -> list[dict[str, float]]:
     return out
 
 
-__all__ = ["Analytic", "Evaluation"]
+__all__ = ["Analytic"]

@@ -8,8 +8,9 @@ from typing import Any
 from autopar.plan import Plan
 from autopar.runtime.simulator import simulate
 from autopar.runtime.timeline import SimResult
+from autopar.search.evaluation import Evaluation
 from autopar.search.materialize import build_plan
-from autopar.search.price import Analytic, Evaluation
+from autopar.search.price import Analytic
 from autopar.search.score import Scorer
 from autopar.search.space import SearchSpace
 from autopar.solver.cluster import ClusterSpec

@@ -17,7 +17,7 @@ from autopar.runtime.action_costs import Costs
 from autopar.runtime.actions import COMPUTE_KINDS, Schedule
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
-from autopar.search.price import Evaluation
+from autopar.search.evaluation import Evaluation
 
 FULL_SIMULATION = 2048  # simulate exactly up to this many forward actions (stages x microbatches)
 

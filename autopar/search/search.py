@@ -41,7 +41,8 @@ from typing import Any
 from tqdm import tqdm
 
 from autopar.errors import InfeasibleError
-from autopar.search.price import Analytic, Evaluation
+from autopar.search.evaluation import Evaluation
+from autopar.search.price import Analytic
 from autopar.search.profile import Profile, profile_model
 from autopar.search.result import GiB, SearchResult
 from autopar.search.score import Scorer
