@@ -46,8 +46,23 @@ from autopar.solver.pipeline_shape import placement_shape
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
 
+def check_restartable() -> None:
+    """Refuse a restartable torchrun job whose restarts would fail: torchrun keeps one store for the job (its
+    agent's) unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and a restarted group then reads the addresses
+    the lost group left there and cannot connect (gloo and NCCL; pytorch issue 135712). ``init_mesh`` checks."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise MeshError(
+            f"torchrun --max-restarts {restarts} shares one store between the attempts, so a restarted group "
+            "would read the lost group's addresses and fail to connect: launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (every node), or without restarts"
+        )
+
+
 def init_mesh(device_type: str | None = None, **axes: int):
-    """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size."""
+    """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size (and, under
+    torchrun restarts, against a store its restarts cannot use: ``check_restartable``)."""
+    check_restartable()
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
     size = 1

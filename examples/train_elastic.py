@@ -3,7 +3,7 @@
 A template for a fault-tolerant run of a compiled model, on one node or many (docs/user_guide.md,
 "Multi-node launch, restarts and SLURM", has the cluster and SLURM commands):
 
-    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1    # restarts need a fresh store each (check_restartable)
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1    # restarts need a fresh store each (autopar.api.check_restartable)
     torchrun --standalone --nproc-per-node 2 --max-restarts 3 examples/train_elastic.py --mesh pp=2 \\
         --steps 20 --every 5 --ckpt-dir out/elastic --fail-at 1:8
     # two nodes: this on every node, HOST the first one (here: twice on this machine, HOST 127.0.0.1)
@@ -168,19 +168,6 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-def check_restartable() -> None:
-    """Refuse to start a restartable job whose restarts would fail: torchrun keeps one store for the job
-    (its agent's) unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and a restarted group then reads the
-    addresses the lost group left there and cannot connect (gloo and NCCL; pytorch issue 135712)."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
-    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        raise SystemExit(
-            f"torchrun --max-restarts {restarts} shares one store between the attempts, so a restarted group "
-            "would read the lost group's addresses and fail to connect: launch with "
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment (every node), or without restarts"
-        )
-
-
 def train(args: argparse.Namespace) -> None:
     """One torchrun rank: compile, resume from the latest checkpoint, train to ``--steps``."""
     import autopar
@@ -190,7 +177,7 @@ def train(args: argparse.Namespace) -> None:
     from autopar.runtime.safetensors_io import save_safetensors
     from autopar.solver.cost import TrainingSetup
 
-    check_restartable()
+    autopar.api.check_restartable()  # before the process group: init_mesh checks it too, later
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     cuda = torch.cuda.is_available()
     if cuda:

@@ -125,14 +125,17 @@ def test_two_launchers_survive_a_killed_rank_and_equal_one_process(tmp_path):
 
 def test_restarts_on_a_shared_store_are_refused(monkeypatch):
     """Under --max-restarts, torchrun's default store shared by every attempt would make the restarted
-    group read the lost one's addresses: the example refuses to start and says what to set."""
-    example = _example()
+    group read the lost one's addresses: autopar (init_mesh, and the example before anything) refuses to
+    start and says what to set."""
+    from autopar.api import check_restartable
+    from autopar.errors import MeshError
+
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    with pytest.raises(SystemExit, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
-        example.check_restartable()
+    with pytest.raises(MeshError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_restartable()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives
-    example.check_restartable()
+    check_restartable()
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # no restart: nothing to refuse
-    example.check_restartable()
+    check_restartable()
