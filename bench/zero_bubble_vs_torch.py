@@ -42,6 +42,7 @@ from pipeline_vs_torch import (
     _mean_loss,
     _measured_costs,
     _one_way_seconds,
+    _Sleep,
     _summary,
     _timed,
     _torch_step,
@@ -52,21 +53,6 @@ from torch import nn
 
 SCHEDULES = [("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
 TORCH_HAS = {"1f1b", "zb-h1", "zbv", "dualpipev"}
-
-
-class _SleepInput(torch.autograd.Function):
-    """Forward sleeps ``tf``; the gradient of the input (B) sleeps ``tb``."""
-
-    @staticmethod
-    def forward(ctx, x, tf: float, tb: float):
-        ctx.tb = tb
-        time.sleep(tf)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        time.sleep(ctx.tb)
-        return g.clone(), None, None
 
 
 class _SleepWeight(torch.autograd.Function):
@@ -92,7 +78,7 @@ class ZBSleepStage(nn.Module):
         self.w = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return _SleepInput.apply(x, self.tf, self.tb) * _SleepWeight.apply(self.w, self.tw)
+        return _Sleep.apply(x, self.tf, self.tb) * _SleepWeight.apply(self.w, self.tw)
 
 
 def simulated_costs(sched, args, tc: float = 0.0):
