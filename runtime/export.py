@@ -23,19 +23,21 @@ def whole_values(
     program: Program, local: Callable[[str], torch.Tensor | None], comm: coll.Comm
 ) -> dict[str, torch.Tensor]:
     """Each value of ``program`` for which ``local(name)`` gives this rank's piece (whole over the ZeRO
-    axes), gathered whole over the program's mesh axes."""
+    axes), gathered whole over the program's mesh axes: new tensors, never views of ``local``'s."""
     out = {}
     with coll.use_comm(comm):
         for v in program.inputs:
             if v.kind == "input":
                 continue
-            x = local(v.name)
-            if x is None:
+            held = local(v.name)
+            if held is None:
                 continue
+            x = held
             for p, name in reversed(list(zip(v.type.placements, program.mesh.names))):
                 if isinstance(p, Shard):
                     x = coll._gather(comm, x, name, p.dim, p.chunks)
-            out[v.name] = x
+            # nothing to gather (one process, a replicated value): a copy, never the module's live tensor
+            out[v.name] = x.clone() if x.untyped_storage().data_ptr() == held.untyped_storage().data_ptr() else x
     return out
 
 
