@@ -125,7 +125,10 @@ def optimizer_params(pipe, optimizer, held: dict[str, Held]) -> list[tuple[torch
 
 
 def _flat_parts(opt: ZeroOptimizer, flat, held: dict[str, Held], by_id: dict[int, str]) -> list[tuple[Held, int]]:
-    """The parameters in one group's ZeRO-2 flat slice: each one's kept range and where it starts in the slice."""
+    """The parameters in one group's ZeRO-2 flat slice: each one's kept range and where it starts in the slice.
+    A slice that is all padding (a group smaller than its ranks) keeps an empty range of the group's first
+    parameter: its optimizer states are still named (the saved ones say which, and their scalars), and are
+    zeros, as the padding's are."""
     start, stop = slice_range(flat.padded, opt.comm, opt.zero_axes)
     parts, offset = [], 0
     for p in flat.params:
@@ -134,6 +137,9 @@ def _flat_parts(opt: ZeroOptimizer, flat, held: dict[str, Held], by_id: dict[int
             h = held[by_id[id(p)]]
             parts.append((Held(h.key, h.shape, h.local_shape, h.runs, a - offset, b - offset), a - start))
         offset += p.numel()
+    if not parts:
+        h = held[by_id[id(flat.params[0])]]
+        parts.append((Held(h.key, h.shape, h.local_shape, h.runs, 0, 0), 0))
     return parts
 
 
@@ -147,7 +153,7 @@ def state_pieces(parts: list[tuple[Held, int]], state: dict[str, torch.Tensor]) 
         for h, at in parts:
             if value.dim() == 0:
                 out[f"optim/{h.key}/{name}"] = value
-            else:
+            elif h.start < h.stop:  # an empty range (a slice of padding) holds no piece
                 out[f"optim/{h.key}/{name}"] = h.pieces(value, at)
     return out
 

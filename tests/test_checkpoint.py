@@ -161,6 +161,7 @@ def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
                 and all(torch.equal(again["state"][k], v) for k, v in straight[name]["state"].items())
             )
         out["export"] = _export_and_load(runs, root)
+        out["padding"] = _padding_only_slice(os.path.join(root, "padding"))
     else:
         run = _Run("single", model, batches)
         out["dp2tp2-zero2->single"] = run.resume(where["dp2tp2-zero2"])
@@ -168,6 +169,55 @@ def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
         out["broken: no lr schedule"] = run.resume(where["pp2tp2"], scheduler=False)
         out["broken: no optimizer state"] = run.resume(where["pp2tp2"], optimizer=False)
     return out
+
+
+class _Tiny(torch.nn.Module):
+    """A model smaller than its ranks: ZeRO-2 over 4 ranks cuts its bias (3 elements, a parameter group of
+    its own) into slices of one, so rank 3's slice is all padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.lin(x), y)
+
+
+def _padding_only_slice(path: str) -> dict:
+    """dp=4, ZeRO-2, AdamW with the bias in a group of its own: one step, a save, two more; then the save
+    loaded back: every rank's optimizer state (the all-padding slice's too) and the two steps after are
+    bit for bit the run that went on."""
+    import autopar
+    from autopar.passes.shard import ShardOptions
+    from autopar.runtime import checkpoint
+    from autopar.runtime.state_pieces import slice_range
+    from autopar.solver.cost import TrainingSetup
+
+    torch.manual_seed(0)
+    model = _Tiny().double()
+    g = torch.Generator().manual_seed(1)
+    batches = [{"x": torch.randn(8, 4, generator=g, dtype=torch.float64),
+                "y": torch.randn(8, 3, generator=g, dtype=torch.float64)} for _ in range(3)]  # fmt: skip
+    options = ShardOptions(setup=TrainingSetup(zero=2), data_parallel="inputs")
+    pipe = autopar.compile(model, autopar.init_mesh("cpu", dp=4), kwargs=batches[0], options=options)
+    opt = pipe.make_optimizer(torch.optim.AdamW, lambda n: {"weight_decay": 0.0} if n.endswith("bias") else {}, lr=0.1)
+    (bias,) = [f for f in opt.flats if f.numel == 3]
+
+    def states() -> dict:
+        return {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+
+    pipe.train_step(**batches[0])
+    checkpoint.save(path, pipe, opt)
+    saved = states()
+    straight = [pipe.train_step(**b) for b in batches[1:]]
+    checkpoint.load(path, pipe, opt)
+    loaded = states()
+    again = [pipe.train_step(**b) for b in batches[1:]]
+    return {
+        "padding only": torch.tensor(slice_range(bias.padded, opt.comm, opt.zero_axes)[0] >= bias.numel),
+        "states": torch.tensor(loaded.keys() == saved.keys() and all(_same(loaded[i], saved[i]) for i in saved)),
+        "losses": torch.tensor(all(torch.equal(a, b) for a, b in zip(straight, again))),
+    }
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -232,6 +282,9 @@ def test_a_checkpoint_resumes_on_another_mesh_as_one_uninterrupted_process(tmp_p
     for rank, res in enumerate(results):
         export = res.pop("export")
         assert len(export) == 9 and all(export.values()), (rank, export)
+        padding = res.pop("padding")
+        assert bool(padding.pop("padding only")) == (rank == 3), (rank, "rank 3's bias slice should be padding")
+        assert all(padding.values()), (rank, padding)
     with safe_open(str(tmp_path / "pp2tp2.safetensors"), "pt") as f:
         assert "model.lm_head.weight" not in f.keys()  # noqa: SIM118 - the tied weight is stored once
     copy.deepcopy(reference).load_state_dict(load_safetensors(tmp_path / "pp2tp2.safetensors"), strict=True)
