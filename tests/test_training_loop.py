@@ -401,11 +401,16 @@ def test_training_loop_on_four_ranks(tmp_path):
 # 8 ranks
 
 
-def _eight(rank: int, world: int) -> dict:
+def _eight(rank: int, world: int, root: str) -> dict:
     """pp=2 x dp=2 x tp=2, ZeRO-2, clipping inside ``train_step``, the token-weighted loss; also with
-    Merak's sub-pipelined tp (each microbatch run as two halves holding different numbers of tokens)."""
+    Merak's sub-pipelined tp (each microbatch run as two halves holding different numbers of tokens).
+    The first exports the whole model to safetensors before training (bit for bit the user's model,
+    loadable with ``strict=True``) and after (the single process's within TOL)."""
+    import os
+
     import autopar
     from autopar.passes.shard import ShardOptions
+    from autopar.runtime.safetensors_io import load_safetensors, save_safetensors
     from autopar.solver.cost import TrainingSetup
 
     model, batches = tiny_padded_gpt(steps=3)
@@ -421,28 +426,47 @@ def _eight(rank: int, world: int) -> dict:
             model, mesh, kwargs=batches[0], options=options, microbatches=2, loss_weight="tokens", sub_pipeline_tp=sub
         )
         m.make_optimizer(torch.optim.SGD, max_grad_norm=MAX_NORM, **sgd)
+        if not sub:  # the export before training: the user's own model, every key, bit for bit
+            before = load_safetensors(save_safetensors(m, os.path.join(root, "before.safetensors")))
+            mine = model.state_dict()
+            out["export"] = {
+                "same keys": before.keys() == mine.keys(),
+                "exact": all(torch.equal(before[k], v) for k, v in mine.items() if k in before),
+                "strict load": copy.deepcopy(model).load_state_dict(before, strict=True) is not None,
+            }
         run = {"loss": [], "norm": [], "lr": [sgd["lr"]] * len(batches)}
         for b in batches:
             run["loss"].append(m.train_step(**b).item())
             run["norm"].append(m.grad_norm.item())
         out[name] = _compare(run, ref, m.full_state_dict(), reference)
+        if not sub:  # and after: what it trained, as the single process trained it
+            after = load_safetensors(save_safetensors(m, os.path.join(root, "after.safetensors")))
+            out["export"]["trained"] = torch.tensor(state_error(after, reference)[0])
+            out["export"]["equals full_state_dict"] = all(torch.equal(after[k], v) for k, v in m.full_state_dict().items())
         out[name]["sharded"] = sum(p.numel() for p in m.parameters()) < sum(p.numel() for p in reference.parameters())
     out["ref_norms"] = torch.tensor(ref["norm"])
     return out
 
 
 @pytest.mark.multiproc
-def test_clipping_on_pp2_dp2_tp2_zero2():
-    """Clipping and the token-weighted loss on the 3D mesh with ZeRO-2, plain and sub-pipelined."""
+def test_clipping_and_export_on_pp2_dp2_tp2_zero2(tmp_path):
+    """Clipping and the token-weighted loss on the 3D mesh with ZeRO-2, plain and sub-pipelined; the
+    whole model exported to safetensors from it (the tied head stored once)."""
+    from safetensors import safe_open
+
     from tests._dist import run_distributed
 
-    for rank, res in enumerate(run_distributed(_eight, 8, timeout=900)):
+    for rank, res in enumerate(run_distributed(_eight, 8, str(tmp_path), timeout=900)):
+        export = res.pop("export")
+        assert export.pop("trained") < TOL and all(export.values()), (rank, export)
         assert (res["ref_norms"] > MAX_NORM).all()
         for name in ("1f1b", "sub-pipelined"):
             r = res[name]
             assert r["sharded"], "the stages should be sharded over tp"
             _check_run(r, f"rank {rank} pp2 x dp2 x tp2 ZeRO-2 {name}")
             print(name, "norm", r["norm_rel"], "state", r["state_rel"], "loss", r["loss_rel"])
+    with safe_open(str(tmp_path / "after.safetensors"), "pt") as f:
+        assert "head.weight" not in f.keys() and "wte.weight" in f.keys()  # noqa: SIM118 - the tied head once
 
 
 # ---------------------------------------------------------------------------------------------
