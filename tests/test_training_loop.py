@@ -442,7 +442,8 @@ def _eight(rank: int, world: int, root: str) -> dict:
         if not sub:  # and after: what it trained, as the single process trained it
             after = load_safetensors(save_safetensors(m, os.path.join(root, "after.safetensors")))
             out["export"]["trained"] = torch.tensor(state_error(after, reference)[0])
-            out["export"]["equals full_state_dict"] = all(torch.equal(after[k], v) for k, v in m.full_state_dict().items())
+            whole = m.full_state_dict()
+            out["export"]["equals full_state_dict"] = all(torch.equal(after[k], v) for k, v in whole.items())
         out[name]["sharded"] = sum(p.numel() for p in m.parameters()) < sum(p.numel() for p in reference.parameters())
     out["ref_norms"] = torch.tensor(ref["norm"])
     return out
