@@ -12,6 +12,7 @@ come from), broadcasts the programs and builds this rank's ``autopar.runtime.mod
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from pathlib import Path
@@ -189,12 +190,13 @@ def compile(  # noqa: A001
             "check=True covers dp/tp meshes; check a pipelined plan's sharded program with "
             "`autopar check MODEL --mesh ...` (stage cuts do not change values)"
         )
-    if plan is None:  # priced on this machine: the fastest plan within its device memory by default
-        options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
     if batch not in ("global", "local"):
         raise BatchError(
             f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {batch!r}"
         )
+    if plan is None:  # priced on this machine: the fastest plan within its device memory by default
+        options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
+        options = dataclasses.replace(options, batch=batch)  # a local batch's inputs arrive split over dp
     weight = token_count() if loss_weight == "tokens" else loss_weight
     if isinstance(weight, str) or (weight is not None and not callable(weight)):
         raise BatchError(f"loss_weight must be 'tokens' or a function of a piece's inputs, not {loss_weight!r}")

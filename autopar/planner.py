@@ -34,6 +34,7 @@ def options_dict(opts: ShardOptions) -> dict:
         "time_limit": opts.time_limit,
         "backend": opts.backend,
         "setup": dataclasses.asdict(opts.setup),
+        "batch": opts.batch,
     }
 
 
@@ -49,6 +50,7 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
         backend=d.get("backend", "cbc"),
         setup=TrainingSetup(**setup),
         cluster=cluster,
+        batch=d.get("batch", "global"),
     )
 
 

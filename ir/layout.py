@@ -100,3 +100,13 @@ def valid(placements: tuple[Placement, ...], shape: tuple[int, ...], sizes: tupl
                 return False
             chunks[p.dim] = p.chunks
     return all(shape[d] % (k * chunks[d]) == 0 for d, k in per_dim.items())
+
+
+def deals_rows(placements: tuple[Placement, ...], on: tuple[int, ...]) -> bool:
+    """Whether ``placements`` split dim 0 over the mesh axes at the indices ``on`` as a local batch deals
+    its rows (``runtime/batch.DataLayout``: each of those axes in mesh order, the first outermost):
+    ``S(0)`` on each, and no other axis splitting dim 0 outside the last of them."""
+    if any(placements[i] != Shard(0) for i in on):
+        return False
+    last = max(on, default=-1)
+    return not any(isinstance(p, Shard) and p.dim == 0 and i < last and i not in on for i, p in enumerate(placements))

@@ -5,8 +5,9 @@ Every value's type and every op's result types get the chosen placements, and ea
 every mismatch into collectives and drops the attribute. What the solver decides, and how, is in
 solver/groups.py (decisions and their prices) and solver/sharding.py (the problem and its solution).
 
-Two options are the pass's own (solver/options.py): ``data_parallel`` becomes constraints on the program it
-solves (solver/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), and with
+Three options are the pass's own (solver/options.py): ``data_parallel`` becomes constraints on the program it
+solves (solver/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), so does a local
+``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
 ``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
 ``how`` names the attempt that solved it.
 """
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field, fields, replace
 from autopar.errors import InfeasibleError
 from autopar.ir.axes import data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
-from autopar.solver.baselines import data_parallel_constraints
+from autopar.solver.baselines import data_parallel_constraints, local_batch_constraints
 from autopar.solver.options import OBJECTIVES, ShardOptions, planning_options
 from autopar.solver.sharding import Sharding, solve_sharding
 
@@ -92,13 +93,21 @@ def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
 
 
 def _constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
-    """``opts`` with ``data_parallel`` turned into ``constrain`` entries (both must hold where both constrain)."""
-    if opts.data_parallel is None:
+    """``opts`` with ``data_parallel`` and a local ``batch`` turned into ``constrain`` entries (all must hold
+    where several constrain)."""
+    axes = data_axes(prog.mesh.names)
+    added = []
+    if opts.data_parallel is not None:
+        added.append(data_parallel_constraints(prog, axes, activations=opts.data_parallel == "activations"))
+    if opts.batch == "local":
+        added.append(local_batch_constraints(prog, axes))
+    if not added:
         return opts
-    dp = data_parallel_constraints(prog, data_axes(prog.mesh.names), activations=opts.data_parallel == "activations")
-    given = opts.constrain or {}
-    both = {n: _all_of(dp[n], given[n]) for n in dp.keys() & given.keys()}
-    return replace(opts, constrain={**dp, **given, **both})
+    out = dict(opts.constrain or {})
+    for entries in added:
+        for n, pred in entries.items():
+            out[n] = _all_of(out[n], pred) if n in out else pred
+    return replace(opts, constrain=out)
 
 
 def _all_of(a, b):

@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import BatchError, CaptureError
 from autopar.ir.core import MeshSpec, Program, Shard, Value
+from autopar.ir.layout import deals_rows
 from autopar.passes.capture import flatten_inputs
 from autopar.runtime import collectives as coll
 from autopar.runtime.batch import DataLayout, LossWeight
@@ -108,15 +109,7 @@ class CallInputs:
     def _rows_as_layout(self, v: Value) -> bool:
         """Whether ``v``'s placements split its rows over the data-parallel axes as the layout does:
         ``S(0)`` on each, and no other axis splitting rows before one of them."""
-        names = self.mesh.names
-        where = [names.index(a) for a in self._dp]
-        if any(v.type.placements[i] != Shard(0) for i in where):
-            return False
-        last = max(where, default=-1)
-        return not any(
-            isinstance(p, Shard) and p.dim == 0 and i < last and names[i] not in self._dp
-            for i, p in enumerate(v.type.placements)
-        )
+        return deals_rows(v.type.placements, tuple(self.mesh.names.index(a) for a in self._dp))
 
     # -- the call's inputs ------------------------------------------------------------------------
     def _given(self, args: tuple, kwargs: dict) -> list[torch.Tensor | None]:

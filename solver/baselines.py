@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from autopar.errors import BaselineUnavailableError, InfeasibleError
 from autopar.ir.axes import is_tensor_axis
 from autopar.ir.core import MeshSpec, Placement, Program, R, Shard, Value
-from autopar.ir.layout import valid
+from autopar.ir.layout import deals_rows, valid
 from autopar.solver.cost import TrainingSetup
 from autopar.solver.megatron_roles import megatron_layout
 from autopar.solver.options import ShardOptions
@@ -132,6 +132,31 @@ def data_parallel_constraints(prog: Program, axes: Iterable[str] | None = None, 
                 if r in grad and t.shape and t.shape[0] >= size and t.shape[0] % size == 0:
                     out[r] = exactly(Shard(0))
     return out
+
+
+@dataclass(frozen=True)
+class DealtRows:
+    """A ``ShardOptions.constrain`` predicate: dim 0 split over the mesh axes at the indices ``on`` as a
+    local batch deals its rows (``ir.layout.deals_rows``)."""
+
+    on: tuple[int, ...]
+
+    def __call__(self, p: tuple[Placement, ...]) -> bool:
+        return deals_rows(p, self.on)
+
+
+def local_batch_constraints(prog: Program, axes: Iterable[str]) -> dict:
+    """``ShardOptions.constrain`` entries for a local batch (``ShardOptions.batch="local"``): each user input
+    split on dim 0 over the mesh ``axes`` (the ``dp*`` axes) as its rows are dealt, which is how the ranks
+    are given it. An input whose dim 0 does not divide over them is left free (the runtime refuses a local
+    batch of it, saying so)."""
+    on = tuple(i for i, (n, s) in enumerate(prog.mesh.axes) if s > 1 and n in set(axes))
+    size = math.prod(prog.mesh.sizes[i] for i in on)
+    if not on:
+        return {}
+    return {
+        v.name: DealtRows(on) for v in prog.inputs if v.kind == "input" and v.type.shape and v.type.shape[0] % size == 0
+    }
 
 
 def unavailable_reason(prog: Program, constrain: dict) -> str | None:

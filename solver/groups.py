@@ -34,13 +34,18 @@ MAX_GROUP_CANDIDATES = 2048
 CHEAP_FLOPS_PER_ELEMENT = 16  # an op doing at most this many FLOPs per output element is cheap to recompute
 
 
-def recomputable(prog: Program) -> set[str]:
+def recomputable(prog: Program, global_batch: bool = True) -> set[str]:
     """Values each rank can compute for itself at least as cheaply as it could receive them: non-float
-    inputs (every rank holds the global batch), buffers, and the results of views and cheap ops
-    (at most ``CHEAP_FLOPS_PER_ELEMENT`` per output element, e.g. ``arange``, comparisons, cumsum)
-    whose tensor inputs are all recomputable; never a value whose gradient backward needs."""
+    inputs (every rank holds the global batch; not with ``global_batch=False``, where each data-parallel
+    rank is given its rows only), buffers, and the results of views and cheap ops (at most
+    ``CHEAP_FLOPS_PER_ELEMENT`` per output element, e.g. ``arange``, comparisons, cumsum) whose tensor
+    inputs are all recomputable; never a value whose gradient backward needs."""
     grad = prog.requires_grad()
-    out = {v.name for v in prog.inputs if v.kind == "buffer" or (v.kind == "input" and not v.type.is_float)}
+    out = {
+        v.name
+        for v in prog.inputs
+        if v.kind == "buffer" or (v.kind == "input" and not v.type.is_float and global_batch)
+    }
     for op in prog.ops:
         if any(r in grad for r in op.results) or any(r.name not in out for r in op.input_refs()):
             continue
@@ -88,7 +93,8 @@ class GroupBuilder:
         self._strat_cache: dict[tuple, tuple[list[Strategy], bool]] = {}
         self._reads: dict[int, dict[str, list[tuple[str, int]]]] = {}
         self._replicated = (R,) * len(prog.mesh.axes)
-        self.recomputable = recomputable(prog)
+        # a local batch's integer inputs are where their rows were dealt: moving them is communication
+        self.recomputable = recomputable(prog) if opts.batch == "global" else recomputable(prog, global_batch=False)
         self.params = {v.name for v in prog.params}
 
     # -- strategies -----------------------------------------------------------------------------

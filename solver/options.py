@@ -6,7 +6,7 @@ seconds on the cluster spec, within the memory budget (``planning_options`` sets
 cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
 ``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
 
-``data_parallel`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
+``data_parallel``, ``batch`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
 ``constrain`` entries (solver/baselines.py:data_parallel_constraints) and retries; the solver itself
 (solver/sharding.py) reads ``constrain`` only.
 """
@@ -21,6 +21,7 @@ from autopar.solver.cost import TrainingSetup
 
 OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
 DATA_PARALLEL = (None, "inputs", "activations")
+BATCH = ("global", "local")
 
 
 @dataclass
@@ -50,11 +51,19 @@ class ShardOptions:
     # when nothing fits: retry with the least memory and no budget, then (data_parallel="activations")
     # with the inputs constrained only, and each of those with the least memory; ShardResult.how says which
     fallbacks: bool = False
+    # how the batch is passed (compile(batch=...)): "global", every rank is given all of it, so an integer input
+    # is recomputable (held whole, sliced for free); "local", each data-parallel rank is given only its rows:
+    # the `shard` pass fixes the user inputs split on dim 0 over the dp* axes as they are dealt
+    # (solver/baselines.py:local_batch_constraints), and moving one (all-gathering token ids) is priced
+    batch: str = "global"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
                               "budget) or memory (least memory)")  # fmt: skip
+        if self.batch not in BATCH:
+            raise SolverError(f"unknown batch {self.batch!r}; choose global (every rank is given the whole batch) "
+                              "or local (each data-parallel rank its rows)")  # fmt: skip
         if self.data_parallel not in DATA_PARALLEL:
             raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
                               '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '

@@ -4,7 +4,7 @@ One spawned group of 4 gloo ranks runs every check on 4 (``_four``), one of 8 th
 the model is ``examples/train_lm.py``'s GPT, tiny and pure PyTorch (no Hugging Face import in the
 ranks), its labels padded with -100 by a different amount per row (``tiny_padded_gpt``):
 
-- dp=2 x tp=2, ZeRO-2: local batches (each rank passes its rows; token ids are gathered over dp) give
+- dp=2 x tp=2, ZeRO-2: local batches (each rank passes its rows, used as they come) give
   the losses, gradient norms and parameters of global batches and of the single process; AdamW with
   two parameter groups given by a callable over the user's names, a warm-up + cosine ``LambdaLR``,
   clipping inside ``train_step``; the user's own loop (forward, backward, ``clip_grad_norm_``, step)
@@ -357,8 +357,8 @@ def test_training_loop_on_four_ranks(tmp_path):
         assert "max_grad_norm" in z["errors"][1], z["errors"][1]
         assert "wte.weight" in z["errors"][2], z["errors"][2]
         assert "has 4" in z["errors"][3] and "batch='global'" in z["errors"][3], z["errors"][3]
-        # token ids: the plan keeps them whole on every rank (recomputable), so each rank's rows are gathered
-        assert not any(z["local"]["direct"]), z["local"]["direct"]
+        # the plan knows the batch is local: every input is used as the rank's rows come, none gathered first
+        assert all(z["local"]["direct"]), z["local"]["direct"]
         f = res["float"]
         for mode in ("global", "local"):
             _check_run(f[mode], f"rank {rank} dp2 x tp2 float inputs, ZeRO-3 {mode}")
@@ -520,3 +520,47 @@ def test_data_rows_sampler_and_weights():
         resolve_groups([{"params": ["w"]}], users, ["w", "b"])
     with pytest.raises(OptimizerError, match="two|groups 0 and 1"):
         resolve_groups([{"params": ["w", "b"]}, {"params": ["tied.w"]}], users, ["w", "b"])
+
+
+def test_a_local_batch_is_planned_as_given():
+    """``batch="local"`` reaches the planner: the token ids and labels are where their rows were dealt
+    (split over dp, ``deals_rows``), so the ranks use them as they come, and moving one is priced, not free.
+    The example's GPT (dim 64, 64 tokens x 8) on dp=2 x tp=2: the local plan keeps both inputs dealt and
+    no collective moves them; the global plan (what local batches ran before) keeps the labels whole, which
+    a local batch would have had to all-gather at run time. Too small a model (dim 32, 8 x 4) computes the
+    loss whole on every dp rank: the local plan then all-gathers the labels in the program, and pays for it
+    (its predicted step is slower than the global plan's, which got the whole labels for free)."""
+    from autopar.api import DEFAULT_PIPELINE, parse_mesh
+    from autopar.ir.layout import deals_rows
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.manager import PassManager
+    from autopar.passes.shard import ShardOptions, planning_options
+    from autopar.solver.cluster import ClusterSpec
+    from tests.test_cost_plans import _moved_recomputable
+
+    ex = train_lm_example()
+    mesh = parse_mesh("dp=2,tp=2")
+    plans = {}
+    for dim, seq, rows in ((64, 64, 8), (32, 8, 4)):
+        torch.manual_seed(0)
+        model = ex.GPT(ex.GPTConfig(vocab=256, seq=seq, dim=dim, heads=2, layers=2))
+        ids = torch.randint(0, 256, (rows, seq))
+        lowered = lower(capture(model, (), {"input_ids": ids, "labels": ids}), mesh)
+        for batch in ("global", "local"):
+            opts = planning_options(ShardOptions(batch=batch), ClusterSpec.load("local-cpu"))
+            pm = PassManager(DEFAULT_PIPELINE, options={"shard": opts})
+            planned = pm.run(lowered)
+            inputs = [v for v in planned.inputs if v.kind == "input"]
+            dealt = [deals_rows(v.type.placements, (0,)) for v in inputs]
+            # collectives moving a user input (integer inputs are among the values a global batch recomputes)
+            moved = [m.split(" ")[2].split("(")[0] for m in _moved_recomputable(lowered, planned)
+                     if any(f" of %{v.name} " in m for v in inputs)]  # fmt: skip
+            plans[dim, batch] = (dealt, moved, pm.info["shard"].step_seconds)
+    dealt, moved, seconds = plans[64, "local"]
+    assert dealt == [True, True] and not moved, plans[64, "local"]
+    assert plans[64, "global"][0] == [True, False], "the global plan keeps the labels whole (the check can fail)"
+    assert seconds > plans[64, "global"][2]  # the loss's token count over split labels is reduced: priced
+    dealt, moved, seconds = plans[32, "local"]
+    assert dealt == [True, True] and moved == ["all_gather"], plans[32, "local"]
+    assert seconds > plans[32, "global"][2], plans
