@@ -138,7 +138,7 @@ def compile(  # noqa: A001
     check: bool = False,
     record: bool = True,
     batch: str = "global",
-    loss_weight: str | LossWeight | None = None,
+    loss_weight: str | LossWeight | None = "auto",
 ) -> ParallelModule:
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
@@ -166,10 +166,14 @@ def compile(  # noqa: A001
     slices its shard. ``batch="local"``: each rank passes only its data-parallel shard, the rows
     ``autopar.data`` gives it (``BatchSampler``, ``local_batch``; ranks of a pipeline's middle stages may
     pass nothing); outputs carrying the batch come back as this rank's rows. The example inputs are
-    always the global batch. ``loss_weight``: the loss is a mean whose items the pieces (microbatches)
-    hold unequally, e.g. tokens with padding: ``"tokens"`` (the targets of ``labels`` other than -100)
-    or a function of a piece's inputs by name giving its weight (``autopar.data.token_count``); the
-    step's loss and gradient are then the whole batch's mean, not the mean of the microbatches' means.
+    always the global batch. ``loss_weight``: how the pieces' (microbatches') losses make the step's.
+    ``"auto"`` (the default): where the loss is a mean over items of the data that the pieces hold
+    unequally (a cross-entropy over the targets that are not ``ignore_index``: ``sum / count`` in the
+    program), each piece weighs its count, read from the program (``runtime/loss_weight.py``), so the
+    step's loss and gradient are the whole batch's mean, as on one device; any other loss, equal
+    pieces. ``"tokens"`` (the targets of ``labels`` other than -100) or a function of a piece's inputs
+    by name giving its weight (``autopar.data.token_count``) say it explicitly; ``None``: the mean of
+    the pieces' losses (each microbatch's mean weighs the same).
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
@@ -198,8 +202,10 @@ def compile(  # noqa: A001
         options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
         options = dataclasses.replace(options, batch=batch)  # a local batch's inputs arrive split over dp
     weight = token_count() if loss_weight == "tokens" else loss_weight
-    if isinstance(weight, str) or (weight is not None and not callable(weight)):
-        raise BatchError(f"loss_weight must be 'tokens' or a function of a piece's inputs, not {loss_weight!r}")
+    if not (weight is None or weight == "auto" or (callable(weight) and not isinstance(weight, str))):
+        raise BatchError(
+            f"loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, not {loss_weight!r}"
+        )
     run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp, batch, weight)
     example = sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches)
     captured = _capture(model, *example)

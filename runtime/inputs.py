@@ -12,8 +12,9 @@ Two conventions (``compile(batch=...)``):
   every plan runs. Inputs this rank's stages do not read may be left out (a pipeline's middle stages
   need none).
 
-``loss_weight`` (``batch.token_count``): each piece's weight from the inputs of the piece, summed over
-the data-parallel ranks when each holds a share of it.
+``loss_weight``: each piece's weight, the divisor of its loss computed by the program's own ops from the
+piece's inputs as placed (``loss_weight.ProgramWeight``), or the caller's function (``batch.token_count``)
+of the inputs of the piece, summed over the data-parallel ranks when each holds a share of it.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from autopar.ir.layout import deals_rows
 from autopar.passes.capture import flatten_inputs
 from autopar.runtime import collectives as coll
 from autopar.runtime.batch import DataLayout, LossWeight
+from autopar.runtime.loss_weight import ProgramWeight
 from autopar.runtime.stage_runner import StageRunner
 
 
@@ -69,7 +71,7 @@ class CallInputs:
         *,
         leaves: Sequence[int] | None = None,
         local: bool = False,
-        loss_weight: LossWeight | None = None,
+        loss_weight: LossWeight | ProgramWeight | None = None,
     ):
         self.in_spec, self.values, self.comm, self.mesh, self.device = in_spec, list(values), comm, mesh, device
         self.layout, self.local, self.loss_weight = layout, local, loss_weight
@@ -172,6 +174,9 @@ class CallInputs:
         """This rank's inputs of each piece (only the values in ``reads``), and with ``weigh`` and a
         ``loss_weight`` each piece's weight."""
         given = self._given(args, kwargs)
+        program_weight = self.loss_weight if weigh and isinstance(self.loss_weight, ProgramWeight) else None
+        if program_weight is not None:  # the divisor's inputs, placed as the stages get them
+            reads = reads | set(program_weight.inputs)
         self._check_rows(given, reads)
         n = self.layout.pieces
         per_value = [x.chunk(n, 0) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in given]
@@ -182,7 +187,9 @@ class CallInputs:
             for k in range(n):
                 pieces[k][v.name] = self._place(i, per_value[i][k], what)
         weights = None
-        if weigh and self.loss_weight is not None:
+        if program_weight is not None:
+            weights = [program_weight(piece) for piece in pieces]
+        elif weigh and self.loss_weight is not None:
             weights = [
                 self._weight({lab: x[k] for lab, x in zip(self.labels, per_value) if x[k] is not None})
                 for k in range(n)

@@ -45,6 +45,7 @@ from autopar.runtime.executor import Executor
 from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync
 from autopar.runtime.inputs import CallInputs, stage_reads
+from autopar.runtime.loss_weight import program_weight
 from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
@@ -69,7 +70,9 @@ class RuntimeOptions:
     # while the other computes; the stages are built for a half
     sub_pipeline_tp: bool = False
     batch: str = "global"  # "global": every rank is given the whole batch; "local": its data-parallel shard
-    loss_weight: LossWeight | None = None  # each piece's weight in the step's loss (None: equal pieces)
+    # each piece's weight in the step's loss: "auto" the divisor of a loss that is a mean over items of the
+    # data (runtime/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
+    loss_weight: LossWeight | str | None = "auto"
 
     @property
     def sub_microbatches(self) -> int:
@@ -231,9 +234,12 @@ class ParallelModule(torch.nn.Module):
         self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self._runners)
         self._last = self._schedule.num_stages - 1 in self.forward_runners
         opts = self.options
+        pieces, weight = opts.microbatches * opts.sub_microbatches, opts.loss_weight
+        if weight == "auto":  # the loss's own divisor when it is a mean over the data's items
+            weight = program_weight(self.program, self._builder.part, self.comm, pieces)
         self._call = CallInputs.of(
-            self._in_spec, self.program, self.comm, self.device, opts.microbatches * opts.sub_microbatches,
-            leaves=leaves, local=opts.batch == "local", loss_weight=opts.loss_weight,
+            self._in_spec, self.program, self.comm, self.device, pieces,
+            leaves=leaves, local=opts.batch == "local", loss_weight=weight,
         )  # fmt: skip
         self.data_layout = self._call.layout_reading(self._reads_forward | self._reads_train)
         self._row_outputs = batch_outputs(self.program, self.data_layout.piece_rows)
@@ -258,7 +264,7 @@ class ParallelModule(torch.nn.Module):
                 self._forward_executor.run(pieces)
             src = self._peer_rank(self._schedule.num_stages - 1)
             outs = broadcast_outputs(self.program, self._forward_executor.outputs, src, self._pp_group, self.device)
-            if self.options.loss_weight is not None:
+            if self._call.loss_weight is not None:
                 weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
         if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
@@ -270,7 +276,7 @@ class ParallelModule(torch.nn.Module):
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of every microbatch of the batch under the schedule, gradient reduction,
         and clipping and the optimizer step if ``make_optimizer`` attached one. Returns the step's loss:
-        the mean of the microbatches' losses, or weighted by ``loss_weight``."""
+        the microbatches' losses weighted by ``loss_weight`` (by default the whole batch's mean)."""
         if self._executor is None:
             raise PipelineError(
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "

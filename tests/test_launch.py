@@ -47,14 +47,22 @@ def _example():
     return module
 
 
-def _launch(argv: list[str], nodes: int, env: dict[str, str], cwd: Path) -> list[tuple[int, str]]:
-    """``nodes`` torchrun launchers of the example joining one c10d rendezvous on localhost; each one's
-    exit status and output (written to a file: a full pipe would stall a launcher)."""
+def _launch(
+    argv: list[str],
+    nodes: int,
+    env: dict[str, str],
+    cwd: Path,
+    script: Path = EXAMPLE,
+    nproc: int = 1,
+    restarts: int = 1,
+) -> list[tuple[int, str]]:
+    """``nodes`` torchrun launchers of ``script`` (``nproc`` processes each) joining one c10d rendezvous on
+    localhost; each one's exit status and output (written to a file: a full pipe would stall a launcher)."""
     port = _free_port()
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", "--nproc-per-node=1",
+        sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test-launch",
-        "--local-addr=127.0.0.1", "--max-restarts=1", str(EXAMPLE), *argv,
+        "--local-addr=127.0.0.1", f"--max-restarts={restarts}", str(script), *argv,
     ]  # fmt: skip
     outs = [cwd / f"launcher{n}.log" for n in range(nodes)]
     procs = []

@@ -132,9 +132,9 @@ def _zero2_groups_clip(rank: int) -> dict:
     out: dict = {"ref_norms": torch.tensor(ref["norm"])}
     for mode in ("global", "local", "user"):
         batch = "global" if mode == "global" else "local"
-        m = autopar.compile(
-            model, mesh, kwargs=batches[0], options=options, microbatches=2, batch=batch, loss_weight="tokens"
-        )
+        # the loss's weighting: read from the program (the default) on local batches, said explicitly on global
+        weight = {"loss_weight": "tokens"} if mode == "global" else {}
+        m = autopar.compile(model, mesh, kwargs=batches[0], options=options, microbatches=2, batch=batch, **weight)
         clip = {"max_grad_norm": MAX_NORM} if mode != "user" else {}
         opt = m.make_optimizer(torch.optim.AdamW, _no_decay, **clip, **adamw)
         s = sched(opt)
@@ -242,10 +242,11 @@ def _tokens(rank: int) -> dict:
     mesh = autopar.init_mesh("cpu", pp=2, dp=2)
     out: dict = {}
     for mode in ("global", "local", "unweighted"):
+        # global: the weighting read from the program (the default); local: said explicitly; unweighted: none
+        weight = {"local": {"loss_weight": "tokens"}, "unweighted": {"loss_weight": None}}.get(mode, {})
         m = autopar.compile(
-            model, mesh, kwargs=batches[0], microbatches=4, batch="local" if mode == "local" else "global",
-            loss_weight=None if mode == "unweighted" else "tokens",
-        )  # fmt: skip
+            model, mesh, kwargs=batches[0], microbatches=4, batch="local" if mode == "local" else "global", **weight
+        )
         groups = [{"params": decay, "weight_decay": 1e-2}, {"params": plain, "lr": 0.05}]
         opt = m.make_optimizer(torch.optim.SGD, groups, max_grad_norm=MAX_NORM, **sgd)
         s = sched(opt)
@@ -422,8 +423,9 @@ def _eight(rank: int, world: int, root: str) -> dict:
     options = ShardOptions(objective="memory", setup=TrainingSetup(zero=2))
     out = {}
     for name, sub in (("1f1b", False), ("sub-pipelined", True)):
+        weight = {} if sub else {"loss_weight": "tokens"}  # sub-pipelined: the program's weighting (the default)
         m = autopar.compile(
-            model, mesh, kwargs=batches[0], options=options, microbatches=2, loss_weight="tokens", sub_pipeline_tp=sub
+            model, mesh, kwargs=batches[0], options=options, microbatches=2, sub_pipeline_tp=sub, **weight
         )
         m.make_optimizer(torch.optim.SGD, max_grad_norm=MAX_NORM, **sgd)
         if not sub:  # the export before training: the user's own model, every key, bit for bit
