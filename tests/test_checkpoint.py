@@ -20,12 +20,21 @@ pytestmark = pytest.mark.multiproc
 
 # -- resharding: save on one mesh, resume on another (float64, against one process) -----------------------
 
-MESHES = {  # name -> (mesh axes, ZeRO stage, schedule and its options, optimizer: the module's or the user's)
-    "dp2tp2-zero2": ({"dp": 2, "tp": 2}, 2, "1f1b", {}, "module"),
-    "pp2tp2": ({"pp": 2, "tp": 2}, 0, "interleaved", {"chunks": 2}, "user"),
-    "pp2dp2-zero3": ({"pp": 2, "dp": 2}, 3, "1f1b", {}, "module"),
-    "single": ({"dp": 1}, 0, "1f1b", {}, "module"),
+MESHES = {  # name -> (mesh axes, training setup (ZeRO), schedule and options, optimizer: the module's or the user's)
+    "dp2tp2-zero2": ({"dp": 2, "tp": 2}, {"zero": 2}, "1f1b", {}, "module"),
+    "pp2tp2": ({"pp": 2, "tp": 2}, {}, "interleaved", {"chunks": 2}, "user"),
+    "pp2dp2-zero3": ({"pp": 2, "dp": 2}, {"zero": 3}, "1f1b", {}, "module"),
+    # MiCS: states sharded over dp (partition groups of 2), replicated over dpr
+    "dpr2dp2-mics": (
+        {"dpr": 2, "dp": 2},
+        {"zero": 2, "zero_axes": ("dpr", "dp"), "mics_group": 2},
+        "1f1b",
+        {},
+        "module",
+    ),
+    "single": ({"dp": 1}, {}, "1f1b", {}, "module"),
 }
+FOUR = ("dp2tp2-zero2", "pp2tp2", "pp2dp2-zero3", "dpr2dp2-mics")
 BEFORE, AFTER = 1, 3  # steps before the save, steps after the resume
 LR, GAMMA = 1e-3, 0.5  # AdamW's lr times GAMMA ** step (LambdaLR): a resume that loses the schedule is off
 
@@ -82,8 +91,8 @@ class _Run:
         from autopar.passes.shard import ShardOptions
         from autopar.solver.cost import TrainingSetup
 
-        axes, zero, schedule, schedule_options, optimizer = MESHES[name]
-        options = ShardOptions(setup=TrainingSetup(zero=zero)) if zero else None
+        axes, setup, schedule, schedule_options, optimizer = MESHES[name]
+        options = ShardOptions(setup=TrainingSetup(**setup)) if setup else None
         mesh = autopar.init_mesh("cpu", **axes)
         self.batches = batches
         self.pipe = autopar.compile(
@@ -128,7 +137,7 @@ class _Run:
 
 def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
     """One process, phase "save": one step, saved. Four: dp2 x tp2 with ZeRO-2, pp2 x tp2 (interleaved,
-    the user's optimizer) and pp2 x dp2 with ZeRO-3 each train a step, save, and train on (the
+    the user's optimizer), pp2 x dp2 with ZeRO-3 and dpr2 x dp2 with MiCS each train a step, save, and train on (the
     uninterrupted run on that mesh); then each resumes another's checkpoint or the single process's,
     and its own. One process, phase "load": it resumes the 4-rank ones (and twice broken: without the
     learning-rate schedule, without the optimizer)."""
@@ -140,7 +149,7 @@ def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
         run.train(BEFORE)
         run.save(where["single"])
     elif world == 4:
-        runs = {name: _Run(name, model, batches) for name in ("dp2tp2-zero2", "pp2tp2", "pp2dp2-zero3")}
+        runs = {name: _Run(name, model, batches) for name in FOUR}
         straight = {}
         for name, run in runs.items():
             run.train(BEFORE)
@@ -151,6 +160,7 @@ def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
             ("pp2tp2", "dp2tp2-zero2"),
             ("single", "dp2tp2-zero2"),
             ("dp2tp2-zero2", "pp2dp2-zero3"),
+            ("pp2dp2-zero3", "dpr2dp2-mics"),
         ]:
             out[f"{src}->{dst}"] = runs[dst].resume(where[src])
         for name, run in runs.items():  # on its own mesh a resume is bit for bit the run that went on
@@ -166,6 +176,7 @@ def _across_meshes(rank: int, world: int, root: str, phase: str) -> dict:
         run = _Run("single", model, batches)
         out["dp2tp2-zero2->single"] = run.resume(where["dp2tp2-zero2"])
         out["pp2dp2-zero3->single"] = run.resume(where["pp2dp2-zero3"])
+        out["dpr2dp2-mics->single"] = run.resume(where["dpr2dp2-mics"])
         out["broken: no lr schedule"] = run.resume(where["pp2tp2"], scheduler=False)
         out["broken: no optimizer state"] = run.resume(where["pp2tp2"], optimizer=False)
     return out
@@ -261,7 +272,8 @@ def _one_process():
 
 
 def test_a_checkpoint_resumes_on_another_mesh_as_one_uninterrupted_process(tmp_path):
-    """Save on dp2 x tp2 (ZeRO-2), pp2 x tp2 (interleaved), pp2 x dp2 (ZeRO-3) and one process; resume
+    """Save on dp2 x tp2 (ZeRO-2), pp2 x tp2 (interleaved), pp2 x dp2 (ZeRO-3), dpr2 x dp2 (MiCS: ZeRO-2
+    partition groups over dp, replicated over dpr) and one process; resume
     across them; the three steps after equal the uninterrupted single-process run (float64, TOL).
     Largest difference seen: 7e-13 (the tied embedding). The 4-rank runs also export safetensors and
     start from safetensors and plain state dicts (exact). Cost: one spawn of 4 processes (3 compiles)
@@ -281,7 +293,7 @@ def test_a_checkpoint_resumes_on_another_mesh_as_one_uninterrupted_process(tmp_p
     checked = 0
     for rank, res in enumerate(results):
         export = res.pop("export")
-        assert len(export) == 9 and all(export.values()), (rank, export)
+        assert len(export) == 3 * len(FOUR) and all(export.values()), (rank, export)
         padding = res.pop("padding")
         assert bool(padding.pop("padding only")) == (rank == 3), (rank, "rank 3's bias slice should be padding")
         assert all(padding.values()), (rank, padding)
@@ -300,7 +312,7 @@ def test_a_checkpoint_resumes_on_another_mesh_as_one_uninterrupted_process(tmp_p
             assert loss_rel < TOL and state_rel < TOL, (case, rank, loss_rel, state_rel, worst)
             assert r.get("bitwise", True), (case, rank)
             checked += 1
-    assert checked == 4 * 7 + 2
+    assert checked == 4 * (5 + len(FOUR)) + 3
 
 
 def _dying(rank: int, world: int, port: int, result: str, timeout: float) -> None:
