@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import InfeasibleError
+from autopar.ir.axes import is_data_axis
 from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, Replicate, TensorType, Value, map_refs
 from autopar.solver.cost import INF, CostModel
 from autopar.solver.options import ShardOptions
@@ -93,8 +94,10 @@ class GroupBuilder:
         self._strat_cache: dict[tuple, tuple[list[Strategy], bool]] = {}
         self._reads: dict[int, dict[str, list[tuple[str, int]]]] = {}
         self._replicated = (R,) * len(prog.mesh.axes)
-        # a local batch's integer inputs are where their rows were dealt: moving them is communication
-        self.recomputable = recomputable(prog) if opts.batch == "global" else recomputable(prog, global_batch=False)
+        # a local batch's integer inputs are where their rows were dealt over the dp* axes: moving them is
+        # communication (without a dp* axis a local batch is the global one)
+        local = opts.batch == "local" and any(is_data_axis(n) and s > 1 for n, s in prog.mesh.axes)
+        self.recomputable = recomputable(prog, global_batch=False) if local else recomputable(prog)
         self.params = {v.name for v in prog.params}
 
     # -- strategies -----------------------------------------------------------------------------
