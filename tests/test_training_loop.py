@@ -579,3 +579,34 @@ def test_a_local_batch_is_planned_as_given():
     dealt, moved, seconds = plans[32, "local"]
     assert dealt == [True, True] and moved == ["all_gather"], plans[32, "local"]
     assert seconds > plans[32, "global"][2], plans
+
+
+class _ByWeight(torch.nn.Module):
+    """A ratio whose divisor a parameter reaches: not a mean over the data's items."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * self.w).sum() / self.w.sum()
+
+
+def test_the_loss_weighting_is_read_from_the_program():
+    """``loss_weight="auto"`` finds the divisor of a mean cross-entropy (its count of labels that are not
+    -100: the program's ``sum / count``, only ``labels`` read); a mean-squared error (no ratio) and a ratio
+    over a parameter get none (equal microbatches). That the weights it computes train as one device does
+    is the 4- and 8-rank runs' check."""
+    from autopar.api import parse_mesh
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.runtime.loss_weight import divisor_program
+
+    mesh = parse_mesh("dp=1")
+    model, batches = tiny_padded_gpt(steps=1)
+    divisor = divisor_program(lower(capture(model, (), batches[0]), mesh))
+    assert divisor is not None and [v.name for v in divisor.inputs] == ["labels"], divisor
+    assert [op.target for op in divisor.ops][-2:] == ["aten.ne.Scalar", "aten.sum"]
+    mlp, mlp_batches = tiny_mlp(steps=1)
+    assert divisor_program(lower(capture(mlp, (), mlp_batches[0]), mesh)) is None
+    assert divisor_program(lower(capture(_ByWeight(), (torch.randn(3, 4),), {}), mesh)) is None
