@@ -25,10 +25,11 @@ ranks), its labels padded with -100 by a different amount per row (``tiny_padded
   equal ``torch.nn.utils.clip_grad_norm_``'s single process, also with sub-pipelined tp (halves
   weighted by their tokens; scaling the halves equally instead is 5e-5 off, checked by hand).
 
-Cost on the 2-core machine: 47 s in all when it is otherwise idle (the 4-rank group 18.5 s, the
-8-rank group 28 s, about half of each spawning and importing; the single-process test under a
-second), 23-50 s and 35-60 s while other work runs. Largest differences seen: 5e-14 (AdamW
-parameters through ZeRO-2), 2e-16 (the clipped norm on 8 ranks).
+Cost on the 2-core machine, measured while other work shared it (load average 8-15): the 4-rank
+group 11-39 s, the 8-rank group 12-17 s, the two torchrun launches of the example 36-44 s (about 34 s
+of CPU in all: 8 processes importing torch and autopar), the single-process tests 4-9 s. Largest
+differences seen: 5e-14 (AdamW parameters through ZeRO-2), 2e-16 (the clipped norm on 8 ranks),
+1.8e-16 (the example's losses under torchrun).
 """
 
 from __future__ import annotations
