@@ -142,8 +142,8 @@ class ParallelModule(torch.nn.Module):
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(
-            train or forward, schedule, self._pp_rank, self._stages, params, self._sync_axes, comm, self._skip_sync,
-            mesh,
+            train or forward, schedule, self._pp_rank, self._stages, params, comm, self._skip_sync, mesh,
+            self.setup.bucket_bytes,
         )  # fmt: skip
         self._grads.install_hooks()
         stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
@@ -164,7 +164,7 @@ class ParallelModule(torch.nn.Module):
             self._executor = Executor(
                 schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
                 timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
-                sub_microbatches=options.sub_microbatches, stage_context=context,
+                sub_microbatches=options.sub_microbatches, stage_context=context, arm=self._grads.arm,
             )  # fmt: skip
 
     # -- construction helpers --------------------------------------------------------------------
@@ -200,6 +200,7 @@ class ParallelModule(torch.nn.Module):
             optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
         )
         self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
+        self._grads.replan()  # ZeRO-1/2 reduce-scatter their gradients themselves
         return self._optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
