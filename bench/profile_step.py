@@ -1,4 +1,4 @@
-"""Where a training step's time goes, per rank: autopar's dp and tp plans beside DDP and DTensor TP under torch.profiler.
+"""Where a training step's time goes, per rank: autopar's dp and tp plans beside DDP and DTensor TP (torch.profiler).
 
     .venv/bin/python bench/profile_step.py                      # dp, ddp, tp, dtensor-tp; issue 13's sizes
     .venv/bin/python bench/profile_step.py --systems autopar-dp,ddp --out bench/profiles

@@ -254,13 +254,19 @@ class CostModel:
     ) -> tuple[float, float]:
         """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``; a
         ``bucketed`` one (a parameter's, synchronized in flat buckets of ``setup.bucket_bytes``,
-        solver/buckets.py) pays its bandwidth and its share of one latency per bucket, so a full
-        bucket's parameters together pay one latency (a last, partial bucket is priced at its share)."""
+        solver/buckets.py) pays bandwidth only: the step pays one latency per bucket, which a
+        parameter changes only where it opens a bucket (``bucket_latency`` prices them for a plan).
+        Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
+        vocab-parallel head whose gathers measure slower (docs/runtime.md)."""
         nbytes = self.local_bytes(t, p)
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
-        v, per_byte, latency = self._collective_terms("all_reduce", axis)
-        return nbytes * v, nbytes * per_byte + latency * min(1.0, nbytes / self.setup.bucket_bytes)
+        v, per_byte, _ = self._collective_terms("all_reduce", axis)
+        return nbytes * v, nbytes * per_byte
+
+    def bucket_latency(self, axis: int, buckets: int) -> float:
+        """Seconds of the latencies of ``buckets`` gradient all-reduces over ``axis``."""
+        return buckets * self._collective_terms("all_reduce", axis)[2]
 
 
 class _Terms:
