@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from autopar.errors import CaptureError
 from autopar.ir.core import Shard
@@ -124,10 +125,15 @@ class Pending:
         self.work, self.finish = work, finish
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        self.wait_only()
         return self.finish()
+
+    def wait_only(self) -> None:
+        """Wait for the collective (once) without turning its buffers into the result."""
+        if self.work is not None:
+            with record_function("autopar::wait"):  # the profiler's "waiting" (bench/profile_step.py)
+                self.work.wait()
+            self.work = None
 
 
 def _start_gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int, then=None) -> Pending:

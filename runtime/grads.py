@@ -184,7 +184,7 @@ class GradSync:
         for idx in st.order.values():
             for i in idx:
                 if st.pending[i] is not None and st.stale[i]:
-                    st.pending[i].work.wait()  # sums of a gradient that grew since: dropped
+                    st.pending[i].wait_only()  # sums of a gradient that grew since: dropped
                     st.pending[i] = None
                 if st.pending[i] is None:
                     self._launch(st, i)
