@@ -170,6 +170,13 @@ class GradSync:
             for i in st.of.get(name, ()):
                 st.stale[i] = st.pending[i] is not None
 
+    def reset(self, enabled: bool = True) -> None:
+        """Before a forward or ``train_step``: forget what a step that raised left in flight;
+        ``enabled=False``: ``train_step`` arms its own backwards."""
+        self._flight.clear()
+        self._fired.clear()
+        self.enabled = enabled
+
     def arm(self, a: Action) -> None:
         """Before a ``B``/``W`` of ``train_step``: the gradients that action finishes start counting."""
         for n in self.final.get((a.kind, a.mb, a.stage), ()):

@@ -246,6 +246,7 @@ class ParallelModule(torch.nn.Module):
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
         self._stepped = False
         if self._one_stage:
+            self._grads.reset()
             part = self.forward_runners[0].whole
             gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
@@ -281,7 +282,7 @@ class ParallelModule(torch.nn.Module):
         self._stepped = False
         sub = self.options.sub_microbatches
         scales = loss_scales(weights, sub) if weights is not None else None
-        self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
+        self._grads.reset(enabled=False)  # the executor arms the last backwards and reduces at REDUCE_GRADS
         try:
             losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
         finally:
