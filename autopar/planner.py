@@ -15,7 +15,8 @@ from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
-from autopar.solver.cost import TrainingSetup
+from autopar.solver.buckets import grad_buckets
+from autopar.solver.cost import CostModel, TrainingSetup
 
 
 @dataclass
@@ -111,7 +112,7 @@ def plan_captured(
         model=model,
         cluster=opts.cluster.to_dict() if opts.cluster else None,
         options=options_dict(opts),
-        stats=shard_stats(result, opts, len(prog.ops)),
+        stats=dict(shard_stats(result, opts, len(prog.ops)), grad_buckets=bucket_stats(planned.sharded, opts)),
         baselines={k: baseline_dict(v) for k, v in base.items()},
     )
     return PlanReport(plan, result, base, captured.seconds)
@@ -139,6 +140,19 @@ def shard_stats(result: ShardResult, opts: ShardOptions, ops: int) -> dict:
         "comm_seconds": result.comm_seconds,
         "unruled_ops": result.unruled,
         "ops": ops,
+    }
+
+
+def bucket_stats(program, opts: ShardOptions) -> dict:
+    """The plan's gradient buckets (``solver/buckets.py``): per axis, each bucket's parameter count and
+    bytes per rank, and the latency seconds they add to the step (one per bucket)."""
+    buckets = grad_buckets(program, opts.setup.bucket_bytes)
+    cost = CostModel(program.mesh, opts.setup, opts.cluster)
+    names = list(program.mesh.names)
+    return {
+        "cap_mb": opts.setup.bucket_cap_mb,
+        "buckets": [{"axis": b.axis, "params": len(b.names), "bytes": b.nbytes} for b in buckets],
+        "latency_seconds": sum(cost.bucket_latency(names.index(b.axis), 1) for b in buckets),
     }
 
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from autopar.errors import CaptureError
 from autopar.ir.core import Shard
-from autopar.solver.cost import BUCKET_BYTES
 
 
 @dataclass
@@ -125,10 +125,15 @@ class Pending:
         self.work, self.finish = work, finish
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        self.wait_only()
         return self.finish()
+
+    def wait_only(self) -> None:
+        """Wait for the collective (once) without turning its buffers into the result."""
+        if self.work is not None:
+            with record_function("autopar::wait"):  # the profiler's "waiting" (bench/profile_step.py)
+                self.work.wait()
+            self.work = None
 
 
 def _start_gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int, then=None) -> Pending:
@@ -342,27 +347,20 @@ FUNCTIONS = {
 }
 
 
-def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:
-    """All-reduce (sum) the gradients of parameters over their axis, in flat buckets, in place."""
-    c = current_comm()
-    for axis, params in params_by_axis.items():
-        bucket: list[torch.nn.Parameter] = []
-        size = 0
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            bucket.append(p)
-            size += p.grad.numel() * p.grad.element_size()
-            if size >= BUCKET_BYTES:
-                _reduce_bucket(bucket, c.groups[axis])
-                bucket, size = [], 0
-        if bucket:
-            _reduce_bucket(bucket, c.groups[axis])
-
-
-def _reduce_bucket(params: list[torch.nn.Parameter], group) -> None:
+def start_grad_bucket(params: list[torch.nn.Parameter], group) -> Pending:
+    """Start the all-reduce (sum) of ``params``' gradients in one flat buffer (a gradient bucket,
+    ``solver/buckets.py``; a missing gradient counts as zeros); ``wait()`` copies the sums back into
+    the gradients, in place, and returns the buffer."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(chunk.view_as(g))
+    work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(chunk.view_as(g))
+        return flat
+
+    return Pending(work, finish)

@@ -20,7 +20,8 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
   come from the IR; the consumer waits for them. Sends stay in flight until the end of the step.
   Neighbouring stages on one rank (a wave's or a V's turn) hand tensors over locally.
 - ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
-  reduction, tied-parameter reduction, the optimizer).
+  reduction, tied-parameter reduction, the optimizer); the gradient buckets of a stage start during
+  its last ``B``/``W`` and are waited at its ``REDUCE_GRADS`` (``runtime/grads.py``).
 - With ``sub_microbatches=n > 1`` (Merak's sub-pipelined tensor parallelism) every microbatch
   arrives as ``n`` sub-microbatches: ``F`` and ``B`` run them together, interleaved at the stage's
   tensor-parallel collectives (``runtime/subpipeline.py``); boundary messages carry each
@@ -65,7 +66,8 @@ class Executor:
     microbatch comes as (sub-pipelined tensor parallelism; 1: none). ``keep_outputs``: the last stage
     keeps every output of each microbatch (``outputs``) instead of taking the first as the loss (a
     forward-only run). ``stage_context(s)`` wraps each forward and recomputation of stage ``s`` (ZeRO-3
-    gathers the stage's parameters there).
+    gathers the stage's parameters there). ``arm(a)`` runs before each ``B``/``W`` (the gradient
+    buckets that action finishes start in it, ``runtime/grads.py``).
     """
 
     def __init__(
@@ -85,10 +87,12 @@ class Executor:
         sub_microbatches: int = 1,
         keep_outputs: bool = False,
         stage_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
+        arm: Callable[[Action], None] | None = None,
     ):
         self.schedule = schedule
         self.keep_outputs = keep_outputs
         self.stage_context = stage_context or (lambda _stage: contextlib.nullcontext())
+        self.arm = arm or (lambda _action: None)
         self.outputs: list[list[tuple]] = []
         self.sub = sub_microbatches
         self._interleaved: dict[int, Interleaved] = {}
@@ -191,8 +195,10 @@ class Executor:
             with self.stage_context(a.stage):
                 self._recompute(a)
         elif a.kind is Kind.B:
+            self.arm(a)
             self._backward(a, waited)
         elif a.kind is Kind.W:
+            self.arm(a)
             for weights in self._weights.pop((a.mb, a.stage)):
                 weights.run()  # the graph its B kept, and the microbatch's activations, are freed here
         elif a.kind is Kind.REDUCE_GRADS:

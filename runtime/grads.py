@@ -1,14 +1,27 @@
-"""Gradient reductions of one rank: data-parallel sync, tied parameters across pipeline ranks, ZeRO.
+"""Gradient reductions of one rank: data-parallel sync in overlapped buckets, tied parameters across pipelines, ZeRO.
 
 Every parameter's ``grad_sync`` axes (set by insert-collectives: its gradient is a partial sum over
-them) are all-reduced once per step, in one flat bucket per axis (``collectives.sync_grads``):
+them) are all-reduced once per step, in the flat buckets of ``solver/buckets.py`` (per axis, in the
+order the backward finishes the gradients, closed at ``TrainingSetup.bucket_cap_mb``), as DDP does:
 
-- in ``train_step``, at each stage's ``REDUCE_GRADS`` for the parameters whose last user on this
-  rank that stage is, and at ``STEP`` for tied parameters after their sum over the pipeline ranks
-  holding them (Megatron's embedding group: one process group per set of holders and coordinate of
-  the other axes);
-- after a backward the user runs on ``forward``'s outputs (a one-stage pipeline), at the end of that
-  backward (``hook``: the first accumulated gradient queues one callback, DDP's place).
+- **Launch.** A post-accumulate-grad hook on each parameter counts its accumulations in the backward
+  that finishes its gradient: a backward the user runs on ``forward``'s outputs, or in
+  ``train_step`` the rank's last ``B``/``W`` of a stage using the parameter (``arm``; the other
+  microbatches' backwards only accumulate, DDP's ``no_sync``). Once every gradient of a bucket is
+  final, the bucket's asynchronous all-reduce starts (buckets of an axis in their order), while the
+  backward goes on. A bucket over a second axis of a parameter synced over two starts after the
+  first axis's sums are back.
+- **Wait.** At the end of the user's backward (a callback the first accumulation queues, DDP's place)
+  or at the stage's ``REDUCE_GRADS`` in ``train_step`` (the parameters whose last stage on this rank
+  it is): the buckets not started yet start, all are waited, in order, and the sums are copied back
+  into ``.grad``; tied parameters at ``STEP``, after their sum over the pipeline ranks holding them
+  (Megatron's embedding group: one process group per set of holders and coordinate of the other
+  axes).
+- **Exactness.** A bucket carries each gradient once it is final, so the sums equal those of an
+  all-reduce after the backward. "Final" is one accumulation in that backward, or as many as the
+  last step saw: a parameter accumulated twice there (recomputation's two parts, sub-pipelined
+  halves, a split W) makes its started bucket stale, and the bucket is all-reduced again at the wait
+  with the whole gradient; the next steps wait for that count.
 
 Axes that ZeRO reduces itself are skipped: ZeRO-3's gather reduce-scatters its slices over the ZeRO
 and replica axes in its backward; ``ZeroOptimizer`` (ZeRO-1/2, MiCS) reduce-scatters at its step.
@@ -28,7 +41,34 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import Kind, Schedule
+from autopar.runtime.actions import Action, Kind, Schedule
+from autopar.solver.buckets import Bucket, backward_order, grad_buckets
+from autopar.solver.cost import BUCKET_BYTES
+
+ALL = "all"  # the sync key of a backward the user runs: every synced parameter
+
+
+class _Sync:
+    """One reduction point's buckets in flight: which are final, started, stale."""
+
+    def __init__(self, buckets: list[Bucket], params: dict[str, torch.nn.Parameter]):
+        self.buckets = buckets
+        self.params = [[params[n] for n in b.names] for b in buckets]
+        self.left = [len(b.names) for b in buckets]  # gradients not final yet
+        self.pending: list[coll.Pending | None] = [None] * len(buckets)
+        self.stale = [False] * len(buckets)
+        self.of: dict[str, list[int]] = {}  # parameter -> its buckets
+        first_axis: dict[str, str] = {}
+        for i, b in enumerate(buckets):
+            for n in b.names:
+                self.of.setdefault(n, []).append(i)
+                first_axis.setdefault(n, b.axis)
+        # a bucket may start in the backward if none of its parameters is synced over an earlier axis
+        self.early = [all(first_axis[n] == b.axis for n in b.names) for b in buckets]
+        self.order: dict[str, list[int]] = {}
+        for i, b in enumerate(buckets):
+            self.order.setdefault(b.axis, []).append(i)
+        self.next = {axis: 0 for axis in self.order}  # per axis: the first bucket not started
 
 
 class GradSync:
@@ -36,23 +76,35 @@ class GradSync:
 
     def __init__(
         self,
+        program: Program,
         params: dict[str, torch.nn.Parameter],
-        grad_sync: dict[str, list[str]],
         comm: coll.Comm,
         skip: Callable[[str, str], bool],
         sync_at: dict[int, list[str]] | None = None,
         tied: dict[str, tuple[int, ...]] | None = None,
         tie_groups: dict[tuple[int, ...], Any] | None = None,
+        final: dict[tuple[Kind, int, int], list[str]] | None = None,
+        bucket_bytes: float = BUCKET_BYTES,
     ):
-        self.params, self.grad_sync, self.comm, self.skip = params, grad_sync, comm, skip
+        self.program, self.params, self.comm, self.skip = program, params, comm, skip
         self.sync_at = sync_at or {}
         self.tied = tied or {}
         self.tie_groups = tie_groups or {}
+        self.final = final or {}  # (B or W, mb, stage) -> the parameters whose gradient that action finishes
+        self.bucket_bytes = bucket_bytes
         self.enabled = True  # the backward hook's; train_step reduces at its own actions
-        self._queued = False
+        self._order = backward_order(program)
+        self._axes = {v.name: list(v.attrs.get("grad_sync", ())) for v in program.params}
+        self._key = {n: s for s, names in self.sync_at.items() for n in names}
+        self._name = {id(p): n for n, p in params.items()}
+        self._plans: dict[Any, list[Bucket]] = {}
+        self._flight: dict[Any, _Sync] = {}
+        self._fired: dict[str, int] = {}  # armed parameter -> accumulations so far in its final backward
+        self._expect: dict[str, int] = {}  # parameter -> accumulations its final backward makes (default 1)
 
     @classmethod
-    def of(cls, program: Program, schedule: Schedule, pp_rank: int, stages, params, grad_sync, comm, skip, mesh=None):
+    def of(cls, program: Program, schedule: Schedule, pp_rank: int, stages, params, comm, skip, mesh=None,
+           bucket_bytes: float = BUCKET_BYTES):  # fmt: skip
         """The reductions of a rank's ``params`` for ``program`` cut by ``schedule`` (``stages``: the
         rank's stage programs; ``mesh``: the DeviceMesh, needed for parameters tied across pipeline ranks)."""
         sync_at, tied = reduction_points(program, schedule, pp_rank, stages)
@@ -61,23 +113,98 @@ class GradSync:
             if mesh is None:
                 raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
             groups = tie_groups(mesh, tied)
-        return cls(params, grad_sync, comm, skip, sync_at, tied, groups)
+        final = final_backwards(schedule.actions[pp_rank], stages, sync_at)
+        return cls(program, params, comm, skip, sync_at, tied, groups, final, bucket_bytes)
 
-    def by_axis(self, names) -> dict[str, list[torch.nn.Parameter]]:
-        out: dict[str, list[torch.nn.Parameter]] = {}
-        for n in names:
-            for axis in self.grad_sync.get(n, ()):
-                if not self.skip(n, axis):
-                    out.setdefault(axis, []).append(self.params[n])
-        return out
+    def buckets(self, key: Any) -> list[Bucket]:
+        """The buckets of a reduction point: a stage (its REDUCE_GRADS), ``ALL`` (a user's backward) or
+        ``"tied"`` (STEP), with the axes ZeRO reduces left out."""
+        if key not in self._plans:
+            if key == ALL:
+                names = [n for n in self.params if n not in self.tied]
+            elif key == "tied":
+                names = [n for n in self.tied if n in self.params]
+            else:
+                names = [n for n in self.sync_at.get(key, ()) if n in self.params]
+            self._plans[key] = grad_buckets(self.program, self.bucket_bytes, names, self.skip, self._order)
+        return self._plans[key]
 
-    def sync(self, names) -> None:
-        with coll.use_comm(self.comm):
-            coll.sync_grads(self.by_axis(names))
+    def replan(self) -> None:
+        """Forget the buckets (an optimizer that reduces some gradients itself was attached)."""
+        self._plans.clear()
+
+    # -- launching ----------------------------------------------------------------------------------
+    def _state(self, key: Any) -> _Sync:
+        if key not in self._flight:
+            self._flight[key] = _Sync(self.buckets(key), self.params)
+        return self._flight[key]
+
+    def _launch(self, st: _Sync, i: int) -> None:
+        st.pending[i] = coll.start_grad_bucket(st.params[i], self.comm.groups[st.buckets[i].axis])
+
+    def _final(self, st: _Sync, name: str) -> None:
+        for i in st.of.get(name, ()):
+            st.left[i] -= 1
+        for axis, idx in st.order.items():  # start the ready buckets of each axis, in their order
+            while st.next[axis] < len(idx) and st.early[idx[st.next[axis]]] and not st.left[idx[st.next[axis]]]:
+                self._launch(st, idx[st.next[axis]])
+                st.next[axis] += 1
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        name = self._name.get(id(p))
+        if name is None:
+            return
+        if self.enabled and ALL not in self._flight:  # a user's backward: every gradient is final in it
+            self._fired.update({n: 0 for n in self._state(ALL).of})
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.wait(ALL))
+        if name not in self._fired:
+            return
+        key = ALL if ALL in self._flight else self._key.get(name)
+        st = self._state(key)
+        self._fired[name] += 1
+        expect = self._expect.get(name, 1)
+        if self._fired[name] == expect:
+            self._final(st, name)
+        elif self._fired[name] > expect:  # accumulated again: a started bucket is stale, and later steps wait longer
+            self._expect[name] = self._fired[name]
+            for i in st.of.get(name, ()):
+                st.stale[i] = st.pending[i] is not None
+
+    def reset(self, enabled: bool = True) -> None:
+        """Before a forward or ``train_step``: forget what a step that raised left in flight;
+        ``enabled=False``: ``train_step`` arms its own backwards."""
+        self._flight.clear()
+        self._fired.clear()
+        self.enabled = enabled
+
+    def arm(self, a: Action) -> None:
+        """Before a ``B``/``W`` of ``train_step``: the gradients that action finishes start counting."""
+        for n in self.final.get((a.kind, a.mb, a.stage), ()):
+            if n in self._state(self._key[n]).of:
+                self._fired[n] = 0
+
+    # -- waiting ------------------------------------------------------------------------------------
+    def wait(self, key: Any) -> None:
+        """Start what is not started (and again what is stale), wait every bucket of ``key`` in order,
+        an axis's sums back before the next axis's buckets start."""
+        st = self._flight.pop(key, None) or _Sync(self.buckets(key), self.params)
+        for idx in st.order.values():
+            for i in idx:
+                if st.pending[i] is not None and st.stale[i]:
+                    st.pending[i].wait_only()  # sums of a gradient that grew since: dropped
+                    st.pending[i] = None
+                if st.pending[i] is None:
+                    self._launch(st, i)
+            for i in idx:
+                st.pending[i].wait()
+        for n in st.of:
+            fired = self._fired.pop(n, None)
+            if fired is not None and 0 < fired < self._expect.get(n, 1):
+                self._expect[n] = fired
 
     def reduce_stage(self, stage: int) -> None:
         """REDUCE_GRADS: the parameters whose last backward on this rank is ``stage``'s."""
-        self.sync(self.sync_at.get(stage, ()))
+        self.wait(stage)
 
     def reduce_tied(self) -> None:
         """STEP: tied parameters' gradients summed over the pipeline ranks holding them, then synced."""
@@ -89,23 +216,33 @@ class GradSync:
             dist.all_reduce(flat, group=self.tie_groups[holders])
             for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
                 p.grad = chunk.view_as(p).clone()
-        self.sync(tied)
+        if tied:
+            self.wait("tied")
 
     # -- after a user's backward ------------------------------------------------------------------
     def install_hooks(self) -> None:
-        """Sync every parameter at the end of each backward that accumulates a gradient into one."""
+        """Count every synced parameter's gradient accumulations (its bucket starts when they are final)."""
         for n, p in self.params.items():
-            if self.grad_sync.get(n):
+            if self._axes.get(n):
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
-    def _on_grad(self, _p) -> None:
-        if self.enabled and not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._sync_all)
 
-    def _sync_all(self) -> None:
-        self._queued = False
-        self.sync(list(self.params))
+def final_backwards(
+    actions, stages: dict[int, StageProgram], sync_at: dict[int, list[str]]
+) -> dict[tuple[Kind, int, int], list[str]]:
+    """(B or W, mb, stage) -> the synced parameters whose gradient that action of the rank's list
+    ``actions`` finishes: its last backward action of a stage using the parameter."""
+    last: dict[str, tuple[Kind, int, int]] = {}
+    for a in actions:
+        if a.kind in (Kind.B, Kind.W) and a.stage in stages:
+            for n in stages[a.stage].param_names:
+                last[n] = (a.kind, a.mb, a.stage)
+    out: dict[tuple[Kind, int, int], list[str]] = {}
+    for names in sync_at.values():
+        for n in names:
+            if n in last:
+                out.setdefault(last[n], []).append(n)
+    return out
 
 
 def reduction_points(
@@ -155,4 +292,4 @@ def tie_groups(mesh, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], 
     return groups
 
 
-__all__ = ["GradSync", "reduction_points", "tie_groups"]
+__all__ = ["ALL", "GradSync", "final_backwards", "reduction_points", "tie_groups"]

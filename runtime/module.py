@@ -145,8 +145,8 @@ class ParallelModule(torch.nn.Module):
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(
-            train or forward, schedule, self._pp_rank, self._stages, params, self._sync_axes, comm, self._skip_sync,
-            mesh,
+            train or forward, schedule, self._pp_rank, self._stages, params, comm, self._skip_sync, mesh,
+            self.setup.bucket_bytes,
         )  # fmt: skip
         self._grads.install_hooks()
         stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
@@ -167,7 +167,7 @@ class ParallelModule(torch.nn.Module):
             self._executor = Executor(
                 schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
                 timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
-                sub_microbatches=options.sub_microbatches, stage_context=context,
+                sub_microbatches=options.sub_microbatches, stage_context=context, arm=self._grads.arm,
             )  # fmt: skip
 
     # -- construction helpers --------------------------------------------------------------------
@@ -203,6 +203,7 @@ class ParallelModule(torch.nn.Module):
             optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
         )
         self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
+        self._grads.replan()  # ZeRO-1/2 reduce-scatter their gradients themselves
         return self._optimizer
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -251,6 +252,7 @@ class ParallelModule(torch.nn.Module):
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
         self._stepped = False
         if self._one_stage:
+            self._grads.reset()
             part = self.forward_runners[0].whole
             gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
@@ -286,7 +288,7 @@ class ParallelModule(torch.nn.Module):
         self._stepped = False
         sub = self.options.sub_microbatches
         scales = loss_scales(weights, sub) if weights is not None else None
-        self._grads.enabled = False  # the executor reduces at REDUCE_GRADS and STEP
+        self._grads.reset(enabled=False)  # the executor arms the last backwards and reduces at REDUCE_GRADS
         try:
             losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
         finally:

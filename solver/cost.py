@@ -46,7 +46,7 @@ from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
 EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
-BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets of at most this size (DDP's default)
+BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets closed at this size (DDP's default)
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,13 @@ class TrainingSetup:
     zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
     zero_axes: tuple[str, ...] | None = None  # default: the data-parallel (dp*) axes, ir/axes.py
     mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
+    # gradients are all-reduced in flat buckets closed at this size (DDP's bucket_cap_mb, default 25 MiB;
+    # solver/buckets.py): the runtime launches one all-reduce per bucket and the cost model prices its latency
+    bucket_cap_mb: float = BUCKET_BYTES / 2**20
+
+    @property
+    def bucket_bytes(self) -> float:
+        return self.bucket_cap_mb * 2**20
 
     def shard_axes(self, mesh: MeshSpec) -> tuple[int, ...]:
         names = self.zero_axes if self.zero_axes is not None else data_axes(mesh.names)
@@ -246,13 +253,20 @@ class CostModel:
         self, t: TensorType, p: tuple[Placement, ...], axis: int, bucketed: bool = False
     ) -> tuple[float, float]:
         """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``; a
-        ``bucketed`` one (a parameter's, synchronized after backward in one flat buffer per axis)
-        pays bandwidth only, the bucket's latency being shared by every parameter in it."""
+        ``bucketed`` one (a parameter's, synchronized in flat buckets of ``setup.bucket_bytes``,
+        solver/buckets.py) pays bandwidth only: the step pays one latency per bucket, which a
+        parameter changes only where it opens a bucket (``bucket_latency`` prices them for a plan).
+        Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
+        vocab-parallel head whose gathers measure slower (docs/runtime.md)."""
         nbytes = self.local_bytes(t, p)
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)
         return nbytes * v, nbytes * per_byte
+
+    def bucket_latency(self, axis: int, buckets: int) -> float:
+        """Seconds of the latencies of ``buckets`` gradient all-reduces over ``axis``."""
+        return buckets * self._collective_terms("all_reduce", axis)[2]
 
 
 class _Terms:
@@ -318,7 +332,8 @@ def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:
 def program_memory(prog, setup: TrainingSetup | None = None) -> float:
     """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
     with their gradients and optimizer states, inputs, every op's output (collectives included, all
-    counted as live at once: an upper bound on saved activations), and the gradient-sync bucket."""
+    counted as live at once: an upper bound on saved activations), and the gradient-sync buckets (all
+    in flight together at the end of the backward, runtime/grads.py)."""
     model = CostModel(prog.mesh, setup or TrainingSetup())
     total = 0.0
     synced = 0.0
@@ -331,4 +346,4 @@ def program_memory(prog, setup: TrainingSetup | None = None) -> float:
             total += model.local_bytes(v.type, v.type.placements)
     for op in prog.ops:
         total += sum(model.local_bytes(t, t.placements) for t in op.types)
-    return total + min(synced, BUCKET_BYTES)
+    return total + synced

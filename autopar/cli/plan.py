@@ -155,6 +155,11 @@ def _print_report(args, report) -> None:
         ratio = f"{mem / m:.2f}x" if m else "-"
         t = f"{cs * 1e3:.2f} ms" if report.plan.cluster else "-"
         print(f"{name:10s} {m / GiB:>10.3f} GiB {ratio:>11s} {cb / 2**20:>8.1f} MiB {t:>11s}")
+    gb = s.get("grad_buckets")
+    if gb and gb["buckets"]:
+        sizes = ", ".join(f"{b['axis']} {b['bytes'] / 2**20:.2f} MiB ({b['params']} params)" for b in gb["buckets"])
+        lat = f", {gb['latency_seconds'] * 1e3:.2f} ms of latency" if report.plan.cluster else ""
+        print(f"\ngradient buckets (cap {gb['cap_mb']:g} MiB, one all-reduce each{lat}): {sizes}")
     print("\n(vs autopar: autopar's memory divided by the strategy's; comm counts forward and backward;")
     print(" n/a: the baseline's layout cannot exist on this mesh)")
     if report.plan.pipeline:

@@ -7,7 +7,8 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
-  all-reduce (= reduce-scatter + all-gather) of the rank's gradients; ZeRO-2 one reduce-scatter per
+  all-reduce (= reduce-scatter + all-gather) of the rank's gradients per bucket of ``BUCKET_BYTES``
+  (one latency each, ``solver/buckets.py``); ZeRO-2 one reduce-scatter per
   microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
   the weights in every forward, backward and recomputation and reduce-scatters every backward (priced
   per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
@@ -17,8 +18,11 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
 
 from __future__ import annotations
 
+import math
+
 from autopar.search.space import Candidate
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import BUCKET_BYTES
 
 
 class CommTime:
@@ -65,7 +69,7 @@ class CommTime:
         intra_all = self.intra(c.tp * c.dp)
         if g == c.dp:
             if c.zero <= 1:
-                return self.allreduce(grads, 1, c.dp, intra_all)
+                return self.allreduce(grads, math.ceil(grads / BUCKET_BYTES), c.dp, intra_all)
             if c.zero == 2:
                 return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
             return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
