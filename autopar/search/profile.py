@@ -65,6 +65,9 @@ _NO_SAVE = VIEW_OPS | {
     "aten.expand_as",
     "aten.flatten.using_ints",
 }
+# ops reading a weight whose backward hands the incoming gradient on as it is (a bias added): the
+# gradient W keeps for them is the same tensor as their producer's, counted there
+_PASS_GRAD = _NO_SAVE - {"aten.embedding"}
 # ops whose backward needs their own output
 _SAVE_OUTPUT = frozenset(
     {
@@ -253,7 +256,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                     c["flops_tp"] += op.flops
                 if op.target in CONTRACTIONS or op.target in ATTENTION:
                     c["mm"] += op.flops
-            if op.target not in VIEW_OPS and any(n in weights for n in refs):
+            if op.target not in _PASS_GRAD and any(n in weights for n in refs):
                 for r, t in zip(op.results, op.types):
                     if r not in weights and t.is_float:  # a weight op's output (not a cast of the weight)
                         c["wtp" if r in split_values else "wrep"] += t.nbytes
