@@ -283,6 +283,7 @@ def _plan(
         waves=waves,
         microbatches=schedule.num_microbatches,
         stage_to_rank=tuple(schedule.stage_to_rank),
+        schedule=schedule.name,
         scatter_gather=scatter_gather,
     )
     planned = plan_program(captured, mesh, flow, dump_dir=dump_dir, sharded=sharded)

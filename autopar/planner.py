@@ -79,7 +79,12 @@ def plan_captured(
     pp = dict(mesh.axes).get(PIPELINE_AXIS)
     po = pipeline or PipelinePlanOptions()
     flow_opts = FlowOptions(
-        shard=opts, chunks=po.chunks, waves=po.waves, microbatches=po.microbatches or 1, cache=False
+        shard=opts,
+        chunks=po.chunks,
+        waves=po.waves,
+        microbatches=po.microbatches or 1,
+        schedule=po.schedule,
+        cache=False,
     )
     planned = plan_program(captured, mesh, flow_opts)
     pipeline_info = None

@@ -377,12 +377,17 @@ def real(rank: int, world: int, args) -> dict:
 
 def _measured_costs(sched, m, tc: float = 0.0):
     """Per-stage mean forward/backward/recompute/weight-gradient seconds of a measured step, as simulator
-    Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's)."""
+    Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's), and the
+    mean time a rank spent issuing one send (a batch of sends and receives: its post time over its sends)."""
     from autopar.runtime.action_costs import Costs
-    from autopar.runtime.actions import Kind, split_backwards
+    from autopar.runtime.actions import SEND_KINDS, Kind, split_backwards
 
     acc: dict[tuple[str, int], list[float]] = {}
+    posts: dict[tuple[int, float], list[float]] = {}  # (rank, post start) -> the batch's send durations
     for events in m.timeline:
+        for e in events:
+            if e.action.kind in SEND_KINDS:
+                posts.setdefault((e.rank, e.start), []).append(e.end - e.start)
         split = split_backwards([e.action for e in events])
         for e in events:
             a = e.action
@@ -400,7 +405,9 @@ def _measured_costs(sched, m, tc: float = 0.0):
     tw = [mean("W", s, 0.0) for s in range(S)]
     tb = [mean("B", s, mean("split B", s, 0.0) + tw[s]) for s in range(S)]
     tr = [mean("RECOMPUTE", s, tf[s]) for s in range(S)]
-    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=[min(w, b) for w, b in zip(tw, tb)])
+    t_send = sum(d[0] for d in posts.values()) / max(sum(len(d) for d in posts.values()), 1)
+    tw = [min(w, b) for w, b in zip(tw, tb)]
+    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=tw, t_send=t_send)
 
 
 def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dict:

@@ -38,6 +38,7 @@ def assign_stages(
     precision: str = "bf16",
     split_options: SplitOptions | None = None,
     comm_fn: CommFn = megatron_tp_comm_seconds,
+    schedule: str | None = None,
 ) -> tuple[Program, StagePlan, Split]:
     """Split ``prog`` and balance its subgraphs over ``pp`` ranks holding ``pp * chunks`` (interleaved)
     or ``2 * pp * waves`` (wave) stages; ``microbatches`` per step (None: as many as the schedule keeps
@@ -67,11 +68,22 @@ def assign_stages(
         efficiency=efficiency,
         precision=precision,
         comm_fn=comm_fn,
+        schedule=schedule,
     )
     return annotate(prog, split, plan.stage_of_subgraph), plan, split
 
 
-_STAGE_OPTIONS = ("pp", "chunks", "waves", "microbatches", "cluster", "budget_bytes", "efficiency", "precision")
+_STAGE_OPTIONS = (
+    "pp",
+    "chunks",
+    "waves",
+    "microbatches",
+    "cluster",
+    "budget_bytes",
+    "efficiency",
+    "precision",
+    "schedule",
+)
 
 
 def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:

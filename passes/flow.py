@@ -36,7 +36,7 @@ from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.passes.split_cache import cache_dir, write_atomic
-from autopar.solver.pipeline_shape import num_stages
+from autopar.solver.pipeline_shape import SCHEDULES, num_stages
 from autopar.solver.stage_plan import StagePlan
 
 FLOW: tuple[str, ...] = (
@@ -69,6 +69,9 @@ class FlowOptions:
     # balance time alone (the search, whose own model, with recomputation and ZeRO, decided what fits)
     stage_budget_bytes: float | None = None
     stage_to_rank: tuple[int, ...] | None = None  # the schedule's placement, checked against the stage plan
+    # the schedule that runs: the stage balancer prices its in-flight activations (ZB-H1/H2 have 1F1B's
+    # shape, ZB-V/DualPipeV a wave's, but keep more); None or a schedule without its own count: the shape's
+    schedule: str | None = None
     scatter_gather: bool = False  # Megatron: send 1/t of tp-replicated boundary tensors
     cache: bool = True  # reuse a sharded program solved before (on disk, keyed by content)
 
@@ -191,6 +194,8 @@ def _stage(
         "budget_bytes": shard_opts.budget_bytes if opts.stage_budget_bytes is None else opts.stage_budget_bytes,
         "precision": precision,
     }
+    if opts.schedule in SCHEDULES and opts.schedule != "none":
+        stage_opts["schedule"] = opts.schedule
     pass_opts = {"split": {"pp": pp}, "assign-stages": stage_opts}
     pm = PassManager(["split", "assign-stages"], dump_dir, options=pass_opts, timings=timings)
     staged = pm.run(_without_stages(sharded), flow_index("split") - 1)

@@ -60,6 +60,11 @@ class Costs:
     ``w_bytes[s]``: bytes a split ``B`` adds that live until its ``W`` (the output gradients of the
     weight ops; the stash itself stays until the ``W`` as well).
     ``t_reduce[s]``: time of ``REDUCE_GRADS(s)``; ``t_step``: time of ``STEP``.
+    ``t_send``: time a rank itself spends issuing one send before its next action (the runtime's
+    fixed cost per message, on the sender's own timeline; gloo writes a message in the caller when
+    its receive is already posted). 0 prices the papers' idealised runtime; a measured value
+    (``bench/zero_bubble_vs_torch.py`` reads it off a trace) prices this one, whose V schedules issue
+    twice as many sends per rank as 1F1B.
     """
 
     tf: tuple[Number, ...]
@@ -72,6 +77,7 @@ class Costs:
     t_step: Number = 0
     tw: tuple[Number, ...] | None = None
     w_bytes: tuple[Number, ...] | None = None
+    t_send: Number = 0
 
     def __post_init__(self) -> None:
         if self.tw is None:
@@ -97,6 +103,7 @@ class Costs:
         t_step: Number = 0,
         tw: PerStage | None = None,
         w_bytes: PerStage | None = None,
+        t_send: Number = 0,
     ) -> Costs:
         """Costs given per stage: a scalar applies to every stage (every boundary for ``tc``)."""
         n = num_stages
@@ -112,6 +119,7 @@ class Costs:
             t_step=t_step,
             tw=None if tw is None else _spread(tw, n, "tw"),
             w_bytes=None if w_bytes is None else _spread(w_bytes, n, "w_bytes"),
+            t_send=t_send,
         )
 
     @classmethod

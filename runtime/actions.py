@@ -161,6 +161,26 @@ def ends_backward(a: Action, split: frozenset[tuple[int, int]]) -> bool:
     return a.kind is Kind.W or (a.kind is Kind.B and (a.mb, a.stage) not in split)
 
 
+def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
+    """The (stashed, awaiting W) counts of microbatch-stages after each compute action of one rank's
+    list that no other point exceeds in both: the candidates for the rank's peak memory, whatever a
+    stash and a W-kept gradient weigh (a split ``B`` keeps its stash and adds the weight ops' output
+    gradients until its ``W``)."""
+    split = split_backwards(actions)
+    live = pending = 0
+    points: set[tuple[int, int]] = set()
+    for a in actions:
+        if a.kind is Kind.F:
+            live += 1
+        elif a.kind is Kind.B and (a.mb, a.stage) in split:
+            pending += 1
+        elif a.kind is Kind.W:
+            pending -= 1
+        live -= ends_backward(a, split)
+        points.add((live, pending))
+    return sorted(p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
+
+
 def RECOMPUTE(mb: int, stage: int, fraction: Fraction | int = 1) -> Action:
     """Re-run the part of ``stage``'s forward whose activations were not stashed."""
     return Action(Kind.RECOMPUTE, stage, mb, recompute=Fraction(fraction))

@@ -39,6 +39,7 @@ class PointToPoint:
     ):
         self.stages, self.peer_rank, self.guard = stages, peer_rank, guard
         self.timeout, self.device, self.sub = timeout, device, sub_microbatches
+        self._gloo: bool | None = None  # known at the first post (the process group exists by then)
         self.reset()
 
     def reset(self) -> None:
@@ -60,7 +61,7 @@ class PointToPoint:
                 tensors = self._buffers(a)
                 ops += [dist.P2POp(dist.irecv, wire_view(b), peer) for b in tensors]
             posted.append((a, tensors, peer))
-        works = self.guard(lambda: dist.batch_isend_irecv(ops), batch[0], -1) if ops else []
+        works = self.guard(lambda: self._issue(ops), batch[0], -1) if ops else []
         per_op = len(works) == len(ops)  # gloo: one work per op; NCCL may return one for the batch
         k = 0
         for a, tensors, peer in posted:
@@ -70,6 +71,16 @@ class PointToPoint:
                 self._in_flight.append((mine, a, peer, tensors))
             else:
                 self._pending[(a.kind, a.mb, a.stage)] = PendingReceive(tensors, mine, a, peer)  # type: ignore[index]
+
+    def _issue(self, ops: list[dist.P2POp]) -> list:
+        """Start ``ops``. gloo runs a batch op by op anyway, so there each is issued directly (without
+        ``batch_isend_irecv``'s coalescing manager, a fixed cost per batch on every action's path);
+        NCCL needs the batch (one group call, so paired ops cannot deadlock)."""
+        if self._gloo is None:
+            self._gloo = dist.get_backend() == "gloo"
+        if not self._gloo:
+            return dist.batch_isend_irecv(ops)
+        return [op.op(op.tensor, op.peer) for op in ops]
 
     def _buffers(self, a: Action) -> list[torch.Tensor]:
         st = self.stages[a.stage]  # type: ignore[index]

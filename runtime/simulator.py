@@ -17,8 +17,8 @@ the action when a list is unsound:
 Point-to-point semantics (``p2p=``):
 
 - ``"eager"`` (default, used for timing): a send never blocks its rank (``isend`` posted, data on
-  the wire for ``tc``); a receive is posted where it stands and its data is there at
-  ``send time + tc``; the compute that consumes it waits until then. This is the prefetching
+  the wire for ``tc``; issuing it holds the sender ``t_send``); a receive is posted where it stands
+  and its data is there at ``send time + tc``; the compute that consumes it waits until then. This is the prefetching
   runtime of Hanayo section 4.2 and the papers' idealised timing.
 - ``"batched"``: each maximal run of consecutive sends/receives in a list is one
   ``batch_isend_irecv``, and the rank blocks until every op in it has met its partner (a send needs
@@ -306,6 +306,8 @@ class _Sim:
 
     def p2p_eager(self, rank: _Rank, a: Action) -> bool:
         self.post(rank, a, rank.pc)
+        if a.kind in SEND_KINDS:
+            rank.clock += self.c.t_send  # issuing it holds the rank; its data leaves when it is posted
         rank.pc += 1
         return True
 
@@ -319,7 +321,8 @@ class _Sim:
             rank.batch_end = end
         if any(k >= self.paired[ch] for ch, k in rank.batch):
             return False
-        rank.clock = max([rank.clock] + [self.done_at[op] for op in rank.batch])
+        sends = sum(lst[i].kind in SEND_KINDS for i in range(rank.pc, rank.batch_end))
+        rank.clock = max([rank.clock + sends * self.c.t_send] + [self.done_at[op] for op in rank.batch])
         rank.pc, rank.batch = rank.batch_end, None
         return True
 

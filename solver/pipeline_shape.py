@@ -18,7 +18,8 @@ simulator): the stage-microbatches whose activations rank r stashes at its peak,
     DualPipeV               2 pp + 1 chunk stashes (it needs m >= 2 pp)
 
 ``microbatches=None`` means m is large enough not to cap anything. Per stage (``inflight_per_stage``)
-a rank's count is shared evenly by its stages.
+a rank's count is shared evenly by its stages; the stage balancer is told the schedule that runs
+(``FlowOptions.schedule``), since ZB-H1/H2 have 1F1B's shape and ZB-V/DualPipeV a wave's.
 """
 
 from __future__ import annotations
@@ -85,10 +86,15 @@ def inflight_per_rank(
 
 
 def inflight_per_stage(
-    pp: int, chunks: int = 1, waves: int | None = None, microbatches: int | None = None
+    pp: int, chunks: int = 1, waves: int | None = None, microbatches: int | None = None, schedule: str | None = None
 ) -> list[float]:
-    """Microbatches whose activations a stage stashes at its peak: its rank's count shared by the rank's stages."""
-    per_rank = inflight_per_rank(schedule_of(pp, chunks, waves), pp, microbatches, chunks, waves)
+    """Microbatches whose activations a stage stashes at its peak: its rank's count shared by the rank's
+    stages. ``schedule``: the one that runs (ZB-H1 and ZB-H2 have 1F1B's shape but keep each microbatch
+    until its W; ZB-V and DualPipeV a wave's); default the shape's own (``schedule_of``)."""
+    if schedule is not None and schedule not in SCHEDULES:
+        raise PipelineError(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    name = schedule or schedule_of(pp, chunks, waves)
+    per_rank = inflight_per_rank(name, pp, microbatches, chunks, waves)
     share = num_stages(pp, chunks, waves) // pp
     return [per_rank[r] / share for r in stage_ranks(pp, chunks, waves)]
 

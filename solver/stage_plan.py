@@ -54,9 +54,12 @@ class StagePlan:
     stages: tuple[Stage, ...]
     split_seconds: float = 0.0
     assign_seconds: float = 0.0
+    run_schedule: str | None = None  # the schedule the balance was told runs (its in-flight counts)
 
     @property
     def schedule(self) -> str:
+        if self.run_schedule:
+            return self.run_schedule
         return "wave" if self.waves else ("interleaved" if self.chunks > 1 else "1f1b")
 
     @property

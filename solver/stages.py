@@ -70,6 +70,7 @@ def balance_stages(
     microbatches: int | None = None,
     *,
     commons: frozenset[str],
+    schedule: str | None = None,
     efficiency: float = EFFICIENCY,
     precision: str = "bf16",
     comm_fn: CommFn = megatron_tp_comm_seconds,
@@ -77,7 +78,8 @@ def balance_stages(
     """Balance the subgraphs of ``split`` over the stages of a ``pp``-rank pipeline.
 
     ``commons``: the program's common nodes (values no gradient flows through: never stashed);
-    ``microbatches=None``: as many as the schedule can keep in flight."""
+    ``microbatches=None``: as many as the schedule can keep in flight; ``schedule``: the one that runs
+    (its in-flight counts, ``pipeline_shape.inflight_per_rank``; default the shape's own)."""
     t0 = time.perf_counter()
     check_shape(pp, chunks, waves)
     spec = load_cluster(cluster)
@@ -91,14 +93,14 @@ def balance_stages(
     costs = subgraph_costs(ctx, subs, comm_fn)
     share = budget / (S // pp)
     timefn, memfn = costs.run_costs()
-    k = inflight_per_stage(pp, chunks, waves, microbatches)
+    k = inflight_per_stage(pp, chunks, waves, microbatches, schedule)
 
     def fits(s: int, j: int, i: int) -> bool:
         return memfn(j, i, k[s]) <= share
 
     best, _ = min_max_partition(n, S, lambda s, j, i: timefn(j, i), fits)
     if best == math.inf:
-        _no_fit(split, costs, pp, chunks, waves, microbatches, budget)
+        _no_fit(split, costs, pp, chunks, waves, microbatches, budget, schedule)
     starts = even_partition(n, S, lambda s, j, i: timefn(j, i), best * (1 + 1e-12), fits)
     ranks = stage_ranks(pp, chunks, waves)
     numel = {v.name: v.type.numel for v in prog.inputs}
@@ -133,6 +135,7 @@ def balance_stages(
         chunks=chunks,
         waves=waves,
         microbatches=microbatches,
+        run_schedule=schedule,
         cluster=spec.name,
         precision=precision,
         efficiency=efficiency,
@@ -178,19 +181,20 @@ def _no_fit(
     waves: int | None,
     microbatches: int | None,
     budget: float,
+    schedule: str | None = None,
 ) -> None:
     gib = 2**30
     n, S = len(split.subgraphs), num_stages(pp, chunks, waves)
     per_rank = S // pp
     _, memfn = costs.run_costs()
-    k = inflight_per_stage(pp, chunks, waves, microbatches)
+    k = inflight_per_stage(pp, chunks, waves, microbatches, schedule)
     need, _ = min_max_partition(n, S, lambda s, j, i: memfn(j, i, k[s]))
     smallest = need * per_rank
     feasible_pp = None
     for p in range(pp + 1, n + 1):
         if num_stages(p, chunks, waves) > n:
             break
-        kp = inflight_per_stage(p, chunks, waves, microbatches)
+        kp = inflight_per_stage(p, chunks, waves, microbatches, schedule)
         if feasible(n, num_stages(p, chunks, waves), lambda s, j, i, kp=kp: memfn(j, i, kp[s]) * per_rank <= budget):
             feasible_pp = p
             break

@@ -73,6 +73,9 @@ def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
     assert layer.ar_fwd_bytes == layer.ar_bwd_bytes == 2 * s * h * 4
     assert layer.act_tp + layer.act_rep == 16 * s * h * 4
     assert layer.input_bytes == s * h * 4
+    # what a split backward keeps from B to W: the outputs' gradients of QKV (3 s h, split over tp), the
+    # projection (s h), the MLP (4 s h split, s h) and the two layer norms (s h each); a bias add is the same tensor
+    assert (layer.wgrad_tp, layer.wgrad_rep) == (7 * s * h * 4, 4 * s * h * 4)
     assert layer.params_tp + layer.params_rep == 12 * h * h + 13 * h
     assert prof.total_params == sum(p.numel() for p in _model(spec).parameters())
 

@@ -389,3 +389,154 @@ def test_the_search_prices_zero_bubble_and_picks_the_v_when_memory_allows() -> N
     assert search(prof, cluster, 32, budget, space=space).best[0].candidate.schedule == "zbv"
     tight = search(prof, cluster, 32, by_name["zbv"].memory * 0.99, space=space).best[0]
     assert tight.candidate.schedule not in ("zbv", "dualpipev") and tight.memory < by_name["zbv"].memory
+
+
+# ---- memory and layout as the planners price them ----------------------------------------------------------
+
+
+@settings(max_examples=20, deadline=None)
+@given(name=st.sampled_from(ZERO_BUBBLE), p=st.sampled_from([2, 3, 4]), extra=st.integers(0, 5), act=times, grad=times)
+def test_stash_points_price_the_simulated_peak_with_w_kept_gradients(name, p, extra, act, grad) -> None:
+    """The search prices a zero-bubble rank's activation memory at the worst of its (stashed, awaiting W)
+    points: equal to the simulator's peak bytes for any stash and W-kept gradient sizes."""
+    from autopar.runtime.actions import stash_points
+
+    sched = schedule(name, p, max(2 * p, p + extra))
+    peak = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act, w_bytes=grad)).peak_activation_bytes
+    priced = [max(n * act + k * grad for n, k in stash_points(sched.actions[r])) for r in range(p)]
+    assert priced == peak
+
+
+def _analytic(wgrad: float):
+    """The search's price of a 16-layer GPT (pp=4 x dp=2) whose layers keep ``wgrad`` bytes per sample from B to W."""
+    import dataclasses
+
+    from autopar.search.price import Analytic
+    from autopar.solver.cluster import ClusterSpec
+    from tests.test_search import gpt_profile
+
+    prof = gpt_profile(layers=16, V=8192)
+    units = tuple(dataclasses.replace(u, wgrad_tp=wgrad) if u.kind == "layer" else u for u in prof.units)
+    prof = dataclasses.replace(prof, units=units)
+    return Analytic(prof, ClusterSpec.load("dgx-a100:nodes=1"), 32, precision="fp32"), prof
+
+
+def test_the_price_of_zb_h2_zb_h1_and_1f1b_memory_and_the_w_kept_gradients() -> None:
+    """Per rank r of P: ZB-H1 keeps P stashes (1F1B P - r) and r + 1 microbatches' W-kept gradients at
+    its peak; ZB-H2 2P - 1 stashes and 2r + 1 gradients; the gradients are the layers' weight-op outputs.
+    Without them (wgrad = 0) the schedules differ by the stashes alone."""
+    from autopar.search.space import Candidate
+
+    P, b = 4, 1
+    wg = 1e6
+    an, prof = _analytic(wg)
+    plain, _ = _analytic(0.0)
+    mem, kept, grads = {}, {}, {}
+    for name in ("1f1b", "zb-h1", "zb-h2"):
+        c = Candidate(pp=P, dp=2, tp=1, micro_batch=b, microbatches=8, schedule=name, zero=1)
+        e, e0 = an.evaluate(c), plain.evaluate(c)
+        assert e is not None and e0 is not None
+        mem[name], kept[name] = e.rank_memory, e.info["act_kept"]
+        # what a stage keeps from B to W: its layers' weight-op outputs, per microbatch
+        grads[name] = [wg * b * sum(u.kind == "layer" for u in prof.units[a:z]) for a, z in e.stages]
+        if name == "1f1b":
+            assert e.rank_memory == e0.rank_memory  # no split backward: nothing kept for a W
+    for r in range(P):
+        a, g = kept["1f1b"][r], grads["1f1b"][r]
+        assert mem["zb-h1"][r] - mem["1f1b"][r] == pytest.approx(r * a + (r + 1) * g, rel=1e-12)
+        assert mem["zb-h2"][r] - mem["zb-h1"][r] == pytest.approx((P - 1) * a + r * g, rel=1e-12)
+
+
+def test_the_price_of_zero3_under_a_split_backward_gathers_again_at_w() -> None:
+    """ZeRO-3 with a split backward: W gathers the stage's weights again and reduce-scatters the
+    gradient, so the whole backward costs one gather (the forward's) more than 1F1B's, all of it
+    in W apart from B's own gather."""
+    from autopar.search.space import Candidate
+
+    an, _ = _analytic(0.0)
+
+    def ev(name: str, zero: int):
+        return an.evaluate(Candidate(pp=4, dp=2, tp=1, micro_batch=1, microbatches=8, schedule=name, zero=zero))
+
+    one, one3, zb, zb3 = ev("1f1b", 1), ev("1f1b", 3), ev("zb-h1", 1), ev("zb-h1", 3)
+    gather = [a - b for a, b in zip(one3.tf, one.tf)]  # the forward's gather
+    both = [a - b for a, b in zip(one3.tb, one.tb)]  # the whole backward's gather and scatter
+    assert all(g > 0 for g in gather) and all(x > g for x, g in zip(both, gather))
+    assert [a - b for a, b in zip(zb3.tb, zb.tb)] == pytest.approx([x + g for x, g in zip(both, gather)], rel=1e-12)
+    assert [a - b for a, b in zip(zb3.tw, zb.tw)] == pytest.approx(both, rel=1e-12)
+
+
+def _rank_max(w, layout, pp) -> float:
+    loads = [sum(w[a:b]) for a, b in layout]
+    return max(loads[r] + loads[2 * pp - 1 - r] for r in range(pp))
+
+
+@settings(max_examples=60, deadline=None)
+@given(pp=st.sampled_from([1, 2, 3]), w=st.lists(st.sampled_from([0.5, 1, 2, 3, 5, 8, 13]), min_size=2, max_size=9))
+def test_the_v_layout_balances_each_rank_as_brute_force(pp, w) -> None:
+    """The search's V layout (rank r: stages r and 2P - 1 - r) has the least largest rank load, and among
+    those the least largest stage, of every cut into 2P contiguous stages."""
+    import itertools
+
+    from autopar.search.stage_layout import balanced_v_layout
+
+    n = len(w)
+    lay = balanced_v_layout(w, pp)
+    if 2 * pp > n:
+        assert lay is None
+        return
+    assert lay is not None and lay[0][0] == 0 and lay[-1][1] == n and all(a < b for a, b in lay)
+    assert all(lay[s][1] == lay[s + 1][0] for s in range(2 * pp - 1))
+    best = min(
+        (_rank_max(w, cut, pp), max(sum(w[a:b]) for a, b in cut))
+        for c in itertools.combinations(range(1, n), 2 * pp - 1)
+        for cut in [list(zip((0, *c), (*c, n)))]
+    )
+    got = (_rank_max(w, lay, pp), max(sum(w[a:b]) for a, b in lay))
+    assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_the_per_stage_layout_can_overload_a_rank_of_the_v() -> None:
+    """Why the V has its own layout: balancing each stage can put two heavy stages on one rank."""
+    from autopar.search.stage_layout import balanced_layout, balanced_v_layout
+
+    w = [1, 1, 1, 2, 1]
+    per_stage, per_rank = balanced_layout(w, 4), balanced_v_layout(w, 2)
+    assert per_stage == ((0, 1), (1, 3), (3, 4), (4, 5))  # stages 1 and 2, both on rank 1, weigh 2 each
+    assert per_rank == ((0, 2), (2, 3), (3, 4), (4, 5))
+    assert (_rank_max(w, per_stage, 2), _rank_max(w, per_rank, 2)) == (4, 3)
+
+
+def test_the_stage_balancer_prices_the_schedule_that_runs() -> None:
+    """ZB-H1/H2 have 1F1B's shape and ZB-V/DualPipeV a wave's; the stage balancer counts their own
+    in-flight microbatches (until W), from the flow's options down to the stage plan."""
+    from autopar.passes.assign_stages import assign_stages_pass
+    from autopar.solver.pipeline_shape import inflight_per_stage
+    from tests.test_pipeline_split import preset
+
+    assert inflight_per_stage(4) == [4, 3, 2, 1]
+    assert inflight_per_stage(4, schedule="zb-h1") == [4] * 4
+    assert inflight_per_stage(4, microbatches=8, schedule="zb-h2") == [7] * 4
+    assert inflight_per_stage(4, waves=1, microbatches=8, schedule="zbv") == [4] * 8  # 2P per rank, two chunks
+    assert inflight_per_stage(4, waves=1, microbatches=8) == [8] * 8  # a wave's own count
+    _, prog, _ = preset("tiny-gpt2")
+    plans = {}
+    for name in (None, "zb-h2"):
+        opts = {"pp": 2, "microbatches": 8} | ({"schedule": name} if name else {})
+        _, (plans[name], _) = assign_stages_pass(prog, opts)
+    assert [s.inflight for s in plans[None].stages] == [2, 1] and plans[None].schedule == "1f1b"
+    assert [s.inflight for s in plans["zb-h2"].stages] == [3, 3] and plans["zb-h2"].schedule == "zb-h2"
+    for s in plans["zb-h2"].stages:
+        assert s.memory_bytes == s.weight_bytes + 3 * s.activation_bytes
+
+
+def test_the_simulator_charges_each_send_its_issue_time() -> None:
+    """``Costs.t_send``: the sender is held while it issues a send (the runtime's fixed cost per message),
+    its data leaving as it is posted. 1F1B on 2 ranks and 2 microbatches: rank 1 sends B0's gradient
+    between B0 and F1, on the critical path (rank 0's B1 waits for F1, B1 of rank 1); no other send is:
+    the step grows by one t_send. Without it the step is exactly the 1F1B one."""
+    sched = make_schedule("1f1b", 2, 2)
+    tc, ts = Fraction(1, 10), Fraction(1, 3)
+    base = simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc)).step_time
+    assert base == 1 + tc + 1 + 2 + 1 + 2 + tc + 2  # F0, hop, F0, B0, F1, B1 on rank 1, hop, B1
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc, t_send=ts)).step_time == base + ts

@@ -94,6 +94,7 @@ def build_plan(
         chunks=c.chunks,  # the candidate's placement: interleaved, ZB-V and DualPipeV have chunks, waves waves
         waves=c.waves or None,
         microbatches=c.microbatches,
+        schedule=c.schedule if c.pp > 1 else None,
         stage_budget_bytes=math.inf,
         cache=False,  # the shard pass's report goes into the plan's stats
     )

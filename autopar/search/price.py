@@ -3,7 +3,7 @@
 Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alpha-beta links:
 
 - stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
-  (``stage_layout.py``: balanced FLOPs, or Megatron's L / S layers each);
+  (``stage_layout.py``: balanced FLOPs, per rank for a V of one wave, or Megatron's L / S layers each);
 - compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
   twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
@@ -14,7 +14,9 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
   the stashed activations of the microbatches in flight (closed forms per schedule,
-  ``solver/pipeline_shape.inflight_per_rank``; zero-bubble schedules count a microbatch until its W)
+  ``solver/pipeline_shape.inflight_per_rank``; for zero-bubble schedules, read off their action lists:
+  a microbatch counts until its W, and from its B on it also holds the output gradients of its weight
+  ops, ``UnitCost.wgrad_*``, priced at the worst point of each rank's list)
   plus what a stage holds only while it runs: one recomputed layer's activations while it is
   rematerialized and, with ZeRO-3, the stage's whole weights, which the runtime gathers around each of
   its forwards and recomputations (``runtime/zero3.py``; the whole model without a pipeline);
@@ -28,7 +30,7 @@ What is estimated rather than exact: efficiency is a constant fraction of peak (
 matrix sizes or micro-batch size), elementwise kernels are priced as FLOPs, the optimizer step and
 the tied-embedding all-reduce between the first and last stage are not priced, and in-flight counts
 for interleaved, wave and V schedules are upper bounds (every stashed microbatch counted at the
-largest chunk's size), and the output gradients a split backward keeps from B to W are not counted.
+largest chunk's size).
 """
 
 from __future__ import annotations
@@ -38,12 +40,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from autopar.runtime.schedules import stage_aware_ratios
+from autopar.runtime.actions import stash_points
+from autopar.runtime.schedules import make_schedule, stage_aware_ratios
 from autopar.search.comm_time import CommTime
 from autopar.search.evaluation import Evaluation
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import ZERO_BUBBLE, Candidate
-from autopar.search.stage_layout import Layout, balanced_layout, even_layout
+from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import EFFICIENCY, TrainingSetup
 from autopar.solver.pipeline_shape import stage_ranks
@@ -66,6 +69,7 @@ class _Part:
     rank_params: tuple[float, ...]  # parameter elements held per device
     rank_kept: tuple[float, ...]  # bytes kept per stashed microbatch (the rank's largest stage)
     rank_trans: tuple[float, ...]  # bytes held while a stage runs: a recomputed layer, ZeRO-3's gathered weights
+    rank_wkept: tuple[float, ...]  # bytes a split B keeps until its W (the rank's largest stage)
     rank_busy: tuple[float, ...]  # compute seconds per microbatch
     rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
     rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
@@ -112,8 +116,17 @@ class Analytic:
     def even_layout(self, stages: int) -> Layout | None:
         return even_layout(self._is_layer, stages)
 
+    @functools.cache  # noqa: B019
+    def balanced_v_layout(self, pp: int) -> Layout | None:
+        return balanced_v_layout([u.flops for u in self.p.units], pp)
+
     def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
-        return self.even_layout(c.num_stages) if c.layout == "even" else self.balanced_layout(c.num_stages)
+        """Megatron's even layout, or the balanced one: per rank for a V (a rank's two chunks together)."""
+        if c.layout == "even":
+            return self.even_layout(c.num_stages)
+        if c.waves == 1 and c.pp > 1:
+            return self.balanced_v_layout(c.pp)
+        return self.balanced_layout(c.num_stages)
 
     # -- pieces -----------------------------------------------------------------------------------
     def _sum(self, key: str, a: int, b: int) -> float:
@@ -157,7 +170,15 @@ class Analytic:
         per_param = self.bytes_per_param(c)
         s0, s1 = self._sync_coefficients(c)
         weights = [p * per_param for p in part.rank_params]
-        mem = tuple(w + k * kept + tr for w, k, kept, tr in zip(weights, counts, part.rank_kept, part.rank_trans))
+        if c.schedule in ZERO_BUBBLE and c.pp > 1:  # stashes and W-kept gradients at the rank's peak
+            points = _stash_points(c.schedule, c.pp, c.microbatches, tuple(c.schedule_options().items()))
+            held = [
+                max(live * kept + wait * wk for live, wait in pts)
+                for pts, kept, wk in zip(points, part.rank_kept, part.rank_wkept)
+            ]
+        else:
+            held = [k * kept for k, kept in zip(counts, part.rank_kept)]
+        mem = tuple(w + h + tr for w, h, tr in zip(weights, held, part.rank_trans))
         reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
         if c.pp == 1:
             lb = c.microbatches * part.rank_busy[0] + reduce[0]
@@ -212,7 +233,7 @@ class Analytic:
             self._parts[key] = None
             return None
         x = self.recompute_fractions(c)
-        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, head, tail = base
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, head, tail, wkept = base
         kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
         trans = [(la if xs else 0.0) + g for la, xs, g in zip(layer_act, x, gathered)]
         part = _Part(
@@ -229,6 +250,7 @@ class Analytic:
             rank_params=tuple(sum(params[s] for s in ss) for ss in mine),
             rank_kept=tuple(max(kept[s] for s in ss) for ss in mine),
             rank_trans=tuple(max(trans[s] for s in ss) for ss in mine),
+            rank_wkept=tuple(max(wkept[s] for s in ss) for ss in mine),
             rank_busy=tuple(sum(tf[s] + tb[s] + x[s] * tr[s] for s in ss) for ss in mine),
             rank_head=tuple(head[ss[0]] for ss in mine),
             rank_tail=tuple(tail[ss[0]] for ss in mine),
@@ -255,7 +277,7 @@ class Analytic:
         ranks = self.stage_ranks(c)
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
         rate = self.flop_rate
-        tf, tb, tr, tw, acts, saving, layer_act, params_of = [], [], [], [], [], [], [], []
+        tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
             f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
@@ -269,6 +291,7 @@ class Analytic:
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
             tw.append(b * S("wflops", a, e) / tp / rate)
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
+            wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp) * sa)
@@ -298,6 +321,7 @@ class Analytic:
             mine,
             head,
             tail,
+            tuple(wkept),
         )
         self._bases[key] = base
         return base
@@ -305,8 +329,12 @@ class Analytic:
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
         """``base`` under ZeRO-3 over ``z3`` ranks: every forward, backward and recomputation all-gathers the
         stage's weights, every backward reduce-scatters its gradients (and with MiCS all-reduces the shard
-        across the groups), and the whole weights are held while the stage runs."""
-        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _ = base
+        across the groups), and the whole weights are held while the stage runs. A split backward gathers
+        twice: B for the input gradients, and W again (the weight-side nodes unpack the saved weight once
+        more, ``runtime/zero3.py``), and W reduce-scatters (the gather's backward is on the weight's
+        branch): W costs its compute plus a gather and a scatter, the whole backward one gather more.
+        DualPipeV's unsplit backwards are charged that second gather too (an upper bound)."""
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
         intra_g = self.comm.intra(c.tp * z3)
         gather = [self.comm.gather(p * self.weight_b, z3, intra_g) for p in params]
         scatter = [
@@ -315,9 +343,12 @@ class Analytic:
         tf = tuple(t + g for t, g in zip(tf, gather))
         tb = tuple(t + g + r for t, g, r in zip(tb, gather, scatter))
         tr = tuple(t + g for t, g in zip(tr, gather))
+        if c.schedule in ZERO_BUBBLE:
+            tb = tuple(t + g for t, g in zip(tb, gather))
+            tw = tuple(t + g + r for t, g, r in zip(tw, gather, scatter))
         gathered = [p * self.weight_b for p in params]
         head_tail = _head_tail(tf, tb, tc)
-        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail)
+        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept)
 
     def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
@@ -346,6 +377,14 @@ class Analytic:
         return 3 * self.p.mm_flops * self.B
 
 
+@functools.cache
+def _stash_points(schedule: str, pp: int, microbatches: int, options: tuple) -> list[list[tuple[int, int]]]:
+    """Per rank, the (stashed, awaiting W) counts that can be its memory peak (``actions.stash_points``),
+    read off the schedule's own action lists."""
+    sched = make_schedule(schedule, pp, microbatches, **dict(options))
+    return [stash_points(sched.actions[r]) for r in range(pp)]
+
+
 _SUMMED = (
     "flops",
     "flops_tp",
@@ -365,6 +404,8 @@ _SUMMED = (
     "lar_fwd_bytes",
     "lar_fwd_count",
     "wflops",
+    "wgrad_tp",
+    "wgrad_rep",
 )
 
 

@@ -42,7 +42,7 @@ from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.presets import PRESETS
 from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
 
-PROFILE_VERSION = 2  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 3  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
 # ops whose backward needs nothing but the incoming gradient (they save no activation)
@@ -65,6 +65,9 @@ _NO_SAVE = VIEW_OPS | {
     "aten.expand_as",
     "aten.flatten.using_ints",
 }
+# ops reading a weight whose backward hands the incoming gradient on as it is (a bias added): the
+# gradient W keeps for them is the same tensor as their producer's, counted there
+_PASS_GRAD = _NO_SAVE - {"aten.embedding"}
 # ops whose backward needs their own output
 _SAVE_OUTPUT = frozenset(
     {
@@ -104,6 +107,10 @@ class UnitCost:
     ar_fwd_count: int  # ... in this many all-reduces
     ar_bwd_bytes: float  # bytes all-reduced over tp in the backward pass
     ar_bwd_count: int
+    # bytes of the outputs of ops that read a weight: their gradients are what a split backward keeps
+    # from B to W (runtime/split_backward.py captures each where the weight's branch leaves the input path)
+    wgrad_tp: float = 0.0
+    wgrad_rep: float = 0.0
 
     def act(self, tp: int) -> float:
         return self.act_tp / tp + self.act_rep
@@ -199,7 +206,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
     out: list[UnitCost] = []
     itemsize = 4
     for k, (kind, label, ops) in enumerate(units):
-        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0)
+        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0, wtp=0.0, wrep=0.0)
         arf = [0.0, 0]
         arb = [0.0, 0]
         f_inputs: set[str] = set()
@@ -249,6 +256,10 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                     c["flops_tp"] += op.flops
                 if op.target in CONTRACTIONS or op.target in ATTENTION:
                     c["mm"] += op.flops
+            if op.target not in _PASS_GRAD and any(n in weights for n in refs):
+                for r, t in zip(op.results, op.types):
+                    if r not in weights and t.is_float:  # a weight op's output (not a cast of the weight)
+                        c["wtp" if r in split_values else "wrep"] += t.nbytes
             for r, t in zip(op.results, op.types):
                 if r in saved:
                     itemsize = t.itemsize
@@ -272,6 +283,8 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 ar_fwd_count=arf[1],
                 ar_bwd_bytes=arb[0] / batch,
                 ar_bwd_count=arb[1],
+                wgrad_tp=c["wtp"] / batch,
+                wgrad_rep=c["wrep"] / batch,
             )
         )
     # activations saved in a unit but produced in an earlier one are the later unit's input: counted there
