@@ -170,7 +170,7 @@ class ParallelModule(torch.nn.Module):
     # -- construction helpers --------------------------------------------------------------------
     def _peer_rank(self, stage: int) -> int:
         """The global rank holding ``stage`` in this rank's pipeline."""
-        return dist.get_global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
+        return self.comm.peers.global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
 
     def _skip_sync(self, name: str, axis: str) -> bool:
         """Whether ZeRO reduces ``name``'s gradient over ``axis`` itself."""
@@ -256,7 +256,7 @@ class ParallelModule(torch.nn.Module):
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
-            src = self._peer_rank(self._schedule.num_stages - 1)
+            src = self._schedule.stage_to_rank[-1]  # the last stage's member of the pipeline group
             outs = broadcast_outputs(self.program, self._forward_executor.outputs, src, self._pp_group, self.device)
             if self.options.loss_weight is not None:
                 weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
@@ -293,7 +293,7 @@ class ParallelModule(torch.nn.Module):
         loss = step_loss(losses, scales) if losses else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
-            dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)
+            dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
         self._stepped = self._optimizer is not None
         return loss
 
