@@ -170,10 +170,10 @@ def compile(  # noqa: A001
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
-    verdict broadcast) and raises ``CheckError`` naming the first op whose output or gradient differs.
-    It checks the real-size program, so it takes models of at most ``autopar.check.CHECK_MAX_PARAMS``
-    parameters (a larger one gets an error saying how to check a scaled-down copy with
-    ``autopar check``); dp/tp meshes only.
+    verdict broadcast; on a pipeline, one microbatch through the stages) and raises ``CheckError`` naming
+    the first op whose output or gradient differs. A model above ``autopar.check.CHECK_MAX_PARAMS``
+    parameters (or on the meta device) is checked on a copy rebuilt small from its config that carries
+    the plan's ops and placements (``autopar/check_scale.py``), so the check stays cheap at any size.
     """
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(
@@ -182,11 +182,6 @@ def compile(  # noqa: A001
         )
     spec = mesh_spec(mesh)
     pp = spec.pipeline_size
-    if check and pp > 1:
-        raise CheckError(
-            "check=True covers dp/tp meshes; check a pipelined plan's sharded program with "
-            "`autopar check MODEL --mesh ...` (stage cuts do not change values)"
-        )
     if plan is None:  # priced on this machine: the fastest plan within its device memory by default
         options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
     if batch not in ("global", "local"):
@@ -228,7 +223,7 @@ def compile(  # noqa: A001
     if sub_pipeline_tp:
         _check_sub_pipeline(forward, spec)
     if check:
-        _check_before_training(forward, model, args, kwargs or {})
+        _check_before_training(forward, train, model, captured, example, spec, sched.stage_to_rank)
     device = torch.device(device) if device is not None else _default_device(mesh)
     parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)
     rng = rng_for(forward.ops, microbatches * run.sub_microbatches)
@@ -266,14 +261,17 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     return per_model[key]
 
 
-def _check_before_training(program: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """compile's ``check=True``: rank 0 checks the plan on simulated ranks; every rank raises its verdict."""
+def _check_before_training(
+    forward: Program, train: Program | None, model, captured: Captured, example: tuple, mesh: MeshSpec, s2r
+) -> None:
+    """compile's ``check=True``: rank 0 checks the plan on simulated ranks (one microbatch, ``example``; a
+    large model on a scaled-down copy); every rank raises its verdict."""
 
     verdict: list[str | None] = [None]
     failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            check_before_training(program, model, args, kwargs)
+            check_before_training(forward, train, model, captured, *example, mesh, tuple(s2r))
         except Exception as e:  # every rank must leave the broadcast below
             failure, verdict = e, [str(e) if isinstance(e, CheckError) else f"check=True failed on rank 0: {e!r}"]
     dist.broadcast_object_list(verdict, src=0)

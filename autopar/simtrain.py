@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from autopar.build import ModuleParts, build_module, plan_programs
+from autopar.float64 import to_float64
 from autopar.ir.core import MeshSpec, Program
 from autopar.passes.capture import capture
 from autopar.passes.dropout import has_keyed
@@ -54,16 +55,20 @@ class SimCompiled:
         sharded: Program | None = None,
         seed: int = 0,
         timeout: float = 120.0,
+        float64: bool = False,
     ) -> SimCompiled:
         """Plan ``model(*args, **kwargs)`` (the global batch) on ``mesh`` as ``autopar.compile`` does, or use
         the planned whole-mesh program ``sharded``, and build every rank's module (the arguments are
-        ``compile``'s; dropout seeds come from ``torch.initial_seed()``)."""
+        ``compile``'s; dropout seeds come from ``torch.initial_seed()``). ``float64``: the programs with every
+        float in float64 (``autopar/float64.py``; compare with the model run under ``Float64Mode``)."""
         kwargs = dict(kwargs or {})
         run = RuntimeOptions(microbatches, timeout, False, sub_pipeline_tp)
         example = sub_microbatch(args, kwargs, microbatches, run.sub_microbatches)
         captured = capture(model, *example)
         sched = make_schedule(schedule, mesh.pipeline_size, microbatches, **dict(schedule_options or {}))
         forward, train = plan_programs(captured, mesh, sched, options, sharded)
+        if float64:
+            forward, train = to_float64(forward), (to_float64(train) if train is not None else None)
         parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)
         world = SimWorld(mesh, timeout=timeout)
         keyed = has_keyed(forward.ops)

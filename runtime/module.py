@@ -124,11 +124,11 @@ class ParallelModule(torch.nn.Module):
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
         self.forward_runners, forward_stages = builder.runners(forward, mine, {}, "forward")
-        self._runners: dict[int, StageRunner] = {}
+        self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
         if train is not None:
             fractions = recompute_fractions(schedule, self._pp_rank)
-            self._runners, self._stages = builder.runners(train, mine, fractions, "stage")
+            self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage")
         self._builder = builder
         self._setup_inputs(leaves)
         self._state = state
@@ -162,7 +162,7 @@ class ParallelModule(torch.nn.Module):
         if train is not None:
             barrier = step_barrier(options.timeout) if options.record and dist.is_initialized() else None
             self._executor = Executor(
-                schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
+                schedule, self._pp_rank, self.train_runners, peer, comm, self._grads.reduce_stage, self._step,
                 timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
                 sub_microbatches=options.sub_microbatches, stage_context=context,
             )  # fmt: skip
@@ -228,7 +228,7 @@ class ParallelModule(torch.nn.Module):
     # -- inputs ----------------------------------------------------------------------------------
     def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:
         """Which inputs each program reads on this rank, who takes which rows, and how calls become pieces."""
-        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self._runners)
+        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self.train_runners)
         self._last = self._schedule.num_stages - 1 in self.forward_runners
         opts = self.options
         self._call = CallInputs.of(
