@@ -14,7 +14,7 @@ float32 whatever the model's dtype, whose rounding a sharded reduction changes b
 cell is the largest relative difference over both optimizers and both objectives (the fastest plan priced
 on a slow-compute cluster, so ops split; least memory) of the per-step losses, and of every state-dict
 entry after the last step (max |x - x_ref| / max |x_ref| per tensor). Pipelines run 1F1B over 2
-microbatches. Nothing is timed: the numbers do not depend on the machine.
+microbatches (1 for a model with batch norm, whose statistics are a microbatch's). Nothing is timed: the numbers do not depend on the machine.
 """
 
 from __future__ import annotations
@@ -68,7 +68,9 @@ def run(family: str, mesh: MeshSpec, objective: str, optimizer: str, steps: int)
     batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
     reference = copy.deepcopy(model)
     cls, kw = OPTIMIZERS[optimizer]
-    micro = 2 if mesh.pipeline_size > 1 else 1
+    # batch norm's statistics are a microbatch's, as on real ranks: one microbatch for such a model
+    batch_norm = any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    micro = 2 if mesh.pipeline_size > 1 and not batch_norm else 1
     sim = SimCompiled.of(model, mesh, (), batch, options=OBJECTIVES[objective], microbatches=micro, float64=True)
     sim.make_optimizer(cls, **kw)
     opt = cls(reference.parameters(), **kw)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -36,6 +35,16 @@ from autopar.runtime.collectives import Comm
 from autopar.runtime.simgroup import SimGroup, _Aborted, _Done, _Rendezvous
 
 T = TypeVar("T")
+
+
+class _Box:
+    """The messages of one directed pair in flight, by their number on the pair."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.sent: dict[int, torch.Tensor] = {}
+        self.count = 0  # messages sent so far
+        self.posted = 0  # receives posted so far
 
 
 class SimPeers:
@@ -92,7 +101,7 @@ class SimWorld:
         self.aborted = False
         self._error: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
-        self._boxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self._boxes: dict[tuple[Any, int, int], _Box] = {}
         self._groups: dict[tuple[str, int], SimGroup] = {}  # (axis, rank) -> that rank's group
         self._rendezvous: list[_Rendezvous] = []
         self._subgroups: dict[tuple[int, ...], _Rendezvous] = {}
@@ -150,25 +159,33 @@ class SimWorld:
                 self._rendezvous.append(rv)
         return SimGroup(rv, ranks.index(rank)) if rank in ranks else None
 
-    # -- point-to-point mailboxes (key: (group or None for global ranks, source, destination)) ----
-    def mailbox(self, key: tuple[Any, int, int]) -> queue.Queue:
+    # -- point-to-point (key: (group or None for global ranks, source, destination)) ------------
+    # A receive takes the message whose number on its pair equals its own posting number, as gloo and
+    # NCCL match sends and receives in the order each side posts them (not the order receives are waited).
+    def _box(self, key: tuple[Any, int, int]) -> _Box:
         with self._lock:
             if key not in self._boxes:
-                self._boxes[key] = queue.Queue()
+                self._boxes[key] = _Box()
             return self._boxes[key]
 
     def send(self, key: tuple[Any, int, int], tensors: Sequence[torch.Tensor]) -> _Done:
-        box = self.mailbox(key)
-        for t in tensors:
-            box.put(t.detach().clone())
+        box = self._box(key)
+        with box.cond:
+            for t in tensors:
+                box.sent[box.count] = t.detach().clone()
+                box.count += 1
+            box.cond.notify_all()
         return _Done()
 
     def recv(self, key: tuple[Any, int, int], tensors: Sequence[torch.Tensor], where: str) -> _Done:
-        box = self.mailbox(key)
+        box = self._box(key)
+        with box.cond:
+            first = box.posted
+            box.posted += len(tensors)
 
         def wait() -> None:
-            for t in tensors:
-                got = self.take(box, where)
+            for i, t in enumerate(tensors):
+                got = self._take(box, first + i, where)
                 if got.shape != t.shape or got.dtype != t.dtype:
                     raise SimulationError(
                         f"{where}: sent {got.dtype}{list(got.shape)}, posted {t.dtype}{list(t.shape)}"
@@ -177,16 +194,13 @@ class SimWorld:
 
         return _Done(wait)
 
-    def take(self, box: queue.Queue, what: str) -> torch.Tensor:
-        waited = 0.0
-        while True:
+    def _take(self, box: _Box, number: int, what: str) -> torch.Tensor:
+        with box.cond:
+            ok = box.cond.wait_for(lambda: number in box.sent or self.aborted, self.timeout)
             self.raise_if_aborted()
-            try:
-                return box.get(timeout=0.05)
-            except queue.Empty:
-                waited += 0.05
-                if waited >= self.timeout:
-                    raise SimulationError(f"deadlock: {what} waited {self.timeout:.0f} s for a send") from None
+            if not ok:
+                raise SimulationError(f"deadlock: {what} waited {self.timeout:.0f} s for a send")
+            return box.sent.pop(number)
 
     # -- running ranks --------------------------------------------------------------------------
     def raise_if_aborted(self) -> None:
@@ -198,8 +212,12 @@ class SimWorld:
             if self._error is None:
                 self._error = (rank, exc)
             self.aborted = True
+            boxes = list(self._boxes.values())
         for rv in self._rendezvous:
             rv.wake()
+        for box in boxes:
+            with box.cond:
+                box.cond.notify_all()
 
     def run(self, fn: Callable[[int], T], ranks: Sequence[int] | None = None) -> list[T]:
         """Call ``fn(rank)`` for every rank, each in its own thread, and return the results by rank.
