@@ -6,8 +6,9 @@ opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)  # this rank's shards (Ze
 out = model(input_ids=x, labels=y)                 # the whole batch; each rank takes its shard
 out.loss.backward(); opt.step(); opt.zero_grad()   # or: loss = model.train_step(input_ids=x, labels=y)
 
-``compile`` captures the model, plans it on rank 0 (``_plan``: the one place the planned programs
-come from), broadcasts the programs and builds this rank's ``autopar.runtime.module.ParallelModule``.
+``compile`` captures the model, plans it on rank 0 (``plan_programs``, ``autopar/build.py``: the one place
+the planned programs come from), broadcasts the programs and builds this rank's
+``autopar.runtime.module.ParallelModule``.
 """
 
 from __future__ import annotations
@@ -22,27 +23,24 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils import _pytree as pytree
 
+from autopar.build import ModuleParts, build_module, plan_programs
 from autopar.check import check_before_training
-from autopar.errors import BatchError, CheckError, MeshError, PipelineError, PlanError, SubPipelineError
-from autopar.ir.axes import PIPELINE_AXIS
+from autopar.errors import BatchError, CheckError, MeshError, PlanError, SubPipelineError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture
-from autopar.passes.flow import FlowOptions, flow_index, plan_program
+from autopar.passes.flow import flow_index
 from autopar.passes.shard import ShardOptions, planning_options
 from autopar.passes.split_cache import cache_dir
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import LossWeight, sub_microbatch, token_count
 from autopar.runtime.module import ParallelModule, RuntimeOptions
-from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
 from autopar.solver.cluster import ClusterSpec, local_cluster
-from autopar.solver.pipeline_shape import placement_shape
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
@@ -177,10 +175,10 @@ def compile(  # noqa: A001
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
-    verdict broadcast) and raises ``CheckError`` naming the first op whose output or gradient differs.
-    It checks the real-size program, so it takes models of at most ``autopar.check.CHECK_MAX_PARAMS``
-    parameters (a larger one gets an error saying how to check a scaled-down copy with
-    ``autopar check``); dp/tp meshes only.
+    verdict broadcast; on a pipeline, one microbatch through the stages) and raises ``CheckError`` naming
+    the first op whose output or gradient differs. A model above ``autopar.check.CHECK_MAX_PARAMS``
+    parameters (or on the meta device) is checked on a copy rebuilt small from its config that carries
+    the plan's ops and placements (``autopar/check_scale.py``), so the check stays cheap at any size.
     """
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(
@@ -189,11 +187,6 @@ def compile(  # noqa: A001
         )
     spec = mesh_spec(mesh)
     pp = spec.pipeline_size
-    if check and pp > 1:
-        raise CheckError(
-            "check=True covers dp/tp meshes; check a pipelined plan's sharded program with "
-            "`autopar check MODEL --mesh ...` (stage cuts do not change values)"
-        )
     if batch not in ("global", "local"):
         raise BatchError(
             f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {batch!r}"
@@ -228,7 +221,9 @@ def compile(  # noqa: A001
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     text: list[str | None] = [None, None]
     if dist.get_rank() == 0:
-        fwd, train = _plan(captured, spec, sched, options, sharded, scatter_gather=scatter_gather, dump_dir=dump_dir)
+        fwd, train = plan_programs(
+            captured, spec, sched, options, sharded, scatter_gather=scatter_gather, dump_dir=dump_dir
+        )
         text = [print_program(fwd), print_program(train) if train is not None else None]
     dist.broadcast_object_list(text, src=0)
     forward = parse(text[0])
@@ -236,65 +231,14 @@ def compile(  # noqa: A001
     if sub_pipeline_tp:
         _check_sub_pipeline(forward, spec)
     if check:
-        _check_before_training(forward, model, args, kwargs or {})
+        _check_before_training(forward, train, model, captured, example, spec, sched.stage_to_rank)
     device = torch.device(device) if device is not None else _default_device(mesh)
-    get_value = value_source(model, captured, seed)
-    read = {v.name for v in forward.inputs if v.kind != "input"}
-    setup = (options or ShardOptions()).setup
-    module = ParallelModule(
-        forward,
-        train,
-        sched,
-        captured.in_spec,
-        captured.out_spec,
-        coll.Comm.from_device_mesh(mesh),
-        get_value,
-        device,
-        setup,
-        run,
-        mesh=mesh,
-        rng=rng_for(forward.ops, microbatches * run.sub_microbatches),
-        state=state_keys(model, read, get_value),
-        leaves=tuple(i for i, x in enumerate(pytree.tree_leaves(example)) if isinstance(x, torch.Tensor)),
-    )
+    parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)
+    rng = rng_for(forward.ops, microbatches * run.sub_microbatches)
+    module = build_module(parts, coll.Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
     return module
-
-
-def _plan(
-    captured: Captured,
-    mesh: MeshSpec,
-    schedule: Schedule,
-    options: ShardOptions | None,
-    sharded: Program | None = None,
-    *,
-    scatter_gather: bool = False,
-    dump_dir: str | None = None,
-) -> tuple[Program, Program | None]:
-    """The planned programs of ``captured`` on ``mesh`` (the whole mesh) by the flow
-    (``passes/flow.py``): the forward program (every output) and the training program (pruned to the
-    loss; ``None`` when the first output is not a scalar float), both cut into ``schedule``'s stages
-    at the same places, with send/recv ops."""
-    chunks, waves = placement_shape(schedule.stage_to_rank, schedule.num_ranks)
-    flow = FlowOptions(
-        shard=options,
-        chunks=chunks,
-        waves=waves,
-        microbatches=schedule.num_microbatches,
-        stage_to_rank=tuple(schedule.stage_to_rank),
-        schedule=schedule.name,
-        scatter_gather=scatter_gather,
-    )
-    planned = plan_program(captured, mesh, flow, dump_dir=dump_dir, sharded=sharded)
-    if planned.num_stages != schedule.num_stages:
-        raise PipelineError(
-            f"the {schedule.name} schedule runs {schedule.num_stages} stages but the mesh {mesh} plans "
-            f"{planned.num_stages}: a mesh without a {PIPELINE_AXIS} axis is one stage (use 1f1b, gpipe or scp there)"
-        )
-    if planned.num_stages > 1:
-        planned.require_train()  # a pipeline exists to train: refuse a model without a scalar loss here
-    return planned.forward, planned.train
 
 
 _SUB_PIPELINED = {name for name, fn in coll.FUNCTIONS.items() if fn in coll.ASYNC}
@@ -325,14 +269,17 @@ def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
     return per_model[key]
 
 
-def _check_before_training(program: Program, model: torch.nn.Module, args: tuple, kwargs: dict) -> None:
-    """compile's ``check=True``: rank 0 checks the plan on simulated ranks; every rank raises its verdict."""
+def _check_before_training(
+    forward: Program, train: Program | None, model, captured: Captured, example: tuple, mesh: MeshSpec, s2r
+) -> None:
+    """compile's ``check=True``: rank 0 checks the plan on simulated ranks (one microbatch, ``example``; a
+    large model on a scaled-down copy); every rank raises its verdict."""
 
     verdict: list[str | None] = [None]
     failure: Exception | None = None
     if dist.get_rank() == 0:
         try:
-            check_before_training(program, model, args, kwargs)
+            check_before_training(forward, train, model, captured, *example, mesh, tuple(s2r))
         except Exception as e:  # every rank must leave the broadcast below
             failure, verdict = e, [str(e) if isinstance(e, CheckError) else f"check=True failed on rank 0: {e!r}"]
     dist.broadcast_object_list(verdict, src=0)

@@ -56,6 +56,7 @@ class CheckReport:
     compared: int
     finding: Finding | None
     program: Program | None = None  # the checked program (float64), when the ranks ran
+    note: str = ""  # what the reference was, when not the model itself
 
     @property
     def agrees(self) -> bool:
@@ -68,9 +69,12 @@ class CheckReport:
         if self.agrees:
             return (
                 f"agrees on mesh {self.mesh}:{loss} largest relative difference {self.max_diff:.3g} over "
-                f"{self.compared} values and gradients (float64, tolerance {TOLERANCE:g})"
+                f"{self.compared} values and gradients (float64, tolerance {TOLERANCE:g})" + self._note()
             )
-        return f"DIFFERS on mesh {self.mesh}:{loss}\n{self.finding.describe()}"  # type: ignore[union-attr]
+        return f"DIFFERS on mesh {self.mesh}:{loss}\n{self.finding.describe()}" + self._note()  # type: ignore[union-attr]
+
+    def _note(self) -> str:
+        return f"\n  note: {self.note}" if self.note else ""
 
 
 def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> CheckReport:
@@ -97,7 +101,7 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
             if outputs and r == outputs[0].name and loss_ref is not None:
                 loss = float(got.detach())
             if err > TOLERANCE:
-                ins = [f"%{x.name} : {types[x.name]}" for x in op.input_refs()]
+                ins = [f"%{x.name} : {types[x.name]}{_received(producers.get(x.name))}" for x in op.input_refs()]
                 finding = Finding("forward", r, err, op, lines[r], sources.get(r, ""), inputs=ins)
                 return CheckReport(mesh, loss, loss_ref, err, compared, finding)
             worst = max(worst, err)
@@ -132,6 +136,13 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
         finding = Finding("gradient", r, err, op, line, sources.get(r, ""), cons, ins)
         return CheckReport(mesh, loss, loss_ref, err, compared, finding)
     return CheckReport(mesh, loss, loss_ref, worst, compared, None)
+
+
+def _received(producer: object) -> str:
+    """`` (received from stage k)`` for a value a ``recv`` made: the op reading it is a stage's first."""
+    if isinstance(producer, Op) and producer.target == "recv":
+        return f" (received from stage {producer.kwargs['peer_stage']}: a stage boundary)"
+    return ""
 
 
 def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -34,13 +34,41 @@ from autopar.errors import CaptureError
 from autopar.ir.core import Shard
 
 
+class TorchPeers:
+    """How a pipeline reaches its peers on torch.distributed: global ranks, point-to-point batches on the
+    default group (as NCCL and gloo pair ranks), groups from ``new_group``. The rank simulator
+    (``runtime/ranksim.py``) gives its ranks its own ``SimPeers`` with the same methods."""
+
+    @staticmethod
+    def global_rank(group, member: int) -> int:
+        """The global rank of ``group``'s member ``member``."""
+        return dist.get_global_rank(group, member)
+
+    @staticmethod
+    def batch_isend_irecv(ops: list[tuple[bool, torch.Tensor, int]]) -> list:
+        """Post ``(is a send, tensor, peer's global rank)``. NCCL needs them as one
+        ``torch.distributed.batch_isend_irecv`` (one group call, so paired ops cannot deadlock); gloo runs
+        a batch op by op anyway, so there each is issued directly, without the coalescing manager's fixed
+        cost per batch on every action's path."""
+        if dist.get_backend() == "gloo":
+            return [(dist.isend if s else dist.irecv)(t, peer) for s, t, peer in ops]
+        return dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, t, peer) for s, t, peer in ops])
+
+    @staticmethod
+    def new_group(ranks: list[int]):
+        """A process group of ``ranks`` (global); every rank calls it for every group, in the same order."""
+        return dist.new_group(ranks)
+
+
 @dataclass
 class Comm:
-    """For each mesh axis name: its process group, this rank's coordinate and the axis size."""
+    """For each mesh axis name: its process group, this rank's coordinate and the axis size; ``peers``:
+    point-to-point and new groups (torch.distributed's, or the rank simulator's)."""
 
     groups: dict[str, object]
     coords: dict[str, int]
     sizes: dict[str, int]
+    peers: object = field(default_factory=TorchPeers)
 
     @classmethod
     def from_device_mesh(cls, mesh) -> Comm:

@@ -108,7 +108,9 @@ class Executor:
         self.device = torch.device(device)
         self.actions = schedule.actions[pp_rank]
         self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
-        self.p2p = PointToPoint(stages, peer_rank, self._guard, timeout, self.device, sub_microbatches)
+        self.p2p = PointToPoint(
+            stages, peer_rank, comm.peers.batch_isend_irecv, self._guard, timeout, self.device, sub_microbatches
+        )
         self.trace: list[TraceEvent] = []
         self.peak_stash = 0
         s2r = schedule.stage_to_rank

@@ -1,7 +1,8 @@
 """One rank's point-to-point traffic in a pipeline step: post each batch of sends and receives, wait for a
 receive when its consumer needs it, and wait for the sends still in flight before reducing or stepping.
 
-Consecutive ``SEND_*``/``RECV_*`` actions are one ``torch.distributed.batch_isend_irecv``. Receives go
+Consecutive ``SEND_*``/``RECV_*`` actions are one ``torch.distributed.batch_isend_irecv`` (through the
+rank's ``Comm.peers``: on the rank simulator, its mailboxes). Receives go
 into buffers whose local shapes come from the IR (``StageRunner.recv``/``send``), one set per
 sub-microbatch; tensors gloo cannot send travel as their bytes (``executor_state.wire_view``). Every
 wait runs through the executor's ``guard``, which turns a transport failure or timeout into a
@@ -15,7 +16,6 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
 from autopar.runtime.actions import Action, Kind
@@ -32,14 +32,15 @@ class PointToPoint:
         self,
         stages: dict[int, StageRunner],
         peer_rank: Callable[[int], int],
+        batch_isend_irecv: Callable[[list[tuple[bool, torch.Tensor, int]]], list],
         guard: Callable[[Callable, object, int], object],
         timeout: float,
         device: torch.device,
         sub_microbatches: int,
     ):
         self.stages, self.peer_rank, self.guard = stages, peer_rank, guard
+        self.batch_isend_irecv = batch_isend_irecv
         self.timeout, self.device, self.sub = timeout, device, sub_microbatches
-        self._gloo: bool | None = None  # known at the first post (the process group exists by then)
         self.reset()
 
     def reset(self) -> None:
@@ -50,18 +51,18 @@ class PointToPoint:
 
     def post(self, batch: Sequence[Action]) -> None:
         """Post ``batch`` (consecutive sends and receives) as one ``batch_isend_irecv``."""
-        ops: list[dist.P2POp] = []
+        ops: list[tuple[bool, torch.Tensor, int]] = []
         posted: list[tuple[Action, list[torch.Tensor], int]] = []
         for a in batch:
             peer = self.peer_rank(a.peer)  # type: ignore[arg-type]
             if a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD):
                 tensors = self.to_send.pop((a.kind, a.mb, a.stage))  # type: ignore[arg-type]
-                ops += [dist.P2POp(dist.isend, t, peer) for t in tensors]
+                ops += [(True, t, peer) for t in tensors]
             else:
                 tensors = self._buffers(a)
-                ops += [dist.P2POp(dist.irecv, wire_view(b), peer) for b in tensors]
+                ops += [(False, wire_view(b), peer) for b in tensors]
             posted.append((a, tensors, peer))
-        works = self.guard(lambda: self._issue(ops), batch[0], -1) if ops else []
+        works = self.guard(lambda: self.batch_isend_irecv(ops), batch[0], -1) if ops else []
         per_op = len(works) == len(ops)  # gloo: one work per op; NCCL may return one for the batch
         k = 0
         for a, tensors, peer in posted:
@@ -71,16 +72,6 @@ class PointToPoint:
                 self._in_flight.append((mine, a, peer, tensors))
             else:
                 self._pending[(a.kind, a.mb, a.stage)] = PendingReceive(tensors, mine, a, peer)  # type: ignore[index]
-
-    def _issue(self, ops: list[dist.P2POp]) -> list:
-        """Start ``ops``. gloo runs a batch op by op anyway, so there each is issued directly (without
-        ``batch_isend_irecv``'s coalescing manager, a fixed cost per batch on every action's path);
-        NCCL needs the batch (one group call, so paired ops cannot deadlock)."""
-        if self._gloo is None:
-            self._gloo = dist.get_backend() == "gloo"
-        if not self._gloo:
-            return dist.batch_isend_irecv(ops)
-        return [op.op(op.tensor, op.peer) for op in ops]
 
     def _buffers(self, a: Action) -> list[torch.Tensor]:
         st = self.stages[a.stage]  # type: ignore[index]

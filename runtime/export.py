@@ -57,7 +57,7 @@ def share_over_pipeline(values: dict[str, torch.Tensor], group, device: torch.de
                 continue
             t = values[name].contiguous() if name in values else torch.empty(shape, dtype=dtype, device=device)
             wire = t.view(torch.uint8) if t.dtype == torch.bool else t
-            dist.broadcast(wire, src=dist.get_global_rank(group, src), group=group)
+            dist.broadcast(wire, group=group, group_src=src)
             out[name] = t
     return out
 

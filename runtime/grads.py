@@ -112,7 +112,7 @@ class GradSync:
         if tied:
             if mesh is None:
                 raise PipelineError("parameters are tied across pipeline ranks: give the DeviceMesh (mesh=)")
-            groups = tie_groups(mesh, tied)
+            groups = tie_groups(mesh, tied, comm.peers.new_group)
         final = final_backwards(schedule.actions[pp_rank], stages, sync_at)
         return cls(program, params, comm, skip, sync_at, tied, groups, final, bucket_bytes)
 
@@ -270,14 +270,14 @@ def reduction_points(
     return sync_at, tied
 
 
-def tie_groups(mesh, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], Any]:
+def tie_groups(mesh, tied: dict[str, tuple[int, ...]], new_group=dist.new_group) -> dict[tuple[int, ...], Any]:
     """One process group per set of pipeline ranks sharing a tied parameter, per coordinate of the
     other axes of ``mesh`` (a DeviceMesh; every rank creates every group, in the same order, as
-    ``new_group`` requires)."""
+    ``new_group`` requires; the rank simulator's ``new_group`` and mesh stand in for torch's)."""
     names = mesh.mesh_dim_names
     pp_index = names.index(PIPELINE_AXIS)
     groups: dict[tuple[int, ...], Any] = {}
-    me = dist.get_rank()
+    me = mesh.get_rank()
     others = [range(mesh.size(i)) for i in range(len(names)) if i != pp_index]
     for holders in sorted(set(tied.values())):
         for rest in itertools.product(*others):
@@ -286,7 +286,7 @@ def tie_groups(mesh, tied: dict[str, tuple[int, ...]]) -> dict[tuple[int, ...], 
                 c = list(rest)
                 c.insert(pp_index, p)
                 ranks.append(int(mesh.mesh[tuple(c)]))
-            g = dist.new_group(ranks)
+            g = new_group(ranks)
             if me in ranks:
                 groups[holders] = g
     return groups

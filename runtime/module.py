@@ -127,11 +127,11 @@ class ParallelModule(torch.nn.Module):
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
         self.forward_runners, forward_stages = builder.runners(forward, mine, {}, "forward")
-        self._runners: dict[int, StageRunner] = {}
+        self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
         if train is not None:
             fractions = recompute_fractions(schedule, self._pp_rank)
-            self._runners, self._stages = builder.runners(train, mine, fractions, "stage")
+            self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage")
         self._builder = builder
         self._setup_inputs(leaves)
         self._state = state
@@ -165,7 +165,7 @@ class ParallelModule(torch.nn.Module):
         if train is not None:
             barrier = step_barrier(options.timeout) if options.record and dist.is_initialized() else None
             self._executor = Executor(
-                schedule, self._pp_rank, self._runners, peer, comm, self._grads.reduce_stage, self._step,
+                schedule, self._pp_rank, self.train_runners, peer, comm, self._grads.reduce_stage, self._step,
                 timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
                 sub_microbatches=options.sub_microbatches, stage_context=context, arm=self._grads.arm,
             )  # fmt: skip
@@ -173,7 +173,7 @@ class ParallelModule(torch.nn.Module):
     # -- construction helpers --------------------------------------------------------------------
     def _peer_rank(self, stage: int) -> int:
         """The global rank holding ``stage`` in this rank's pipeline."""
-        return dist.get_global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
+        return self.comm.peers.global_rank(self._pp_group, self._schedule.stage_to_rank[stage])
 
     def _skip_sync(self, name: str, axis: str) -> bool:
         """Whether ZeRO reduces ``name``'s gradient over ``axis`` itself."""
@@ -232,7 +232,7 @@ class ParallelModule(torch.nn.Module):
     # -- inputs ----------------------------------------------------------------------------------
     def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:
         """Which inputs each program reads on this rank, who takes which rows, and how calls become pieces."""
-        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self._runners)
+        self._reads_forward, self._reads_train = stage_reads(self.forward_runners), stage_reads(self.train_runners)
         self._last = self._schedule.num_stages - 1 in self.forward_runners
         opts = self.options
         pieces, weight = opts.microbatches * opts.sub_microbatches, opts.loss_weight
@@ -264,7 +264,7 @@ class ParallelModule(torch.nn.Module):
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
-            src = self._peer_rank(self._schedule.num_stages - 1)
+            src = self._schedule.stage_to_rank[-1]  # the last stage's member of the pipeline group
             outs = broadcast_outputs(self.program, self._forward_executor.outputs, src, self._pp_group, self.device)
             if self._call.loss_weight is not None:
                 weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
@@ -301,7 +301,7 @@ class ParallelModule(torch.nn.Module):
         loss = step_loss(losses, scales) if losses else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
-            dist.broadcast(loss, src=self._peer_rank(self._schedule.num_stages - 1), group=self._pp_group)
+            dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
         self._stepped = self._optimizer is not None
         return loss
 

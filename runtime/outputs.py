@@ -12,7 +12,7 @@ from autopar.ir.core import Program, Ref
 
 
 def broadcast_outputs(program: Program, outputs: list[list[tuple]], src: int, group, device) -> list[list[Any]]:
-    """Each piece's outputs of ``program``, from global rank ``src`` (it holds them in ``outputs``;
+    """Each piece's outputs of ``program``, from ``group``'s member ``src`` (it holds them in ``outputs``;
     the others receive into buffers of the outputs' local shapes) to every rank of ``group``."""
     mesh, types = program.mesh, program.types()
     out = []
@@ -25,16 +25,16 @@ def broadcast_outputs(program: Program, outputs: list[list[tuple]], src: int, gr
             t = types[r.name]
             x = values[i] if values[i] is not None else torch.empty(t.local_shape(mesh), dtype=t.torch_dtype)
             x = x.detach().to(device).contiguous()
-            dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, src=src, group=group)
+            dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, group=group, group_src=src)
             values[i] = x
         out.append(values)
     return out
 
 
 def broadcast_weights(weights: list[float] | None, n: int, src: int, group, device) -> list[float]:
-    """The ``n`` pieces' loss weights, from global rank ``src`` (which computed them) to every rank of ``group``."""
+    """The ``n`` pieces' loss weights, from ``group``'s member ``src`` (which computed them) to every rank of it."""
     w = torch.tensor(weights or [0.0] * n, dtype=torch.float64, device=device)
-    dist.broadcast(w, src=src, group=group)
+    dist.broadcast(w, group=group, group_src=src)
     return w.tolist()
 
 

@@ -11,7 +11,9 @@ gradient sync, ZeRO) run unchanged, forward and backward, with no process group 
 collective is a rendezvous of the members of its group: each member leaves its contribution, the
 last to arrive wakes the others, and every member computes its own result from all contributions
 (all_reduce sum/avg/max/min/product, all_gather, reduce_scatter, all_to_all, broadcast, barrier;
-send/recv through per-pair FIFO mailboxes). Members that call different collectives (another op,
+send/recv through per-pair FIFO mailboxes; groups: ``runtime/simgroup.py``). A pipeline's
+``batch_isend_irecv`` between global ranks goes through ``SimPeers``, a simulated rank's ``Comm.peers``
+(``autopar/simtrain.py`` trains a whole plan so). Members that call different collectives (another op,
 shape or dtype) fail with ``SimulationError`` naming each rank's call; a rank that fails stops the
 others; a rank left waiting longer than ``timeout`` reports a deadlock. The design and why torch's
 own LocalTensorMode is not used are in docs/architecture.md.
@@ -21,241 +23,70 @@ from __future__ import annotations
 
 import itertools
 import math
-import queue
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import SimulationError
 from autopar.ir.core import MeshSpec
 from autopar.runtime.collectives import Comm
+from autopar.runtime.simgroup import SimGroup, _Aborted, _Done, _Rendezvous
 
 T = TypeVar("T")
 
 
-class _Aborted(Exception):
-    """Raised in a simulated rank when another rank failed: the first failure is what is reported."""
+class _Box:
+    """The messages of one directed pair in flight, by their number on the pair."""
 
-
-class _Done:
-    """A finished collective (the simulator computes results before returning)."""
-
-    def __init__(self, wait: Callable[[], None] | None = None):
-        self._wait = wait
-
-    def wait(self, timeout: Any = None) -> bool:
-        if self._wait is not None:
-            self._wait()
-            self._wait = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self._wait is None
-
-    def is_success(self) -> bool:
-        return True
-
-
-class _Rendezvous:
-    """The meeting point of one group's members: contributions of one collective call at a time."""
-
-    def __init__(self, world: SimWorld, ranks: tuple[int, ...], label: str):
-        self.world, self.ranks, self.label = world, ranks, label
+    def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.slots: list[Any] = [None] * len(ranks)
-        self.arrived = 0
-        self.generation = 0
-        self.results: dict[int, list[Any]] = {}
-        self.readers: dict[int, int] = {}
-
-    def exchange(self, member: int, call: str, payload: Any) -> list[Any]:
-        """Leave ``payload`` for a collective described by ``call`` (op, shapes, dtypes) and return every
-        member's payload in member order once all have arrived."""
-        with self.cond:
-            self.world.raise_if_aborted()
-            gen = self.generation
-            self.slots[member] = (call, payload)
-            self.arrived += 1
-            if self.arrived == len(self.ranks):
-                calls = [c for c, _ in self.slots]
-                if len(set(calls)) > 1:
-                    detail = "; ".join(f"rank {r}: {c}" for r, c in zip(self.ranks, calls))
-                    err = SimulationError(f"ranks of {self.label} called different collectives: {detail}")
-                    self.results[gen] = err  # type: ignore[assignment]
-                else:
-                    self.results[gen] = [p for _, p in self.slots]
-                self.readers[gen] = len(self.ranks)
-                self.slots = [None] * len(self.ranks)
-                self.arrived = 0
-                self.generation += 1
-                self.cond.notify_all()
-            else:
-                ok = self.cond.wait_for(lambda: self.generation != gen or self.world.aborted, self.world.timeout)
-                self.world.raise_if_aborted()
-                if not ok:
-                    waiting = [r for r, s in zip(self.ranks, self.slots) if s is not None]
-                    raise SimulationError(
-                        f"deadlock: ranks {waiting} of {self.label} wait in {call} for ranks "
-                        f"{sorted(set(self.ranks) - set(waiting))} for {self.world.timeout:.0f} s"
-                    )
-            out = self.results[gen]
-            self.readers[gen] -= 1
-            if self.readers[gen] == 0:
-                del self.results[gen], self.readers[gen]
-        if isinstance(out, Exception):
-            raise out
-        return out
-
-    def wake(self) -> None:
-        with self.cond:
-            self.cond.notify_all()
-
-    def reset(self) -> None:
-        """Forget a collective an aborted run left half-met (its members stopped before all arrived)."""
-        with self.cond:
-            self.slots = [None] * len(self.ranks)
-            self.arrived = 0
-            self.results.clear()
-            self.readers.clear()
+        self.sent: dict[int, torch.Tensor] = {}
+        self.count = 0  # messages sent so far
+        self.posted = 0  # receives posted so far
 
 
-def _describe(name: str, tensors: Sequence[torch.Tensor], extra: str = "") -> str:
-    shapes = ",".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}" for t in tensors)
-    return f"{name}({shapes}{extra})"
+class SimPeers:
+    """A simulated rank's ``Comm.peers`` (``collectives.TorchPeers``'s methods): global ranks of its groups,
+    pipeline point-to-point between global ranks (FIFO per directed pair, as on torch's default group),
+    and new groups of any ranks."""
+
+    def __init__(self, world: SimWorld, rank: int):
+        self.world, self.rank = world, rank
+
+    def global_rank(self, group: SimGroup, member: int) -> int:
+        return group.rv.ranks[member]
+
+    def batch_isend_irecv(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list[_Done]:
+        """Sends are delivered at once (never block); each receive completes when waited for."""
+        me = self.rank
+        return [
+            self.world.send((None, me, peer), [t])
+            if is_send
+            else self.world.recv((None, peer, me), [t], f"pipeline recv of rank {me} from rank {peer}")
+            for is_send, t, peer in ops
+        ]
+
+    def new_group(self, ranks: list[int]) -> SimGroup | None:
+        """The group of ``ranks`` (this rank's view; ``None`` when it is not a member)."""
+        return self.world.subgroup(tuple(ranks), self.rank)
 
 
-def _op_name(op: Any) -> str:
-    """'SUM', 'MAX', ... for a ReduceOp or its RedOpType."""
-    return getattr(getattr(op, "op", op), "name", str(op))
+class SimMesh:
+    """What ``runtime/grads.tie_groups`` reads of a DeviceMesh, for a simulated rank: axis names and
+    sizes, the rank at each coordinate, and this rank."""
 
+    def __init__(self, world: SimWorld, rank: int):
+        self.world, self.rank = world, rank
+        self.mesh_dim_names = world.mesh.names
+        self.mesh = torch.arange(world.size).reshape(world.mesh.sizes)
 
-def _reduce(parts: list[torch.Tensor], op: Any) -> torch.Tensor:
-    stack = torch.stack(parts)
-    if op == dist.ReduceOp.SUM:
-        return stack.sum(0)
-    if op == dist.ReduceOp.AVG:
-        return stack.sum(0) / len(parts)
-    if op == dist.ReduceOp.MAX:
-        return stack.amax(0)
-    if op == dist.ReduceOp.MIN:
-        return stack.amin(0)
-    if op == dist.ReduceOp.PRODUCT:
-        return stack.prod(0)
-    raise SimulationError(f"the rank simulator has no reduce op {op}")
+    def size(self, dim: int | None = None) -> int:
+        return self.world.size if dim is None else self.world.mesh.sizes[dim]
 
-
-class SimGroup(dist.ProcessGroup):
-    """One rank's view of a simulated process group (the ranks of one mesh axis through it)."""
-
-    def __init__(self, rendezvous: _Rendezvous, member: int):
-        super().__init__(member, len(rendezvous.ranks))
-        self.rv, self.member = rendezvous, member
-
-    # -- identity -------------------------------------------------------------------------------
-    def size(self) -> int:
-        return len(self.rv.ranks)
-
-    def rank(self) -> int:
-        return self.member
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return "autopar-sim"
-
-    @property
-    def group_name(self) -> str:
-        return self.rv.label
-
-    def __repr__(self) -> str:
-        return f"SimGroup({self.rv.label}, member {self.member})"
-
-    # -- collectives ----------------------------------------------------------------------------
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        parts = self.rv.exchange(
-            self.member, _describe("all_reduce", tensors, f",{_op_name(op)}"), [t.clone() for t in tensors]
-        )
-        for i, t in enumerate(tensors):
-            t.copy_(_reduce([p[i] for p in parts], op))
-        return _Done()
-
-    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
-        return self.allreduce(tensors, opts)
-
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
-        parts = self.rv.exchange(self.member, _describe("all_gather", inputs), [t.clone() for t in inputs])
-        for i, outs in enumerate(outputs):
-            for out, p in zip(outs, parts):
-                out.copy_(p[i])
-        return _Done()
-
-    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Done:
-        parts = self.rv.exchange(self.member, _describe("all_gather_into_tensor", [input]), input.clone())
-        output.copy_(torch.cat(parts, 0).view_as(output))
-        return _Done()
-
-    def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> _Done:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        flat = [t.clone() for ts in inputs for t in ts]
-        parts = self.rv.exchange(
-            self.member, _describe("reduce_scatter", flat, f",{_op_name(op)}"), [t.clone() for t in flat]
-        )
-        n = self.size()
-        for i, out in enumerate(outputs):
-            out.copy_(_reduce([p[i * n + self.member] for p in parts], op))
-        return _Done()
-
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Done:
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        parts = self.rv.exchange(
-            self.member, _describe("reduce_scatter_tensor", [input], f",{_op_name(op)}"), input.clone()
-        )
-        whole = _reduce(parts, op)
-        output.copy_(whole.reshape(self.size(), -1)[self.member].view_as(output))
-        return _Done()
-
-    def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
-        parts = self.rv.exchange(self.member, _describe("all_to_all", inputs), [t.clone() for t in inputs])
-        for out, p in zip(outputs, parts):
-            out.copy_(p[self.member])
-        return _Done()
-
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
-        root = opts.rootRank if opts is not None else 0
-        parts = self.rv.exchange(
-            self.member, _describe("broadcast", tensors, f",root={root}"), [t.clone() for t in tensors]
-        )
-        for t, src in zip(tensors, parts[root]):
-            t.copy_(src)
-        return _Done()
-
-    def barrier(self, opts: Any = None) -> _Done:
-        self.rv.exchange(self.member, "barrier()", None)
-        return _Done()
-
-    # -- point to point (FIFO per directed pair of members, as gloo and NCCL without tags) -----------
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> _Done:
-        box = self.rv.world.mailbox(self.rv, self.member, dst)
-        for t in tensors:
-            box.put(t.detach().clone())
-        return _Done()
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> _Done:
-        box = self.rv.world.mailbox(self.rv, src, self.member)
-
-        def wait() -> None:
-            for t in tensors:
-                got = self.rv.world.take(box, f"recv on {self.rv.label} from member {src}")
-                if got.shape != t.shape or got.dtype != t.dtype:
-                    raise SimulationError(
-                        f"recv on {self.rv.label}: member {src} sent {got.dtype}{list(got.shape)}, "
-                        f"member {self.member} posted {t.dtype}{list(t.shape)}"
-                    )
-                t.copy_(got)
-
-        return _Done(wait)
+    def get_rank(self) -> int:
+        return self.rank
 
 
 class SimWorld:
@@ -270,9 +101,10 @@ class SimWorld:
         self.aborted = False
         self._error: tuple[int, BaseException] | None = None
         self._lock = threading.Lock()
-        self._boxes: dict[tuple[int, int, int], queue.Queue] = {}
+        self._boxes: dict[tuple[Any, int, int], _Box] = {}
         self._groups: dict[tuple[str, int], SimGroup] = {}  # (axis, rank) -> that rank's group
         self._rendezvous: list[_Rendezvous] = []
+        self._subgroups: dict[tuple[int, ...], _Rendezvous] = {}
         names = mesh.names
         for a, axis in enumerate(names):
             others = [range(n) for i, n in enumerate(mesh.sizes) if i != a]
@@ -311,26 +143,64 @@ class SimWorld:
             groups={a: self._groups[(a, rank)] for a in self.mesh.names},
             coords=self.coords(rank),
             sizes=dict(self.mesh.axes),
+            peers=SimPeers(self, rank),
         )
 
-    # -- point-to-point mailboxes ---------------------------------------------------------------
-    def mailbox(self, rv: _Rendezvous, src: int, dst: int) -> queue.Queue:
-        key = (id(rv), src, dst)
+    def device_mesh(self, rank: int) -> SimMesh:
+        """What a ``ParallelModule`` of simulated rank ``rank`` is given as its DeviceMesh."""
+        return SimMesh(self, rank)
+
+    def subgroup(self, ranks: tuple[int, ...], rank: int) -> SimGroup | None:
+        """Rank ``rank``'s view of a group of any ``ranks`` (one meeting point per set of ranks)."""
+        with self._lock:
+            rv = self._subgroups.get(ranks)
+            if rv is None:
+                rv = self._subgroups[ranks] = _Rendezvous(self, ranks, f"group of ranks {list(ranks)}")
+                self._rendezvous.append(rv)
+        return SimGroup(rv, ranks.index(rank)) if rank in ranks else None
+
+    # -- point-to-point (key: (group or None for global ranks, source, destination)) ------------
+    # A receive takes the message whose number on its pair equals its own posting number, as gloo and
+    # NCCL match sends and receives in the order each side posts them (not the order receives are waited).
+    def _box(self, key: tuple[Any, int, int]) -> _Box:
         with self._lock:
             if key not in self._boxes:
-                self._boxes[key] = queue.Queue()
+                self._boxes[key] = _Box()
             return self._boxes[key]
 
-    def take(self, box: queue.Queue, what: str) -> torch.Tensor:
-        waited = 0.0
-        while True:
+    def send(self, key: tuple[Any, int, int], tensors: Sequence[torch.Tensor]) -> _Done:
+        box = self._box(key)
+        with box.cond:
+            for t in tensors:
+                box.sent[box.count] = t.detach().clone()
+                box.count += 1
+            box.cond.notify_all()
+        return _Done()
+
+    def recv(self, key: tuple[Any, int, int], tensors: Sequence[torch.Tensor], where: str) -> _Done:
+        box = self._box(key)
+        with box.cond:
+            first = box.posted
+            box.posted += len(tensors)
+
+        def wait() -> None:
+            for i, t in enumerate(tensors):
+                got = self._take(box, first + i, where)
+                if got.shape != t.shape or got.dtype != t.dtype:
+                    raise SimulationError(
+                        f"{where}: sent {got.dtype}{list(got.shape)}, posted {t.dtype}{list(t.shape)}"
+                    )
+                t.copy_(got)
+
+        return _Done(wait)
+
+    def _take(self, box: _Box, number: int, what: str) -> torch.Tensor:
+        with box.cond:
+            ok = box.cond.wait_for(lambda: number in box.sent or self.aborted, self.timeout)
             self.raise_if_aborted()
-            try:
-                return box.get(timeout=0.05)
-            except queue.Empty:
-                waited += 0.05
-                if waited >= self.timeout:
-                    raise SimulationError(f"deadlock: {what} waited {self.timeout:.0f} s for a send") from None
+            if not ok:
+                raise SimulationError(f"deadlock: {what} waited {self.timeout:.0f} s for a send")
+            return box.sent.pop(number)
 
     # -- running ranks --------------------------------------------------------------------------
     def raise_if_aborted(self) -> None:
@@ -342,8 +212,12 @@ class SimWorld:
             if self._error is None:
                 self._error = (rank, exc)
             self.aborted = True
+            boxes = list(self._boxes.values())
         for rv in self._rendezvous:
             rv.wake()
+        for box in boxes:
+            with box.cond:
+                box.cond.notify_all()
 
     def run(self, fn: Callable[[int], T], ranks: Sequence[int] | None = None) -> list[T]:
         """Call ``fn(rank)`` for every rank, each in its own thread, and return the results by rank.

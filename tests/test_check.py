@@ -1,6 +1,7 @@
-"""`autopar check` and the rank simulator under it: agreement on a scaled-down GPT-3 and a file.py:fn model
-(with a plan file), and the first differing op named when a collective is broken on purpose.
-Cost: about 30-60 s on a loaded 2-core machine (four checks of small models, one process)."""
+"""`autopar check` and the rank simulator under it: agreement on a scaled-down GPT-3 (dp x tp and pp x tp), T5 on
+pp x tp and a file.py:fn model (with a plan file), a model with dropout against autopar's keyed dropout; the first
+differing op named when a collective, a stage boundary or the dropout masks are broken on purpose.
+Cost: about 40-70 s on a loaded 2-core machine (ten checks of small models, one process)."""
 
 from __future__ import annotations
 
@@ -9,10 +10,13 @@ import re
 import pytest
 import torch
 
+from autopar.check import check_model
 from autopar.cli import main
 from autopar.errors import SimulationError
 from autopar.ir.core import MeshSpec
+from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
+from autopar.runtime import ranksim, rng
 from autopar.runtime.ranksim import SimWorld
 
 GPT3 = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
@@ -123,13 +127,51 @@ def test_simulated_collectives() -> None:
         world.run(failing)
 
 
-def test_check_refuses_a_model_with_dropout_clearly(tmp_path) -> None:
-    """The eager model's dropout draws from torch's stream generator, autopar's from its keyed one: the
-    check says so and how to check the model, instead of reporting a false mismatch."""
-    from autopar.check import check_model
-    from autopar.errors import CheckError
+def test_check_covers_pipeline_stage_boundaries(monkeypatch, capsys) -> None:
+    """pp=2 x tp=2: one microbatch through both stages agrees; with every pipeline send perturbed by 1e-3 the
+    first op of the second stage is named, its received input marked as a stage boundary."""
+    rc, out = _check(capsys, GPT3, "--mesh", "pp=2,tp=2")
+    assert rc == 0 and "agrees on mesh [pp=2, tp=2]" in out, out
+    send = ranksim.SimWorld.send
 
+    def perturbed(world, key, tensors):
+        pipeline = key[0] is None  # point to point between global ranks: the pipeline's
+        return send(world, key, [t * 1.001 if pipeline and t.is_floating_point() else t for t in tensors])
+
+    monkeypatch.setattr(ranksim.SimWorld, "send", perturbed)
+    rc, out = _check(capsys, GPT3, "--mesh", "pp=2,tp=2")
+    assert rc == 1 and "first op whose output differs" in out and "stage=1>" in out, out
+    assert "(received from stage 0: a stage boundary)" in out, out
+
+
+def test_check_on_t5_pipeline_agrees(tmp_path, capsys) -> None:
+    """T5 (autopar/small_families.py) from a file.py:fn on pp=2 x tp=2."""
+    path = tmp_path / "t5.py"
+    path.write_text(
+        "import torch\nfrom autopar.small_families import FAMILIES\n"
+        "def make():\n    torch.manual_seed(0)\n    model, kw = FAMILIES['t5'](torch.Generator().manual_seed(1))\n"
+        "    return model, (), kw\n"
+    )
+    rc, out = _check(capsys, f"{path}:make", "--mesh", "pp=2,tp=2")
+    assert rc == 0 and "agrees on mesh [pp=2, tp=2]" in out, out
+
+
+def test_check_with_dropout_against_keyed_dropout_on_one_device(monkeypatch) -> None:
+    """A model with dropout is compared with autopar's keyed masks drawn on one device (the report says so):
+    it agrees, and masks drawn from each rank's local positions (the per-rank stream bug) are named."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.1), torch.nn.Linear(16, 8))
-    with pytest.raises(CheckError, match="dropout op"):
-        check_model(model, (torch.randn(4, 8),), {}, MeshSpec((("dp", 2),)))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Dropout(0.3), torch.nn.Linear(16, 8))
+    x = torch.randn(4, 8)
+    mesh = MeshSpec((("dp", 2), ("tp", 2)))
+    report = check_model(model, (x,), {}, mesh, options=ShardOptions(objective="memory"))
+    assert report.agrees and "keyed dropout on one device" in report.summary(), report.summary()
+    of = rng.DropoutSite.of.__func__
+
+    def local_positions(cls, *args):
+        site = of(cls, *args)
+        site.index = [torch.arange(len(i)) for i in site.index]
+        return site
+
+    monkeypatch.setattr(rng.DropoutSite, "of", classmethod(local_positions))
+    report = check_model(model, (x,), {}, mesh, options=ShardOptions(objective="memory"))
+    assert not report.agrees and "= aten.dropout(" in report.summary(), report.summary()

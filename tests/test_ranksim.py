@@ -1,16 +1,24 @@
-"""The rank simulator (runtime/ranksim.py) after a failed run: the next run of the same world starts clean."""
+"""The rank simulator (runtime/ranksim.py): after a failed run the next run of the same world starts clean;
+pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import pytest
 import torch
 
 from autopar.errors import SimulationError
+from autopar.float64 import Float64Mode
 from autopar.ir.core import MeshSpec
+from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
 from autopar.runtime.ranksim import SimWorld
+from autopar.simtrain import SimCompiled
+from autopar.small_families import FAMILIES
+from autopar.solver.cost import TrainingSetup
+from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 
 def test_a_collective_left_half_met_by_a_failed_run_does_not_leak_into_the_next():
@@ -36,3 +44,36 @@ def test_a_collective_left_half_met_by_a_failed_run_does_not_leak_into_the_next(
             return float(coll.all_reduce(torch.full((1,), float(rank + 1)), "tp"))
 
     assert world.run(reduce) == [3.0, 3.0]
+
+
+# (mesh, schedule, its options, microbatches, ZeRO stage, sub-pipelined tp)
+PIPELINE_RUNS = {
+    "pp2xdp2-1f1b-zero1": ((("pp", 2), ("dp", 2)), "1f1b", {}, 2, 1, False),
+    "pp2xdp2-interleaved-zero3": ((("pp", 2), ("dp", 2)), "interleaved", {"chunks": 2}, 2, 3, False),
+    "pp2xdp2-zbv": ((("pp", 2), ("dp", 2)), "zbv", {}, 4, 0, False),
+    "pp2xtp2-subpipelined": ((("pp", 2), ("tp", 2)), "1f1b", {"recompute": 1}, 2, 0, True),
+}
+
+
+@pytest.mark.parametrize("run", list(PIPELINE_RUNS))
+def test_pipelines_train_exactly_on_simulated_ranks(run: str) -> None:
+    """Pipelines on the simulator (``autopar/simtrain.py``) beyond pp x tp: pp x dp with ZeRO-1 and ZeRO-3 and
+    zero-bubble V, and sub-pipelined tensor parallelism with recomputation; two AdamW steps of tiny GPT-2
+    equal one process (float64, every state-dict key). The pp x tp families: tests/test_families_sim.py.
+    Cost: about 1-2 s each."""
+    axes, schedule, options, microbatches, zero, sub = PIPELINE_RUNS[run]
+    torch.manual_seed(0)
+    model, batch = FAMILIES["gpt2"](torch.Generator().manual_seed(1))
+    model = float64_model(model)
+    reference = copy.deepcopy(model)
+    sim = SimCompiled.of(
+        model, MeshSpec(axes), (), batch, options=ShardOptions(setup=TrainingSetup(zero=zero)),
+        microbatches=microbatches, schedule=schedule, schedule_options=options, sub_pipeline_tp=sub, float64=True,
+    )  # fmt: skip
+    make_optimizer("adamw", sim)
+    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [batch, batch], "adamw")
+    assert loss_error(losses, ref) < TOL, (losses, ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)

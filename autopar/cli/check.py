@@ -20,13 +20,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "Build MODEL with real weights, plan it on --mesh (or load --plan), run one forward and backward of "
             "every rank's program on the single-process rank simulator in float64, and compare every op's output "
             "and gradient with the unsharded program and the model. Prints the largest difference, or the first "
-            "op (IR line, module path, source line, placements) whose output or gradient differs. Scale a large "
-            "preset down with overrides (gpt3-175b:n_layer=2,n_embd=256)."
+            "op (IR line, module path, source line, placements) whose output or gradient differs. A mesh with pp "
+            "runs one microbatch through the stages (boundaries sent point to point). A model with dropout is "
+            "compared with autopar's keyed dropout on one device. Scale a large preset down with overrides "
+            "(gpt3-175b:n_layer=2,n_embd=256)."
         ),
         epilog="example: autopar check gpt2:n_layer=2,n_embd=64 --mesh dp=2,tp=2",
     )
     p.add_argument("model", metavar="MODEL", help="preset[:overrides] or file.py:fn (see autopar plan --list-models)")
-    p.add_argument("--mesh", required=True, help="mesh axes, e.g. dp=2,tp=2 (a pp axis is checked without stages)")
+    p.add_argument("--mesh", required=True, help="mesh axes, e.g. dp=2,tp=2 or pp=2,tp=2")
     p.add_argument("--plan", default=None, help="check this plan file instead of planning")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
     p.add_argument(
