@@ -41,6 +41,7 @@ class Comm:
     groups: dict[str, object]
     coords: dict[str, int]
     sizes: dict[str, int]
+    grad_dtype: torch.dtype | None = None  # gradient reductions' dtype (mixed precision's reduce_dtype)
 
     @classmethod
     def from_device_mesh(cls, mesh) -> Comm:
@@ -354,15 +355,16 @@ def sync_grads(params_by_axis: dict[str, list[torch.nn.Parameter]]) -> None:
             bucket.append(p)
             size += p.grad.numel() * p.grad.element_size()
             if size >= BUCKET_BYTES:
-                _reduce_bucket(bucket, c.groups[axis])
+                _reduce_bucket(bucket, c.groups[axis], c.grad_dtype)
                 bucket, size = [], 0
         if bucket:
-            _reduce_bucket(bucket, c.groups[axis])
+            _reduce_bucket(bucket, c.groups[axis], c.grad_dtype)
 
 
-def _reduce_bucket(params: list[torch.nn.Parameter], group) -> None:
+def _reduce_bucket(params: list[torch.nn.Parameter], group, dtype: torch.dtype | None = None) -> None:
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = flat if dtype is None else flat.to(dtype)  # mixed precision's reduce_dtype (copied back below)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
         g.copy_(chunk.view_as(g))

@@ -29,6 +29,7 @@ from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule
+from autopar.runtime.precision import cast_to
 
 
 class GradSync:
@@ -85,10 +86,10 @@ class GradSync:
         for holders in sorted({self.tied[n] for n in tied}):
             params = [self.params[n] for n in tied if self.tied[n] == holders]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = cast_to(torch.cat([g.reshape(-1) for g in grads]), self.comm.grad_dtype)
             dist.all_reduce(flat, group=self.tie_groups[holders])
             for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-                p.grad = chunk.view_as(p).clone()
+                p.grad = chunk.view_as(p).to(p.dtype, copy=True)
         self.sync(tied)
 
     # -- after a user's backward ------------------------------------------------------------------

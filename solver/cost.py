@@ -55,6 +55,7 @@ class TrainingSetup:
 
     optimizer: str = "adam"  # "adam": two fp32 moments per parameter; "sgd": none
     precision: str = "fp32"  # "fp32" or "bf16"/"fp16" mixed precision (with fp32 master weights)
+    reduce_dtype: str = "fp32"  # the dtype gradients are reduced in under mixed precision (its reduce_dtype)
     zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
     zero_axes: tuple[str, ...] | None = None  # default: the data-parallel (dp*) axes, ir/axes.py
     mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
