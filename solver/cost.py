@@ -131,6 +131,20 @@ class CostModel:
             self._memo[key] = self._param_memory(t, p)
         return self._memo[key]
 
+    def state_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer-state) bytes per device a parameter keeps between steps (the per-use
+        compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures."""
+        numel = self.local_bytes(t, p) / t.itemsize
+        zf = math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
+        per = self._per_param(zf)
+        return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
+
+    def _per_param(self, zf: int) -> tuple[float, float, float]:
+        """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
+        (the ZeRO-1/2 optimizer steps such a parameter itself)."""
+        w, g, s = self.setup.bytes_per_param
+        return w, g, s - (4.0 if self.setup.zero in (1, 2) and zf == 1 else 0.0)
+
     def _param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
         numel = self.local_bytes(t, p) / t.itemsize
         zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
@@ -139,7 +153,7 @@ class CostModel:
         repl_all = replication(p, self.mesh.sizes)
         repl_sharded = replication(p, self.mesh.sizes, skip)
         mem = red = 0.0
-        for stage, b in zip((3, 2, 1, 4), (*self.setup.bytes_per_param, self.setup.copy_bytes)):
+        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf), self.setup.copy_bytes)):
             sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
             piece = numel * b / (zf if sharded else 1)
             mem += piece
