@@ -64,22 +64,29 @@ def train(pipe, batches) -> dict:
     losses, grads = [], []
     for b in batches:
         losses.append(pipe.train_step(**b).item())
-        grads.append(pipe.full_state_dict(grads=True))
+        grads.append(_copied(pipe.full_state_dict(grads=True)))
         opt.step()
         opt.zero_grad()
-    return {"losses": torch.tensor(losses, dtype=torch.float64), "grads": grads, "params": pipe.full_state_dict()}
+    return {
+        "losses": torch.tensor(losses, dtype=torch.float64),
+        "grads": grads,
+        "params": _copied(pipe.full_state_dict()),
+    }
+
+
+def _copied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``full_state_dict`` may hand out the live tensors of whole parameters: keep their values of now."""
+    return {k: v.clone() for k, v in state.items()}
 
 
 # ---------------------------------------------------------------------------------------------
 # The 4-rank run
 
 
-def _skip_a_step(autopar, model, batches) -> dict:
-    """fp16 on pp=2 x dp=2: an inf put into one gradient of global rank 3 (last stage, a weight no other
-    rank holds or sums) in step 2; every rank must skip that step (its masters unchanged, the scale
-    halved) and train the others."""
-    mesh = autopar.init_mesh("cpu", pp=2, dp=2)
-    pipe = autopar.compile(model, mesh, kwargs=batches[0], mixed_precision="fp16", microbatches=MICROBATCHES)
+def _skip_a_step(pipe, batches) -> dict:
+    """fp16 on pp=2 x dp=2 (the module ``train`` trained, no step skipped): an inf put into one gradient of
+    global rank 3 (last stage, a weight no other rank holds or sums) in the second of three more steps;
+    every rank must skip that step (its masters unchanged, the scale halved) and train the others."""
     params = dict(pipe.named_parameters())
     poison = {"on": False}
 
@@ -148,7 +155,8 @@ def four_ranks(rank: int, world: int) -> dict:
             run["programs"] = (print_program(pipe.program), print_program(pipe.train_program))
             run["reductions"] = _reductions(pipe.train_program)
             out[f"{name},{precision}"] = run
-    out["skip"] = _skip_a_step(autopar, model, batches)
+            if name == "pp2dp2" and precision == "fp16":
+                out["skip"] = _skip_a_step(pipe, batches)
     out["bytes"] = _state_bytes(autopar, model, batches)
     return out
 
