@@ -228,12 +228,7 @@ class ParallelModule(torch.nn.Module):
         """STEP: tied gradients summed and synced, fp16's gradients unscaled (or, after an overflow on any
         rank, dropped: the step is skipped on every rank), then clipping and the attached optimizer's step."""
         self._grads.reduce_tied()
-        grads = [p.grad for p in self._params.values()]
-        if self.loss_scaler is not None and not self.loss_scaler.unscale(grads, self.comm, self.device):
-            for p in self._params.values():
-                p.grad = None
-            if self._optimizer is not None:
-                self._optimizer.zero_grad()
+        if self.loss_scaler is not None and not self.loss_scaler.step_ok(self._params, self._optimizer, self.comm):
             return
         if self._optimizer is not None:
             if self._clip is not None:

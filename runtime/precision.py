@@ -211,6 +211,19 @@ class LossScaler:
             self._good = 0
         return True
 
+    def step_ok(self, params: dict[str, torch.nn.Parameter], optimizer, comm) -> bool:
+        """``STEP``'s check: unscale every parameter's gradient and return True, or (an overflow on some rank)
+        drop them and the optimizer's and return False: the step is skipped on every rank."""
+        grads = [p.grad for p in params.values()]
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        if self.unscale(grads, comm, device):
+            return True
+        for p in params.values():
+            p.grad = None
+        if optimizer is not None:
+            optimizer.zero_grad()
+        return False
+
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "skipped": self.skipped, "good": self._good}
 
