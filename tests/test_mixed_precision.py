@@ -323,3 +323,21 @@ def test_loss_scaler_grows_after_good_steps_and_backs_off() -> None:
     assert scaler.unscale([g], comm, torch.device("cpu")) and scaler.scale == 16.0  # two good steps: grow
     assert not scaler.unscale([torch.tensor([1.0, math.nan])], comm, torch.device("cpu"))
     assert scaler.scale == 8.0 and scaler.skipped == 1
+
+
+def test_a_bf16_plan_file_fits_the_bf16_capture_and_refuses_fp32() -> None:
+    """``autopar plan --precision bf16`` captures in bf16 as compile does: the plan's fingerprint fits the model
+    compile captures under the plan's precision, not the fp32 capture; asking it for fp32 is refused."""
+    from autopar.api import _check_plan_precision
+    from autopar.planner import plan_model
+
+    options = ShardOptions(setup=TrainingSetup(precision="bf16"))
+    plan = plan_model(MODEL, MeshSpec((("dp", 2),)), options, baselines=()).plan
+    model, batches = model_and_batches()
+    policy, _ = precision_setup(None, ShardOptions(setup=TrainingSetup(**plan.options["setup"])))
+    assert policy == MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    plan.check(_capture(model, (), batches[0], policy), MeshSpec((("dp", 2),)))
+    with pytest.raises(Exception, match="another graph"):
+        plan.check(_capture(model, (), batches[0], None), MeshSpec((("dp", 2),)))
+    with pytest.raises(PrecisionError, match="made for bf16 compute"):
+        _check_plan_precision(plan, None)
