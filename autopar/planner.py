@@ -14,7 +14,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
-from autopar.runtime.precision import cast_floats, compute_copy, dtype_of
+from autopar.runtime.precision import for_capture
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 from autopar.solver.cost import TrainingSetup
 
@@ -157,10 +157,6 @@ def plan_model(
 ) -> PlanReport:
     m = build(spec, device="meta")
     t0 = time.perf_counter()
-    model, args, kwargs = m.model, m.args, m.kwargs
-    if opts.setup.precision != "fp32":  # captured as compile captures it: in the compute dtype
-        dtype = dtype_of(opts.setup.precision)
-        model, (args, kwargs) = compute_copy(model, dtype), cast_floats((args, kwargs), dtype)
-    captured = capture(model, args, kwargs)
+    captured = capture(*for_capture(m.model, m.args, m.kwargs, opts.setup.precision))  # as compile captures
     captured.seconds = time.perf_counter() - t0
     return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline)

@@ -154,6 +154,17 @@ def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+def for_capture(model: torch.nn.Module, args: tuple, kwargs: dict, precision: str) -> tuple[Any, tuple, dict]:
+    """(model, args, kwargs) to capture for a training setup's ``precision`` (``fp32``: as given; ``bf16`` /
+    ``fp16``: the compute copy and the floating inputs cast), as ``compile`` captures under that policy:
+    ``autopar plan`` and the search's plans must be made from the same graph."""
+    if precision == "fp32":
+        return model, args, kwargs
+    dtype = dtype_of(precision)
+    args, kwargs = cast_floats((args, kwargs), dtype)
+    return compute_copy(model, dtype), args, kwargs
+
+
 def cast_floats(tree: Any, dtype: torch.dtype | None) -> Any:
     """Every floating tensor of ``tree`` in ``dtype`` (``None``: unchanged)."""
     if dtype is None:
@@ -240,6 +251,7 @@ __all__ = [
     "compute_copy",
     "dtype_name",
     "dtype_of",
+    "for_capture",
     "policy_of",
     "precision_setup",
 ]
