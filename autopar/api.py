@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
 from autopar.check import check_before_training
-from autopar.errors import BatchError, CheckError, MeshError, PlanError, SubPipelineError
+from autopar.errors import BatchError, CheckError, MeshError, PlanError, PrecisionError, SubPipelineError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
@@ -38,6 +38,7 @@ from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll
 from autopar.runtime.batch import LossWeight, sub_microbatch, token_count
 from autopar.runtime.module import ParallelModule, RuntimeOptions
+from autopar.runtime.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
 from autopar.solver.cluster import ClusterSpec, local_cluster
@@ -137,6 +138,7 @@ def compile(  # noqa: A001
     record: bool = True,
     batch: str = "global",
     loss_weight: str | LossWeight | None = "auto",
+    mixed_precision: MixedPrecisionPolicy | str | torch.dtype | None = None,
 ) -> ParallelModule:
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
@@ -173,6 +175,12 @@ def compile(  # noqa: A001
     by name giving its weight (``autopar.data.token_count``) say it explicitly; ``None``: the mean of
     the pieces' losses (each microbatch's mean weighs the same).
 
+    ``mixed_precision``: ``"bf16"``, ``"fp16"``, a dtype or a ``MixedPrecisionPolicy`` (FSDP2's fields:
+    ``param_dtype``, ``reduce_dtype`` (fp32 by default), ``output_dtype``): the model is captured and computes
+    in ``param_dtype`` while this rank's parameters stay fp32 master weights (the optimizer, ZeRO and
+    checkpoints see fp32); fp16 scales the loss dynamically and skips steps whose gradients overflow on any
+    rank (``runtime/precision.py``). Default: the precision of ``plan=``'s or ``options``' training setup.
+
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
     verdict broadcast; on a pipeline, one microbatch through the stages) and raises ``CheckError`` naming
@@ -187,6 +195,12 @@ def compile(  # noqa: A001
         )
     spec = mesh_spec(mesh)
     pp = spec.pipeline_size
+    loaded = Plan.load(plan) if plan is not None else None
+    if options is None and loaded is not None and loaded.options:  # the plan's training setup unless overridden
+        options = options_from_dict(loaded.options)
+    policy, options = precision_setup(mixed_precision, options)
+    if loaded is not None:
+        _check_plan_precision(loaded, policy)
     if batch not in ("global", "local"):
         raise BatchError(
             f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {batch!r}"
@@ -199,13 +213,12 @@ def compile(  # noqa: A001
         raise BatchError(
             f"loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, not {loss_weight!r}"
         )
-    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp, batch, weight)
+    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp, batch, weight, policy)
     example = sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches)
-    captured = _capture(model, *example)
+    captured = _capture(model, *example, policy)
     sched = make_schedule(schedule, pp, microbatches, **dict(schedule_options or {}))
     sharded = None
-    if plan is not None:  # every rank reads and checks it, so a refused plan stops all of them
-        loaded = Plan.load(plan)
+    if loaded is not None:  # every rank reads and checks it, so a refused plan stops all of them
         try:
             loaded.check(captured, spec)
         except PlanError as e:
@@ -216,8 +229,6 @@ def compile(  # noqa: A001
                 "for that half, or compile without sub_pipeline_tp)"
             ) from None
         sharded = parse(loaded.program)
-        if options is None and loaded.options:  # the plan's training setup (ZeRO, MiCS) unless overridden
-            options = options_from_dict(loaded.options)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     text: list[str | None] = [None, None]
     if dist.get_rank() == 0:
@@ -241,6 +252,18 @@ def compile(  # noqa: A001
     return module
 
 
+def _check_plan_precision(plan: Plan, policy: MixedPrecisionPolicy | None) -> None:
+    """Refuse computing a plan in another dtype than it was planned (captured) in."""
+    planned = plan.options.get("setup", {}).get("precision", "fp32")
+    wanted = policy.name if policy is not None else "fp32"
+    if planned != wanted:
+        raise PrecisionError(
+            f"the plan was made for {planned} compute, but mixed_precision asks for {wanted}: its program is "
+            f"typed {planned}; plan again with `autopar plan ... --precision {wanted}`, or compile without "
+            "mixed_precision (the plan's precision applies)"
+        )
+
+
 _SUB_PIPELINED = {name for name, fn in coll.FUNCTIONS.items() if fn in coll.ASYNC}
 
 
@@ -257,15 +280,23 @@ def _check_sub_pipeline(program: Program, mesh: MeshSpec) -> None:
 _CAPTURES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _capture(model: torch.nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """``capture``, remembered per model object and input signature (treespec, shapes, dtypes): compiling
-    one model for several schedules or meshes exports it once. Changing the model's code or config in
-    place between compiles is not seen; build a new model object instead."""
+def _capture(model: torch.nn.Module, args: tuple, kwargs: dict, policy: MixedPrecisionPolicy | None = None) -> Captured:
+    """``capture``, remembered per model object, input signature (treespec, shapes, dtypes) and compute
+    dtype: compiling one model for several schedules or meshes exports it once. With a mixed-precision
+    policy the model is captured from its compute-dtype copy (``precision.compute_copy``). Changing the
+    model's code or config in place between compiles is not seen; build a new model object instead."""
     flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     key = (str(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in flat))
+    key += (repr(policy.param_dtype), policy.cast_forward_inputs) if policy is not None else ()
     per_model = _CAPTURES.setdefault(model, {})
     if key not in per_model:
-        per_model[key] = capture(model, args, kwargs)
+        if policy is None:
+            per_model[key] = capture(model, args, kwargs)
+        else:
+            inputs = (
+                (args, kwargs) if not policy.cast_forward_inputs else cast_floats((args, kwargs), policy.param_dtype)
+            )
+            per_model[key] = capture(compute_copy(model, policy.param_dtype), *inputs)
     return per_model[key]
 
 

@@ -133,3 +133,7 @@ class CorruptCheckpointError(CheckpointError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holding pickled objects, whose loading could run code: autopar never writes such."""
+
+
+class PrecisionError(AutoparError):
+    """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""

@@ -14,6 +14,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
+from autopar.runtime.precision import for_capture
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 from autopar.solver.buckets import grad_buckets
 from autopar.solver.cost import CostModel, TrainingSetup
@@ -177,6 +178,6 @@ def plan_model(
 ) -> PlanReport:
     m = build(spec, device="meta")
     t0 = time.perf_counter()
-    captured = capture(m.model, m.args, m.kwargs)
+    captured = capture(*for_capture(m.model, m.args, m.kwargs, opts.setup.precision))  # as compile captures
     captured.seconds = time.perf_counter() - t0
     return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline)

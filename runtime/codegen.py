@@ -2,7 +2,9 @@
 
 Each IR op becomes one call: ATen ops with local shapes substituted into their shape arguments,
 collectives as calls into autopar.runtime.collectives. The module's parameters are named as in the
-user's model (``transformer.h.0.attn.c_attn.weight``), so state dicts line up with the original.
+user's model (``transformer.h.0.attn.c_attn.weight``), so state dicts line up with the original. A
+parameter held in another dtype than the program's (fp32 master weights of a program captured in bf16,
+``runtime/precision.py``) is cast where it is read, and so are half-typed float inputs.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value,
 from autopar.passes.dropout import is_keyed
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
+from autopar.runtime.precision import cast_to
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def local_args(op: Op, mesh_sizes: tuple[int, ...]) -> tuple:
@@ -72,23 +76,26 @@ def codegen(
         if v.kind == "input":
             ident = v.name.replace(".", "_")
             env[v.name] = graph.placeholder(ident if ident.isidentifier() else f"v{ident}")
+            if v.type.torch_dtype in _HALF:  # captured in a compute dtype: float inputs cast to it
+                env[v.name] = graph.call_function(cast_to, (env[v.name], v.type.torch_dtype))
             continue
         owner, attr = _owner(root, v.name)
         if local_tensor is not None:
-            ready = local_tensor(v)
-            if isinstance(ready, torch.nn.Parameter):
-                owner.register_parameter(attr, ready)
+            local = local_tensor(v)
+            if isinstance(local, torch.nn.Parameter):
+                owner.register_parameter(attr, local)
             else:
-                owner.register_buffer(attr, ready)
-            env[v.name] = graph.get_attr(v.name)
-            continue
-        local = shard_param(get_tensor(v.name), v.type.placements, prog.mesh.names, sizes, coords)
-        local = local.detach().to(device).clone().contiguous()
-        if v.kind == "param":
-            owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=v.type.is_float))
+                owner.register_buffer(attr, local)
         else:
-            owner.register_buffer(attr, local)
+            local = shard_param(get_tensor(v.name), v.type.placements, prog.mesh.names, sizes, coords)
+            local = local.detach().to(device).clone().contiguous()
+            if v.kind == "param":
+                owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=v.type.is_float))
+            else:
+                owner.register_buffer(attr, local)
         env[v.name] = graph.get_attr(v.name)
+        if local.is_floating_point() and local.dtype != v.type.torch_dtype:  # fp32 masters, compute-dtype reads
+            env[v.name] = graph.call_function(cast_to, (env[v.name], v.type.torch_dtype))
 
     def arg(x):
         return map_refs(x, lambda r: env[r.name])

@@ -69,6 +69,7 @@ class Comm:
     coords: dict[str, int]
     sizes: dict[str, int]
     peers: object = field(default_factory=TorchPeers)
+    grad_dtype: torch.dtype | None = None  # gradient reductions' dtype (mixed precision's reduce_dtype)
 
     @classmethod
     def from_device_mesh(cls, mesh) -> Comm:
@@ -375,15 +376,17 @@ FUNCTIONS = {
 }
 
 
-def start_grad_bucket(params: list[torch.nn.Parameter], group) -> Pending:
+def start_grad_bucket(params: list[torch.nn.Parameter], group, dtype: torch.dtype | None = None) -> Pending:
     """Start the all-reduce (sum) of ``params``' gradients in one flat buffer (a gradient bucket,
-    ``solver/buckets.py``; a missing gradient counts as zeros); ``wait()`` copies the sums back into
+    ``solver/buckets.py``; a missing gradient counts as zeros), in ``dtype`` (mixed precision's
+    ``reduce_dtype``; None: the gradients' own); ``wait()`` copies the sums back into
     the gradients, in place, and returns the buffer."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = flat if dtype is None else flat.to(dtype)  # copied back into the gradients' dtype below
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def finish() -> torch.Tensor:

@@ -42,6 +42,7 @@ from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Action, Kind, Schedule
+from autopar.runtime.precision import cast_to
 from autopar.solver.buckets import Bucket, backward_order, grad_buckets
 from autopar.solver.cost import BUCKET_BYTES
 
@@ -140,7 +141,7 @@ class GradSync:
         return self._flight[key]
 
     def _launch(self, st: _Sync, i: int) -> None:
-        st.pending[i] = coll.start_grad_bucket(st.params[i], self.comm.groups[st.buckets[i].axis])
+        st.pending[i] = coll.start_grad_bucket(st.params[i], self.comm.groups[st.buckets[i].axis], self.comm.grad_dtype)
 
     def _final(self, st: _Sync, name: str) -> None:
         for i in st.of.get(name, ()):
@@ -212,10 +213,10 @@ class GradSync:
         for holders in sorted({self.tied[n] for n in tied}):
             params = [self.params[n] for n in tied if self.tied[n] == holders]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
+            flat = cast_to(torch.cat([g.reshape(-1) for g in grads]), self.comm.grad_dtype)
             dist.all_reduce(flat, group=self.tie_groups[holders])
             for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
-                p.grad = chunk.view_as(p).clone()
+                p.grad = chunk.view_as(p).to(p.dtype, copy=True)
         if tied:
             self.wait("tied")
 

@@ -26,6 +26,7 @@ each of its parameter shards once (``runtime/params.py``), registered under the 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,7 @@ from autopar.runtime.loss_weight import program_weight
 from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
+from autopar.runtime.precision import LossScaler, MixedPrecisionPolicy, cast_floats
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
@@ -73,6 +75,7 @@ class RuntimeOptions:
     # each piece's weight in the step's loss: "auto" the divisor of a loss that is a mean over items of the
     # data (runtime/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
     loss_weight: LossWeight | str | None = "auto"
+    precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/precision.py); None: as captured
 
     @property
     def sub_microbatches(self) -> int:
@@ -110,6 +113,10 @@ class ParallelModule(torch.nn.Module):
         super().__init__()
         self.setup = setup or TrainingSetup()
         self.options = options = options or RuntimeOptions()
+        policy = options.precision
+        if policy is not None:  # gradients reduced in reduce_dtype; fp16's loss scaling in train_step
+            comm = dataclasses.replace(comm, grad_dtype=policy.reduce_dtype)
+        self.loss_scaler = LossScaler(policy.scaling) if policy is not None and policy.scaling else None
         self.comm = comm
         self.device = torch.device(device)
         self.program, self.train_program = forward, train
@@ -121,6 +128,7 @@ class ParallelModule(torch.nn.Module):
         self._pp_rank = comm.coords.get(PIPELINE_AXIS, 0)
         self._optimizer = None
         self._clip: tuple[float, float] | None = None  # make_optimizer's (max_grad_norm, norm_type)
+        self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
@@ -221,8 +229,11 @@ class ParallelModule(torch.nn.Module):
         return self.grad_norm
 
     def _step(self) -> None:
-        """STEP: tied gradients summed and synced, then clipping and the attached optimizer's step."""
+        """STEP: tied gradients summed and synced, fp16's gradients unscaled (or, after an overflow on any
+        rank, dropped: the step is skipped on every rank), then clipping and the attached optimizer's step."""
         self._grads.reduce_tied()
+        if self.loss_scaler is not None and not self.loss_scaler.step_ok(self._params, self._optimizer, self.comm):
+            return
         if self._optimizer is not None:
             if self._clip is not None:
                 self.clip_grad_norm_(*self._clip)
@@ -270,7 +281,7 @@ class ParallelModule(torch.nn.Module):
                 weights = broadcast_weights(weights, len(outs), src, self._pp_group, self.device)
         if self.dropout_rng is not None and self.training:
             self.dropout_rng.step += 1
-        merged = merge_outputs(outs, weights)
+        merged = cast_floats(merge_outputs(outs, weights), self._output_dtype)
         if self._call.local:  # this rank's rows of the outputs carrying the batch
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         return pytree.tree_unflatten(merged, self._out_spec)
@@ -288,9 +299,10 @@ class ParallelModule(torch.nn.Module):
         self._stepped = False
         sub = self.options.sub_microbatches
         scales = loss_scales(weights, sub) if weights is not None else None
+        seeds = self.loss_scaler.seeds(scales, len(pieces) // sub, sub) if self.loss_scaler is not None else scales
         self._grads.reset(enabled=False)  # the executor arms the last backwards and reduces at REDUCE_GRADS
         try:
-            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], scales)
+            losses = self._executor.run([pieces[i : i + sub] for i in range(0, len(pieces), sub)], seeds)
         finally:
             self._grads.enabled = True
         if self.dropout_rng is not None and self.training:

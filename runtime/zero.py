@@ -35,6 +35,7 @@ import torch.distributed as dist
 from autopar.ir.axes import data_axes
 from autopar.ir.core import Replicate
 from autopar.runtime import collectives as coll
+from autopar.runtime.precision import cast_to
 
 
 class _Flat:
@@ -159,6 +160,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
             if not f.params:
                 continue
             g = f.flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in f.params])
+            g = cast_to(g, self.comm.grad_dtype)  # mixed precision's reduce_dtype
             whole = f.whole
             for a in self.zero_axes:
                 if self.comm.coords[a] != 0:
@@ -169,7 +171,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
                 if self.comm.coords[a] != 0:
                     g.masked_fill_(whole, 0.0)
                 dist.all_reduce(g, group=self.comm.groups[a])
-            f.master.grad = g.clone()
+            f.master.grad = g.to(f.master.dtype, copy=True)
             for p in f.params:
                 p.grad = None  # ZeRO-2: only the slice's gradient is kept
 

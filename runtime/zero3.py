@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import collectives as coll
+from autopar.runtime.precision import cast_to
 from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice, whole_gradient_params, zero_axes_of
 
 
@@ -103,11 +104,12 @@ class Zero3Params:
         g = grad.detach().reshape(-1).clone()
         if self.whole[i]:  # equal on every rank: no sum, just this rank's slice
             return local_slice(g, self.comm, self.zero_axes).contiguous()
+        g = cast_to(g, self.comm.grad_dtype)  # mixed precision's reduce_dtype
         for a in self.zero_axes:
             g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
         for a in self.replica_axes:
             dist.all_reduce(g, group=self.comm.groups[a])
-        return g.contiguous()
+        return g.to(grad.dtype).contiguous()
 
     # -- one forward ----------------------------------------------------------------------------
     def _indices(self, names) -> list[int]:

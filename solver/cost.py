@@ -1,11 +1,17 @@
 """Cost model: per-device memory, redundant memory and communication (bytes and seconds) of a candidate.
 
-Memory per device of a placement of a tensor is its local bytes. A parameter stores, per element:
-weights and gradients (4 + 4 bytes in fp32; 2 + 2 in bf16/fp16 with 4 bytes of fp32 master
-weights), and Adam's two fp32 moments (8 bytes; none for SGD). ZeRO over the data-parallel axes
-on which the parameter is replicated divides the optimizer states (stage 1), also the gradients
-(stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the same inside
-partition groups of size p (the dp axes whose product is p) and replicates across groups.
+Memory per device of a placement of a tensor is its local bytes. A parameter stores, per element, what
+the runtime holds (``TrainingSetup.bytes_per_param``): its fp32 weight and fp32 gradient (4 + 4 bytes,
+in mixed precision too: the parameters are the fp32 master weights and their gradients accumulate in
+fp32, ``runtime/precision.py``), Adam's two fp32 moments (8 bytes; none for SGD), and under ZeRO-1/2 the
+optimizer's fp32 flat slice of the parameters it steps (4 bytes, ``runtime/zero.py``). ZeRO over the
+data-parallel axes on which the parameter is replicated divides the optimizer states (stage 1), also
+the gradients (stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the
+same inside partition groups of size p (the dp axes whose product is p) and replicates across groups.
+Mixed precision adds the compute copy (2 bytes in bf16/fp16, ``TrainingSetup.copy_bytes``): made per
+use in the forward and saved for the backward, it is priced once per parameter element, unsharded
+(ZeRO-3 gathers the fp32 slices, then casts), and gradients are reduced in ``reduce_dtype``
+(``TrainingSetup.grad_itemsize``: 4 bytes by default).
 
 Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
 other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
@@ -55,6 +61,7 @@ class TrainingSetup:
 
     optimizer: str = "adam"  # "adam": two fp32 moments per parameter; "sgd": none
     precision: str = "fp32"  # "fp32" or "bf16"/"fp16" mixed precision (with fp32 master weights)
+    reduce_dtype: str = "fp32"  # the dtype gradients are reduced in under mixed precision (its reduce_dtype)
     zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
     zero_axes: tuple[str, ...] | None = None  # default: the data-parallel (dp*) axes, ir/axes.py
     mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
@@ -82,11 +89,23 @@ class TrainingSetup:
 
     @property
     def bytes_per_param(self) -> tuple[float, float, float]:
-        """(weights, gradients, optimizer states incl. master weights) bytes per element."""
+        """(weights, gradients, optimizer states) bytes per element, as the runtime holds them in fp32 and
+        in mixed precision alike: the fp32 parameter (the master weight), its fp32 gradient, Adam's two
+        moments, and under ZeRO-1/2 the optimizer's fp32 flat slice of the parameters."""
         states = 8.0 if self.optimizer == "adam" else 0.0
-        if self.precision == "fp32":
-            return 4.0, 4.0, states
-        return 2.0, 2.0, states + 4.0
+        if self.zero in (1, 2):
+            states += 4.0
+        return 4.0, 4.0, states
+
+    @property
+    def copy_bytes(self) -> float:
+        """Bytes per parameter element of the compute-dtype copy mixed precision makes per use (0 in fp32)."""
+        return 0.0 if self.precision == "fp32" else 2.0
+
+    def grad_itemsize(self, itemsize: int) -> int:
+        """Bytes per element a gradient reduction sends, for a parameter typed ``itemsize`` in the program:
+        the reduce dtype's under mixed precision, else the parameter's own."""
+        return itemsize if self.precision == "fp32" else {"fp32": 4, "bf16": 2, "fp16": 2}[self.reduce_dtype]
 
 
 @dataclass
@@ -119,6 +138,20 @@ class CostModel:
             self._memo[key] = self._param_memory(t, p)
         return self._memo[key]
 
+    def state_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer-state) bytes per device a parameter keeps between steps (the per-use
+        compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures."""
+        numel = self.local_bytes(t, p) / t.itemsize
+        zf = math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
+        per = self._per_param(zf)
+        return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
+
+    def _per_param(self, zf: int) -> tuple[float, float, float]:
+        """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
+        (the ZeRO-1/2 optimizer steps such a parameter itself)."""
+        w, g, s = self.setup.bytes_per_param
+        return w, g, s - (4.0 if self.setup.zero in (1, 2) and zf == 1 else 0.0)
+
     def _param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
         numel = self.local_bytes(t, p) / t.itemsize
         zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
@@ -127,8 +160,8 @@ class CostModel:
         repl_all = replication(p, self.mesh.sizes)
         repl_sharded = replication(p, self.mesh.sizes, skip)
         mem = red = 0.0
-        for stage, b in zip((3, 2, 1), self.setup.bytes_per_param):
-            sharded = self.setup.zero >= stage
+        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf), self.setup.copy_bytes)):
+            sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
             piece = numel * b / (zf if sharded else 1)
             mem += piece
             red += piece * ((repl_sharded if sharded else repl_all) - 1)
@@ -258,7 +291,7 @@ class CostModel:
         parameter changes only where it opens a bucket (``bucket_latency`` prices them for a plan).
         Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
         vocab-parallel head whose gathers measure slower (docs/runtime.md)."""
-        nbytes = self.local_bytes(t, p)
+        nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize  # in reduce_dtype
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)

@@ -8,12 +8,13 @@ Per microbatch (the program's example batch is one microbatch of the global batc
   (forward + backward) of the activation per row-parallel matmul, i.e. 4 per transformer layer;
   pass another ``comm_fn`` to replace it (e.g. by the ILP's cost).
 - memory = model states + activations. Model states: ``TrainingSetup.bytes_per_param`` with Adam,
-  16 bytes per parameter both in mixed precision (bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam
-  moments 8) and in fp32 (weight 4 + grad 4 + Adam moments 8); a parameter read by several subgraphs
-  (a tied embedding) is held by every stage reading it, as Megatron does. Activations: every
-  non-view float op result that is not a common node is assumed stashed for backward (an upper
-  bound: Megatron's 34 s b h bytes per GPT layer is about 60% of it), at 2 bytes per element under
-  ``precision="bf16"``. An unsharded program with tp > 1 is assumed to follow Megatron with sequence
+  16 bytes per parameter in fp32 (weight 4 + grad 4 + Adam moments 8), 18 in mixed precision (the
+  same fp32 master weights and gradients, plus the per-use bf16 compute copy, 2); a parameter read
+  by several subgraphs (a tied embedding) is held by every stage reading it, as Megatron does.
+  Activations: every non-view float op result that is not a common node is assumed stashed for
+  backward (an upper bound: Megatron's 34 s b h bytes per GPT layer is about 60% of it), at 2 bytes
+  per element under ``precision="bf16"`` when the program was captured in fp32 (a program captured in
+  its compute dtype carries its own types). An unsharded program with tp > 1 is assumed to follow Megatron with sequence
   parallelism: weights / tp, activations and FLOPs / (dp tp). A sharded program's local sizes come
   from its placements.
 
@@ -71,10 +72,15 @@ class StageContext:
 
     def act_bytes(self, t: TensorType) -> float:
         """Bytes per device of an activation of type ``t`` at the training precision."""
-        scale = 2 / t.itemsize if self.precision == "bf16" and t.is_float else 1.0
+        scale = 2 / t.itemsize if self.precision == "bf16" and t.is_float and not self.captured_half else 1.0
         if self.sharded:
             return t.local_nbytes(self.prog.mesh) * scale
         return t.nbytes * scale / (self.dp * self.tp)
+
+    @functools.cached_property
+    def captured_half(self) -> bool:
+        """Whether the program was captured in a 16-bit compute dtype (its float parameters typed so)."""
+        return any(v.type.is_float and v.type.itemsize == 2 for v in self.prog.params)
 
     @functools.cached_property
     def weights(self) -> frozenset[str]:
@@ -94,7 +100,8 @@ class StageContext:
     @property
     def bytes_per_param(self) -> float:
         """Model-state bytes per parameter element (Adam)."""
-        return sum(TrainingSetup(precision=self.precision).bytes_per_param)
+        setup = TrainingSetup(precision=self.precision)
+        return sum(setup.bytes_per_param) + setup.copy_bytes
 
 
 def parallel_degrees(prog: Program) -> tuple[int, int, bool]:

@@ -58,11 +58,13 @@ def test_zero_stages_divide_what_they_shard():
     mem = {z: CostModel(mesh, TrainingSetup(zero=z)).param_memory(W, (R,))[0] for z in range(4)}
     n = W.numel
     assert mem[0] == n * (4 + 4 + 8)
-    assert mem[1] == n * (4 + 4 + 8 / 4)
-    assert mem[2] == n * (4 + 4 / 4 + 8 / 4)
+    assert mem[1] == n * (4 + 4 + 12 / 4)  # ZeRO-1/2: Adam's moments and the optimizer's fp32 flat slice
+    assert mem[2] == n * (4 + 4 / 4 + 12 / 4)
     assert mem[3] == n * (4 + 4 + 8) / 4
     mixed = CostModel(mesh, TrainingSetup(precision="bf16")).param_memory(W, (R,))[0]
-    assert mixed == n * (2 + 2 + 8 + 4)  # bf16 weights and grads, fp32 moments and master weights
+    assert mixed == n * (4 + 4 + 8 + 2)  # fp32 master weights, grads and moments, the per-use bf16 copy
+    mixed3 = CostModel(mesh, TrainingSetup(precision="bf16", zero=3)).param_memory(W, (R,))[0]
+    assert mixed3 == n * ((4 + 4 + 8) / 4 + 2)  # the compute copy is not sharded
     mics = CostModel(MeshSpec((("dp", 2), ("dp_in", 4))), TrainingSetup(zero=3, mics_group=4))
     assert mics.param_memory(W, (R, R))[0] == n * 16 / 4  # sharded inside groups of 4, replicated across
 

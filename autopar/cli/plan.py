@@ -55,7 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
     p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32", help="training precision")
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="training precision: bf16/fp16 capture the model in that dtype with fp32 master weights "
+        "(compile applies the plan's precision)",
+    )
     p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
     p.add_argument("--solver", choices=["cbc", "highs"], default="cbc", help="ILP back end (default CBC)")
     p.add_argument("--chunks", type=int, default=1, help="virtual pipeline chunks per rank (interleaved schedule)")
@@ -130,12 +136,25 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def precision_line(setup: dict) -> str:
+    """How a plan's training setup computes: ``bf16 compute, fp32 master weights and Adam states, gradients
+    reduced in fp32`` (mixed precision) or ``fp32`` (``autopar plan``'s report)."""
+    precision = setup.get("precision", "fp32")
+    if precision == "fp32":
+        return "fp32 (parameters, activations, gradients and optimizer states)"
+    scaling = ", dynamic loss scaling" if precision == "fp16" else ""
+    reduce = setup.get("reduce_dtype", "fp32")
+    masters = "fp32 master weights and optimizer states"
+    return f"{precision} compute (captured in {precision}), {masters}, gradients reduced in {reduce}{scaling}"
+
+
 def _print_report(args, report) -> None:
     s = report.plan.stats
     objective = {"time": "time (fastest within the budget)", "memory": f"memory (least redundancy, alpha {args.alpha})"}
     budget = f", budget {s['budget_bytes'] / GiB:.2f} GiB/device" if s.get("budget_bytes") else ""
     print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {objective[s['objective']]}{budget})")
     print(f"predicted step: {s['step_seconds'] * 1e3:.3f} ms (computation + communication per device)")
+    print(f"precision: {precision_line(report.plan.options.get('setup', {}))}")
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
     eliminated = f" ({s['ilp_eliminated']} solved by elimination first)" if s.get("ilp_eliminated") else ""
     print(

@@ -95,6 +95,7 @@ class Analytic:
         self.flop_rate = cluster.peak(dtype) * efficiency
         self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
+        self.copy_b = TrainingSetup(optimizer, precision).copy_bytes
         self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
         units = profile.units
         self.n = len(units)
@@ -219,7 +220,9 @@ class Analytic:
     def _state_bytes(self, zero: int, group: int) -> float:
         """Model-state bytes per parameter element with ZeRO stage ``zero`` sharding over ``group`` ranks."""
         w, g, o = self.weight_b, self.grad_b, self.state_b
-        return w / (group if zero >= 3 else 1) + g / (group if zero >= 2 else 1) + o / (group if zero >= 1 else 1)
+        o += 4.0 if zero in (1, 2) else 0.0  # the ZeRO-1/2 optimizer's fp32 flat slice (runtime/zero.py)
+        shards = w / (group if zero >= 3 else 1) + g / (group if zero >= 2 else 1) + o / (group if zero >= 1 else 1)
+        return shards + self.copy_b  # mixed precision's per-use compute copy, unsharded
 
     def _stage_part(self, c: Candidate) -> _Part | None:
         """Per-stage times, kept activations and parameters: everything but ZeRO's per-rank effects
