@@ -155,7 +155,7 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     gathered_alive = -1
     if compiled.zero3 is not None:  # the whole parameters must not outlive the forward
         loss = loss_of(compiled(**batches[0]))
-        gathered_alive = compiled.zero3.gathered_alive()
+        gathered_alive = compiled.zero3.gathered_bytes.alive()  # bytes of whole parameters left
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
     ref_losses = train(reference, batches, optimizer)
     param_rel, worst_param, _ = parameter_error(full, reference)
