@@ -12,12 +12,19 @@ not decide. This is FSDP2's ``fully_shard`` per block, then the root, found from
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from autopar.ir.core import Program
-from autopar.solver.groups import layer_key
 
 ROOT = "root"
+LAYER_PATH = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
+
+
+def layer_key(path: str) -> tuple[str, int] | None:
+    """``(stack, i)`` of a module path in the ``i``-th numbered child of module list ``stack``, else ``None``."""
+    m = LAYER_PATH.match(path or "")
+    return (m["stack"], int(m["index"])) if m else None
 
 
 def param_units(program: Program, names: Iterable[str]) -> list[tuple[str, list[str]]]:
@@ -51,4 +58,4 @@ def param_units(program: Program, names: Iterable[str]) -> list[tuple[str, list[
     return [(label, units[label]) for label in sorted(units, key=lambda x: order[x]) if units[label]]
 
 
-__all__ = ["ROOT", "param_units"]
+__all__ = ["ROOT", "layer_key", "param_units"]

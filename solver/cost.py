@@ -42,6 +42,7 @@ import numpy as np
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
+from autopar.solver.blocks import ROOT, param_units
 from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
@@ -113,19 +114,24 @@ class CostModel:
         return self._memo[key]
 
     def _param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
-        numel = self.local_bytes(t, p) / t.itemsize
         zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
-        zf = math.prod(self.mesh.sizes[i] for i in zero_axes)
-        skip = frozenset(zero_axes)
         repl_all = replication(p, self.mesh.sizes)
-        repl_sharded = replication(p, self.mesh.sizes, skip)
+        repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
         mem = red = 0.0
-        for stage, b in zip((3, 2, 1), self.setup.bytes_per_param):
-            sharded = self.setup.zero >= stage
-            piece = numel * b / (zf if sharded else 1)
+        for stage, piece in zip((3, 2, 1), self.param_parts(t, p)):
             mem += piece
-            red += piece * ((repl_sharded if sharded else repl_all) - 1)
+            red += piece * ((repl_sharded if self.setup.zero >= stage else repl_all) - 1)
         return mem, red
+
+    def param_parts(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer states) bytes per device of a parameter: under ZeRO stage 3 /
+        2 / 1 each is divided by the ZeRO axes it is replicated on (ZeRO-3's whole weights, gathered one
+        unit at a time, are ``zero3_gathered``'s)."""
+        numel = self.local_bytes(t, p) / t.itemsize
+        zf = math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
+        w, g, o = self.setup.bytes_per_param
+        z = self.setup.zero
+        return numel * w / (zf if z >= 3 else 1), numel * g / (zf if z >= 2 else 1), numel * o / (zf if z >= 1 else 1)
 
     def activation_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
         local = self.local_bytes(t, p)
@@ -318,7 +324,8 @@ def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:
 def program_memory(prog, setup: TrainingSetup | None = None) -> float:
     """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
     with their gradients and optimizer states, inputs, every op's output (collectives included, all
-    counted as live at once: an upper bound on saved activations), and the gradient-sync bucket."""
+    counted as live at once: an upper bound on saved activations), the gradient-sync bucket, and
+    ZeRO-3's gathered weights (``zero3_gathered``)."""
     model = CostModel(prog.mesh, setup or TrainingSetup())
     total = 0.0
     synced = 0.0
@@ -331,4 +338,36 @@ def program_memory(prog, setup: TrainingSetup | None = None) -> float:
             total += model.local_bytes(v.type, v.type.placements)
     for op in prog.ops:
         total += sum(model.local_bytes(t, t.placements) for t in op.types)
-    return total + min(synced, BUCKET_BYTES)
+    return total + min(synced, BUCKET_BYTES) + zero3_gathered(prog, setup or TrainingSetup())
+
+
+def zero3_gathered(prog, setup: TrainingSetup) -> float:
+    """The most bytes of whole parameters ZeRO-3 holds at once on a rank (``runtime/zero3.py``): the
+    root unit and the two largest repeated blocks (``solver/blocks.py``; in forward, the block computing
+    and the next one arriving), each parameter padded to a multiple of the ZeRO ranks; 0 without ZeRO-3."""
+    if setup.zero < 3:
+        return 0.0
+    zero = [i for i in setup.shard_axes(prog.mesh) if prog.mesh.sizes[i] > 1]
+    k = math.prod(prog.mesh.sizes[i] for i in zero)
+    managed = {
+        v.name: v
+        for v in prog.params
+        if zero and v.type.is_float and all(isinstance(v.type.placements[i], Replicate) for i in zero)
+    }
+    if not managed:
+        return 0.0
+    model = CostModel(prog.mesh, setup)
+    weight = setup.bytes_per_param[0]
+
+    def size(names: list[str]) -> float:
+        out = 0.0
+        for n in names:
+            t = managed[n].type
+            numel = model.local_bytes(t, t.placements) / t.itemsize
+            out += -(-numel // k) * k * weight
+        return out
+
+    units = param_units(prog, managed)
+    root = sum(size(names) for label, names in units if label == ROOT)
+    blocks = sorted((size(names) for label, names in units if label != ROOT), reverse=True)
+    return root + sum(blocks[:2])
