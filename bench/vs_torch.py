@@ -25,7 +25,8 @@ for autopar ZeRO-3 the most bytes of whole weights gathered at once during that 
 counter of live gathered storages), and for autopar the cost model's prediction of the same
 categories (parameters, gradients and Adam states from the plan's local shapes divided as ZeRO
 divides them; activations: every op output of the planned program, the cost model's upper bound;
-gathered: ZeRO-3's root unit and two largest blocks, ``solver.cost.zero3_gathered``). Communication buffers are transient inside the collectives and not counted.
+gathered: ZeRO-3's root unit and two largest blocks, ``solver.cost.zero3_gathered``). Communication
+buffers are transient inside the collectives and not counted.
 
 The machine is shared and timings are noisy: read ratios with their spread; record final numbers from
 a quiet machine in BENCHMARKS.md with the command line.

@@ -191,7 +191,8 @@ class Zero3Params:
     def _views(self, u: int, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
         unit = self.units[u]
         return tuple(
-            whole[wo : wo + math.prod(self.shapes[i])].view(self.shapes[i]) for i, wo in zip(unit.params, unit.whole_off)
+            whole[wo : wo + math.prod(self.shapes[i])].view(self.shapes[i])
+            for i, wo in zip(unit.params, unit.whole_off)
         )
 
     # -- the forward (called by the nodes place_gathers puts in the graph) ------------------------
@@ -337,7 +338,9 @@ class Zero3Params:
 
     def unit_bytes(self) -> list[tuple[str, int]]:
         """(label, bytes of the unit's whole parameters as gathered) of every unit."""
-        return [(unit.label, unit.width * self.parts * self.slices[unit.params[0]].element_size()) for unit in self.units]
+        return [
+            (unit.label, unit.width * self.parts * self.slices[unit.params[0]].element_size()) for unit in self.units
+        ]
 
     # -- whole values ---------------------------------------------------------------------------
     @torch.no_grad()

@@ -186,7 +186,9 @@ def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
                 assert sum(lay for lay, _ in units) >= 3  # the bound below is below the whole stage
                 gather = sum(an.comm.gather(p * an.weight_b, group, an.comm.intra(group)) for _, p in units)
                 scatter = sum(an.comm.gather(p * an.grad_b, group, an.comm.intra(group)) for _, p in units)
-                hop = sum(an.comm.allreduce(p * an.grad_b / group, 1, 8 // group, True) for _, p in units) if mics else 0
+                hop = (
+                    sum(an.comm.allreduce(p * an.grad_b / group, 1, 8 // group, True) for _, p in units) if mics else 0
+                )
                 assert z3.tf[s] - z1.tf[s] == pytest.approx(gather, rel=1e-9)
                 assert z3.tr[s] - z1.tr[s] == pytest.approx(gather, rel=1e-9)
                 assert z3.tb[s] - z1.tb[s] == pytest.approx(gather * (2 if split else 1) + scatter + hop, rel=1e-9)

@@ -316,7 +316,10 @@ class Analytic:
             units = [(u.kind == "layer", u.params_tp / c.tp + u.params_rep) for u in self.p.units[a:e]]
             gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g) for _, p in units))
             scatter.append(
-                sum(self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c) for _, p in units)
+                sum(
+                    self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c)
+                    for _, p in units
+                )
             )
             layers = sorted((p for lay, p in units if lay), reverse=True)
             gathered.append((sum(p for lay, p in units if not lay) + sum(layers[:2])) * self.weight_b)
