@@ -18,7 +18,8 @@ repeated block, plus the root), FSDP2's ``fully_shard`` per block:
   the gather of the unit the forward read before it; the autograd engine unpacks in the same order
   on every rank, so the collectives match.
 - **backward of the gather**: when every gradient of a unit is in, the unit's gradient is
-  reduce-scattered in one collective, asynchronously, while the backward goes on (a ``whole``
+  reduce-scattered in one collective (``reduce_scatter_single``, on gloo too), asynchronously, while
+  the backward goes on (a ``whole``
   parameter's gradient, equal on every rank, counts once: ranks off coordinate 0 send zeros), then
   all-reduced across the replica axes (MiCS's hop 2); the end of the backward waits for them and adds
   the slices into ``.grad`` (running the slices' post-accumulate hooks, as AccumulateGrad would).
@@ -37,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime import collectives as coll
-from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice, whole_gradient_params, zero_axes_of
+from autopar.runtime.zero import gather_slices, local_slice, whole_gradient_params, zero_axes_of
 from autopar.runtime.zero3_graph import LiveBytes, place_gathers
 from autopar.solver.blocks import param_units
 
@@ -160,22 +161,21 @@ class Zero3Params:
         n, group = self.comm.sizes[a], self.comm.groups[a]
         out = torch.empty(n * unit.width, dtype=local.dtype, device=local.device)
         self.gathered_bytes.add(out)
-        if dist.get_backend(group) == "nccl":
-            work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-        else:
-            work = dist.all_gather(list(out.chunk(n)), local, group=group, async_op=True)
+        work = dist.all_gather_single(out, local, group=group, async_op=True)
         return u, out, work, local
 
     def _finish(self, pending: tuple) -> torch.Tensor:
         """Wait for a gather, gather over the outer ZeRO axes, and lay the parameters out one after the other."""
-        u, out, work, _local = pending
+        u, out, work, local = pending
         work.wait()
         unit = self.units[u]
         rows = gather_slices(out, self.comm, self.zero_axes[:-1]).view(self.parts, unit.width)
         whole = torch.empty(self.parts * unit.width, dtype=out.dtype, device=out.device)
         for n, so, wo in zip(unit.slice_len, unit.slice_off, unit.whole_off):
             whole[wo : wo + n * self.parts].view(self.parts, n).copy_(rows[:, so : so + n])
-        del out, rows
+        _free(local)
+        self.gathered_bytes.drop(out)
+        _free(out)  # now: the finished collective may still hold a reference to it (FSDP2 frees the same way)
         self.gathered_bytes.add(whole)
         return whole
 
@@ -276,12 +276,8 @@ class Zero3Params:
             flat = torch.nn.functional.pad(g.detach().reshape(-1), (0, n * self.parts - g.numel()))
             buf[:, so : so + n].copy_(flat.view(self.parts, n))
         buf = buf.view(-1)
-        group = self.comm.groups[first]
-        if dist.get_backend(group) == "nccl":
-            out = torch.empty(buf.numel() // self.comm.sizes[first], dtype=buf.dtype, device=buf.device)
-            work = dist.reduce_scatter_tensor(out, buf, group=group, async_op=True)
-        else:  # gloo has no reduce-scatter: all-reduce, keep this rank's rows
-            out, work = None, dist.all_reduce(buf, group=group, async_op=True)
+        out = torch.empty(buf.numel() // self.comm.sizes[first], dtype=buf.dtype, device=buf.device)
+        work = dist.reduce_scatter_single(out, buf, group=self.comm.groups[first], async_op=True)
         self._scatters.append((u, buf, out, work))
 
     def _after_backward(self) -> None:
@@ -295,9 +291,8 @@ class Zero3Params:
         scatters, self._scatters = self._scatters, []
         for u, buf, out, work in scatters:
             work.wait()
-            first = self.zero_axes[0]
-            g = out if out is not None else buf.chunk(self.comm.sizes[first])[self.comm.coords[first]]
-            self._accumulate(u, self._rest_of_scatter(u, g))
+            _free(buf)
+            self._accumulate(u, self._rest_of_scatter(u, out))
         if not self._depth:
             self._drop()
 
@@ -312,7 +307,9 @@ class Zero3Params:
                     if self.whole[i]:
                         rows[:, so : so + n] = 0
             if a in self.zero_axes:
-                g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
+                out = torch.empty(g.numel() // self.comm.sizes[a], dtype=g.dtype, device=g.device)
+                dist.reduce_scatter_single(out, g.contiguous(), group=self.comm.groups[a])
+                g = out
             else:
                 dist.all_reduce(g, group=self.comm.groups[a])
         return g
@@ -384,6 +381,11 @@ def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: col
     for gm in modules:
         zero3.attach(gm)
     return zero3
+
+
+def _free(t: torch.Tensor) -> None:
+    """Free ``t``'s memory though something (a finished collective's work object) still refers to it."""
+    t.untyped_storage().resize_(0)
 
 
 class _Token:

@@ -95,16 +95,22 @@ class LiveBytes:
     most at any moment; sampled whenever one is added, which is when the total can rise."""
 
     def __init__(self) -> None:
-        self._refs: list[tuple[StorageWeakRef, int]] = []
+        self._refs: list[tuple[StorageWeakRef, int, int]] = []  # (storage, its bytes, its address)
         self.peak = 0
 
     def add(self, t: torch.Tensor) -> None:
-        self._refs.append((StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes()))
+        s = t.untyped_storage()
+        self._refs.append((StorageWeakRef(s), s.nbytes(), s.data_ptr()))
         self.peak = max(self.peak, self.alive())
 
+    def drop(self, t: torch.Tensor) -> None:
+        """``t``'s storage is about to be freed by hand (resized to nothing)."""
+        ptr = t.untyped_storage().data_ptr()
+        self._refs = [x for x in self._refs if x[2] != ptr or x[0].expired()]
+
     def alive(self) -> int:
-        self._refs = [(r, n) for r, n in self._refs if not r.expired()]
-        return sum(n for _, n in self._refs)
+        self._refs = [x for x in self._refs if not x[0].expired()]
+        return sum(x[1] for x in self._refs)
 
     def reset_peak(self) -> None:
         self.peak = self.alive()
