@@ -253,11 +253,16 @@ class CostModel:
     ) -> tuple[float, float]:
         """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``; a
         ``bucketed`` one (a parameter's, synchronized after backward in one flat buffer per axis)
-        pays bandwidth only, the bucket's latency being shared by every parameter in it."""
+        pays bandwidth only, the bucket's latency being shared by every parameter in it. Under ZeRO-3
+        on a ZeRO axis a parameter's sync is its reduce-scatter plus its all-gathers for the forward and
+        again for the backward (``runtime/zero3.py``): an all-reduce's bytes and one all-gather more."""
         nbytes = self.local_bytes(t, p)
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)
+        if self.setup.zero >= 3 and axis in self._zero_axes:
+            gv, gs, _ = self._collective_terms("all_gather", axis)
+            v, per_byte = v + gv, per_byte + gs
         return nbytes * v, nbytes * per_byte
 
 
