@@ -5,7 +5,9 @@ weights and gradients (4 + 4 bytes in fp32; 2 + 2 in bf16/fp16 with 4 bytes of f
 weights), and Adam's two fp32 moments (8 bytes; none for SGD). ZeRO over the data-parallel axes
 on which the parameter is replicated divides the optimizer states (stage 1), also the gradients
 (stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the same inside
-partition groups of size p (the dp axes whose product is p) and replicates across groups.
+partition groups of size p (the dp axes whose product is p) and replicates across groups. ZeRO-3
+also holds whole weights while it computes, one unit at a time (``runtime/zero3.py``): at most the
+root unit and two repeated blocks (``zero3_gathered``).
 
 Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
 other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
