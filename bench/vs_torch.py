@@ -20,10 +20,13 @@ logits gathered from other ranks either).
 
 Memory: on rank 0 of each run, live tensor bytes by category after the warm-up's backward --
 parameters, gradients, optimizer states (this rank's local tensors: shards count their local size),
-activations (what autograd saved for backward, counted once per storage with saved-tensor hooks), and
-for autopar the cost model's prediction of the same categories (parameters, gradients and Adam
-states from the plan's local shapes; activations: every op output of the planned program, the
-cost model's upper bound). Communication buffers are transient inside the collectives and not counted.
+activations (what autograd saved for backward, counted once per storage with saved-tensor hooks),
+for autopar ZeRO-3 the most bytes of whole weights gathered at once during that step (its runtime's
+counter of live gathered storages), and for autopar the cost model's prediction of the same
+categories (parameters, gradients and Adam states from the plan's local shapes divided as ZeRO
+divides them; activations: every op output of the planned program, the cost model's upper bound;
+gathered: ZeRO-3's root unit and two largest blocks, ``solver.cost.zero3_gathered``). Communication
+buffers are transient inside the collectives and not counted.
 
 The machine is shared and timings are noisy: read ratios with their spread; record final numbers from
 a quiet machine in BENCHMARKS.md with the command line.
@@ -163,21 +166,30 @@ def build_system(system: str, a, rank: int):
 
 
 def _predicted(cm) -> dict[str, float]:
-    """The cost model's bytes per category for this rank's planned program (Adam, fp32)."""
-    from autopar.solver.cost import CostModel
+    """The cost model's bytes per category for this rank's planned program (Adam, fp32): parameters,
+    gradients and optimizer states as ZeRO divides them, and the most whole weights ZeRO-3 gathers at once."""
+    from autopar.solver.cost import CostModel, zero3_gathered
 
     prog = cm.program
     model = CostModel(prog.mesh, cm.setup)
-    params = sum(model.local_bytes(v.type, v.type.placements) for v in prog.params)
+    parts = [model.state_bytes(v.type, v.type.placements) for v in prog.params]
     acts = sum(model.local_bytes(t, t.placements) for op in prog.ops for t in op.types)
-    states = sum(model.param_memory(v.type, v.type.placements)[0] for v in prog.params) - 2 * params
-    return {"params": params, "grads": params, "optimizer": states, "activations": acts}
+    return {
+        "params": sum(p[0] for p in parts),
+        "grads": sum(p[1] for p in parts),
+        "optimizer": sum(p[2] for p in parts),
+        "activations": acts,
+        "gathered": zero3_gathered(prog, cm.setup),
+    }
 
 
 def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)
     module, opt, batch, predicted = build_system(system, a, rank)
+    zero3 = getattr(module, "zero3", None)
+    if zero3 is not None:
+        zero3.reset_peak()
     with SavedBytes() as saved:
         loss = module(**batch)
     loss.backward()
@@ -187,6 +199,7 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
         "grads": _live_bytes(p.grad for p in module.parameters() if p.grad is not None),
         "optimizer": _live_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()),
         "activations": saved.total,
+        "gathered": zero3.peak_gathered() if zero3 is not None else None,  # ZeRO-3's whole weights, most at once
     }
     opt.zero_grad()
     times = []
@@ -266,8 +279,9 @@ def _table(results: dict, a) -> str:
     mib = 2**20
     mem_lines = [
         "",
-        "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB |",
-        "|---|---|---|---|---|---|",
+        "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | ZeRO-3 gathered MiB (most) "
+        "| predicted p/g/o/a/gathered MiB |",
+        "|---|---|---|---|---|---|---|",
     ]
     for pair, runs in results.items():
         ours, peer = PAIRS[pair]
@@ -279,12 +293,9 @@ def _table(results: dict, a) -> str:
         )
         for system in (ours, peer):
             m, pred = runs[system][0]["memory"], runs[system][0]["predicted"]
-            cells = " | ".join(f"{m[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "activations"))
-            ptxt = (
-                "/".join(f"{pred[k] / mib:.2f}" for k in ("params", "grads", "optimizer", "activations"))
-                if pred
-                else "-"
-            )
+            keys = ("params", "grads", "optimizer", "activations", "gathered")
+            cells = " | ".join(f"{m[k] / mib:.2f}" if m.get(k) is not None else "-" for k in keys)
+            ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys) if pred else "-"
             mem_lines.append(f"| {system} | {cells} | {ptxt} |")
     return "\n".join(lines + mem_lines)
 

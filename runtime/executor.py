@@ -65,9 +65,9 @@ class Executor:
     implement ``REDUCE_GRADS`` and ``STEP``. ``sub_microbatches``: how many sub-microbatches each
     microbatch comes as (sub-pipelined tensor parallelism; 1: none). ``keep_outputs``: the last stage
     keeps every output of each microbatch (``outputs``) instead of taking the first as the loss (a
-    forward-only run). ``stage_context(s)`` wraps each forward and recomputation of stage ``s`` (ZeRO-3
-    gathers the stage's parameters there). ``arm(a)`` runs before each ``B``/``W`` (the gradient
-    buckets that action finishes start in it, ``runtime/grads.py``).
+    forward-only run). ``stage_context(s)`` wraps each action computing on stage ``s`` (F, RECOMPUTE, B, W:
+    ZeRO-3's scope of gathers, ``runtime/zero3.py``). ``arm(a)`` runs before
+    each ``B``/``W`` (the gradient buckets that action finishes start in it, ``runtime/grads.py``).
     """
 
     def __init__(
@@ -198,11 +198,13 @@ class Executor:
                 self._recompute(a)
         elif a.kind is Kind.B:
             self.arm(a)
-            self._backward(a, waited)
+            with self.stage_context(a.stage):
+                self._backward(a, waited)
         elif a.kind is Kind.W:
             self.arm(a)
-            for weights in self._weights.pop((a.mb, a.stage)):
-                weights.run()  # the graph its B kept, and the microbatch's activations, are freed here
+            with self.stage_context(a.stage):
+                for weights in self._weights.pop((a.mb, a.stage)):
+                    weights.run()  # the graph its B kept, and the microbatch's activations, are freed here
         elif a.kind is Kind.REDUCE_GRADS:
             self.p2p.drain()
             self._guard(lambda: self.reduce_grads(a.stage), a, -1)

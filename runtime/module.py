@@ -17,8 +17,9 @@ each of its parameter shards once (``runtime/params.py``), registered under the 
 - The batch is the global one, or this rank's data-parallel shard (``RuntimeOptions.batch``,
   ``runtime/inputs.py``); ``data_layout`` says which rows a rank takes.
 - ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/optim.py``, ``runtime/zero.py``), with
-  parameter groups by the user's names; ZeRO-3 keeps only this rank's slices and gathers a stage's
-  parameters around each of its forwards (``runtime/zero3.py``). ``clip_grad_norm_``:
+  parameter groups by the user's names; ZeRO-3 keeps only this rank's slices and gathers them one
+  unit (a repeated block, or the root) at a time, with prefetch, in forward and backward
+  (``runtime/zero3.py``). ``clip_grad_norm_``:
   ``runtime/clip.py``.
 - ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank.
 """
@@ -134,7 +135,7 @@ class ParallelModule(torch.nn.Module):
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
-        self.forward_runners, forward_stages = builder.runners(forward, mine, {}, "forward")
+        self.forward_runners, _ = builder.runners(forward, mine, {}, "forward")
         self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
         if train is not None:
@@ -157,8 +158,7 @@ class ParallelModule(torch.nn.Module):
             self.setup.bucket_bytes,
         )  # fmt: skip
         self._grads.install_hooks()
-        stage_names = {s: sp.param_names for s, sp in forward_stages.items()}
-        context = (lambda s: self.zero3.gathered(stage_names[s])) if self.zero3 is not None else None
+        context = (lambda _s: self.zero3.scope()) if self.zero3 is not None else None
         peer = self._peer_rank
         n = options.microbatches * options.sub_microbatches
         self._one_stage = schedule.num_stages == 1
@@ -265,7 +265,7 @@ class ParallelModule(torch.nn.Module):
         if self._one_stage:
             self._grads.reset()
             part = self.forward_runners[0].whole
-            gathered = self.zero3.gathered() if self.zero3 is not None else contextlib.nullcontext()
+            gathered = self.zero3.scope() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
             with coll.use_comm(self.comm), gathered:
                 for i, env in enumerate(pieces):

@@ -1,55 +1,94 @@
-"""ZeRO-3: each rank keeps 1/k of the data-parallel-replicated parameters, on every mesh.
+"""ZeRO-3: each rank keeps 1/k of the data-parallel-replicated parameters, gathered one unit at a time.
 
 A managed parameter (the same set ``ZeroOptimizer`` manages: trainable, replicated over the ZeRO and
 replica axes, its gradient summed over all of them or already whole on every rank) is flattened,
 padded to a multiple of k (the product of the ZeRO axes' sizes) and cut into k equal slices, one
 after the other over the ZeRO axes (slices of slices, as ``ZeroOptimizer``); the rank keeps its slice
-as a ``torch.nn.Parameter``, and the attribute of every generated module that reads the parameter
-(``attach``: a rank's forward program, its pipeline stages and their recomputation parts) is emptied.
+as a ``torch.nn.Parameter``. The parameters are grouped in units (``solver/blocks.py``: one per
+repeated block, plus the root), FSDP2's ``fully_shard`` per block:
 
-- **forward**: ``gathered(names)`` all-gathers the slices of ``names`` (all, or one pipeline stage's)
-  through ``_Gather``, writes the whole tensors into the modules' attributes, runs the body under
-  ``saved_tensors()`` and empties the attributes again, so the whole parameters do not outlive the
-  forward (a pipeline gathers a stage's parameters around each of its forwards and recomputations).
-- **saved for backward**: a tensor the forward saves that lies in a gathered parameter's storage (the
-  weight, or a view such as ``weight.t()``) is packed as a token (which parameter, size, stride,
-  offset) and all-gathered again when the backward unpacks it. The autograd engine unpacks in the
-  same order on every rank of the program, so the collectives match.
-- **backward of the gather**: the whole gradient is reduce-scattered into the slice (summed over the
-  ZeRO axes; a ``whole`` parameter's gradient, equal on every rank, is sliced without a sum), then
-  all-reduced across the replica axes (MiCS's hop 2; not for ``whole`` ones).
+- **forward**: ``runtime/zero3_graph.py`` puts a ``gather(u, next)`` before the first reader of unit
+  ``u`` in every generated module: one all-gather of the unit's slices (concatenated), copied out into
+  the unit's whole parameters (``_GatherUnit``), and the asynchronous all-gather of the next unit
+  issued before ``u`` computes; ``release`` after its last reader. At most the root and two blocks
+  are whole at once (the one computing, the one arriving).
+- **saved for backward**: inside ``scope()`` a tensor the forward saves that lies in a gathered unit's
+  storage is packed as a token (unit, size, stride, offset). In the backward the first token of a
+  unit gathers the unit again (or takes its prefetch), frees the unit gathered before it and issues
+  the gather of the unit the forward read before it; the autograd engine unpacks in the same order
+  on every rank, so the collectives match.
+- **backward of the gather**: when every gradient of a unit is in, the unit's gradient is
+  reduce-scattered in one collective (``reduce_scatter_single``, on gloo too), asynchronously, while
+  the backward goes on (a ``whole``
+  parameter's gradient, equal on every rank, counts once: ranks off coordinate 0 send zeros), then
+  all-reduced across the replica axes (MiCS's hop 2); the end of the backward waits for them and adds
+  the slices into ``.grad`` (running the slices' post-accumulate hooks, as AccumulateGrad would).
+
+``LiveBytes`` counts the gathered bytes alive; ``peak_gathered`` is their most since ``reset_peak``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from autopar.runtime import collectives as coll
-from autopar.runtime.precision import cast_to
-from autopar.runtime.zero import _reduce_scatter, gather_slices, local_slice, whole_gradient_params, zero_axes_of
+from autopar.runtime.zero import gather_slices, local_slice, whole_gradient_params, zero_axes_of
+from autopar.runtime.zero3_graph import LiveBytes, place_gathers
+from autopar.solver.blocks import param_units
 
 
-class _Gather(torch.autograd.Function):
-    """slice -> padded whole flat vector; backward: the whole gradient -> this rank's slice of it."""
+@dataclass
+class _Unit:
+    """A unit's layout: parameter indices; each one's slice length and offsets in the concatenated
+    slice (length ``width``) and in the whole buffer (parameters one after the other, padded)."""
+
+    label: str
+    params: list[int]
+    slice_len: list[int]
+    slice_off: list[int]
+    whole_off: list[int]
+    width: int
+
+
+@dataclass
+class _Pass:
+    """One forward (a scope): the units whose tokens it saved, in order, for the backward's prefetch."""
+
+    order: list[int] = field(default_factory=list)
+
+    def saw(self, u: int) -> None:
+        if u not in self.order:
+            self.order.append(u)
+
+    def before(self, u: int) -> int:
+        i = self.order.index(u) if u in self.order else 0
+        return self.order[i - 1] if i > 0 else -1
+
+
+class _GatherUnit(torch.autograd.Function):
+    """slices of a unit -> its whole parameters; backward: their gradients -> reduce-scatter (async)."""
 
     @staticmethod
-    def forward(ctx: Any, piece: torch.Tensor, owner: Zero3Params, i: int) -> torch.Tensor:
-        ctx.owner, ctx.i = owner, i
-        return owner.all_gather(piece)
+    def forward(ctx: Any, owner: Zero3Params, u: int, *slices: torch.Tensor):
+        ctx.owner, ctx.u = owner, u
+        whole = owner._take(u)
+        return owner._views(u, whole)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor):
-        return ctx.owner.scatter_grad(ctx.i, grad), None, None
+    def backward(ctx: Any, *grads):
+        ctx.owner._scatter(ctx.u, grads)
+        return (None, None) + (None,) * len(grads)
 
 
 class Zero3Params:
-    """This rank's slices of the managed parameters ``names`` of ``params`` (name -> local shard)."""
+    """This rank's slices of the managed parameters ``names`` of ``params`` (name -> local shard),
+    gathered by ``units`` (lists of names; default one unit of all)."""
 
     def __init__(
         self,
@@ -59,6 +98,7 @@ class Zero3Params:
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
+        units: list[tuple[str, list[str]]] | None = None,
     ):
         self.comm = comm
         self.zero_axes, self.replica_axes = tuple(zero_axes), tuple(replica_axes)
@@ -67,7 +107,6 @@ class Zero3Params:
         self._index = {n: i for i, n in enumerate(self.names)}
         self.whole = [n in whole for n in self.names]
         self.shapes: list[torch.Size] = []
-        self._owners: list[list[tuple[torch.nn.Module, str]]] = [[] for _ in self.names]
         self.slices: list[torch.nn.Parameter] = []
         for name in self.names:
             p = params[name]
@@ -78,94 +117,228 @@ class Zero3Params:
                 torch.nn.Parameter(local_slice(flat, comm, self.zero_axes).clone(), requires_grad=p.requires_grad)
             )
             self.shapes.append(p.shape)
-        self._live: dict[int, int] = {}  # storage data_ptr of a gathered flat vector -> parameter index
-        self._gathered: list[weakref.ref] = []  # the last forward's whole tensors (for gathered_alive)
+        self.units = [self._layout(label, members) for label, members in (units or [("all", self.names)])]
+        self.unit_of = {self.names[i]: u for u, unit in enumerate(self.units) for i in unit.params}
+        self.gathered_bytes = LiveBytes()
+        self._live: dict[int, int] = {}  # storage data_ptr of a unit gathered in a forward -> the unit
+        self._pending: dict[int, tuple] = {}  # unit -> its gather in flight (a prefetch)
+        self._scatters: list[tuple] = []  # reduce-scatters in flight
+        self._cache: dict[int, torch.Tensor] = {}  # the backward's gathered units
+        self._current = -1  # the unit the backward works in
+        self._depth = 0  # scopes entered
+        self._pass: _Pass | None = None
+        self._queued = False
 
-    def attach(self, module: torch.nn.Module) -> None:
-        """Empty ``module``'s attribute of every managed parameter it holds; ``gather`` fills it."""
-        for i, name in enumerate(self.names):
+    def _layout(self, label: str, members: list[str]) -> _Unit:
+        idx = [self._index[n] for n in members]
+        lens = [self.slices[i].numel() for i in idx]
+        offs = [sum(lens[:j]) for j in range(len(idx))]
+        return _Unit(label, idx, lens, offs, [o * self.parts for o in offs], sum(lens))
+
+    def attach(self, module: torch.fx.GraphModule) -> None:
+        """Empty ``module``'s attribute of every managed parameter it holds, and place the gathers and
+        frees of its units in its graph (``runtime/zero3_graph.py``)."""
+        for name in self.names:
             path, _, attr = name.rpartition(".")
             try:
                 owner = module.get_submodule(path) if path else module
             except AttributeError:
                 continue
-            if attr not in owner._parameters:
-                continue
-            del owner._parameters[attr]
-            setattr(owner, attr, None)
-            self._owners[i].append((owner, attr))
-
-    # -- collectives -----------------------------------------------------------------------------
-    def all_gather(self, piece: torch.Tensor) -> torch.Tensor:
-        """The padded flat vector from this rank's slice (the ZeRO axes in reverse order)."""
-        return gather_slices(piece.detach(), self.comm, self.zero_axes)
-
-    def scatter_grad(self, i: int, grad: torch.Tensor) -> torch.Tensor:
-        g = grad.detach().reshape(-1).clone()
-        if self.whole[i]:  # equal on every rank: no sum, just this rank's slice
-            return local_slice(g, self.comm, self.zero_axes).contiguous()
-        g = cast_to(g, self.comm.grad_dtype)  # mixed precision's reduce_dtype
-        for a in self.zero_axes:
-            g = _reduce_scatter(g, self.comm.groups[a], self.comm.sizes[a], self.comm.coords[a])
-        for a in self.replica_axes:
-            dist.all_reduce(g, group=self.comm.groups[a])
-        return g.to(grad.dtype).contiguous()
-
-    # -- one forward ----------------------------------------------------------------------------
-    def _indices(self, names) -> list[int]:
-        return list(range(len(self.names))) if names is None else [self._index[n] for n in names if n in self._index]
-
-    def gather(self, names=None) -> None:
-        """All-gather parameters ``names`` (default: all) into the modules (autograd-tracked)."""
-        self._gathered = []
-        for i in self._indices(names):
-            flat = _Gather.apply(self.slices[i], self, i)
-            self._gathered.append(weakref.ref(flat))
-            self._live[flat.untyped_storage().data_ptr()] = i
-            whole = flat[: math.prod(self.shapes[i])].view(self.shapes[i])
-            for owner, attr in self._owners[i]:
-                setattr(owner, attr, whole)
-
-    def release(self, names=None) -> None:
-        """Drop the whole parameters (the autograd graph holds tokens, not them)."""
-        for i in self._indices(names):
-            for owner, attr in self._owners[i]:
+            if attr in owner._parameters:
+                del owner._parameters[attr]
                 setattr(owner, attr, None)
-        self._live.clear()
+        place_gathers(module, self.unit_of, self._gather_unit, self._release_unit, self._members)
+
+    def _members(self, u: int) -> list[str]:
+        return [self.names[i] for i in self.units[u].params]
+
+    # -- gathering one unit ----------------------------------------------------------------------
+    def _start(self, u: int) -> tuple:
+        """Issue the all-gather of unit ``u``'s slices over the innermost ZeRO axis (asynchronously)."""
+        unit = self.units[u]
+        local = torch.cat([self.slices[i].detach().reshape(-1) for i in unit.params])
+        a = self.zero_axes[-1]
+        n, group = self.comm.sizes[a], self.comm.groups[a]
+        out = torch.empty(n * unit.width, dtype=local.dtype, device=local.device)
+        self.gathered_bytes.add(out)
+        work = dist.all_gather_single(out, local, group=group, async_op=True)
+        return u, out, work, local
+
+    def _finish(self, pending: tuple) -> torch.Tensor:
+        """Wait for a gather, gather over the outer ZeRO axes, and lay the parameters out one after the other."""
+        u, out, work, local = pending
+        work.wait()
+        unit = self.units[u]
+        rows = gather_slices(out, self.comm, self.zero_axes[:-1]).view(self.parts, unit.width)
+        whole = torch.empty(self.parts * unit.width, dtype=out.dtype, device=out.device)
+        for n, so, wo in zip(unit.slice_len, unit.slice_off, unit.whole_off):
+            whole[wo : wo + n * self.parts].view(self.parts, n).copy_(rows[:, so : so + n])
+        _free(local)
+        self.gathered_bytes.drop(out)
+        _free(out)  # now: the finished collective may still hold a reference to it (FSDP2 frees the same way)
+        self.gathered_bytes.add(whole)
+        return whole
+
+    def _take(self, u: int) -> torch.Tensor:
+        """Unit ``u`` whole: its prefetch, else gathered now."""
+        pending = self._pending.pop(u, None)
+        return self._finish(pending if pending is not None else self._start(u))
+
+    def _prefetch(self, u: int) -> None:
+        if u >= 0 and u not in self._pending and u not in self._cache:
+            self._pending[u] = self._start(u)
+
+    def _views(self, u: int, whole: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        unit = self.units[u]
+        return tuple(
+            whole[wo : wo + math.prod(self.shapes[i])].view(self.shapes[i])
+            for i, wo in zip(unit.params, unit.whole_off)
+        )
+
+    # -- the forward (called by the nodes place_gathers puts in the graph) ------------------------
+    def _gather_unit(self, u: int, nxt: int) -> tuple[torch.Tensor, ...]:
+        outs = _GatherUnit.apply(self, u, *(self.slices[i] for i in self.units[u].params))
+        self._live[outs[0].untyped_storage().data_ptr()] = u
+        self._prefetch(nxt)
+        return outs
+
+    def _release_unit(self, gathered: tuple) -> None:
+        self._live.pop(gathered[0].untyped_storage().data_ptr(), None)
 
     @contextlib.contextmanager
-    def gathered(self, names=None):
-        """Run the body with parameters ``names`` (default: all) gathered; saved ones become tokens."""
-        self.gather(names)
+    def scope(self):
+        """One forward, recomputation or backward of a stage: saved parameters become tokens; the
+        prefetches and the backward's gathered units are dropped at the end."""
+        self._depth += 1
+        outer = self._pass
+        self._pass = _Pass()
         try:
             with self.saved_tensors():
                 yield
         finally:
-            self.release(names)
+            self._pass = outer
+            self._depth -= 1
+            if not self._depth:
+                self._drop()
+
+    def _drop(self) -> None:
+        for pending in self._pending.values():
+            pending[2].wait()  # no collective left behind
+        self._pending.clear()
+        self._cache.clear()
+        self._current = -1
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks packing a saved tensor that is (a view of) a gathered parameter as a token."""
+        """Hooks packing a saved tensor that is (a view of) a gathered unit as a token."""
+        fwd = self._pass
 
         def pack(t: torch.Tensor):
-            if self._live and t.layout == torch.strided and t.device.type != "meta":
-                i = self._live.get(t.untyped_storage().data_ptr())
-                if i is not None:
-                    return (_Token, i, t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+            if fwd is not None and self._live and t.layout == torch.strided and t.device.type != "meta":
+                u = self._live.get(t.untyped_storage().data_ptr())
+                if u is not None:
+                    fwd.saw(u)
+                    return (_Token, fwd, u, t.size(), t.stride(), t.storage_offset())
             return t
 
         def unpack(x):
             if isinstance(x, tuple) and x and x[0] is _Token:
-                _, i, size, stride, offset, _rg = x
-                with torch.no_grad():
-                    flat = self.all_gather(self.slices[i])
-                return flat.as_strided(size, stride, offset)
+                _, p, u, size, stride, offset = x
+                return self._backward_unit(p, u).as_strided(size, stride, offset)
             return x
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
-    def gathered_alive(self) -> int:
-        """How many of the last forward's whole parameters are still alive (0 once it returned)."""
-        return sum(r() is not None for r in self._gathered)
+    # -- the backward -----------------------------------------------------------------------------
+    def _backward_unit(self, p: _Pass, u: int) -> torch.Tensor:
+        """Unit ``u`` whole for the backward; the unit before stays gathered no longer, and the unit the
+        forward read before ``u`` starts travelling."""
+        self._after_backward()
+        if u in self._cache:
+            return self._cache[u]
+        self._cache.pop(self._current, None)
+        with torch.no_grad():
+            self._cache[u] = self._take(u)
+        self._current = u
+        self._prefetch(p.before(u))
+        return self._cache[u]
+
+    def _scatter(self, u: int, grads: tuple) -> None:
+        """Start reduce-scattering unit ``u``'s gradients (laid out as the gathered slices)."""
+        self._after_backward()
+        self._cache.pop(u, None)  # every reader of the unit has run
+        unit = self.units[u]
+        ref = self.slices[unit.params[0]]
+        dtype = self.comm.grad_dtype or ref.dtype  # mixed precision's reduce_dtype
+        buf = torch.zeros(self.parts, unit.width, dtype=dtype, device=ref.device)
+        first = self.zero_axes[0]
+        for i, g, n, so in zip(unit.params, grads, unit.slice_len, unit.slice_off):
+            if g is None or (self.whole[i] and self.comm.coords[first] != 0):
+                continue  # a whole gradient counts once: from coordinate 0
+            flat = torch.nn.functional.pad(g.detach().reshape(-1), (0, n * self.parts - g.numel()))
+            buf[:, so : so + n].copy_(flat.view(self.parts, n))
+        buf = buf.view(-1)
+        out = torch.empty(buf.numel() // self.comm.sizes[first], dtype=buf.dtype, device=buf.device)
+        work = dist.reduce_scatter_single(out, buf, group=self.comm.groups[first], async_op=True)
+        self._scatters.append((u, buf, out, work))
+
+    def _after_backward(self) -> None:
+        """Queue ``_end_backward`` once per backward (called from inside the autograd engine)."""
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        self._queued = False
+        scatters, self._scatters = self._scatters, []
+        for u, buf, out, work in scatters:
+            work.wait()
+            _free(buf)
+            self._accumulate(u, self._rest_of_scatter(u, out))
+        if not self._depth:
+            self._drop()
+
+    def _rest_of_scatter(self, u: int, g: torch.Tensor) -> torch.Tensor:
+        """The reduce-scatter over the remaining ZeRO axes, then the all-reduce across the replicas."""
+        unit = self.units[u]
+        for a in self.zero_axes[1:] + self.replica_axes:
+            if self.comm.coords[a] != 0:  # a whole gradient counts once
+                g = g.clone()
+                rows = g.view(-1, unit.width)
+                for i, n, so in zip(unit.params, unit.slice_len, unit.slice_off):
+                    if self.whole[i]:
+                        rows[:, so : so + n] = 0
+            if a in self.zero_axes:
+                out = torch.empty(g.numel() // self.comm.sizes[a], dtype=g.dtype, device=g.device)
+                dist.reduce_scatter_single(out, g.contiguous(), group=self.comm.groups[a])
+                g = out
+            else:
+                dist.all_reduce(g, group=self.comm.groups[a])
+        return g
+
+    def _accumulate(self, u: int, g: torch.Tensor) -> None:
+        unit = self.units[u]
+        for i, n, so in zip(unit.params, unit.slice_len, unit.slice_off):
+            p = self.slices[i]
+            piece = g[so : so + n]
+            if p.grad is None:
+                p.grad = piece.to(p.dtype, copy=True)
+            else:
+                p.grad += piece
+            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+                hook(p)  # as AccumulateGrad runs them (the data-parallel sync of other axes)
+
+    def peak_gathered(self) -> int:
+        """The most bytes of gathered parameters alive at once since ``reset_peak``."""
+        return self.gathered_bytes.peak
+
+    def reset_peak(self) -> None:
+        self.gathered_bytes.reset_peak()
+
+    def unit_bytes(self) -> list[tuple[str, int]]:
+        """(label, bytes of the unit's whole parameters as gathered) of every unit."""
+        return [
+            (unit.label, unit.width * self.parts * self.slices[unit.params[0]].element_size()) for unit in self.units
+        ]
 
     # -- whole values ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -176,7 +349,9 @@ class Zero3Params:
         piece = self.slices[i]
         if grad:
             piece = piece.grad if piece.grad is not None else torch.zeros_like(piece)
-        return self.all_gather(piece)[: math.prod(self.shapes[i])].view(self.shapes[i])
+        return gather_slices(piece.detach(), self.comm, self.zero_axes)[: math.prod(self.shapes[i])].view(
+            self.shapes[i]
+        )
 
     def slice_of(self, name: str) -> torch.nn.Parameter:
         return self.slices[self._index[name]]
@@ -187,7 +362,8 @@ class Zero3Params:
 
 def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: coll.Comm, modules) -> Zero3Params | None:
     """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
-    managed ones sliced and emptied from every generated module of ``modules``; ``None`` otherwise."""
+    managed ones sliced, grouped in units by the program's repeated blocks (``solver/blocks.py``), and
+    gathered unit by unit in every generated module of ``modules``; ``None`` otherwise."""
     if setup.zero < 3:
         return None
     zero_axes, replica_axes = zero_axes_of(setup, program.mesh)
@@ -202,10 +378,15 @@ def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: col
         and params[v.name].requires_grad
         and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
     ]
-    zero3 = Zero3Params(params, names, comm, zero_axes, replica_axes, whole)
+    zero3 = Zero3Params(params, names, comm, zero_axes, replica_axes, whole, param_units(program, names))
     for gm in modules:
         zero3.attach(gm)
     return zero3
+
+
+def _free(t: torch.Tensor) -> None:
+    """Free ``t``'s memory though something (a finished collective's work object) still refers to it."""
+    t.untyped_storage().resize_(0)
 
 
 class _Token:

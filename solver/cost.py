@@ -12,6 +12,8 @@ Mixed precision adds the compute copy (2 bytes in bf16/fp16, ``TrainingSetup.cop
 use in the forward and saved for the backward, it is priced once per parameter element, unsharded
 (ZeRO-3 gathers the fp32 slices, then casts), and gradients are reduced in ``reduce_dtype``
 (``TrainingSetup.grad_itemsize``: 4 bytes by default).
+ZeRO-3 also holds whole weights while it computes, one unit at a time (``runtime/zero3.py``): at most
+the root unit and two repeated blocks (``zero3_gathered``).
 
 Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
 other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
@@ -48,6 +50,7 @@ import numpy as np
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
+from autopar.solver.blocks import ROOT, param_units
 from autopar.solver.cluster import ClusterSpec
 
 INF = math.inf
@@ -156,9 +159,8 @@ class CostModel:
         numel = self.local_bytes(t, p) / t.itemsize
         zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
         zf = math.prod(self.mesh.sizes[i] for i in zero_axes)
-        skip = frozenset(zero_axes)
         repl_all = replication(p, self.mesh.sizes)
-        repl_sharded = replication(p, self.mesh.sizes, skip)
+        repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
         mem = red = 0.0
         for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf), self.setup.copy_bytes)):
             sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
@@ -290,11 +292,16 @@ class CostModel:
         solver/buckets.py) pays bandwidth only: the step pays one latency per bucket, which a
         parameter changes only where it opens a bucket (``bucket_latency`` prices them for a plan).
         Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
-        vocab-parallel head whose gathers measure slower (docs/runtime.md)."""
+        vocab-parallel head whose gathers measure slower (docs/runtime.md). Under ZeRO-3 on a ZeRO axis a
+        parameter's sync is its reduce-scatter plus its all-gathers for the forward and again for the
+        backward (``runtime/zero3.py``): an all-reduce's bytes and one all-gather more."""
         nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize  # in reduce_dtype
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)
+        if self.setup.zero >= 3 and axis in self._zero_axes:
+            gv, gs, _ = self._collective_terms("all_gather", axis)
+            v, per_byte = v + gv, per_byte + gs
         return nbytes * v, nbytes * per_byte
 
     def bucket_latency(self, axis: int, buckets: int) -> float:
@@ -366,7 +373,8 @@ def program_memory(prog, setup: TrainingSetup | None = None) -> float:
     """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
     with their gradients and optimizer states, inputs, every op's output (collectives included, all
     counted as live at once: an upper bound on saved activations), and the gradient-sync buckets (all
-    in flight together at the end of the backward, runtime/grads.py)."""
+    in flight together at the end of the backward, runtime/grads.py), and ZeRO-3's gathered weights
+    (``zero3_gathered``)."""
     model = CostModel(prog.mesh, setup or TrainingSetup())
     total = 0.0
     synced = 0.0
@@ -379,4 +387,36 @@ def program_memory(prog, setup: TrainingSetup | None = None) -> float:
             total += model.local_bytes(v.type, v.type.placements)
     for op in prog.ops:
         total += sum(model.local_bytes(t, t.placements) for t in op.types)
-    return total + synced
+    return total + synced + zero3_gathered(prog, setup or TrainingSetup())
+
+
+def zero3_gathered(prog, setup: TrainingSetup) -> float:
+    """The most bytes of whole parameters ZeRO-3 holds at once on a rank (``runtime/zero3.py``): the
+    root unit and the two largest repeated blocks (``solver/blocks.py``; in forward, the block computing
+    and the next one arriving), each parameter padded to a multiple of the ZeRO ranks; 0 without ZeRO-3."""
+    if setup.zero < 3:
+        return 0.0
+    zero = [i for i in setup.shard_axes(prog.mesh) if prog.mesh.sizes[i] > 1]
+    k = math.prod(prog.mesh.sizes[i] for i in zero)
+    managed = {
+        v.name: v
+        for v in prog.params
+        if zero and v.type.is_float and all(isinstance(v.type.placements[i], Replicate) for i in zero)
+    }
+    if not managed:
+        return 0.0
+    model = CostModel(prog.mesh, setup)
+    weight = setup.bytes_per_param[0]
+
+    def size(names: list[str]) -> float:
+        out = 0.0
+        for n in names:
+            t = managed[n].type
+            numel = model.local_bytes(t, t.placements) / t.itemsize
+            out += -(-numel // k) * k * weight
+        return out
+
+    units = param_units(prog, managed)
+    root = sum(size(names) for label, names in units if label == ROOT)
+    blocks = sorted((size(names) for label, names in units if label != ROOT), reverse=True)
+    return root + sum(blocks[:2])

@@ -19,7 +19,6 @@ rows split across ranks) is reduced.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +26,7 @@ import numpy as np
 from autopar.errors import InfeasibleError
 from autopar.ir.axes import is_data_axis
 from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, Replicate, TensorType, Value, map_refs
+from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF, CostModel
 from autopar.solver.options import ShardOptions
 from autopar.solver.strategies import Strategy, chunk_counts, is_divergent, is_follower, op_strategies, value_strategies
@@ -324,14 +324,6 @@ def has_partial(placements) -> bool:
 
 def label(x: Op | Value) -> str:
     return f"%{x.result} = {x.target}" if isinstance(x, Op) else f"{x.kind} %{x.name}"
-
-
-LAYER_PATH = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
-
-
-def layer_key(path: str) -> tuple[str, int] | None:
-    m = LAYER_PATH.match(path or "")
-    return (m["stack"], int(m["index"])) if m else None
 
 
 def unnamed(x):

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 
 from autopar.errors import InfeasibleError
 from autopar.ir.core import Op, Placement, Program, R, Replicate, TensorType, Value
-from autopar.solver.groups import Group, GroupBuilder, label, layer_key, unnamed
+from autopar.solver.blocks import layer_key
+from autopar.solver.groups import Group, GroupBuilder, label, unnamed
 from autopar.solver.ilp import Solution, solve
 from autopar.solver.options import ShardOptions
 from autopar.solver.problem import Edge, Node, fold_repeated

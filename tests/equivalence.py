@@ -36,12 +36,12 @@ from tests.exactness import (
 from tests.exactness import make_optimizer as new_optimizer  # compare_train_step's make_optimizer is a flag
 
 
-def tiny_gpt2(seed: int = 0, batch: int = 4, seq: int = 16, steps: int = 3):
+def tiny_gpt2(seed: int = 0, batch: int = 4, seq: int = 16, steps: int = 3, layers: int = 2):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
     cfg = GPT2Config(
-        n_layer=2,
+        n_layer=layers,
         n_embd=64,
         n_head=4,
         vocab_size=128,
@@ -88,7 +88,7 @@ def tiny_mlp(seed: int = 0, batch: int = 8, steps: int = 3):
     return model, batches
 
 
-MODELS = {"gpt2": tiny_gpt2, "mlp": tiny_mlp}
+MODELS = {"gpt2": tiny_gpt2, "gpt2x4": lambda: tiny_gpt2(layers=4), "mlp": tiny_mlp}
 
 
 def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strategy: str = "autopar") -> dict:
@@ -152,11 +152,14 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     states: list[int] = []
     losses = train(compiled, batches, optimizer, states=states)
     full = compiled.full_state_dict()
-    gathered_alive = -1
+    gathered_alive, gathered_peak, units = -1, -1, []
     if compiled.zero3 is not None:  # the whole parameters must not outlive the forward
+        compiled.zero3.reset_peak()
         loss = loss_of(compiled(**batches[0]))
-        gathered_alive = compiled.zero3.gathered_alive()
+        gathered_alive = compiled.zero3.gathered_bytes.alive()  # bytes of whole parameters left
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
+        gathered_peak = compiled.zero3.peak_gathered()  # the most whole bytes alive in forward and backward
+        units = compiled.zero3.unit_bytes()
     ref_losses = train(reference, batches, optimizer)
     param_rel, worst_param, _ = parameter_error(full, reference)
     per_element = STATES_PER_ELEMENT[optimizer]
@@ -171,6 +174,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "zero_expected_numel": torch.tensor(_zero_expected(compiled, per_element)),
         "zero3_expected_numel": torch.tensor(_zero_expected(compiled, 1, per_tensor=True)),
         "gathered_alive": torch.tensor(gathered_alive),
+        "gathered_peak": torch.tensor(gathered_peak),
+        "root_bytes": torch.tensor(sum(b for label, b in units if label == "root")),
+        "block_bytes": torch.tensor([b for label, b in units if label != "root"], dtype=torch.int64),
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
     }
 

@@ -16,7 +16,7 @@ from tests.exactness import TOL
 pytestmark = pytest.mark.multiproc
 
 MESHES = [
-    ({"dp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron+zero2+adamw", "gpt2@megatron+zero3"]),
+    ({"dp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron+zero2+adamw", "gpt2x4@megatron+zero3"]),
     ({"tp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron", "lm@megatron", "gpt2@megatron+broken"]),
     ({"dp": 2, "tp": 2}, ["mlp", "gpt2", "gpt2@plan", "gpt2@megatron+zero2", "gpt2@megatron+zero3"]),
 ]
@@ -63,5 +63,13 @@ def test_models_train_exactly(axes, models):
                 assert r3["local_numel"] == r3["zero3_expected_numel"], model
                 assert r3["optimizer_state_numel"] == per_element * r3["local_numel"], model
                 assert r3["gathered_alive"] == 0, model
+                # gathered one unit at a time: at any moment of forward and backward at most the root unit
+                # (embeddings, tied head, final norm) and two blocks are whole; with 4 blocks the whole
+                # model is more, so gathering it at once (as before) fails here (shown by hand, commit message)
+                blocks = sorted(r3["block_bytes"].tolist(), reverse=True)
+                bound = r3["root_bytes"].item() + sum(blocks[:2])
+                if "gpt2x4" in model:
+                    assert len(blocks) == 4 and r3["root_bytes"] + sum(blocks) > bound, model
+                assert 0 < r3["gathered_peak"].item() <= bound, (model, r3["gathered_peak"].item(), bound)
             k = axes.get("dp", 1)
             assert r["local_numel"] < (1 / k + 0.2) * r["full_numel"] / (world // k), model

@@ -136,14 +136,24 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
 
     zero2 = {"options": ShardOptions(setup=TrainingSetup(zero=2))}
     zero3 = {"options": ShardOptions(setup=TrainingSetup(zero=3))}
+    mics3 = {"options": ShardOptions(setup=TrainingSetup(zero=3, zero_axes=("dpr", "dp"), mics_group=2))}
     sharded = {"options": SHARDED}
     jobs = [
-        {  # ZeRO-3 in a pipeline: each stage's parameters gathered around its forwards, SGD momentum
+        {  # ZeRO-3 in a pipeline: each F, RECOMPUTE, B and W gathers the stage's units one at a time
             "name": "gpt2-pp2dp2-zero3",
             "model_name": "gpt2",
             "axes": {"pp": 2, "dp": 2},
-            "runs": [("1f1b", {}), ("zb-h1", {})],  # W reduce-scatters into the slices
+            "runs": [("1f1b", {}), ("1f1b", {"recompute": 1}), ("zb-h1", {})],  # W reduce-scatters the units
             "compile_kwargs": zero3,
+            "make_optimizer": True,
+            "steps": 2,
+        },
+        {  # ZeRO-3 inside MiCS partition groups (dp) replicated over dpr, one stage: the 2-hop gradient sync
+            "name": "gpt2-mics3",
+            "model_name": "gpt2",
+            "axes": {"dpr": 2, "dp": 2},
+            "runs": [("1f1b", {})],
+            "compile_kwargs": mics3,
             "make_optimizer": True,
             "steps": 2,
         },

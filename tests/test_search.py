@@ -168,30 +168,40 @@ def test_balanced_layout_reaches_the_least_bottleneck_and_fills_later_stages_fir
 
 def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
     """By default the search offers ZeRO-3 (and MiCS-3) with a pipeline, priced as runtime/zero3.py runs it:
-    a stage's whole weights all-gathered around each of its forwards and recomputations (and again in its
-    backward, which reduce-scatters the gradients; with MiCS each backward also all-reduces the shard across
-    the groups), and held whole while the stage runs."""
+    one all-gather per unit (each layer, the embedding and head units) in every forward, recomputation and
+    backward, one reduce-scatter per unit in every backward (with MiCS also an all-reduce of the shard across
+    the groups); a split backward gathers again in its W, which does the scatters; while a stage runs it
+    holds its non-layer units and two layers whole."""
     prof, cluster = gpt_profile(), ClusterSpec.load("dgx-a100:nodes=2")
     an = Analytic(prof, cluster, 64)
     fam = Family(pp=2, dp=8, tp=1, micro_batch=1, microbatches=8)
     assert any(3 in ch.zeros for ch in chains(an, SearchSpace(), fam))
     assert not any(3 in ch.zeros for ch in chains(an, SearchSpace(pipeline_zero3=False), fam))
-    one = Candidate(2, 8, 1, 1, 8, "1f1b", recompute="full", zero=1)
-    for mics in (0, 4):
-        z1 = an.evaluate(dataclasses.replace(one, mics_group=mics))
-        z3 = an.evaluate(dataclasses.replace(one, zero=3, mics_group=mics))
-        group = mics or 8
-        for s, (a, b) in enumerate(z1.stages):
-            params = an._sum("params_tp", a, b) + an._sum("params_rep", a, b)
-            gather = an.comm.gather(params * an.weight_b, group, an.comm.intra(group))
-            scatter = an.comm.gather(params * an.grad_b, group, an.comm.intra(group))
-            hop = an.comm.allreduce(params * an.grad_b / group, 1, 8 // group, True) if mics else 0.0
-            assert z3.tf[s] - z1.tf[s] == pytest.approx(gather, rel=1e-9)
-            assert z3.tr[s] - z1.tr[s] == pytest.approx(gather, rel=1e-9)
-            assert z3.tb[s] - z1.tb[s] == pytest.approx(gather + scatter + hop, rel=1e-9)
-            rank = z3.stage_rank[s]
-            assert z3.rank_memory[rank] - z3.weight_memory[rank] >= params * an.weight_b
-        assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
+    for schedule, recompute in (("1f1b", "full"), ("zb-h1", "none")):
+        one = Candidate(2, 8, 1, 1, 8, schedule, recompute=recompute, zero=1)
+        split = schedule == "zb-h1"
+        for mics in (0, 4):
+            z1 = an.evaluate(dataclasses.replace(one, mics_group=mics))
+            z3 = an.evaluate(dataclasses.replace(one, zero=3, mics_group=mics))
+            group = mics or 8
+            for s, (a, b) in enumerate(z1.stages):
+                units = [(u.kind == "layer", u.params_tp + u.params_rep) for u in prof.units[a:b]]
+                assert sum(lay for lay, _ in units) >= 3  # the bound below is below the whole stage
+                gather = sum(an.comm.gather(p * an.weight_b, group, an.comm.intra(group)) for _, p in units)
+                scatter = sum(an.comm.gather(p * an.grad_b, group, an.comm.intra(group)) for _, p in units)
+                hop = (
+                    sum(an.comm.allreduce(p * an.grad_b / group, 1, 8 // group, True) for _, p in units) if mics else 0
+                )
+                assert z3.tf[s] - z1.tf[s] == pytest.approx(gather, rel=1e-9)
+                assert z3.tr[s] - z1.tr[s] == pytest.approx(gather, rel=1e-9)
+                assert z3.tb[s] - z1.tb[s] == pytest.approx(gather * (2 if split else 1) + scatter + hop, rel=1e-9)
+                if split:
+                    assert z3.tw[s] - z1.tw[s] == pytest.approx(gather + scatter + hop, rel=1e-9)
+                layers = sorted((p for lay, p in units if lay), reverse=True)
+                held = (sum(p for lay, p in units if not lay) + layers[0] + layers[1]) * an.weight_b
+                assert z3.info["transient"][s] - z1.info["transient"][s] == pytest.approx(held, rel=1e-9)
+                assert held < sum(p for _, p in units) * an.weight_b
+            assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
 
 
 # ---------------------------------------------------------------------------------------------

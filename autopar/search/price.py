@@ -18,8 +18,8 @@ Per candidate (``Analytic.evaluate``), with micro-batch b and the cluster's alph
   a microbatch counts until its W, and from its B on it also holds the output gradients of its weight
   ops, ``UnitCost.wgrad_*``, priced at the worst point of each rank's list)
   plus what a stage holds only while it runs: one recomputed layer's activations while it is
-  rematerialized and, with ZeRO-3, the stage's whole weights, which the runtime gathers around each of
-  its forwards and recomputations (``runtime/zero3.py``; the whole model without a pipeline);
+  rematerialized and, with ZeRO-3, the whole weights the runtime holds while the stage runs: its
+  embedding/head units and two layers (``runtime/zero3.py`` gathers one unit at a time, with prefetch);
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -330,26 +330,32 @@ class Analytic:
         return base
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
-        """``base`` under ZeRO-3 over ``z3`` ranks: every forward, backward and recomputation all-gathers the
-        stage's weights, every backward reduce-scatters its gradients (and with MiCS all-reduces the shard
-        across the groups), and the whole weights are held while the stage runs. A split backward gathers
-        twice: B for the input gradients, and W again (the weight-side nodes unpack the saved weight once
-        more, ``runtime/zero3.py``), and W reduce-scatters (the gather's backward is on the weight's
-        branch): W costs its compute plus a gather and a scatter, the whole backward one gather more.
-        DualPipeV's unsplit backwards are charged that second gather too (an upper bound)."""
+        """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/zero3.py`` runs it: one all-gather per unit
+        (the stage's embedding/head units, each layer) in every forward, backward and recomputation,
+        one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across the
+        groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. While a
+        stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
+        DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
         stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
         intra_g = self.comm.intra(c.tp * z3)
-        gather = [self.comm.gather(p * self.weight_b, z3, intra_g) for p in params]
-        scatter = [
-            self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c) for p in params
-        ]
+        split = c.schedule in ZERO_BUBBLE
+        gather, scatter, gathered = [], [], []
+        for a, e in stages:
+            units = [(u.kind == "layer", u.params_tp / c.tp + u.params_rep) for u in self.p.units[a:e]]
+            gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g) for _, p in units))
+            scatter.append(
+                sum(
+                    self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c)
+                    for _, p in units
+                )
+            )
+            layers = sorted((p for lay, p in units if lay), reverse=True)
+            gathered.append((sum(p for lay, p in units if not lay) + sum(layers[:2])) * self.weight_b)
         tf = tuple(t + g for t, g in zip(tf, gather))
-        tb = tuple(t + g + r for t, g, r in zip(tb, gather, scatter))
+        tb = tuple(t + g + r + (g if split else 0.0) for t, g, r in zip(tb, gather, scatter))
         tr = tuple(t + g for t, g in zip(tr, gather))
-        if c.schedule in ZERO_BUBBLE:
-            tb = tuple(t + g for t, g in zip(tb, gather))
+        if split:
             tw = tuple(t + g + r for t, g, r in zip(tw, gather, scatter))
-        gathered = [p * self.weight_b for p in params]
         head_tail = _head_tail(tf, tb, tc)
         return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept)
 
