@@ -10,10 +10,10 @@ Per microbatch (the program's example batch is one microbatch of the global batc
 - memory = model states + activations. Model states: ``TrainingSetup.bytes_per_param`` with Adam,
   16 bytes per parameter both in mixed precision (bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam
   moments 8) and in fp32 (weight 4 + grad 4 + Adam moments 8); a parameter read by several subgraphs
-  (a tied embedding) is held by every stage reading it, as Megatron does. Activations: every
-  non-view float op result that is not a common node is assumed stashed for backward (an upper
-  bound: Megatron's 34 s b h bytes per GPT layer is about 60% of it), at 2 bytes per element under
-  ``precision="bf16"``. An unsharded program with tp > 1 is assumed to follow Megatron with sequence
+  (a tied embedding) is held by every stage reading it, as Megatron does. Activations: what
+  autograd saves for backward (``solver/saved.py``: the storage roots some op's derivative keeps, plus
+  intermediates such as a loss's log-softmax), common nodes excepted, at 2 bytes per float element
+  under ``precision="bf16"``. An unsharded program with tp > 1 is assumed to follow Megatron with sequence
   parallelism: weights / tp, activations and FLOPs / (dp tp). A sharded program's local sizes come
   from its placements.
 
@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.ir.axes import is_pipeline_axis, is_tensor_axis
-from autopar.ir.core import VIEW_OPS, Placement, Program, Replicate, TensorType
+from autopar.ir.core import Placement, Program, Replicate, TensorType
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
 from autopar.solver.megatron_roles import ROW, megatron_roles, weight_values
+from autopar.solver.saved import SavedValues, extra_bytes, saved_values
 
 
 class OpRun(Protocol):
@@ -75,6 +76,25 @@ class StageContext:
         if self.sharded:
             return t.local_nbytes(self.prog.mesh) * scale
         return t.nbytes * scale / (self.dp * self.tp)
+
+    @functools.cached_property
+    def saved(self) -> SavedValues:
+        """What the program's step keeps for backward (``solver/saved.py``)."""
+        return saved_values(self.prog)
+
+    def extra_bytes(self, op) -> float:
+        """Bytes per device of the intermediates ``op`` keeps for backward (a loss's log-softmax)."""
+        extra = self.saved.extra.get(op.result)
+        if not extra:
+            return 0.0
+        scale = 2 / op.types[0].itemsize if self.precision == "bf16" and op.types[0].is_float else 1.0
+        if self.sharded:
+            return scale * extra_bytes(op, extra, self.types, self.prog.mesh.sizes)
+        return scale * extra_bytes(op, extra, self.types, None) / (self.dp * self.tp)
+
+    @functools.cached_property
+    def types(self) -> dict[str, TensorType]:
+        return self.prog.types()
 
     @functools.cached_property
     def weights(self) -> frozenset[str]:
@@ -200,11 +220,10 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                 weight += v.type.nbytes  # no gradient, no optimizer state
         act = 0.0
         for op in prog.ops[s.start : s.stop]:
-            if op.target in VIEW_OPS:
-                continue
             for r, t in zip(op.results, op.types):
-                if t.is_float and r not in ctx.commons:
+                if ctx.saved.activation(r) and r not in ctx.commons:
                     act += ctx.act_bytes(t)
+            act += ctx.extra_bytes(op)
         compute = 3 * s.flops / (ctx.dp * ctx.tp) / peak
         out.append(SubgraphCost(compute, comm_fn(ctx, s), weight, act))
     return SplitCosts(out, tied, params)
