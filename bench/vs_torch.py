@@ -61,28 +61,34 @@ PP_SCHEDULES = ("1f1b", "interleaved")
 
 
 def run_one(rank: int, world: int, port: int, system: str, pair: str, a, out: str) -> None:
-    from autopar.runtime.memory import SavedTensors, measured_categories, predicted_categories
+    from autopar.runtime.memory import SavedTensors, measured_categories, predicted_categories, tensor_bytes
 
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)
     module, opt, batch = build_system(system, family_of(system, pair), a, rank)
-    pipe = system == "autopar-pp"
+    pipe = system.startswith("autopar") and module.schedule.num_stages > 1  # train_step runs its whole step
 
-    def step():
+    def backward():
         if pipe:
             module.train_step(**batch)
         else:
             module(**batch).backward()
-        opt.step()
 
     params = list(module.parameters())
     with SavedTensors(params + list(batch.values())) as saved:  # the batch and the weights are not activations
-        step()
-    memory = measured_categories(params, opt, saved)
+        backward()
+    grads = tensor_bytes(p.grad for p in params if p.grad is not None)  # before a ZeRO optimizer frees them
+    opt.step()
+    memory = dict(measured_categories(params, opt, saved), grads=grads)
     predicted = predicted_categories(module) if system.startswith("autopar") else None
+
+    def step():
+        backward()
+        opt.step()
+
     opt.zero_grad()
     times = []
-    for _ in range(0 if pipe else a.steps):
+    for _ in range(0 if system == "autopar-pp" else a.steps):  # the pp pair's memory run is not timed
         dist.barrier()
         t0 = time.perf_counter()
         step()
@@ -194,8 +200,9 @@ def _table(results: dict, a) -> str:
         "| pair | ranks | autopar s/step | peer s/step | ratio autopar/peer (min-max) |",
         "|---|---|---|---|---|",
     ]
-    mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB |"]
-    mem.append("|---|---|---|---|---|---|")
+    mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB "
+           "| activations predicted / saved | every op output / saved |"]  # fmt: skip
+    mem.append("|---|---|---|---|---|---|---|---|")
     for pair, runs in results.items():
         if pair == "pp":
             lines += _pp_rows(runs, a)
@@ -235,8 +242,11 @@ def _mem_row(label: str, run: dict) -> str:
     keys = ("params", "grads", "optimizer", "activations")
     m, pred = run["memory"], run["predicted"]
     cells = " | ".join(f"{m[k] / mib:.2f}" for k in keys)
-    ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys) if pred else "-"
-    return f"| {label} | {cells} | {ptxt} |"
+    if not pred:
+        return f"| {label} | {cells} | - | - | - |"
+    ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys)
+    saved = max(m["activations"], 1)
+    return f"| {label} | {cells} | {ptxt} | {pred['activations'] / saved:.4f} | {pred['every_output'] / saved:.2f} |"
 
 
 if __name__ == "__main__":

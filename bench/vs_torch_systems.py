@@ -4,8 +4,9 @@ Every system is built from the same model spec and seed on every rank and return
 
 - ``autopar-dp`` / ``autopar-tp`` / ``autopar-zero3``: ``autopar.compile`` on a dp or tp mesh of all ranks
   (ZeRO-3: ``TrainingSetup(zero=3)``); ``autopar-pp``: on a pp mesh, 1F1B over ``--microbatches``;
-- ``autopar-search``: the plan ``autopar.search`` chose for these ranks on this machine's cluster spec
-  (``prepare_search``, once in the parent), loaded by ``autopar.compile(plan=...)``;
+- ``autopar-search``: ``autopar.compile`` (default objective) on the mesh, ZeRO stage and pipeline that
+  ``autopar.search`` chose for these ranks on this machine's cluster spec (``prepare_search``, once in the
+  parent);
 - ``ddp``: ``DistributedDataParallel``; ``fsdp2``: ``fully_shard`` per decoder layer, then the root;
   ``dtensor-tp``: ``parallelize_module`` with Megatron's layout (q/k/v/gate/up column-wise, o/down
   row-wise); ``fsdp2-tp``: torchtitan's 2-D layout, the same TP on a ``tp`` axis of 2 and ``fully_shard``
@@ -13,6 +14,8 @@ Every system is built from the same model spec and seed on every rank and return
 """
 
 from __future__ import annotations
+
+import json
 
 import torch
 import torch.distributed as dist
@@ -51,14 +54,23 @@ def family_of(system: str, pair: str) -> str:
 
 
 def prepare_search(a, world: int, path: str) -> str:
-    """Search the plan of the llama model for ``world`` ranks of this machine (global batch ``--batch``) and
-    write it to ``path``; returns the search's line for the best plan."""
+    """Search the llama model's plan for ``world`` ranks of this machine (global batch ``--batch``) and write how
+    to launch it to ``path`` (JSON: mesh axes, ZeRO stage and MiCS group, pipeline schedule and microbatches);
+    returns the search's line for the best plan. The run compiles the model on that mesh with that setup and
+    the default objective, the whole batch per step (the search's gradient-accumulation microbatches, if
+    any, are one step here: the same samples, fewer calls)."""
     from autopar.api import local_cluster_spec
     from autopar.search import search_model
 
     spec = model_spec("llama", a).rsplit(",batch=", 1)[0]
     result = search_model(spec, local_cluster_spec("cpu", world), global_batch=a.batch)
-    result.materialize().save(path)
+    c = result.best[0].candidate
+    launch = {"axes": {k: n for k, n in c.mesh().items() if n > 1} or {"dp": 1}, "zero": c.zero, "mics": c.mics_group}
+    if c.pp > 1:
+        launch["pipeline"] = {"microbatches": c.microbatches, "schedule": c.schedule}
+        launch["pipeline"]["schedule_options"] = {"chunks": c.chunks} if c.chunks > 1 else {}
+    with open(path, "w") as f:
+        json.dump(launch, f)
     return next(line for line in result.format(top=1).splitlines() if line.strip().startswith("1 "))
 
 
@@ -67,8 +79,6 @@ def build_system(system: str, family: str, a, rank: int):
     import autopar
     from autopar.models import build
     from autopar.passes.shard import ShardOptions
-    from autopar.plan import Plan
-    from autopar.search.materialize import launch_options
     from autopar.solver.cost import TrainingSetup
 
     m = build(model_spec(family, a), device="cpu", seed=0)
@@ -77,8 +87,11 @@ def build_system(system: str, family: str, a, rank: int):
     if system.startswith("autopar"):
         kwargs: dict = {}
         if system == "autopar-search":
-            axes, kwargs = launch_options(Plan.load(a.search_plan))
-            kwargs["plan"] = a.search_plan
+            with open(a.search_plan) as f:
+                launch = json.load(f)
+            axes, kwargs = launch["axes"], dict(launch.get("pipeline", {}))
+            setup = TrainingSetup(zero=launch["zero"], mics_group=launch["mics"] or None)
+            kwargs["options"] = ShardOptions(setup=setup)
         elif system == "autopar-pp":
             axes, kwargs = {"pp": world}, {"microbatches": a.microbatches}
         else:
@@ -86,7 +99,9 @@ def build_system(system: str, family: str, a, rank: int):
         if system == "autopar-zero3":
             kwargs["options"] = ShardOptions(setup=TrainingSetup(zero=3))
         cm = autopar.compile(model, autopar.init_mesh("cpu", **axes), kwargs=batch, **kwargs)
-        return cm, torch.optim.AdamW(cm.parameters(), lr=1e-4), batch
+        if cm.schedule.num_stages > 1:  # the caller steps it after train_step (an attached one zeroes the grads)
+            return cm, torch.optim.AdamW(cm.parameters(), lr=1e-4), batch
+        return cm, cm.make_optimizer(torch.optim.AdamW, lr=1e-4), batch  # ZeRO-1/2 slices where planned
     local = {k: v.chunk(world)[rank] for k, v in batch.items()}
     if system == "ddp":
         from torch.nn.parallel import DistributedDataParallel
