@@ -102,12 +102,22 @@ def run_one(rank: int, world: int, port: int, system: str, pair: str, a, out: st
     dist.destroy_process_group()
 
 
-def spawn(system: str, pair: str, ranks: int, a) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "r.json")
-        mp.spawn(run_one, args=(ranks, free_port(), system, pair, a, out), nprocs=ranks, join=True)
-        with open(out) as f:
-            return json.load(f)
+def spawn(system: str, pair: str, ranks: int, a, tries: int = 3) -> dict:
+    """One run of ``system`` on ``ranks`` fresh processes. A run whose process dies (seen on this shared machine:
+    a gloo rank aborting at start-up, "terminate called without an active exception") is retried, said on stderr."""
+    for attempt in range(1, tries + 1):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "r.json")
+            try:
+                mp.spawn(run_one, args=(ranks, free_port(), system, pair, a, out), nprocs=ranks, join=True)
+            except mp.ProcessExitedException as e:
+                if attempt == tries:
+                    raise
+                print(f"[{pair}] {system}: {e}; retrying ({attempt}/{tries - 1})", file=sys.stderr, flush=True)
+                continue
+            with open(out) as f:
+                return json.load(f)
+    raise AssertionError("unreachable")
 
 
 def run_pair(pair: str, a) -> dict:
