@@ -50,6 +50,12 @@ SCHEDULES = [
 TORCH_HAS = {"gpipe", "1f1b", "interleaved"}
 
 
+def _chosen(args) -> list[tuple[str, dict]]:
+    """The schedules to run: ``--schedules`` (in the workers too: they re-import this module)."""
+    keep = {x.strip() for x in (args.schedules or "").split(",") if x.strip()}
+    return [(n, o) for n, o in SCHEDULES if not keep or n in keep]
+
+
 # ---------------------------------------------------------------------------------------------
 # Emulated device
 
@@ -198,7 +204,7 @@ def emulated(rank: int, world: int, args) -> dict:
     shape = (args.mb, args.seq, args.hidden)
     out = {}
     runs = []
-    for name, opts in SCHEDULES:
+    for name, opts in _chosen(args):
         sched = make_schedule(name, P, M, **opts)
         S = sched.num_stages
         tf_stage = args.tf * P / S
@@ -316,7 +322,7 @@ def real(rank: int, world: int, args) -> dict:
     labels = torch.randint(0, args.vocab, (B, args.seq), generator=g)
     mesh = autopar.init_mesh("cpu", pp=P)
     runs = []
-    for name, opts in SCHEDULES:
+    for name, opts in _chosen(args):
         pipe = autopar.compile(
             copy.deepcopy(net),
             mesh,
@@ -480,8 +486,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8, help="real: MLP blocks")
     p.add_argument("--vocab", type=int, default=1024, help="real: vocabulary")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--schedules", help="comma-separated subset of " + ",".join(n for n, _ in SCHEDULES))
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
+    if unknown := set((args.schedules or "").replace(" ", "").split(",")) - {n for n, _ in SCHEDULES} - {""}:
+        p.error(f"unknown schedules {sorted(unknown)}")
     port = free_port()
     import tempfile
 

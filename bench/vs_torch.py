@@ -1,35 +1,35 @@
 """autopar beside what users write with torch, same model and ranks: step-time ratios and live bytes per category.
 
-    .venv/bin/python bench/vs_torch.py                              # every pair, issue 13's sizes
+    .venv/bin/python bench/vs_torch.py                              # dp, zero3, tp pairs, issue 13's sizes
+    .venv/bin/python bench/vs_torch.py --pairs search               # the searched 4-rank plan vs every peer
+    .venv/bin/python bench/vs_torch.py --pairs pp                   # 1F1B / interleaved vs torch pipelining
     .venv/bin/python bench/vs_torch.py --pairs dp --repeats 2 --steps 3 --layers 2 --hidden 64 --seq 32 --vocab 512
-    .venv/bin/python bench/vs_torch.py --pp                         # also bench/pipeline_vs_torch.py (pp rows)
 
-Pairs (autopar / peer), each run in fresh gloo processes (one thread per rank), alternating
-A B A B ... for --repeats rounds (shared/BENCHMARKING.md):
+Pairs (autopar / peers), each run in fresh gloo processes (one thread per rank), alternating
+A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_torch_systems.py.
 
 - ``dp``: autopar.compile on dp=2 (the default plan: fastest within the memory) vs torch DDP; GPT-2;
 - ``zero3``: autopar with ZeRO-3 on dp=2 vs FSDP2 (``fully_shard`` per decoder layer, then the root); LLaMA;
-- ``tp``: autopar on tp=2 (its plan) vs DTensor TP (``parallelize_module``, Megatron's layout:
-  q/k/v/gate/up column-wise, o/down row-wise); LLaMA;
-- ``pp`` (``--pp``): ``bench/pipeline_vs_torch.py`` (1F1B, interleaved, ... vs torch.distributed.pipelining).
+- ``tp``: autopar on tp=2 (its plan) vs DTensor TP (``parallelize_module``, Megatron's layout); LLaMA;
+- ``search``: on --search-ranks (4) ranks, the plan ``autopar.search`` picks for this machine (searched once,
+  before the rounds) vs DDP, FSDP2, DTensor TP and FSDP2 x TP (dp=2 x tp=2); LLaMA. The ratio is against the
+  fastest peer (the smallest median);
+- ``pp``: ``bench/pipeline_vs_torch.py`` (1F1B and interleaved, autopar's executor vs hand-built
+  ``PipelineStage``s under torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``), --repeats invocations
+  (fresh processes each) in real compute on --ranks ranks and on the emulated device (sleeping stages,
+  real boundary tensors) on --pp-ranks (4) ranks; inside an invocation the two alternate step by step.
+  Plus autopar's GPT-2 on pp=2 (1F1B, --microbatches) for the memory table.
 
 Each run times --steps training steps (forward, backward, AdamW step) after one warm-up and reports
 their median; a pair's line is the ratio of the medians over rounds (autopar / peer; < 1: autopar
-faster) with the min-max of the per-round ratios. Each model returns its loss only (the peers return no
-logits gathered from other ranks either).
+faster) with the min-max of the per-round ratios. Each model returns its loss only.
 
-Memory: on rank 0 of each run, live tensor bytes by category after the warm-up's backward --
-parameters, gradients, optimizer states (this rank's local tensors: shards count their local size),
-activations (what autograd saved for backward, counted once per storage with saved-tensor hooks),
-for autopar ZeRO-3 the most bytes of whole weights gathered at once during that step (its runtime's
-counter of live gathered storages), and for autopar the cost model's prediction of the same
-categories (parameters, gradients and Adam states from the plan's local shapes divided as ZeRO
-divides them; activations: every op output of the planned program, the cost model's upper bound;
-gathered: ZeRO-3's root unit and two largest blocks, ``solver.cost.zero3_gathered``). Communication
-buffers are transient inside the collectives and not counted.
-
-The machine is shared and timings are noisy: read ratios with their spread; record final numbers from
-a quiet machine in BENCHMARKS.md with the command line.
+Memory: on rank 0 of each run, live bytes by category after the warm-up step (``runtime/memory.py``):
+parameters, gradients, optimizer states (this rank's local tensors), activations (what autograd saved for
+backward, each storage once, by saved-tensor hooks: no allocator involved), and for autopar the cost
+model's prediction of the same categories (``predicted_categories``: activations from ``solver/saved.py``;
+on a pipeline all microbatches of the step). Communication buffers are transient inside the collectives
+and not counted.
 """
 
 from __future__ import annotations
@@ -49,168 +49,52 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _launch import free_port, init_worker  # noqa: E402
+from vs_torch_systems import build_system, family_of, prepare_search  # noqa: E402
 
-PAIRS = {"dp": ("autopar-dp", "ddp"), "zero3": ("autopar-zero3", "fsdp2"), "tp": ("autopar-tp", "dtensor-tp")}
-
-
-class LossOnly(torch.nn.Module):
-    """A Hugging Face causal LM returning its loss only."""
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.m = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self.m(input_ids=input_ids, labels=labels).loss
+PAIRS = {
+    "dp": ("autopar-dp", ("ddp",)),
+    "zero3": ("autopar-zero3", ("fsdp2",)),
+    "tp": ("autopar-tp", ("dtensor-tp",)),
+    "search": ("autopar-search", ("ddp", "fsdp2", "dtensor-tp", "fsdp2-tp")),
+}
+PP_SCHEDULES = ("1f1b", "interleaved")
 
 
-def model_spec(system: str, a) -> str:
-    if system in ("autopar-dp", "ddp"):
-        return (
-            f"gpt2:n_layer={a.layers},n_embd={a.hidden},n_head={a.heads},vocab_size={a.vocab},"
-            f"n_positions={a.seq},batch={a.batch},seq={a.seq}"
-        )
-    return (
-        f"tiny-llama:num_hidden_layers={a.layers},hidden_size={a.hidden},num_attention_heads={a.heads},"
-        f"num_key_value_heads={a.heads},intermediate_size={4 * a.hidden},vocab_size={a.vocab},"
-        f"max_position_embeddings={a.seq},batch={a.batch},seq={a.seq}"
-    )
+def run_one(rank: int, world: int, port: int, system: str, pair: str, a, out: str) -> None:
+    from autopar.runtime.memory import SavedTensors, measured_categories, predicted_categories, tensor_bytes
 
-
-def _live_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        t = t.to_local() if hasattr(t, "to_local") else t
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key[0] and key not in seen:
-            seen.add(key)
-            total += key[1]
-    return total
-
-
-class SavedBytes:
-    """Bytes autograd saves for backward, each storage once (saved-tensor hooks)."""
-
-    def __init__(self):
-        self.saved: dict[int, int] = {}
-
-    def pack(self, t: torch.Tensor):
-        local = t.to_local() if hasattr(t, "to_local") else t
-        s = local.untyped_storage()
-        if s.data_ptr():
-            self.saved[s.data_ptr()] = s.nbytes()
-        return t
-
-    def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
-
-    @property
-    def total(self) -> int:
-        return sum(self.saved.values())
-
-
-def build_system(system: str, a, rank: int):
-    """(module to call with the batch, optimizer, batch kwargs, predicted bytes per category or None)."""
-    import autopar
-    from autopar.models import build
-    from autopar.passes.shard import ShardOptions
-    from autopar.solver.cost import TrainingSetup
-
-    m = build(model_spec(system, a), device="cpu", seed=0)
-    model, batch = LossOnly(m.model), m.kwargs
-    world = dist.get_world_size()
-    predicted = None
-    if system.startswith("autopar"):
-        axes = {"autopar-tp": {"tp": world}}.get(system, {"dp": world})
-        opts = ShardOptions(setup=TrainingSetup(zero=3)) if system == "autopar-zero3" else None
-        cm = autopar.compile(model, autopar.init_mesh("cpu", **axes), kwargs=batch, options=opts)
-        opt = cm.make_optimizer(torch.optim.AdamW, lr=1e-4)
-        predicted = _predicted(cm)
-        return cm, opt, batch, predicted
-    if system == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-        ddp = DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), local, None
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if system == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.m.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), local, None
-    if system == "dtensor-tp":
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-        mesh = init_device_mesh("cpu", (world,))
-        plan = {}
-        for i in range(len(model.m.model.layers)):
-            p = f"m.model.layers.{i}."
-            plan.update({p + f"self_attn.{x}_proj": ColwiseParallel() for x in "qkv"})
-            plan[p + "self_attn.o_proj"] = RowwiseParallel()
-            plan.update({p + f"mlp.{x}_proj": ColwiseParallel() for x in ("gate", "up")})
-            plan[p + "mlp.down_proj"] = RowwiseParallel()
-        parallelize_module(model, mesh, plan)
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch, None
-    raise ValueError(f"unknown system {system!r}")
-
-
-def _predicted(cm) -> dict[str, float]:
-    """The cost model's bytes per category for this rank's planned program (Adam, fp32): parameters,
-    gradients and optimizer states as ZeRO divides them, and the most whole weights ZeRO-3 gathers at once."""
-    from autopar.solver.cost import CostModel, zero3_gathered
-
-    prog = cm.program
-    model = CostModel(prog.mesh, cm.setup)
-    parts = [model.state_bytes(v.type, v.type.placements) for v in prog.params]
-    acts = sum(model.local_bytes(t, t.placements) for op in prog.ops for t in op.types)
-    return {
-        "params": sum(p[0] for p in parts),
-        "grads": sum(p[1] for p in parts),
-        "optimizer": sum(p[2] for p in parts),
-        "activations": acts,
-        "gathered": zero3_gathered(prog, cm.setup),
-    }
-
-
-def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)
-    module, opt, batch, predicted = build_system(system, a, rank)
-    zero3 = getattr(module, "zero3", None)
-    if zero3 is not None:
-        zero3.reset_peak()
-    with SavedBytes() as saved:
-        loss = module(**batch)
-    loss.backward()
+    module, opt, batch = build_system(system, family_of(system, pair), a, rank)
+    pipe = system.startswith("autopar") and module.schedule.num_stages > 1  # train_step runs its whole step
+
+    def backward():
+        if pipe:
+            module.train_step(**batch)
+        else:
+            module(**batch).backward()
+
+    params = list(module.parameters())
+    with SavedTensors(params + list(batch.values())) as saved:  # the batch and the weights are not activations
+        backward()
+    grads = tensor_bytes(p.grad for p in params if p.grad is not None)  # before a ZeRO optimizer frees them
     opt.step()
-    memory = {
-        "params": _live_bytes(module.parameters()),
-        "grads": _live_bytes(p.grad for p in module.parameters() if p.grad is not None),
-        "optimizer": _live_bytes(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()),
-        "activations": saved.total,
-        "gathered": zero3.peak_gathered() if zero3 is not None else None,  # ZeRO-3's whole weights, most at once
-    }
+    memory = dict(measured_categories(params, opt, saved), grads=grads)
+    predicted = predicted_categories(module) if system.startswith("autopar") else None
+
+    def step():
+        backward()
+        opt.step()
+
     opt.zero_grad()
     times = []
-    for _ in range(a.steps):
+    for _ in range(0 if system == "autopar-pp" else a.steps):  # the pp pair's memory run is not timed
         dist.barrier()
         t0 = time.perf_counter()
-        module(**batch).backward()
-        opt.step()
+        step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
-    med = torch.tensor([statistics.median(times)])
+    med = torch.tensor([statistics.median(times) if times else 0.0])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
     if rank == 0:
         with open(out, "w") as f:
@@ -218,21 +102,71 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     dist.destroy_process_group()
 
 
-def spawn(system: str, a) -> dict:
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "r.json")
-        mp.spawn(run_one, args=(a.ranks, free_port(), system, a, out), nprocs=a.ranks, join=True)
-        with open(out) as f:
-            return json.load(f)
+def spawn(system: str, pair: str, ranks: int, a, tries: int = 3) -> dict:
+    """One run of ``system`` on ``ranks`` fresh processes. A run whose process dies (seen on this shared machine:
+    a gloo rank aborting at start-up, "terminate called without an active exception") is retried, said on stderr."""
+    for attempt in range(1, tries + 1):
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "r.json")
+            try:
+                mp.spawn(run_one, args=(ranks, free_port(), system, pair, a, out), nprocs=ranks, join=True)
+            except mp.ProcessExitedException as e:
+                if attempt == tries:
+                    raise
+                print(f"[{pair}] {system}: {e}; retrying ({attempt}/{tries - 1})", file=sys.stderr, flush=True)
+                continue
+            with open(out) as f:
+                return json.load(f)
+    raise AssertionError("unreachable")
+
+
+def run_pair(pair: str, a) -> dict:
+    ours, peers = PAIRS[pair]
+    ranks = a.search_ranks if pair == "search" else a.ranks
+    runs: dict[str, list[dict]] = {s: [] for s in (ours, *peers)}
+    for r in range(a.repeats):
+        for system in runs:
+            t0 = time.perf_counter()
+            runs[system].append(spawn(system, pair, ranks, a))
+            print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {runs[system][-1]['median_s']:.3f} s/step "
+                  f"({time.perf_counter() - t0:.0f} s with start-up)", file=sys.stderr, flush=True)  # fmt: skip
+    return runs
+
+
+def run_pp(a) -> dict:
+    """--repeats invocations of bench/pipeline_vs_torch.py per mode (fresh processes each), and one autopar
+    pp run of GPT-2 for the memory table."""
+    here = os.path.dirname(__file__)
+    out: dict = {"rounds": {"real": [], "emulated": []}}
+    for r in range(a.repeats):
+        for mode, ranks in (("real", a.ranks), ("emulated", a.pp_ranks)):
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "pp.json")
+                cmd = [sys.executable, os.path.join(here, "pipeline_vs_torch.py"), "--mode", mode]
+                cmd += ["--ranks", str(ranks), "--repeats", str(a.pp_steps), "--schedules", ",".join(PP_SCHEDULES)]
+                cmd += ["--microbatches", str(a.pp_microbatches), "--json", path]
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                with open(path) as f:
+                    res = json.load(f)
+            out["rounds"][mode].append(res)
+            line = ", ".join(f"{s} {x['autopar_median_s']:.3f}/{x['torch_median_s']:.3f}" for s, x in res.items())
+            print(f"[pp round {r + 1}/{a.repeats}] {mode}: autopar/torch s {line}", file=sys.stderr, flush=True)
+    out["memory"] = spawn("autopar-pp", "pp", 2, a)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp (default all)")
+    p.add_argument("--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp, search, pp")
     p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--search-ranks", type=int, default=4, help="ranks of the search pair")
+    p.add_argument("--pp-ranks", type=int, default=4, help="ranks of the emulated pipeline runs")
     p.add_argument("--repeats", type=int, default=5, help="alternating rounds (A B per round)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per run")
+    p.add_argument("--pp-steps", type=int, default=3, help="alternating steps per pipeline invocation")
+    p.add_argument("--pp-microbatches", type=int, default=8, help="microbatches of the pipeline timings")
+    p.add_argument("--microbatches", type=int, default=2, help="microbatches of the pp memory run")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
@@ -240,64 +174,89 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--timeout", type=float, default=900)
-    p.add_argument("--pp", action="store_true", help="also run bench/pipeline_vs_torch.py --mode real")
     p.add_argument("--json", help="also write every measurement here")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    pairs = [x.strip() for x in a.pairs.split(",") if x.strip()]
+    if unknown := set(pairs) - set(PAIRS) - {"pp"}:
+        p.error(f"unknown pairs {sorted(unknown)}; choose from {', '.join([*PAIRS, 'pp'])}")
     results: dict[str, dict] = {}
-    for pair in [x.strip() for x in a.pairs.split(",") if x.strip()]:
-        if pair not in PAIRS:
-            p.error(f"unknown pair {pair!r}; choose from {', '.join(PAIRS)}")
-        ours, peer = PAIRS[pair]
-        runs: dict[str, list[dict]] = {ours: [], peer: []}
-        for r in range(a.repeats):
-            for system in (ours, peer):
-                t0 = time.perf_counter()
-                runs[system].append(spawn(system, a))
-                print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {runs[system][-1]['median_s']:.3f} s/step "
-                      f"({time.perf_counter() - t0:.0f} s with start-up)", file=sys.stderr, flush=True)  # fmt: skip
-        results[pair] = runs
+    with tempfile.TemporaryDirectory() as d:
+        a.search_plan = os.path.join(d, "search-plan.json")
+        if "search" in pairs:
+            t0 = time.perf_counter()
+            a.search_best = prepare_search(a, a.search_ranks, a.search_plan)
+            print(f"[search] {a.search_best.strip()} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        for pair in pairs:
+            results[pair] = run_pp(a) if pair == "pp" else run_pair(pair, a)
     print(_table(results, a))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"args": vars(a), "results": results}, f, indent=1)
-    if a.pp:
-        here = os.path.dirname(__file__)
-        cmd = [sys.executable, os.path.join(here, "pipeline_vs_torch.py"), "--mode", "real", "--ranks", "4"]
-        subprocess.run(cmd + ["--repeats", str(a.repeats)], check=True)
     return 0
+
+
+def _ratio(ours: list[float], peer: list[float]) -> str:
+    ratios = [x / y for x, y in zip(ours, peer)]
+    m = statistics.median(ours) / statistics.median(peer)
+    return f"{m:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _table(results: dict, a) -> str:
     lines = [
-        f"{a.ranks} gloo ranks, 1 thread each; {a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, "
-        f"batch {a.batch} x {a.seq}; median of {a.steps} steps per run, {a.repeats} alternating rounds",
+        f"{a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo, 1 thread per rank; "
+        f"median of {a.steps} steps per run, {a.repeats} alternating rounds",
         "",
-        "| pair | autopar s/step | peer s/step | ratio (min-max) |",
-        "|---|---|---|---|",
+        "| pair | ranks | autopar s/step | peer s/step | ratio autopar/peer (min-max) |",
+        "|---|---|---|---|---|",
     ]
-    mib = 2**20
-    mem_lines = [
-        "",
-        "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | ZeRO-3 gathered MiB (most) "
-        "| predicted p/g/o/a/gathered MiB |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB "
+           "| activations predicted / saved | every op output / saved |"]  # fmt: skip
+    mem.append("|---|---|---|---|---|---|---|---|")
     for pair, runs in results.items():
-        ours, peer = PAIRS[pair]
-        mo = statistics.median(x["median_s"] for x in runs[ours])
-        mp_ = statistics.median(x["median_s"] for x in runs[peer])
-        ratios = [x["median_s"] / y["median_s"] for x, y in zip(runs[ours], runs[peer])]
-        lines.append(
-            f"| {ours} / {peer} | {mo:.3f} | {mp_:.3f} | {mo / mp_:.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
-        )
-        for system in (ours, peer):
-            m, pred = runs[system][0]["memory"], runs[system][0]["predicted"]
-            keys = ("params", "grads", "optimizer", "activations", "gathered")
-            cells = " | ".join(f"{m[k] / mib:.2f}" if m.get(k) is not None else "-" for k in keys)
-            ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys) if pred else "-"
-            mem_lines.append(f"| {system} | {cells} | {ptxt} |")
-    return "\n".join(lines + mem_lines)
+        if pair == "pp":
+            lines += _pp_rows(runs, a)
+            mem.append(_mem_row("autopar-pp (GPT-2, pp=2, 1F1B)", runs["memory"]))
+            continue
+        ours, peers = PAIRS[pair]
+        ranks = a.search_ranks if pair == "search" else a.ranks
+        mine = [x["median_s"] for x in runs[ours]]
+        best = min(peers, key=lambda s: statistics.median(x["median_s"] for x in runs[s]))
+        for peer in peers:
+            theirs = [x["median_s"] for x in runs[peer]]
+            label = f"{ours} / {peer}" + (" (fastest peer)" if pair == "search" and peer == best else "")
+            lines.append(f"| {label} | {ranks} | {statistics.median(mine):.3f} | {statistics.median(theirs):.3f} | "
+                         f"{_ratio(mine, theirs)} |")  # fmt: skip
+        for system in (ours, *peers):
+            mem.append(_mem_row(f"{system} ({ranks} ranks)", runs[system][0]))
+    if "search" in results:
+        lines += ["", f"searched plan: {a.search_best.strip()}"]
+    return "\n".join(lines + mem)
+
+
+def _pp_rows(runs: dict, a) -> list[str]:
+    out = []
+    for mode, rounds in runs["rounds"].items():
+        ranks = a.ranks if mode == "real" else a.pp_ranks
+        for s in PP_SCHEDULES:
+            mine = [r[s]["autopar_median_s"] for r in rounds]
+            theirs = [r[s]["torch_median_s"] for r in rounds]
+            label = f"autopar {s} / torch.distributed.pipelining ({mode})"
+            out.append(f"| {label} | {ranks} | {statistics.median(mine):.3f} | {statistics.median(theirs):.3f} | "
+                       f"{_ratio(mine, theirs)} |")  # fmt: skip
+    return out
+
+
+def _mem_row(label: str, run: dict) -> str:
+    mib = 2**20
+    keys = ("params", "grads", "optimizer", "activations")
+    m, pred = run["memory"], run["predicted"]
+    cells = " | ".join(f"{m[k] / mib:.2f}" for k in keys)
+    if not pred:
+        return f"| {label} | {cells} | - | - | - |"
+    ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys)
+    saved = max(m["activations"], 1)
+    return f"| {label} | {cells} | {ptxt} | {pred['activations'] / saved:.4f} | {pred['every_output'] / saved:.2f} |"
 
 
 if __name__ == "__main__":

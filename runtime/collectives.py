@@ -190,7 +190,13 @@ def _gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch
 
 
 def _local(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
-    return shard_tensor(x, dim, chunks, c.sizes[axis], c.coords[axis]).contiguous()
+    """This rank's shard of x in a storage of its own: a view (a dim-0 slice is contiguous) would keep the
+    whole tensor alive for as long as the shard lives (a gradient kept as ``.grad``, an activation saved
+    for backward), n times the shard's bytes."""
+    y = shard_tensor(x, dim, chunks, c.sizes[axis], c.coords[axis])
+    if y.is_contiguous() and y.untyped_storage().nbytes() == y.nbytes:
+        return y
+    return y.clone(memory_format=torch.contiguous_format)
 
 
 def _reduce(c: Comm, x: torch.Tensor, axis: str, op: str) -> torch.Tensor:

@@ -52,6 +52,7 @@ from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.blocks import ROOT, param_units
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.saved import activation_bytes
 
 INF = math.inf
 EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
@@ -171,7 +172,11 @@ class CostModel:
 
     def activation_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
         local = self.local_bytes(t, p)
-        return local, local * (replication(p, self.mesh.sizes) - 1)
+        return local, local * (self.replication(p) - 1)
+
+    def replication(self, p: tuple[Placement, ...]) -> int:
+        """On how many ranks each piece of a value placed p is held (or summed)."""
+        return replication(p, self.mesh.sizes)
 
     # -- communication --------------------------------------------------------------------------
     def _collective(self, kind: str, nbytes: float, axis: int) -> tuple[float, float]:
@@ -369,25 +374,33 @@ def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:
     return list(reversed(out))
 
 
-def program_memory(prog, setup: TrainingSetup | None = None) -> float:
-    """Predicted peak bytes per device of a planned program (after insert-collectives): parameters
-    with their gradients and optimizer states, inputs, every op's output (collectives included, all
-    counted as live at once: an upper bound on saved activations), and the gradient-sync buckets (all
-    in flight together at the end of the backward, runtime/grads.py), and ZeRO-3's gathered weights
-    (``zero3_gathered``)."""
+def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, float]:
+    """Predicted bytes per device of a planned program (after insert-collectives) by category: ``params``,
+    ``grads``, ``optimizer`` (states and master weights, as ZeRO divides them; ``params`` includes mixed
+    precision's per-use compute copy), ``inputs`` (the batch and buffers), ``activations`` (what autograd
+    saves for backward, ``solver/saved.py``: held together at the end of the forward), ``buffers`` (the
+    gradient-sync buckets, all in flight together at the end of the backward, runtime/grads.py) and
+    ``gathered`` (ZeRO-3's whole weights, ``zero3_gathered``)."""
     model = CostModel(prog.mesh, setup or TrainingSetup())
-    total = 0.0
-    synced = 0.0
+    out = dict.fromkeys(("params", "grads", "optimizer", "inputs", "activations", "buffers", "gathered"), 0.0)
     for v in prog.inputs:
-        if v.kind == "param":
-            total += model.param_memory(v.type, v.type.placements)[0]
-            if v.attrs.get("grad_sync"):
-                synced += model.local_bytes(v.type, v.type.placements)
-        else:
-            total += model.local_bytes(v.type, v.type.placements)
-    for op in prog.ops:
-        total += sum(model.local_bytes(t, t.placements) for t in op.types)
-    return total + synced + zero3_gathered(prog, setup or TrainingSetup())
+        local = model.local_bytes(v.type, v.type.placements)
+        if v.kind != "param":
+            out["inputs"] += local
+            continue
+        for name, b in zip(("params", "grads", "optimizer"), model.state_bytes(v.type, v.type.placements)):
+            out[name] += b
+        out["params"] += local / v.type.itemsize * model.setup.copy_bytes  # mixed precision's per-use copy
+        if v.attrs.get("grad_sync"):
+            out["buffers"] += local
+    out["activations"] = activation_bytes(prog)
+    out["gathered"] = zero3_gathered(prog, model.setup)
+    return out
+
+
+def program_memory(prog, setup: TrainingSetup | None = None) -> float:
+    """Predicted peak bytes per device of a planned program: the sum of `memory_categories`."""
+    return sum(memory_categories(prog, setup).values())
 
 
 def zero3_gathered(prog, setup: TrainingSetup) -> float:

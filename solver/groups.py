@@ -29,6 +29,7 @@ from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, Replic
 from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF, CostModel
 from autopar.solver.options import ShardOptions
+from autopar.solver.saved import extra_bytes, saved_values
 from autopar.solver.strategies import Strategy, chunk_counts, is_divergent, is_follower, op_strategies, value_strategies
 
 MAX_GROUP_CANDIDATES = 2048
@@ -99,6 +100,7 @@ class GroupBuilder:
         local = opts.batch == "local" and any(is_data_axis(n) and s > 1 for n, s in prog.mesh.axes)
         self.recomputable = recomputable(prog, global_batch=False) if local else recomputable(prog)
         self.params = {v.name for v in prog.params}
+        self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:
@@ -262,9 +264,14 @@ class GroupBuilder:
                     [is_divergent(s, a) for a in range(len(self.mesh.axes))],
                     0.0 if op.target in VIEW_OPS else op.bytes,
                 )
-                for t, p in zip(op.types, s.outputs):
-                    m, r = self.cost.activation_memory(t, p)
-                    mem, red = mem + m, red + r
+                for name, t, p in zip(op.results, op.types, s.outputs):
+                    if self.saved.activation(name):
+                        m, r = self.cost.activation_memory(t, p)
+                        mem, red = mem + m, red + r
+                extra = self.saved.extra.get(op.result)
+                if extra:
+                    m = extra_bytes(op, extra, self.types, self.mesh.sizes, [*s.inputs, *s.outputs])
+                    mem, red = mem + m, red + m * (self.cost.replication(s.outputs[0]) - 1)
                 for i, (ref, p) in enumerate(zip(self.refs(op), s.inputs)):
                     if p is None:
                         continue

@@ -11,8 +11,8 @@ Per microbatch (the program's example batch is one microbatch of the global batc
   16 bytes per parameter in fp32 (weight 4 + grad 4 + Adam moments 8), 18 in mixed precision (the
   same fp32 master weights and gradients, plus the per-use bf16 compute copy, 2); a parameter read
   by several subgraphs (a tied embedding) is held by every stage reading it, as Megatron does.
-  Activations: every non-view float op result that is not a common node is assumed stashed for
-  backward (an upper bound: Megatron's 34 s b h bytes per GPT layer is about 60% of it), at 2 bytes
+  Activations: what autograd saves for backward (``solver/saved.py``: the storage roots some op's
+  derivative keeps, plus intermediates such as a loss's log-softmax), common nodes excepted, at 2 bytes
   per element under ``precision="bf16"`` when the program was captured in fp32 (a program captured in
   its compute dtype carries its own types). An unsharded program with tp > 1 is assumed to follow Megatron with sequence
   parallelism: weights / tp, activations and FLOPs / (dp tp). A sharded program's local sizes come
@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.ir.axes import is_pipeline_axis, is_tensor_axis
-from autopar.ir.core import VIEW_OPS, Placement, Program, Replicate, TensorType
+from autopar.ir.core import Placement, Program, Replicate, TensorType
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
 from autopar.solver.megatron_roles import ROW, megatron_roles, weight_values
+from autopar.solver.saved import SavedValues, extra_bytes, saved_values
 
 
 class OpRun(Protocol):
@@ -81,6 +82,26 @@ class StageContext:
     def captured_half(self) -> bool:
         """Whether the program was captured in a 16-bit compute dtype (its float parameters typed so)."""
         return any(v.type.is_float and v.type.itemsize == 2 for v in self.prog.params)
+
+    @functools.cached_property
+    def saved(self) -> SavedValues:
+        """What the program's step keeps for backward (``solver/saved.py``)."""
+        return saved_values(self.prog)
+
+    def extra_bytes(self, op) -> float:
+        """Bytes per device of the intermediates ``op`` keeps for backward (a loss's log-softmax)."""
+        extra = self.saved.extra.get(op.result)
+        if not extra:
+            return 0.0
+        half = self.precision == "bf16" and op.types[0].is_float and not self.captured_half
+        scale = 2 / op.types[0].itemsize if half else 1.0
+        if self.sharded:
+            return scale * extra_bytes(op, extra, self.types, self.prog.mesh.sizes)
+        return scale * extra_bytes(op, extra, self.types, None) / (self.dp * self.tp)
+
+    @functools.cached_property
+    def types(self) -> dict[str, TensorType]:
+        return self.prog.types()
 
     @functools.cached_property
     def weights(self) -> frozenset[str]:
@@ -207,11 +228,10 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                 weight += v.type.nbytes  # no gradient, no optimizer state
         act = 0.0
         for op in prog.ops[s.start : s.stop]:
-            if op.target in VIEW_OPS:
-                continue
             for r, t in zip(op.results, op.types):
-                if t.is_float and r not in ctx.commons:
+                if ctx.saved.activation(r) and r not in ctx.commons:
                     act += ctx.act_bytes(t)
+            act += ctx.extra_bytes(op)
         compute = 3 * s.flops / (ctx.dp * ctx.tp) / peak
         out.append(SubgraphCost(compute, comm_fn(ctx, s), weight, act))
     return SplitCosts(out, tied, params)

@@ -92,7 +92,7 @@ def test_position_ids_and_masks_are_recomputed_not_gathered(monkeypatch):
     # broken input: the least-memory plan with recomputable values allowed to move gathers position ids
     monkeypatch.setattr("autopar.solver.groups.recomputable", lambda prog: set())
     lowered, old = _planned(spec, "dp=2,tp=2", ShardOptions(objective="memory"))
-    assert len(_moved_recomputable(lowered, old)) > 5
+    assert len(_moved_recomputable(lowered, old)) >= 4  # 4 since activations are priced as saved (was 6)
 
 
 def test_dp_plan_splits_the_batch_and_syncs_gradients_only():

@@ -330,11 +330,15 @@ def test_a_plan_made_on_meta_fits_the_model_with_real_weights():
 def test_least_memory_plan_reaches_the_no_redundancy_bound_on_a_bert_large_layer():
     """One device's memory / n is a floor no strategy can go under (every byte held at least once) and
     autopar's least-memory plan of a Table 1 layer reaches it, up to the few tensors too small to
-    split (the Table 2 "bound" column of BENCHMARKS.md)."""
+    split (the Table 2 "bound" column of BENCHMARKS.md): the two LayerNorms' weights and biases (1024
+    elements each, 16 bytes with Adam), which the least-memory plan keeps whole on every device. With
+    activations priced as what autograd saves (about a third of every op output) these 64 KiB are 0.13%
+    of the 8-device bound, so the slack is stated in bytes, not as a fraction."""
     spec = build("mmr-bert-large")
     captured = capture(spec.model, spec.args, spec.kwargs)
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
     one = shard(lower(captured, parse_mesh("dp=1")), opts).memory_bytes
+    whole = 2 * 2 * 1024 * 16  # the LayerNorm parameters and their gradients and Adam states
     for mesh, n in (("dp=2", 2), ("a0=2,a1=2,a2=2", 8)):
         least = smallest_budget(lower(captured, parse_mesh(mesh)), opts)
-        assert one / n <= least <= 1.001 * one / n, (mesh, least, one / n)
+        assert one / n <= least <= one / n + whole * (n - 1) / n, (mesh, least, one / n)
