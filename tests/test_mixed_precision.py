@@ -177,12 +177,14 @@ def ranks() -> list[dict]:
 # References on the rank simulator
 
 
-def simulated(model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] | None = None) -> list[dict]:
+def simulated(
+    model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] | None = None, objective: str = "time"
+) -> list[dict]:
     """Every rank's ``train`` of the plan ``programs`` (forward, training; default: planned here for
     ``mesh``) built as ``autopar.compile`` builds it, each rank a thread of this process."""
     example = sub_microbatch((), dict(batches[0]), MICROBATCHES, 1)
     captured = _capture(model, *example, policy)
-    _, options = precision_setup(policy, ShardOptions())
+    _, options = precision_setup(policy, ShardOptions(objective=objective))
     schedule = make_schedule("1f1b", 1, MICROBATCHES)
     if programs is None:
         forward, training = _plan(captured, mesh, schedule, options)
@@ -199,7 +201,7 @@ def simulated(model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] 
             forward, training, schedule, captured.in_spec, captured.out_spec, comm, get_value, "cpu",
             options.setup, run, state=state,
         )  # fmt: skip
-        return train(pipe, batches)
+        return train(pipe, batches) | {"synced": sorted(v.name for v in forward.params if v.attrs.get("grad_sync"))}
 
     return world.run(rank)
 
@@ -288,6 +290,24 @@ def test_state_bytes_equal_the_cost_models_prediction(ranks) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # One process
+
+
+def test_gradients_are_reduced_in_reduce_dtype() -> None:
+    """dp=2 on the rank simulator (least memory: the batch split, gradients summed over dp): with
+    ``reduce_dtype=bf16`` every gradient the data-parallel all-reduce sums is a sum made in bf16 (each entry a
+    bf16 number, after the fp32 step-1 gradients were cast), with the default fp32 none is; both within the
+    bound of one process."""
+    model, batches = model_and_batches()
+    ref, u = one_process("bf16"), UNIT_ROUNDOFF["bf16"]
+    for reduce in (torch.float32, torch.bfloat16):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        run = simulated(model, batches, policy, MeshSpec((("dp", 2),)), objective="memory")[0]
+        synced = [n for n in run["synced"] if n in run["grads"][0]]
+        assert synced
+        in_bf16 = [bool(run["grads"][0][n].eq(run["grads"][0][n].to(torch.bfloat16).float()).all()) for n in synced]
+        assert all(in_bf16) if reduce == torch.bfloat16 else not any(in_bf16), (reduce, synced, in_bf16)
+        for s in range(STEPS):
+            assert abs(run["losses"][s] - ref["losses"][s]) <= (s + 1) * 2 * u * abs(ref["losses"][s]), (reduce, s)
 
 
 def test_the_policy_and_its_refusals() -> None:

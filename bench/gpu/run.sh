@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     sys.exit("bench/gpu/run.sh: no CUDA device (torch.cuda.is_available() is False); run it on a GPU machine")
 print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| CUDA", torch.version.cuda)
 PYEOF
-OMP_NUM_THREADS=1 "$PY" bench/gpu/cuda_checks.py
+status=0  # both parts run; the exit status says whether either failed
+OMP_NUM_THREADS=1 "$PY" bench/gpu/cuda_checks.py || status=$?
 "$PY" bench/gpu/train_gpt2.py --model "${MODEL:-gpt2-xl}" --batch "${BATCH:-8}" --seq "${SEQ:-1024}" \
-    --steps "${STEPS:-10}" --json bench/gpu/results.jsonl
+    --steps "${STEPS:-10}" --json bench/gpu/results.jsonl || status=$?
+exit $status
