@@ -15,7 +15,8 @@ import math
 import pytest
 import torch
 
-from autopar.api import _capture, _plan
+from autopar.api import _capture
+from autopar.build import plan_programs
 from autopar.errors import PrecisionError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
@@ -187,7 +188,7 @@ def simulated(
     _, options = precision_setup(policy, ShardOptions(objective=objective))
     schedule = make_schedule("1f1b", 1, MICROBATCHES)
     if programs is None:
-        forward, training = _plan(captured, mesh, schedule, options)
+        forward, training = plan_programs(captured, mesh, schedule, options)
     else:
         forward, training = parse(programs[0]), parse(programs[1])
     get_value = value_source(model, captured, 0)
