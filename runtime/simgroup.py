@@ -176,6 +176,10 @@ class SimGroup(dist.ProcessGroup):
         output.copy_(torch.cat(parts, 0).view_as(output))
         return _Done()
 
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Done:
+        """``dist.all_gather_single`` (ZeRO-3's unit gathers) calls the group by this name."""
+        return self._allgather_base(output, input, opts)
+
     def reduce_scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None) -> _Done:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         flat = [t.clone() for ts in inputs for t in ts]
@@ -195,6 +199,10 @@ class SimGroup(dist.ProcessGroup):
         whole = _reduce(parts, op)
         output.copy_(whole.reshape(self.size(), -1)[self.member].view_as(output))
         return _Done()
+
+    def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> _Done:
+        """``dist.reduce_scatter_single`` (ZeRO-3's unit gradients) calls the group by this name."""
+        return self._reduce_scatter_base(output, input, opts)
 
     def alltoall(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None) -> _Done:
         parts = self.rv.exchange(self.member, _describe("all_to_all", inputs), [t.clone() for t in inputs])
