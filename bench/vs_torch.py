@@ -14,7 +14,9 @@ A B A B ... for --repeats rounds (shared/BENCHMARKING.md):
 - ``pp`` (``--pp``): ``bench/pipeline_vs_torch.py`` (1F1B, interleaved, ... vs torch.distributed.pipelining).
 
 Each run times --steps training steps (forward, backward, AdamW step) after one warm-up and reports
-their median; a pair's line is the ratio of the medians over rounds (autopar / peer; < 1: autopar
+their median (``--interleave``: each round builds both systems in the same fresh processes and
+alternates their steps, A B B A ..., for a machine whose load changes between runs); a pair's line
+is the ratio of the medians over rounds (autopar / peer; < 1: autopar
 faster) with the min-max of the per-round ratios. Each model returns its loss only (the peers return no
 logits gathered from other ranks either).
 
@@ -187,6 +189,35 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)
     module, opt, batch, predicted = build_system(system, a, rank)
+    memory = _warm_up(module, opt, batch)
+    med = _median([_timed_step(module, opt, batch) for _ in range(a.steps)])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump({"median_s": med, "memory": memory, "predicted": predicted}, f)
+    dist.destroy_process_group()
+
+
+def run_interleaved(rank: int, world: int, port: int, systems: tuple[str, str], a, out: str) -> None:
+    """Both systems built in the same processes, their timed steps alternating (A B B A A B ...), so that
+    both see the same load of a shared machine."""
+    init_worker(rank, world, port, a.timeout)
+    torch.manual_seed(0)
+    built = {s: build_system(s, a, rank) for s in systems}
+    res = {s: {"memory": _warm_up(*built[s][:3]), "predicted": built[s][3]} for s in systems}
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    for i in range(a.steps):
+        for s in systems if i % 2 == 0 else systems[::-1]:
+            times[s].append(_timed_step(*built[s][:3]))
+    for s in systems:
+        res[s]["median_s"] = _median(times[s])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(res, f)
+    dist.destroy_process_group()
+
+
+def _warm_up(module, opt, batch) -> dict:
+    """One step; the live bytes per category after its backward (rank 0's are reported)."""
     zero3 = getattr(module, "zero3", None)
     if zero3 is not None:
         zero3.reset_peak()
@@ -202,20 +233,30 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
         "gathered": zero3.peak_gathered() if zero3 is not None else None,  # ZeRO-3's whole weights, most at once
     }
     opt.zero_grad()
-    times = []
-    for _ in range(a.steps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        module(**batch).backward()
-        opt.step()
-        opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+    return memory
+
+
+def _timed_step(module, opt, batch) -> float:
+    dist.barrier()
+    t0 = time.perf_counter()
+    module(**batch).backward()
+    opt.step()
+    opt.zero_grad()
+    return time.perf_counter() - t0
+
+
+def _median(times: list[float]) -> float:
     med = torch.tensor([statistics.median(times)])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"median_s": med.item(), "memory": memory, "predicted": predicted}, f)
-    dist.destroy_process_group()
+    return med.item()
+
+
+def spawn_interleaved(systems: tuple[str, str], a) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        mp.spawn(run_interleaved, args=(a.ranks, free_port(), systems, a, out), nprocs=a.ranks, join=True)
+        with open(out) as f:
+            return json.load(f)
 
 
 def spawn(system: str, a) -> dict:
@@ -242,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--pp", action="store_true", help="also run bench/pipeline_vs_torch.py --mode real")
     p.add_argument("--json", help="also write every measurement here")
+    p.add_argument("--interleave", action="store_true",
+                   help="each round: both systems in the same fresh processes, steps alternating")  # fmt: skip
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     results: dict[str, dict] = {}
@@ -251,6 +294,13 @@ def main(argv: list[str] | None = None) -> int:
         ours, peer = PAIRS[pair]
         runs: dict[str, list[dict]] = {ours: [], peer: []}
         for r in range(a.repeats):
+            if a.interleave:
+                both = spawn_interleaved((ours, peer), a)
+                for system in (ours, peer):
+                    runs[system].append(both[system])
+                print(f"[{pair} round {r + 1}/{a.repeats}] " + ", ".join(f"{s}: {both[s]['median_s']:.3f} s/step"
+                      for s in (ours, peer)), file=sys.stderr, flush=True)  # fmt: skip
+                continue
             for system in (ours, peer):
                 t0 = time.perf_counter()
                 runs[system].append(spawn(system, a))
