@@ -22,7 +22,9 @@ A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_tor
 
 Each run times --steps training steps (forward, backward, AdamW step) after one warm-up and reports
 their median; a pair's line is the ratio of the medians over rounds (autopar / peer; < 1: autopar
-faster) with the min-max of the per-round ratios. Each model returns its loss only.
+faster) with the min-max of the per-round ratios (``--interleave``: each round builds the pair's systems in
+the same fresh processes and alternates their steps, A B B A ..., for a machine whose load changes between
+runs). Each model returns its loss only.
 
 Memory: on rank 0 of each run, live bytes by category after the warm-up step (``runtime/memory.py``):
 parameters, gradients, optimizer states (this rank's local tensors), activations (what autograd saved for
@@ -60,11 +62,10 @@ PAIRS = {
 PP_SCHEDULES = ("1f1b", "interleaved")
 
 
-def run_one(rank: int, world: int, port: int, system: str, pair: str, a, out: str) -> None:
+def _prepare(system: str, pair: str, a, rank: int):
+    """Build ``system``, run its warm-up step measuring memory; (one timed-step function, memory, predicted)."""
     from autopar.runtime.memory import SavedTensors, measured_categories, predicted_categories, tensor_bytes
 
-    init_worker(rank, world, port, a.timeout)
-    torch.manual_seed(0)
     module, opt, batch = build_system(system, family_of(system, pair), a, rank)
     pipe = system.startswith("autopar") and module.schedule.num_stages > 1  # train_step runs its whole step
 
@@ -75,45 +76,69 @@ def run_one(rank: int, world: int, port: int, system: str, pair: str, a, out: st
             module(**batch).backward()
 
     params = list(module.parameters())
+    zero3 = getattr(module, "zero3", None)
+    if zero3 is not None:
+        zero3.reset_peak()
     with SavedTensors(params + list(batch.values())) as saved:  # the batch and the weights are not activations
         backward()
     grads = tensor_bytes(p.grad for p in params if p.grad is not None)  # before a ZeRO optimizer frees them
     opt.step()
     memory = dict(measured_categories(params, opt, saved), grads=grads)
+    if zero3 is not None:
+        memory["gathered"] = zero3.peak_gathered()  # ZeRO-3's whole weights, most at once
     predicted = predicted_categories(module) if system.startswith("autopar") else None
-
-    def step():
-        backward()
-        opt.step()
-
     opt.zero_grad()
-    times = []
-    for _ in range(0 if system == "autopar-pp" else a.steps):  # the pp pair's memory run is not timed
+
+    def timed_step() -> float:
         dist.barrier()
         t0 = time.perf_counter()
-        step()
+        backward()
+        opt.step()
         opt.zero_grad()
-        times.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    return timed_step, memory, predicted
+
+
+def _median_over_ranks(times: list[float]) -> float:
     med = torch.tensor([statistics.median(times) if times else 0.0])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+    return med.item()
+
+
+def run_one(rank: int, world: int, port: int, systems: tuple[str, ...], pair: str, a, out: str) -> None:
+    """``systems`` built in the same fresh processes; with several (``--interleave``) their timed steps
+    alternate (A B B A ...), so that all see the same load of a shared machine."""
+    init_worker(rank, world, port, a.timeout)
+    torch.manual_seed(0)
+    built = {s: _prepare(s, pair, a, rank) for s in systems}
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    for i in range(0 if pair == "pp" else a.steps):  # the pp pair's memory run is not timed
+        for s in systems if i % 2 == 0 else systems[::-1]:
+            times[s].append(built[s][0]())
+    res = {
+        s: {"median_s": _median_over_ranks(times[s]), "memory": built[s][1], "predicted": built[s][2]} for s in systems
+    }
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"median_s": med.item(), "memory": memory, "predicted": predicted}, f)
+            json.dump(res, f)
     dist.destroy_process_group()
 
 
-def spawn(system: str, pair: str, ranks: int, a, tries: int = 3) -> dict:
-    """One run of ``system`` on ``ranks`` fresh processes. A run whose process dies (seen on this shared machine:
+def spawn(systems: tuple[str, ...], pair: str, ranks: int, a, tries: int = 3) -> dict:
+    """One run of ``systems`` (one, or several interleaved) on ``ranks`` fresh processes: {system: result}. A run whose process dies (seen on this shared machine:
     a gloo rank aborting at start-up, "terminate called without an active exception") is retried, said on stderr."""
     for attempt in range(1, tries + 1):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
             try:
-                mp.spawn(run_one, args=(ranks, free_port(), system, pair, a, out), nprocs=ranks, join=True)
+                mp.spawn(run_one, args=(ranks, free_port(), systems, pair, a, out), nprocs=ranks, join=True)
             except mp.ProcessExitedException as e:
                 if attempt == tries:
                     raise
-                print(f"[{pair}] {system}: {e}; retrying ({attempt}/{tries - 1})", file=sys.stderr, flush=True)
+                print(
+                    f"[{pair}] {'+'.join(systems)}: {e}; retrying ({attempt}/{tries - 1})", file=sys.stderr, flush=True
+                )
                 continue
             with open(out) as f:
                 return json.load(f)
@@ -124,12 +149,14 @@ def run_pair(pair: str, a) -> dict:
     ours, peers = PAIRS[pair]
     ranks = a.search_ranks if pair == "search" else a.ranks
     runs: dict[str, list[dict]] = {s: [] for s in (ours, *peers)}
+    groups = [tuple(runs)] if a.interleave else [(s,) for s in runs]
     for r in range(a.repeats):
-        for system in runs:
+        for systems in groups:
             t0 = time.perf_counter()
-            runs[system].append(spawn(system, pair, ranks, a))
-            print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {runs[system][-1]['median_s']:.3f} s/step "
-                  f"({time.perf_counter() - t0:.0f} s with start-up)", file=sys.stderr, flush=True)  # fmt: skip
+            for system, res in spawn(systems, pair, ranks, a).items():
+                runs[system].append(res)
+                print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {res['median_s']:.3f} s/step "
+                      f"({time.perf_counter() - t0:.0f} s with start-up)", file=sys.stderr, flush=True)  # fmt: skip
     return runs
 
 
@@ -151,7 +178,7 @@ def run_pp(a) -> dict:
             out["rounds"][mode].append(res)
             line = ", ".join(f"{s} {x['autopar_median_s']:.3f}/{x['torch_median_s']:.3f}" for s, x in res.items())
             print(f"[pp round {r + 1}/{a.repeats}] {mode}: autopar/torch s {line}", file=sys.stderr, flush=True)
-    out["memory"] = spawn("autopar-pp", "pp", 2, a)
+    out["memory"] = spawn(("autopar-pp",), "pp", 2, a)["autopar-pp"]
     return out
 
 
@@ -174,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--interleave", action="store_true",
+                   help="build a pair's systems in the same fresh processes and alternate their timed steps "
+                   "(A B B A ...), for a machine whose load changes between runs")  # fmt: skip
     p.add_argument("--json", help="also write every measurement here")
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -211,8 +241,9 @@ def _table(results: dict, a) -> str:
         "|---|---|---|---|---|",
     ]
     mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB "
-           "| activations predicted / saved | every op output / saved |"]  # fmt: skip
-    mem.append("|---|---|---|---|---|---|---|---|")
+           "| activations predicted / saved | every op output / saved | ZeRO-3 gathered MiB (most) measured / "
+           "predicted |"]  # fmt: skip
+    mem.append("|---|---|---|---|---|---|---|---|---|")
     for pair, runs in results.items():
         if pair == "pp":
             lines += _pp_rows(runs, a)
@@ -252,11 +283,13 @@ def _mem_row(label: str, run: dict) -> str:
     keys = ("params", "grads", "optimizer", "activations")
     m, pred = run["memory"], run["predicted"]
     cells = " | ".join(f"{m[k] / mib:.2f}" for k in keys)
+    gathered = f"{m['gathered'] / mib:.2f} / {pred['gathered'] / mib:.2f}" if "gathered" in m and pred else "-"
     if not pred:
-        return f"| {label} | {cells} | - | - | - |"
+        return f"| {label} | {cells} | - | - | - | - |"
     ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys)
     saved = max(m["activations"], 1)
-    return f"| {label} | {cells} | {ptxt} | {pred['activations'] / saved:.4f} | {pred['every_output'] / saved:.2f} |"
+    return (f"| {label} | {cells} | {ptxt} | {pred['activations'] / saved:.4f} | {pred['every_output'] / saved:.2f} "
+            f"| {gathered} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -106,5 +106,6 @@ def predicted_categories(module) -> dict[str, float]:
     cats = [memory_categories(p, module.setup) for p in progs]
     out = {k: sum(c[k] for c in cats) for k in CATEGORIES}
     out["activations"] *= per_step
+    out["gathered"] = max(c["gathered"] for c in cats)  # ZeRO-3's whole weights, one stage runs at a time
     out["every_output"] = per_step * sum(t.local_nbytes(p.mesh) for p in progs for op in p.ops for t in op.types)
     return out

@@ -227,6 +227,7 @@ class Zero3Params:
         self._pending.clear()
         self._cache.clear()
         self._current = -1
+        self._live.clear()  # a forward stopped by an error released nothing: its addresses must not match later
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks packing a saved tensor that is (a view of) a gathered unit as a token."""

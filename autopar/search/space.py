@@ -130,8 +130,9 @@ class SearchSpace:
     mics: bool = True  # also MiCS partition groups: divisors g of dp, node-aligned (see _node_aligned)
     mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
     devices_per_node: int = 8  # set from the cluster by the search
-    # ZeRO-3 / MiCS-3 also with pp > 1: the runtime gathers a stage's weights around each of its forwards and
-    # recomputations (runtime/zero3.py), as price.py prices it; False leaves those candidates out
+    # ZeRO-3 / MiCS-3 also with pp > 1: the runtime gathers a stage's weights one unit (layer, embedding, head)
+    # at a time in each forward, recomputation and backward (runtime/zero3.py), as price.py prices it; False
+    # leaves those candidates out
     pipeline_zero3: bool = True
     layouts: tuple[str, ...] = ("balanced", "even")
     max_pp: int | None = None  # default: the number of layers
