@@ -126,8 +126,9 @@ def run_one(rank: int, world: int, port: int, systems: tuple[str, ...], pair: st
 
 
 def spawn(systems: tuple[str, ...], pair: str, ranks: int, a, tries: int = 3) -> dict:
-    """One run of ``systems`` (one, or several interleaved) on ``ranks`` fresh processes: {system: result}. A run whose process dies (seen on this shared machine:
-    a gloo rank aborting at start-up, "terminate called without an active exception") is retried, said on stderr."""
+    """One run of ``systems`` (one, or several interleaved) on ``ranks`` fresh processes: {system: result}. A
+    run whose process dies (seen on this shared machine: a gloo rank aborting at start-up, "terminate called
+    without an active exception") is retried, said on stderr."""
     for attempt in range(1, tries + 1):
         with tempfile.TemporaryDirectory() as d:
             out = os.path.join(d, "r.json")
