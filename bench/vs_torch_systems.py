@@ -63,7 +63,7 @@ def prepare_search(a, world: int, path: str) -> str:
     from autopar.search import search_model
 
     spec = model_spec("llama", a).rsplit(",batch=", 1)[0]
-    result = search_model(spec, local_cluster_spec("cpu", world), global_batch=a.batch)
+    result = search_model(spec, local_cluster_spec("cpu", world), global_batch=a.batch, precision="fp32")  # as it trains
     c = result.best[0].candidate
     launch = {"axes": {k: n for k, n in c.mesh().items() if n > 1} or {"dp": 1}, "zero": c.zero, "mics": c.mics_group}
     if c.pp > 1:

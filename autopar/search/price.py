@@ -92,6 +92,7 @@ class Analytic:
         self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
         self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
+        self.zero0_dominated = cluster.runs_as("reduce_scatter") == "reduce_scatter"
         units = profile.units
         self.n = len(units)
         rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
