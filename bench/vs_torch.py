@@ -146,7 +146,12 @@ def run_pp(a) -> dict:
                 cmd = [sys.executable, os.path.join(here, "pipeline_vs_torch.py"), "--mode", mode]
                 cmd += ["--ranks", str(ranks), "--repeats", str(a.pp_steps), "--schedules", ",".join(PP_SCHEDULES)]
                 cmd += ["--microbatches", str(a.pp_microbatches), "--json", path]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                for attempt in range(3):  # a rank dying at start-up is retried, as in `spawn`
+                    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode == 0:
+                        break
+                    print(f"[pp] {mode}: an invocation failed; retrying ({attempt + 1}/2)", file=sys.stderr, flush=True)
+                else:
+                    raise RuntimeError(f"{' '.join(cmd)} failed three times")
                 with open(path) as f:
                     res = json.load(f)
             out["rounds"][mode].append(res)
