@@ -12,8 +12,9 @@ A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_tor
 - ``zero3``: autopar with ZeRO-3 on dp=2 vs FSDP2 (``fully_shard`` per decoder layer, then the root); LLaMA;
 - ``tp``: autopar on tp=2 (its plan) vs DTensor TP (``parallelize_module``, Megatron's layout); LLaMA;
 - ``search``: on --search-ranks (4) ranks, the plan ``autopar.search`` picks for this machine (searched once,
-  before the rounds) vs DDP, FSDP2, DTensor TP and FSDP2 x TP (dp=2 x tp=2); LLaMA. The ratio is against the
-  fastest peer (the smallest median);
+  before the rounds) vs DDP, FSDP2, DTensor TP and FSDP2 x TP (dp=2 x tp=2); LLaMA. The fastest hand-written
+  peer (the smallest median) is marked; autopar's default plan on dp over all ranks runs beside them for
+  reference;
 - ``pp``: ``bench/pipeline_vs_torch.py`` (1F1B and interleaved, autopar's executor vs hand-built
   ``PipelineStage``s under torch's ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``), --repeats invocations
   (fresh processes each) in real compute on --ranks ranks and on the emulated device (sleeping stages,
@@ -57,7 +58,7 @@ PAIRS = {
     "dp": ("autopar-dp", ("ddp",)),
     "zero3": ("autopar-zero3", ("fsdp2",)),
     "tp": ("autopar-tp", ("dtensor-tp",)),
-    "search": ("autopar-search", ("ddp", "fsdp2", "dtensor-tp", "fsdp2-tp")),
+    "search": ("autopar-search", ("ddp", "fsdp2", "dtensor-tp", "fsdp2-tp", "autopar-dp")),  # + autopar's dp plan
 }
 PP_SCHEDULES = ("1f1b", "interleaved")
 
@@ -173,7 +174,12 @@ def run_pp(a) -> dict:
                 cmd = [sys.executable, os.path.join(here, "pipeline_vs_torch.py"), "--mode", mode]
                 cmd += ["--ranks", str(ranks), "--repeats", str(a.pp_steps), "--schedules", ",".join(PP_SCHEDULES)]
                 cmd += ["--microbatches", str(a.pp_microbatches), "--json", path]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+                for attempt in range(3):  # a rank dying at start-up is retried, as in `spawn`
+                    if subprocess.run(cmd, stdout=subprocess.DEVNULL).returncode == 0:
+                        break
+                    print(f"[pp] {mode}: an invocation failed; retrying ({attempt + 1}/2)", file=sys.stderr, flush=True)
+                else:
+                    raise RuntimeError(f"{' '.join(cmd)} failed three times")
                 with open(path) as f:
                     res = json.load(f)
             out["rounds"][mode].append(res)
@@ -253,7 +259,8 @@ def _table(results: dict, a) -> str:
         ours, peers = PAIRS[pair]
         ranks = a.search_ranks if pair == "search" else a.ranks
         mine = [x["median_s"] for x in runs[ours]]
-        best = min(peers, key=lambda s: statistics.median(x["median_s"] for x in runs[s]))
+        hand = [s for s in peers if not s.startswith("autopar")]
+        best = min(hand, key=lambda s: statistics.median(x["median_s"] for x in runs[s]))
         for peer in peers:
             theirs = [x["median_s"] for x in runs[peer]]
             label = f"{ours} / {peer}" + (" (fastest peer)" if pair == "search" and peer == best else "")

@@ -63,7 +63,8 @@ def prepare_search(a, world: int, path: str) -> str:
     from autopar.search import search_model
 
     spec = model_spec("llama", a).rsplit(",batch=", 1)[0]
-    result = search_model(spec, local_cluster_spec("cpu", world), global_batch=a.batch)
+    cluster = local_cluster_spec("cpu", world)
+    result = search_model(spec, cluster, global_batch=a.batch, precision="fp32")  # fp32, as the bench trains
     c = result.best[0].candidate
     launch = {"axes": {k: n for k, n in c.mesh().items() if n > 1} or {"dp": 1}, "zero": c.zero, "mics": c.mics_group}
     if c.pp > 1:

@@ -162,11 +162,18 @@ class ClusterSpec:
         n = group_size
         if nbytes == 0 or (n == 1 and kind not in ("send", "recv")):
             return 0.0
+        kind = self.runs_as(kind)
         lat, bw = self._link(kind, intra_node)
         if kind in ("send", "recv"):
             return nbytes / bw + lat
         steps = _ring_steps(kind, n)
         return steps / n * nbytes / bw + steps * lat
+
+    def runs_as(self, kind: str) -> str:
+        """The collective that runs for ``kind`` on this backend: gloo has no reduce-scatter, and autopar's
+        runtime all-reduces and keeps the local slice there (``runtime/collectives.py``, ``runtime/zero.py``),
+        so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's)."""
+        return "all_reduce" if kind == "reduce_scatter" and self.backend == "gloo" else kind
 
     def collective_terms(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
         """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
@@ -174,6 +181,7 @@ class ClusterSpec:
         n = group_size
         if n == 1:
             return 0.0, 0.0
+        kind = self.runs_as(kind)
         lat, bw = self._link(kind, intra_node)
         steps = _ring_steps(kind, n)
         return steps / n / bw, steps * lat

@@ -7,8 +7,9 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
-  all-reduce (= reduce-scatter + all-gather) of the rank's gradients per bucket of ``BUCKET_BYTES``
-  (one latency each, ``solver/buckets.py``); ZeRO-2 one reduce-scatter per
+  all-reduce (= reduce-scatter + all-gather) of the rank's gradients, ZeRO-0's per bucket of ``BUCKET_BYTES``
+  (one latency each, ``solver/buckets.py``; on gloo, whose reduce-scatter is an all-reduce, ZeRO-1 pays the
+  all-reduce and the all-gather); ZeRO-2 one reduce-scatter per
   microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
   the weights in every forward, backward and recomputation and reduce-scatters every backward (priced
   per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
@@ -45,8 +46,12 @@ class CommTime:
         return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
 
     def gather(self, nbytes: float, n: int, intra: bool) -> float:
-        """Seconds of one all-gather (or reduce-scatter) of ``nbytes`` (the whole tensor) over n ranks."""
+        """Seconds of one all-gather of ``nbytes`` (the whole tensor) over n ranks."""
         return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+
+    def scatter(self, nbytes: float, n: int, intra: bool) -> float:
+        """Seconds of one reduce-scatter of ``nbytes`` over n ranks (an all-reduce on gloo: ``ClusterSpec.runs_as``)."""
+        return self.cluster.collective_seconds("reduce_scatter", nbytes, n, intra) if n > 1 else 0.0
 
     def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
         """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
@@ -68,17 +73,19 @@ class CommTime:
         intra_g = self.intra(c.tp * g)
         intra_all = self.intra(c.tp * c.dp)
         if g == c.dp:
-            if c.zero <= 1:
-                return self.allreduce(grads, math.ceil(grads / BUCKET_BYTES), c.dp, intra_all)
-            if c.zero == 2:
-                return c.microbatches * self.gather(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
+            if c.zero == 0 or (c.zero == 1 and self.cluster.runs_as("reduce_scatter") == "reduce_scatter"):
+                buckets = math.ceil(grads / BUCKET_BYTES) if c.zero == 0 else 1  # ZeRO-1: reduce-scatter + all-gather
+                return self.allreduce(grads, buckets, c.dp, intra_all)
+            if c.zero <= 2:  # (ZeRO-1 on gloo: an all-reduce for the reduce-scatter, then the all-gather)
+                scatters = 1 if c.zero == 1 else c.microbatches
+                return scatters * self.scatter(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
             return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
         # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
         across = self.mics_hop(grads, c)
         if c.zero <= 1:
-            return self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+            return self.scatter(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
         if c.zero == 2:
-            return c.microbatches * self.gather(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+            return c.microbatches * self.scatter(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
         return 0.0  # ZeRO-3: every backward scatters its gradients and all-reduces the shard (priced in tb)
 
     def mics_hop(self, grad_bytes: float, c: Candidate) -> float:

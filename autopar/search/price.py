@@ -97,6 +97,7 @@ class Analytic:
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
         self.copy_b = TrainingSetup(optimizer, precision).copy_bytes
         self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
+        self.zero0_dominated = cluster.runs_as("reduce_scatter") == "reduce_scatter"
         units = profile.units
         self.n = len(units)
         rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each

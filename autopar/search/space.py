@@ -163,6 +163,7 @@ class Pricer(Protocol):
     p: Profile
     B: int
     n: int
+    zero0_dominated: bool  # ZeRO-1 communicates no more than ZeRO-0 (not on gloo)
 
     def balanced_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None: ...
     def even_layout(self, stages: int) -> tuple[tuple[int, int], ...] | None: ...
@@ -234,7 +235,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 continue  # no even layout, or the same stages as the balanced one
             if layout == "balanced" and stages > analytic.n:
                 continue
-            for g, zeros, dominated, unsupported in _zeros(fam, space):
+            for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
                                  mics_group=g, layout=layout)  # fmt: skip
                 n = len(levels)
@@ -285,16 +286,18 @@ def _node_aligned(devices: int, space: SearchSpace) -> bool:
     return dpn % devices == 0 if devices <= dpn else devices % dpn == 0 and devices <= space.mics_max_nodes * dpn
 
 
-def _zeros(fam: Family, space: SearchSpace) -> Iterator[tuple[int, tuple[int, ...], int, int]]:
-    """(MiCS group, ZeRO stages ascending, ZeRO-0 stages dominated, ZeRO-3 stages unsupported)."""
+def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Iterator[tuple[int, tuple, int, int]]:
+    """(MiCS group, ZeRO stages ascending, ZeRO-0 stages dominated, ZeRO-3 stages unsupported). ZeRO-0 is
+    dominated by ZeRO-1 (same communication, less memory) unless ``zero0_dominated`` is false: on gloo, whose
+    reduce-scatter is an all-reduce, ZeRO-1 communicates more than ZeRO-0."""
     if fam.dp == 1:
         yield 0, (0,), 0, 0
         return
     groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
                     if space.mics else [])  # fmt: skip
     for g in groups:
-        zs = sorted(z for z in space.zero if z > 0 or (g == 0 and 1 not in space.zero))
-        dominated = int(g == 0 and 0 in space.zero and 1 in space.zero)
+        zs = sorted(z for z in space.zero if z > 0 or (g == 0 and (1 not in space.zero or not zero0_dominated)))
+        dominated = int(g == 0 and 0 in space.zero and 1 in space.zero and zero0_dominated)
         unsupported = 0
         if fam.pp > 1 and not space.pipeline_zero3:
             unsupported = sum(z >= 3 for z in zs)
