@@ -65,7 +65,8 @@ class CheckReport:
     def summary(self) -> str:
         loss = ""
         if self.loss is not None:
-            loss = f" loss {self.loss:.12g} (model {self.loss_reference:.12g});"
+            ref = "autopar on one device" if self.note else "model"
+            loss = f" loss {self.loss:.12g} ({ref} {self.loss_reference:.12g});"
         if self.agrees:
             return (
                 f"agrees on mesh {self.mesh}:{loss} largest relative difference {self.max_diff:.3g} over "

@@ -57,7 +57,8 @@ class SimCompiled:
         timeout: float = 120.0,
         float64: bool = False,
     ) -> SimCompiled:
-        """Plan ``model(*args, **kwargs)`` (the global batch) on ``mesh`` as ``autopar.compile`` does, or use
+        """Plan ``model(*args, **kwargs)`` (the global batch) on ``mesh`` as ``autopar.compile`` does (priced on
+        ``options.cluster``: compile adds this machine's spec when it names none), or use
         the planned whole-mesh program ``sharded``, and build every rank's module (the arguments are
         ``compile``'s; dropout seeds come from ``torch.initial_seed()``). ``float64``: the programs with every
         float in float64 (``autopar/float64.py``; compare with the model run under ``Float64Mode``)."""

@@ -14,7 +14,8 @@ float32 whatever the model's dtype, whose rounding a sharded reduction changes b
 cell is the largest relative difference over both optimizers and both objectives (the fastest plan priced
 on a slow-compute cluster, so ops split; least memory) of the per-step losses, and of every state-dict
 entry after the last step (max |x - x_ref| / max |x_ref| per tensor). Pipelines run 1F1B over 2
-microbatches (1 for a model with batch norm, whose statistics are a microbatch's). Nothing is timed: the numbers do not depend on the machine.
+microbatches (1 for a model with batch norm, whose statistics are a microbatch's). Nothing is timed: the
+numbers do not depend on the machine.
 """
 
 from __future__ import annotations

@@ -130,6 +130,8 @@ def _reduce(parts: list[torch.Tensor], op: Any) -> torch.Tensor:
 class SimGroup(dist.ProcessGroup):
     """One rank's view of a simulated process group (the ranks of one mesh axis through it)."""
 
+    simulated = True  # not in torch's registry of groups (dist.get_backend(group) does not know it)
+
     def __init__(self, rendezvous: _Rendezvous, member: int):
         super().__init__(member, len(rendezvous.ranks))
         self.rv, self.member = rendezvous, member

@@ -264,7 +264,8 @@ def whole_gradient_params(program, axes: tuple[str, ...]) -> set[str]:
 
 
 def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
-    if group.name() == "nccl":  # the backend's name (the rank simulator's groups are not in torch's registry)
+    # torch's registry holds the backend of a real group; the rank simulator's groups are not registered
+    if (group.name() if getattr(group, "simulated", False) else dist.get_backend(group)) == "nccl":
         out = torch.empty(g.numel() // n, dtype=g.dtype, device=g.device)
         dist.reduce_scatter_tensor(out, g, group=group)
         return out
