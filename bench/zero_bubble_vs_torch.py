@@ -17,12 +17,13 @@ too (torch's Schedule1F1B; ZB-H2 on autopar only). Costs are a rank's share per 
 (B): A B A B ... For each: median and min step time, the throughput ratio (torch's median over
 autopar's), autopar's bubble from its action trace (``measured_result``), both sides' bubble from the
 step time against the busiest rank's compute M (T_F + T_B + T_W), and the simulator's bubble for the
-same costs: without and with the measured one-way transfer time t_c; with t_c and the measured time
-a rank spends issuing one send, t_send (``Costs.t_send``: gloo writes a message in the sender's
-thread when its receive is already posted, about 0.1-0.2 ms for the boundary here, a fixed cost per
-send on the sender's own timeline, and the V schedules send twice as often per rank); and with the
-F, B, W and per-send times autopar's last step measured (the sleeps' overshoot and each action's
-fixed cost included: what is left between that and the trace is time between actions).
+same costs: without and with the measured one-way transfer time t_c; with t_c and the time the
+compute thread spent per send in autopar's last step, t_send (``Costs.t_send``, read off the trace: a
+fixed cost per send on the sender's own timeline, and the V schedules send twice as often per rank;
+on gloo the executor hands sends to a helper thread, since gloo writes a message in the issuing
+thread when its receive is already posted); and with the F, B, W and per-send times autopar's last
+step measured (the sleeps' overshoot and each action's fixed cost included: what is left between
+that and the trace is time between actions).
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
 """
@@ -32,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -96,27 +96,6 @@ def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0):
     return Costs.uniform(S, tf=args.tf * k, tb=tb, tw=tw, tc=tc, t_send=t_send)
 
 
-def _send_seconds(shape, reps: int = 20) -> float:
-    """Median time rank 0 spends issuing one send of a boundary tensor to rank 1, whose receive is posted
-    (the executor's receives are posted ahead): gloo writes the message in the caller then, so this is
-    a fixed cost per send on the sender's own timeline (``Costs.t_send``)."""
-    x, buf = torch.zeros(shape), torch.empty(shape)
-    rank = dist.get_rank()
-    times = []
-    for _ in range(reps):
-        work = dist.irecv(buf, 0) if rank == 1 else None
-        dist.barrier()
-        if rank == 0:
-            t0 = time.perf_counter()
-            work = dist.isend(x, 1)
-            times.append(time.perf_counter() - t0)
-        if work is not None:
-            work.wait()
-    t = torch.tensor([statistics.median(times) if times else 0.0])
-    dist.broadcast(t, 0)
-    return float(t)
-
-
 def emulated(rank: int, world: int, args) -> dict:
     from autopar.runtime.schedules import make_schedule
     from autopar.runtime.simulator import simulate
@@ -146,7 +125,7 @@ def emulated(rank: int, world: int, args) -> dict:
             _torch_step(ts, sched.stages_of_rank(rank), sched.num_stages, full, full)
 
         runs.append((name, opts, sched, ex, mbs, ts, tstep))
-    tc, t_send = _one_way_seconds(shape), _send_seconds(shape)
+    tc = _one_way_seconds(shape)
     for _name, _opts, _sched, ex, mbs, ts, tstep in runs:  # warm-up (torch infers shapes on its first step)
         ex.run(mbs)
         if ts is not None:
@@ -169,18 +148,13 @@ def emulated(rank: int, world: int, args) -> dict:
             sim = simulate(sched, simulated_costs(sched, args))
             out[name] = _summary(times[name], float(sim.bubble_ratio), ideal, opts)
             out[name]["sim_bubble_tc"] = float(simulate(sched, simulated_costs(sched, args, tc)).bubble_ratio)
+            t_send = _measured_costs(sched, last[name]).t_send  # the compute thread's time per send, traced
             priced = simulate(sched, simulated_costs(sched, args, tc, t_send))
             out[name]["sim_bubble_send"] = float(priced.bubble_ratio)
             measured = simulate(sched, _measured_costs(sched, last[name], tc))
             out[name]["sim_bubble_measured"] = float(measured.bubble_ratio)
             out[name]["tc_s"], out[name]["t_send_s"] = tc, t_send
-            out[name]["t_send_trace_s"] = float(measured_send(last[name]))
     return out
-
-
-def measured_send(m) -> float:
-    """The per-send cost the simulation of measured costs charged (``_measured_costs``)."""
-    return _measured_costs(m.schedule, m).t_send
 
 
 def _table(res: dict) -> str:
@@ -231,10 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"emulated: P={args.ranks} M={args.microbatches} repeats={args.repeats} boundary={args.mb}x{args.seq}x"
         f"{args.hidden} f32 T_F={args.tf}s T_B={args.tb}s T_W={args.tw}s per rank share "
-        f"({time.perf_counter() - t0:.0f} s); one-way t_c {first['tc_s'] * 1e3:.2f} ms, t_send "
-        f"{first['t_send_s'] * 1e3:.2f} ms (traced: "
-        + ", ".join(f"{n} {r['t_send_trace_s'] * 1e3:.2f}" for n, r in res.items())
-        + " ms)"
+        f"({time.perf_counter() - t0:.0f} s); one-way t_c {first['tc_s'] * 1e3:.2f} ms, t_send traced "
+        + ", ".join(f"{n} {r['t_send_s'] * 1e3:.3f}" for n, r in res.items())
+        + " ms"
     )
     print(_table(res))
     if args.json:
