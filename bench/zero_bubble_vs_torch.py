@@ -17,9 +17,12 @@ too (torch's Schedule1F1B; ZB-H2 on autopar only). Costs are a rank's share per 
 (B): A B A B ... For each: median and min step time, the throughput ratio (torch's median over
 autopar's), autopar's bubble from its action trace (``measured_result``), both sides' bubble from the
 step time against the busiest rank's compute M (T_F + T_B + T_W), and the simulator's bubble for the
-same costs, without and with the measured one-way transfer time, and with the F, B and W times
-autopar's last step measured (the sleeps' overshoot and each action's fixed cost: what is left
-between the two is time between actions, posting transfers and waiting).
+same costs: without and with the measured one-way transfer time t_c; with t_c and the time the
+compute thread spent per send in autopar's last step, t_send (``Costs.t_send``, read off the trace: a
+fixed cost per send on the sender's own timeline, and the V schedules send twice as often per rank;
+gloo writes a message in the issuing thread when its receive is already posted); and with the F, B, W and per-send times autopar's last
+step measured (the sleeps' overshoot and each action's fixed cost included: what is left between
+that and the trace is time between actions).
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
 """
@@ -81,7 +84,7 @@ class ZBSleepStage(nn.Module):
         return _Sleep.apply(x, self.tf, self.tb) * _SleepWeight.apply(self.w, self.tw)
 
 
-def simulated_costs(sched, args, tc: float = 0.0):
+def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0):
     """The emulated stages' costs for the simulator: a rank's share split over its stages; the first
     stage's backward is its weight gradients only."""
     from autopar.runtime.action_costs import Costs
@@ -89,7 +92,7 @@ def simulated_costs(sched, args, tc: float = 0.0):
     S, k = sched.num_stages, sched.num_ranks / sched.num_stages
     tw = [args.tw * k] * S
     tb = [(0.0 if s == 0 else args.tb * k) + tw[s] for s in range(S)]
-    return Costs.uniform(S, tf=args.tf * k, tb=tb, tw=tw, tc=tc)
+    return Costs.uniform(S, tf=args.tf * k, tb=tb, tw=tw, tc=tc, t_send=t_send)
 
 
 def emulated(rank: int, world: int, args) -> dict:
@@ -144,18 +147,26 @@ def emulated(rank: int, world: int, args) -> dict:
             sim = simulate(sched, simulated_costs(sched, args))
             out[name] = _summary(times[name], float(sim.bubble_ratio), ideal, opts)
             out[name]["sim_bubble_tc"] = float(simulate(sched, simulated_costs(sched, args, tc)).bubble_ratio)
+            t_send = _measured_costs(sched, last[name]).t_send  # the compute thread's time per send, traced
+            priced = simulate(sched, simulated_costs(sched, args, tc, t_send))
+            out[name]["sim_bubble_send"] = float(priced.bubble_ratio)
             measured = simulate(sched, _measured_costs(sched, last[name], tc))
             out[name]["sim_bubble_measured"] = float(measured.bubble_ratio)
-            out[name]["tc_s"] = tc
+            out[name]["tc_s"], out[name]["t_send_s"] = tc, t_send
     return out
 
 
 def _table(res: dict) -> str:
-    """pipeline_vs_torch's table, with the simulation of autopar's own measured action times beside it."""
+    """pipeline_vs_torch's table, with the simulation priced with the measured per-send cost and the
+    simulation of autopar's own measured action times beside it, and the trace's bubble over each."""
     lines = one_table(res, True).splitlines()
-    lines[0] += " bubble simulated, measured costs + t_c |"
-    lines[1] += "---|"
-    rows = [f"{row} {r['sim_bubble_measured']:.3f} |" for row, r in zip(lines[2:], res.values())]
+    lines[0] += " bubble simulated + t_c + t_send | trace / (sim + t_c + t_send) | bubble simulated, measured costs |"
+    lines[1] += "---|---|---|"
+    rows = [
+        f"{row} {r['sim_bubble_send']:.3f} | {r['autopar_bubble_trace'] / r['sim_bubble_send']:.2f} | "
+        f"{r['sim_bubble_measured']:.3f} |"
+        for row, r in zip(lines[2:], res.values())
+    ]
     return "\n".join([*lines[:2], *rows])
 
 
@@ -189,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         mp.spawn(_worker, args=(args.ranks, free_port(), args, result), nprocs=args.ranks, join=True)
         res = json.load(open(result))
+    first = next(iter(res.values()))
     print(
         f"emulated: P={args.ranks} M={args.microbatches} repeats={args.repeats} boundary={args.mb}x{args.seq}x"
         f"{args.hidden} f32 T_F={args.tf}s T_B={args.tb}s T_W={args.tw}s per rank share "
-        f"({time.perf_counter() - t0:.0f} s)"
+        f"({time.perf_counter() - t0:.0f} s); one-way t_c {first['tc_s'] * 1e3:.2f} ms, t_send traced "
+        + ", ".join(f"{n} {r['t_send_s'] * 1e3:.3f}" for n, r in res.items())
+        + " ms"
     )
     print(_table(res))
     if args.json:

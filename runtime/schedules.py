@@ -232,6 +232,21 @@ def _zero_bubble(name: str, M: int, placement: Sequence[int], orders: list[list[
     return _build(name, M, placement, orders)
 
 
+def zero_bubble_orders(name: str, num_ranks: int, num_microbatches: int) -> list[list[Action]]:
+    """The F/B/W compute order of every rank of zero-bubble schedule ``name``, without the transfers
+    (what a rank's memory depends on: ``actions.stash_points``); cheap for any size."""
+    P, M = num_ranks, num_microbatches
+    if name == "zb-h1":
+        return _one_f_one_b_with_weights(P, M, lambda r: P - r - 1, lambda r: r)
+    if name == "zb-h2":
+        return _one_f_one_b_with_weights(P, M, lambda r: 2 * (P - r - 1), lambda r: 2 * r)
+    if name == "zbv":
+        return zbv_orders(P, M)
+    if name == "dualpipev":
+        return dualpipev_orders(P, M)
+    raise ScheduleError(f"{name!r} is not a zero-bubble schedule (zb-h1, zb-h2, zbv, dualpipev)")
+
+
 @register("zb-h1")
 def zb_h1(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule:
     """Zero Bubble's ZB-H1 (Qi et al. 2.1): 1F1B whose rank r runs its W r backwards late.
@@ -240,9 +255,9 @@ def zb_h1(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule
     memory (P stage stashes on every rank, counted until the W). ``recompute=1`` checkpoints every
     stage (a ``RECOMPUTE`` right before each ``B``), as for every zero-bubble schedule here.
     """
-    P, M = num_ranks, num_microbatches
-    orders = _one_f_one_b_with_weights(P, M, lambda r: P - r - 1, lambda r: r)
-    return _zero_bubble("zb-h1", M, range(P), orders, recompute)
+    return _zero_bubble(
+        "zb-h1", num_microbatches, range(num_ranks), zero_bubble_orders("zb-h1", num_ranks, num_microbatches), recompute
+    )
 
 
 @register("zb-h2")
@@ -253,9 +268,9 @@ def zb_h2(num_ranks: int, num_microbatches: int, recompute: int = 0) -> Schedule
     T_F + T_B = 2 T_W, at 2P - 1 stashes (about twice 1F1B's). A synchronous step adds the staggered
     start and end (``SimResult.span_bubble`` against ``step_time``, docs/schedules.md).
     """
-    P, M = num_ranks, num_microbatches
-    orders = _one_f_one_b_with_weights(P, M, lambda r: 2 * (P - r - 1), lambda r: 2 * r)
-    return _zero_bubble("zb-h2", M, range(P), orders, recompute)
+    return _zero_bubble(
+        "zb-h2", num_microbatches, range(num_ranks), zero_bubble_orders("zb-h2", num_ranks, num_microbatches), recompute
+    )
 
 
 @register("zbv")

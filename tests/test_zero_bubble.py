@@ -540,3 +540,16 @@ def test_the_simulator_charges_each_send_its_issue_time() -> None:
     base = simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc)).step_time
     assert base == 1 + tc + 1 + 2 + 1 + 2 + tc + 2  # F0, hop, F0, B0, F1, B1 on rank 1, hop, B1
     assert simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc, t_send=ts)).step_time == base + ts
+
+
+def test_stash_points_repeat_from_2p_microbatches_on() -> None:
+    """The search reads a zero-bubble rank's memory off its order for min(m, 4P) microbatches: from 2P on
+    the orders only repeat their steady state, so the points are those of any larger m."""
+    from autopar.runtime.actions import stash_points
+    from autopar.runtime.schedules import zero_bubble_orders
+
+    for name in ZERO_BUBBLE:
+        for p in (2, 3, 5):
+            ref = [stash_points(o) for o in zero_bubble_orders(name, p, 2 * p)]
+            for m in (2 * p + 1, 4 * p, 7 * p + 3):
+                assert [stash_points(o) for o in zero_bubble_orders(name, p, m)] == ref, (name, p, m)

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from autopar.runtime.actions import stash_points
-from autopar.runtime.schedules import make_schedule, stage_aware_ratios
+from autopar.runtime.schedules import stage_aware_ratios, zero_bubble_orders
 from autopar.search.comm_time import CommTime
 from autopar.search.evaluation import Evaluation
 from autopar.search.profile import Profile, UnitCost
@@ -173,7 +173,7 @@ class Analytic:
         s0, s1 = self._sync_coefficients(c)
         weights = [p * per_param for p in part.rank_params]
         if c.schedule in ZERO_BUBBLE and c.pp > 1:  # stashes and W-kept gradients at the rank's peak
-            points = _stash_points(c.schedule, c.pp, c.microbatches, tuple(c.schedule_options().items()))
+            points = _stash_points(c.schedule, c.pp, c.microbatches)
             held = [
                 max(live * kept + wait * wk for live, wait in pts)
                 for pts, kept, wk in zip(points, part.rank_kept, part.rank_wkept)
@@ -387,12 +387,16 @@ class Analytic:
         return 3 * self.p.mm_flops * self.B
 
 
-@functools.cache
-def _stash_points(schedule: str, pp: int, microbatches: int, options: tuple) -> list[list[tuple[int, int]]]:
+def _stash_points(schedule: str, pp: int, microbatches: int) -> list[list[tuple[int, int]]]:
     """Per rank, the (stashed, awaiting W) counts that can be its memory peak (``actions.stash_points``),
-    read off the schedule's own action lists."""
-    sched = make_schedule(schedule, pp, microbatches, **dict(options))
-    return [stash_points(sched.actions[r]) for r in range(pp)]
+    read off the schedule's own compute orders. From 2 pp microbatches on the orders only repeat their
+    steady state, so 4 pp stand for any more (``tests/test_zero_bubble.py`` checks it)."""
+    return _points_of(schedule, pp, min(microbatches, 4 * pp))
+
+
+@functools.cache
+def _points_of(schedule: str, pp: int, microbatches: int) -> list[list[tuple[int, int]]]:
+    return [stash_points(order) for order in zero_bubble_orders(schedule, pp, microbatches)]
 
 
 _SUMMED = (
