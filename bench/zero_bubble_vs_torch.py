@@ -21,8 +21,8 @@ same costs: without and with the measured one-way transfer time t_c; with t_c an
 compute thread spent per send in autopar's last step, t_send (``Costs.t_send``, read off the trace: a
 fixed cost per send on the sender's own timeline, and the V schedules send twice as often per rank;
 gloo writes a message in the issuing thread when its receive is already posted); and with the F, B, W and
-per-send times autopar's last step measured (the sleeps' overshoot and each action's fixed cost included: what is left between
-that and the trace is time between actions).
+per-send times autopar's last step measured (the sleeps' overshoot and each action's fixed cost included:
+what is left between that and the trace is time between actions).
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
 """
