@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import faulthandler
 import os
@@ -9,6 +10,18 @@ import socket
 
 import torch
 import torch.distributed as dist
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model flags the runtime benchmarks share: issue 13's GPT-2 / LLaMA (4 layers, hidden 256, vocab
+    4096, batch 8 x 128), and how long a worker may run before it prints its stacks and exits."""
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--timeout", type=float, default=900, help="seconds before a worker dumps its stacks and exits")
 
 
 def free_port() -> int:

@@ -29,14 +29,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _launch import free_port, init_worker  # noqa: E402
-from vs_torch import LossOnly, SavedBytes, _live_bytes  # noqa: E402
+from _launch import add_model_args, free_port, init_worker  # noqa: E402
+from vs_torch_systems import LossOnly  # noqa: E402
 
 
 def run_one(rank: int, world: int, port: int, precision: str, a, out: str) -> None:
     import autopar
     from autopar.models import build
     from autopar.passes.shard import ShardOptions
+    from autopar.runtime.memory import SavedTensors, tensor_bytes
     from autopar.runtime.zero import ZeroOptimizer
     from autopar.solver.cost import CostModel, TrainingSetup
 
@@ -54,10 +55,10 @@ def run_one(rank: int, world: int, port: int, precision: str, a, out: str) -> No
         model, autopar.init_mesh("cpu", dp=world), kwargs=batch, options=options, mixed_precision=mp_arg
     )
     opt = module.make_optimizer(torch.optim.AdamW, lr=1e-4)
-    with SavedBytes() as saved:
+    with SavedTensors() as saved:  # every saved storage once, weights' views included
         loss = module(**batch)
     loss.backward()
-    grads = _live_bytes(p.grad for p in module.parameters() if p.grad is not None)
+    grads = tensor_bytes(p.grad for p in module.parameters() if p.grad is not None)
     opt.step()
     states = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t) and t.dim()]
     if isinstance(opt, ZeroOptimizer):
@@ -68,10 +69,10 @@ def run_one(rank: int, world: int, port: int, precision: str, a, out: str) -> No
         if v.type.is_float:
             predicted = [x + y for x, y in zip(predicted, cost.state_bytes(v.type, v.type.placements))]
     memory = {
-        "params": _live_bytes(module.parameters()),
+        "params": tensor_bytes(module.parameters()),
         "grads": grads,
-        "optimizer": _live_bytes(states),
-        "activations": saved.total,
+        "optimizer": tensor_bytes(states),
+        "activations": saved.bytes,
         "predicted": dict(zip(("params", "grads", "optimizer"), predicted)),
     }
     opt.zero_grad()
@@ -105,13 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--timeout", type=float, default=900)
+    add_model_args(p)
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     runs: dict[str, list[dict]] = {"fp32": [], "bf16": []}

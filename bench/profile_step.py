@@ -34,7 +34,7 @@ import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _launch import free_port, init_worker  # noqa: E402
+from _launch import add_model_args, free_port, init_worker  # noqa: E402
 from vs_torch import build_system  # noqa: E402
 
 SYSTEMS = ("autopar-dp", "ddp", "autopar-tp", "dtensor-tp")
@@ -102,13 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--timeout", type=float, default=900)
+    add_model_args(p)
     a = p.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.makedirs(a.out, exist_ok=True)

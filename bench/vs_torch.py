@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _launch import free_port, init_worker  # noqa: E402
+from _launch import add_model_args, free_port, init_worker  # noqa: E402
 from vs_torch_systems import build_system, family_of, prepare_search  # noqa: E402
 
 PAIRS = {
@@ -201,13 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp-steps", type=int, default=3, help="alternating steps per pipeline invocation")
     p.add_argument("--pp-microbatches", type=int, default=8, help="microbatches of the pipeline timings")
     p.add_argument("--microbatches", type=int, default=2, help="microbatches of the pp memory run")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--timeout", type=float, default=900)
+    add_model_args(p)
     p.add_argument("--interleave", action="store_true",
                    help="build a pair's systems in the same fresh processes and alternate their timed steps "
                    "(A B B A ...), for a machine whose load changes between runs")  # fmt: skip
