@@ -37,13 +37,16 @@ inside ``deferring_weights()`` it runs B and appends the ``WeightGrads`` to the 
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict, deque
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-_DEFERRED: list[list[WeightGrads]] = []
+# the stack of deferring_weights blocks, per thread: the rank simulator runs every rank in a thread of one
+# process, and a rank's B must never file its W with another rank's step
+_LOCAL = threading.local()
 Starts = dict[Node, list[tuple[GradientEdge, torch.Tensor]]]  # an output node no input depends on -> (edge, grad)
 
 
@@ -190,21 +193,29 @@ def _groups(weights: list[Node], parents: dict[Node, list[Node]], on_path: set[N
     return groups
 
 
+def _deferred() -> list[list[WeightGrads]]:
+    if not hasattr(_LOCAL, "stack"):
+        _LOCAL.stack = []
+    return _LOCAL.stack
+
+
 @contextlib.contextmanager
 def deferring_weights() -> Iterator[list[WeightGrads]]:
     """Inside the block ``run_backward`` runs B only; the yielded list collects each call's W."""
     pending: list[WeightGrads] = []
-    _DEFERRED.append(pending)
+    stack = _deferred()
+    stack.append(pending)
     try:
         yield pending
     finally:
-        _DEFERRED.pop()
+        stack.pop()
 
 
 def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """``torch.autograd.backward(tensors, grads)``, or inside ``deferring_weights`` its B (W deferred)."""
-    if _DEFERRED:
-        _DEFERRED[-1].append(input_gradients(list(zip(tensors, grads))))
+    stack = _deferred()
+    if stack:
+        stack[-1].append(input_gradients(list(zip(tensors, grads))))
     else:
         torch.autograd.backward(list(tensors), list(grads))
 

@@ -81,20 +81,7 @@ PIPELINES: dict[str, tuple[str, dict, int]] = {
 }  # fmt: skip
 
 
-# KNOWN BUG (open, issue 14 note): since the gradient buckets (runtime/grads.py) met the simulator, the
-# zero-bubble schedules' runs on simulated ranks fail now and then (about one run in three of this test):
-# the ranks of a tp group issue their collectives in different orders around STEP, or the second step's
-# loss is off by ~1e-3. Spawned gloo runs of the same schedules (tests/test_zero_bubble.py) stay exact.
-# Not strict, so a passing run shows as XPASS; the other schedules are asserted as before.
-_ZB_FLAKE = pytest.mark.xfail(
-    strict=False, reason="zero-bubble schedules with gradient buckets on the rank simulator: ordering race, open"
-)
-_ZERO_BUBBLE = {"zb-h1", "zb-h2", "zbv", "dualpipev"}
-
-
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=_ZB_FLAKE) if PIPELINES[f][0] in _ZERO_BUBBLE else f for f in FAMILIES]
-)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_exactly_on_pp_tp(family: str) -> None:
     """Two SGD steps of the family on pp=2 x tp=2 simulated ranks (``autopar/simtrain.py``: every rank's
     ``ParallelModule`` with its pipeline schedule, point-to-point through the simulator) equal two steps of
