@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _launch import add_model_args, free_port, init_worker  # noqa: E402
-from vs_torch import build_system  # noqa: E402
+from vs_torch_systems import build_system, family_of  # noqa: E402
 
 SYSTEMS = ("autopar-dp", "ddp", "autopar-tp", "dtensor-tp")
 COMM = ("c10d::", "gloo:", "allreduce", "all_reduce", "allgather", "all_gather", "broadcast", "barrier", "send", "recv")
@@ -73,7 +73,7 @@ def summarize(prof, wall: float, steps: int, rank: int, top: int) -> str:
 def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)
-    module, opt, batch, _ = build_system(system, a, rank)
+    module, opt, batch = build_system(system, family_of(system, ""), a, rank)
 
     def step() -> None:
         module(**batch).backward()

@@ -14,6 +14,8 @@ after backward instead (data-parallel gradient sync), recorded as the attribute 
 
 from __future__ import annotations
 
+from networkx.utils import UnionFind
+
 from autopar.ir.core import (
     COLLECTIVES,
     Op,
@@ -111,30 +113,30 @@ def _renamer(names):
 
 
 def _defer_param_grad_sync(prog: Program) -> Program:
-    """Drop f on parameters whose every use needs it on that axis; sync their gradient after backward.
+    """Move each f on an axis up to the parameters its value is computed from, and sync their
+    gradients after backward instead (DDP's bucketed all-reduce, overlapped with the backward).
 
-    Uses are followed through collectives on other axes (linear maps that commute with a sum over
-    this axis)."""
-    users = prog.users()
-    names = prog.mesh.names
+    A backward is linear in the gradient it receives, so a sum over an axis commutes with any op
+    every rank of that axis computes alike: an f on the output of an embedding lookup by replicated
+    position ids (GPT-2's ``wpe``) can be an all-reduce of the table's gradient. f's on an axis are
+    removed together, as one region, when
+
+    - every value the region's f's are computed from, back to the parameters, comes from an op whose
+      inputs and outputs are all replicated on the axis (every rank computes it alike) or from a
+      collective on another axis (a linear map), and
+    - every use of each of those values leads to one of the region's f's on the axis (a use that
+      does not would receive a whole gradient, not a partial one), and
+    - the parameters' gradients are no larger than the f'd values (an embedding table much larger
+      than its lookup keeps its f: fewer bytes, one collective latency).
+    """
     remove: dict[str, str] = {}  # f op result -> its input
     sync: dict[str, list[str]] = {}
-    for p in prog.params:
-        for axis in names:
-            fs, ok = [], True
-            stack = [p.name]
-            while stack and ok:
-                for u in users[stack.pop()]:
-                    if u.target == "grad_all_reduce" and u.kwargs["axis"] == axis:
-                        fs.append(u)
-                    elif u.target in COLLECTIVES and u.kwargs.get("axis") != axis:
-                        stack.append(u.result)
-                    else:
-                        ok = False
-            if ok and fs and not _is_partial_on(p, axis, prog):
-                for f in fs:
-                    remove[f.result] = f.args[0].name
-                sync.setdefault(p.name, []).append(axis)
+    for axis in prog.mesh.names:
+        for fs, params in _deferrable_regions(prog, axis):
+            for f in fs:
+                remove[f.result] = f.args[0].name
+            for n in params:
+                sync.setdefault(n, []).append(axis)
     if not remove:
         return prog
     ops = []
@@ -150,8 +152,68 @@ def _defer_param_grad_sync(prog: Program) -> Program:
     return prog.with_(ops=tuple(ops), inputs=inputs, outputs=outputs)
 
 
-def _is_partial_on(v: Value, axis: str, prog: Program) -> bool:
-    return isinstance(v.type.placements[prog.mesh.index(axis)], Partial)
+def _deferrable_regions(prog: Program, axis: str) -> list[tuple[list[Op], list[str]]]:
+    """(the f's on ``axis``, the parameters whose gradient sync replaces them) of each region that
+    ``_defer_param_grad_sync`` may move up."""
+    users, producers, grad, types = prog.users(), prog.producers(), prog.requires_grad(), prog.types()
+    returned = {r.name for r in _refs(prog.outputs)}
+    a = prog.mesh.index(axis)
+
+    def linear(op: Op) -> bool:  # commutes with a sum over the axis: computed alike by its ranks, or moved on another
+        if op.target in COLLECTIVES:
+            return op.kwargs.get("axis") != axis
+        names = [r.name for r in op.input_refs()] + list(op.results)
+        return all(isinstance(types[n].placements[a], Replicate) for n in names)
+
+    def is_f(op: Op) -> bool:
+        return op.target == "grad_all_reduce" and op.kwargs["axis"] == axis
+
+    deferrable: dict[str, bool] = {}  # every use of the value's gradient leads to an f on the axis
+    for name in [r for op in reversed(prog.ops) for r in op.results] + [v.name for v in prog.params]:
+        if name in grad and name not in returned and not isinstance(types[name].placements[a], Partial):
+            deferrable[name] = bool(users[name]) and all(
+                is_f(u)
+                or (linear(u) and all(deferrable.get(r, r not in grad) for r in u.results))
+                for u in users[name]
+            )  # fmt: skip
+    fs = [op for op in prog.ops if is_f(op)]
+    joined = UnionFind(range(len(fs)))
+    owner: dict[str, int] = {}  # value -> the first f whose ancestry holds it
+    ok: list[bool] = []
+    params: list[set[str]] = []
+    for k, f in enumerate(fs):
+        good, found, seen, stack = True, set(), set(), [f.args[0].name]
+        while stack and good:
+            x = stack.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            joined.union(owner.setdefault(x, k), k)
+            prod = producers[x]
+            good = deferrable.get(x, False)
+            if isinstance(prod, Value):
+                good = good and prod.kind == "param"
+                found.add(x)
+            elif good and linear(prod):
+                stack.extend(r.name for r in prod.input_refs() if r.name in grad)
+            else:
+                good = False
+        ok.append(good)
+        params.append(found)
+    out = []
+    for members in joined.to_sets():
+        found = set().union(*(params[k] for k in members))
+        p_bytes = sum(types[n].local_nbytes(prog.mesh) for n in found)
+        f_bytes = sum(types[fs[k].result].local_nbytes(prog.mesh) for k in members)
+        if all(ok[k] for k in members) and p_bytes <= f_bytes:
+            out.append(([fs[k] for k in sorted(members)], sorted(found)))
+    return out
+
+
+def _refs(tree) -> list[Ref]:
+    out: list[Ref] = []
+    map_refs(tree, lambda r: out.append(r) or r)
+    return out
 
 
 def _follow(name: str, remove: dict[str, str]) -> str:

@@ -35,7 +35,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
-from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.passes.split_cache import cache_dir, code_fingerprint, write_atomic
 from autopar.solver.pipeline_shape import SCHEDULES, num_stages
 from autopar.solver.stage_plan import StagePlan
 
@@ -159,9 +159,11 @@ def plan_program(
 def _shard(
     lowered: Program, opts: ShardOptions, cache: bool, dump_dir, timings: dict[str, float]
 ) -> tuple[Program, ShardResult | None]:
-    """``shard`` and ``insert-collectives``; the result is kept on disk by content (lowered IR, options)."""
+    """``shard`` and ``insert-collectives``; the result is kept on disk by content (lowered IR, options,
+    the planning code's fingerprint)."""
     names = ["shard", "insert-collectives"]
-    key = hashlib.sha256((print_program(lowered) + repr(opts) + ",".join(names)).encode()).hexdigest()[:24]
+    text = print_program(lowered) + repr(opts) + ",".join(names) + code_fingerprint()
+    key = hashlib.sha256(text.encode()).hexdigest()[:24]
     folder = cache_dir() if cache else None
     path = folder / f"{key}.ir" if folder else None
     if path is not None and path.exists():

@@ -1,6 +1,7 @@
 """The pipeline split's caches: a fingerprint of a program's structure, and splits kept in-process and on disk.
 
-On disk a split is ``split-<key>.json`` in the plan cache, ``$AUTOPAR_CACHE_DIR`` (default
+Keys include ``code_fingerprint()``: a plan solved by other code is never reused. On disk a split is
+``split-<key>.json`` in the plan cache, ``$AUTOPAR_CACHE_DIR`` (default
 ``~/.cache/autopar/plans``; ``off``, ``0`` or empty disables the disk). ``cache_dir(kind)`` also names
 the folders beside it that the search keeps (``profiles``, ``schedules``).
 """
@@ -8,6 +9,7 @@ the folders beside it that the search keeps (``profiles``, ``schedules``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +20,23 @@ from autopar.ir.printer import print_program
 from autopar.passes.subgraphs import SPLIT_VERSION, Split, SplitOptions
 
 _MEMORY: dict[str, Split] = {}
+
+
+@functools.cache
+def code_fingerprint() -> str:
+    """sha256 of the source of the packages a plan comes from (the IR, the passes, the solver): a
+    cached plan or split is reused only by the code that made it, so a new autopar (or an edited
+    cost model) never runs a stale plan."""
+    import autopar.ir
+    import autopar.passes
+    import autopar.solver
+
+    h = hashlib.sha256()
+    for pkg in (autopar.ir, autopar.passes, autopar.solver):
+        for path in sorted(Path(pkg.__file__).parent.rglob("*.py")):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def cache_dir(kind: str = "plans") -> Path | None:
@@ -49,7 +68,7 @@ def program_fingerprint(prog: Program) -> str:
 
 
 def _key(fp: str, opts: SplitOptions) -> str:
-    return hashlib.sha256(f"v{SPLIT_VERSION};{fp};{opts.key()}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"v{SPLIT_VERSION};{code_fingerprint()};{fp};{opts.key()}".encode()).hexdigest()[:32]
 
 
 def cached_split(fp: str, opts: SplitOptions, num_ops: int) -> Split | None:
@@ -91,4 +110,12 @@ def clear_memory_cache() -> None:
     _MEMORY.clear()
 
 
-__all__ = ["cache_dir", "cached_split", "clear_memory_cache", "program_fingerprint", "remember_split", "write_atomic"]
+__all__ = [
+    "cache_dir",
+    "cached_split",
+    "clear_memory_cache",
+    "code_fingerprint",
+    "program_fingerprint",
+    "remember_split",
+    "write_atomic",
+]

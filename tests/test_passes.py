@@ -110,6 +110,50 @@ def test_data_parallel_grads_are_synced_after_backward_not_per_use():
     assert [op.target for op in final.ops if not op.target.startswith("aten.")] == ["all_reduce"]  # the loss
 
 
+class PosAdd(torch.nn.Module):
+    """A batch-split activation plus a replicated lookup in a position table (GPT-2's ``wpe``)."""
+
+    def __init__(self, rows: int = 4, extra: bool = False):
+        super().__init__()
+        self.pos = torch.nn.Embedding(rows, 16)
+        self.fc = torch.nn.Linear(16, 16, bias=False)
+        self.extra = extra
+
+    def forward(self, x, ids):
+        e = self.pos(ids)
+        out = self.fc(x + e).sum()
+        return out + e.sum() if self.extra else out  # extra: e also used where every rank computes alike
+
+
+def _pos_add(rows: int = 4, extra: bool = False):
+    with torch.device("meta"):
+        m = PosAdd(rows, extra)
+    args = (torch.empty(8, 4, 16, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))
+    prog = lower(capture(m, args), MeshSpec((("dp", 2),)))
+    s0, r, p = (Shard(0),), (R,), (Partial("sum"),)
+    ops = [(r, [r, r]), (s0, [s0, r]), (s0, [s0, r]), (p, [s0])]  # embedding, add, linear, sum
+    if extra:
+        ops += [(r, [r]), (r, [r, r])]  # e.sum(), + (after the loss's all-reduce)
+    return insert_collectives(_annotate(prog, {"x": s0, "ids": r, "pos.weight": r, "fc.weight": r}, ops))
+
+
+def test_gradient_reduction_of_a_replicated_lookup_moves_to_its_table():
+    """The lookup's gradient is a partial sum over dp; its f moves up to the table, synced with the
+    others after backward (the sum commutes with the embedding's backward), when the table is no
+    larger than the lookup and no other use of the lookup would receive a whole gradient."""
+    final = _pos_add()
+    verify(final)
+    assert [p.attrs.get("grad_sync") for p in final.params] == [["dp"], ["dp"]]
+    assert "grad_all_reduce" not in [op.target for op in final.ops]
+    larger = _pos_add(rows=64)  # a table 16x its lookup: the lookup's gradient is all-reduced instead
+    assert [p.attrs.get("grad_sync") for p in larger.params] == [None, ["dp"]]
+    assert [op.target for op in larger.ops].count("grad_all_reduce") == 1
+    shared = _pos_add(extra=True)  # e.sum() would receive a whole gradient: the f stays where it is
+    verify(shared)
+    assert [p.attrs.get("grad_sync") for p in shared.params] == [None, ["dp"]]
+    assert [op.target for op in shared.ops].count("grad_all_reduce") == 1
+
+
 def test_replicated_computation_needs_no_gradient_reduction():
     """fc1 runs batch-split (its gradient is partial: synced), fc2 replicated (whole gradient: not)."""
     s0, r = (Shard(0),), (R,)
