@@ -1,10 +1,13 @@
 """Codegen: one torch.fx.GraphModule per rank, holding only that rank's parameter shards.
 
 Each IR op becomes one call: ATen ops with local shapes substituted into their shape arguments,
-collectives as calls into autopar.runtime.collectives. The module's parameters are named as in the
-user's model (``transformer.h.0.attn.c_attn.weight``), so state dicts line up with the original. A
-parameter held in another dtype than the program's (fp32 master weights of a program captured in bf16,
-``runtime/precision.py``) is cast where it is read, and so are half-typed float inputs.
+collectives as calls into autopar.runtime.collectives. A matmul and the bias add that lowering split
+it into (so a row-parallel matmul can sum before its bias) are one call again where nothing came
+between them on this rank: ``addmm`` / a biased ``linear``, as eager runs them (``_bias_adds``).
+The module's parameters are named as in the user's model (``transformer.h.0.attn.c_attn.weight``),
+so state dicts line up with the original. A parameter held in another dtype than the program's (fp32
+master weights of a program captured in bf16, ``runtime/precision.py``) is cast where it is read, and
+so are half-typed float inputs.
 """
 
 from __future__ import annotations
@@ -107,8 +110,19 @@ def codegen(
             return type(x)(dev(v) for v in x)
         return x
 
+    fused = _bias_adds(prog, types)
+    fused_matmuls = {mm.result for mm, _ in fused.values()}
     for op in prog.ops:
-        if op.target in COLLECTIVES:
+        if op.result in fused_matmuls:  # emitted with its bias add
+            continue
+        if op.result in fused:
+            mm, bias = fused[op.result]
+            x, w = (env[r.name] for r in mm.args)
+            if mm.target == "aten.mm":
+                node = graph.call_function(torch.ops.aten.addmm.default, (env[bias], x, w))
+            else:
+                node = graph.call_function(torch.ops.aten.linear.default, (x, w, env[bias]))
+        elif op.target in COLLECTIVES:
             node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), dict(op.kwargs))
         elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
             w, ids = op.args[0], op.args[1]
@@ -145,6 +159,36 @@ def codegen(
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+def _bias_adds(prog: Program, types) -> dict[str, tuple[Op, str]]:
+    """add result -> (the matmul it adds a bias to, the bias) for each ``aten.add.Tensor`` of a 1-D
+    bias to the local result of a two-operand ``aten.mm`` / ``aten.linear`` that nothing else reads:
+    the pairs lowering split from ``addmm`` and biased ``linear`` (passes/lower.py), fused again."""
+    users = prog.users()
+    producers = prog.producers()
+    sizes = prog.mesh.sizes
+    out: dict[str, tuple[Op, str]] = {}
+    for op in prog.ops:
+        if op.target != "aten.add.Tensor" or op.kwargs or len(op.args) != 2:
+            continue
+        if not all(isinstance(a, Ref) for a in op.args):
+            continue
+        for mm_ref, bias in (op.args, op.args[::-1]):
+            mm = producers[mm_ref.name]
+            if not isinstance(mm, Op) or mm.target not in ("aten.mm", "aten.linear") or len(mm.args) != 2:
+                continue
+            out_shape = types[mm.result].local_shape_for(sizes)
+            b = types[bias.name]
+            if (
+                len(users[mm.result]) == 1
+                and b.local_shape_for(sizes) == out_shape[-1:]
+                and b.dtype == types[mm.result].dtype
+                and types[op.result].local_shape_for(sizes) == out_shape
+            ):
+                out[op.result] = (mm, bias.name)
+                break
+    return out
 
 
 def _dropout_site(op: Op, prog: Program, coords, device, rng: keyed.DropoutRng) -> keyed.DropoutSite:

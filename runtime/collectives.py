@@ -382,22 +382,28 @@ FUNCTIONS = {
 }
 
 
-def start_grad_bucket(params: list[torch.nn.Parameter], group, dtype: torch.dtype | None = None) -> Pending:
-    """Start the all-reduce (sum) of ``params``' gradients in one flat buffer (a gradient bucket,
-    ``solver/buckets.py``; a missing gradient counts as zeros), in ``dtype`` (mixed precision's
-    ``reduce_dtype``; None: the gradients' own); ``wait()`` copies the sums back into
-    the gradients, in place, and returns the buffer."""
-    for p in params:
+def start_grad_bucket(params: list[torch.nn.Parameter], group, flat: torch.Tensor) -> Pending:
+    """Start the all-reduce (sum) of ``params``' gradients in ``flat``, the bucket's buffer (kept from
+    step to step, ``solver/buckets.py``; in mixed precision's ``reduce_dtype``): each gradient is copied
+    into its slice unless it already is that slice, a missing one counts as zeros. ``wait()`` makes each
+    gradient its slice of the sums (DDP's ``gradient_as_bucket_view``: no copy back; a copy where the
+    dtypes differ) and returns ``flat``."""
+    slices = [chunk.view_as(p) for p, chunk in zip(params, flat.split([p.numel() for p in params]))]
+    for p, s in zip(params, slices):
         if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    flat = flat if dtype is None else flat.to(dtype)  # copied back into the gradients' dtype below
+            s.zero_()
+        elif p.grad.data_ptr() != s.data_ptr() or p.grad.dtype != s.dtype:
+            s.copy_(p.grad)
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def finish() -> torch.Tensor:
-        for g, chunk in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(chunk.view_as(g))
+        for p, s in zip(params, slices):
+            if s.dtype == p.dtype:
+                p.grad = s
+            elif p.grad is None:
+                p.grad = s.to(p.dtype)
+            else:
+                p.grad.copy_(s)
         return flat
 
     return Pending(work, finish)

@@ -52,8 +52,8 @@ ALL = "all"  # the sync key of a backward the user runs: every synced parameter
 class _Sync:
     """One reduction point's buckets in flight: which are final, started, stale."""
 
-    def __init__(self, buckets: list[Bucket], params: dict[str, torch.nn.Parameter]):
-        self.buckets = buckets
+    def __init__(self, key: Any, buckets: list[Bucket], params: dict[str, torch.nn.Parameter]):
+        self.key, self.buckets = key, buckets
         self.params = [[params[n] for n in b.names] for b in buckets]
         self.left = [len(b.names) for b in buckets]  # gradients not final yet
         self.pending: list[coll.Pending | None] = [None] * len(buckets)
@@ -99,6 +99,7 @@ class GradSync:
         self._key = {n: s for s, names in self.sync_at.items() for n in names}
         self._name = {id(p): n for n, p in params.items()}
         self._plans: dict[Any, list[Bucket]] = {}
+        self._buffers: dict[tuple[Any, int], torch.Tensor] = {}  # (reduction point, bucket) -> its flat buffer
         self._flight: dict[Any, _Sync] = {}
         self._fired: dict[str, int] = {}  # armed parameter -> accumulations so far in its final backward
         self._expect: dict[str, int] = {}  # parameter -> accumulations its final backward makes (default 1)
@@ -133,15 +134,27 @@ class GradSync:
     def replan(self) -> None:
         """Forget the buckets (an optimizer that reduces some gradients itself was attached)."""
         self._plans.clear()
+        self._buffers.clear()
 
     # -- launching ----------------------------------------------------------------------------------
     def _state(self, key: Any) -> _Sync:
         if key not in self._flight:
-            self._flight[key] = _Sync(self.buckets(key), self.params)
+            self._flight[key] = _Sync(key, self.buckets(key), self.params)
         return self._flight[key]
 
+    def _flat(self, st: _Sync, i: int) -> torch.Tensor:
+        """Bucket ``i``'s buffer, made once and kept (DDP keeps its buckets): the gradients become its slices."""
+        flat = self._buffers.get((st.key, i))
+        if flat is None:
+            p = st.params[i][0]
+            dtype = self.comm.grad_dtype or p.dtype
+            flat = torch.empty(sum(q.numel() for q in st.params[i]), dtype=dtype, device=p.device)
+            self._buffers[(st.key, i)] = flat
+        return flat
+
     def _launch(self, st: _Sync, i: int) -> None:
-        st.pending[i] = coll.start_grad_bucket(st.params[i], self.comm.groups[st.buckets[i].axis], self.comm.grad_dtype)
+        group = self.comm.groups[st.buckets[i].axis]
+        st.pending[i] = coll.start_grad_bucket(st.params[i], group, self._flat(st, i))
 
     def _final(self, st: _Sync, name: str) -> None:
         for i in st.of.get(name, ()):
@@ -170,6 +183,13 @@ class GradSync:
             self._expect[name] = self._fired[name]
             for i in st.of.get(name, ()):
                 st.stale[i] = st.pending[i] is not None
+                shared = p.grad.untyped_storage().data_ptr() == self._flat(st, i).untyped_storage().data_ptr()
+                if st.stale[i] and shared:
+                    raise PipelineError(
+                        f"the gradient of {name} accumulated into its bucket while the bucket's all-reduce was in "
+                        "flight (its gradient was still the bucket's slice from the last step): set the gradients "
+                        "to None between steps (optimizer.zero_grad(), the default set_to_none=True)"
+                    )
 
     def reset(self, enabled: bool = True) -> None:
         """Before a forward or ``train_step``: forget what a step that raised left in flight;
@@ -188,7 +208,7 @@ class GradSync:
     def wait(self, key: Any) -> None:
         """Start what is not started (and again what is stale), wait every bucket of ``key`` in order,
         an axis's sums back before the next axis's buckets start."""
-        st = self._flight.pop(key, None) or _Sync(self.buckets(key), self.params)
+        st = self._flight.pop(key, None) or _Sync(key, self.buckets(key), self.params)
         for idx in st.order.values():
             for i in idx:
                 if st.pending[i] is not None and st.stale[i]:

@@ -103,7 +103,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     ZeRO-3 over ``dp`` (each rank keeps its slice of the dp-replicated parameters; the forward
     all-gathers them); ``"plan"`` compiles every rank from a plan file made offline. ``"adamw"`` trains
     with AdamW instead of SGD; ``"broken"`` drops one row-parallel all-reduce from every rank's program
-    (``drop_a_row_parallel_all_reduce``), a sharding bug the comparison must see."""
+    (``drop_a_row_parallel_all_reduce``), a sharding bug the comparison must see; ``"keepgrads"`` zeroes
+    the gradients in place between steps (``zero_grad(set_to_none=False)``): they stay the slices of
+    the gradient buckets they became at the first step's sync, and accumulate there."""
     kinds = set(strategy.split("+"))
     model, batches = MODELS[model_name]()
     model, batches = float64_model(model), [float64_batch(b) for b in batches]
@@ -150,7 +152,10 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options, plan=plan)
     dropped = drop_a_row_parallel_all_reduce(compiled.stage_modules["forward0"]) if "broken" in kinds else ""
     states: list[int] = []
-    losses = train(compiled, batches, optimizer, states=states)
+    losses = train(compiled, batches, optimizer, states=states, set_to_none="keepgrads" not in kinds)
+    buffers = {b.untyped_storage().data_ptr() for b in compiled._grads._buffers.values()}
+    synced = [p for n, p in compiled.named_parameters() if n in compiled._grads._axes and compiled._grads._axes[n]]
+    in_buckets = sum(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers for p in synced)
     full = compiled.full_state_dict()
     gathered_alive, gathered_peak, units = -1, -1, []
     if compiled.zero3 is not None:  # the whole parameters must not outlive the forward
@@ -178,6 +183,8 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "root_bytes": torch.tensor(sum(b for label, b in units if label == "root")),
         "block_bytes": torch.tensor([b for label, b in units if label != "root"], dtype=torch.int64),
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
+        "synced_params": torch.tensor(len(synced)),
+        "grads_in_buckets": torch.tensor(in_buckets),
     }
 
 

@@ -100,17 +100,20 @@ def make_optimizer(kind: str, params_or_module) -> torch.optim.Optimizer:
     return cls(params, **kw)
 
 
-def train(model, batches: list[dict], optimizer: str = "sgd", states: list[int] | None = None) -> torch.Tensor:
+def train(
+    model, batches: list[dict], optimizer: str = "sgd", states: list[int] | None = None, set_to_none: bool = True
+) -> torch.Tensor:
     """``len(batches)`` steps of ``optimizer`` on ``model`` (a module, or a compiled dp/tp module);
     the per-step losses in float64. ``states``: gets the number of optimizer-state elements this rank
-    holds (per trained element: ``STATES_PER_ELEMENT``)."""
+    holds (per trained element: ``STATES_PER_ELEMENT``); ``set_to_none=False``: gradients are zeroed
+    in place between steps (a compiled module's then accumulate into its gradient buckets)."""
     opt = make_optimizer(optimizer, model)
     losses = []
     for b in batches:
         loss = loss_of(model(**b))
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         losses.append(loss.item())
     if states is not None:
         inner = getattr(opt, "optimizer", opt)  # ZeRO's wrapper holds the optimizer of its slice
