@@ -29,6 +29,16 @@ def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def view_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct tensors themselves, not of their storages: gradients that are slices of a
+    gradient bucket's buffer (runtime/grads.py) count their own bytes; the buffer is a category of its own."""
+    seen: dict[tuple[int, int], int] = {}
+    for t in tensors:
+        t = _local(t)
+        seen[(t.data_ptr(), t.numel())] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 def optimizer_state_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
 
@@ -81,7 +91,7 @@ class SavedTensors:
         return sum(s.nbytes() for s in self.saved.values())
 
 
-CATEGORIES = ("params", "grads", "optimizer", "activations")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 
 
 def measured_categories(params: list[torch.Tensor], opt: torch.optim.Optimizer, saved: SavedTensors) -> dict[str, int]:
@@ -89,7 +99,7 @@ def measured_categories(params: list[torch.Tensor], opt: torch.optim.Optimizer, 
     rank's local tensors, each storage once), and what autograd saved for backward during the step."""
     return {
         "params": tensor_bytes(params),
-        "grads": tensor_bytes(p.grad for p in params if p.grad is not None),
+        "grads": view_bytes(p.grad for p in params if p.grad is not None),
         "optimizer": tensor_bytes(optimizer_state_tensors(opt)),
         "activations": saved.bytes,
     }

@@ -379,10 +379,13 @@ def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, flo
     ``grads``, ``optimizer`` (states and master weights, as ZeRO divides them; ``params`` includes mixed
     precision's per-use compute copy), ``inputs`` (the batch and buffers), ``activations`` (what autograd
     saves for backward, ``solver/saved.py``: held together at the end of the forward), ``buffers`` (the
-    gradient-sync buckets, all in flight together at the end of the backward, runtime/grads.py) and
+    gradient-sync buckets, one per sync axis of a parameter, kept from step to step: runtime/grads.py) and
     ``gathered`` (ZeRO-3's whole weights, ``zero3_gathered``)."""
     model = CostModel(prog.mesh, setup or TrainingSetup())
     out = dict.fromkeys(("params", "grads", "optimizer", "inputs", "activations", "buffers", "gathered"), 0.0)
+    # a bucket per sync axis, but not over the axes ZeRO reduce-scatters itself (its data-parallel axes)
+    zero_reduced = set(data_axes(prog.mesh.names)) if model.setup.zero else set()
+    zero_reduced |= {prog.mesh.names[i] for i in model.setup.shard_axes(prog.mesh)} if model.setup.zero else set()
     for v in prog.inputs:
         local = model.local_bytes(v.type, v.type.placements)
         if v.kind != "param":
@@ -391,8 +394,7 @@ def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, flo
         for name, b in zip(("params", "grads", "optimizer"), model.state_bytes(v.type, v.type.placements)):
             out[name] += b
         out["params"] += local / v.type.itemsize * model.setup.copy_bytes  # mixed precision's per-use copy
-        if v.attrs.get("grad_sync"):
-            out["buffers"] += local
+        out["buffers"] += local * sum(a not in zero_reduced for a in v.attrs.get("grad_sync", ()))
     out["activations"] = activation_bytes(prog)
     out["gathered"] = zero3_gathered(prog, model.setup)
     return out

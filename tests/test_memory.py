@@ -75,6 +75,7 @@ def _transformer(axes: dict) -> dict:
     with SavedTensors(params + list(batch.values())) as saved:  # the batch and parameters are not activations
         step()
     measured = measured_categories(params, opt, saved)
+    measured["buffers"] = tensor_bytes(compiled._grads._buffers.values())  # the gradient buckets, kept
     out = {f"measured_{k}": torch.tensor(float(v)) for k, v in measured.items()}
     return out | {f"predicted_{k}": torch.tensor(float(v)) for k, v in predicted_categories(compiled).items()}
 
@@ -126,7 +127,7 @@ def test_pipeline_stages_keep_what_the_model_predicts():
 
 
 def _check_categories(rank: int, r: dict) -> None:
-    for k in ("params", "grads", "optimizer"):
+    for k in ("params", "grads", "optimizer", "buffers"):
         assert r[f"predicted_{k}"].item() == r[f"measured_{k}"].item(), (rank, k)
     acts, saved = r["predicted_activations"].item(), r["measured_activations"].item()
     assert abs(acts - saved) <= ACTIVATION_TOLERANCE * saved, (rank, acts, saved)
