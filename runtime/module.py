@@ -131,6 +131,7 @@ class ParallelModule(torch.nn.Module):
         self._clip: tuple[float, float] | None = None  # make_optimizer's (max_grad_norm, norm_type)
         self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
+        self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
@@ -263,7 +264,7 @@ class ParallelModule(torch.nn.Module):
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
         self._stepped = False
         if self._one_stage:
-            self._grads.reset()
+            self._grads.reset(enabled=self._sync)
             part = self.forward_runners[0].whole
             gathered = self.zero3.scope() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
@@ -285,6 +286,19 @@ class ParallelModule(torch.nn.Module):
         if self._call.local:  # this rank's rows of the outputs carrying the batch
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         return pytree.tree_unflatten(merged, self._out_spec)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DDP's ``no_sync``: the backwards of outputs computed inside accumulate gradients on each rank
+        without syncing them; the first backward after it syncs what accumulated (a gradient
+        accumulation loop: ``with m.no_sync(): m(**a).backward()``, then ``m(**b).backward()``).
+        Without it every backward syncs the whole ``.grad``, so a gradient already synced would be
+        summed again. ZeRO-3 still reduce-scatters each backward (sums of sums: the same result)."""
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
 
     def train_step(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward of every microbatch of the batch under the schedule, gradient reduction,

@@ -32,6 +32,7 @@ from tests.exactness import (
     parameter_error,
     state_error,
     train,
+    train_accumulating,
 )
 from tests.exactness import make_optimizer as new_optimizer  # compare_train_step's make_optimizer is a flag
 
@@ -105,7 +106,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     with AdamW instead of SGD; ``"broken"`` drops one row-parallel all-reduce from every rank's program
     (``drop_a_row_parallel_all_reduce``), a sharding bug the comparison must see; ``"keepgrads"`` zeroes
     the gradients in place between steps (``zero_grad(set_to_none=False)``): they stay the slices of
-    the gradient buckets they became at the first step's sync, and accumulate there."""
+    the gradient buckets they became at the first step's sync, and accumulate there; ``"accumulate"``
+    accumulates two batches per step, the first backward inside ``no_sync()``, and also trains a second
+    compiled copy without ``no_sync`` (its first gradients synced twice: the comparison must see it)."""
     kinds = set(strategy.split("+"))
     model, batches = MODELS[model_name]()
     model, batches = float64_model(model), [float64_batch(b) for b in batches]
@@ -152,7 +155,14 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
     compiled = autopar.compile(model, mesh, kwargs=batches[0], options=options, plan=plan)
     dropped = drop_a_row_parallel_all_reduce(compiled.stage_modules["forward0"]) if "broken" in kinds else ""
     states: list[int] = []
-    losses = train(compiled, batches, optimizer, states=states, set_to_none="keepgrads" not in kinds)
+    accumulate = "accumulate" in kinds
+    if accumulate:  # two batches a step; a copy without no_sync syncs its first gradients twice
+        twice = autopar.compile(copy.deepcopy(reference), mesh, kwargs=batches[0], options=options)
+        train_accumulating(twice, batches, optimizer, no_sync=False)
+        losses = train_accumulating(compiled, batches, optimizer)
+        states.append(0)
+    else:
+        losses = train(compiled, batches, optimizer, states=states, set_to_none="keepgrads" not in kinds)
     buffers = {b.untyped_storage().data_ptr() for b in compiled._grads._buffers.values()}
     synced = [p for n, p in compiled.named_parameters() if n in compiled._grads._axes and compiled._grads._axes[n]]
     in_buckets = sum(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers for p in synced)
@@ -165,8 +175,9 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         loss.backward()  # re-gathers the saved ones; the gradients are dropped (after the comparison)
         gathered_peak = compiled.zero3.peak_gathered()  # the most whole bytes alive in forward and backward
         units = compiled.zero3.unit_bytes()
-    ref_losses = train(reference, batches, optimizer)
+    ref_losses = (train_accumulating if accumulate else train)(reference, batches, optimizer)
     param_rel, worst_param, _ = parameter_error(full, reference)
+    unsynced_rel = parameter_error(twice.full_state_dict(), reference)[0] if accumulate else 0.0
     per_element = STATES_PER_ELEMENT[optimizer]
     return {
         "loss_rel": torch.tensor(loss_error(losses, ref_losses), dtype=torch.float64),
@@ -185,6 +196,7 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "full_numel": torch.tensor(sum(p.numel() for p in full.values())),
         "synced_params": torch.tensor(len(synced)),
         "grads_in_buckets": torch.tensor(in_buckets),
+        "unsynced_rel": torch.tensor(unsynced_rel, dtype=torch.float64),
     }
 
 

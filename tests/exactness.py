@@ -24,6 +24,7 @@ Three choices keep rounding rounding:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -118,6 +119,25 @@ def train(
     if states is not None:
         inner = getattr(opt, "optimizer", opt)  # ZeRO's wrapper holds the optimizer of its slice
         states.append(sum(t.numel() for st in inner.state.values() for t in st.values() if t.dim() > 0))
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def train_accumulating(model, batches: list[dict], optimizer: str = "sgd", no_sync: bool = True) -> torch.Tensor:
+    """Gradient accumulation: each step backwards batch ``k`` then ``k + 1`` before the optimizer step
+    (``len(batches) - 1`` steps), the first inside ``model.no_sync()`` where ``no_sync`` and the model
+    has it (a compiled module); the per-step sums of the two losses in float64."""
+    opt = make_optimizer(optimizer, model)
+    losses = []
+    for first, second in zip(batches, batches[1:]):
+        quiet = model.no_sync() if no_sync and hasattr(model, "no_sync") else contextlib.nullcontext()
+        with quiet:
+            a = loss_of(model(**first))
+            a.backward()
+        b = loss_of(model(**second))
+        b.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(a.item() + b.item())
     return torch.tensor(losses, dtype=torch.float64)
 
 

@@ -4,7 +4,8 @@ One process group per mesh runs every model and strategy on it (tests/equivalenc
 from one seed, compared with a single-process run (tests/exactness.py says why float64, SGD and
 non-zero starting parameters). AdamW runs once (ZeRO-2 on dp=2), and on tp=2 a run with one
 row-parallel all-reduce dropped proves that the comparison sees a sharding bug. On dp=2 GPT-2 also
-trains with its gradients zeroed in place: they are the gradient buckets' slices and accumulate there."""
+trains with its gradients zeroed in place: they are the gradient buckets' slices and accumulate there;
+and with two batches accumulated per step, the first backward inside ``no_sync()``."""
 
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ from tests.exactness import TOL
 pytestmark = pytest.mark.multiproc
 
 MESHES = [
-    ({"dp": 2}, ["mlp", "gpt2", "gpt2@keepgrads", "cnn", "gpt2@megatron+zero2+adamw", "gpt2x4@megatron+zero3"]),
+    (
+        {"dp": 2},
+        ["mlp", "gpt2", "gpt2@keepgrads", "gpt2@accumulate", "cnn"]
+        + ["gpt2@megatron+zero2+adamw", "gpt2x4@megatron+zero3"],
+    ),
     ({"tp": 2}, ["mlp", "gpt2", "cnn", "gpt2@megatron", "lm@megatron", "gpt2@megatron+broken"]),
     ({"dp": 2, "tp": 2}, ["mlp", "gpt2", "gpt2@plan", "gpt2@megatron+zero2", "gpt2@megatron+zero3"]),
 ]
@@ -40,6 +45,8 @@ def test_models_train_exactly(axes, models):
                 assert loss_rel > 1e3 * TOL and param_rel > 1e3 * TOL, f"{where}: the dropped all-reduce went unseen"
                 continue
             assert loss_rel < TOL, f"{where}: losses differ by {loss_rel:.2e} relative"
+            if model.endswith("accumulate"):  # without no_sync the first backward's gradients are summed twice
+                assert r["unsynced_rel"] > 1e3 * TOL, f"{where}: syncing twice went unseen"
             if model.endswith("keepgrads"):  # the gradients are the buckets' slices: synced without a copy back
                 assert 0 < r["grads_in_buckets"] == r["synced_params"], where
             assert param_rel < TOL, f"{where}: {r['worst_param']} differs by {param_rel:.2e} relative"
