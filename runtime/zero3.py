@@ -13,10 +13,11 @@ repeated block, plus the root), FSDP2's ``fully_shard`` per block:
   issued before ``u`` computes; ``release`` after its last reader. At most the root and two blocks
   are whole at once (the one computing, the one arriving).
 - **saved for backward**: inside ``scope()`` a tensor the forward saves that lies in a gathered unit's
-  storage is packed as a token (unit, size, stride, offset). In the backward the first token of a
-  unit gathers the unit again (or takes its prefetch), frees the unit gathered before it and issues
-  the gather of the unit the forward read before it; the autograd engine unpacks in the same order
-  on every rank, so the collectives match.
+  storage is packed as a token (unit, size, stride, offset); any other goes to the saved-tensor hooks in
+  force around the scope (they would otherwise never see it: only the innermost hooks run). In the
+  backward the first token of a unit gathers the unit again (or takes its prefetch), frees the unit
+  gathered before it and issues the gather of the unit the forward read before it; the autograd engine
+  unpacks in the same order on every rank, so the collectives match.
 - **backward of the gather**: when every gradient of a unit is in, the unit's gradient is
   reduce-scattered in one collective (``reduce_scatter_single``, on gloo too), asynchronously, while
   the backward goes on (a ``whole``
@@ -230,8 +231,12 @@ class Zero3Params:
         self._live.clear()  # a forward stopped by an error released nothing: its addresses must not match later
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """Hooks packing a saved tensor that is (a view of) a gathered unit as a token."""
+        """Hooks packing a saved tensor that is (a view of) a gathered unit as a token; every other saved
+        tensor goes to the hooks that were in force outside (a user's ``save_on_cpu``, a counter of saved
+        bytes, an outer scope): only the innermost hooks run, so these hand on what they do not keep."""
         fwd = self._pass
+        # the enclosing (pack, unpack), or None; torch's own functorch reads the stack the same way
+        outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(True) or (_same, _same)
 
         def pack(t: torch.Tensor):
             if fwd is not None and self._live and t.layout == torch.strided and t.device.type != "meta":
@@ -239,13 +244,13 @@ class Zero3Params:
                 if u is not None:
                     fwd.saw(u)
                     return (_Token, fwd, u, t.size(), t.stride(), t.storage_offset())
-            return t
+            return outer_pack(t)
 
         def unpack(x):
             if isinstance(x, tuple) and x and x[0] is _Token:
                 _, p, u, size, stride, offset = x
                 return self._backward_unit(p, u).as_strided(size, stride, offset)
-            return x
+            return outer_unpack(x)
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
@@ -392,6 +397,10 @@ def _free(t: torch.Tensor) -> None:
 
 class _Token:
     """Marks a packed saved tensor (see ``Zero3Params.saved_tensors``)."""
+
+
+def _same(x):
+    return x
 
 
 __all__ = ["Zero3Params", "shard_zero3"]

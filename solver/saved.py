@@ -180,6 +180,20 @@ def activation_bytes(prog: Program, local: bool = True) -> float:
     return total
 
 
+def aligned_operand(shape: tuple[int, ...], operands: list[TensorType]) -> tuple[int, int]:
+    """The operand (index into ``operands``: an op's inputs, then its outputs) a saved intermediate of
+    ``shape`` lines up with best, and how many leading dims they share: the most leading dims of equal
+    size, then an equal shape, then the largest operand."""
+
+    def score(i: int) -> tuple[int, bool, int]:
+        o = operands[i].shape
+        lead = next((d for d in range(min(len(o), len(shape))) if o[d] != shape[d]), min(len(o), len(shape)))
+        return lead, o == shape, operands[i].nbytes
+
+    best = max(range(len(operands)), key=score)
+    return best, score(best)[0]
+
+
 def extra_bytes(op, extra, types: dict[str, TensorType], sizes: tuple[int, ...] | None, placements=None) -> float:
     """Bytes on one rank of the intermediates ``extra`` (``(global shape, bytes)`` each) that ``op`` saves; whole
     when ``sizes`` is None. An intermediate is split as the operand (input or output; ``placements``
@@ -192,14 +206,8 @@ def extra_bytes(op, extra, types: dict[str, TensorType], sizes: tuple[int, ...] 
     places = placements if placements is not None else [t.placements for t in operands]
     total = 0.0
     for shape, nbytes in extra:
-
-        def aligned(i: int, shape=shape) -> tuple[int, int, int]:
-            o = operands[i].shape
-            lead = next((d for d in range(min(len(o), len(shape))) if o[d] != shape[d]), min(len(o), len(shape)))
-            return lead, o == shape, operands[i].nbytes
-
-        best = max(range(len(operands)), key=aligned)
-        lead, p = aligned(best)[0], places[best]
+        best, lead = aligned_operand(shape, operands)
+        p = places[best]
         ways = 1
         for q, n in zip(p or (), sizes):
             if isinstance(q, Shard) and q.dim < lead:
@@ -213,6 +221,7 @@ __all__ = [
     "OpSaved",
     "SavedValues",
     "activation_bytes",
+    "aligned_operand",
     "extra_bytes",
     "op_saved",
     "root_map",

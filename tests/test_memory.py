@@ -16,7 +16,7 @@ from autopar.runtime.memory import (
     predicted_categories,
     tensor_bytes,
 )
-from autopar.solver.cost import program_memory
+from autopar.solver.cost import TrainingSetup, program_memory
 from tests._dist import run_distributed
 
 pytestmark = pytest.mark.multiproc
@@ -52,16 +52,20 @@ class LossOnly(torch.nn.Module):
         return self.m(input_ids=input_ids, labels=labels).loss
 
 
-def _transformer(axes: dict) -> dict:
+def _transformer(axes: dict, zero: int = 0) -> dict:
     """Measured and predicted bytes by category of a small GPT-2 (layer norms, attention, cross-entropy) under
-    the least-memory plan (activations sharded) or, on a pp mesh, the default plan with two microbatches."""
+    the least-memory plan (activations sharded) or, on a pp mesh, the default plan with two microbatches;
+    ``zero=3``: ZeRO-3 (its own saved-tensor hooks keep the gathered weights as tokens and hand every other
+    saved tensor to the counter's)."""
     m = build(GPT2, device="cpu", seed=0)
     model, batch = LossOnly(m.model), m.kwargs
     mesh = autopar.init_mesh("cpu", **axes)
     if "pp" in axes:
         compiled = autopar.compile(model, mesh, kwargs=batch, microbatches=2)
     else:
-        compiled = autopar.compile(model, mesh, kwargs=batch, options=ShardOptions(objective="memory"))
+        options = ShardOptions(objective="memory", setup=TrainingSetup(zero=zero))
+        compiled = autopar.compile(model, mesh, kwargs=batch, options=options)
+        assert (compiled.zero3 is not None) == (zero == 3)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
 
     def step():
@@ -97,6 +101,8 @@ def _measure(rank: int, world: int, axes: dict) -> dict:
     measured = peak_step_bytes(step, live)
     predicted = program_memory(compiled.program)
     out = {"measured": torch.tensor(float(measured)), "predicted": torch.tensor(predicted)}
+    if "dp" in axes:  # ZeRO-3 over dp, in the same ranks
+        out |= {f"zero3_{k}": v for k, v in _transformer(axes, zero=3).items()}
     return out | _transformer(axes)
 
 
@@ -106,7 +112,8 @@ def _measure_pipeline(rank: int, world: int, axes: dict) -> dict:
 
 @pytest.mark.parametrize("axes", [{"tp": 2}, {"dp": 2, "tp": 2}], ids=["2 ranks", "4 ranks"])
 def test_predicted_memory_matches_the_measured_bytes(axes):
-    """The whole step within 10% of the allocator's peak (Wide), and each category as predicted (GPT-2)."""
+    """The whole step within 10% of the allocator's peak (Wide), and each category as predicted (GPT-2; on the dp
+    mesh with ZeRO-3 too)."""
     world = 1
     for n in axes.values():
         world *= n
@@ -116,6 +123,8 @@ def test_predicted_memory_matches_the_measured_bytes(axes):
             f"rank {rank}: predicted {predicted:,.0f}, measured {measured:,.0f}"
         )
         _check_categories(rank, r)
+        if "dp" in axes:
+            _check_categories(rank, {k.removeprefix("zero3_"): v for k, v in r.items() if k.startswith("zero3_")})
 
 
 def test_pipeline_stages_keep_what_the_model_predicts():

@@ -11,12 +11,12 @@ bytes entering the unit, and the tensor-parallel all-reduces of Megatron's layou
   g), each distinct input of a column-parallel matmul in the backward pass (f); an embedding lookup
   of the largest table is vocabulary-parallel (forward all-reduce of its output). Matrices (2-D
   parameters) are split over tp, vectors are not.
-- Saved activations: a float tensor is saved for backward when a consumer needs its value to
-  compute gradients (matmuls, attention, norms, nonlinear pointwise ops, products of two tensors)
-  or its producer needs its own output (softmax, tanh, exp, ...); additions, views, casts, dropout
-  with p = 0 save nothing. For a GPT layer this gives 32 s h bytes per sample in 16-bit: Megatron's
-  34 s h without its two dropout masks (fused attention: no s^2 term). Common nodes (masks, rotary
-  tables) are not counted.
+- Saved activations: what autograd saves for backward, from ``solver/saved.py`` (the ILP's cost model
+  reads the same): each storage some op keeps, counted in the unit whose op produced it (a layer's
+  output saved by the next layer's norm is the layer's), plus the intermediates an op saves (a layer
+  norm's mean and rstd, attention's logsumexp and float mask) in the op's unit; split over tp where the
+  value (for an intermediate: the operand it lines up with, as ``solver/saved.py`` splits it) lies
+  between Megatron's column- and row-parallel matmuls. Parameters and the batch are not activations.
 
 ``profile_model`` captures a model spec on the meta device and caches its profile on disk by spec
 beside the plan cache (``$AUTOPAR_CACHE_DIR/../profiles``), so a second search skips the capture.
@@ -41,48 +41,12 @@ from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.presets import PRESETS
 from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
+from autopar.solver.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 3  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 4  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 4: saved activations from solver/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
-# ops whose backward needs nothing but the incoming gradient (they save no activation)
-_NO_SAVE = VIEW_OPS | {
-    "aten.add.Tensor",
-    "aten.add.Scalar",
-    "aten.sub.Tensor",
-    "aten.sub.Scalar",
-    "aten.neg",
-    "aten.dropout",
-    "aten.to.dtype",
-    "aten.to.dtype_layout",
-    "aten._to_copy",
-    "aten.contiguous",
-    "aten.clone",
-    "aten.cat",
-    "aten.sum.dim_IntList",
-    "aten.mean.dim",
-    "aten.embedding",
-    "aten.expand_as",
-    "aten.flatten.using_ints",
-}
-# ops reading a weight whose backward hands the incoming gradient on as it is (a bias added): the
-# gradient W keeps for them is the same tensor as their producer's, counted there
-_PASS_GRAD = _NO_SAVE - {"aten.embedding"}
-# ops whose backward needs their own output
-_SAVE_OUTPUT = frozenset(
-    {
-        "aten._softmax",
-        "aten.softmax.int",
-        "aten._log_softmax",
-        "aten.log_softmax.int",
-        "aten.tanh",
-        "aten.sigmoid",
-        "aten.exp",
-        "aten.rsqrt",
-        "aten.sqrt",
-    }
-)
-_PRODUCTS = frozenset({"aten.mul.Tensor", "aten.div.Tensor"})  # save operands only when both are tensors
 _LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +153,9 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
     commons = common_nodes(prog)
     params = {v.name: v for v in prog.inputs if v.kind == "param"}
     weights = weight_values(prog)  # parameters and views or casts of them
-    saved = _saved_for_backward(prog, weights, commons)
+    saved = saved_values(prog)
+    grad = prog.requires_grad()
+    held = {v.name for v in prog.inputs}  # parameters, buffers, the batch: not activations
     # the largest embedding table is the vocabulary (Megatron splits it over tp); position tables are not
     tables = [op.input_refs()[0].name for op in prog.ops if op.target == "aten.embedding" and op.input_refs()]
     tables = [n for n in tables if n in weights]
@@ -256,17 +222,21 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                     c["flops_tp"] += op.flops
                 if op.target in CONTRACTIONS or op.target in ATTENTION:
                     c["mm"] += op.flops
-            if op.target not in _PASS_GRAD and any(n in weights for n in refs):
+            if any(n in weights for n in refs) and op_saved(op, types, grad) != NOTHING:
+                # a weight op's output (not a cast of the weight); one whose backward needs nothing (a bias
+                # added) hands the incoming gradient on as it is: the same tensor as its producer's, counted there
                 for r, t in zip(op.results, op.types):
-                    if r not in weights and t.is_float:  # a weight op's output (not a cast of the weight)
+                    if r not in weights and t.is_float:
                         c["wtp" if r in split_values else "wrep"] += t.nbytes
+            # what autograd keeps: the saved storages this op produced, and the intermediates it saves
             for r, t in zip(op.results, op.types):
-                if r in saved:
-                    itemsize = t.itemsize
-                    if r in split_values:
-                        c["atp"] += t.nbytes
-                    else:
-                        c["arep"] += t.nbytes
+                if saved.activation(r) and r not in held:
+                    itemsize = t.itemsize if t.is_float else itemsize
+                    c["atp" if r in split_values else "arep"] += t.nbytes
+            names = refs + list(op.results)
+            operands = [types[n] for n in names]
+            for shape, nbytes in saved.extra.get(op.result, ()):  # split as the operand it lines up with
+                c["atp" if names[aligned_operand(shape, operands)[0]] in split_values else "arep"] += nbytes
         out.append(
             UnitCost(
                 kind=kind,
@@ -296,24 +266,6 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         total_params=sum(v.type.numel for v in params.values()),
         tp_divides=tuple(sorted(tp_divides)),
     )
-
-
-def _saved_for_backward(prog: Program, weights: frozenset[str], commons: set[str]) -> set[str]:
-    """Float op results some op needs in its backward pass (see the module docstring)."""
-    types = prog.types()
-    produced = {r for op in prog.ops for r in op.results}
-    saved: set[str] = set()
-    for op in prog.ops:
-        refs = [r.name for r in op.input_refs()]
-        if op.target in _SAVE_OUTPUT:
-            saved.update(op.results)
-        if op.target in _NO_SAVE:
-            continue
-        tensors = [n for n in refs if types[n].shape != ()]
-        if op.target in _PRODUCTS and len(tensors) < 2:
-            continue
-        saved.update(refs)
-    return {n for n in saved if n in produced and n not in weights and n not in commons and types[n].is_float}
 
 
 # ---------------------------------------------------------------------------------------------
