@@ -146,9 +146,13 @@ class CostModel:
         """(weight, gradient, optimizer-state) bytes per device a parameter keeps between steps (the per-use
         compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures."""
         numel = self.local_bytes(t, p) / t.itemsize
-        zf = math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
+        zf = self.zero_factor(p)
         per = self._per_param(zf)
         return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
+
+    def zero_factor(self, p: tuple[Placement, ...]) -> int:
+        """How many ways ZeRO shards a parameter placed ``p`` (its ZeRO axes on which it is replicated)."""
+        return math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
 
     def _per_param(self, zf: int) -> tuple[float, float, float]:
         """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
@@ -394,7 +398,10 @@ def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, flo
         for name, b in zip(("params", "grads", "optimizer"), model.state_bytes(v.type, v.type.placements)):
             out[name] += b
         out["params"] += local / v.type.itemsize * model.setup.copy_bytes  # mixed precision's per-use copy
-        out["buffers"] += local * sum(a not in zero_reduced for a in v.attrs.get("grad_sync", ()))
+        buckets = sum(a not in zero_reduced for a in v.attrs.get("grad_sync", ()))
+        if buckets:  # in the reduce dtype, of ZeRO-3's slice where it keeps one
+            numel = local / v.type.itemsize / (model.zero_factor(v.type.placements) if model.setup.zero >= 3 else 1)
+            out["buffers"] += buckets * numel * model.setup.grad_itemsize(v.type.itemsize)
     out["activations"] = activation_bytes(prog)
     out["gathered"] = zero3_gathered(prog, model.setup)
     return out
