@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from autopar.solver.cost import memory_categories
+from autopar.solver.memory import memory_categories
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -16,7 +16,8 @@ from autopar.runtime.memory import (
     predicted_categories,
     tensor_bytes,
 )
-from autopar.solver.cost import TrainingSetup, program_memory
+from autopar.solver.cost import TrainingSetup
+from autopar.solver.memory import program_memory
 from tests._dist import run_distributed
 
 pytestmark = pytest.mark.multiproc
