@@ -46,7 +46,6 @@ from autopar.passes.flow import FlowOptions, plan_program
 from autopar.plan import Plan
 from autopar.rulecheck import call_op
 from autopar.runtime.actions import B, F, Schedule
-from autopar.runtime.codegen import _getitem
 from autopar.runtime.module import RuntimeOptions
 from autopar.runtime.one_stage import one_stage_module
 from autopar.runtime.p2p import insert_comm_actions
@@ -107,19 +106,10 @@ class _Recorder(torch.nn.Module):
     def __init__(self, gm: fx.GraphModule, prog: Program):
         super().__init__()
         self.gm = gm
-        self.names: dict[fx.Node, str] = {}
-        ops = iter(prog.ops)
-        calls: dict[fx.Node, Op] = {}
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target is _getitem and node.args[0] in calls:
-                self.names[node] = calls[node.args[0]].results[node.args[1]]
-                continue
-            op = next(ops)
-            calls[node] = op
-            if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
-                self.names[node] = op.result
+        # the IR value each node computes, as codegen marks it (a matmul fused with its bias add has none)
+        self.names: dict[fx.Node, str] = {
+            node: node.meta["autopar_value"] for node in gm.graph.nodes if "autopar_value" in node.meta
+        }
         self.values: dict[str, torch.Tensor] = {}
         self.outputs: tuple = ()
 

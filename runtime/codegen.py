@@ -151,9 +151,11 @@ def codegen(
             node = graph.call_function(resolve_target(op.target), args, kwargs)
         if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
             env[op.result] = node
+            node.meta["autopar_value"] = op.result  # the IR value it computes (autopar check records it)
         else:
             for i, r in enumerate(op.results):
                 env[r] = graph.call_function(_getitem, (node, i))
+                env[r].meta["autopar_value"] = r
         node.meta["path"] = op.path
     graph.output(tuple(map_refs(list(prog.outputs), lambda r: env[r.name])))
     gm = fx.GraphModule(root, graph, class_name="RankModule")

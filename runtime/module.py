@@ -285,6 +285,8 @@ class ParallelModule(torch.nn.Module):
         merged = cast_floats(merge_outputs(outs, weights), self._output_dtype)
         if self._call.local:  # this rank's rows of the outputs carrying the batch
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
+        if self._one_stage:
+            self._grads.watch(merged)  # a backward through them syncs the gradients at its end
         return pytree.tree_unflatten(merged, self._out_spec)
 
     @contextlib.contextmanager
