@@ -31,8 +31,10 @@ Memory: on rank 0 of each run, live bytes by category after the warm-up step (``
 parameters, gradients, optimizer states (this rank's local tensors), activations (what autograd saved for
 backward, each storage once, by saved-tensor hooks: no allocator involved), and for autopar the cost
 model's prediction of the same categories (``predicted_categories``: activations from ``solver/saved.py``;
-on a pipeline all microbatches of the step). Communication buffers are transient inside the collectives
-and not counted.
+on a pipeline all microbatches of the step). autopar's gradient buckets, kept from step to step (the
+gradients are their slices after the sync), are a column of their own beside their prediction (DDP keeps
+its buckets too, not counted here); other communication buffers are transient inside the collectives and
+not counted.
 """
 
 from __future__ import annotations
@@ -65,7 +67,13 @@ PP_SCHEDULES = ("1f1b", "interleaved")
 
 def _prepare(system: str, pair: str, a, rank: int):
     """Build ``system``, run its warm-up step measuring memory; (one timed-step function, memory, predicted)."""
-    from autopar.runtime.memory import SavedTensors, measured_categories, predicted_categories, tensor_bytes
+    from autopar.runtime.memory import (
+        SavedTensors,
+        measured_categories,
+        predicted_categories,
+        tensor_bytes,
+        view_bytes,
+    )
 
     module, opt, batch = build_system(system, family_of(system, pair), a, rank)
     pipe = system.startswith("autopar") and module.schedule.num_stages > 1  # train_step runs its whole step
@@ -82,9 +90,12 @@ def _prepare(system: str, pair: str, a, rank: int):
         zero3.reset_peak()
     with SavedTensors(params + list(batch.values())) as saved:  # the batch and the weights are not activations
         backward()
-    grads = tensor_bytes(p.grad for p in params if p.grad is not None)  # before a ZeRO optimizer frees them
+    grads = view_bytes(p.grad for p in params if p.grad is not None)  # before a ZeRO optimizer frees them
     opt.step()
     memory = dict(measured_categories(params, opt, saved), grads=grads)
+    buckets = getattr(getattr(module, "_grads", None), "_buffers", None)
+    if buckets is not None:  # autopar's gradient buckets
+        memory["buffers"] = tensor_bytes(buckets.values())
     if zero3 is not None:
         memory["gathered"] = zero3.peak_gathered()  # ZeRO-3's whole weights, most at once
     predicted = predicted_categories(module) if system.startswith("autopar") else None
@@ -243,8 +254,8 @@ def _table(results: dict, a) -> str:
     ]
     mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB "
            "| activations predicted / saved | every op output / saved | ZeRO-3 gathered MiB (most) measured / "
-           "predicted |"]  # fmt: skip
-    mem.append("|---|---|---|---|---|---|---|---|---|")
+           "predicted | gradient buckets MiB measured / predicted |"]  # fmt: skip
+    mem.append("|---|---|---|---|---|---|---|---|---|---|")
     for pair, runs in results.items():
         if pair == "pp":
             lines += _pp_rows(runs, a)
@@ -286,12 +297,13 @@ def _mem_row(label: str, run: dict) -> str:
     m, pred = run["memory"], run["predicted"]
     cells = " | ".join(f"{m[k] / mib:.2f}" for k in keys)
     gathered = f"{m['gathered'] / mib:.2f} / {pred['gathered'] / mib:.2f}" if "gathered" in m and pred else "-"
+    buckets = f"{m['buffers'] / mib:.2f} / {pred['buffers'] / mib:.2f}" if "buffers" in m and pred else "-"
     if not pred:
-        return f"| {label} | {cells} | - | - | - | - |"
+        return f"| {label} | {cells} | - | - | - | - | - |"
     ptxt = "/".join(f"{pred[k] / mib:.2f}" for k in keys)
     saved = max(m["activations"], 1)
     return (f"| {label} | {cells} | {ptxt} | {pred['activations'] / saved:.4f} | {pred['every_output'] / saved:.2f} "
-            f"| {gathered} |")  # fmt: skip
+            f"| {gathered} | {buckets} |")  # fmt: skip
 
 
 if __name__ == "__main__":
