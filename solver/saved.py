@@ -138,14 +138,42 @@ class SavedValues:
 
 
 def root_map(prog: Program) -> dict[str, str]:
-    """Each value's storage root: itself, or for a view (and the runtime's aliasing collectives) its input's root."""
+    """Each value's storage root: itself, or for a view (and the runtime's aliasing collectives) its input's
+    root. A ``reshape`` is a view only where the strides allow it: one that merges broadcast or transposed
+    dimensions copies (LLaMA's grouped-query ``repeat_kv``: expand, then reshape), found by replaying the
+    views on meta tensors from contiguous roots."""
     root: dict[str, str] = {v.name: v.name for v in prog.inputs}
+    types = prog.types()
+    meta: dict[str, torch.Tensor] = {}  # values reached by views: a meta tensor with their strides
+
+    def layout(name: str) -> torch.Tensor:
+        if name not in meta:
+            t = types[name]
+            meta[name] = torch.empty(t.shape, dtype=t.torch_dtype, device="meta")
+        return meta[name]
+
     for op in prog.ops:
         refs = op.input_refs()
-        alias = op.target in VIEW_OPS or op.target in ALIASING
+        alias = bool(refs) and (op.target in ALIASING or op.target in VIEW_OPS)
+        if alias and op.target in VIEW_OPS:
+            alias = _replay_view(op, layout, meta)
         for r in op.results:
-            root[r] = root[refs[0].name] if alias and refs else r
+            root[r] = root[refs[0].name] if alias else r
     return root
+
+
+def _replay_view(op, layout, meta: dict[str, torch.Tensor]) -> bool:
+    """Run the view op on its input's meta layout, keeping the results' layouts; whether it is a view
+    (False: a reshape that had to copy). An op that cannot replay is taken as a view, as before."""
+    try:
+        args, kwargs = map_refs((op.args, op.kwargs), lambda r: layout(r.name))
+        out = resolve_target(op.target)(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, KeyError, AttributeError):
+        return True
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    for r, t in zip(op.results, outs):
+        meta[r] = t
+    return all(t._is_view() for t in outs)
 
 
 def saved_values(prog: Program) -> SavedValues:

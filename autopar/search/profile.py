@@ -43,7 +43,7 @@ from autopar.presets import PRESETS
 from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
 from autopar.solver.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 4  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 5  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
 # 4: saved activations from solver/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
