@@ -111,6 +111,7 @@ def codegen(
         return x
 
     fused = _bias_adds(prog, types)
+    deferred = _returned_scalar_sums(prog, types)
     fused_matmuls = {mm.result for mm, _ in fused.values()}
     for op in prog.ops:
         if op.result in fused_matmuls:  # emitted with its bias add
@@ -123,7 +124,10 @@ def codegen(
             else:
                 node = graph.call_function(torch.ops.aten.linear.default, (x, w, env[bias]))
         elif op.target in COLLECTIVES:
-            node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), dict(op.kwargs))
+            kwargs = dict(op.kwargs)
+            if op.result in deferred:
+                kwargs["defer"] = True
+            node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), kwargs)
         elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
             w, ids = op.args[0], op.args[1]
             pad = op.args[2] if len(op.args) > 2 else op.kwargs.get("padding_idx", -1)
@@ -161,6 +165,18 @@ def codegen(
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+def _returned_scalar_sums(prog: Program, types) -> set[str]:
+    """The all-reduces of a scalar that only the program returns (the loss): returned in flight and
+    waited for when read (``runtime/lazy.py``), so a backward does not wait for them."""
+    users = prog.users()
+    returned = {r.name for r in prog.outputs if isinstance(r, Ref)}
+    return {
+        op.result
+        for op in prog.ops
+        if op.target == "all_reduce" and op.result in returned and not users[op.result] and types[op.result].shape == ()
+    }
 
 
 def _bias_adds(prog: Program, types) -> dict[str, tuple[Op, str]]:

@@ -32,6 +32,7 @@ from torch.profiler import record_function
 
 from autopar.errors import CaptureError
 from autopar.ir.core import Shard
+from autopar.runtime.lazy import Deferred
 
 
 class TorchPeers:
@@ -248,14 +249,15 @@ def _bwd_all_to_all(c: Comm, g, axis, src_dim, src_chunks, dim, chunks) -> Pendi
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, op, pending=None):
+    def forward(ctx, x, axis, op, pending=None, defer=False):
         c = current_comm()
         ctx.scale = 1.0 / c.sizes[axis] if op == "avg" else 1.0
-        return (pending or _fwd_all_reduce(c, x, axis, op)).wait()
+        work = pending or _fwd_all_reduce(c, x, axis, op)
+        return Deferred(x, work.wait) if defer else work.wait()
 
     @staticmethod
     def backward(ctx, g):
-        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None, None
+        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None, None, None
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -315,8 +317,12 @@ class _AllToAll(torch.autograd.Function):
         return (_bwd_all_to_all(ctx.comm, g, *ctx.args).wait(), None, None, None, None, None, None)
 
 
-def all_reduce(x: torch.Tensor, axis: str, op: str = "sum", pending: Pending | None = None) -> torch.Tensor:
-    return _AllReduce.apply(x, axis, op, pending)
+def all_reduce(
+    x: torch.Tensor, axis: str, op: str = "sum", pending: Pending | None = None, defer: bool = False
+) -> torch.Tensor:
+    """The sum (or average) over ``axis``; ``defer``: returned in flight, waited for at its first read
+    (``runtime/lazy.py``: a returned loss, which a backward does not read)."""
+    return _AllReduce.apply(x, axis, op, pending, defer)
 
 
 def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:

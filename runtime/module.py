@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +48,7 @@ from autopar.runtime.executor import Executor
 from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync
 from autopar.runtime.inputs import CallInputs, stage_reads
+from autopar.runtime.lazy import Deferred, settle
 from autopar.runtime.loss_weight import program_weight
 from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
@@ -132,6 +134,7 @@ class ParallelModule(torch.nn.Module):
         self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
+        self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
@@ -263,6 +266,7 @@ class ParallelModule(torch.nn.Module):
         batches, outputs carrying the batch are this rank's rows; a loss is the whole batch's."""
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
         self._stepped = False
+        settle(t for ref in self._deferred if (t := ref()) is not None)  # the last call's loss, if unread
         if self._one_stage:
             self._grads.reset(enabled=self._sync)
             part = self.forward_runners[0].whole
@@ -287,6 +291,7 @@ class ParallelModule(torch.nn.Module):
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         if self._one_stage:
             self._grads.watch(merged)  # a backward through them syncs the gradients at its end
+        self._deferred = [weakref.ref(t) for t in merged if isinstance(t, Deferred)]
         return pytree.tree_unflatten(merged, self._out_spec)
 
     @contextlib.contextmanager
