@@ -139,12 +139,13 @@ class SavedValues:
 
 def root_map(prog: Program) -> dict[str, str]:
     """Each value's storage root: itself, or for a view (and the runtime's aliasing collectives) its input's
-    root. A ``reshape`` is a view only where the strides allow it: one that merges broadcast or transposed
-    dimensions copies (LLaMA's grouped-query ``repeat_kv``: expand, then reshape), found by replaying the
-    views on meta tensors from contiguous roots."""
+    root. A ``reshape`` of a broadcast (a view chain through ``expand``) is a view only where the strides
+    allow it: merging a broadcast dimension copies (LLaMA's grouped-query ``repeat_kv``: expand, then
+    reshape), found by replaying the chain on meta tensors. Other reshapes stay views: their roots' real
+    strides are the kernels' (CPU attention returns its output transposed in memory), not contiguous."""
     root: dict[str, str] = {v.name: v.name for v in prog.inputs}
     types = prog.types()
-    meta: dict[str, torch.Tensor] = {}  # values reached by views: a meta tensor with their strides
+    meta: dict[str, torch.Tensor] = {}  # values on a view chain through an expand: a meta tensor with their strides
 
     def layout(name: str) -> torch.Tensor:
         if name not in meta:
@@ -155,8 +156,9 @@ def root_map(prog: Program) -> dict[str, str]:
     for op in prog.ops:
         refs = op.input_refs()
         alias = bool(refs) and (op.target in ALIASING or op.target in VIEW_OPS)
-        if alias and op.target in VIEW_OPS:
-            alias = _replay_view(op, layout, meta)
+        if alias and op.target in VIEW_OPS and (op.target == "aten.expand" or refs[0].name in meta):
+            copied = not _replay_view(op, layout, meta)
+            alias = not (copied and op.target == "aten.reshape")
         for r in op.results:
             root[r] = root[refs[0].name] if alias else r
     return root
