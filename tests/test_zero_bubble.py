@@ -530,6 +530,34 @@ def test_the_stage_balancer_prices_the_schedule_that_runs() -> None:
         assert s.memory_bytes == s.weight_bytes + 3 * s.activation_bytes
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_the_flows_stage_balancer_predicts_each_ranks_peak_as_the_simulator(name: str) -> None:
+    """Given the schedule's stash points (``runtime/actions.stage_stash_points``, as ``autopar/build.py`` passes
+    them), the flow's balancer prices each rank's activations at its worst point: the stages' stashes plus
+    the output gradients a split B keeps until W, a V rank's two stages together. Equal to the simulator's
+    peak for the plan's own per-stage bytes; the W-kept gradients are not zero there (the in-flight count
+    alone, what the balancer had before, is below the peak). Cost: ~1 s."""
+    from autopar.passes.assign_stages import assign_stages_pass
+    from autopar.runtime.actions import stage_stash_points
+    from tests.test_pipeline_split import preset
+
+    _, prog, _ = preset("tiny-gpt2")
+    sched = make_schedule(name, 2, 8)
+    points = tuple(tuple(stage_stash_points(lst)) for lst in sched.actions)
+    opts = {"pp": 2, "microbatches": 8, "schedule": name, "stash_points": points}
+    _, (plan, _) = assign_stages_pass(prog, opts | ({"waves": 1} if name == "zbv" else {}))
+    assert plan.stage_to_rank == sched.stage_to_rank
+    act = [s.activation_bytes for s in plan.stages]
+    wkept = [s.wkept_bytes for s in plan.stages]
+    assert all(w > 0 for w in wkept)
+    peak = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act, w_bytes=wkept)).peak_activation_bytes
+    weights = [sum(s.weight_bytes for s in plan.stages if s.rank == r) for r in range(2)]
+    predicted = [m - w for m, w in zip(plan.rank_memory(), weights)]
+    assert predicted == pytest.approx(peak, rel=1e-12)
+    stashes = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act)).peak_activation_bytes
+    assert all(a < b for a, b in zip(stashes, peak))
+
+
 def test_the_simulator_charges_each_send_its_issue_time() -> None:
     """``Costs.t_send``: the sender is held while it issues a send (the runtime's fixed cost per message),
     its data leaving as it is posted. 1F1B on 2 ranks and 2 microbatches: rank 1 sends B0's gradient
