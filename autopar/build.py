@@ -23,7 +23,7 @@ from autopar.runtime.rng import DropoutRng
 from autopar.solver.pipeline_shape import placement_shape
 
 
-def _stash_points(schedule: Schedule) -> tuple | None:
+def stash_points_of(schedule: Schedule) -> tuple | None:
     """A split-backward schedule's stash points per rank (what the stage balancer prices its memory by, the
     W-kept gradients included); None for the others, whose in-flight counts the balancer knows."""
     if not any(a.kind is Kind.W for lst in schedule.actions for a in lst):
@@ -53,7 +53,7 @@ def plan_programs(
         microbatches=schedule.num_microbatches,
         stage_to_rank=tuple(schedule.stage_to_rank),
         schedule=schedule.name,
-        stash_points=_stash_points(schedule),
+        stash_points=stash_points_of(schedule),
         scatter_gather=scatter_gather,
     )
     planned = plan_program(captured, mesh, flow, dump_dir=dump_dir, sharded=sharded)

@@ -6,14 +6,17 @@ Input: the subgraph sequence of ``autopar.passes.pipeline_split`` (anything shap
 a stage on rank r stashes ``inflight_per_stage`` microbatches' activations.
 
 The partition (``solver/partition.py``) minimizes the slowest stage (the pipeline's steady-state
-period) subject to each stage fitting ``budget / (stages per rank)``; given the schedule's stash points
-(a zero-bubble schedule's, ``runtime/actions.stage_stash_points`` of each rank's own list), a stage's
-activations are its worst point's stashes plus the output gradients its split B keeps until W
-(``stage_cost.SubgraphCost.wkept_bytes``), and each rank's are its worst point over both of its stages,
-which is the simulator's peak (``tests/test_zero_bubble.py``); among the partitions that reach
-that minimum it takes the one with the smallest sum of squared stage times (the most even). When
+period) subject to each stage fitting ``budget / (stages per rank)``; among the partitions that reach
+that minimum it takes the one with the smallest sum of squared stage times (the most even). On a V
+(one wave: ZB-V, DualPipeV), where a rank runs both its stages for every microbatch, it minimizes the
+slowest rank instead (``solver/v_layout.py``, the search's V layout) when that layout fits. When
 nothing fits, ``StageMemoryError`` says the smallest budget that fits and the smallest deeper
 pipeline that would.
+
+Given the schedule's stash points (a split-backward schedule's: ``runtime/actions.stage_stash_points`` of
+each rank's own list), a stage's activations are its worst point's stashes plus the output gradients
+its split B keeps until W (``stage_cost.SubgraphCost.wkept_bytes``), and a rank's are its worst point
+over its stages together: the simulator's peak (``tests/test_zero_bubble.py``).
 
 The pass that splits a Program and annotates its stages is ``autopar.passes.assign_stages``.
 """
@@ -41,6 +44,7 @@ from autopar.solver.stage_cost import (
     subgraph_costs,
 )
 from autopar.solver.stage_plan import Stage, StagePlan, module_units
+from autopar.solver.v_layout import balanced_v_layout
 
 DEFAULT_CLUSTER = "dgx-a100"
 
@@ -112,6 +116,10 @@ def balance_stages(
     if best == math.inf:
         _no_fit(split, costs, pp, chunks, waves, microbatches, budget, schedule, stash_points)
     starts = even_partition(n, S, lambda s, j, i: timefn(j, i), best * (1 + 1e-12), fits)
+    if waves == 1:  # a V: a rank runs both its stages per microbatch, so balance ranks (when that fits)
+        v = balanced_v_layout([c.seconds for c in costs.subgraphs], pp)
+        if v is not None and all(fits(s, a, b) for s, (a, b) in enumerate(v)):
+            starts = [a for a, _ in v]
     numel = {v.name: v.type.numel for v in prog.inputs}
     stages = []
     for s, j in enumerate(starts):
