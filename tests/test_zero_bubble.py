@@ -570,6 +570,17 @@ def test_the_simulator_charges_each_send_its_issue_time() -> None:
     assert simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc, t_send=ts)).step_time == base + ts
 
 
+def test_the_simulator_charges_each_action_the_executors_own_time() -> None:
+    """``Costs.t_action``: a compute action starts t_action after its rank is free, or when its data arrives if
+    that is later. 1F1B on 2 ranks and 2 microbatches (T_F = 1, T_B = 2, no transfer time): worked by hand,
+    the step is 9 + 4 t_action (rank 0's F0, rank 1's B0, F1 and B1 each start t_action after their rank's
+    previous action; rank 1's F0 and rank 0's B0 and B1 wait for data that comes later)."""
+    sched = make_schedule("1f1b", 2, 2)
+    a = Fraction(1, 7)
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2)).step_time == 9
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2, t_action=a)).step_time == 9 + 4 * a
+
+
 def test_stash_points_repeat_from_2p_microbatches_on() -> None:
     """The search reads a zero-bubble rank's memory off its order for min(m, 4P) microbatches: from 2P on
     the orders only repeat their steady state, so the points are those of any larger m."""
