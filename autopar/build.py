@@ -16,11 +16,19 @@ from autopar.passes.capture import Captured
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
-from autopar.runtime.actions import Schedule
+from autopar.runtime.actions import Kind, Schedule, stage_stash_points
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import DropoutRng
 from autopar.solver.pipeline_shape import placement_shape
+
+
+def stash_points_of(schedule: Schedule) -> tuple | None:
+    """A split-backward schedule's stash points per rank (what the stage balancer prices its memory by, the
+    W-kept gradients included); None for the others, whose in-flight counts the balancer knows."""
+    if not any(a.kind is Kind.W for lst in schedule.actions for a in lst):
+        return None
+    return tuple(tuple(stage_stash_points(lst)) for lst in schedule.actions)
 
 
 def plan_programs(
@@ -45,6 +53,7 @@ def plan_programs(
         microbatches=schedule.num_microbatches,
         stage_to_rank=tuple(schedule.stage_to_rank),
         schedule=schedule.name,
+        stash_points=stash_points_of(schedule),
         scatter_gather=scatter_gather,
     )
     planned = plan_program(captured, mesh, flow, dump_dir=dump_dir, sharded=sharded)

@@ -6,6 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+from autopar.build import stash_points_of
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
@@ -15,9 +16,11 @@ from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
 from autopar.runtime.precision import for_capture
+from autopar.runtime.schedules import make_schedule
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 from autopar.solver.buckets import grad_buckets
 from autopar.solver.cost import CostModel, TrainingSetup
+from autopar.solver.pipeline_shape import ZERO_BUBBLE
 
 
 @dataclass
@@ -79,12 +82,14 @@ def plan_captured(
     over it (Merak's split, balanced stages)."""
     pp = dict(mesh.axes).get(PIPELINE_AXIS)
     po = pipeline or PipelinePlanOptions()
+    split_backward = pp and po.schedule in ZERO_BUBBLE  # its memory: the schedule's own stash points
     flow_opts = FlowOptions(
         shard=opts,
         chunks=po.chunks,
         waves=po.waves,
         microbatches=po.microbatches or 1,
         schedule=po.schedule,
+        stash_points=stash_points_of(make_schedule(po.schedule, pp, po.microbatches or 1)) if split_backward else None,
         cache=False,
     )
     planned = plan_program(captured, mesh, flow_opts)

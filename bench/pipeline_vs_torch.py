@@ -413,7 +413,33 @@ def _measured_costs(sched, m, tc: float = 0.0):
     tr = [mean("RECOMPUTE", s, tf[s]) for s in range(S)]
     t_send = sum(d[0] for d in posts.values()) / max(sum(len(d) for d in posts.values()), 1)
     tw = [min(w, b) for w, b in zip(tw, tb)]
-    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=tw, t_send=t_send)
+    return Costs.uniform(S, tf=tf, tb=tb, tr=tr, tc=tc, tw=tw, t_send=t_send, t_action=_action_gap(sched, m))
+
+
+def _action_gap(sched, m) -> float:
+    """The executor's own mean time before a compute action that waited for no data (``Costs.t_action``):
+    from the end of the rank's previous action (a send's post included) to the compute's start."""
+    from autopar.runtime.actions import COMPUTE_KINDS, RECV_KINDS, Kind
+
+    s2r, gaps = sched.stage_to_rank, []
+    for r, events in enumerate(m.timeline):
+        received = {e.action: e.end for e in events if e.action.kind in RECV_KINDS}  # the wait's end
+        prev = None
+        for e in events:
+            a = e.action
+            if a.kind in RECV_KINDS:
+                continue
+            if a.kind in COMPUTE_KINDS and prev is not None:
+                s, want = a.stage, None
+                if a.kind is Kind.F and s and s2r[s - 1] != r:
+                    want = (Kind.RECV_ACT, s, a.mb)
+                elif a.kind is Kind.B and s + 1 < len(s2r) and s2r[s + 1] != r:
+                    want = (Kind.RECV_GRAD, s, a.mb)
+                done = next((t for b, t in received.items() if (b.kind, b.stage, b.mb) == want), None)
+                if done is None or done <= prev + 1e-4:  # it did not wait
+                    gaps.append(e.start - prev)
+            prev = e.end
+    return statistics.fmean(gaps) if gaps else 0.0
 
 
 def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dict:

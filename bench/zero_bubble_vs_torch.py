@@ -84,7 +84,7 @@ class ZBSleepStage(nn.Module):
         return _Sleep.apply(x, self.tf, self.tb) * _SleepWeight.apply(self.w, self.tw)
 
 
-def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0):
+def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0, t_action: float = 0.0):
     """The emulated stages' costs for the simulator: a rank's share split over its stages; the first
     stage's backward is its weight gradients only."""
     from autopar.runtime.action_costs import Costs
@@ -92,7 +92,7 @@ def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0):
     S, k = sched.num_stages, sched.num_ranks / sched.num_stages
     tw = [args.tw * k] * S
     tb = [(0.0 if s == 0 else args.tb * k) + tw[s] for s in range(S)]
-    return Costs.uniform(S, tf=args.tf * k, tb=tb, tw=tw, tc=tc, t_send=t_send)
+    return Costs.uniform(S, tf=args.tf * k, tb=tb, tw=tw, tc=tc, t_send=t_send, t_action=t_action)
 
 
 def emulated(rank: int, world: int, args) -> dict:
@@ -147,12 +147,15 @@ def emulated(rank: int, world: int, args) -> dict:
             sim = simulate(sched, simulated_costs(sched, args))
             out[name] = _summary(times[name], float(sim.bubble_ratio), ideal, opts)
             out[name]["sim_bubble_tc"] = float(simulate(sched, simulated_costs(sched, args, tc)).bubble_ratio)
-            t_send = _measured_costs(sched, last[name]).t_send  # the compute thread's time per send, traced
+            traced = _measured_costs(sched, last[name])
+            t_send, t_action = traced.t_send, traced.t_action  # per send, and before each action, traced
             priced = simulate(sched, simulated_costs(sched, args, tc, t_send))
             out[name]["sim_bubble_send"] = float(priced.bubble_ratio)
+            priced = simulate(sched, simulated_costs(sched, args, tc, t_send, t_action))
+            out[name]["sim_bubble_action"] = float(priced.bubble_ratio)
             measured = simulate(sched, _measured_costs(sched, last[name], tc))
             out[name]["sim_bubble_measured"] = float(measured.bubble_ratio)
-            out[name]["tc_s"], out[name]["t_send_s"] = tc, t_send
+            out[name]["tc_s"], out[name]["t_send_s"], out[name]["t_action_s"] = tc, t_send, t_action
     return out
 
 
@@ -160,10 +163,14 @@ def _table(res: dict) -> str:
     """pipeline_vs_torch's table, with the simulation priced with the measured per-send cost and the
     simulation of autopar's own measured action times beside it, and the trace's bubble over each."""
     lines = one_table(res, True).splitlines()
-    lines[0] += " bubble simulated + t_c + t_send | trace / (sim + t_c + t_send) | bubble simulated, measured costs |"
-    lines[1] += "---|---|---|"
+    lines[0] += (
+        " bubble simulated + t_c + t_send | trace / (sim + t_c + t_send) | bubble simulated + t_c + t_send +"
+        " t_action | trace / (sim + t_c + t_send + t_action) | bubble simulated, measured costs |"
+    )
+    lines[1] += "---|---|---|---|---|"
     rows = [
         f"{row} {r['sim_bubble_send']:.3f} | {r['autopar_bubble_trace'] / r['sim_bubble_send']:.2f} | "
+        f"{r['sim_bubble_action']:.3f} | {r['autopar_bubble_trace'] / r['sim_bubble_action']:.2f} | "
         f"{r['sim_bubble_measured']:.3f} |"
         for row, r in zip(lines[2:], res.values())
     ]
@@ -206,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.hidden} f32 T_F={args.tf}s T_B={args.tb}s T_W={args.tw}s per rank share "
         f"({time.perf_counter() - t0:.0f} s); one-way t_c {first['tc_s'] * 1e3:.2f} ms, t_send traced "
         + ", ".join(f"{n} {r['t_send_s'] * 1e3:.3f}" for n, r in res.items())
+        + " ms, t_action traced "
+        + ", ".join(f"{n} {r['t_action_s'] * 1e3:.3f}" for n, r in res.items())
         + " ms"
     )
     print(_table(res))

@@ -22,7 +22,7 @@ from autopar.solver.cost import EFFICIENCY
 from autopar.solver.pipeline_shape import check_shape, num_stages
 from autopar.solver.stage_cost import CommFn, megatron_tp_comm_seconds
 from autopar.solver.stage_plan import StagePlan
-from autopar.solver.stages import balance_stages, pipeline_shape_text
+from autopar.solver.stages import StashPoints, balance_stages, pipeline_shape_text
 
 
 def assign_stages(
@@ -39,12 +39,13 @@ def assign_stages(
     split_options: SplitOptions | None = None,
     comm_fn: CommFn = megatron_tp_comm_seconds,
     schedule: str | None = None,
+    stash_points: StashPoints | None = None,
 ) -> tuple[Program, StagePlan, Split]:
     """Split ``prog`` and balance its subgraphs over ``pp`` ranks holding ``pp * chunks`` (interleaved)
     or ``2 * pp * waves`` (wave) stages; ``microbatches`` per step (None: as many as the schedule keeps
     in flight). Returns the annotated program, the StagePlan and the Split (``split.seconds``: the time
     the split took, near zero from its cache). ``cluster`` defaults to ``dgx-a100``, ``budget_bytes`` to
-    its device memory."""
+    its device memory. ``stash_points``: the schedule's, per rank (``solver/stages.balance_stages``)."""
     check_shape(pp, chunks, waves)
     split = split_program(prog, split_options)
     S = num_stages(pp, chunks, waves)
@@ -69,6 +70,7 @@ def assign_stages(
         precision=precision,
         comm_fn=comm_fn,
         schedule=schedule,
+        stash_points=stash_points,
     )
     return annotate(prog, split, plan.stage_of_subgraph), plan, split
 
@@ -83,14 +85,16 @@ _STAGE_OPTIONS = (
     "efficiency",
     "precision",
     "schedule",
+    "stash_points",
 )
 
 
 def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:
     """The ``assign-stages`` pass: ``stage=s`` on every op, and its report ``(StagePlan, split seconds)``.
     ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``, ``microbatches``, ``cluster``,
-    ``budget_bytes``, ``efficiency``, ``precision`` and SplitOptions fields. With ``pp=1`` every op is
-    stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no stage plan."""
+    ``budget_bytes``, ``efficiency``, ``precision``, ``schedule``, ``stash_points`` and SplitOptions fields.
+    With ``pp=1`` every op is stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no
+    stage plan."""
     opts = dict(options or {})
     if "pp" not in opts:
         raise PipelineError(f"the assign-stages pass needs pp (options: {', '.join(_STAGE_OPTIONS)})")

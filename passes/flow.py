@@ -72,6 +72,9 @@ class FlowOptions:
     # the schedule that runs: the stage balancer prices its in-flight activations (ZB-H1/H2 have 1F1B's
     # shape, ZB-V/DualPipeV a wave's, but keep more); None or a schedule without its own count: the shape's
     schedule: str | None = None
+    # with it, the schedule's stash points per rank (runtime/actions.stage_stash_points of its lists): the
+    # balancer prices each rank's worst point, the output gradients a split backward keeps until W included
+    stash_points: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] | None = None
     scatter_gather: bool = False  # Megatron: send 1/t of tp-replicated boundary tensors
     cache: bool = True  # reuse a sharded program solved before (on disk, keyed by content)
 
@@ -198,6 +201,8 @@ def _stage(
     }
     if opts.schedule in SCHEDULES and opts.schedule != "none":
         stage_opts["schedule"] = opts.schedule
+    if opts.stash_points is not None:
+        stage_opts["stash_points"] = opts.stash_points
     pass_opts = {"split": {"pp": pp}, "assign-stages": stage_opts}
     pm = PassManager(["split", "assign-stages"], dump_dir, options=pass_opts, timings=timings)
     staged = pm.run(_without_stages(sharded), flow_index("split") - 1)

@@ -65,6 +65,11 @@ class Costs:
     its receive is already posted). 0 prices the papers' idealised runtime; a measured value
     (``bench/zero_bubble_vs_torch.py`` reads it off a trace) prices this one, whose V schedules issue
     twice as many sends per rank as 1F1B.
+    ``t_action``: the executor's own time before each compute action (dispatch, waiting on a receive
+    that has arrived, posting the channel's next receive): on the rank's timeline, not compute, so it
+    counts as bubble, as in a trace. A schedule pays it per action on its critical path (ZB-V runs 48
+    actions per rank at P = 4, M = 8; 1F1B 16). 0 prices the papers' runtime; the benchmark reads it
+    off a trace like ``t_send``.
     """
 
     tf: tuple[Number, ...]
@@ -78,6 +83,7 @@ class Costs:
     tw: tuple[Number, ...] | None = None
     w_bytes: tuple[Number, ...] | None = None
     t_send: Number = 0
+    t_action: Number = 0
 
     def __post_init__(self) -> None:
         if self.tw is None:
@@ -104,6 +110,7 @@ class Costs:
         tw: PerStage | None = None,
         w_bytes: PerStage | None = None,
         t_send: Number = 0,
+        t_action: Number = 0,
     ) -> Costs:
         """Costs given per stage: a scalar applies to every stage (every boundary for ``tc``)."""
         n = num_stages
@@ -120,6 +127,7 @@ class Costs:
             tw=None if tw is None else _spread(tw, n, "tw"),
             w_bytes=None if w_bytes is None else _spread(w_bytes, n, "w_bytes"),
             t_send=t_send,
+            t_action=t_action,
         )
 
     @classmethod

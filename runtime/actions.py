@@ -161,24 +161,42 @@ def ends_backward(a: Action, split: frozenset[tuple[int, int]]) -> bool:
     return a.kind is Kind.W or (a.kind is Kind.B and (a.mb, a.stage) not in split)
 
 
-def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
-    """The (stashed, awaiting W) counts of microbatch-stages after each compute action of one rank's
-    list that no other point exceeds in both: the candidates for the rank's peak memory, whatever a
-    stash and a W-kept gradient weigh (a split ``B`` keeps its stash and adds the weight ops' output
-    gradients until its ``W``)."""
+def stage_stash_points(actions: Sequence[Action]) -> list[tuple[tuple[int, int], ...]]:
+    """Per stage of one rank's list (in stage order), the (stashed, awaiting W) counts of microbatches after
+    each action, at the points no other point exceeds in every count: the candidates for the rank's peak
+    memory, whatever each stage's stash and W-kept gradient weigh (a split ``B`` keeps its stash and adds the
+    weight ops' output gradients until its ``W``)."""
     split = split_backwards(actions)
-    live = pending = 0
-    points: set[tuple[int, int]] = set()
+    stages = sorted({a.stage for a in actions if a.kind in COMPUTE_KINDS and a.stage is not None})
+    live, pending = dict.fromkeys(stages, 0), dict.fromkeys(stages, 0)
+    points: set[tuple[tuple[int, int], ...]] = set()
     for a in actions:
-        if a.kind is Kind.F:
-            live += 1
-        elif a.kind is Kind.B and (a.mb, a.stage) in split:
-            pending += 1
-        elif a.kind is Kind.W:
-            pending -= 1
-        live -= ends_backward(a, split)
-        points.add((live, pending))
-    return sorted(p for p in points if not any(q != p and q[0] >= p[0] and q[1] >= p[1] for q in points))
+        if a.kind in COMPUTE_KINDS and a.stage is not None:
+            if a.kind is Kind.F:
+                live[a.stage] += 1
+            elif a.kind is Kind.B and (a.mb, a.stage) in split:
+                pending[a.stage] += 1
+            elif a.kind is Kind.W:
+                pending[a.stage] -= 1
+            live[a.stage] -= ends_backward(a, split)
+        points.add(tuple((live[s], pending[s]) for s in stages))
+    return _frontier(points, lambda p: tuple(x for pair in p for x in pair))
+
+
+def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
+    """``stage_stash_points`` summed over the rank's stages: the (stashed, awaiting W) counts that can be its
+    peak when every stage's stash and W-kept gradient weigh the same."""
+    return _frontier({(sum(n for n, _ in p), sum(k for _, k in p)) for p in stage_stash_points(actions)})
+
+
+def _frontier(points: set, flat=lambda p: p) -> list:
+    """The points no other point reaches or exceeds in every coordinate (of ``flat(point)``), sorted."""
+    coords = {p: flat(p) for p in points}
+
+    def covers(q, p) -> bool:
+        return all(x >= y for x, y in zip(coords[q], coords[p]))
+
+    return sorted(p for p in points if not any(q != p and covers(q, p) for q in points))
 
 
 def RECOMPUTE(mb: int, stage: int, fraction: Fraction | int = 1) -> Action:

@@ -17,7 +17,9 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
 - Consecutive ``SEND_*``/``RECV_*`` between two compute actions are one
   ``torch.distributed.batch_isend_irecv`` (``runtime/executor_p2p.py``). Receives are posted where
   the list puts them, ahead of their consumers (Hanayo's prefetch), into buffers whose local shapes
-  come from the IR; the consumer waits for them. Sends stay in flight until the end of the step.
+  come from the IR; the consumer waits for them. On gloo (``post_ahead``) each channel's next receive
+  is posted earlier still, as soon as the one before it is taken, because gloo moves a message only
+  once its receive is posted. Sends stay in flight until the end of the step.
   Neighbouring stages on one rank (a wave's or a V's turn) hand tensors over locally.
 - ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
   reduction, tied-parameter reduction, the optimizer); the gradient buckets of a stage start during
@@ -49,7 +51,7 @@ import torch.distributed as dist
 from autopar.errors import RuntimeCommError
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule, ends_backward, split_backwards
-from autopar.runtime.executor_p2p import PointToPoint
+from autopar.runtime.executor_p2p import PointToPoint, posts_independently
 from autopar.runtime.executor_state import Stash, backprop, is_comm_failure, restored_rng, rng_state, to_wire
 from autopar.runtime.split_backward import WeightGrads, deferring_weights
 from autopar.runtime.stage_runner import Part, StageRunner
@@ -68,6 +70,8 @@ class Executor:
     forward-only run). ``stage_context(s)`` wraps each action computing on stage ``s`` (F, RECOMPUTE, B, W:
     ZeRO-3's scope of gathers, ``runtime/zero3.py``). ``arm(a)`` runs before
     each ``B``/``W`` (the gradient buckets that action finishes start in it, ``runtime/grads.py``).
+    ``post_ahead``: keep each channel's next receive posted ahead of the list (default: where the
+    transport issues each op on its own, ``executor_p2p.posts_independently``: gloo, the rank simulator).
     """
 
     def __init__(
@@ -88,6 +92,7 @@ class Executor:
         keep_outputs: bool = False,
         stage_context: Callable[[int], contextlib.AbstractContextManager] | None = None,
         arm: Callable[[Action], None] | None = None,
+        post_ahead: bool | None = None,
     ):
         self.schedule = schedule
         self.keep_outputs = keep_outputs
@@ -108,8 +113,17 @@ class Executor:
         self.device = torch.device(device)
         self.actions = schedule.actions[pp_rank]
         self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
+        ahead = posts_independently(comm.peers) if post_ahead is None else post_ahead
         self.p2p = PointToPoint(
-            stages, peer_rank, comm.peers.batch_isend_irecv, self._guard, timeout, self.device, sub_microbatches
+            stages,
+            peer_rank,
+            comm.peers.batch_isend_irecv,
+            self._guard,
+            timeout,
+            self.device,
+            sub_microbatches,
+            self.actions,
+            ahead,
         )
         self.trace: list[TraceEvent] = []
         self.peak_stash = 0
@@ -149,6 +163,7 @@ class Executor:
         if self.record and self.barrier is not None:
             self._guard(self.barrier, "the barrier before the step", -1)
         t0 = time.perf_counter()
+        self.p2p.start()
         live = peak = 0
         i, n = 0, len(self.actions)
         with coll.use_comm(self.comm):
@@ -161,7 +176,8 @@ class Executor:
                     start = time.perf_counter() - t0
                     self.p2p.post(self.actions[i:j])
                     end = time.perf_counter() - t0
-                    trace.extend(TraceEvent(b, start, end) for b in self.actions[i:j])
+                    for b in self.actions[i:j]:  # a receive posted ahead: from when it was
+                        trace.append(TraceEvent(b, min(start, self.p2p.posted_at.get(b, t0 + start) - t0), end))
                     i = j
                     continue
                 start = time.perf_counter() - t0

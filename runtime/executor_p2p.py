@@ -7,22 +7,48 @@ into buffers whose local shapes come from the IR (``StageRunner.recv``/``send``)
 sub-microbatch; tensors gloo cannot send travel as their bytes (``executor_state.wire_view``). Every
 wait runs through the executor's ``guard``, which turns a transport failure or timeout into a
 ``RuntimeCommError`` naming the action and the peer.
+
+Receives ahead of the list (``ahead=True``): where the transport issues each send and receive on its
+own (gloo; the rank simulator's mailboxes), every channel (peer rank) keeps its next receive posted:
+the first of each at the start of the step, the next as soon as its consumer has taken the one
+before. gloo's tcp transport is a rendezvous: a send whose receive is not yet posted waits for the
+receiver's notice, and the sender's event loop thread writes the data only then; a send whose receive
+is posted is written at once from the sending thread. The list's receive positions (``runtime/p2p.py``,
+rule 5) are the gaps the receiver reaches at or after the send under nominal costs, so with real
+costs about half the receives came after their send, and each of those paid the rendezvous on the
+consumer's path (docs/runtime.md has the measurement). Posting ahead keeps FIFO order per channel
+(receives are posted in the list's order), holds at most one more receive buffer per channel, and
+cannot deadlock: nothing waits on a posted receive until its consumer. NCCL runs a batch as one group
+on a stream that an early receive would hold up, so there receives stay where the list puts them.
 """
 
 from __future__ import annotations
 
 import datetime
 import time
+from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
-from autopar.runtime.actions import Action, Kind
+from autopar.runtime.actions import RECV_KINDS, Action, Kind
 from autopar.runtime.executor_state import PendingReceive, wire_view
 from autopar.runtime.stage_runner import StageRunner
 
 Key = tuple[Kind, int, int]  # (kind, microbatch, stage) of a send or receive
+
+
+def posts_independently(peers: object) -> bool:
+    """Whether ``peers`` issues each send and receive on its own, so a receive may be posted before the
+    list says: the peers' own ``posts_independently`` (the rank simulator's mailboxes), else
+    torch.distributed on gloo (``TorchPeers`` issues gloo's ops one by one); not NCCL, whose batch is
+    one group call on a stream that an early receive would hold up."""
+    own = getattr(peers, "posts_independently", None)
+    if own is not None:
+        return bool(own)
+    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 class PointToPoint:
@@ -37,10 +63,17 @@ class PointToPoint:
         timeout: float,
         device: torch.device,
         sub_microbatches: int,
+        actions: Sequence[Action] = (),
+        ahead: bool = False,
     ):
         self.stages, self.peer_rank, self.guard = stages, peer_rank, guard
         self.batch_isend_irecv = batch_isend_irecv
         self.timeout, self.device, self.sub = timeout, device, sub_microbatches
+        self.ahead = ahead
+        self._channels: dict[int, list[Action]] = defaultdict(list)  # peer rank -> its receives, in list order
+        for a in actions:
+            if a.kind in RECV_KINDS:
+                self._channels[self.peer_rank(a.peer)].append(a)  # type: ignore[arg-type]
         self.reset()
 
     def reset(self) -> None:
@@ -48,9 +81,17 @@ class PointToPoint:
         self._pending: dict[Key, PendingReceive] = {}
         self._in_flight: list[tuple[list, Action, int, list[torch.Tensor]]] = []
         self._done: dict[int, object] = {}
+        self._unposted = {peer: deque(recvs) for peer, recvs in self._channels.items()}
+        self.posted_at: dict[Action, float] = {}  # with ``ahead``: when each receive was posted
+
+    def start(self) -> None:
+        """Open the step: with ``ahead``, post the first receive of every channel."""
+        if self.ahead:
+            self.post([q[0] for q in self._unposted.values() if q])
 
     def post(self, batch: Sequence[Action]) -> None:
-        """Post ``batch`` (consecutive sends and receives) as one ``batch_isend_irecv``."""
+        """Post ``batch`` (consecutive sends and receives) as one ``batch_isend_irecv``; a receive already
+        posted ahead is skipped."""
         ops: list[tuple[bool, torch.Tensor, int]] = []
         posted: list[tuple[Action, list[torch.Tensor], int]] = []
         for a in batch:
@@ -59,6 +100,15 @@ class PointToPoint:
                 tensors = self.to_send.pop((a.kind, a.mb, a.stage))  # type: ignore[arg-type]
                 ops += [(True, t, peer) for t in tensors]
             else:
+                if a in self.posted_at:
+                    continue
+                queue = self._unposted.get(peer)
+                if queue and queue[0] != a:
+                    raise RuntimeCommError(f"{a} is posted before {queue[0]}, which precedes it from rank {peer}")
+                if queue:
+                    queue.popleft()
+                if self.ahead:
+                    self.posted_at[a] = time.perf_counter()
                 tensors = self._buffers(a)
                 ops += [(False, wire_view(b), peer) for b in tensors]
             posted.append((a, tensors, peer))
@@ -90,6 +140,9 @@ class PointToPoint:
         for w in p.works:
             self._complete(w, p.action, p.peer_rank)
         waited.append((p.action, time.perf_counter()))
+        queue = self._unposted.get(p.peer_rank)
+        if self.ahead and queue:  # the channel's next receive, before its sender gets there
+            self.post([queue[0]])
         return p.buffers
 
     def drain(self) -> None:

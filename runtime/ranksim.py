@@ -52,6 +52,8 @@ class SimPeers:
     pipeline point-to-point between global ranks (FIFO per directed pair, as on torch's default group),
     and new groups of any ranks."""
 
+    posts_independently = True  # each send and receive is its own mailbox op: receives may be posted early
+
     def __init__(self, world: SimWorld, rank: int):
         self.world, self.rank = world, rank
 

@@ -31,6 +31,7 @@ from autopar.errors import PipelineError
 
 SCHEDULES = ("none", "1f1b", "interleaved", "wave", "scp", "zb-h1", "zb-h2", "zbv", "dualpipev")
 V_SCHEDULES = ("wave", "zbv", "dualpipev")  # two stages per rank and wave, in a V
+ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")  # each backward split into B and W
 
 
 def num_stages(pp: int, chunks: int = 1, waves: int | None = None) -> int:

@@ -17,6 +17,10 @@ Per microbatch (the program's example batch is one microbatch of the global batc
   its compute dtype carries its own types). An unsharded program with tp > 1 is assumed to follow Megatron with sequence
   parallelism: weights / tp, activations and FLOPs / (dp tp). A sharded program's local sizes come
   from its placements.
+- W-kept bytes (zero-bubble schedules, whose B leaves the weight gradients to a later W): the output
+  gradient of every op that reads a weight and keeps something for its backward (a matmul, a norm, an
+  embedding), the gradient ``runtime/split_backward.py`` captures at B for W; an op that keeps nothing
+  (a bias add) hands its gradient on unchanged, the same tensor as its producer's, counted there.
 
 A subgraph here is anything with ``index``, ``start``, ``stop`` (an op range), ``graph_inputs`` and
 ``flops``: ``autopar.passes.pipeline_split.Subgraph`` is one (the solver does not import the pass).
@@ -35,7 +39,7 @@ from autopar.ir.core import Placement, Program, Replicate, TensorType
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
 from autopar.solver.megatron_roles import ROW, megatron_roles, weight_values
-from autopar.solver.saved import SavedValues, extra_bytes, saved_values
+from autopar.solver.saved import NOTHING, SavedValues, extra_bytes, op_saved, saved_values
 
 
 class OpRun(Protocol):
@@ -104,6 +108,18 @@ class StageContext:
         return self.prog.types()
 
     @functools.cached_property
+    def grad(self) -> set[str]:
+        return self.prog.requires_grad()
+
+    def wkept_bytes(self, op) -> float:
+        """Bytes per device of the output gradient a split B keeps for ``op``'s weight gradient until W (see
+        the module docstring): 0 unless ``op`` reads a weight and keeps something for its backward."""
+        refs = [r.name for r in op.input_refs()]
+        if not any(n in self.weights for n in refs) or op_saved(op, self.types, self.grad) == NOTHING:
+            return 0.0
+        return sum(self.act_bytes(t) for r, t in zip(op.results, op.types) if r not in self.weights and t.is_float)
+
+    @functools.cached_property
     def weights(self) -> frozenset[str]:
         return weight_values(self.prog)
 
@@ -166,6 +182,7 @@ class SubgraphCost:
     comm_seconds: float
     weight_bytes: float  # model states of the parameters (and buffers) first read here, tied ones apart
     act_bytes: float  # activations stashed per microbatch
+    wkept_bytes: float = 0.0  # output gradients a split B keeps until its W, per microbatch
 
     @property
     def seconds(self) -> float:
@@ -199,6 +216,14 @@ class SplitCosts:
 
         return time_of, memory_of
 
+    def kept_costs(self) -> Callable[[int, int], tuple[float, float]]:
+        """(activation bytes, W-kept bytes) per microbatch of the run of subgraphs [j, i), in O(1)."""
+        apre, kpre = [0.0], [0.0]
+        for c in self.subgraphs:
+            apre.append(apre[-1] + c.act_bytes)
+            kpre.append(kpre[-1] + c.wkept_bytes)
+        return lambda j, i: (apre[i] - apre[j], kpre[i] - kpre[j])
+
 
 def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommFn) -> SplitCosts:
     """The cost of every subgraph (see the module docstring)."""
@@ -226,14 +251,15 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                     tied.append((per_param * elems, frozenset(readers[name])))
             elif v.kind == "buffer" and readers[name][0] == s.index:
                 weight += v.type.nbytes  # no gradient, no optimizer state
-        act = 0.0
+        act = wkept = 0.0
         for op in prog.ops[s.start : s.stop]:
             for r, t in zip(op.results, op.types):
                 if ctx.saved.activation(r) and r not in ctx.commons:
                     act += ctx.act_bytes(t)
             act += ctx.extra_bytes(op)
+            wkept += ctx.wkept_bytes(op)
         compute = 3 * s.flops / (ctx.dp * ctx.tp) / peak
-        out.append(SubgraphCost(compute, comm_fn(ctx, s), weight, act))
+        out.append(SubgraphCost(compute, comm_fn(ctx, s), weight, act, wkept))
     return SplitCosts(out, tied, params)
 
 

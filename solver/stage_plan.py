@@ -28,9 +28,10 @@ class Stage:
     inflight: float  # microbatches whose activations are stashed at the peak
     weight_bytes: float  # model states per device
     activation_bytes: float  # per microbatch per device
-    memory_bytes: float  # weight_bytes + inflight * activation_bytes
+    memory_bytes: float  # weight_bytes + the activations held at the peak (inflight * activation_bytes, + W-kept)
     compute_seconds: float  # forward + backward per microbatch
     comm_seconds: float  # tensor-parallel communication per microbatch
+    wkept_bytes: float = 0.0  # per microbatch per device: output gradients a split B keeps until its W
 
     @property
     def seconds(self) -> float:
@@ -55,6 +56,9 @@ class StagePlan:
     split_seconds: float = 0.0
     assign_seconds: float = 0.0
     run_schedule: str | None = None  # the schedule the balance was told runs (its in-flight counts)
+    # per rank: activations and W-kept gradients at the rank's worst point, its stages together (given the
+    # schedule's stash points; None: each stage's own peak, summed)
+    rank_activation_bytes: tuple[float, ...] | None = None
 
     @property
     def schedule(self) -> str:
@@ -90,7 +94,9 @@ class StagePlan:
     def rank_memory(self) -> list[float]:
         out = [0.0] * self.pp
         for s in self.stages:
-            out[s.rank] += s.memory_bytes
+            out[s.rank] += s.memory_bytes if self.rank_activation_bytes is None else s.weight_bytes
+        if self.rank_activation_bytes is not None:
+            out = [w + a for w, a in zip(out, self.rank_activation_bytes)]
         return out
 
     def rank_seconds(self) -> list[float]:

@@ -7,9 +7,16 @@ a stage on rank r stashes ``inflight_per_stage`` microbatches' activations.
 
 The partition (``solver/partition.py``) minimizes the slowest stage (the pipeline's steady-state
 period) subject to each stage fitting ``budget / (stages per rank)``; among the partitions that reach
-that minimum it takes the one with the smallest sum of squared stage times (the most even). When
+that minimum it takes the one with the smallest sum of squared stage times (the most even). On a V
+(one wave: ZB-V, DualPipeV), where a rank runs both its stages for every microbatch, it minimizes the
+slowest rank instead (``solver/v_layout.py``, the search's V layout) when that layout fits. When
 nothing fits, ``StageMemoryError`` says the smallest budget that fits and the smallest deeper
 pipeline that would.
+
+Given the schedule's stash points (a split-backward schedule's: ``runtime/actions.stage_stash_points`` of
+each rank's own list), a stage's activations are its worst point's stashes plus the output gradients
+its split B keeps until W (``stage_cost.SubgraphCost.wkept_bytes``), and a rank's are its worst point
+over its stages together: the simulator's peak (``tests/test_zero_bubble.py``).
 
 The pass that splits a Program and annotates its stages is ``autopar.passes.assign_stages``.
 """
@@ -37,6 +44,7 @@ from autopar.solver.stage_cost import (
     subgraph_costs,
 )
 from autopar.solver.stage_plan import Stage, StagePlan, module_units
+from autopar.solver.v_layout import balanced_v_layout
 
 DEFAULT_CLUSTER = "dgx-a100"
 
@@ -74,12 +82,16 @@ def balance_stages(
     efficiency: float = EFFICIENCY,
     precision: str = "bf16",
     comm_fn: CommFn = megatron_tp_comm_seconds,
+    stash_points: StashPoints | None = None,
 ) -> StagePlan:
     """Balance the subgraphs of ``split`` over the stages of a ``pp``-rank pipeline.
 
     ``commons``: the program's common nodes (values no gradient flows through: never stashed);
     ``microbatches=None``: as many as the schedule can keep in flight; ``schedule``: the one that runs
-    (its in-flight counts, ``pipeline_shape.inflight_per_rank``; default the shape's own)."""
+    (its in-flight counts, ``pipeline_shape.inflight_per_rank``; default the shape's own);
+    ``stash_points``: per rank, the (stashed, awaiting W) counts of each of its stages at its candidate
+    peaks (``runtime/actions.stage_stash_points`` of the schedule's lists; they replace the in-flight
+    counts, and price the W-kept gradients of a split backward)."""
     t0 = time.perf_counter()
     check_shape(pp, chunks, waves)
     spec = load_cluster(cluster)
@@ -94,24 +106,29 @@ def balance_stages(
     share = budget / (S // pp)
     timefn, memfn = costs.run_costs()
     k = inflight_per_stage(pp, chunks, waves, microbatches, schedule)
+    ranks = stage_ranks(pp, chunks, waves)
+    holds = _held(costs, ranks, k, stash_points)
 
     def fits(s: int, j: int, i: int) -> bool:
-        return memfn(j, i, k[s]) <= share
+        return memfn(j, i, 0) + holds(s, j, i) <= share
 
     best, _ = min_max_partition(n, S, lambda s, j, i: timefn(j, i), fits)
     if best == math.inf:
-        _no_fit(split, costs, pp, chunks, waves, microbatches, budget, schedule)
+        _no_fit(split, costs, pp, chunks, waves, microbatches, budget, schedule, stash_points)
     starts = even_partition(n, S, lambda s, j, i: timefn(j, i), best * (1 + 1e-12), fits)
-    ranks = stage_ranks(pp, chunks, waves)
+    if waves == 1:  # a V: a rank runs both its stages per microbatch, so balance ranks (when that fits)
+        v = balanced_v_layout([c.seconds for c in costs.subgraphs], pp)
+        if v is not None and all(fits(s, a, b) for s, (a, b) in enumerate(v)):
+            starts = [a for a, _ in v]
     numel = {v.name: v.type.numel for v in prog.inputs}
     stages = []
     for s, j in enumerate(starts):
         i = starts[s + 1] if s + 1 < S else n
         run = subs[j:i]
         a, b = run[0].start, run[-1].stop
-        held = {p for sg in run for p in sg.graph_inputs if p in costs.params}
+        mine = {p for sg in run for p in sg.graph_inputs if p in costs.params}
         weight = memfn(j, i, 0)
-        act = sum(costs.subgraphs[x].act_bytes for x in range(j, i))
+        act, wkept = costs.kept_costs()(j, i)
         stages.append(
             Stage(
                 index=s,
@@ -120,12 +137,13 @@ def balance_stages(
                 last=i - 1,
                 ops=b - a,
                 modules=module_units([op.path for op in prog.ops[a:b]]),
-                params=sum(numel[p] for p in held),
+                params=sum(numel[p] for p in mine),
                 flops=sum(sg.flops for sg in run),
-                inflight=k[s],
+                inflight=k[s] if stash_points is None else max(n for n, _ in _own_points(stash_points, ranks, s)),
                 weight_bytes=weight,
                 activation_bytes=act,
-                memory_bytes=weight + k[s] * act,
+                wkept_bytes=wkept,
+                memory_bytes=weight + holds(s, j, i),
                 compute_seconds=sum(costs.subgraphs[x].compute_seconds for x in range(j, i)),
                 comm_seconds=sum(costs.subgraphs[x].comm_seconds for x in range(j, i)),
             )
@@ -145,7 +163,43 @@ def balance_stages(
         stages=tuple(stages),
         split_seconds=split.seconds,
         assign_seconds=time.perf_counter() - t0,
+        rank_activation_bytes=None if stash_points is None else _rank_peaks(stages, pp, stash_points),
     )
+
+
+StashPoints = Sequence[Sequence[Sequence[tuple[int, int]]]]  # rank -> point -> its stage -> (stashed, awaiting W)
+
+
+def _own_points(points: StashPoints, ranks: Sequence[int], s: int) -> set[tuple[int, int]]:
+    """Stage ``s``'s own (stashed, awaiting W) counts at its rank's points."""
+    q = list(ranks[:s]).count(ranks[s])  # s's place among its rank's stages
+    return {pt[q] for pt in points[ranks[s]]}
+
+
+def _held(costs: SplitCosts, ranks: Sequence[int], k: Sequence[float], points: StashPoints | None):
+    """``held(s, j, i)``: the activation bytes stage ``s`` holds at its peak when it runs subgraphs [j, i):
+    ``k[s]`` stashes, or with stash points its worst point's stashes and W-kept gradients."""
+    kept = costs.kept_costs()
+    if points is None:
+        return lambda s, j, i: k[s] * kept(j, i)[0]
+    own = [_own_points(points, ranks, s) for s in range(len(ranks))]
+
+    def held(s: int, j: int, i: int) -> float:
+        act, wk = kept(j, i)
+        return max(n * act + w * wk for n, w in own[s])
+
+    return held
+
+
+def _rank_peaks(stages: Sequence[Stage], pp: int, points: StashPoints) -> tuple[float, ...]:
+    """Each rank's activation bytes at its worst point, its stages together (the simulator's peak)."""
+    out = []
+    for r in range(pp):
+        mine = [st for st in stages if st.rank == r]
+        out.append(
+            max(sum(n * st.activation_bytes + w * st.wkept_bytes for (n, w), st in zip(pt, mine)) for pt in points[r])
+        )
+    return tuple(out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,13 +236,15 @@ def _no_fit(
     microbatches: int | None,
     budget: float,
     schedule: str | None = None,
+    stash_points: StashPoints | None = None,
 ) -> None:
     gib = 2**30
     n, S = len(split.subgraphs), num_stages(pp, chunks, waves)
     per_rank = S // pp
     _, memfn = costs.run_costs()
     k = inflight_per_stage(pp, chunks, waves, microbatches, schedule)
-    need, _ = min_max_partition(n, S, lambda s, j, i: memfn(j, i, k[s]))
+    holds = _held(costs, stage_ranks(pp, chunks, waves), k, stash_points)
+    need, _ = min_max_partition(n, S, lambda s, j, i: memfn(j, i, 0) + holds(s, j, i))
     smallest = need * per_rank
     feasible_pp = None
     for p in range(pp + 1, n + 1):

@@ -298,3 +298,29 @@ def test_the_pass_gives_what_assign_stages_gives():
         assign_stages_pass(gpt2(), {"chunks": 2})
     with pytest.raises(PipelineError, match="unknown assign-stages option"):
         assign_stages_pass(gpt2(), {"pp": 2, "chunk": 2})
+
+
+def test_a_v_is_balanced_per_rank_as_brute_force(monkeypatch) -> None:
+    """On a V (ZB-V's one wave: rank r holds stages r and 2P - 1 - r) the balancer minimizes the slowest rank,
+    both its stages together, as brute force over every cut of tiny GPT-2's split into 2P stages; the
+    per-stage balance (what it did before, the V layout switched off here) leaves a slower rank."""
+    from autopar.solver import stages
+    from autopar.solver.cost import EFFICIENCY
+    from autopar.solver.stage_cost import subgraph_costs
+
+    prog, pp = gpt2(), 2
+    split = ps.split_program(prog)
+    ctx = StageContext(prog, A100, 1, 1, False, "bf16", EFFICIENCY, frozenset(ps.common_nodes(prog)))
+    t = [c.seconds for c in subgraph_costs(ctx, split.subgraphs, megatron_tp_comm_seconds).subgraphs]
+
+    def slowest_rank(bounds) -> float:
+        loads = [sum(t[bounds[s] : bounds[s + 1]]) for s in range(2 * pp)]
+        return max(loads[r] + loads[2 * pp - 1 - r] for r in range(pp))
+
+    n = len(t)
+    brute = min(slowest_rank((0, *c, n)) for c in itertools.combinations(range(1, n), 2 * pp - 1))
+    plan = balance(prog, split, pp, waves=1, microbatches=8, schedule="zbv")
+    assert max(plan.rank_seconds()) == pytest.approx(brute, rel=1e-12)
+    monkeypatch.setattr(stages, "balanced_v_layout", lambda w, p: None)
+    per_stage = balance(prog, split, pp, waves=1, microbatches=8, schedule="zbv")
+    assert max(per_stage.rank_seconds()) > brute * (1 + 1e-9)

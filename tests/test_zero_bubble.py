@@ -530,6 +530,34 @@ def test_the_stage_balancer_prices_the_schedule_that_runs() -> None:
         assert s.memory_bytes == s.weight_bytes + 3 * s.activation_bytes
 
 
+@pytest.mark.parametrize("name", ["zb-h1", "zbv"])
+def test_the_flows_stage_balancer_predicts_each_ranks_peak_as_the_simulator(name: str) -> None:
+    """Given the schedule's stash points (``runtime/actions.stage_stash_points``, as ``autopar/build.py`` passes
+    them), the flow's balancer prices each rank's activations at its worst point: the stages' stashes plus
+    the output gradients a split B keeps until W, a V rank's two stages together. Equal to the simulator's
+    peak for the plan's own per-stage bytes; the W-kept gradients are not zero there (the in-flight count
+    alone, what the balancer had before, is below the peak). Cost: ~1 s."""
+    from autopar.passes.assign_stages import assign_stages_pass
+    from autopar.runtime.actions import stage_stash_points
+    from tests.test_pipeline_split import preset
+
+    _, prog, _ = preset("tiny-gpt2")
+    sched = make_schedule(name, 2, 8)
+    points = tuple(tuple(stage_stash_points(lst)) for lst in sched.actions)
+    opts = {"pp": 2, "microbatches": 8, "schedule": name, "stash_points": points}
+    _, (plan, _) = assign_stages_pass(prog, opts | ({"waves": 1} if name == "zbv" else {}))
+    assert plan.stage_to_rank == sched.stage_to_rank
+    act = [s.activation_bytes for s in plan.stages]
+    wkept = [s.wkept_bytes for s in plan.stages]
+    assert all(w > 0 for w in wkept)
+    peak = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act, w_bytes=wkept)).peak_activation_bytes
+    weights = [sum(s.weight_bytes for s in plan.stages if s.rank == r) for r in range(2)]
+    predicted = [m - w for m, w in zip(plan.rank_memory(), weights)]
+    assert predicted == pytest.approx(peak, rel=1e-12)
+    stashes = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act)).peak_activation_bytes
+    assert all(a < b for a, b in zip(stashes, peak))
+
+
 def test_the_simulator_charges_each_send_its_issue_time() -> None:
     """``Costs.t_send``: the sender is held while it issues a send (the runtime's fixed cost per message),
     its data leaving as it is posted. 1F1B on 2 ranks and 2 microbatches: rank 1 sends B0's gradient
@@ -540,6 +568,17 @@ def test_the_simulator_charges_each_send_its_issue_time() -> None:
     base = simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc)).step_time
     assert base == 1 + tc + 1 + 2 + 1 + 2 + tc + 2  # F0, hop, F0, B0, F1, B1 on rank 1, hop, B1
     assert simulate(sched, Costs.uniform(2, tf=1, tb=2, tc=tc, t_send=ts)).step_time == base + ts
+
+
+def test_the_simulator_charges_each_action_the_executors_own_time() -> None:
+    """``Costs.t_action``: a compute action starts t_action after its rank is free, or when its data arrives if
+    that is later. 1F1B on 2 ranks and 2 microbatches (T_F = 1, T_B = 2, no transfer time): worked by hand,
+    the step is 9 + 4 t_action (rank 0's F0, rank 1's B0, F1 and B1 each start t_action after their rank's
+    previous action; rank 1's F0 and rank 0's B0 and B1 wait for data that comes later)."""
+    sched = make_schedule("1f1b", 2, 2)
+    a = Fraction(1, 7)
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2)).step_time == 9
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2, t_action=a)).step_time == 9 + 4 * a
 
 
 def test_stash_points_repeat_from_2p_microbatches_on() -> None:

@@ -27,9 +27,7 @@ from typing import Any, Protocol
 
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.search.profile import Profile
-from autopar.solver.pipeline_shape import SCHEDULES, inflight_per_rank, num_stages
-
-ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")  # each backward split into B and W
+from autopar.solver.pipeline_shape import SCHEDULES, ZERO_BUBBLE, inflight_per_rank, num_stages
 
 RECOMPUTE = ("none", "full", "stage-aware")
 ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20

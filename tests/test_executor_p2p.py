@@ -1,0 +1,120 @@
+"""The executor's point-to-point (runtime/executor_p2p.py): with ``ahead`` every channel keeps its next receive
+posted (the first at the step's start, the next as soon as the one before is taken), in the list's FIFO order,
+each once; without it receives are posted where the list puts them. Cost: well under a second."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import RuntimeCommError
+from autopar.runtime.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
+from autopar.runtime.executor_p2p import PointToPoint
+from autopar.runtime.schedules import make_schedule
+from autopar.runtime.stage_runner import Buffer, Part, StageRunner
+
+
+class _Work:
+    def wait(self, timeout=None) -> None:
+        pass
+
+
+def _replay(name: str, rank: int, ahead: bool) -> tuple[list[tuple[str, Action]], list[Action]]:
+    """Run ``rank``'s list of schedule ``name`` (P = 4, M = 8) through a PointToPoint as the executor does:
+    each batch posted, each F/B waiting for its receive. Returns what the transport saw, in order
+    (("post", receive) and ("take", receive)), and the list's receives."""
+    sched = make_schedule(name, 4, 8)
+    actions = sched.actions[rank]
+    buf = Buffer("x", (2,), torch.float32, True)
+    part = Part(lambda env: (env["x"],), ("x",), (True,))
+    stages = {s: StageRunner(s, part, [buf], [buf], s == sched.num_stages - 1) for s in sched.stages_of_rank(rank)}
+    seen: list[tuple[str, Action]] = []
+
+    def batch(ops):
+        return [_Work() for _ in ops]
+
+    p2p = PointToPoint(
+        stages, lambda s: sched.stage_to_rank[s], batch, lambda fn, _what, _peer: fn(), 60.0,
+        torch.device("cpu"), 1, actions, ahead,
+    )  # fmt: skip
+    posted = p2p.post
+
+    def post(acts):
+        seen.extend(("post", a) for a in acts if a.kind in RECV_KINDS and a not in p2p.posted_at)
+        posted(acts)
+
+    p2p.post = post  # type: ignore[method-assign]
+    p2p.reset()
+    p2p.start()
+    s2r, i = sched.stage_to_rank, 0
+    while i < len(actions):
+        a = actions[i]
+        if a.kind in SEND_KINDS | RECV_KINDS:
+            j = i
+            while j < len(actions) and actions[j].kind in SEND_KINDS | RECV_KINDS:
+                j += 1
+            for b in actions[i:j]:
+                if b.kind in SEND_KINDS:
+                    p2p.to_send[(b.kind, b.mb, b.stage)] = [torch.zeros(2)]
+            p2p.post(actions[i:j])
+            i = j
+            continue
+        if a.kind in COMPUTE_KINDS and a.kind is not Kind.W:
+            s = a.stage
+            if a.kind is Kind.F and s > 0 and s2r[s - 1] != rank:
+                key = (Kind.RECV_ACT, a.mb, s)
+            elif a.kind is Kind.B and s + 1 < len(s2r) and s2r[s + 1] != rank:
+                key = (Kind.RECV_GRAD, a.mb, s)
+            else:
+                key = None
+            if key is not None:
+                seen.append(("take", Action(key[0], s, a.mb, s - 1 if key[0] is Kind.RECV_ACT else s + 1)))
+                p2p.wait(key, [])
+        i += 1
+    return seen, [a for a in actions if a.kind in RECV_KINDS]
+
+
+def _late(seen: list[tuple[str, Action]], recvs: list[Action], s2r) -> list[Action]:
+    """Receives posted later than right after the one before them on their channel was taken (or, the first
+    of a channel, later than the step's first take)."""
+    late = []
+    for peer in {s2r[a.peer] for a in recvs}:
+        mine = [a for a in recvs if s2r[a.peer] == peer]
+        if seen.index(("post", mine[0])) > seen.index(next(x for x in seen if x[0] == "take")):
+            late.append(mine[0])
+        late += [n for b, n in zip(mine, mine[1:]) if seen.index(("post", n)) > seen.index(("take", b)) + 1]
+    return late
+
+
+@pytest.mark.parametrize("name", ["zbv", "dualpipev", "1f1b"])
+def test_each_channel_keeps_its_next_receive_posted(name: str) -> None:
+    s2r = make_schedule(name, 4, 8).stage_to_rank
+    for rank in range(4):
+        seen, recvs = _replay(name, rank, ahead=True)
+        posts = [a for what, a in seen if what == "post"]
+        assert sorted(map(str, posts)) == sorted(map(str, recvs)) and len(set(posts)) == len(posts)
+        for peer in {s2r[a.peer] for a in recvs}:  # FIFO: the list's order per channel
+            assert [a for a in posts if s2r[a.peer] == peer] == [a for a in recvs if s2r[a.peer] == peer]
+        assert not _late(seen, recvs, s2r), rank
+
+
+def test_without_ahead_receives_are_posted_where_the_list_puts_them() -> None:
+    """The list alone posts some receives later than ``ahead`` does (so the test above can fail)."""
+    sched = make_schedule("zbv", 4, 8)
+    seen, recvs = _replay("zbv", 1, ahead=False)
+    assert [a for what, a in seen if what == "post"] == recvs
+    assert _late(seen, recvs, sched.stage_to_rank)
+
+
+def test_a_receive_out_of_the_channels_order_is_an_error() -> None:
+    sched = make_schedule("1f1b", 2, 2)
+    buf = Buffer("x", (2,), torch.float32, True)
+    part = Part(lambda env: (env["x"],), ("x",), (True,))
+    stages = {1: StageRunner(1, part, [buf], [], True)}
+    recvs = [a for a in sched.actions[1] if a.kind in RECV_KINDS]
+    p2p = PointToPoint(
+        stages, lambda s: sched.stage_to_rank[s], lambda ops: [_Work() for _ in ops], lambda fn, *_: fn(), 60.0,
+        torch.device("cpu"), 1, sched.actions[1], False,
+    )  # fmt: skip
+    with pytest.raises(RuntimeCommError, match="is posted before"):
+        p2p.post([recvs[1]])
