@@ -20,7 +20,7 @@ from autopar.runtime.schedules import make_schedule
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
 from autopar.solver.buckets import grad_buckets
 from autopar.solver.cost import CostModel, TrainingSetup
-from autopar.solver.pipeline_shape import ZERO_BUBBLE
+from autopar.solver.pipeline_shape import ZERO_BUBBLE, placement_shape
 
 
 @dataclass
@@ -82,14 +82,18 @@ def plan_captured(
     over it (Merak's split, balanced stages)."""
     pp = dict(mesh.axes).get(PIPELINE_AXIS)
     po = pipeline or PipelinePlanOptions()
-    split_backward = pp and po.schedule in ZERO_BUBBLE  # its memory: the schedule's own stash points
+    chunks, waves, points = po.chunks, po.waves, None
+    if pp and po.schedule in ZERO_BUBBLE:  # its stages where it places them, its memory its own stash points
+        sched = make_schedule(po.schedule, pp, po.microbatches or 1)
+        chunks, waves = placement_shape(sched.stage_to_rank, pp)
+        points = stash_points_of(sched)
     flow_opts = FlowOptions(
         shard=opts,
-        chunks=po.chunks,
-        waves=po.waves,
+        chunks=chunks,
+        waves=waves,
         microbatches=po.microbatches or 1,
         schedule=po.schedule,
-        stash_points=stash_points_of(make_schedule(po.schedule, pp, po.microbatches or 1)) if split_backward else None,
+        stash_points=points,
         cache=False,
     )
     planned = plan_program(captured, mesh, flow_opts)
@@ -105,8 +109,8 @@ def plan_captured(
             "mesh": dict(mesh.axes),
             "schedule": schedule,
             "schedule_options": sched_opts,
-            "chunks": po.chunks,
-            "waves": po.waves,
+            "chunks": chunks,
+            "waves": waves,
             "microbatches": po.microbatches,
             "split_seconds": planned.split_seconds,
             "stage_plan": stage_plan.to_dict(),

@@ -121,3 +121,17 @@ def test_impossible_constraint_error_says_what_is_wrong():
         shard(prog, ShardOptions(constrain={x.name: Exactly((Shard(0),))}))
     assert f"%{x.name}" in str(err.value) and "[dp=3]" in str(err.value) and "relax" not in str(err.value)
     assert shard(prog, ShardOptions()).memory_bytes > 0
+
+
+def test_plan_for_a_zero_bubble_schedule_lays_out_its_v(tmp_path, capsys):
+    """``--schedule zbv`` plans the schedule's own placement (two stages per rank in a V) and balances
+    them with its stash points; without a pipeline axis the flag is refused."""
+    path = tmp_path / "plan.json"
+    args = ["plan", "tiny-gpt2", "--mesh", "pp=2", "--schedule", "zbv", "--microbatches", "4", "--no-baselines"]
+    assert main([*args, "-o", str(path)]) == 0
+    pipeline = json.loads(path.read_text())["pipeline"]
+    assert pipeline["schedule"] == "zbv" and pipeline["waves"] == 1
+    assert [s["rank"] for s in pipeline["stage_plan"]["stages"]] == [0, 1, 1, 0]
+    capsys.readouterr()
+    assert main(["plan", "tiny-gpt2", "--mesh", "dp=2", "--schedule", "zbv"]) != 0
+    assert "--schedule need a pipeline axis" in capsys.readouterr().err

@@ -16,6 +16,7 @@ from autopar.search import run_cli
 from autopar.solver.baselines import BASELINES
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import TrainingSetup
+from autopar.solver.pipeline_shape import SCHEDULES
 
 GiB = 2**30
 
@@ -67,6 +68,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", type=int, default=1, help="virtual pipeline chunks per rank (interleaved schedule)")
     p.add_argument("--waves", type=int, default=None, help="Hanayo waves per rank (wave schedule)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (pipeline meshes)")
+    p.add_argument(
+        "--schedule",
+        choices=[s for s in SCHEDULES if s != "none"],
+        default=None,
+        help="pipeline schedule the stages are balanced for (pipeline meshes; default 1f1b, interleaved with "
+        "--chunks, wave with --waves): a zero-bubble one prices the output gradients its split backward keeps",
+    )
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     p.add_argument("-o", "--output", default=None, help="write the plan file (JSON) here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -108,9 +116,11 @@ def run(args: argparse.Namespace) -> int:
     )
     opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
 
-    if (args.chunks > 1 or args.waves) and PIPELINE_AXIS not in mesh.names:
-        raise AutoparError("--chunks and --waves need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
-    pipe = PipelinePlanOptions(chunks=args.chunks, waves=args.waves, microbatches=args.microbatches)
+    if (args.chunks > 1 or args.waves or args.schedule) and PIPELINE_AXIS not in mesh.names:
+        raise AutoparError("--chunks, --waves and --schedule need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
+    pipe = PipelinePlanOptions(
+        chunks=args.chunks, waves=args.waves, microbatches=args.microbatches, schedule=args.schedule
+    )
     report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe)
     plan = report.plan
     if args.output:
