@@ -247,6 +247,7 @@ class Interleaved:
                 cut = tape is not None and form.backward is not None and x.requires_grad
                 if form.forward is not None:
                     c = coll.current_comm()
+                    kwargs.pop("defer", None)  # a half waits for its own collective when it resumes
                     work = form.forward(c, *args, **kwargs)
                     _event("F", h, "issue", st.name)
                     yield
