@@ -16,6 +16,7 @@ Every system is built from the same model spec and seed on every rank and return
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ def prepare_search(a, world: int, path: str) -> str:
     from autopar.api import local_cluster_spec
     from autopar.search import search_model
 
-    spec = model_spec("llama", a).rsplit(",batch=", 1)[0]
+    spec = re.sub(r",batch=\d+", "", model_spec("llama", a))  # the search sets the batch (seq stays)
     cluster = local_cluster_spec("cpu", world)
     result = search_model(spec, cluster, global_batch=a.batch, precision="fp32")  # fp32, as the bench trains
     c = result.best[0].candidate
