@@ -14,6 +14,8 @@ after backward instead (data-parallel gradient sync), recorded as the attribute 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from networkx.utils import UnionFind
 
 from autopar.ir.core import (
@@ -26,6 +28,7 @@ from autopar.ir.core import (
     Replicate,
     TensorType,
     Value,
+    iter_refs,
     map_refs,
 )
 from autopar.ir.layout import redistribute_steps
@@ -131,8 +134,11 @@ def _defer_param_grad_sync(prog: Program) -> Program:
     """
     remove: dict[str, str] = {}  # f op result -> its input
     sync: dict[str, list[str]] = {}
+    facts = _Facts(
+        prog.users(), prog.producers(), prog.requires_grad(), prog.types(), {r.name for r in iter_refs(prog.outputs)}
+    )
     for axis in prog.mesh.names:
-        for fs, params in _deferrable_regions(prog, axis):
+        for fs, params in _deferrable_regions(prog, axis, facts):
             for f in fs:
                 remove[f.result] = f.args[0].name
             for n in params:
@@ -152,11 +158,21 @@ def _defer_param_grad_sync(prog: Program) -> Program:
     return prog.with_(ops=tuple(ops), inputs=inputs, outputs=outputs)
 
 
-def _deferrable_regions(prog: Program, axis: str) -> list[tuple[list[Op], list[str]]]:
+class _Facts(NamedTuple):
+    """What ``_deferrable_regions`` reads of the program, once for every axis."""
+
+    users: dict[str, list[Op]]
+    producers: dict[str, Value | Op]
+    grad: set[str]
+    types: dict[str, TensorType]
+    returned: set[str]  # the program's outputs
+
+
+def _deferrable_regions(prog: Program, axis: str, facts: _Facts) -> list[tuple[list[Op], list[str]]]:
     """(the f's on ``axis``, the parameters whose gradient sync replaces them) of each region that
     ``_defer_param_grad_sync`` may move up."""
-    users, producers, grad, types = prog.users(), prog.producers(), prog.requires_grad(), prog.types()
-    returned = {r.name for r in _refs(prog.outputs)}
+    users, producers, grad, types = facts.users, facts.producers, facts.grad, facts.types
+    returned = facts.returned
     a = prog.mesh.index(axis)
 
     def linear(op: Op) -> bool:  # commutes with a sum over the axis: computed alike by its ranks, or moved on another
@@ -207,12 +223,6 @@ def _deferrable_regions(prog: Program, axis: str) -> list[tuple[list[Op], list[s
         f_bytes = sum(types[fs[k].result].local_nbytes(prog.mesh) for k in members)
         if all(ok[k] for k in members) and p_bytes <= f_bytes:
             out.append(([fs[k] for k in sorted(members)], sorted(found)))
-    return out
-
-
-def _refs(tree) -> list[Ref]:
-    out: list[Ref] = []
-    map_refs(tree, lambda r: out.append(r) or r)
     return out
 
 

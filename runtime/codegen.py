@@ -110,8 +110,9 @@ def codegen(
             return type(x)(dev(v) for v in x)
         return x
 
-    fused = _bias_adds(prog, types)
-    deferred = _returned_scalar_sums(prog, types)
+    users = prog.users()
+    fused = _bias_adds(prog, types, users)
+    deferred = _returned_scalar_sums(prog, types, users)
     fused_matmuls = {mm.result for mm, _ in fused.values()}
     for op in prog.ops:
         if op.result in fused_matmuls:  # emitted with its bias add
@@ -167,10 +168,9 @@ def codegen(
     return gm
 
 
-def _returned_scalar_sums(prog: Program, types) -> set[str]:
+def _returned_scalar_sums(prog: Program, types, users) -> set[str]:
     """The all-reduces of a scalar that only the program returns (the loss): returned in flight and
     waited for when read (``runtime/lazy.py``), so a backward does not wait for them."""
-    users = prog.users()
     returned = {r.name for r in prog.outputs if isinstance(r, Ref)}
     return {
         op.result
@@ -179,11 +179,10 @@ def _returned_scalar_sums(prog: Program, types) -> set[str]:
     }
 
 
-def _bias_adds(prog: Program, types) -> dict[str, tuple[Op, str]]:
+def _bias_adds(prog: Program, types, users) -> dict[str, tuple[Op, str]]:
     """add result -> (the matmul it adds a bias to, the bias) for each ``aten.add.Tensor`` of a 1-D
     bias to the local result of a two-operand ``aten.mm`` / ``aten.linear`` that nothing else reads:
     the pairs lowering split from ``addmm`` and biased ``linear`` (passes/lower.py), fused again."""
-    users = prog.users()
     producers = prog.producers()
     sizes = prog.mesh.sizes
     out: dict[str, tuple[Op, str]] = {}

@@ -46,12 +46,18 @@ class TorchPeers:
         return dist.get_global_rank(group, member)
 
     @staticmethod
+    def posts_independently() -> bool:
+        """Whether each send and receive is its own op, so a receive may be posted before the list says:
+        gloo's are; NCCL's batch is one group call on a stream that an early receive would hold up."""
+        return dist.is_initialized() and dist.get_backend() == "gloo"
+
+    @staticmethod
     def batch_isend_irecv(ops: list[tuple[bool, torch.Tensor, int]]) -> list:
         """Post ``(is a send, tensor, peer's global rank)``. NCCL needs them as one
         ``torch.distributed.batch_isend_irecv`` (one group call, so paired ops cannot deadlock); gloo runs
         a batch op by op anyway, so there each is issued directly, without the coalescing manager's fixed
         cost per batch on every action's path."""
-        if dist.get_backend() == "gloo":
+        if TorchPeers.posts_independently():
             return [(dist.isend if s else dist.irecv)(t, peer) for s, t, peer in ops]
         return dist.batch_isend_irecv([dist.P2POp(dist.isend if s else dist.irecv, t, peer) for s, t, peer in ops])
 
@@ -398,7 +404,7 @@ def start_grad_bucket(params: list[torch.nn.Parameter], group, flat: torch.Tenso
     for p, s in zip(params, slices):
         if p.grad is None:
             s.zero_()
-        elif p.grad.data_ptr() != s.data_ptr() or p.grad.dtype != s.dtype:
+        elif p.grad.data_ptr() != s.data_ptr():  # not already its slice
             s.copy_(p.grad)
     work = dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 

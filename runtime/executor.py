@@ -51,7 +51,7 @@ import torch.distributed as dist
 from autopar.errors import RuntimeCommError
 from autopar.runtime import collectives as coll
 from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule, ends_backward, split_backwards
-from autopar.runtime.executor_p2p import PointToPoint, posts_independently
+from autopar.runtime.executor_p2p import PointToPoint
 from autopar.runtime.executor_state import Stash, backprop, is_comm_failure, restored_rng, rng_state, to_wire
 from autopar.runtime.split_backward import WeightGrads, deferring_weights
 from autopar.runtime.stage_runner import Part, StageRunner
@@ -71,7 +71,7 @@ class Executor:
     ZeRO-3's scope of gathers, ``runtime/zero3.py``). ``arm(a)`` runs before
     each ``B``/``W`` (the gradient buckets that action finishes start in it, ``runtime/grads.py``).
     ``post_ahead``: keep each channel's next receive posted ahead of the list (default: where the
-    transport issues each op on its own, ``executor_p2p.posts_independently``: gloo, the rank simulator).
+    transport issues each op on its own, ``Comm.peers.posts_independently()``: gloo, the rank simulator).
     """
 
     def __init__(
@@ -113,7 +113,7 @@ class Executor:
         self.device = torch.device(device)
         self.actions = schedule.actions[pp_rank]
         self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
-        ahead = posts_independently(comm.peers) if post_ahead is None else post_ahead
+        ahead = comm.peers.posts_independently() if post_ahead is None else post_ahead
         self.p2p = PointToPoint(
             stages,
             peer_rank,

@@ -30,7 +30,6 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
 from autopar.runtime.actions import RECV_KINDS, Action, Kind
@@ -38,17 +37,6 @@ from autopar.runtime.executor_state import PendingReceive, wire_view
 from autopar.runtime.stage_runner import StageRunner
 
 Key = tuple[Kind, int, int]  # (kind, microbatch, stage) of a send or receive
-
-
-def posts_independently(peers: object) -> bool:
-    """Whether ``peers`` issues each send and receive on its own, so a receive may be posted before the
-    list says: the peers' own ``posts_independently`` (the rank simulator's mailboxes), else
-    torch.distributed on gloo (``TorchPeers`` issues gloo's ops one by one); not NCCL, whose batch is
-    one group call on a stream that an early receive would hold up."""
-    own = getattr(peers, "posts_independently", None)
-    if own is not None:
-        return bool(own)
-    return dist.is_initialized() and dist.get_backend() == "gloo"
 
 
 class PointToPoint:

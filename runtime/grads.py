@@ -197,8 +197,8 @@ class GradSync:
             self._expect[name] = self._fired[name]
             for i in st.of.get(name, ()):
                 st.stale[i] = st.pending[i] is not None
-                shared = p.grad.untyped_storage().data_ptr() == self._flat(st, i).untyped_storage().data_ptr()
-                if st.stale[i] and shared:
+                flat = self._buffers.get((st.key, i))  # started: its buffer exists
+                if st.stale[i] and p.grad.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr():
                     raise PipelineError(
                         f"the gradient of {name} accumulated into its bucket while the bucket's all-reduce was in "
                         "flight (its gradient was still the bucket's slice from the last step): set the gradients "
@@ -264,11 +264,9 @@ class GradSync:
             handle.remove()
         counted: set[str] = set()
         for key in (ALL, *self.sync_at):
-            per_axis: dict[str, list[Bucket]] = {}
-            for b in self.buckets(key):
-                per_axis.setdefault(b.axis, []).append(b)
-            for buckets in per_axis.values():
-                counted.update(n for b in buckets[:-1] for n in b.names)
+            buckets = self.buckets(key)
+            for idx in _Sync(key, buckets, self.params).order.values():  # an axis's buckets, in order
+                counted.update(n for i in idx[:-1] for n in buckets[i].names)
         self._counted = counted
         self._handles = [self.params[n].register_post_accumulate_grad_hook(self._on_grad) for n in sorted(counted)]
 

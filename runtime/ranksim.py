@@ -52,10 +52,13 @@ class SimPeers:
     pipeline point-to-point between global ranks (FIFO per directed pair, as on torch's default group),
     and new groups of any ranks."""
 
-    posts_independently = True  # each send and receive is its own mailbox op: receives may be posted early
-
     def __init__(self, world: SimWorld, rank: int):
         self.world, self.rank = world, rank
+
+    @staticmethod
+    def posts_independently() -> bool:
+        """Each send and receive is its own mailbox op: receives may be posted early."""
+        return True
 
     def global_rank(self, group: SimGroup, member: int) -> int:
         return group.rv.ranks[member]

@@ -26,8 +26,9 @@ def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, flo
     model = CostModel(prog.mesh, setup or TrainingSetup())
     out = dict.fromkeys(("params", "grads", "optimizer", "inputs", "activations", "buffers", "gathered"), 0.0)
     # a bucket per sync axis, but not over the axes ZeRO reduce-scatters itself (its data-parallel axes)
-    zero_reduced = set(data_axes(prog.mesh.names)) if model.setup.zero else set()
-    zero_reduced |= {prog.mesh.names[i] for i in model.setup.shard_axes(prog.mesh)} if model.setup.zero else set()
+    zero_reduced: set[str] = set()
+    if model.setup.zero:
+        zero_reduced = set(data_axes(prog.mesh.names)) | {prog.mesh.names[i] for i in model.setup.shard_axes(prog.mesh)}
     for v in prog.inputs:
         local = model.local_bytes(v.type, v.type.placements)
         if v.kind != "param":
