@@ -35,9 +35,6 @@ class Deferred(torch.Tensor):
         r._result, r._value = result, None
         return r
 
-    def __init__(self, like: torch.Tensor, result: Callable[[], torch.Tensor]):
-        super().__init__()
-
     def value(self) -> torch.Tensor:
         """The collective's result (waited for once)."""
         if self._value is None:
