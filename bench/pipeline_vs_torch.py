@@ -134,7 +134,6 @@ def _autopar_emulated(sched, rank: int, shape, tf_stage: float, module=None):
         lambda s: None,
         lambda: None,
         record=True,
-        barrier=dist.barrier,
     )
 
 
@@ -188,6 +187,16 @@ def _one_way_seconds(shape, reps: int = 20) -> float:
     return float(t)
 
 
+def _gathered(sched, ex):
+    """Every rank's trace of the executor's last step, on one clock, as a SimResult. Collective."""
+    from autopar.runtime.trace import clock_skews, measured_result, on_one_clock
+
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (ex.trace, ex.trace_origin))
+    traces, origins = zip(*got)
+    return measured_result(sched, on_one_clock(traces, origins, clock_skews()))
+
+
 def _timed(fn) -> float:
     dist.barrier()
     t0 = time.perf_counter()
@@ -198,7 +207,6 @@ def _timed(fn) -> float:
 
 def emulated(rank: int, world: int, args) -> dict:
     from autopar.runtime.schedules import make_schedule
-    from autopar.runtime.trace import measured_result
 
     P, M = world, args.microbatches
     shape = (args.mb, args.seq, args.hidden)
@@ -230,9 +238,7 @@ def emulated(rank: int, world: int, args) -> dict:
     for _ in range(args.repeats):
         for name, _opts, sched, ex, mbs, ts, tstep in runs:
             times[name]["autopar"].append(_timed(lambda ex=ex, mbs=mbs: ex.run(mbs)))
-            traces = [None] * world
-            dist.all_gather_object(traces, ex.trace)
-            times[name]["bubble"].append(float(measured_result(sched, traces).bubble_ratio))
+            times[name]["bubble"].append(float(_gathered(sched, ex).bubble_ratio))
             if ts is not None:
                 times[name]["torch"].append(_timed(tstep))
     if rank == 0:
@@ -384,16 +390,20 @@ def real(rank: int, world: int, args) -> dict:
 def _measured_costs(sched, m, tc: float = 0.0):
     """Per-stage mean forward/backward/recompute/weight-gradient seconds of a measured step, as simulator
     Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's), and the
-    mean time a rank spent issuing one send (a batch of sends and receives: its post time over its sends)."""
+    mean time a rank spent issuing one send (a batch of sends and receives: from the end of the rank's
+    previous action to the end of the post, over the batch's sends)."""
     from autopar.runtime.action_costs import Costs
-    from autopar.runtime.actions import SEND_KINDS, Kind, split_backwards
+    from autopar.runtime.actions import RECV_KINDS, SEND_KINDS, Kind, split_backwards
 
     acc: dict[tuple[str, int], list[float]] = {}
-    posts: dict[tuple[int, float], list[float]] = {}  # (rank, post start) -> the batch's send durations
+    posts: dict[tuple[int, float], list[float]] = {}  # (rank, post start) -> the batch's send times
     for events in m.timeline:
-        for e in events:
+        free = 0.0  # the end of the rank's previous action: the executor's time to the post is the send's
+        for e in sorted(events, key=lambda e: e.start):
             if e.action.kind in SEND_KINDS:
-                posts.setdefault((e.rank, e.start), []).append(e.end - e.start)
+                posts.setdefault((e.rank, e.start), []).append(e.end - min(free, e.start))
+            if e.action.kind not in RECV_KINDS:
+                free = max(free, e.end)
         split = split_backwards([e.action for e in events])
         for e in events:
             a = e.action
@@ -440,6 +450,29 @@ def _action_gap(sched, m) -> float:
                     gaps.append(e.start - prev)
             prev = e.end
     return statistics.fmean(gaps) if gaps else 0.0
+
+
+def _in_step_hop(sched, m) -> float:
+    """The mean one-way time of a boundary message inside the step, over the messages whose receiver
+    sat waiting when the send was posted: from the post to the end of the receive's wait (gloo's
+    transfer plus waking the blocked rank). The idle ping-pong of ``_one_way_seconds`` measures the
+    transfer alone. Needs the traces on one clock (``_gathered``)."""
+    from autopar.runtime.actions import RECV_KINDS, Action, Kind
+
+    at = {e.action: e for events in m.timeline for e in events}
+    hops = []
+    for events in m.timeline:
+        ends = sorted(e.end for e in events if e.action.kind not in RECV_KINDS)  # the rank's own actions
+        for e in events:
+            a = e.action
+            if a.kind not in RECV_KINDS:
+                continue
+            kind = Kind.SEND_ACT if a.kind is Kind.RECV_ACT else Kind.SEND_GRAD
+            send = at.get(Action(kind, a.peer, a.mb, a.stage))
+            free = max((t for t in ends if t <= e.end), default=0.0)  # when the rank began to wait
+            if send is not None and free <= send.start:
+                hops.append(e.end - send.start)
+    return statistics.fmean(hops) if hops else 0.0
 
 
 def _summary(t: dict, sim_bubble: float, ideal: float | None, opts: dict) -> dict:

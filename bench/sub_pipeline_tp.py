@@ -116,7 +116,6 @@ def _emulated_executors(args, mesh, tm: float) -> dict:
             comm,
             lambda s: None,
             lambda: None,
-            barrier=dist.barrier,
             sub_microbatches=n,
         )
         x = torch.randn(args.mb, args.seq, args.hidden, generator=torch.Generator().manual_seed(0))

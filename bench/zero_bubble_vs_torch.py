@@ -17,12 +17,15 @@ too (torch's Schedule1F1B; ZB-H2 on autopar only). Costs are a rank's share per 
 (B): A B A B ... For each: median and min step time, the throughput ratio (torch's median over
 autopar's), autopar's bubble from its action trace (``measured_result``), both sides' bubble from the
 step time against the busiest rank's compute M (T_F + T_B + T_W), and the simulator's bubble for the
-same costs: without and with the measured one-way transfer time t_c; with t_c and the time the
-compute thread spent per send in autopar's last step, t_send (``Costs.t_send``, read off the trace: a
-fixed cost per send on the sender's own timeline, and the V schedules send twice as often per rank;
-gloo writes a message in the issuing thread when its receive is already posted); and with the F, B, W and
-per-send times autopar's last step measured (the sleeps' overshoot and each action's fixed cost included:
-what is left between that and the trace is time between actions).
+same costs: without and with the idle one-way transfer time t_c (a ping-pong); with t_c and the
+overheads each step measured, the compute thread's time per send (``Costs.t_send``: gloo writes a
+message in the issuing thread when its receive is already posted, and the V schedules send twice
+as often per rank) and the executor's own time before each compute action (``Costs.t_action``); and
+with every cost as the step measured it (each stage's mean F, B and W, sleep overshoot included, and
+the in-step hop, send post to the waiting receiver's wake-up, as t_c). The last column divides each
+step's traced bubble by that last simulation of the same step: median and range over the steps.
+The traces are put on one clock first (``runtime.trace.on_one_clock``): ranks begin a step up to
+milliseconds apart.
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -42,6 +46,8 @@ import torch.multiprocessing as mp
 from _launch import free_port, init_worker
 from pipeline_vs_torch import (
     _autopar_emulated,
+    _gathered,
+    _in_step_hop,
     _mean_loss,
     _measured_costs,
     _one_way_seconds,
@@ -53,6 +59,8 @@ from pipeline_vs_torch import (
 from pipeline_vs_torch import _table as one_table
 from pipeline_vs_torch import _torch_schedule as torch_schedule
 from torch import nn
+
+from autopar.runtime.simulator import simulate
 
 SCHEDULES = [("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
 TORCH_HAS = {"1f1b", "zb-h1", "zbv", "dualpipev"}
@@ -97,8 +105,6 @@ def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0, t_action:
 
 def emulated(rank: int, world: int, args) -> dict:
     from autopar.runtime.schedules import make_schedule
-    from autopar.runtime.simulator import simulate
-    from autopar.runtime.trace import measured_result
 
     P, M = world, args.microbatches
     shape = (args.mb, args.seq, args.hidden)
@@ -130,14 +136,14 @@ def emulated(rank: int, world: int, args) -> dict:
         if ts is not None:
             tstep()
     times = {name: {"autopar": [], "torch": [], "bubble": []} for name, *_ in runs}
-    last = {}
+    steps: dict[str, list[dict]] = {name: [] for name, *_ in runs}  # per step: its trace and its simulation
     for _ in range(args.repeats):
         for name, _opts, sched, ex, mbs, ts, tstep in runs:
             times[name]["autopar"].append(_timed(lambda ex=ex, mbs=mbs: ex.run(mbs)))
-            traces = [None] * world
-            dist.all_gather_object(traces, ex.trace)
-            last[name] = measured_result(sched, traces)
-            times[name]["bubble"].append(float(last[name].bubble_ratio))
+            m = _gathered(sched, ex)
+            times[name]["bubble"].append(float(m.bubble_ratio))
+            if rank == 0:
+                steps[name].append(_priced_step(sched, m, args, tc))
             if ts is not None:
                 times[name]["torch"].append(_timed(tstep))
     out = {}
@@ -147,31 +153,43 @@ def emulated(rank: int, world: int, args) -> dict:
             sim = simulate(sched, simulated_costs(sched, args))
             out[name] = _summary(times[name], float(sim.bubble_ratio), ideal, opts)
             out[name]["sim_bubble_tc"] = float(simulate(sched, simulated_costs(sched, args, tc)).bubble_ratio)
-            traced = _measured_costs(sched, last[name])
-            t_send, t_action = traced.t_send, traced.t_action  # per send, and before each action, traced
-            priced = simulate(sched, simulated_costs(sched, args, tc, t_send))
-            out[name]["sim_bubble_send"] = float(priced.bubble_ratio)
-            priced = simulate(sched, simulated_costs(sched, args, tc, t_send, t_action))
-            out[name]["sim_bubble_action"] = float(priced.bubble_ratio)
-            measured = simulate(sched, _measured_costs(sched, last[name], tc))
-            out[name]["sim_bubble_measured"] = float(measured.bubble_ratio)
-            out[name]["tc_s"], out[name]["t_send_s"], out[name]["t_action_s"] = tc, t_send, t_action
+            for key in ("sim_bubble_overheads", "sim_bubble_measured", "ratio", "hop_s", "t_send_s", "t_action_s"):
+                out[name][key] = statistics.median(st[key] for st in steps[name])
+            out[name]["ratio_range"] = (min(st["ratio"] for st in steps[name]), max(st["ratio"] for st in steps[name]))
+            out[name]["tc_s"] = tc
     return out
 
 
+def _priced_step(sched, m, args, tc: float) -> dict:
+    """One measured step beside two simulations of it: the nominal compute with the overheads the step
+    measured (ping-pong t_c, the compute thread's time per send, the executor's time per action), and
+    every cost as the step measured it (each stage's mean F, B and W, the in-step hop as t_c)."""
+    traced = _measured_costs(sched, m)
+    overheads = simulate(sched, simulated_costs(sched, args, tc, traced.t_send, traced.t_action))
+    hop = _in_step_hop(sched, m)
+    measured = simulate(sched, _measured_costs(sched, m, hop))
+    return {
+        "sim_bubble_overheads": float(overheads.bubble_ratio),
+        "sim_bubble_measured": float(measured.bubble_ratio),
+        "ratio": float(m.bubble_ratio) / float(measured.bubble_ratio),
+        "hop_s": hop,
+        "t_send_s": traced.t_send,
+        "t_action_s": traced.t_action,
+    }
+
+
 def _table(res: dict) -> str:
-    """pipeline_vs_torch's table, with the simulation priced with the measured per-send cost and the
-    simulation of autopar's own measured action times beside it, and the trace's bubble over each."""
+    """pipeline_vs_torch's table, with the two simulations of each measured step beside it and the trace's
+    bubble over the simulation of its own measured costs (median over steps, and its range)."""
     lines = one_table(res, True).splitlines()
     lines[0] += (
-        " bubble simulated + t_c + t_send | trace / (sim + t_c + t_send) | bubble simulated + t_c + t_send +"
-        " t_action | trace / (sim + t_c + t_send + t_action) | bubble simulated, measured costs |"
+        " bubble simulated + t_c + t_send + t_action | bubble simulated, measured costs |"
+        " trace / simulated, measured costs: median (range) |"
     )
-    lines[1] += "---|---|---|---|---|"
+    lines[1] += "---|---|---|"
     rows = [
-        f"{row} {r['sim_bubble_send']:.3f} | {r['autopar_bubble_trace'] / r['sim_bubble_send']:.2f} | "
-        f"{r['sim_bubble_action']:.3f} | {r['autopar_bubble_trace'] / r['sim_bubble_action']:.2f} | "
-        f"{r['sim_bubble_measured']:.3f} |"
+        f"{row} {r['sim_bubble_overheads']:.3f} | {r['sim_bubble_measured']:.3f} | "
+        f"{r['ratio']:.2f} ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}) |"
         for row, r in zip(lines[2:], res.values())
     ]
     return "\n".join([*lines[:2], *rows])
@@ -215,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{n} {r['t_send_s'] * 1e3:.3f}" for n, r in res.items())
         + " ms, t_action traced "
         + ", ".join(f"{n} {r['t_action_s'] * 1e3:.3f}" for n, r in res.items())
+        + " ms, in-step hop (median over steps) "
+        + ", ".join(f"{n} {r['hop_s'] * 1e3:.3f}" for n, r in res.items())
         + " ms"
     )
     print(_table(res))

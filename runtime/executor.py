@@ -86,7 +86,6 @@ class Executor:
         *,
         timeout: float = 600.0,
         record: bool = True,
-        barrier: Callable[[], None] | None = None,
         device: torch.device | str = "cpu",
         sub_microbatches: int = 1,
         keep_outputs: bool = False,
@@ -109,7 +108,6 @@ class Executor:
         self.step_fn = step
         self.timeout = timeout
         self.record = record
-        self.barrier = barrier
         self.device = torch.device(device)
         self.actions = schedule.actions[pp_rank]
         self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
@@ -126,6 +124,7 @@ class Executor:
             ahead,
         )
         self.trace: list[TraceEvent] = []
+        self.trace_origin = 0.0  # time.perf_counter() when the recorded step began: traces of one host align by it
         self.peak_stash = 0
         s2r = schedule.stage_to_rank
         self._local = {s for s, r in enumerate(s2r) if r == pp_rank}
@@ -160,8 +159,6 @@ class Executor:
         self._losses: list[torch.Tensor] = [torch.zeros(())] * m
         self.outputs = [[] for _ in range(m)]
         trace: list[TraceEvent] = []
-        if self.record and self.barrier is not None:
-            self._guard(self.barrier, "the barrier before the step", -1)
         t0 = time.perf_counter()
         self.p2p.start()
         live = peak = 0
@@ -196,7 +193,7 @@ class Executor:
                 i += 1
             self.p2p.drain()
         self._stash = {}  # a forward-only run leaves its stashes
-        self.trace = trace
+        self.trace, self.trace_origin = trace, t0  # origin: perf_counter at the step's start
         self.peak_stash = peak
         return self._losses if self._last_local() else []
 

@@ -58,7 +58,7 @@ from autopar.runtime.rng import DropoutRng
 from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
 from autopar.runtime.timeline import SimResult
-from autopar.runtime.trace import TraceEvent, measured_result, step_barrier
+from autopar.runtime.trace import TraceEvent, clock_skews, measured_result, on_one_clock
 from autopar.runtime.zero import ZeroOptimizer
 from autopar.runtime.zero3 import shard_zero3
 from autopar.solver.cost import TrainingSetup
@@ -70,7 +70,7 @@ class RuntimeOptions:
 
     microbatches: int = 1
     timeout: float = 600.0  # seconds any transfer may take before the step fails with RuntimeCommError
-    record: bool = True  # record every action's start and end in train_step (a barrier starts each step)
+    record: bool = True  # record every action's start and end in train_step
     # Merak's sub-pipelined tensor parallelism: each microbatch runs as two halves, one communicating
     # while the other computes; the stages are built for a half
     sub_pipeline_tp: bool = False
@@ -175,10 +175,9 @@ class ParallelModule(torch.nn.Module):
             )  # fmt: skip
         self._executor = None
         if train is not None:
-            barrier = step_barrier(options.timeout) if options.record and dist.is_initialized() else None
             self._executor = Executor(
                 schedule, self._pp_rank, self.train_runners, peer, comm, self._grads.reduce_stage, self._step,
-                timeout=options.timeout, record=options.record, barrier=barrier, device=self.device,
+                timeout=options.timeout, record=options.record, device=self.device,
                 sub_microbatches=options.sub_microbatches, stage_context=context, arm=self._grads.arm,
             )  # fmt: skip
 
@@ -427,11 +426,13 @@ class ParallelModule(torch.nn.Module):
     def measured(self) -> SimResult:
         """The last step as a SimResult (chart, bubble ratios) from every pipeline rank's trace.
         Collective over the pipeline axis."""
-        traces: list[Any] = [self.trace]
-        if self._schedule.num_ranks > 1:
-            traces = [None] * self._schedule.num_ranks
-            dist.all_gather_object(traces, self.trace, group=self._pp_group)
-        return measured_result(self._schedule, traces)
+        if self._schedule.num_ranks == 1:
+            return measured_result(self._schedule, [self.trace])
+        mine = (self.trace, self._executor.trace_origin if self._executor is not None else 0.0)
+        got: list[Any] = [None] * self._schedule.num_ranks
+        dist.all_gather_object(got, mine, group=self._pp_group)
+        traces, origins = zip(*got)
+        return measured_result(self._schedule, on_one_clock(traces, origins, clock_skews(self._pp_group)))
 
     def coords(self) -> dict[str, int]:
         return dict(self.comm.coords)

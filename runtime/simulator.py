@@ -17,7 +17,7 @@ the action when a list is unsound:
 Point-to-point semantics (``p2p=``):
 
 - ``"eager"`` (default, used for timing): a compute action starts ``t_action`` (the executor's own
-  time) after its rank is free, or when its data arrives if later; a send never blocks its rank
+  time) after its rank is free and its data has arrived; a send never blocks its rank
   (``isend`` posted, data on the wire for ``tc``; issuing it holds the sender ``t_send``); a receive
   is posted where it stands and its data is there at ``send time + tc``; the compute that consumes it
   waits until then. This is the prefetching runtime of Hanayo section 4.2 and the papers' idealised
@@ -161,8 +161,8 @@ class _Sim:
         need = self.needs(rank, a)
         if need is not None and (rank.index, need) not in self.arrival:
             return False
-        ready = rank.clock + (self.c.t_action if a.kind in COMPUTE_KINDS else 0)  # the executor's own time
-        start = max(ready, self.arrival[(rank.index, need)]) if need is not None else ready
+        ready = max(rank.clock, self.arrival[(rank.index, need)]) if need is not None else rank.clock
+        start = ready + (self.c.t_action if a.kind in COMPUTE_KINDS else 0)  # the executor's own time, after its data
         self.account(rank, a)
         end = start + self.cost(a, rank.split)
         rank.events.append(Event(rank.index, a, start, end))

@@ -1,13 +1,15 @@
-"""What a step recorded: the start and end of every action, the measured ``SimResult`` built from every
-rank's trace (the Gantt chart and bubble ratios of a measured step compare directly with a simulated one),
-and the barrier that opens a recorded step."""
+"""What a step recorded: the start and end of every action, put on one clock across ranks, and the
+measured ``SimResult`` built from every rank's trace (the Gantt chart and bubble ratios of a measured step
+compare directly with a simulated one)."""
 
 from __future__ import annotations
 
-import datetime
+import socket
+import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -17,7 +19,7 @@ from autopar.runtime.timeline import Event, SimResult, Transfer
 
 @dataclass(frozen=True)
 class TraceEvent:
-    """One action as it ran: seconds since the step began (all ranks start after one barrier)."""
+    """One action as it ran: seconds since its rank began the step (``on_one_clock`` aligns the ranks)."""
 
     action: Action
     start: float
@@ -56,6 +58,40 @@ def measured_result(schedule: Schedule, traces: Sequence[Sequence[TraceEvent]]) 
     return SimResult(schedule, timeline, transfers, step, busy, peaks)
 
 
+def clock_skews(group: dist.ProcessGroup | None = None) -> list[float]:
+    """Each rank's ``time.perf_counter()`` minus the group's first rank's, for ``on_one_clock``. Collective.
+
+    Ranks on one host share one monotonic clock: all zeros, exact. Across hosts the clocks are read
+    right after a barrier, so the skews are within its release spread (well under a millisecond on one
+    switch): what a barrier opening every step gave before, paid once per measurement instead of once
+    per step.
+    """
+    n = dist.get_world_size(group)
+    hosts: list[Any] = [None] * n
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    if len(set(hosts)) == 1:
+        return [0.0] * n
+    dist.barrier(group=group)
+    now: list[Any] = [None] * n
+    dist.all_gather_object(now, time.perf_counter(), group=group)
+    return [t - now[0] for t in now]
+
+
+def on_one_clock(
+    traces: Sequence[Sequence[TraceEvent]], origins: Sequence[float], skews: Sequence[float]
+) -> list[list[TraceEvent]]:
+    """Every rank's events counted from when the first rank began the step.
+
+    A trace counts from its own rank's start (``origins``: its ``time.perf_counter()`` then, and
+    ``skews`` from ``clock_skews``), and ranks begin a step up to milliseconds apart, so on their own
+    origins a send and its receive on two ranks can seem to cross (a receive ending before its send
+    began) and a rank that began late seems to have started on time.
+    """
+    starts = [o - k for o, k in zip(origins, skews)]  # on the first rank's clock
+    first = min(starts)
+    return [[TraceEvent(e.action, e.start + t - first, e.end + t - first) for e in tr] for tr, t in zip(traces, starts)]
+
+
 def _peak_stash(trace: Sequence[TraceEvent]) -> int:
     """Most microbatch-stages stashed at once: from each F to the end of its backward (its W when split)."""
     split = split_backwards([e.action for e in trace])
@@ -76,18 +112,4 @@ def finish_receive(trace: list[TraceEvent], recv: Action, end: float) -> None:
             return
 
 
-def step_barrier(timeout: float) -> Callable[[], None]:
-    """The barrier that opens a recorded step: gloo's monitored one (it names a rank that never
-    arrives within ``timeout`` seconds), else a plain one."""
-    td = datetime.timedelta(seconds=timeout)
-
-    def barrier() -> None:
-        if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=td)
-        else:
-            dist.barrier()
-
-    return barrier
-
-
-__all__ = ["TraceEvent", "finish_receive", "measured_result", "step_barrier"]
+__all__ = ["TraceEvent", "clock_skews", "finish_receive", "measured_result", "on_one_clock"]

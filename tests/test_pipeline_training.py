@@ -40,7 +40,7 @@ from autopar.runtime.init import canonical_names, init_value, materialize
 from autopar.runtime.schedules import make_schedule
 from autopar.runtime.simulator import simulate
 from autopar.runtime.stage_runner import Part
-from autopar.runtime.trace import TraceEvent, measured_result
+from autopar.runtime.trace import TraceEvent, measured_result, on_one_clock
 from tests._dist import run_distributed
 from tests.equivalence import compare_jobs
 from tests.exactness import TOL
@@ -411,6 +411,26 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
     assert got.peak_activations == sim.peak_activations
     computes = [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in got.timeline]
     assert computes == [[e.action for e in ev if e.action.kind in COMPUTE_KINDS] for ev in sim.timeline]
+
+
+def test_traces_of_ranks_that_began_apart_are_put_on_one_clock():
+    """A simulated step recorded by ranks that began it at different moments (each trace counting from
+    its own start, as the executor's do) comes back as the simulated step once ``on_one_clock`` shifts
+    each by its origin; without the shift a receive ends before its send began."""
+    sched = make_schedule("1f1b", 4, 8)
+    sim = simulate(sched, Costs.uniform(4, tf=1, tb=2, tc=Fraction(1, 4)))
+    late = [0.0, 0.3, 0.1, 0.7]  # when each rank began, on the host's clock
+    own = [
+        [TraceEvent(e.action, float(e.start) - t, float(e.end) - t) for e in ev] for ev, t in zip(sim.timeline, late)
+    ]
+    apart = measured_result(sched, own)
+    assert any(t.end < t.start for t in apart.transfers)  # rank 1's receive of F0 "ends" before rank 0 sent it
+    aligned = measured_result(sched, on_one_clock(own, [100.0 + t for t in late], [0.0] * 4))
+    assert aligned.step_time == pytest.approx(float(sim.step_time))
+    assert aligned.bubble_ratio == pytest.approx(float(sim.bubble_ratio))
+    assert all(t.end >= t.start for t in aligned.transfers)
+    skewed = on_one_clock(own, [100.0 + t + k for t, k in zip(late, (0, 5, -2, 9))], [0, 5, -2, 9])  # other hosts
+    assert measured_result(sched, skewed).step_time == pytest.approx(float(sim.step_time))
 
 
 def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():

@@ -571,14 +571,16 @@ def test_the_simulator_charges_each_send_its_issue_time() -> None:
 
 
 def test_the_simulator_charges_each_action_the_executors_own_time() -> None:
-    """``Costs.t_action``: a compute action starts t_action after its rank is free, or when its data arrives if
-    that is later. 1F1B on 2 ranks and 2 microbatches (T_F = 1, T_B = 2, no transfer time): worked by hand,
-    the step is 9 + 4 t_action (rank 0's F0, rank 1's B0, F1 and B1 each start t_action after their rank's
-    previous action; rank 1's F0 and rank 0's B0 and B1 wait for data that comes later)."""
+    """``Costs.t_action``: a compute action starts t_action after its rank is free and its data has arrived
+    (the executor's own time comes after a wait too: waking, posting the channel's next receive,
+    dispatch). 1F1B on 2 ranks and 2 microbatches (T_F = 1, T_B = 2, no transfer time), worked by hand:
+    rank 0's F0 [a, 1+a], F1 [1+2a, 2+2a]; rank 1's F0 [1+2a, 2+2a], B0 [2+3a, 4+3a], F1 [4+4a, 5+4a],
+    B1 [5+5a, 7+5a]; rank 0's B0 [4+4a, 6+4a], B1 [7+6a, 9+6a]: the step is 9 + 6 t_action, one t_action
+    for each of the six actions on the critical path (rank 0's F0, rank 1's four, rank 0's B1)."""
     sched = make_schedule("1f1b", 2, 2)
     a = Fraction(1, 7)
     assert simulate(sched, Costs.uniform(2, tf=1, tb=2)).step_time == 9
-    assert simulate(sched, Costs.uniform(2, tf=1, tb=2, t_action=a)).step_time == 9 + 4 * a
+    assert simulate(sched, Costs.uniform(2, tf=1, tb=2, t_action=a)).step_time == 9 + 6 * a
 
 
 def test_stash_points_repeat_from_2p_microbatches_on() -> None:
