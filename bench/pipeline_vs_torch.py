@@ -74,7 +74,9 @@ class _Sleep(torch.autograd.Function):
 
 
 class SleepStage(nn.Module):
-    """A stage whose forward takes ``tf`` seconds and backward ``tb``, on a real activation."""
+    """A stage whose forward takes ``tf`` seconds and backward ``tb``, on a real activation. The sleep
+    comes after the weight, so the first stage's backward (its input is data) takes ``tb`` too, as a
+    real first stage's weight gradients do and as the simulator's uniform costs say."""
 
     def __init__(self, tf: float, tb: float):
         super().__init__()
@@ -82,7 +84,7 @@ class SleepStage(nn.Module):
         self.w = nn.Parameter(torch.ones(()))
 
     def forward(self, x):
-        return _Sleep.apply(x, self.tf, self.tb) * self.w
+        return _Sleep.apply(x * self.w, self.tf, self.tb)
 
 
 def _mean_loss(y, target=None):

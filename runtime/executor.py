@@ -191,6 +191,8 @@ class Executor:
                     peak = max(peak, live)
                 live -= ends_backward(a, self._split)
                 i += 1
+                if i < n and self.actions[i].kind not in P2P_KINDS:  # no sends to carry the next receives
+                    self.p2p.post_due()
             self.p2p.drain()
         self._stash = {}  # a forward-only run leaves its stashes
         self.trace, self.trace_origin = trace, t0  # origin: perf_counter at the step's start

@@ -8,18 +8,22 @@ sub-microbatch; tensors gloo cannot send travel as their bytes (``executor_state
 wait runs through the executor's ``guard``, which turns a transport failure or timeout into a
 ``RuntimeCommError`` naming the action and the peer.
 
-Receives ahead of the list (``ahead=True``): where the transport issues each send and receive on its
-own (gloo; the rank simulator's mailboxes), every channel (peer rank) keeps its next receive posted:
-the first of each at the start of the step, the next as soon as its consumer has taken the one
-before. gloo's tcp transport is a rendezvous: a send whose receive is not yet posted waits for the
-receiver's notice, and the sender's event loop thread writes the data only then; a send whose receive
-is posted is written at once from the sending thread. The list's receive positions (``runtime/p2p.py``,
-rule 5) are the gaps the receiver reaches at or after the send under nominal costs, so with real
-costs about half the receives came after their send, and each of those paid the rendezvous on the
-consumer's path (docs/runtime.md has the measurement). Posting ahead keeps FIFO order per channel
-(receives are posted in the list's order), holds at most one more receive buffer per channel, and
-cannot deadlock: nothing waits on a posted receive until its consumer. NCCL runs a batch as one group
-on a stream that an early receive would hold up, so there receives stay where the list puts them.
+Receives ahead of the list (``ahead=True``): where the transport issues each send and receive on its own
+(gloo; the rank simulator's mailboxes), every channel (peer rank) keeps its next receive posted: the
+first of each at the start of the step, the next once its consumer has taken the one before and
+computed: with the consumer's own sends (the batch that follows it, sends first), else right after the
+compute (``post_due``), and in any case before the rank next blocks in a wait. Posting it straight after
+the wait put a receive post (0.1-0.25 ms with its buffer, on gloo) between every arrival and the compute
+waiting for it, on the step's critical path. gloo's tcp transport is a rendezvous: a send whose receive
+is not yet posted waits for the receiver's notice, and the sender's event loop thread writes the data
+only then; a send whose receive is posted is written at once from the sending thread. The list's receive
+positions (``runtime/p2p.py``, rule 5) are the gaps the receiver reaches at or after the send under
+nominal costs, so with real costs about half the receives came after their send, and each of those paid
+the rendezvous on the consumer's path (docs/runtime.md has the measurement). Posting ahead keeps FIFO
+order per channel (receives are posted in the list's order), holds at most one more receive buffer per
+channel, and cannot deadlock: nothing waits on a posted receive until its consumer. NCCL runs a batch as
+one group on a stream that an early receive would hold up, so there receives stay where the list puts
+them.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ class PointToPoint:
         self.timeout, self.device, self.sub = timeout, device, sub_microbatches
         self.ahead = ahead
         self._channels: dict[int, list[Action]] = defaultdict(list)  # peer rank -> its receives, in list order
+        self._kept: dict[Key, list[torch.Tensor]] = {}  # each receive's buffers, for the next step
         for a in actions:
             if a.kind in RECV_KINDS:
                 self._channels[self.peer_rank(a.peer)].append(a)  # type: ignore[arg-type]
@@ -70,6 +75,7 @@ class PointToPoint:
         self._in_flight: list[tuple[list, Action, int, list[torch.Tensor]]] = []
         self._done: dict[int, object] = {}
         self._unposted = {peer: deque(recvs) for peer, recvs in self._channels.items()}
+        self._due: list[int] = []  # channels whose next receive goes up at the next post or wait
         self.posted_at: dict[Action, float] = {}  # with ``ahead``: when each receive was posted
 
     def start(self) -> None:
@@ -110,14 +116,38 @@ class PointToPoint:
                 self._in_flight.append((mine, a, peer, tensors))
             else:
                 self._pending[(a.kind, a.mb, a.stage)] = PendingReceive(tensors, mine, a, peer)  # type: ignore[index]
+        received = {peer for a, _t, peer in posted if a.kind in RECV_KINDS}
+        self._due = [peer for peer in self._due if peer not in received]  # the batch posted their next one
+        self.post_due()
+
+    def post_due(self) -> None:
+        """Post the next receive of every channel whose last one was taken (``ahead``): the executor calls it
+        after a compute that no batch of sends follows."""
+        due, self._due = self._due, []
+        nxt = [q[0] for q in (self._unposted.get(peer) for peer in dict.fromkeys(due)) if q]
+        if nxt:
+            self.post(nxt)
 
     def _buffers(self, a: Action) -> list[torch.Tensor]:
+        """The receive's buffers: last step's for the same receive when nothing else holds them any more
+        (as torch's ``PipelineStage`` keeps its receive buffers), else new ones. A fresh 512 KiB buffer
+        cost 40 us a receive here, on the path of the compute waiting for it."""
+        key = (a.kind, a.mb, a.stage)
+        kept = self._kept.get(key)
+        if kept is not None and all(_unshared(t) for t in kept):
+            for t in kept:
+                t.requires_grad_(False)
+                t.grad = None
+            return kept
         st = self.stages[a.stage]  # type: ignore[index]
         specs = st.recv if a.kind is Kind.RECV_ACT else [b for b in st.send if b.grad]
-        return [torch.empty(b.shape, dtype=b.dtype, device=self.device) for _ in range(self.sub) for b in specs]
+        made = [torch.empty(b.shape, dtype=b.dtype, device=self.device) for _ in range(self.sub) for b in specs]
+        self._kept[key] = made  # type: ignore[index]
+        return made
 
     def wait(self, key: Key, waited: list[tuple[Action, float]]) -> list[torch.Tensor]:
         """The buffers of the posted receive ``key``, once it has completed (noted in ``waited``)."""
+        self.post_due()  # about to block: the time is free
         p = self._pending.pop(key, None)
         if p is None:
             kind, mb, stage = key
@@ -128,13 +158,13 @@ class PointToPoint:
         for w in p.works:
             self._complete(w, p.action, p.peer_rank)
         waited.append((p.action, time.perf_counter()))
-        queue = self._unposted.get(p.peer_rank)
-        if self.ahead and queue:  # the channel's next receive, before its sender gets there
-            self.post([queue[0]])
+        if self.ahead:  # the channel's next receive, before its sender gets there, but after this
+            self._due.append(p.peer_rank)  # consumer's compute and sends: posting it is not on their path
         return p.buffers
 
     def drain(self) -> None:
         """Wait for every send still in flight (their buffers may then be freed)."""
+        self.post_due()
         for works, a, peer, _tensors in self._in_flight:
             for w in works:
                 self._complete(w, a, peer)
@@ -147,6 +177,12 @@ class PointToPoint:
             return
         self.guard(lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout)), a, peer)
         self._done[id(work)] = work  # kept alive until the step ends, so its id is not reused
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether only the caller's reference holds ``t``: no autograd graph, view or other tensor of its
+    storage (the second storage count is the temporary that asking takes)."""
+    return t._use_count() == 1 and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2
 
 
 __all__ = ["PointToPoint"]

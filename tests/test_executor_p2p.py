@@ -1,6 +1,7 @@
 """The executor's point-to-point (runtime/executor_p2p.py): with ``ahead`` every channel keeps its next receive
-posted (the first at the step's start, the next as soon as the one before is taken), in the list's FIFO order,
-each once; without it receives are posted where the list puts them. Cost: well under a second."""
+posted (the first at the step's start, the next once the one before is taken: with the consumer's sends, or
+before the rank next waits), in the list's FIFO order, each once; without it receives are posted where the
+list puts them. Cost: well under a second."""
 
 from __future__ import annotations
 
@@ -70,19 +71,28 @@ def _replay(name: str, rank: int, ahead: bool) -> tuple[list[tuple[str, Action]]
             if key is not None:
                 seen.append(("take", Action(key[0], s, a.mb, s - 1 if key[0] is Kind.RECV_ACT else s + 1)))
                 p2p.wait(key, [])
+        if a.kind in COMPUTE_KINDS:
+            seen.append(("compute", a))
         i += 1
+        if i < len(actions) and actions[i].kind not in SEND_KINDS | RECV_KINDS:
+            p2p.post_due()
     return seen, [a for a in actions if a.kind in RECV_KINDS]
 
 
 def _late(seen: list[tuple[str, Action]], recvs: list[Action], s2r) -> list[Action]:
-    """Receives posted later than right after the one before them on their channel was taken (or, the first
-    of a channel, later than the step's first take)."""
+    """Receives posted later than they should be: the first of a channel after the step's first compute; any
+    other after the second compute that follows the take of the one before it on its channel (the first is
+    that receive's consumer: its sends carry the post, or the post follows it)."""
+    computes = [i for i, (what, _a) in enumerate(seen) if what == "compute"]
     late = []
     for peer in {s2r[a.peer] for a in recvs}:
         mine = [a for a in recvs if s2r[a.peer] == peer]
-        if seen.index(("post", mine[0])) > seen.index(next(x for x in seen if x[0] == "take")):
+        if computes and seen.index(("post", mine[0])) > computes[0]:
             late.append(mine[0])
-        late += [n for b, n in zip(mine, mine[1:]) if seen.index(("post", n)) > seen.index(("take", b)) + 1]
+        for b, n in zip(mine, mine[1:]):
+            after = [i for i in computes if i > seen.index(("take", b))]
+            if len(after) > 1 and seen.index(("post", n)) > after[1]:
+                late.append(n)
     return late
 
 
