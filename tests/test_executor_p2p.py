@@ -128,3 +128,36 @@ def test_a_receive_out_of_the_channels_order_is_an_error() -> None:
     )  # fmt: skip
     with pytest.raises(RuntimeCommError, match="is posted before"):
         p2p.post([recvs[1]])
+
+
+def test_a_receive_buffer_is_reused_only_when_nothing_else_holds_it() -> None:
+    """Each receive's buffers are the last step's again (as torch's PipelineStage keeps its own), unless a
+    view of them, an autograd graph that saved them, or any other tensor still holds them: then new ones."""
+    sched = make_schedule("1f1b", 2, 2)
+    buf = Buffer("x", (2, 3), torch.float32, True)
+    part = Part(lambda env: (env["x"],), ("x",), (True,))
+    stages = {1: StageRunner(1, part, [buf], [], True)}
+    p2p = PointToPoint(stages, lambda s: s, lambda ops: [_Work() for _ in ops], lambda fn, *_: fn(), 60.0,
+                       torch.device("cpu"), 1, sched.actions[1], True)  # fmt: skip
+    recv = next(a for a in sched.actions[1] if a.kind in RECV_KINDS)
+
+    def address() -> int:
+        return p2p._buffers(recv)[0].data_ptr()
+
+    first = address()
+    assert address() == first  # nothing held it: the same buffer
+    held = p2p._buffers(recv)[0][:1]  # a view of it, as a user's output might be
+    assert address() != first
+    del held
+    second = address()
+    assert address() == second
+    leaf = p2p._buffers(recv)[0].requires_grad_(True)
+    loss = (leaf * torch.ones(2, 3, requires_grad=True)).sum()  # the graph saves the leaf
+    del leaf
+    assert address() != second
+    loss.backward()
+    del loss
+    third = address()
+    assert address() == third
+    x = p2p._buffers(recv)[0]
+    assert not x.requires_grad and x.grad is None
