@@ -12,8 +12,9 @@ PyTorch on the same GPU under the same policy:
   (a compute-dtype copy per step, fp32 masters; fp16 with the same loss scaling): every step's loss within
   s (R + k) u |L_s| (docs/runtime.md's bound) with R + k = 4 (R = 0 on one rank, widened for cuBLAS's own
   reduction orders);
-- ``gloo-2-cuda-<mesh>``: 2 processes on ``cuda:0`` through gloo (dp=2, tp=2, pp=2), bf16: the losses of
-  rank 0 within the same bound of the eager run, scaled by R + k.
+- ``gloo-2-cuda-<mesh>``: 2 processes on ``cuda:0`` through gloo (dp=2, tp=2, pp=2, and pp=2 under ZB-V,
+  whose split backward then runs on CUDA tensors), bf16: the losses of rank 0 within the same bound of the
+  eager run, scaled by R + k. NCCL's own point-to-point needs a GPU per rank, which one GPU cannot give.
 
 Exits non-zero without CUDA (``make test`` never runs this; it needs a GPU).
 """
@@ -73,14 +74,16 @@ def eager(precision: str, device: str = "cuda") -> list[float]:
     return losses
 
 
-def autopar_losses(precision: str, axes: dict[str, int], device: str) -> tuple[list[float], int]:
-    """autopar on the current process group: 3 SGD steps, the losses and R (split reductions)."""
+def autopar_losses(precision: str, axes: dict[str, int], device: str, **pipeline) -> tuple[list[float], int]:
+    """autopar on the current process group: 3 SGD steps, the losses and R (split reductions). ``pipeline``:
+    ``compile``'s schedule options (default 2 microbatches)."""
     import autopar
 
     model, batches = _batches("cpu")
     mesh = autopar.init_mesh(device.split(":")[0], **axes)
     mp = None if precision == "fp32" else precision
-    pipe = autopar.compile(model, mesh, kwargs=batches[0], mixed_precision=mp, device=device, microbatches=2)
+    pipeline = {"microbatches": 2, **pipeline}
+    pipe = autopar.compile(model, mesh, kwargs=batches[0], mixed_precision=mp, device=device, **pipeline)
     opt = torch.optim.SGD(pipe.parameters(), lr=LR)
     losses = []
     for b in batches:
@@ -116,8 +119,8 @@ def nccl_world_one() -> list[tuple[str, bool, str]]:
     return out
 
 
-def _gloo_rank(rank: int, world: int, axes: dict[str, int]) -> tuple[list[float], int]:
-    return autopar_losses("bf16", axes, "cuda:0")
+def _gloo_rank(rank: int, world: int, axes: dict[str, int], pipeline: dict) -> tuple[list[float], int]:
+    return autopar_losses("bf16", axes, "cuda:0", **pipeline)
 
 
 def gloo_shared_gpu() -> list[tuple[str, bool, str]]:
@@ -125,10 +128,11 @@ def gloo_shared_gpu() -> list[tuple[str, bool, str]]:
 
     want = eager("bf16")
     out = []
-    for axes in ({"dp": 2}, {"tp": 2}, {"pp": 2}):
-        name = "gloo-2-cuda-" + ",".join(f"{k}={v}" for k, v in axes.items())
+    zbv = {"schedule": "zbv", "microbatches": 4}
+    for axes, pipeline in (({"dp": 2}, {}), ({"tp": 2}, {}), ({"pp": 2}, {}), ({"pp": 2}, zbv)):
+        name = "gloo-2-cuda-" + ",".join(f"{k}={v}" for k, v in {**axes, **pipeline}.items())
         try:
-            results = run_distributed(_gloo_rank, 2, axes, timeout=300)
+            results = run_distributed(_gloo_rank, 2, axes, pipeline, timeout=300)
             got, reductions = results[0]
             ok, worst = within(got, want, (reductions + 2 + 4) * U["bf16"])
             out.append((name, ok, f"autopar {got} eager {want} (difference / bound {worst:.3f})"))
