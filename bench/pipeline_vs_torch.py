@@ -196,7 +196,7 @@ def _gathered(sched, ex):
     got = [None] * dist.get_world_size()
     dist.all_gather_object(got, (ex.trace, ex.trace_origin))
     traces, origins = zip(*got)
-    return measured_result(sched, on_one_clock(traces, origins, clock_skews()))
+    return measured_result(sched, on_one_clock(traces, origins, clock_skews(), sched.stage_to_rank[0]))
 
 
 def _timed(fn) -> float:

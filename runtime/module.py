@@ -432,7 +432,8 @@ class ParallelModule(torch.nn.Module):
         got: list[Any] = [None] * self._schedule.num_ranks
         dist.all_gather_object(got, mine, group=self._pp_group)
         traces, origins = zip(*got)
-        return measured_result(self._schedule, on_one_clock(traces, origins, clock_skews(self._pp_group)))
+        first = self._schedule.stage_to_rank[0]
+        return measured_result(self._schedule, on_one_clock(traces, origins, clock_skews(self._pp_group), first))
 
     def coords(self) -> dict[str, int]:
         return dict(self.comm.coords)

@@ -78,18 +78,21 @@ def clock_skews(group: dist.ProcessGroup | None = None) -> list[float]:
 
 
 def on_one_clock(
-    traces: Sequence[Sequence[TraceEvent]], origins: Sequence[float], skews: Sequence[float]
+    traces: Sequence[Sequence[TraceEvent]], origins: Sequence[float], skews: Sequence[float], first: int = 0
 ) -> list[list[TraceEvent]]:
-    """Every rank's events counted from when the first rank began the step.
+    """Every rank's events counted from when rank ``first`` began the step.
 
     A trace counts from its own rank's start (``origins``: its ``time.perf_counter()`` then, and
     ``skews`` from ``clock_skews``), and ranks begin a step up to milliseconds apart, so on their own
     origins a send and its receive on two ranks can seem to cross (a receive ending before its send
-    began) and a rank that began late seems to have started on time.
+    began). Give ``first`` the rank holding the pipeline's first stage: every compute action of a step
+    waits, directly or not, for that stage's first forward, so the step begins when that rank begins it
+    (as in a simulation, whose ranks all start at 0); a rank that began earlier only posted receives
+    before then (their events start before 0).
     """
-    starts = [o - k for o, k in zip(origins, skews)]  # on the first rank's clock
-    first = min(starts)
-    return [[TraceEvent(e.action, e.start + t - first, e.end + t - first) for e in tr] for tr, t in zip(traces, starts)]
+    starts = [o - k for o, k in zip(origins, skews)]  # on rank 0's clock
+    zero = starts[first]
+    return [[TraceEvent(e.action, e.start + t - zero, e.end + t - zero) for e in tr] for tr, t in zip(traces, starts)]
 
 
 def _peak_stash(trace: Sequence[TraceEvent]) -> int:

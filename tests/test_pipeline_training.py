@@ -414,23 +414,32 @@ def test_measured_result_of_a_simulated_timeline_gives_the_simulated_bubble():
 
 
 def test_traces_of_ranks_that_began_apart_are_put_on_one_clock():
-    """A simulated step recorded by ranks that began it at different moments (each trace counting from
-    its own start, as the executor's do) comes back as the simulated step once ``on_one_clock`` shifts
-    each by its origin; without the shift a receive ends before its send began."""
+    """A simulated step recorded by ranks that began it at different moments (each trace counting from its
+    own start, as the executor's do) comes back as the simulated step once ``on_one_clock`` shifts each by
+    its origin, counting from when the rank holding stage 0 began (every compute waits for it); without
+    the shift a receive ends before its send began."""
     sched = make_schedule("1f1b", 4, 8)
     sim = simulate(sched, Costs.uniform(4, tf=1, tb=2, tc=Fraction(1, 4)))
-    late = [0.0, 0.3, 0.1, 0.7]  # when each rank began, on the host's clock
-    own = [
-        [TraceEvent(e.action, float(e.start) - t, float(e.end) - t) for e in ev] for ev, t in zip(sim.timeline, late)
-    ]
-    apart = measured_result(sched, own)
-    assert any(t.end < t.start for t in apart.transfers)  # rank 1's receive of F0 "ends" before rank 0 sent it
-    aligned = measured_result(sched, on_one_clock(own, [100.0 + t for t in late], [0.0] * 4))
-    assert aligned.step_time == pytest.approx(float(sim.step_time))
-    assert aligned.bubble_ratio == pytest.approx(float(sim.bubble_ratio))
-    assert all(t.end >= t.start for t in aligned.transfers)
-    skewed = on_one_clock(own, [100.0 + t + k for t, k in zip(late, (0, 5, -2, 9))], [0, 5, -2, 9])  # other hosts
-    assert measured_result(sched, skewed).step_time == pytest.approx(float(sim.step_time))
+
+    def recorded(began: list[float]) -> list[list[TraceEvent]]:
+        """Each rank's trace when rank r began at ``began[r]`` and the step itself began with rank 0."""
+        return [
+            [TraceEvent(e.action, float(e.start) + began[0] - b, float(e.end) + began[0] - b) for e in ev]
+            for ev, b in zip(sim.timeline, began)
+        ]
+
+    def same_as_simulated(got) -> None:
+        m = measured_result(sched, got)
+        assert m.step_time == pytest.approx(float(sim.step_time))
+        assert m.bubble_ratio == pytest.approx(float(sim.bubble_ratio))
+        assert all(t.end >= t.start for t in m.transfers)
+
+    for began in ([0.0, 0.3, 0.1, 0.7], [0.9, 0.3, 0.1, 0.7]):  # rank 0 (stage 0) began first, then last
+        own = recorded(began)
+        assert any(t.end < t.start for t in measured_result(sched, own).transfers)  # a receive "ends" early
+        same_as_simulated(on_one_clock(own, [100.0 + b for b in began], [0.0] * 4))
+        skews = [0.0, 5.0, -2.0, 9.0]  # other hosts' clocks
+        same_as_simulated(on_one_clock(own, [100.0 + b + k for b, k in zip(began, skews)], skews))
 
 
 def test_a_plan_files_stages_are_kept_and_inserted_collectives_join_their_consumer():
