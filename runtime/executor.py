@@ -17,9 +17,10 @@ contract) for any schedule: GPipe, 1F1B, interleaved, waves, shifted critical pa
 - Consecutive ``SEND_*``/``RECV_*`` between two compute actions are one
   ``torch.distributed.batch_isend_irecv`` (``runtime/executor_p2p.py``). Receives are posted where
   the list puts them, ahead of their consumers (Hanayo's prefetch), into buffers whose local shapes
-  come from the IR; the consumer waits for them. On gloo (``post_ahead``) each channel's next receive
-  is posted earlier still, as soon as the one before it is taken, because gloo moves a message only
-  once its receive is posted. Sends stay in flight until the end of the step.
+  come from the IR (kept from step to step while nothing else holds them); the consumer waits for
+  them. On gloo (``post_ahead``) each channel's next receive is posted earlier still, once the one
+  before it is taken and its consumer has computed, because gloo moves a message only once its
+  receive is posted. Sends stay in flight until the end of the step.
   Neighbouring stages on one rank (a wave's or a V's turn) hand tensors over locally.
 - ``REDUCE_GRADS(s)`` and ``STEP`` call back into the pipeline module (data-parallel gradient
   reduction, tied-parameter reduction, the optimizer); the gradient buckets of a stage start during
