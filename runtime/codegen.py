@@ -113,6 +113,7 @@ def codegen(
     users = prog.users()
     fused = _bias_adds(prog, types, users)
     deferred = _returned_scalar_sums(prog, types, users)
+    one_rank = {name: n == 1 for name, n in zip(prog.mesh.names, sizes)}  # collectives there are the identity
     fused_matmuls = {mm.result for mm, _ in fused.values()}
     for op in prog.ops:
         if op.result in fused_matmuls:  # emitted with its bias add
@@ -124,6 +125,8 @@ def codegen(
                 node = graph.call_function(torch.ops.aten.addmm.default, (env[bias], x, w))
             else:
                 node = graph.call_function(torch.ops.aten.linear.default, (x, w, env[bias]))
+        elif op.target in COLLECTIVES and one_rank.get(op.kwargs.get("axis"), False):  # over one rank: x itself
+            node = graph.call_function(torch.ops.aten.alias.default, (env[op.args[0].name],))
         elif op.target in COLLECTIVES:
             kwargs = dict(op.kwargs)
             if op.result in deferred:

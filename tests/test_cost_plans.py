@@ -339,3 +339,34 @@ def test_generated_code_adds_biases_inside_the_matmul_where_nothing_comes_betwee
     assert counts["dp=2"]["aten.addmm.default"] == 16 and counts["dp=2"]["aten.mm.default"] == 0
     row_parallel = counts["tp=2"]["aten.mm.default"]
     assert counts["tp=2"]["aten.addmm.default"] + row_parallel == 16 and row_parallel > 0
+
+
+def test_a_collective_over_an_axis_of_one_rank_is_not_issued():
+    """A collective over an axis of size 1 is the identity: codegen emits an alias, never a call into
+    torch.distributed (on one device the planned program had 22 gathers and shards of size-1 axes, which
+    made a 2-layer GPT-2 1.37x eager's step; 1.05x without them). The same plan on dp=1 x tp=2 keeps its tp
+    collectives, and the program (run on one device) still computes the model's loss."""
+    from autopar.passes.shard import planning_options
+    from autopar.runtime import collectives as coll
+    from autopar.runtime.codegen import codegen
+    from autopar.solver.cluster import local_cluster
+
+    spec = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=512,n_positions=32,batch=8,seq=32"
+    m = build(spec, device="cpu", seed=0)
+    model = LossOnly(m.model)
+    named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+    called = lambda gm: Counter(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes)  # noqa: E731
+    for mesh in ("dp=1", "dp=1,tp=2"):
+        world = 2 if "tp" in mesh else 1
+        opts = planning_options(None, local_cluster("gloo", world, None, None))  # as compile plans on this host
+        _, planned = _planned(spec, mesh, opts, loss_only=True)
+        on_axis = Counter(op.kwargs.get("axis") for op in planned.ops if op.target in coll.FUNCTIONS)
+        gm = codegen(planned, dict.fromkeys(planned.mesh.names, 0), named.__getitem__)
+        calls = called(gm)
+        issued = sum(calls[name] for name in coll.FUNCTIONS)
+        assert on_axis["dp"] > 0 and issued == on_axis["tp"], (mesh, on_axis, calls)
+        if mesh == "dp=1":
+            assert calls["alias.default"] >= on_axis["dp"]
+            want = model(**m.kwargs)
+            got = gm(*[m.kwargs[k] for k in ("input_ids", "labels")])[0]
+            assert torch.allclose(got, want, rtol=1e-6), (got, want)
