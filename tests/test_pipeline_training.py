@@ -167,6 +167,7 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
             "steps": 2,
         },
         {"name": "gpt2-pp2dp2", "model_name": "gpt2", "axes": {"pp": 2, "dp": 2}, "runs": ALL + ZB},
+        {"name": "llama-pp2dp2", "model_name": "llama", "axes": {"pp": 2, "dp": 2}, "runs": ZB},
         {
             "name": "gpt2-pp2dp2-zero2",
             "model_name": "gpt2",
