@@ -2,8 +2,9 @@
 
 Each rank then synchronizes its data-parallel gradients (``Evaluation.reduce``). Without a pipeline the
 step has a closed form. Large schedules (more than ``FULL_SIMULATION`` forward actions) are simulated at
-two smaller microbatch counts congruent to m modulo pp and extrapolated linearly (marked
-"extrapolated"). Schedules are built once per shape and kept as text beside the plan cache
+smaller microbatch counts congruent to m modulo pp, P apart, until three consecutive increments agree,
+and extended linearly from there (marked "extrapolated"); a schedule whose increments do not settle
+is simulated at m. Schedules are built once per shape and kept as text beside the plan cache
 (``$AUTOPAR_CACHE_DIR/../schedules``); results are cached by per-stage costs.
 """
 
@@ -20,6 +21,8 @@ from autopar.runtime.simulator import simulate
 from autopar.search.evaluation import Evaluation
 
 FULL_SIMULATION = 2048  # simulate exactly up to this many forward actions (stages x microbatches)
+STEADY = 3  # consecutive equal increments of P microbatches that make a steady state (waves alternate two)
+STEADY_TRIES = 4  # further increments tried for one before simulating m itself
 
 
 class Scorer:
@@ -87,16 +90,14 @@ class Scorer:
             ev.step_time, ev.bubble, ev.simulated = busy + ev.reduce[0], 0.0, "closed form"
             return ev
         P = c.pp
-        if ev.candidate.num_stages * m <= self.full_limit or m < 3 * P:
+        line = None
+        if ev.candidate.num_stages * m > self.full_limit and m >= 3 * P:
+            line = self.steady_line(ev, m)
+        if line is None:
             finish, busy = self.finish_times(ev, m)
             ev.simulated = "exact"
         else:
-            m1 = 2 * P + m % P
-            f1, b1 = self.finish_times(ev, m1)
-            f2, b2 = self.finish_times(ev, m1 + P)
-            k = (m - m1) / P
-            finish = [a + k * (b - a) for a, b in zip(f1, f2)]
-            busy = [a + k * (b - a) for a, b in zip(b1, b2)]
+            finish, busy = line
             ev.simulated = "extrapolated"
         step = max(f + r for f, r in zip(finish, ev.reduce))
         ev.step_time = max(step, ev.lower_bound)
@@ -104,5 +105,37 @@ class Scorer:
         ev.bubble = (max(finish) - top) / top if top else 0.0
         return ev
 
+    def steady_line(self, ev: Evaluation, m: int) -> tuple[list[float], list[float]] | None:
+        """(finish, busy) at ``m`` microbatches extended along the schedule's steady state, or None.
 
-__all__ = ["FULL_SIMULATION", "Scorer"]
+        Simulated at ``m0 = 2P + m mod P`` and the counts ``P`` apart after it: once ``STEADY``
+        consecutive increments agree on every rank (each further P microbatches then add the same time)
+        the line through them is exact at ``m``. Warm-ups differ: 1F1B and interleaving settle by ``2P``,
+        ZB-V and SCP an increment later, and waves alternate two increments (so two equal ones in a row
+        prove nothing); without agreement within ``STEADY_TRIES`` further increments (or before ``m``)
+        the caller simulates ``m`` itself."""
+        P = ev.candidate.pp
+        m0 = 2 * P + m % P
+        points = [self.finish_times(ev, m0 + i * P) for i in range(STEADY)]
+        for _ in range(STEADY_TRIES):
+            last = m0 + len(points) * P
+            if last >= m:
+                return None
+            points.append(self.finish_times(ev, last))
+            window = points[-STEADY - 1 :]
+            if all(_same(*(p[i] for p in window)) for i in (0, 1)):
+                (f2, b2), (f3, b3), k = window[-2], window[-1], (m - last) / P
+                return [z + k * (z - y) for y, z in zip(f2, f3)], [z + k * (z - y) for y, z in zip(b2, b3)]
+        return None
+
+
+def _same(*points: list[float]) -> bool:
+    """Whether the increments between consecutive ``points`` agree on every rank (to rounding)."""
+    for ranks in zip(*points):
+        steps = [b - a for a, b in zip(ranks, ranks[1:])]
+        if max(steps) - min(steps) > 1e-9 * max(max(map(abs, steps)), 1e-12):
+            return False
+    return True
+
+
+__all__ = ["FULL_SIMULATION", "STEADY", "STEADY_TRIES", "Scorer"]
