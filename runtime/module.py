@@ -41,9 +41,9 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime import clip
-from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
+from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.executor import Executor
 from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync
@@ -95,7 +95,7 @@ class ParallelModule(torch.nn.Module):
         schedule: Schedule,
         in_spec,
         out_spec,
-        comm: coll.Comm,
+        comm: Comm,
         get_value,
         device: torch.device | str,
         setup: TrainingSetup | None = None,
@@ -272,7 +272,7 @@ class ParallelModule(torch.nn.Module):
             part = self.forward_runners[0].whole
             gathered = self.zero3.scope() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
-            with coll.use_comm(self.comm), gathered:
+            with use_comm(self.comm), gathered:
                 for i, env in enumerate(pieces):
                     if self.dropout_rng is not None:
                         self.dropout_rng.microbatch = i

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.zero import gather_slices, local_slice, whole_gradient_params, zero_axes_of
 from autopar.runtime.zero3_graph import LiveBytes, place_gathers
 from autopar.solver.blocks import param_units
@@ -95,7 +95,7 @@ class Zero3Params:
         self,
         params: dict[str, torch.nn.Parameter],
         names: list[str],
-        comm: coll.Comm,
+        comm: Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
@@ -366,7 +366,7 @@ class Zero3Params:
         return name in self._index
 
 
-def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: coll.Comm, modules) -> Zero3Params | None:
+def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: Comm, modules) -> Zero3Params | None:
     """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
     managed ones sliced, grouped in units by the program's repeated blocks (``solver/blocks.py``), and
     gathered unit by unit in every generated module of ``modules``; ``None`` otherwise."""
