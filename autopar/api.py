@@ -37,6 +37,7 @@ from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.runtime import collectives as coll
 from autopar.runtime.batch import LossWeight, sub_microbatch, token_count
+from autopar.runtime.comm import Comm
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
 from autopar.runtime.rng import rng_for
@@ -246,7 +247,7 @@ def compile(  # noqa: A001
     device = torch.device(device) if device is not None else _default_device(mesh)
     parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)
     rng = rng_for(forward.ops, microbatches * run.sub_microbatches)
-    module = build_module(parts, coll.Comm.from_device_mesh(mesh), device, mesh, rng)
+    module = build_module(parts, Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
     return module

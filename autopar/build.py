@@ -15,8 +15,8 @@ from autopar.ir.core import MeshSpec, Program
 from autopar.passes.capture import Captured
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
-from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Kind, Schedule, stage_stash_points
+from autopar.runtime.comm import Comm
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.rng import DropoutRng
@@ -83,9 +83,7 @@ class ModuleParts:
     seed: int
 
 
-def build_module(
-    parts: ModuleParts, comm: coll.Comm, device: torch.device, mesh, rng: DropoutRng | None
-) -> ParallelModule:
+def build_module(parts: ModuleParts, comm: Comm, device: torch.device, mesh, rng: DropoutRng | None) -> ParallelModule:
     """The ``ParallelModule`` of the rank ``comm`` describes (``mesh``: its DeviceMesh, or the simulator's
     stand-in; ``rng``: the keyed dropouts' state when the programs have any)."""
     get_value = value_source(parts.model, parts.captured, parts.seed)

@@ -39,6 +39,7 @@ from autopar.ir.layout import valid
 from autopar.runtime import collectives as coll
 from autopar.runtime import vocab_parallel
 from autopar.runtime.codegen import codegen
+from autopar.runtime.comm import use_comm
 from autopar.runtime.placement_values import assemble, assemble_grad, distribute, distribute_grad
 from autopar.runtime.ranksim import SimWorld
 from autopar.solver.strategies import Strategy, is_divergent, op_strategies
@@ -144,7 +145,7 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
         for v in placed.inputs:
             local = distribute(whole[v.name], v.type.placements, mesh, coords_of[rank], seed)
             ins[v.name] = local.detach().requires_grad_(local.is_floating_point())
-        with coll.use_comm(world.comm(rank)):
+        with use_comm(world.comm(rank)):
             outs = list(gm(*(ins[v.name] for v in placed.inputs)))
             pairs = []
             for o, c, t in zip(outs, cots, op.types):

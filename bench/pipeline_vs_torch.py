@@ -95,7 +95,7 @@ def _autopar_emulated(sched, rank: int, shape, tf_stage: float, module=None):
     """autopar's Executor over this rank's emulated stages: ``module(k)`` is a stage module doing ``k``
     of a stage's work (default ``SleepStage(k t_f, 2 k t_f)``; recomputation's head and rest split it)."""
     from autopar.runtime.actions import Kind
-    from autopar.runtime.collectives import Comm
+    from autopar.runtime.comm import Comm
     from autopar.runtime.executor import Executor
     from autopar.runtime.stage_runner import Buffer, Part, StageRunner
 

@@ -89,7 +89,7 @@ def _stage_module(layers: int, per_sample: float, last: bool) -> fx.GraphModule:
 
 
 def _emulated_executors(args, mesh, tm: float) -> dict:
-    from autopar.runtime.collectives import Comm
+    from autopar.runtime.comm import Comm
     from autopar.runtime.executor import Executor
     from autopar.runtime.schedules import make_schedule
     from autopar.runtime.stage_runner import Buffer, Part, StageRunner
@@ -202,9 +202,9 @@ _BLOCKED = [0.0]  # seconds this rank spent blocked waiting for a tp collective 
 def _count_blocked() -> None:
     """Time every wait for a tp collective: all of a synchronous collective's time, only what is left
     of an asynchronous one when its sub-microbatch resumes."""
-    from autopar.runtime import collectives as coll
+    from autopar.runtime.pending import Pending
 
-    wait = coll.Pending.wait
+    wait = Pending.wait
 
     def timed(self):
         t0 = time.perf_counter()
@@ -213,7 +213,7 @@ def _count_blocked() -> None:
         finally:
             _BLOCKED[0] += time.perf_counter() - t0
 
-    coll.Pending.wait = timed
+    Pending.wait = timed
 
 
 def measure(rank: int, world: int, args, mode: str) -> dict:

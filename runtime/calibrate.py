@@ -109,7 +109,7 @@ def _collective_times(device: torch.device, sizes: tuple[int, ...], reps: int, s
 
 def _reduce_scatter_gloo(x: torch.Tensor, parts: list[torch.Tensor]) -> None:
     """What a reduce-scatter costs on gloo, which has none: the ring's half of an all-reduce is not
-    available, so autopar's runtime all-reduces and keeps its slice (runtime/collectives.py)."""
+    available, so autopar's runtime all-reduces and keeps its slice (runtime/pending.py)."""
     dist.all_reduce(x)
     parts[dist.get_rank()].clone()
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from autopar.errors import OptimizerError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program, Shard, Value
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.zero import ZeroOptimizer, local_slice
 
 
@@ -47,7 +47,7 @@ def owned(
 def grad_pieces(
     params: Mapping[str, torch.nn.Parameter],
     program: Program,
-    comm: coll.Comm,
+    comm: Comm,
     optimizer,
     zero3,
     tied: Mapping[str, tuple[int, ...]],
@@ -89,7 +89,7 @@ def clip_grad_norm_(
     pieces: Sequence[tuple[torch.Tensor, torch.Tensor | bool]],
     max_norm: float,
     norm_type: float,
-    comm: coll.Comm,
+    comm: Comm,
 ) -> torch.Tensor:
     """Scale every gradient of ``pieces`` (from ``grad_pieces`` on every rank) so that their global
     ``norm_type``-norm is at most ``max_norm``; returns that norm (before scaling) in the gradients'

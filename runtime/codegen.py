@@ -23,6 +23,7 @@ from autopar.passes.dropout import is_keyed
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
 from autopar.runtime.precision import cast_to
+from autopar.runtime.shards import shard_tensor
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
@@ -47,7 +48,7 @@ def shard_param(full: torch.Tensor, placements, mesh_names, sizes, coords) -> to
     x = full
     for p, name, n in zip(placements, mesh_names, sizes):
         if isinstance(p, Shard):
-            x = coll.shard_tensor(x, p.dim, p.chunks, n, coords[name])
+            x = shard_tensor(x, p.dim, p.chunks, n, coords[name])
     return x
 
 

@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
-from autopar.runtime import collectives as coll
 from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule, ends_backward, split_backwards
+from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.executor_p2p import PointToPoint
 from autopar.runtime.executor_state import Stash, backprop, is_comm_failure, restored_rng, rng_state, to_wire
 from autopar.runtime.split_backward import WeightGrads, deferring_weights
@@ -81,7 +81,7 @@ class Executor:
         pp_rank: int,
         stages: dict[int, StageRunner],
         peer_rank: Callable[[int], int],
-        comm: coll.Comm,
+        comm: Comm,
         reduce_grads: Callable[[int], None],
         step: Callable[[], None],
         *,
@@ -164,7 +164,7 @@ class Executor:
         self.p2p.start()
         live = peak = 0
         i, n = 0, len(self.actions)
-        with coll.use_comm(self.comm):
+        with use_comm(self.comm):
             while i < n:
                 a = self.actions[i]
                 if a.kind in P2P_KINDS:

@@ -15,17 +15,16 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.core import Program, Shard
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm, use_comm
+from autopar.runtime.pending import gather
 
 
 @torch.no_grad()
-def whole_values(
-    program: Program, local: Callable[[str], torch.Tensor | None], comm: coll.Comm
-) -> dict[str, torch.Tensor]:
+def whole_values(program: Program, local: Callable[[str], torch.Tensor | None], comm: Comm) -> dict[str, torch.Tensor]:
     """Each value of ``program`` for which ``local(name)`` gives this rank's piece (whole over the ZeRO
     axes), gathered whole over the program's mesh axes: new tensors, never views of ``local``'s."""
     out = {}
-    with coll.use_comm(comm):
+    with use_comm(comm):
         for v in program.inputs:
             if v.kind == "input":
                 continue
@@ -35,7 +34,7 @@ def whole_values(
             x = held
             for p, name in reversed(list(zip(v.type.placements, program.mesh.names))):
                 if isinstance(p, Shard):
-                    x = coll._gather(comm, x, name, p.dim, p.chunks)
+                    x = gather(comm, x, name, p.dim, p.chunks)
             # nothing to gather (one process, a replicated value): a copy, never the module's live tensor
             out[v.name] = x.clone() if x.untyped_storage().data_ptr() == held.untyped_storage().data_ptr() else x
     return out

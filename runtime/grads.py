@@ -40,8 +40,9 @@ from autopar.errors import PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram, stage_program
-from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Action, Kind, Schedule
+from autopar.runtime.comm import Comm
+from autopar.runtime.pending import Pending, start_grad_bucket
 from autopar.runtime.precision import cast_to
 from autopar.solver.buckets import Bucket, backward_order, grad_buckets
 from autopar.solver.cost import BUCKET_BYTES
@@ -56,7 +57,7 @@ class _Sync:
         self.key, self.buckets = key, buckets
         self.params = [[params[n] for n in b.names] for b in buckets]
         self.left = [len(b.names) for b in buckets]  # gradients not final yet
-        self.pending: list[coll.Pending | None] = [None] * len(buckets)
+        self.pending: list[Pending | None] = [None] * len(buckets)
         self.stale = [False] * len(buckets)
         self.of: dict[str, list[int]] = {}  # parameter -> its buckets
         first_axis: dict[str, str] = {}
@@ -79,7 +80,7 @@ class GradSync:
         self,
         program: Program,
         params: dict[str, torch.nn.Parameter],
-        comm: coll.Comm,
+        comm: Comm,
         skip: Callable[[str, str], bool],
         sync_at: dict[int, list[str]] | None = None,
         tied: dict[str, tuple[int, ...]] | None = None,
@@ -157,7 +158,7 @@ class GradSync:
 
     def _launch(self, st: _Sync, i: int) -> None:
         group = self.comm.groups[st.buckets[i].axis]
-        st.pending[i] = coll.start_grad_bucket(st.params[i], group, self._flat(st, i))
+        st.pending[i] = start_grad_bucket(st.params[i], group, self._flat(st, i))
 
     def _final(self, st: _Sync, name: str) -> None:
         for i in st.of.get(name, ()):

@@ -3,7 +3,7 @@
 Two conventions (``compile(batch=...)``):
 
 - ``"global"``: every rank is given the whole batch, checks it, cuts it into the pieces (microbatches,
-  or their halves) and slices each input as its placements say (``collectives.local_inputs``).
+  or their halves) and slices each input as its placements say (``shards.local_inputs``).
 - ``"local"``: a rank is given only its data-parallel shard (``DataLayout.data_rows``: its share of every
   piece, the rows a ``"global"`` call would have it compute on), cut into the pieces the same way. An
   input whose placement splits rows over the data-parallel axes as the layout does (``S(0)`` on each,
@@ -30,9 +30,10 @@ from autopar.errors import BatchError, CaptureError
 from autopar.ir.core import MeshSpec, Program, Shard, Value
 from autopar.ir.layout import deals_rows
 from autopar.passes.capture import flatten_inputs
-from autopar.runtime import collectives as coll
 from autopar.runtime.batch import DataLayout, LossWeight
+from autopar.runtime.comm import Comm
 from autopar.runtime.loss_weight import ProgramWeight
+from autopar.runtime.shards import local_inputs, shard_tensor
 from autopar.runtime.stage_runner import StageRunner
 
 
@@ -64,7 +65,7 @@ class CallInputs:
         self,
         in_spec,
         values: Sequence[Value],
-        comm: coll.Comm,
+        comm: Comm,
         mesh: MeshSpec,
         device: torch.device,
         layout: DataLayout,
@@ -94,7 +95,7 @@ class CallInputs:
             layout.require_divisible()
 
     @classmethod
-    def of(cls, in_spec, program: Program, comm: coll.Comm, device: torch.device, pieces: int, **kw) -> CallInputs:
+    def of(cls, in_spec, program: Program, comm: Comm, device: torch.device, pieces: int, **kw) -> CallInputs:
         """For the user inputs of ``program`` run as ``pieces`` pieces (the rows of one piece: the
         program's inputs' most common dim 0)."""
         values = [v for v in program.inputs if v.kind == "input"]
@@ -202,7 +203,7 @@ class CallInputs:
         if not self.local or not self._direct[i]:
             if self.local:
                 x = self._gather_rows(x.to(self.device))
-            return coll.local_inputs([v], [x], self.comm, self.mesh.names, self.device, what)[0]
+            return local_inputs([v], [x], self.comm, self.mesh.names, self.device, what)[0]
         shape = (x.shape[0] * self.layout.replicas, *x.shape[1:])
         if shape != v.type.shape:
             raise CaptureError(
@@ -212,7 +213,7 @@ class CallInputs:
         local = x.to(self.device)
         for p, name in zip(v.type.placements, self.mesh.names):
             if isinstance(p, Shard) and name not in self._dp:
-                local = coll.shard_tensor(local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name])
+                local = shard_tensor(local, p.dim, p.chunks, self.comm.sizes[name], self.comm.coords[name])
         return local.contiguous()
 
     def _gather_rows(self, x: torch.Tensor) -> torch.Tensor:

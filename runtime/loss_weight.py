@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from autopar.ir.core import Op, Partial, Program, Ref
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.stage_runner import Part
 
 DIVISION = "aten.div.Tensor"
@@ -85,7 +85,7 @@ class ProgramWeight:
     ``divisor_program`` from the piece's inputs as the stages get them (its collectives over ``comm``;
     every rank holding the loss's stage computes it for every piece)."""
 
-    def __init__(self, part: Part, comm: coll.Comm):
+    def __init__(self, part: Part, comm: Comm):
         self.part, self.comm = part, comm
 
     @property
@@ -95,13 +95,13 @@ class ProgramWeight:
 
     @torch.no_grad()
     def __call__(self, env: Mapping[str, torch.Tensor]) -> float:
-        with coll.use_comm(self.comm):
+        with use_comm(self.comm):
             (count,) = self.part(dict(env))
         return float(count)
 
 
 def program_weight(
-    program: Program, build: Callable[[Program, str], Part], comm: coll.Comm, pieces: int
+    program: Program, build: Callable[[Program, str], Part], comm: Comm, pieces: int
 ) -> ProgramWeight | None:
     """``loss_weight="auto"``: the divisor of ``program``'s loss as each piece's weight, its GraphModule made
     by ``build`` (``StageBuilder.part``); ``None`` (equal pieces) for a loss that is no such ratio, or when

@@ -21,7 +21,8 @@ each of its parameter shards once (``runtime/params.py``), registered under the 
   unit (a repeated block, or the root) at a time, with prefetch, in forward and backward
   (``runtime/zero3.py``). ``clip_grad_norm_``:
   ``runtime/clip.py``.
-- ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank.
+- ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank; it and
+  the inspection properties (``stages``, ``trace``, ``measured()``) are in ``runtime/module_views.py``.
 """
 
 from __future__ import annotations
@@ -41,15 +42,15 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime import clip
-from autopar.runtime import collectives as coll
 from autopar.runtime.actions import Schedule
 from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
+from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.executor import Executor
-from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.grads import GradSync
 from autopar.runtime.inputs import CallInputs, stage_reads
 from autopar.runtime.lazy import Deferred, settle
 from autopar.runtime.loss_weight import program_weight
+from autopar.runtime.module_views import ModuleViews
 from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.params import LocalTensors, register
@@ -57,8 +58,6 @@ from autopar.runtime.precision import LossScaler, MixedPrecisionPolicy, cast_flo
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
-from autopar.runtime.timeline import SimResult
-from autopar.runtime.trace import TraceEvent, clock_skews, measured_result, on_one_clock
 from autopar.runtime.zero import ZeroOptimizer
 from autopar.runtime.zero3 import shard_zero3
 from autopar.solver.cost import TrainingSetup
@@ -85,7 +84,7 @@ class RuntimeOptions:
         return 2 if self.sub_pipeline_tp else 1
 
 
-class ParallelModule(torch.nn.Module):
+class ParallelModule(ModuleViews, torch.nn.Module):
     """This rank's stages of the model: call it with the whole batch, as the original module."""
 
     def __init__(
@@ -95,7 +94,7 @@ class ParallelModule(torch.nn.Module):
         schedule: Schedule,
         in_spec,
         out_spec,
-        comm: coll.Comm,
+        comm: Comm,
         get_value,
         device: torch.device | str,
         setup: TrainingSetup | None = None,
@@ -271,7 +270,7 @@ class ParallelModule(torch.nn.Module):
             part = self.forward_runners[0].whole
             gathered = self.zero3.scope() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
-            with coll.use_comm(self.comm), gathered:
+            with use_comm(self.comm), gathered:
                 for i, env in enumerate(pieces):
                     if self.dropout_rng is not None:
                         self.dropout_rng.microbatch = i
@@ -343,100 +342,6 @@ class ParallelModule(torch.nn.Module):
         if self.dropout_rng is not None:
             self.dropout_rng.training = mode
         return self
-
-    # -- the whole model -------------------------------------------------------------------------
-    @torch.no_grad()
-    def full_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Every key of the user's ``model.state_dict()`` (parameters and buffers, tied names too),
-        gathered whole over every mesh axis, on every rank (a collective over all of them).
-        ``grads=True``: the parameters' gradients instead (zeros where there is none)."""
-        values = self._whole(grads)
-        if self._state is None:
-            return values
-        keys, unread = self._state
-        out = {}
-        for key, name in keys.items():
-            if name in values:
-                out[key] = values[name]
-        if not grads:
-            out.update({k: v.clone() for k, v in unread.items()})
-        return out
-
-    def _whole(self, grads: bool = False) -> dict[str, torch.Tensor]:
-        """Every value of the programs, whole, by program name, on every rank."""
-
-        def local(name: str) -> torch.Tensor | None:
-            if self.zero3 is not None and self.zero3.manages(name):
-                return self.zero3.whole_value(name, grad=grads)
-            t = self._local.tensors.get(name)
-            if t is None or (grads and not isinstance(t, torch.nn.Parameter)):
-                return None
-            if grads:
-                return t.grad.detach() if t.grad is not None else torch.zeros_like(t)
-            return t.detach()
-
-        values = whole_values(self.program, local, self.comm)
-        if self._schedule.num_ranks > 1:
-            values = share_over_pipeline(values, self._pp_group, self.device)
-        return values
-
-    def state_keys(self) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-        """(each key of the user's ``model.state_dict()`` -> the program value holding it, tied names to
-        one value; the whole tensors of the keys no program reads): what checkpoints are keyed by."""
-        if self._state is None:
-            return {n: n for n, v in self._values.items() if v.kind != "input"}, {}
-        return self._state
-
-    def local_tensors(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters and buffers by program name, as it holds them (a ZeRO-3 slice in its
-        parameter's place)."""
-        return {**self._local.tensors, **self._params}
-
-    # -- inspection ------------------------------------------------------------------------------
-    @property
-    def optimizer(self):
-        """The optimizer ``make_optimizer`` attached (``None`` if the caller steps its own)."""
-        return self._optimizer
-
-    @property
-    def schedule(self) -> Schedule:
-        return self._schedule
-
-    @property
-    def stages(self) -> dict[int, StageProgram]:
-        """This rank's stage programs of training."""
-        return dict(self._stages)
-
-    @property
-    def stage_modules(self) -> dict[str, torch.fx.GraphModule]:
-        """Generated GraphModules of this rank: ``forward{s}`` (every output), ``stage{s}`` (training)
-        and recompute parts ``stage{s}.head{x}`` / ``stage{s}.rest{x}``."""
-        return dict(self._builder.modules)
-
-    @property
-    def trace(self) -> list[TraceEvent]:
-        """Start and end of every action of this rank's last training step (seconds since it began)."""
-        return list(self._executor.trace) if self._executor is not None else []
-
-    @property
-    def peak_stash(self) -> int:
-        """Most microbatch-stages whose activations this rank held at once in the last step."""
-        return self._executor.peak_stash if self._executor is not None else 0
-
-    def measured(self) -> SimResult:
-        """The last step as a SimResult (chart, bubble ratios) from every pipeline rank's trace.
-        Collective over the pipeline axis."""
-        if self._schedule.num_ranks == 1:
-            return measured_result(self._schedule, [self.trace])
-        mine = (self.trace, self._executor.trace_origin if self._executor is not None else 0.0)
-        got: list[Any] = [None] * self._schedule.num_ranks
-        dist.all_gather_object(got, mine, group=self._pp_group)
-        traces, origins = zip(*got)
-        first = self._schedule.stage_to_rank[0]
-        return measured_result(self._schedule, on_one_clock(traces, origins, clock_skews(self._pp_group), first))
-
-    def coords(self) -> dict[str, int]:
-        return dict(self.comm.coords)
 
 
 def _nothing(*_args) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from autopar.ir.core import Program
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.schedules import make_schedule
@@ -18,7 +18,7 @@ def one_stage_module(
     program: Program,
     in_spec,
     out_spec,
-    comm: coll.Comm,
+    comm: Comm,
     get_value,
     device: torch.device | str = "cpu",
     *,

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from autopar.errors import OptimizerError
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.zero import ZeroOptimizer, whole_gradient_params, zero_axes_of
 
 ParamGroups = Sequence[Mapping[str, Any]] | Callable[[str], Mapping[str, Any] | None]
@@ -92,7 +92,7 @@ def build_optimizer(
     grad_sync: dict[str, list[str]],
     setup,
     program,
-    comm: coll.Comm,
+    comm: Comm,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer_cls`` over this rank's ``params`` (name -> parameter, a ZeRO-3 slice where there is

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from autopar.ir.core import Shard
-from autopar.runtime.collectives import shard_tensor
+from autopar.runtime.shards import shard_tensor
 
 Run = tuple[int, int, int]  # (first local index, first global index, length)
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from autopar.ir.core import MeshSpec, Partial, Placement, Replicate, Shard
-from autopar.runtime.collectives import shard_tensor, unshard_tensor
+from autopar.runtime.shards import shard_tensor, unshard_tensor
 
 
 def distribute(

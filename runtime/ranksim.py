@@ -4,7 +4,7 @@ collectives are computed by their definition over the simulated ranks.
     world = SimWorld(MeshSpec((("dp", 2), ("tp", 2))))
     results = world.run(lambda rank: step(world.comm(rank)))  # one thread per rank, results by rank
 
-Each simulated rank gets a ``collectives.Comm`` whose process groups are ``SimGroup``s: Python
+Each simulated rank gets a ``comm.Comm`` whose process groups are ``SimGroup``s: Python
 subclasses of ``torch.distributed.ProcessGroup``, so ``dist.all_reduce(t, group=g)`` and the rest of
 autopar's runtime (``runtime/collectives.py``: Megatron's f and g, the vocab-parallel lookup and loss,
 gradient sync, ZeRO) run unchanged, forward and backward, with no process group initialised. A
@@ -31,7 +31,7 @@ import torch
 
 from autopar.errors import SimulationError
 from autopar.ir.core import MeshSpec
-from autopar.runtime.collectives import Comm
+from autopar.runtime.comm import Comm
 from autopar.runtime.simgroup import SimGroup, _Aborted, _Done, _Rendezvous
 
 T = TypeVar("T")
@@ -48,7 +48,7 @@ class _Box:
 
 
 class SimPeers:
-    """A simulated rank's ``Comm.peers`` (``collectives.TorchPeers``'s methods): global ranks of its groups,
+    """A simulated rank's ``Comm.peers`` (``comm.TorchPeers``'s methods): global ranks of its groups,
     pipeline point-to-point between global ranks (FIFO per directed pair, as on torch's default group),
     and new groups of any ranks."""
 
@@ -143,7 +143,7 @@ class SimWorld:
         return self._groups[(axis, rank)]
 
     def comm(self, rank: int) -> Comm:
-        """The ``collectives.Comm`` of simulated rank ``rank``: its groups, coordinates and axis sizes."""
+        """The ``comm.Comm`` of simulated rank ``rank``: its groups, coordinates and axis sizes."""
         return Comm(
             groups={a: self._groups[(a, rank)] for a in self.mesh.names},
             coords=self.coords(rank),

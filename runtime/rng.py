@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from autopar.errors import PipelineError
 from autopar.passes.dropout import has_keyed
-from autopar.runtime.collectives import shard_tensor
+from autopar.runtime.shards import shard_tensor
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

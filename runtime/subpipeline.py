@@ -45,6 +45,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm, current_comm
 from autopar.runtime.split_backward import run_backward
 
 _EVENTS: list[tuple[str, int, str, str]] | None = None
@@ -106,7 +107,7 @@ class _Step:
 class _Cut:
     """A cut of one sub-microbatch's graph at a collective with backward communication."""
 
-    comm: coll.Comm
+    comm: Comm
     form: coll.AsyncForm
     kwargs: dict
     label: str
@@ -246,7 +247,7 @@ class Interleaved:
                 x = args[0]
                 cut = tape is not None and form.backward is not None and x.requires_grad
                 if form.forward is not None:
-                    c = coll.current_comm()
+                    c = current_comm()
                     kwargs.pop("defer", None)  # a half waits for its own collective when it resumes
                     work = form.forward(c, *args, **kwargs)
                     _event("F", h, "issue", st.name)
@@ -267,7 +268,7 @@ class Interleaved:
                     cut_off = functools.partial(_detach, detached=detached)
                     for j in st.live:
                         env[j] = pytree.tree_map(cut_off, env[j])
-                    tape.cuts[h].append(_Cut(coll.current_comm(), form, kwargs, st.name, x, out, detached))
+                    tape.cuts[h].append(_Cut(current_comm(), form, kwargs, st.name, x, out, detached))
                 env[st.index] = out
             for k in st.free:
                 env[k] = None

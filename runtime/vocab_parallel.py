@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.collectives import current_comm
+from autopar.runtime.comm import current_comm
 
 
 def vocab_parallel_embedding(

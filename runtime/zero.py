@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from autopar.ir.axes import data_axes
 from autopar.ir.core import Replicate
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.precision import cast_to
 
 
@@ -47,7 +47,7 @@ class _Flat:
         names: list[str],
         params: list[torch.nn.Parameter],
         n_summed: int,
-        comm: coll.Comm,
+        comm: Comm,
         zero_axes: tuple[str, ...],
     ):
         self.names, self.params = names, params
@@ -86,7 +86,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         params: dict[str, torch.nn.Parameter],
         grad_sync: dict[str, list[str]],
         optimizer_cls: type[torch.optim.Optimizer],
-        comm: coll.Comm,
+        comm: Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
@@ -217,7 +217,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         return f"ZeroOptimizer({self.optimizer!r}, zero_axes={self.zero_axes}, replica_axes={self.replica_axes})"
 
 
-def local_slice(flat: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
+def local_slice(flat: torch.Tensor, comm: Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
     """This rank's slice of a flat vector cut over the ZeRO axes one after the other (slices of
     slices); its length must divide by the product of their sizes."""
     for a in zero_axes:
@@ -225,7 +225,7 @@ def local_slice(flat: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...])
     return flat
 
 
-def gather_slices(piece: torch.Tensor, comm: coll.Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
+def gather_slices(piece: torch.Tensor, comm: Comm, zero_axes: tuple[str, ...]) -> torch.Tensor:
     """The inverse of ``local_slice``: all-gather the slices over the ZeRO axes in reverse order."""
     x = piece
     for a in reversed(zero_axes):

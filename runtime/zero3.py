@@ -23,7 +23,8 @@ repeated block, plus the root), FSDP2's ``fully_shard`` per block:
   the backward goes on (a ``whole``
   parameter's gradient, equal on every rank, counts once: ranks off coordinate 0 send zeros), then
   all-reduced across the replica axes (MiCS's hop 2); the end of the backward waits for them and adds
-  the slices into ``.grad`` (running the slices' post-accumulate hooks, as AccumulateGrad would).
+  the slices into ``.grad`` (running the slices' post-accumulate hooks, as AccumulateGrad would):
+  ``runtime/zero3_grads.py``.
 
 ``LiveBytes`` counts the gathered bytes alive; ``peak_gathered`` is their most since ``reset_peak``.
 """
@@ -38,23 +39,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm
 from autopar.runtime.zero import gather_slices, local_slice, whole_gradient_params, zero_axes_of
+from autopar.runtime.zero3_grads import Unit, UnitGrads, free_storage
 from autopar.runtime.zero3_graph import LiveBytes, place_gathers
 from autopar.solver.blocks import param_units
-
-
-@dataclass
-class _Unit:
-    """A unit's layout: parameter indices; each one's slice length and offsets in the concatenated
-    slice (length ``width``) and in the whole buffer (parameters one after the other, padded)."""
-
-    label: str
-    params: list[int]
-    slice_len: list[int]
-    slice_off: list[int]
-    whole_off: list[int]
-    width: int
 
 
 @dataclass
@@ -95,7 +84,7 @@ class Zero3Params:
         self,
         params: dict[str, torch.nn.Parameter],
         names: list[str],
-        comm: coll.Comm,
+        comm: Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
@@ -123,18 +112,20 @@ class Zero3Params:
         self.gathered_bytes = LiveBytes()
         self._live: dict[int, int] = {}  # storage data_ptr of a unit gathered in a forward -> the unit
         self._pending: dict[int, tuple] = {}  # unit -> its gather in flight (a prefetch)
-        self._scatters: list[tuple] = []  # reduce-scatters in flight
+        self._grads = UnitGrads(
+            comm, self.zero_axes, self.replica_axes, self.parts, self.units, self.slices, self.whole
+        )
         self._cache: dict[int, torch.Tensor] = {}  # the backward's gathered units
         self._current = -1  # the unit the backward works in
         self._depth = 0  # scopes entered
         self._pass: _Pass | None = None
         self._queued = False
 
-    def _layout(self, label: str, members: list[str]) -> _Unit:
+    def _layout(self, label: str, members: list[str]) -> Unit:
         idx = [self._index[n] for n in members]
         lens = [self.slices[i].numel() for i in idx]
         offs = [sum(lens[:j]) for j in range(len(idx))]
-        return _Unit(label, idx, lens, offs, [o * self.parts for o in offs], sum(lens))
+        return Unit(label, idx, lens, offs, [o * self.parts for o in offs], sum(lens))
 
     def attach(self, module: torch.fx.GraphModule) -> None:
         """Empty ``module``'s attribute of every managed parameter it holds, and place the gathers and
@@ -174,9 +165,9 @@ class Zero3Params:
         whole = torch.empty(self.parts * unit.width, dtype=out.dtype, device=out.device)
         for n, so, wo in zip(unit.slice_len, unit.slice_off, unit.whole_off):
             whole[wo : wo + n * self.parts].view(self.parts, n).copy_(rows[:, so : so + n])
-        _free(local)
+        free_storage(local)
         self.gathered_bytes.drop(out)
-        _free(out)  # now: the finished collective may still hold a reference to it (FSDP2 frees the same way)
+        free_storage(out)  # now: the finished collective may still hold a reference to it (FSDP2 frees the same way)
         self.gathered_bytes.add(whole)
         return whole
 
@@ -269,23 +260,10 @@ class Zero3Params:
         return self._cache[u]
 
     def _scatter(self, u: int, grads: tuple) -> None:
-        """Start reduce-scattering unit ``u``'s gradients (laid out as the gathered slices)."""
+        """Start reduce-scattering unit ``u``'s gradients (``runtime/zero3_grads.py``)."""
         self._after_backward()
         self._cache.pop(u, None)  # every reader of the unit has run
-        unit = self.units[u]
-        ref = self.slices[unit.params[0]]
-        dtype = self.comm.grad_dtype or ref.dtype  # mixed precision's reduce_dtype
-        buf = torch.zeros(self.parts, unit.width, dtype=dtype, device=ref.device)
-        first = self.zero_axes[0]
-        for i, g, n, so in zip(unit.params, grads, unit.slice_len, unit.slice_off):
-            if g is None or (self.whole[i] and self.comm.coords[first] != 0):
-                continue  # a whole gradient counts once: from coordinate 0
-            flat = torch.nn.functional.pad(g.detach().reshape(-1), (0, n * self.parts - g.numel()))
-            buf[:, so : so + n].copy_(flat.view(self.parts, n))
-        buf = buf.view(-1)
-        out = torch.empty(buf.numel() // self.comm.sizes[first], dtype=buf.dtype, device=buf.device)
-        work = dist.reduce_scatter_single(out, buf, group=self.comm.groups[first], async_op=True)
-        self._scatters.append((u, buf, out, work))
+        self._grads.start(u, grads)
 
     def _after_backward(self) -> None:
         """Queue ``_end_backward`` once per backward (called from inside the autograd engine)."""
@@ -295,43 +273,9 @@ class Zero3Params:
 
     def _end_backward(self) -> None:
         self._queued = False
-        scatters, self._scatters = self._scatters, []
-        for u, buf, out, work in scatters:
-            work.wait()
-            _free(buf)
-            self._accumulate(u, self._rest_of_scatter(u, out))
+        self._grads.finish()
         if not self._depth:
             self._drop()
-
-    def _rest_of_scatter(self, u: int, g: torch.Tensor) -> torch.Tensor:
-        """The reduce-scatter over the remaining ZeRO axes, then the all-reduce across the replicas."""
-        unit = self.units[u]
-        for a in self.zero_axes[1:] + self.replica_axes:
-            if self.comm.coords[a] != 0:  # a whole gradient counts once
-                g = g.clone()
-                rows = g.view(-1, unit.width)
-                for i, n, so in zip(unit.params, unit.slice_len, unit.slice_off):
-                    if self.whole[i]:
-                        rows[:, so : so + n] = 0
-            if a in self.zero_axes:
-                out = torch.empty(g.numel() // self.comm.sizes[a], dtype=g.dtype, device=g.device)
-                dist.reduce_scatter_single(out, g.contiguous(), group=self.comm.groups[a])
-                g = out
-            else:
-                dist.all_reduce(g, group=self.comm.groups[a])
-        return g
-
-    def _accumulate(self, u: int, g: torch.Tensor) -> None:
-        unit = self.units[u]
-        for i, n, so in zip(unit.params, unit.slice_len, unit.slice_off):
-            p = self.slices[i]
-            piece = g[so : so + n]
-            if p.grad is None:
-                p.grad = piece.to(p.dtype, copy=True)
-            else:
-                p.grad += piece
-            for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
-                hook(p)  # as AccumulateGrad runs them (the data-parallel sync of other axes)
 
     def peak_gathered(self) -> int:
         """The most bytes of gathered parameters alive at once since ``reset_peak``."""
@@ -366,7 +310,7 @@ class Zero3Params:
         return name in self._index
 
 
-def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: coll.Comm, modules) -> Zero3Params | None:
+def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: Comm, modules) -> Zero3Params | None:
     """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
     managed ones sliced, grouped in units by the program's repeated blocks (``solver/blocks.py``), and
     gathered unit by unit in every generated module of ``modules``; ``None`` otherwise."""
@@ -388,11 +332,6 @@ def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: col
     for gm in modules:
         zero3.attach(gm)
     return zero3
-
-
-def _free(t: torch.Tensor) -> None:
-    """Free ``t``'s memory though something (a finished collective's work object) still refers to it."""
-    t.untyped_storage().resize_(0)
 
 
 class _Token:

@@ -171,7 +171,7 @@ class ClusterSpec:
 
     def runs_as(self, kind: str) -> str:
         """The collective that runs for ``kind`` on this backend: gloo has no reduce-scatter, and autopar's
-        runtime all-reduces and keeps the local slice there (``runtime/collectives.py``, ``runtime/zero.py``),
+        runtime all-reduces and keeps the local slice there (``runtime/pending.py``, ``runtime/zero.py``),
         so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's)."""
         return "all_reduce" if kind == "reduce_scatter" and self.backend == "gloo" else kind
 

@@ -16,7 +16,9 @@ from autopar.errors import SimulationError
 from autopar.ir.core import MeshSpec
 from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
+from autopar.runtime import pending as inflight
 from autopar.runtime import ranksim, rng
+from autopar.runtime.comm import use_comm
 from autopar.runtime.ranksim import SimWorld
 
 GPT3 = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
@@ -62,9 +64,9 @@ def test_check_names_a_broken_forward_collective(monkeypatch, capsys) -> None:
     """Reductions that forget to reduce: the first all-reduce or reduce-scatter's output differs and is named."""
 
     def no_reduce(c, x, axis, op, then=None):
-        return coll.Pending(None, lambda: then(x.clone()) if then is not None else x.clone())
+        return inflight.Pending(None, lambda: then(x.clone()) if then is not None else x.clone())
 
-    monkeypatch.setattr(coll, "_start_reduce", no_reduce)
+    monkeypatch.setattr(inflight, "start_reduce", no_reduce)
     # least memory shards the weights over tp, so the forward reduces partial sums
     rc, out = _check(capsys, GPT3, "--mesh", "tp=2", "--objective", "memory")
     assert rc == 1 and "first op whose output differs" in out, out
@@ -75,7 +77,7 @@ def test_check_names_a_broken_forward_collective(monkeypatch, capsys) -> None:
 def test_check_names_a_broken_backward_collective(monkeypatch, capsys) -> None:
     """Megatron's f without its backward all-reduce: forward agrees, a gradient differs, and the op whose
     backward made it (a grad_all_reduce) is named among the consumers."""
-    monkeypatch.setattr(coll, "_bwd_grad_all_reduce", lambda c, g, axis: coll.Pending(None, lambda: g))
+    monkeypatch.setattr(inflight, "bwd_grad_all_reduce", lambda c, g, axis: inflight.Pending(None, lambda: g))
     rc, out = _check(capsys, GPT3, "--mesh", "tp=2", "--objective", "memory")
     assert rc == 1 and "first gradient that differs" in out, out
     assert "grad_all_reduce" in out.split("made by the backward of its consumers:")[1], out
@@ -89,7 +91,7 @@ def test_simulated_collectives() -> None:
     def step(rank: int):
         c = world.comm(rank)
         x = torch.full((2, 3), float(rank), dtype=torch.float64, requires_grad=True)
-        with coll.use_comm(c):
+        with use_comm(c):
             y = coll.all_reduce(x, "tp")  # ranks (dp, tp): 0 1 | 2 3
             z = coll.all_gather(y, "dp", 0)
             m = torch.tensor([float(rank)])
@@ -111,7 +113,7 @@ def test_simulated_collectives() -> None:
     assert out[1][4] == [0.0, 0.0] and out[3][4] == [2.0, 2.0]
 
     def mismatched(rank: int):
-        with coll.use_comm(world.comm(rank)):
+        with use_comm(world.comm(rank)):
             coll.all_reduce(torch.ones(rank + 1), "tp")
 
     with pytest.raises(SimulationError, match="called different collectives"):
@@ -120,7 +122,7 @@ def test_simulated_collectives() -> None:
     def failing(rank: int):
         if rank == 2:
             raise ValueError("boom")
-        with coll.use_comm(world.comm(rank)):
+        with use_comm(world.comm(rank)):
             coll.all_reduce(torch.ones(1), "tp")
 
     with pytest.raises(SimulationError, match=r"rank 2 .*boom"):

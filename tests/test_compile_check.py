@@ -36,7 +36,7 @@ def _compile(rank: int, world: int) -> dict[str, object]:
     from autopar.check import CHECK_MAX_PARAMS
     from autopar.models import build
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime import collectives as coll
+    from autopar.runtime import pending as inflight
 
     mesh = autopar.init_mesh("cpu", tp=world)
     options = ShardOptions(objective="memory")
@@ -51,8 +51,8 @@ def _compile(rank: int, world: int) -> dict[str, object]:
     assert out["large_params"] > CHECK_MAX_PARAMS
     compiled = autopar.compile(large.model, mesh, large.args, large.kwargs, options=options, check=True)
     out["large"] = "compiled"
-    start = coll._start_reduce
-    coll._start_reduce = lambda c, x, axis, op, then=None: coll.Pending(
+    start = inflight.start_reduce
+    inflight.start_reduce = lambda c, x, axis, op, then=None: inflight.Pending(
         None, lambda: then(x.clone()) if then is not None else x.clone()
     )
     try:
@@ -61,7 +61,7 @@ def _compile(rank: int, world: int) -> dict[str, object]:
     except CheckError as e:
         out["broken"] = str(e)
     finally:
-        coll._start_reduce = start
+        inflight.start_reduce = start
     return out
 
 

@@ -9,7 +9,7 @@ from autopar.errors import CaptureError
 from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
-from autopar.runtime.collectives import shard_tensor, unshard_tensor
+from autopar.runtime.shards import shard_tensor, unshard_tensor
 from autopar.solver.strategies import op_strategies
 
 

@@ -23,8 +23,8 @@ from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.models import build
 from autopar.passes.shard import ShardOptions
-from autopar.runtime import collectives as coll
 from autopar.runtime.batch import sub_microbatch
+from autopar.runtime.comm import Comm
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
 from autopar.runtime.precision import (
@@ -197,7 +197,7 @@ def simulated(
     run = RuntimeOptions(MICROBATCHES, precision=policy)
 
     def rank(r: int) -> dict:
-        comm: coll.Comm = world.comm(r)
+        comm: Comm = world.comm(r)
         pipe = ParallelModule(
             forward, training, schedule, captured.in_spec, captured.out_spec, comm, get_value, "cpu",
             options.setup, run, state=state,
@@ -336,7 +336,7 @@ def test_compute_copy_captures_the_bf16_program_and_keeps_the_masters() -> None:
 
 
 def test_loss_scaler_grows_after_good_steps_and_backs_off() -> None:
-    comm = coll.Comm(groups={}, coords={}, sizes={})
+    comm = Comm(groups={}, coords={}, sizes={})
     scaler = LossScaler(LossScaling(init_scale=8.0, growth_interval=2))
     g = torch.full((3,), 16.0)
     assert scaler.seeds(None, 2, 1) == [[4.0], [4.0]]

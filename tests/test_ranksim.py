@@ -15,6 +15,7 @@ from autopar.float64 import Float64Mode
 from autopar.ir.core import MeshSpec
 from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
+from autopar.runtime.comm import use_comm
 from autopar.runtime.ranksim import SimWorld
 from autopar.runtime.split_backward import deferring_weights, run_backward
 from autopar.simtrain import SimCompiled
@@ -35,14 +36,14 @@ def test_a_collective_left_half_met_by_a_failed_run_does_not_leak_into_the_next(
             while rv.arrived == 0:  # rank 1 is inside the all-reduce: now fail
                 time.sleep(0.001)
             raise ValueError("boom")
-        with coll.use_comm(world.comm(rank)):
+        with use_comm(world.comm(rank)):
             coll.all_reduce(torch.full((1,), 100.0), "tp")
 
     with pytest.raises(SimulationError, match="rank 0 .*boom"):
         world.run(fail_once_joined)
 
     def reduce(rank: int) -> float:
-        with coll.use_comm(world.comm(rank)):
+        with use_comm(world.comm(rank)):
             return float(coll.all_reduce(torch.full((1,), float(rank + 1)), "tp"))
 
     assert world.run(reduce) == [3.0, 3.0]

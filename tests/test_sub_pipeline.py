@@ -15,6 +15,7 @@ import torch.fx as fx
 from autopar.errors import SubPipelineError
 from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
+from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events
 from tests.equivalence import overlapped_issues
@@ -26,7 +27,7 @@ def one_rank_tp():
     """A gloo group of one process as the ``tp`` axis: every collective runs (asynchronously too)."""
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        yield coll.Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
+        yield Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
     finally:
         dist.destroy_process_group()
 
@@ -59,7 +60,7 @@ def test_interleaved_equals_the_module_in_outputs_and_gradients(one_rank_tp):
     xs = [torch.randn(4, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)]
     gh = torch.randn(4, 8, dtype=torch.float64)
     half = torch.tensor(0.5, dtype=torch.float64)
-    with coll.use_comm(one_rank_tp):
+    with use_comm(one_rank_tp):
         want, want_grads = [], []
         for x in xs:
             leaf = x.clone().requires_grad_(True)

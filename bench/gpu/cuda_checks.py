@@ -52,13 +52,13 @@ def eager(precision: str, device: str = "cuda") -> list[float]:
     """Eager PyTorch on the GPU under the same policy as autopar's: each step a compute-dtype copy of the fp32
     model (``precision.compute_copy``) runs forward and backward, its gradients become the fp32 masters'
     (fp16: scaled and unscaled by autopar's ``LossScaler`` arithmetic, steps with an overflow skipped)."""
-    from autopar.runtime import collectives as coll
+    from autopar.runtime.comm import Comm
     from autopar.runtime.precision import LossScaler, LossScaling, compute_copy
 
     model, batches = _batches(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = LossScaler(LossScaling()) if precision == "fp16" else None
-    nobody = coll.Comm(groups={}, coords={}, sizes={})
+    nobody = Comm(groups={}, coords={}, sizes={})
     losses = []
     for b in batches:
         run = model if precision == "fp32" else compute_copy(model, DTYPES[precision])

@@ -1,0 +1,280 @@
+"""Per-stage terms of a whole-plan candidate: the pipeline cut, each stage's compute and communication seconds.
+
+With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base of ``price.Analytic``):
+
+- stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
+  (``stage_layout.py``: balanced FLOPs, per rank for a V of one wave, or Megatron's L / S layers each);
+- compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
+  twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+  of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
+  once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
+  all of the first stage's (it has no input gradient to compute: its input is data);
+- communication (``comm_time.py``): tensor-parallel all-reduces and pipeline transfers; ZeRO-3's
+  weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
+- per stage also: the activations a microbatch keeps, what full recomputation saves of them, the
+  largest layer's activations, the parameters, and when microbatch 0 reaches the stage and the last
+  gradient leaves it (for the step-time bound).
+
+What is estimated rather than exact: efficiency is a constant fraction of peak (no dependence on
+matrix sizes or micro-batch size), and elementwise kernels are priced as FLOPs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from autopar.runtime.schedules import stage_aware_ratios
+from autopar.search.comm_time import CommTime
+from autopar.search.profile import Profile, UnitCost
+from autopar.search.space import ZERO_BUBBLE, Candidate
+from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import EFFICIENCY, TrainingSetup
+from autopar.solver.pipeline_shape import stage_ranks
+
+
+class StageTerms:
+    """Per-stage terms of the candidates for one profile, cluster, global batch and training setup."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        cluster: ClusterSpec,
+        global_batch: int,
+        precision: str = "bf16",
+        optimizer: str = "adam",
+        efficiency: float = EFFICIENCY,
+        scatter_gather: bool = True,
+    ):
+        self.p, self.cluster, self.B = profile, cluster, global_batch
+        self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
+        self.scatter_gather = scatter_gather
+        dtype = "fp32" if precision == "fp32" else precision
+        self.flop_rate = cluster.peak(dtype) * efficiency
+        self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
+        self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
+        self.copy_b = TrainingSetup(optimizer, precision).copy_bytes
+        self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
+        self.zero0_dominated = cluster.runs_as("reduce_scatter") == "reduce_scatter"
+        units = profile.units
+        self.n = len(units)
+        rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
+        self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
+        self._is_layer = [u.kind == "layer" for u in units]
+        self._max_layer_act: dict[tuple[int, int, int], float] = {}
+        self._bases: dict[tuple, Any] = {}
+        self._fractions: dict[tuple, tuple[float, ...]] = {}
+
+    # -- layouts (stage_layout.py) ----------------------------------------------------------------
+    @functools.cache  # noqa: B019 - one Analytic per search
+    def balanced_layout(self, stages: int) -> Layout | None:
+        return balanced_layout([u.flops for u in self.p.units], stages)
+
+    @functools.cache  # noqa: B019
+    def even_layout(self, stages: int) -> Layout | None:
+        return even_layout(self._is_layer, stages)
+
+    @functools.cache  # noqa: B019
+    def balanced_v_layout(self, pp: int) -> Layout | None:
+        return balanced_v_layout([u.flops for u in self.p.units], pp)
+
+    def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
+        """Megatron's even layout, or the balanced one: per rank for a V (a rank's two chunks together)."""
+        if c.layout == "even":
+            return self.even_layout(c.num_stages)
+        if c.waves == 1 and c.pp > 1:
+            return self.balanced_v_layout(c.pp)
+        return self.balanced_layout(c.num_stages)
+
+    # -- pieces -----------------------------------------------------------------------------------
+    def _sum(self, key: str, a: int, b: int) -> float:
+        pre = self._pre[key]
+        return pre[b] - pre[a]
+
+    def max_layer_act(self, a: int, b: int, tp: int) -> float:
+        key = (a, b, tp)
+        if key not in self._max_layer_act:
+            self._max_layer_act[key] = max(
+                (u.act(tp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
+            )
+        return self._max_layer_act[key]
+
+    def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
+        nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
+        return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp))
+
+    def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
+        return tuple(stage_ranks(c.pp, c.chunks, c.waves))
+
+    def recompute_fractions(self, c: Candidate) -> tuple[float, ...]:
+        """Fraction of each stage's layers recomputed (per rank for SCP: 1 - alpha_i)."""
+        S = c.num_stages
+        if c.recompute == "none":
+            return (0.0,) * S
+        if c.recompute == "full":
+            return (1.0,) * S
+        key = (S, c.alpha1)
+        if key not in self._fractions:
+            self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, c.alpha))
+        return self._fractions[key]
+
+    def _base(self, c: Candidate, z3: int):
+        """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
+        layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
+        with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
+        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
+        if key in self._bases:
+            return self._bases[key]
+        if z3:
+            plain = self._base(c, 0)
+            self._bases[key] = None if plain is None else self._zero3(c, z3, plain)
+            return self._bases[key]
+        stages = self.layout(c)
+        if stages is None:
+            self._bases[key] = None
+            return None
+        b, tp = c.micro_batch, c.tp
+        ranks = self.stage_ranks(c)
+        sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
+        rate = self.flop_rate
+        tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
+        S = self._sum
+        for a, e in stages:
+            f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
+            fwd = b * (f_tp / tp + f_all - f_tp) / rate
+            # recomputation touches the stage's layers only (embeddings and head keep their activations)
+            lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
+            rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
+            params = S("params_tp", a, e) / tp + S("params_rep", a, e)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp))
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
+            tw.append(b * S("wflops", a, e) / tp / rate)
+            acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
+            wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
+            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
+            saving.append(lacts - S("linput_bytes", a, e) * sa)
+            layer_act.append(self.max_layer_act(a, e, tp) * sa)
+            params_of.append(params)
+        tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
+        tc = tuple(
+            self.comm.p2p(c, ranks[s], ranks[s + 1], self.p.units[stages[s + 1][0]].input_bytes * sa)
+            for s in range(len(stages) - 1)
+        )
+        mine: list[list[int]] = [[] for _ in range(c.pp)]
+        for s, r in enumerate(ranks):
+            mine[r].append(s)
+        head, tail = _head_tail(tf, tb, tc)
+        base = (
+            stages,
+            ranks,
+            tuple(tf),
+            tuple(tb),
+            tuple(tr),
+            tc,
+            tuple(tw),
+            acts,
+            saving,
+            layer_act,
+            params_of,
+            [0.0] * len(stages),  # bytes of weights gathered while the stage runs (ZeRO-3)
+            mine,
+            head,
+            tail,
+            tuple(wkept),
+        )
+        self._bases[key] = base
+        return base
+
+    def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
+        """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/zero3.py`` runs it: one all-gather per unit
+        (the stage's embedding/head units, each layer) in every forward, backward and recomputation,
+        one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across the
+        groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. While a
+        stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
+        DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
+        intra_g = self.comm.intra(c.tp * z3)
+        split = c.schedule in ZERO_BUBBLE
+        gather, scatter, gathered = [], [], []
+        for a, e in stages:
+            units = [(u.kind == "layer", u.params_tp / c.tp + u.params_rep) for u in self.p.units[a:e]]
+            gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g) for _, p in units))
+            scatter.append(
+                sum(
+                    self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c)
+                    for _, p in units
+                )
+            )
+            layers = sorted((p for lay, p in units if lay), reverse=True)
+            gathered.append((sum(p for lay, p in units if not lay) + sum(layers[:2])) * self.weight_b)
+        tf = tuple(t + g for t, g in zip(tf, gather))
+        tb = tuple(t + g + r + (g if split else 0.0) for t, g, r in zip(tb, gather, scatter))
+        tr = tuple(t + g for t, g in zip(tr, gather))
+        if split:
+            tw = tuple(t + g + r for t, g, r in zip(tw, gather, scatter))
+        head_tail = _head_tail(tf, tb, tc)
+        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept)
+
+
+_SUMMED = (
+    "flops",
+    "flops_tp",
+    "params_tp",
+    "params_rep",
+    "act_tp",
+    "act_rep",
+    "ar_fwd_bytes",
+    "ar_fwd_count",
+    "ar_bwd_bytes",
+    "ar_bwd_count",
+    "lflops",
+    "lflops_tp",
+    "lact_tp",
+    "lact_rep",
+    "linput_bytes",
+    "lar_fwd_bytes",
+    "lar_fwd_count",
+    "wflops",
+    "wgrad_tp",
+    "wgrad_rep",
+)
+
+
+def _head_tail(tf: Sequence[float], tb: Sequence[float], tc: Sequence[float]) -> tuple[list[float], list[float]]:
+    """Per stage: when microbatch 0's forward reaches it, and how long the last gradient takes from it to stage 0."""
+    head, tail = [0.0], [0.0]
+    for s in range(len(tf) - 1):
+        head.append(head[-1] + tf[s] + tc[s])
+        tail.append(tail[-1] + tb[s] + tc[s])
+    return head, tail
+
+
+def _prefix(values: Sequence[float]) -> list[float]:
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
+
+
+def _augment(units: tuple[UnitCost, ...], seq: int) -> list[dict[str, float]]:
+    out = []
+    for u in units:
+        d = asdict(u)
+        d["wflops"] = min(2 * seq * u.params_tp, u.flops_tp)  # weight gradients: the weight matmuls once more
+        lay = u.kind == "layer"
+        d["lflops"] = u.flops if lay else 0.0
+        d["lflops_tp"] = u.flops_tp if lay else 0.0
+        d["lact_tp"] = u.act_tp if lay else 0.0
+        d["lact_rep"] = u.act_rep if lay else 0.0
+        d["linput_bytes"] = u.input_bytes if lay else 0.0
+        d["lar_fwd_bytes"] = u.ar_fwd_bytes if lay else 0.0
+        d["lar_fwd_count"] = u.ar_fwd_count if lay else 0
+        out.append(d)
+    return out
+
+
+__all__ = ["StageTerms"]
