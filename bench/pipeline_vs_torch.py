@@ -191,12 +191,9 @@ def _one_way_seconds(shape, reps: int = 20) -> float:
 
 def _gathered(sched, ex):
     """Every rank's trace of the executor's last step, on one clock, as a SimResult. Collective."""
-    from autopar.runtime.trace import clock_skews, measured_result, on_one_clock
+    from autopar.runtime.trace import gathered_result
 
-    got = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (ex.trace, ex.trace_origin))
-    traces, origins = zip(*got)
-    return measured_result(sched, on_one_clock(traces, origins, clock_skews(), sched.stage_to_rank[0]))
+    return gathered_result(sched, ex.trace, ex.trace_origin)
 
 
 def _timed(fn) -> float:

@@ -164,10 +164,10 @@ def _priced_step(sched, m, args, tc: float) -> dict:
     """One measured step beside two simulations of it: the nominal compute with the overheads the step
     measured (ping-pong t_c, the compute thread's time per send, the executor's time per action), and
     every cost as the step measured it (each stage's mean F, B and W, the in-step hop as t_c)."""
-    traced = _measured_costs(sched, m)
-    overheads = simulate(sched, simulated_costs(sched, args, tc, traced.t_send, traced.t_action))
     hop = _in_step_hop(sched, m)
-    measured = simulate(sched, _measured_costs(sched, m, hop))
+    traced = _measured_costs(sched, m, hop)
+    overheads = simulate(sched, simulated_costs(sched, args, tc, traced.t_send, traced.t_action))
+    measured = simulate(sched, traced)
     return {
         "sim_bubble_overheads": float(overheads.bubble_ratio),
         "sim_bubble_measured": float(measured.bubble_ratio),

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
@@ -20,7 +19,7 @@ from autopar.runtime.export import share_over_pipeline, whole_values
 from autopar.runtime.params import LocalTensors
 from autopar.runtime.stages import StageBuilder
 from autopar.runtime.timeline import SimResult
-from autopar.runtime.trace import TraceEvent, clock_skews, measured_result, on_one_clock
+from autopar.runtime.trace import TraceEvent, gathered_result, measured_result
 from autopar.runtime.zero3 import Zero3Params
 
 
@@ -126,12 +125,8 @@ class ModuleViews:
         Collective over the pipeline axis."""
         if self._schedule.num_ranks == 1:
             return measured_result(self._schedule, [self.trace])
-        mine = (self.trace, self._executor.trace_origin if self._executor is not None else 0.0)
-        got: list[Any] = [None] * self._schedule.num_ranks
-        dist.all_gather_object(got, mine, group=self._pp_group)
-        traces, origins = zip(*got)
-        first = self._schedule.stage_to_rank[0]
-        return measured_result(self._schedule, on_one_clock(traces, origins, clock_skews(self._pp_group), first))
+        origin = self._executor.trace_origin if self._executor is not None else 0.0
+        return gathered_result(self._schedule, self.trace, origin, self._pp_group)
 
     def coords(self) -> dict[str, int]:
         return dict(self.comm.coords)

@@ -95,6 +95,19 @@ def on_one_clock(
     return [[TraceEvent(e.action, e.start + t - zero, e.end + t - zero) for e in tr] for tr, t in zip(traces, starts)]
 
 
+def gathered_result(
+    schedule: Schedule, trace: Sequence[TraceEvent], origin: float, group: dist.ProcessGroup | None = None
+) -> SimResult:
+    """``measured_result`` of every pipeline rank's last step (this rank's ``trace`` begun at ``origin``),
+    on one clock from the start of the rank holding stage 0. Collective over ``group`` (its ranks in
+    pipeline order)."""
+    n = dist.get_world_size(group)
+    got: list[Any] = [None] * n
+    dist.all_gather_object(got, (list(trace), origin), group=group)
+    traces, origins = zip(*got)
+    return measured_result(schedule, on_one_clock(traces, origins, clock_skews(group), schedule.stage_to_rank[0]))
+
+
 def _peak_stash(trace: Sequence[TraceEvent]) -> int:
     """Most microbatch-stages stashed at once: from each F to the end of its backward (its W when split)."""
     split = split_backwards([e.action for e in trace])
@@ -115,4 +128,4 @@ def finish_receive(trace: list[TraceEvent], recv: Action, end: float) -> None:
             return
 
 
-__all__ = ["TraceEvent", "clock_skews", "finish_receive", "measured_result", "on_one_clock"]
+__all__ = ["TraceEvent", "clock_skews", "finish_receive", "gathered_result", "measured_result", "on_one_clock"]
