@@ -293,6 +293,19 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert out["peak_activations"] == [4, 3, 2, 1]
 
 
+def test_cli_simulates_the_zero_bubble_schedules(capsys: pytest.CaptureFixture[str]) -> None:
+    """``autopar simulate --schedule zb-h1|zb-h2|zbv|dualpipev``: ZB-H1's step is M (T_F + T_B) plus its closed-form
+    bubble (p-1)(T_F + T_B - T_W) with T_B = T_W = 1 the input and weight halves of ``--tb 2``; the V schedules'
+    bubble is no larger."""
+    steps = {}
+    for name in ("zb-h1", "zb-h2", "zbv", "dualpipev"):
+        argv = ["simulate", "--schedule", name, "-P", "4", "-M", "8", "--tf", "1", "--tb", "2", "--tw", "1", "--json"]
+        assert main(argv) == 0
+        steps[name] = json.loads(capsys.readouterr().out)["step_time"]
+    assert steps["zb-h1"] == pytest.approx(8 * 3 + 3 * (1 + 1 - 1))
+    assert steps["zbv"] <= steps["zb-h1"] and steps["dualpipev"] <= steps["zb-h1"]
+
+
 def test_cli_print_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
     argv = [
         "simulate",
