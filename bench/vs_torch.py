@@ -11,6 +11,9 @@ A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_tor
 - ``dp``: autopar.compile on dp=2 (the default plan: fastest within the memory) vs torch DDP; GPT-2;
 - ``zero3``: autopar with ZeRO-3 on dp=2 vs FSDP2 (``fully_shard`` per decoder layer, then the root); LLaMA;
 - ``tp``: autopar on tp=2 (its plan) vs DTensor TP (``parallelize_module``, Megatron's layout); LLaMA;
+- ``tp-megatron``: autopar with Megatron's layout fixed on tp=2, its f fused with the matmuls that read it (the
+  input gradient's all-reduce overlapping the weight gradients) vs the same without the fusion and vs DTensor TP
+  (the same layout); LLaMA;
 - ``search``: on --search-ranks (4) ranks, the plan ``autopar.search`` picks for this machine (searched once,
   before the rounds) vs DDP, FSDP2, DTensor TP and FSDP2 x TP (dp=2 x tp=2); LLaMA. The fastest hand-written
   peer (the smallest median) is marked; autopar's default plan on dp over all ranks runs beside them for
@@ -60,6 +63,7 @@ PAIRS = {
     "dp": ("autopar-dp", ("ddp",)),
     "zero3": ("autopar-zero3", ("fsdp2",)),
     "tp": ("autopar-tp", ("dtensor-tp",)),
+    "tp-megatron": ("autopar-megatron", ("autopar-megatron-unfused", "dtensor-tp")),  # the same layout on both
     "search": ("autopar-search", ("ddp", "fsdp2", "dtensor-tp", "fsdp2-tp", "autopar-dp")),  # + autopar's dp plan
 }
 PP_SCHEDULES = ("1f1b", "interleaved")
@@ -208,7 +212,7 @@ def run_pp(a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp, search, pp")
+    p.add_argument("--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp, tp-megatron, search, pp")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--search-ranks", type=int, default=4, help="ranks of the search pair")
     p.add_argument("--pp-ranks", type=int, default=4, help="ranks of the emulated pipeline runs")

@@ -4,6 +4,9 @@ Every system is built from the same model spec and seed on every rank and return
 
 - ``autopar-dp`` / ``autopar-tp`` / ``autopar-zero3``: ``autopar.compile`` on a dp or tp mesh of all ranks
   (ZeRO-3: ``TrainingSetup(zero=3)``); ``autopar-pp``: on a pp mesh, 1F1B over ``--microbatches``;
+- ``autopar-megatron``: ``autopar.compile`` on a tp mesh of all ranks with Megatron's layout fixed (the DTensor TP
+  peer's), each f fused with its matmuls so that its gradient's all-reduce overlaps their weight gradients
+  (``runtime/column_linear.py``); ``autopar-megatron-unfused``: the same without the fusion;
 - ``autopar-search``: ``autopar.compile`` (default objective) on the mesh, ZeRO stage and pipeline that
   ``autopar.search`` chose for these ranks on this machine's cluster spec (``prepare_search``, once in the
   parent);
@@ -15,6 +18,7 @@ Every system is built from the same model spec and seed on every rank and return
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 GPT2_SYSTEMS = {"autopar-dp", "ddp", "autopar-pp"}  # the dp pair's model is GPT-2 (issue 13's table)
+MEGATRON_SYSTEMS = ("autopar-megatron", "autopar-megatron-unfused")
 
 
 class LossOnly(torch.nn.Module):
@@ -96,11 +101,15 @@ def build_system(system: str, family: str, a, rank: int):
             kwargs["options"] = ShardOptions(setup=setup)
         elif system == "autopar-pp":
             axes, kwargs = {"pp": world}, {"microbatches": a.microbatches}
+        elif system in MEGATRON_SYSTEMS:  # Megatron's layout, as the DTensor TP peer's
+            axes = {"tp": world}
+            kwargs["options"] = _megatron_options(model, batch, axes)
         else:
             axes = {"autopar-tp": {"tp": world}}.get(system, {"dp": world})
         if system == "autopar-zero3":
             kwargs["options"] = ShardOptions(setup=TrainingSetup(zero=3))
-        cm = autopar.compile(model, autopar.init_mesh("cpu", **axes), kwargs=batch, **kwargs)
+        with _unfused() if system == "autopar-megatron-unfused" else contextlib.nullcontext():
+            cm = autopar.compile(model, autopar.init_mesh("cpu", **axes), kwargs=batch, **kwargs)
         if cm.schedule.num_stages > 1:  # the caller steps it after train_step (an attached one zeroes the grads)
             return cm, torch.optim.AdamW(cm.parameters(), lr=1e-4), batch
         return cm, cm.make_optimizer(torch.optim.AdamW, lr=1e-4), batch  # ZeRO-1/2 slices where planned
@@ -132,6 +141,33 @@ def build_system(system: str, family: str, a, rank: int):
         rows = {k: v.chunk(world // tp)[dp_rank] for k, v in batch.items()}
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4), rows
     raise ValueError(f"unknown system {system!r}")
+
+
+def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int]):
+    """autopar's sharding options that fix Megatron's layout (column/row-parallel linears, vocab-parallel
+    embedding and head), computed with each weight shard in place."""
+    from autopar.ir.core import MeshSpec
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.passes.shard import ShardOptions
+    from autopar.solver.baselines import megatron_constraints
+
+    prog = lower(capture(model, (), batch), MeshSpec(tuple(axes.items())))
+    return ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+
+
+@contextlib.contextmanager
+def _unfused():
+    """Compile without fusing Megatron's f with its matmuls (runtime/column_linear.py): f's all-reduce then
+    overlaps nothing, as before the fusion (the A/B of the benchmark's tp-megatron pair)."""
+    from autopar.runtime import codegen
+
+    groups = codegen.column_groups
+    codegen.column_groups = lambda *args: {}
+    try:
+        yield
+    finally:
+        codegen.column_groups = groups
 
 
 def _megatron_tp(model: LossOnly, mesh) -> None:

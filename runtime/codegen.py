@@ -22,6 +22,7 @@ from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value,
 from autopar.passes.dropout import is_keyed
 from autopar.runtime import collectives as coll
 from autopar.runtime import rng as keyed
+from autopar.runtime.column_linear import ColumnGroup, column_groups, column_linears
 from autopar.runtime.precision import cast_to
 from autopar.runtime.shards import shard_tensor
 from autopar.runtime.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
@@ -59,6 +60,7 @@ def codegen(
     device: torch.device | str = "cpu",
     local_tensor: Callable[[Value], torch.Tensor] | None = None,
     rng: keyed.DropoutRng | None = None,
+    overlap_tp: bool = True,
 ) -> fx.GraphModule:
     """Build the GraphModule of the rank at mesh coordinates ``coords``.
 
@@ -68,6 +70,9 @@ def codegen(
     parameters this way (autopar.passes.stage_program).
     ``rng`` is the state the rank's keyed dropouts read (seed, step, microbatch; runtime/rng.py), shared
     by every module of the rank; the module keeps it as ``autopar_rng`` (a fresh one, seed 0, if none).
+    ``overlap_tp``: each Megatron f read only by matmuls is emitted fused with them, so that its gradient's
+    all-reduce overlaps their weight gradients (``runtime/column_linear.py``); off where the backward is split
+    (zero-bubble's B and W) or cut at f (sub-pipelined tensor parallelism).
     """
     device = torch.device(device)
     sizes = prog.mesh.sizes
@@ -115,10 +120,14 @@ def codegen(
     fused = _bias_adds(prog, types, users)
     deferred = _returned_scalar_sums(prog, types, users)
     one_rank = {name: n == 1 for name, n in zip(prog.mesh.names, sizes)}  # collectives there are the identity
+    groups = column_groups(prog, users, fused) if overlap_tp else {}
+    producers = prog.producers()
     fused_matmuls = {mm.result for mm, _ in fused.values()}
-    for op in prog.ops:
+    done: set[str] = set()  # results emitted ahead of their place (a fused group's readers, hoisted weights)
+
+    def emit(op: Op) -> None:
         if op.result in fused_matmuls:  # emitted with its bias add
-            continue
+            return
         if op.result in fused:
             mm, bias = fused[op.result]
             x, w = (env[r.name] for r in mm.args)
@@ -128,6 +137,9 @@ def codegen(
                 node = graph.call_function(torch.ops.aten.linear.default, (x, w, env[bias]))
         elif op.target in COLLECTIVES and one_rank.get(op.kwargs.get("axis"), False):  # over one rank: x itself
             node = graph.call_function(torch.ops.aten.alias.default, (env[op.args[0].name],))
+        elif op.result in groups and _ready(groups[op.result], env, producers, emit, done):
+            _emit_group(graph, groups[op.result], env, done)
+            return
         elif op.target in COLLECTIVES:
             kwargs = dict(op.kwargs)
             if op.result in deferred:
@@ -166,6 +178,10 @@ def codegen(
                 env[r] = graph.call_function(_getitem, (node, i))
                 env[r].meta["autopar_value"] = r
         node.meta["path"] = op.path
+
+    for op in prog.ops:
+        if op.result not in done:
+            emit(op)
     graph.output(tuple(map_refs(list(prog.outputs), lambda r: env[r.name])))
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
@@ -210,6 +226,66 @@ def _bias_adds(prog: Program, types, users) -> dict[str, tuple[Op, str]]:
                 out[op.result] = (mm, bias.name)
                 break
     return out
+
+
+# ops a fused group may run ahead of their place to have its weights (views and casts of values it can read)
+_HOISTABLE = {
+    "aten.t",
+    "aten.transpose.int",
+    "aten.permute",
+    "aten.view",
+    "aten.reshape",
+    "aten._unsafe_view",
+    "aten.to.dtype",
+    "aten._to_copy",
+    "aten.contiguous",
+}
+
+
+def _ready(group: ColumnGroup, env: dict, producers: dict, emit: Callable[[Op], None], done: set[str]) -> bool:
+    """Whether every weight and bias of ``group`` can be read where its f stands: already emitted, or a view or
+    cast of such values, which is then emitted there (``done``). Nothing emitted before f depends on f."""
+    needed = [r.weight for r in group.readers] + [r.bias for r in group.readers if r.bias is not None]
+    plan: list[Op] = []
+
+    def reach(name: str) -> bool:
+        if name in env or any(name in p.results for p in plan):
+            return True
+        p = producers.get(name)
+        if not isinstance(p, Op) or p.target not in _HOISTABLE or len(p.results) != 1:
+            return False
+        if not all(reach(r.name) for r in p.input_refs()):
+            return False
+        plan.append(p)
+        return True
+
+    if not all(reach(n) for n in needed):
+        return False
+    for p in plan:
+        emit(p)
+        done.add(p.result)
+    return True
+
+
+def _emit_group(graph: fx.Graph, group: ColumnGroup, env: dict, done: set[str]) -> None:
+    """One call for f and all its readers; each reader's value is its output."""
+    readers = group.readers
+    node = graph.call_function(
+        column_linears,
+        (
+            env[group.f.args[0].name],
+            tuple(env[r.weight] for r in readers),
+            tuple(env[r.bias] if r.bias is not None else None for r in readers),
+            tuple(r.kind for r in readers),
+            group.f.kwargs["axis"],
+        ),
+    )
+    node.meta["path"] = group.f.path
+    for i, r in enumerate(readers):
+        env[r.result] = graph.call_function(_getitem, (node, i))
+        env[r.result].meta["autopar_value"] = r.result
+        env[r.result].meta["path"] = r.op.path
+        done.update(r.skipped)
 
 
 def _dropout_site(op: Op, prog: Program, coords, device, rng: keyed.DropoutRng) -> keyed.DropoutSite:

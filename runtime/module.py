@@ -42,7 +42,7 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime import clip
-from autopar.runtime.actions import Schedule
+from autopar.runtime.actions import Schedule, split_backwards
 from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
 from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.executor import Executor
@@ -138,12 +138,15 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
-        self.forward_runners, _ = builder.runners(forward, mine, {}, "forward")
+        # f fused with its matmuls (runtime/column_linear.py) needs one backward through them, not cut or split
+        overlap_tp = not options.sub_pipeline_tp
+        self.forward_runners, _ = builder.runners(forward, mine, {}, "forward", overlap_tp)
         self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
         if train is not None:
             fractions = recompute_fractions(schedule, self._pp_rank)
-            self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage")
+            overlap_tp = overlap_tp and not any(split_backwards(actions) for actions in schedule.actions)
+            self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage", overlap_tp)
         self._builder = builder
         self._setup_inputs(leaves)
         self._state = state

@@ -42,22 +42,31 @@ class StageBuilder:
         self.coords, self.local_tensor, self.device, self.rng = coords, local_tensor, device, rng
         self.modules: dict[str, torch.fx.GraphModule] = {}
 
-    def part(self, prog: Program, label: str) -> Part:
-        gm = codegen(prog, self.coords, _no_whole, self.device, local_tensor=self.local_tensor, rng=self.rng)
+    def part(self, prog: Program, label: str, overlap_tp: bool = True) -> Part:
+        gm = codegen(
+            prog, self.coords, _no_whole, self.device, local_tensor=self.local_tensor, rng=self.rng,
+            overlap_tp=overlap_tp,
+        )  # fmt: skip
         self.modules[label] = gm
         return Part.of(gm, prog)
 
     def runners(
-        self, program: Program, stages: list[int], recompute: dict[int, set[Fraction]], label: str
+        self,
+        program: Program,
+        stages: list[int],
+        recompute: dict[int, set[Fraction]],
+        label: str,
+        overlap_tp: bool = True,
     ) -> tuple[dict[int, StageRunner], dict[int, StageProgram]]:
-        """The runners of ``stages`` of ``program`` (with the recompute variants each needs)."""
+        """The runners of ``stages`` of ``program`` (with the recompute variants each needs); ``overlap_tp``:
+        codegen's (off where the backward is split or sub-pipelined)."""
         inner = program.mesh
         runners: dict[int, StageRunner] = {}
         programs: dict[int, StageProgram] = {}
         for s in stages:
             sp = stage_program(program, s)
             programs[s] = sp
-            whole = self.part(sp.program, f"{label}{s}")
+            whole = self.part(sp.program, f"{label}{s}", overlap_tp)
             runner = StageRunner(
                 s, whole, [_buffer(v, inner) for v in sp.recv], [_buffer(v, inner) for v in sp.send], sp.is_last
             )
@@ -68,8 +77,8 @@ class StageBuilder:
                 else:
                     head, rest = split_for_recompute(sp.program, cut)
                     runner.variants[x] = (
-                        self.part(head, f"{label}{s}.head{x}"),
-                        self.part(rest, f"{label}{s}.rest{x}"),
+                        self.part(head, f"{label}{s}.head{x}", overlap_tp),
+                        self.part(rest, f"{label}{s}.rest{x}", overlap_tp),
                     )
             runners[s] = runner
         return runners, programs

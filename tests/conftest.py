@@ -1,4 +1,4 @@
-"""Test-session settings: one thread per process, and one shared on-disk cache of solved plans."""
+"""Test-session settings: one thread per process, one shared on-disk cache of solved plans; a one-rank tp group."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
+
+from autopar.runtime.comm import Comm
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -16,3 +19,13 @@ def _session_env(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     yield
+
+
+@pytest.fixture
+def one_rank_tp():
+    """A gloo group of one process as the ``tp`` axis: every collective runs (asynchronously too)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
+    finally:
+        dist.destroy_process_group()

@@ -197,7 +197,16 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "synced_params": torch.tensor(len(synced)),
         "grads_in_buckets": torch.tensor(in_buckets),
         "unsynced_rel": torch.tensor(unsynced_rel, dtype=torch.float64),
+        "fused_f": torch.tensor(fused_column_linears(compiled)),
     }
+
+
+def fused_column_linears(compiled) -> int:
+    """How many of Megatron's f run fused with their matmuls (runtime/column_linear.py) in the rank's modules."""
+    from autopar.runtime.column_linear import column_linears
+
+    gms = compiled.stage_modules.values()
+    return sum(n.target is column_linears for gm in gms for n in gm.graph.nodes)
 
 
 def _zero_expected(compiled, per_element: int, per_tensor: bool = False) -> int:

@@ -326,8 +326,10 @@ def test_generated_code_adds_biases_inside_the_matmul_where_nothing_comes_betwee
     """Lowering splits addmm into mm + add (so a row-parallel matmul can sum before its bias); codegen
     fuses them again where the add reads the matmul directly: GPT-2's 16 Conv1D layers run as addmm on
     dp=2, as in eager, while on tp=2 (the least-memory plan: Megatron's layout) the row-parallel ones
-    (bias after the all-reduce) stay split."""
+    (bias after the all-reduce) stay split, and the column-parallel ones run inside their f's fused call
+    (runtime/column_linear.py), each with its bias."""
     from autopar.runtime.codegen import codegen
+    from autopar.runtime.column_linear import column_linears
 
     model = LossOnly(build(GPT2_SMALL, device="meta").model)
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
@@ -336,9 +338,15 @@ def test_generated_code_adds_biases_inside_the_matmul_where_nothing_comes_betwee
         _, planned = _planned(GPT2_SMALL, mesh, opts, loss_only=True)
         gm = codegen(planned, dict.fromkeys(planned.mesh.names, 0), named.__getitem__, device="meta")
         counts[mesh] = Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        fused = [n for n in gm.graph.nodes if n.target is column_linears]
+        conv1d = [(kind, b) for n in fused for kind, b in zip(n.args[3], n.args[2]) if kind == "mm"]  # not the head
+        counts[mesh]["fused"] = len(conv1d)
+        counts[mesh]["fused biases"] = sum(b is not None for _, b in conv1d)
     assert counts["dp=2"]["aten.addmm.default"] == 16 and counts["dp=2"]["aten.mm.default"] == 0
-    row_parallel = counts["tp=2"]["aten.mm.default"]
-    assert counts["tp=2"]["aten.addmm.default"] + row_parallel == 16 and row_parallel > 0
+    assert counts["dp=2"]["fused"] == 0
+    row_parallel, fused = counts["tp=2"]["aten.mm.default"], counts["tp=2"]["fused"]
+    assert counts["tp=2"]["aten.addmm.default"] + row_parallel + fused == 16 and row_parallel > 0 and fused > 0
+    assert counts["tp=2"]["fused biases"] == fused
 
 
 def test_a_collective_over_an_axis_of_one_rank_is_not_issued():

@@ -75,6 +75,8 @@ def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
     # Megatron's 2 + 2 all-reduces of s h per layer
     assert (layer.ar_fwd_count, layer.ar_bwd_count) == (2, 2)
     assert layer.ar_fwd_bytes == layer.ar_bwd_bytes == 2 * s * h * 4
+    # each f with the forward FLOPs of the matmuls reading it (their weight gradients'): QKV's and the MLP's first
+    assert layer.ar_bwd_groups == ((s * h * 4, 2 * s * h * 3 * h), (s * h * 4, 2 * s * h * 4 * h))
     # saved for backward (elements): Megatron's 16 s h (34 s h bytes in 16-bit less the dropout masks), plus the
     # attention's own output and logsumexp (CPU's fused kernel, tp-split by heads), the float causal mask it makes
     # (s^2, replicated) and the two layer norms' mean and rstd
@@ -86,6 +88,32 @@ def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
     assert (layer.wgrad_tp, layer.wgrad_rep) == (7 * s * h * 4, 4 * s * h * 4)
     assert layer.params_tp + layer.params_rep == 12 * h * h + 13 * h
     assert prof.total_params == sum(p.numel() for p in _model(spec).parameters())
+
+
+def test_f_all_reduce_is_charged_only_beyond_its_readers_weight_gradients():
+    """A backward tp all-reduce (Megatron's f) runs beside the weight gradients of the matmuls reading it
+    (runtime/column_linear.py): a stage's backward is charged only what outlasts them, per f; a zero-bubble
+    schedule, whose split backward computes them later, is charged all of it."""
+    l, h, heads, s, V = 2, 64, 4, 32, 128
+    prof = profile_model(f"gpt2:n_layer={l},n_embd={h},n_head={heads},n_positions={s},vocab_size={V},seq={s}")
+    cluster = ClusterSpec.load("dgx-a100")
+    an = Analytic(prof, cluster, 16)
+    b, tp = 2, 4
+    lat, bw = cluster.alpha_beta(True)  # 4 tp ranks inside a node of 8
+    want = 0.0
+    for nbytes, flops in prof.units[1].ar_bwd_groups:
+        ring = 2 * (tp - 1) / tp * nbytes / 2 * b / bw + 2 * (tp - 1) * lat  # the f's all-reduce, bf16 bytes
+        want += min(ring, b * flops / tp / an.flop_rate)
+    assert want > 0 and an.hidden_ar_bwd(1, 2, b, tp) == pytest.approx(want, rel=1e-12)
+    assert an.hidden_ar_bwd(0, 3, b, tp) == pytest.approx(2 * want, rel=1e-12)  # two layers; the embedding has none
+    assert len(prof.units[3].ar_bwd_groups) == 1 and an.hidden_ar_bwd(3, 4, b, tp) > 0  # the head's f
+    assert an.hidden_ar_bwd(1, 2, b, 1) == 0.0
+    tb = {}
+    for schedule in ("1f1b", "zb-h1"):
+        c = Candidate(pp=2, dp=1, tp=tp, micro_batch=b, microbatches=4, schedule=schedule, recompute="none",
+                      zero=0, chunks=1, waves=0, layout="even")  # fmt: skip
+        tb[schedule] = an._base(c, 0)[3]
+    assert tb["zb-h1"][0] - tb["1f1b"][0] == pytest.approx(an.hidden_ar_bwd(0, 2, b, tp), rel=1e-12)
 
 
 def _model(spec: str):

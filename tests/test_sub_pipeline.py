@@ -9,27 +9,16 @@ from fractions import Fraction
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 from autopar.errors import SubPipelineError
 from autopar.ir.core import MeshSpec
 from autopar.runtime import collectives as coll
-from autopar.runtime.comm import Comm, use_comm
+from autopar.runtime.comm import use_comm
 from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from autopar.runtime.subpipeline import Interleaved, record_events
 from tests.equivalence import overlapped_issues
 from tests.exactness import TOL
-
-
-@pytest.fixture
-def one_rank_tp():
-    """A gloo group of one process as the ``tp`` axis: every collective runs (asynchronously too)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
-    finally:
-        dist.destroy_process_group()
 
 
 def _block_module() -> fx.GraphModule:

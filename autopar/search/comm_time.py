@@ -3,7 +3,10 @@
 With the cluster's alpha-beta links (intra-node when a group of consecutive ranks stays inside one node):
 
 - tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
-  inter-node link prices the whole ring);
+  inter-node link prices the whole ring); a backward one (Megatron's f) is charged only where it outlasts the
+  weight gradients of the matmuls reading it, which the runtime computes while it is in flight
+  (``StageTerms.hidden_ar_bwd``, ``runtime/column_linear.py``; not under a zero-bubble schedule, whose
+  split backward computes them later);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one

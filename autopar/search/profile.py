@@ -43,7 +43,7 @@ from autopar.presets import PRESETS
 from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
 from autopar.solver.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 5  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 6  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
 # 4: saved activations from solver/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
@@ -75,6 +75,10 @@ class UnitCost:
     # from B to W (runtime/split_backward.py captures each where the weight's branch leaves the input path)
     wgrad_tp: float = 0.0
     wgrad_rep: float = 0.0
+    # per Megatron f of the unit: (bytes its backward all-reduces, forward FLOPs of the column-parallel matmuls
+    # reading it = their weight gradients' FLOPs), per sample: the runtime computes those weight gradients while
+    # the all-reduce is in flight (runtime/column_linear.py)
+    ar_bwd_groups: tuple[tuple[float, float], ...] = ()
 
     def act(self, tp: int) -> float:
         return self.act_tp / tp + self.act_rep
@@ -113,7 +117,8 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         d = dict(d)
-        d["units"] = tuple(UnitCost(**u) for u in d["units"])
+        units = [dict(u, ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ()))) for u in d["units"]]
+        d["units"] = tuple(UnitCost(**u) for u in units)
         d["tp_divides"] = tuple(d["tp_divides"])
         return cls(**d)
 
@@ -175,7 +180,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0, wtp=0.0, wrep=0.0)
         arf = [0.0, 0]
         arb = [0.0, 0]
-        f_inputs: set[str] = set()
+        f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
         seen_params: set[str] = set()
         seen_in: set[str] = set()
         for op in ops:
@@ -211,9 +216,11 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
             elif r_ == COLUMN:  # its activation input's gradient all-reduced in the backward pass (f)
                 for n in refs:
                     if n not in weights and n not in f_inputs:
-                        f_inputs.add(n)
+                        f_inputs[n] = [types[n].nbytes, 0.0]
                         arb[0] += types[n].nbytes
                         arb[1] += 1
+                    if n in f_inputs:
+                        f_inputs[n][1] += op.flops
             elif op.target in ATTENTION and kind == "layer":
                 tp_divides.update(types[n].shape[1] for n in refs[:3] if len(types[n].shape) == 4)
             if op.target not in VIEW_OPS:
@@ -255,6 +262,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 ar_bwd_count=arb[1],
                 wgrad_tp=c["wtp"] / batch,
                 wgrad_rep=c["wrep"] / batch,
+                ar_bwd_groups=tuple((nbytes / batch, flops / batch) for nbytes, flops in f_inputs.values()),
             )
         )
     # activations saved in a unit but produced in an earlier one are the later unit's input: counted there

@@ -106,6 +106,19 @@ class StageTerms:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
         return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp))
 
+    def hidden_ar_bwd(self, a: int, e: int, b: int, tp: int) -> float:
+        """Seconds of units ``a..e``'s backward tensor-parallel all-reduces (Megatron's f) that run while the
+        weight gradients of the matmuls reading each f are computed (``runtime/column_linear.py``): per f, the
+        smaller of its all-reduce and those weight gradients, at micro-batch ``b``."""
+        return sum(self._unit_hidden(self.p.units[i].ar_bwd_groups, b, tp) for i in range(a, e))
+
+    @functools.cache  # noqa: B019 - one Analytic per search; repeated layers share their groups
+    def _unit_hidden(self, groups: tuple[tuple[float, float], ...], b: int, tp: int) -> float:
+        if tp <= 1:
+            return 0.0
+        sa, intra = self.act_scale * b, self.comm.intra(tp)
+        return sum(min(self.comm.allreduce(nb * sa, 1, tp, intra), b * fl / tp / self.flop_rate) for nb, fl in groups)
+
     def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
         return tuple(stage_ranks(c.pp, c.chunks, c.waves))
 
@@ -150,7 +163,9 @@ class StageTerms:
             rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
-            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp))
+            # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
+            hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, b, tp)
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
             tw.append(b * S("wflops", a, e) / tp / rate)
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
