@@ -175,6 +175,13 @@ class ClusterSpec:
         so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's)."""
         return "all_reduce" if kind == "reduce_scatter" and self.backend == "gloo" else kind
 
+    @property
+    def overlaps_compute(self) -> bool:
+        """Whether a collective in flight runs beside the rank's compute: NCCL's on its own stream; gloo's reduce
+        on CPU threads that wait for the rank's compute to yield (BENCHMARKS.md, "Megatron's asynchronous TP
+        backward": fused and unfused at parity on 2 ranks of 2 cores)."""
+        return self.backend != "gloo"
+
     def collective_terms(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
         """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
         ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them."""

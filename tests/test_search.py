@@ -108,6 +108,8 @@ def test_f_all_reduce_is_charged_only_beyond_its_readers_weight_gradients():
     assert an.hidden_ar_bwd(0, 3, b, tp) == pytest.approx(2 * want, rel=1e-12)  # two layers; the embedding has none
     assert len(prof.units[3].ar_bwd_groups) == 1 and an.hidden_ar_bwd(3, 4, b, tp) > 0  # the head's f
     assert an.hidden_ar_bwd(1, 2, b, 1) == 0.0
+    gloo = Analytic(prof, ClusterSpec.load("local-cpu:devices_per_node=8"), 16)  # its reduce waits for the compute
+    assert not gloo.cluster.overlaps_compute and gloo.hidden_ar_bwd(0, 4, b, tp) == 0.0
     tb = {}
     for schedule in ("1f1b", "zb-h1"):
         c = Candidate(pp=2, dp=1, tp=tp, micro_batch=b, microbatches=4, schedule=schedule, recompute="none",

@@ -6,7 +6,7 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
   inter-node link prices the whole ring); a backward one (Megatron's f) is charged only where it outlasts the
   weight gradients of the matmuls reading it, which the runtime computes while it is in flight
   (``StageTerms.hidden_ar_bwd``, ``runtime/column_linear.py``; not under a zero-bubble schedule, whose
-  split backward computes them later);
+  split backward computes them later, nor on gloo, whose reduction waits for the compute);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one

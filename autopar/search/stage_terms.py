@@ -109,12 +109,13 @@ class StageTerms:
     def hidden_ar_bwd(self, a: int, e: int, b: int, tp: int) -> float:
         """Seconds of units ``a..e``'s backward tensor-parallel all-reduces (Megatron's f) that run while the
         weight gradients of the matmuls reading each f are computed (``runtime/column_linear.py``): per f, the
-        smaller of its all-reduce and those weight gradients, at micro-batch ``b``."""
+        smaller of its all-reduce and those weight gradients, at micro-batch ``b``; none where the backend's
+        collectives do not run beside compute (gloo: ``ClusterSpec.overlaps_compute``)."""
         return sum(self._unit_hidden(self.p.units[i].ar_bwd_groups, b, tp) for i in range(a, e))
 
     @functools.cache  # noqa: B019 - one Analytic per search; repeated layers share their groups
     def _unit_hidden(self, groups: tuple[tuple[float, float], ...], b: int, tp: int) -> float:
-        if tp <= 1:
+        if tp <= 1 or not self.cluster.overlaps_compute:
             return 0.0
         sa, intra = self.act_scale * b, self.comm.intra(tp)
         return sum(min(self.comm.allreduce(nb * sa, 1, tp, intra), b * fl / tp / self.flop_rate) for nb, fl in groups)
