@@ -12,6 +12,8 @@ PyTorch on the same GPU under the same policy:
   (a compute-dtype copy per step, fp32 masters; fp16 with the same loss scaling): every step's loss within
   s (R + k) u |L_s| (docs/runtime.md's bound) with R + k = 4 (R = 0 on one rank, widened for cuBLAS's own
   reduction orders);
+- ``nccl-1-column-linears``: Megatron's f fused with the matmuls reading it (its input gradient all-reduced
+  on NCCL while their weight gradients are computed) against the separate ops, fp32, within 1e-5 relative;
 - ``gloo-2-cuda-<mesh>``: 2 processes on ``cuda:0`` through gloo (dp=2, tp=2, pp=2, and pp=2 under ZB-V,
   whose split backward then runs on CUDA tensors), bf16: the losses of rank 0 within the same bound of the
   eager run, scaled by R + k. NCCL's own point-to-point needs a GPU per rank, which one GPU cannot give.
@@ -114,9 +116,39 @@ def nccl_world_one() -> list[tuple[str, bool, str]]:
             factor = 1e-5 if precision == "fp32" else 4 * U[precision]
             ok, worst = within(got, want, factor)
             out.append((f"nccl-1-{precision}", ok, f"autopar {got} eager {want} (difference / bound {worst:.3f})"))
+        out.append(column_linears_on_cuda())
     finally:
         dist.destroy_process_group()
     return out
+
+
+def column_linears_on_cuda() -> tuple[str, bool, str]:
+    """Megatron's f fused with its readers (runtime/column_linear.py) on CUDA, the all-reduce on NCCL (the group
+    of one as the tp axis): outputs and gradients against the separate ops, fp32, within 1e-5 relative."""
+    from autopar.runtime import collectives as coll
+    from autopar.runtime.column_linear import column_linears
+    from autopar.runtime.comm import Comm, use_comm
+
+    torch.manual_seed(0)
+    x = torch.randn(64, 256, device="cuda")
+    ws = [torch.randn(384, 256, device="cuda") / 16, torch.randn(256, 128, device="cuda") / 16]
+    bs = [torch.randn(384, device="cuda"), None]
+    comm = Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
+    runs = []
+    for fused in (True, False):
+        leaf = x.clone().requires_grad_(True)
+        w = [t.clone().requires_grad_(True) for t in ws]
+        with use_comm(comm):
+            if fused:
+                ys = column_linears(leaf, tuple(w), tuple(bs), ("linear", "mm"), "tp")
+            else:
+                f = coll.grad_all_reduce(leaf, "tp")
+                ys = (torch.nn.functional.linear(f, w[0], bs[0]), f @ w[1])
+            torch.autograd.backward(list(ys), [torch.ones_like(y) for y in ys])
+        torch.cuda.synchronize()
+        runs.append([*ys, leaf.grad, *(t.grad for t in w)])
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*runs))
+    return "nccl-1-column-linears", worst <= 1e-5, f"largest difference / largest value {worst:.2e}"
 
 
 def _gloo_rank(rank: int, world: int, axes: dict[str, int], pipeline: dict) -> tuple[list[float], int]:
