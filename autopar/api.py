@@ -42,6 +42,7 @@ from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
 from autopar.runtime.rng import rng_for
 from autopar.runtime.schedules import make_schedule
+from autopar.runtime.teardown import shutdown_at_exit
 from autopar.solver.cluster import ClusterSpec, local_cluster
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
@@ -62,7 +63,8 @@ def check_restartable() -> None:
 
 def init_mesh(device_type: str | None = None, **axes: int):
     """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size (and, under
-    torchrun restarts, against a store its restarts cannot use: ``check_restartable``)."""
+    torchrun restarts, against a store its restarts cannot use: ``check_restartable``). Its process groups
+    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.teardown``)."""
     check_restartable()
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
@@ -76,6 +78,7 @@ def init_mesh(device_type: str | None = None, **axes: int):
             f"{size} processes (torchrun --nproc-per-node {size}) or change the axis sizes"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    shutdown_at_exit()  # the groups destroyed and freed before the interpreter finalizes (runtime/teardown.py)
     return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
 
 

@@ -11,6 +11,8 @@ import socket
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.teardown import shutdown_at_exit
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model flags the runtime benchmarks share: issue 13's GPT-2 / LLaMA (4 layers, hidden 256, vocab
@@ -32,8 +34,11 @@ def free_port() -> int:
 
 def init_worker(rank: int, world: int, port: int, timeout: float) -> None:
     """Join the gloo group on ``port`` with one compute thread; print every stack and exit after
-    ``timeout`` seconds, so a hung peer cannot hold the machine (shared/BENCHMARKING.md)."""
+    ``timeout`` seconds, so a hung peer cannot hold the machine (shared/BENCHMARKING.md). At exit every
+    process group is destroyed and freed before the interpreter finalizes (``autopar.runtime.teardown``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(timeout, exit=True)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # autopar's and the torch peers' groups alike destroyed and freed before the interpreter finalizes
+    shutdown_at_exit()

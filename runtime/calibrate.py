@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.runtime.teardown import shutdown
 from autopar.solver.cluster import ClusterSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
@@ -146,7 +147,7 @@ def _worker(rank: int, world: int, port: int, backend: str, opts: dict, result_d
         result = {"flops": flops, "bandwidth": bandwidth, "collectives": coll}
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
     finally:
-        dist.destroy_process_group()
+        shutdown()  # a spawned process finalizes its interpreter: its gloo threads must be joined first
 
 
 def fit_alpha_beta(kind: str, n: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:

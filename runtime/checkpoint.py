@@ -46,6 +46,7 @@ from autopar.runtime.state_pieces import (
     state_pieces,
     tied_keys,
 )
+from autopar.runtime.teardown import caches_groups
 from autopar.runtime.zero import ZeroOptimizer
 
 
@@ -133,6 +134,9 @@ def _checkpoint_group():
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo")
     return _GROUPS[key]
+
+
+caches_groups(_GROUPS.clear)
 
 
 def _prepare(path: Path, pipe, optimizer, lr_scheduler, objects, extra, step) -> tuple[dict[str, Any], dict]:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from autopar.runtime.teardown import holds_groups, shutdown_at_exit
+
 
 class TorchPeers:
     """How a pipeline reaches its peers on torch.distributed: global ranks, point-to-point batches on the
@@ -60,6 +62,8 @@ class Comm:
 
     @classmethod
     def from_device_mesh(cls, mesh) -> Comm:
+        """The mesh's axes; the process's groups are then destroyed and freed at exit (runtime/teardown.py)."""
+        shutdown_at_exit()
         names = mesh.mesh_dim_names
         coords = mesh.get_coordinate()
         return cls(
@@ -68,6 +72,8 @@ class Comm:
             sizes={n: mesh.size(i) for i, n in enumerate(names)},
         )
 
+
+holds_groups(Comm, lambda comm: comm.groups.clear())
 
 # Per thread: the rank simulator (runtime/ranksim.py) runs every simulated rank in its own thread.
 _LOCAL = threading.local()

@@ -44,6 +44,7 @@ from autopar.runtime.actions import Action, Kind, Schedule
 from autopar.runtime.comm import Comm
 from autopar.runtime.pending import Pending, start_grad_bucket
 from autopar.runtime.precision import cast_to
+from autopar.runtime.teardown import holds_groups
 from autopar.solver.buckets import Bucket, backward_order, grad_buckets
 from autopar.solver.cost import BUCKET_BYTES
 
@@ -336,5 +337,7 @@ def tie_groups(mesh, tied: dict[str, tuple[int, ...]], new_group=dist.new_group)
                 groups[holders] = g
     return groups
 
+
+holds_groups(GradSync, lambda sync: sync.tie_groups.clear())
 
 __all__ = ["ALL", "GradSync", "final_backwards", "reduction_points", "tie_groups"]

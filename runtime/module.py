@@ -58,6 +58,7 @@ from autopar.runtime.precision import LossScaler, MixedPrecisionPolicy, cast_flo
 from autopar.runtime.rng import DropoutRng
 from autopar.runtime.stage_runner import StageRunner
 from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
+from autopar.runtime.teardown import holds_groups
 from autopar.runtime.zero import ZeroOptimizer
 from autopar.runtime.zero3 import shard_zero3
 from autopar.solver.cost import TrainingSetup
@@ -350,5 +351,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
 def _nothing(*_args) -> None:
     """REDUCE_GRADS and STEP of a forward-only run."""
 
+
+holds_groups(ParallelModule, lambda m: setattr(m, "_pp_group", None))
 
 __all__ = ["ParallelModule", "RuntimeOptions"]
