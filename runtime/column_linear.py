@@ -36,6 +36,9 @@ class _ColumnLinears(torch.autograd.Function):
         ctx.comm, ctx.axis, ctx.kinds = current_comm(), axis, kinds
         ctx.has_bias = tuple(b is not None for b in biases)
         ctx.save_for_backward(x, *weights)
+        # a reader whose output the loss does not use gets None, as its own node would never run: its weight keeps
+        # no gradient (an optimizer skips it) and adds nothing to f's
+        ctx.set_materialize_grads(False)
         return tuple(_apply(kind, x, w, b) for kind, w, b in zip(kinds, weights, biases))
 
     @staticmethod
@@ -43,19 +46,23 @@ class _ColumnLinears(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         n = len(ctx.kinds)
         need = ctx.needs_input_grad
+        live = [(i, kind, w, g) for i, (kind, w, g) in enumerate(zip(ctx.kinds, weights, grads)) if g is not None]
         pending = None
-        if need[0]:
+        if need[0] and live:
             gx = None
-            for kind, w, g in reversed(list(zip(ctx.kinds, weights, grads))):
+            for _, kind, w, g in reversed(live):
                 part = g @ (w.t() if kind == MM else w)
                 gx = part if gx is None else gx + part
             pending = inflight.bwd_grad_all_reduce(ctx.comm, gx, ctx.axis)  # in flight from here
         x2 = x.reshape(-1, x.shape[-1])
-        gws, gbs = [], []
-        for i, (kind, g) in enumerate(zip(ctx.kinds, grads)):
+        gws: list[torch.Tensor | None] = [None] * n
+        gbs: list[torch.Tensor | None] = [None] * n
+        for i, kind, _, g in live:
             g2 = g.reshape(-1, g.shape[-1])
-            gws.append((x2.t() @ g2 if kind == MM else g2.t() @ x2) if need[3 + i] else None)
-            gbs.append(g2.sum(0) if ctx.has_bias[i] and need[3 + n + i] else None)
+            if need[3 + i]:
+                gws[i] = x2.t() @ g2 if kind == MM else g2.t() @ x2
+            if ctx.has_bias[i] and need[3 + n + i]:
+                gbs[i] = g2.sum(0)
         gx = pending.wait() if pending is not None else None
         return (gx, None, None, *gws, *gbs)
 
@@ -102,16 +109,17 @@ def column_groups(
     prog: Program, users: dict[str, list[Op]], bias_adds: dict[str, tuple[Op, str]]
 ) -> dict[str, ColumnGroup]:
     """f's result -> its fused group, for each ``grad_all_reduce`` that only matmuls read (as their input, with a
-    weight that is not f itself) and that the program does not return. ``bias_adds`` is codegen's add result ->
-    (matmul, bias) of the adds it fuses into their matmul."""
+    2-D weight that is not f itself) and that the program does not return. ``bias_adds`` is codegen's add result
+    -> (matmul, bias) of the adds it fuses into their matmul."""
     returned = {r.name for r in prog.outputs if isinstance(r, Ref)}
+    types = prog.types()
     add_of = {mm.result: (add, bias) for add, (mm, bias) in bias_adds.items()}
     out: dict[str, ColumnGroup] = {}
     for op in prog.ops:
         if op.target != "grad_all_reduce" or op.result in returned or not users[op.result]:
             continue
         readers = [_reader(u, op.result, add_of) for u in users[op.result]]
-        if all(r is not None for r in readers):
+        if all(r is not None and len(types[r.weight].shape) == 2 for r in readers):
             out[op.result] = ColumnGroup(op, tuple(readers))  # type: ignore[arg-type]
     return out
 

@@ -139,14 +139,15 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
-        # f fused with its matmuls (runtime/column_linear.py) needs one backward through them, not cut or split
-        overlap_tp = not options.sub_pipeline_tp
-        self.forward_runners, _ = builder.runners(forward, mine, {}, "forward", overlap_tp)
+        # f fused with its matmuls (runtime/column_linear.py) needs one backward through them, not cut or split: the
+        # forward programs run whole (never sub-pipelined, backward by the user's own call)
+        self.forward_runners, _ = builder.runners(forward, mine, {}, "forward")
         self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
         if train is not None:
             fractions = recompute_fractions(schedule, self._pp_rank)
-            overlap_tp = overlap_tp and not any(split_backwards(actions) for actions in schedule.actions)
+            split = any(split_backwards(actions) for actions in schedule.actions)
+            overlap_tp = not (options.sub_pipeline_tp or split)
             self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage", overlap_tp)
         self._builder = builder
         self._setup_inputs(leaves)

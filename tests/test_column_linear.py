@@ -10,11 +10,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.ir.core import MeshSpec, Op, Program, R, Ref, Shard, TensorType, Value
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
 from autopar.runtime import pending as inflight
 from autopar.runtime.codegen import codegen
 from autopar.runtime.column_linear import column_linears
 from autopar.runtime.comm import use_comm
+from autopar.simtrain import SimCompiled
+from autopar.solver.baselines import megatron_constraints
 from tests.exactness import TOL
 
 F64 = torch.float64
@@ -69,6 +75,52 @@ def test_fused_equals_separate_ops_in_outputs_and_gradients(one_rank_tp, case):
     assert [g is None for g in got_gw[: len(readers)]] == [frozen for *_, frozen in readers]
 
 
+def test_a_reader_the_loss_does_not_use_gets_no_gradient(one_rank_tp):
+    """As with the separate ops, whose node never runs: the unused reader's weight and bias keep no gradient (an
+    optimizer skips them; a zero gradient would decay and move them), the used one's gradients are the same."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, dtype=F64)
+    ws, b2 = [torch.randn(6, 8, dtype=F64), torch.randn(5, 8, dtype=F64)], torch.randn(5, dtype=F64)
+    grads = []
+    for fused in (False, True):
+        leaf = x.clone().requires_grad_(True)
+        w = [t.clone().requires_grad_(True) for t in ws]
+        b = b2.clone().requires_grad_(True)
+        with use_comm(one_rank_tp):
+            if fused:
+                y1, _ = column_linears(leaf, tuple(w), (None, b), ("linear", "linear"), "tp")
+            else:
+                f = coll.grad_all_reduce(leaf, "tp")
+                y1, _ = torch.nn.functional.linear(f, w[0]), torch.nn.functional.linear(f, w[1], b)
+            y1.sum().backward()
+        grads.append((leaf.grad, w[0].grad, w[1].grad, b.grad))
+    (gx, gw1, gw2, gb), (fx, fw1, fw2, fb) = grads
+    assert gw2 is None and gb is None and fw2 is None and fb is None
+    torch.testing.assert_close(fx, gx, rtol=TOL, atol=0)
+    torch.testing.assert_close(fw1, gw1, rtol=TOL, atol=0)
+
+
+def test_fused_only_where_the_backward_runs_whole():
+    """A pp=2 x tp=2 GPT-2 with Megatron's layout on simulated ranks: the training stages fuse their f's under 1F1B,
+    not under ZB-H1 (its split backward's W would re-enter the fused node and all-reduce again) nor with
+    sub-pipelined TP (which cuts at f); the forward programs (the user's own backward) fuse in every case."""
+    spec = build("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=32,batch=4,seq=16", device="cpu", seed=0)
+    prog = lower(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("tp", 2),)))
+    opts = ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+    mesh = MeshSpec((("pp", 2), ("tp", 2)))
+    counts = {}
+    for schedule, sub in (("1f1b", False), ("zb-h1", False), ("1f1b", True)):
+        sim = SimCompiled.of(
+            spec.model, mesh, spec.args, spec.kwargs, options=opts, microbatches=2, schedule=schedule,
+            sub_pipeline_tp=sub,
+        )  # fmt: skip
+        modules = sim.modules[0].stage_modules.items()
+        counts[schedule, sub] = {k: sum(n.target is column_linears for n in gm.graph.nodes) for k, gm in modules}
+    assert counts["1f1b", False]["stage0"] > 0 and counts["1f1b", False]["forward0"] > 0, counts
+    assert counts["zb-h1", False]["stage0"] == 0 and counts["1f1b", True]["stage0"] == 0, counts
+    assert counts["zb-h1", False]["forward0"] == counts["1f1b", True]["forward0"] == counts["1f1b", False]["forward0"]
+
+
 class _Log(TorchDispatchMode):
     """Names the matmuls dispatched, beside the events the patched all-reduce writes."""
 
@@ -121,7 +173,8 @@ def test_weight_gradients_are_computed_while_the_all_reduce_is_in_flight(one_ran
 
 def _program() -> Program:
     """tp=2, column-parallel readers of one f: a ``linear``, an ``mm`` with its bias add, an ``mm`` reading its
-    weight through a transpose computed after f (hoisted ahead of it); a second f read by a ``relu`` (not fused)."""
+    weight through a transpose computed after f (hoisted ahead of it); a second f read by a ``relu`` and a third by
+    a ``linear`` with a 1-D weight (neither fused)."""
     t = TensorType
     s0, s1 = (Shard(0),), (Shard(1),)
     inputs = (
@@ -130,6 +183,7 @@ def _program() -> Program:
         Value("w2", "param", t("f64", (8, 4), s1)),
         Value("b2", "param", t("f64", (4,), s0)),
         Value("w3", "param", t("f64", (6, 8), s0)),
+        Value("v", "param", t("f64", (8,), (R,))),
     )
     ops = (
         Op(("f",), (t("f64", (10, 8), (R,)),), "grad_all_reduce", (Ref("x"),), {"axis": "tp"}),
@@ -140,8 +194,10 @@ def _program() -> Program:
         Op(("y3",), (t("f64", (10, 6), s1),), "aten.mm", (Ref("f"), Ref("t3"))),
         Op(("g",), (t("f64", (10, 8), (R,)),), "grad_all_reduce", (Ref("x"),), {"axis": "tp"}),
         Op(("r",), (t("f64", (10, 8), (R,)),), "aten.relu", (Ref("g"),)),
+        Op(("h",), (t("f64", (10, 8), (R,)),), "grad_all_reduce", (Ref("x"),), {"axis": "tp"}),
+        Op(("d",), (t("f64", (10,), (R,)),), "aten.linear", (Ref("h"), Ref("v"))),
     )
-    return Program(MeshSpec((("tp", 2),)), inputs, ops, tuple(Ref(n) for n in ("y1", "y2", "y3", "r")))
+    return Program(MeshSpec((("tp", 2),)), inputs, ops, tuple(Ref(n) for n in ("y1", "y2", "y3", "r", "d")))
 
 
 def test_codegen_fuses_each_f_only_matmuls_read(one_rank_tp):
@@ -153,9 +209,9 @@ def test_codegen_fuses_each_f_only_matmuls_read(one_rank_tp):
     whole = {v.name: torch.randn(v.type.shape, dtype=F64) for v in prog.inputs if v.kind == "param"}
     mods = {fuse: codegen(prog, {"tp": 0}, whole.__getitem__, overlap_tp=fuse) for fuse in (True, False)}
     order = {fuse: [n.target for n in gm.graph.nodes if n.op == "call_function"] for fuse, gm in mods.items()}
-    assert order[True].count(column_linears) == 1 and order[True].count(coll.grad_all_reduce) == 1, order[True]
+    assert order[True].count(column_linears) == 1 and order[True].count(coll.grad_all_reduce) == 2, order[True]
     assert order[True].index(torch.ops.aten.t.default) < order[True].index(column_linears)
-    assert column_linears not in order[False] and order[False].count(coll.grad_all_reduce) == 2
+    assert column_linears not in order[False] and order[False].count(coll.grad_all_reduce) == 3
     x = torch.randn(10, 8, dtype=F64)
     results = []
     for gm in mods.values():
@@ -169,6 +225,6 @@ def test_codegen_fuses_each_f_only_matmuls_read(one_rank_tp):
     for a, e in zip(got, want):
         assert torch.equal(a, e)
     torch.testing.assert_close(got_gx, want_gx, rtol=TOL, atol=0)
-    assert got_gp.keys() == want_gp.keys() == {"w1", "w2", "b2", "w3"}
+    assert got_gp.keys() == want_gp.keys() == {"w1", "w2", "b2", "w3", "v"}
     for n in want_gp:
         torch.testing.assert_close(got_gp[n], want_gp[n], rtol=TOL, atol=0)
