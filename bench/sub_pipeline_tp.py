@@ -138,9 +138,8 @@ def _real_pipes(args, mesh) -> dict:
     from autopar.models import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions
     from autopar.runtime.batch import split_batch
-    from autopar.solver.baselines import megatron_constraints
+    from autopar.solver.baselines import megatron_options
 
     spec = build(_model_spec(args, args.mb * args.microbatches), device="cpu", seed=0)
     g = torch.Generator().manual_seed(1)
@@ -150,7 +149,7 @@ def _real_pipes(args, mesh) -> dict:
     for variant, n in zip(VARIANTS, (1, 2)):
         _, sub = split_batch((), batch, args.microbatches * n)[0]
         prog = lower(capture(spec.model, (), sub), MeshSpec((("tp", args.tp),)))
-        options = ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+        options = megatron_options(prog)
         pipe = autopar.compile(
             spec.model,
             mesh,

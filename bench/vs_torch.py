@@ -59,8 +59,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _launch import add_model_args, free_port, init_worker  # noqa: E402
 from vs_torch_systems import build_system, family_of, prepare_search  # noqa: E402
 
-from autopar.runtime.teardown import shutdown  # noqa: E402
-
 PAIRS = {
     "dp": ("autopar-dp", ("ddp",)),
     "zero3": ("autopar-zero3", ("fsdp2",)),
@@ -140,8 +138,7 @@ def run_one(rank: int, world: int, port: int, systems: tuple[str, ...], pair: st
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
-    del built  # the systems (autopar's modules, DDP's reducer, FSDP2's and DTensor's meshes) hold the groups
-    shutdown()  # every group freed, its gloo threads joined, before the interpreter finalizes (pytorch#179291)
+    # the groups are freed at exit, gloo threads joined, before the interpreter finalizes (init_worker's atexit)
 
 
 def spawn(systems: tuple[str, ...], pair: str, ranks: int, a, tries: int = 3) -> dict:

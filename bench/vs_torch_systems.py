@@ -149,11 +149,9 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int])
     from autopar.ir.core import MeshSpec
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions
-    from autopar.solver.baselines import megatron_constraints
+    from autopar.solver.baselines import megatron_options
 
-    prog = lower(capture(model, (), batch), MeshSpec(tuple(axes.items())))
-    return ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+    return megatron_options(lower(capture(model, (), batch), MeshSpec(tuple(axes.items()))))
 
 
 @contextlib.contextmanager
@@ -163,7 +161,7 @@ def _unfused():
     from autopar.runtime import codegen
 
     groups = codegen.column_groups
-    codegen.column_groups = lambda *args: {}
+    codegen.column_groups = lambda *args: {}  # same signature, no groups
     try:
         yield
     finally:

@@ -120,7 +120,7 @@ def codegen(
     fused = _bias_adds(prog, types, users)
     deferred = _returned_scalar_sums(prog, types, users)
     one_rank = {name: n == 1 for name, n in zip(prog.mesh.names, sizes)}  # collectives there are the identity
-    groups = column_groups(prog, users, fused) if overlap_tp else {}
+    groups = column_groups(prog, types, users, fused) if overlap_tp else {}
     producers = prog.producers()
     fused_matmuls = {mm.result for mm, _ in fused.values()}
     done: set[str] = set()  # results emitted ahead of their place (a fused group's readers, hoisted weights)

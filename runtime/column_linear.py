@@ -106,13 +106,12 @@ class ColumnGroup:
 
 
 def column_groups(
-    prog: Program, users: dict[str, list[Op]], bias_adds: dict[str, tuple[Op, str]]
+    prog: Program, types: dict, users: dict[str, list[Op]], bias_adds: dict[str, tuple[Op, str]]
 ) -> dict[str, ColumnGroup]:
     """f's result -> its fused group, for each ``grad_all_reduce`` that only matmuls read (as their input, with a
     2-D weight that is not f itself) and that the program does not return. ``bias_adds`` is codegen's add result
     -> (matmul, bias) of the adds it fuses into their matmul."""
     returned = {r.name for r in prog.outputs if isinstance(r, Ref)}
-    types = prog.types()
     add_of = {mm.result: (add, bias) for add, (mm, bias) in bias_adds.items()}
     out: dict[str, ColumnGroup] = {}
     for op in prog.ops:

@@ -187,6 +187,12 @@ def _why_invalid(v: Value, want: tuple[Placement, ...], mesh: MeshSpec) -> str:
     return f"{v.kind} {v.name} {v.type} cannot be laid out as {','.join(map(str, want))} on mesh {mesh}"
 
 
+def megatron_options(prog: Program, opts: ShardOptions | None = None) -> ShardOptions:
+    """``opts`` (default: the time objective) with Megatron's layout fixed on ``prog``'s tensor axes, each weight
+    shard computed where it is stored (``pin_constrained``)."""
+    return replace(opts or ShardOptions(), constrain=megatron_constraints(prog), pin_constrained=True)
+
+
 def run_baseline(prog: Program, name: str, opts: ShardOptions) -> Sharding:
     """Solve the program under a baseline's constraints with the same cost model as autopar. Raises
     ``BaselineUnavailableError`` where the baseline's layout cannot exist on the mesh."""
@@ -196,7 +202,7 @@ def run_baseline(prog: Program, name: str, opts: ShardOptions) -> Sharding:
         return solve_sharding(prog, replace(opts, objective="comm"))
     run = replace(opts, objective="comm", budget_bytes=None)
     if name == "megatron":
-        run = replace(run, constrain=megatron_constraints(prog), pin_constrained=True)
+        run = megatron_options(prog, run)
     else:
         run = replace(run, constrain=data_parallel_constraints(prog))
         if name in ("zero2", "zero3"):
@@ -229,6 +235,7 @@ __all__ = [
     "data_parallel_constraints",
     "megatron_layout",
     "megatron_constraints",
+    "megatron_options",
     "run_baseline",
     "run_baselines",
     "TrainingSetup",

@@ -19,7 +19,6 @@ from __future__ import annotations
 import atexit
 import importlib
 import os
-import socket
 import sys
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 import autopar
 from autopar.runtime.comm import Comm
 from autopar.runtime.teardown import gloo_threads
+from tests._dist import _free_port
 
 KEPT: list = []
 
@@ -63,9 +63,7 @@ def rank_main(rank: int, port: int, check: bool) -> None:
 def main(runs: int, check: bool = True) -> int:
     bad = 0
     for run in range(runs):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = _free_port()
         pids = []
         for rank in range(2):
             pid = os.fork()

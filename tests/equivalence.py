@@ -424,14 +424,12 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
     from autopar.api import _capture
     from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
-    from autopar.passes.shard import ShardOptions
     from autopar.runtime.batch import split_batch
-    from autopar.solver.baselines import megatron_constraints
+    from autopar.solver.baselines import megatron_options
 
     args, kwargs = split_batch((), batch, microbatches)[0]
     inner = MeshSpec(tuple(axes.items())).without_pipeline()
-    prog = lower(_capture(model, args, kwargs), inner)
-    return ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+    return megatron_options(lower(_capture(model, args, kwargs), inner))
 
 
 def sub_pipeline_events(

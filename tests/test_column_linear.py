@@ -13,14 +13,13 @@ from autopar.ir.core import MeshSpec, Op, Program, R, Ref, Shard, TensorType, Va
 from autopar.models import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.passes.shard import ShardOptions
 from autopar.runtime import collectives as coll
 from autopar.runtime import pending as inflight
 from autopar.runtime.codegen import codegen
 from autopar.runtime.column_linear import column_linears
 from autopar.runtime.comm import use_comm
 from autopar.simtrain import SimCompiled
-from autopar.solver.baselines import megatron_constraints
+from autopar.solver.baselines import megatron_options
 from tests.exactness import TOL
 
 F64 = torch.float64
@@ -106,7 +105,7 @@ def test_fused_only_where_the_backward_runs_whole():
     sub-pipelined TP (which cuts at f); the forward programs (the user's own backward) fuse in every case."""
     spec = build("gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,n_positions=32,batch=4,seq=16", device="cpu", seed=0)
     prog = lower(capture(spec.model, spec.args, spec.kwargs), MeshSpec((("tp", 2),)))
-    opts = ShardOptions(objective="time", constrain=megatron_constraints(prog), pin_constrained=True)
+    opts = megatron_options(prog)
     mesh = MeshSpec((("pp", 2), ("tp", 2)))
     counts = {}
     for schedule, sub in (("1f1b", False), ("zb-h1", False), ("1f1b", True)):
