@@ -68,6 +68,7 @@ class Group:
     comm_bytes: list[float] = field(default_factory=list)
     comm_seconds: list[float] = field(default_factory=list)
     compute_seconds: list[float] = field(default_factory=list)
+    signature: tuple = ()  # what its candidates and prices depend on (sharding.py:_signature); () unset
 
     def results(self) -> set[str]:
         """Names of the results of the group's ops."""
@@ -101,6 +102,7 @@ class GroupBuilder:
         self.recomputable = recomputable(prog, global_batch=False) if local else recomputable(prog)
         self.params = {v.name for v in prog.params}
         self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
+        self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedF node prices
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:
@@ -282,9 +284,10 @@ class GroupBuilder:
                         if b and ref.name in self.recomputable and not has_partial(src):
                             b = x = INF  # computed where it is needed, never moved (a partial sum is reduced)
                         vol, sec = vol + b, sec + x
-                    if ref.name in self.grad:
+                    if ref.name in self.grad and (op.result, i) not in self.summed:
                         # a parameter read by two ops whose gradients both need the sync is all-reduced
-                        # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k
+                        # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k;
+                        # an activation's f that readers share is priced on its SharedF node (sharding.py)
                         readers = len(self.users[ref.name]) if ref.name in self.params else 1
                         share = 1.0 if readers <= 2 else 1 / readers
                         for a in range(len(self.mesh.axes)):

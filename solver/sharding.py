@@ -6,11 +6,12 @@ the chosen placements into the IR; the baselines (solver/baselines.py) solve und
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from autopar.errors import InfeasibleError
 from autopar.ir.core import Op, Placement, Program, R, Replicate, TensorType, Value
 from autopar.solver.blocks import layer_key
+from autopar.solver.cost import INF
 from autopar.solver.groups import Group, GroupBuilder, label, unnamed
 from autopar.solver.ilp import Solution, solve
 from autopar.solver.options import ShardOptions
@@ -107,6 +108,12 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
             both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, bb)]
             totals[2] -= sum(x[0] for x in both)
             totals[3] -= sum(x[1] for x in both)
+        elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
+            continue
+        elif isinstance(name, tuple):  # ("read", value): a read through the value's shared f's node
+            vol, sec = _read_through(b, name[1], a, bb)
+            totals[2] += vol
+            totals[3] += sec
         elif bb is not None and a != bb:
             vol, sec = b.cost.redistribute(b.types[name], a, bb, name in b.grad)
             totals[2] += vol
@@ -122,10 +129,12 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
     replicated."""
     b = GroupBuilder(prog, opts)
     groups, where = b.build_groups()
+    shared = _shared_f(b, groups, where)
+    b.summed = {(op.result, pos) for reads, _ in shared.values() for _, op, pos in reads}
     priced: dict[tuple, Group] = {}
     for g in groups:
         # identical groups (the same group in every layer) have index-aligned candidates: price once
-        sig = _signature(g)  # before pricing prunes impossible candidates
+        sig = g.signature = _signature(g, b.types, b.summed)  # before pricing prunes impossible candidates
         same = priced.get(sig)
         if same is not None:
             g.candidates = _rename(same, g)
@@ -151,10 +160,12 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
         members = g.results() | {v.name for v in g.values}
         for op in g.ops:
             for pos, ref in enumerate(b.refs(op)):
-                if ref.name in members:
+                if ref.name in members or (op.result, pos) in b.summed:
                     continue
                 hi = where[ref.name]
                 edges.append(_edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos]))
+    for name, (reads, keys) in shared.items():
+        _add_shared_f(b, groups, nodes, edges, where, name, reads, keys)
     out_refs = [r for r in prog.outputs if hasattr(r, "name")]
     if out_refs:
         sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
@@ -218,6 +229,120 @@ def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, in
         e.keys = ("refund", list(uids), list(vids))
         out.append(e)
     return out
+
+
+@dataclass
+class SharedF(Group):
+    """The decision of which gradient all-reduces of a value its readers share (Megatron's f, once for
+    LLaMA's q, k and v): one candidate per ``keys`` entry ``(stored placements, axes of the shared f)``."""
+
+    keys: list[tuple] = field(default_factory=list)
+
+
+def _read_key(b: GroupBuilder, c: dict[str, Strategy], op: Op, pos: int) -> tuple:
+    """(the placements a read of input ``pos`` wants, the axes where its gradient is a partial sum: the read is
+    replicated there and the op's ranks compute different things) of candidate ``c``."""
+    s = c[op.result]
+    p = s.inputs[pos]
+    if p is None:
+        return None, ()
+    return p, tuple(a for a in range(len(b.mesh.axes)) if isinstance(p[a], Replicate) and is_divergent(s, a))
+
+
+def _shared_f(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> dict[str, tuple[list, list[tuple]]]:
+    """The activations whose f two or more readers in other groups can share, each with its reads
+    ``(group, op, input position)`` and the keys of its ``SharedF`` node.
+
+    ``insert-collectives`` emits one f per value, wanted placements and axis, whichever op reads it;
+    priced per reader, LLaMA's q/k/v would pay three all-reduces for the one the program runs. A read
+    shares the f when it reads the value as stored with the same partial axes as the f; other reads pay
+    their own, as before. Parameters are left to ``_shared_sync_edges`` (their sync follows the backward).
+    """
+    out = {}
+    for name, users in b.users.items():
+        if name in b.params or name not in b.grad or name not in where:
+            continue
+        hi = where[name]
+        reads = [
+            (where[op.result], op, i)
+            for op in users
+            for i, r in enumerate(b.refs(op))
+            if r.name == name and where[op.result] != hi
+        ]
+        if len(reads) < 2:
+            continue
+        stored = list(dict.fromkeys(b.placement_in(c, groups[hi], name) for c in groups[hi].candidates))
+        takers: dict[tuple, int] = {}  # (stored placements, partial axes) -> how many reads can take it
+        for gi, op, pos in reads:
+            for key in {_read_key(b, c, op, pos) for c in groups[gi].candidates}:
+                if key[1] and key[0] in stored:
+                    takers[key] = takers.get(key, 0) + 1
+        if not any(n >= 2 for n in takers.values()):
+            continue
+        keys = [(p, axes) for p in stored for axes in [(), *(k[1] for k, n in takers.items() if k[0] == p and n >= 2)]]
+        out[name] = (reads, keys)
+    return out
+
+
+def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: list[tuple]) -> None:
+    """Value ``name``'s SharedF node: its own cost is the shared f's all-reduces, an edge from the producer
+    fixes its stored placements, and each read's edge prices what that read pays beyond it."""
+    t = b.types[name]
+    producer = b.producers.get(name)
+    path = producer.path if isinstance(producer, Op) and producer.path else ""
+    g = SharedF(Value(f"{path}:<f of %{name}>", "input", t), candidates=[{} for _ in keys], keys=list(keys))
+    g.signature = ("shared f", t, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
+    for p, axes in keys:
+        vol = sec = 0.0
+        for a in axes:
+            x, y = b.cost.grad_reduce(t, p, a)
+            vol, sec = vol + x, sec + y
+        g.memory.append(0.0)
+        g.redundancy.append(0.0)
+        g.comm_bytes.append(vol)
+        g.comm_seconds.append(sec)
+        g.compute_seconds.append(0.0)
+    groups.append(g)
+    fi = len(groups) - 1
+    nodes.append(
+        Node(label(g.head), [b.objective(0.0, v, x, 0.0) for v, x in zip(g.comm_bytes, g.comm_seconds)], g.memory)
+    )
+    hi = where[name]
+    ug, uids = _group_ids([b.placement_in(c, groups[hi], name) for c in groups[hi].candidates])
+    vg, vids = _group_ids([p for p, _ in keys])
+    e = Edge(hi, fi, ug, vg, {(i, j): 0.0 for i, p in enumerate(uids) for j, q in enumerate(vids) if p == q})
+    e.keys = ("same", list(uids), list(vids))
+    edges.append(e)
+    pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
+    ug, uids = _group_ids(list(keys))
+    for gi, op, pos in reads:
+        vg, vids = _group_ids([_read_key(b, c, op, pos) for c in groups[gi].candidates])
+        cost = {}
+        for i, fk in enumerate(uids):
+            for j, rk in enumerate(vids):
+                vol, sec = _read_through(b, name, fk, rk, pinned)
+                if vol != INF:
+                    cost[(i, j)] = b.objective(0.0, vol, sec, 0.0)
+        e = Edge(fi, gi, ug, vg, cost)
+        e.keys = (("read", name), list(uids), list(vids))
+        edges.append(e)
+
+
+def _read_through(b: GroupBuilder, name: str, fkey: tuple, rkey: tuple, pinned: bool = False) -> tuple[float, float]:
+    """(bytes, seconds) a read of ``name`` pays beyond its shared f, with the SharedF node at ``fkey`` and the
+    read at ``rkey`` (``_read_key``): nothing if it reads the value as stored with the f's partial axes,
+    else its own resharding and its own gradient all-reduces (INF: a resharding ``pinned`` forbids)."""
+    (p, shared), (want, axes) = fkey, rkey
+    if want is None or (want == p and axes == shared):
+        return 0.0, 0.0
+    t = b.types[name]
+    vol, sec = b.cost.redistribute(t, p, want, True)
+    if pinned and vol:
+        return INF, INF
+    for a in axes:
+        x, y = b.cost.grad_reduce(t, want, a)
+        vol, sec = vol + x, sec + y
+    return vol, sec
 
 
 def _keep_distinct_interfaces(groups: list[Group], nodes: list[Node], edges: list[Edge], budget: bool) -> None:
@@ -301,7 +426,7 @@ def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
     layers = [stack[k] for k in sorted(stack)]
     if len(layers) < 2:
         return None
-    sig = [[_signature(groups[i]) for i in layer] for layer in layers]
+    sig = [[groups[i].signature for i in layer] for layer in layers]
     if any(s != sig[0] for s in sig[1:]):
         return None
     rep = list(range(len(groups)))
@@ -320,10 +445,20 @@ def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
     return [{names[k]: v for k, v in c.items()} for c in src.candidates]
 
 
-def _signature(g: Group) -> tuple:
+def _signature(g: Group, types: dict[str, TensorType], summed: set[tuple[str, int]] = frozenset()) -> tuple:
     """Everything a group's candidates and prices depend on, without value names: groups with equal
-    signatures (the same group in every layer) have index-aligned candidates and equal costs."""
+    signatures (the same group in every layer) have index-aligned candidates and equal costs (``types``: the
+    program's, for the ops' inputs; ``summed``: the reads whose gradient all-reduce a shared f's node prices,
+    not the group)."""
     if isinstance(g.head, Value):
         return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
-    ops = tuple((op.target, op.types, unnamed((op.args, op.kwargs))) for op in g.ops)
-    return ("ops", ops, tuple(v.type for v in g.values), len(g.candidates))
+    # the input types too: Llama's down_proj and o_proj have one output type, and a weight that is not
+    # folded into its reader (constrained, or read twice) leaves nothing else in the group to tell them apart
+    ops = tuple(
+        (op.target, tuple(types[r.name] for r in op.input_refs()), op.types, unnamed((op.args, op.kwargs)))
+        for op in g.ops
+    )
+    reads = tuple(
+        (k, pos) for k, op in enumerate(g.ops) for pos in range(len(op.input_refs())) if (op.result, pos) in summed
+    )
+    return ("ops", ops, tuple(v.type for v in g.values), len(g.candidates), reads)
