@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.ir.axes import data_axes
-from autopar.ir.core import MeshSpec, Placement, Replicate, Shard, TensorType
+from autopar.ir.core import MeshSpec, Placement, Program, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
 
@@ -310,6 +310,30 @@ class CostModel:
             gv, gs, _ = self._collective_terms("all_gather", axis)
             v, per_byte = v + gv, per_byte + gs
         return nbytes * v, nbytes * per_byte
+
+    def program_comm(self, program: Program) -> tuple[float, float]:
+        """(bytes, seconds) of every collective a step of ``program`` (after ``insert-collectives``) runs,
+        each priced on its own: the redistributions with their backward, each f's all-reduce, the collectives
+        inside ops (``inherent``), each synchronized gradient (without bucket latencies). The sharding ILP's
+        prediction for the plan must equal it (tests/test_solver.py): what the ILP prices per decision, this
+        prices per emitted collective. (``insert-collectives`` moving an f to a parameter's synchronized
+        gradient, GPT-2's position table, is priced here as run and in the ILP as the f it replaces.)"""
+        types, grad, vol, sec = program.types(), program.requires_grad(), 0.0, 0.0
+        for op in program.ops:
+            if op.target == "grad_all_reduce":
+                v, x = self.grad_reduce(op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"]))
+            elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "local_shard"):
+                src = types[op.input_refs()[0].name]
+                v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
+            else:  # the collectives an op runs inside itself (a vocab-parallel cross-entropy's)
+                ins = [types[r.name] for r in op.input_refs()]
+                v, x = self.inherent(op.target, ins, [t.placements for t in ins])
+            vol, sec = vol + v, sec + x
+        for value in program.params:
+            for axis in value.attrs.get("grad_sync", ()):
+                v, x = self.grad_reduce(value.type, value.type.placements, program.mesh.index(axis), True)
+                vol, sec = vol + v, sec + x
+        return vol, sec
 
     def bucket_latency(self, axis: int, buckets: int) -> float:
         """Seconds of the latencies of ``buckets`` gradient all-reduces over ``axis``."""

@@ -223,22 +223,6 @@ class ThreeReaders(torch.nn.Module):
         return (self.q(h) * self.k(h)).sum() + self.v(h).sum()
 
 
-def _priced_collectives(program, cost) -> float:
-    """Seconds of every collective ``program`` runs in a step, each priced on its own by ``cost``: the
-    forward redistributions with their backward, each f's all-reduce, each synchronized gradient."""
-    types, grad, sec = program.types(), program.requires_grad(), 0.0
-    for op in program.ops:
-        if op.target == "grad_all_reduce":
-            sec += cost.grad_reduce(op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"]))[1]
-        elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "local_shard"):
-            src = types[op.input_refs()[0].name]
-            sec += cost.redistribute(src, src.placements, op.types[0].placements, op.result in grad)[1]
-    for v in program.params:
-        for axis in v.attrs.get("grad_sync", ()):
-            sec += cost.grad_reduce(v.type, v.type.placements, program.mesh.index(axis), True)[1]
-    return sec
-
-
 @pytest.mark.parametrize("columns", [(), ("q",), ("q", "k"), ("q", "k", "v")])
 def test_readers_sharing_an_activation_pay_its_f_once(columns):
     """insert-collectives emits one f for every column-parallel reader of a value (Megatron's f before q, k
@@ -257,7 +241,8 @@ def test_readers_sharing_an_activation_pay_its_f_once(columns):
     fs = [op for op in program.ops if op.target == "grad_all_reduce"]
     assert len(fs) == (1 if columns else 0)
     cost = CostModel(prog.mesh, opts.setup, opts.cluster)
-    assert sharding.comm_seconds == pytest.approx(_priced_collectives(program, cost), rel=1e-9)
+    vol, sec = cost.program_comm(program)
+    assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
     assert sharding.comm_seconds > 0 or not columns
 
 

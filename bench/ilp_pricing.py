@@ -1,0 +1,80 @@
+"""Does the sharding ILP price the plan it picks as the program runs it? Predicted against emitted communication.
+
+    .venv/bin/python bench/ilp_pricing.py
+    .venv/bin/python bench/ilp_pricing.py --cases llama-7b-layer:tp=8 --cluster dgx-a100
+
+For each case (a model and a mesh) the ILP is solved twice on the cluster spec: free (the default objective,
+the least step time) and with Megatron's layout fixed (``megatron_options``). For each plan the table gives
+the ILP's predicted communication seconds beside the same plan's program after ``insert-collectives``, each
+collective priced on its own by the same cost model (``CostModel.program_comm``), and the predicted step time
+(computation + communication). The two communication columns are equal where the ILP prices what the program
+runs; the free plan's step can never exceed the constrained one's (constraints only remove candidates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from autopar.api import DEFAULT_PIPELINE, parse_mesh
+from autopar.models import build
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.passes.manager import PassManager
+from autopar.passes.shard import ShardOptions
+from autopar.solver.baselines import megatron_options
+from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cost import CostModel
+from autopar.solver.sharding import solve_sharding
+
+MODELS = {
+    # issue 13's Llama (bench/vs_torch.py's sizes)
+    "llama-small": "tiny-llama:num_hidden_layers=4,hidden_size=256,num_attention_heads=4,num_key_value_heads=4,"
+    "intermediate_size=1024,vocab_size=4096,max_position_embeddings=128,batch=8,seq=128",
+    # two layers of Llama-2 7B's shapes, two sequences of 2048
+    "llama-7b-layer": "tiny-llama:num_hidden_layers=2,hidden_size=4096,num_attention_heads=32,num_key_value_heads=32,"
+    "intermediate_size=11008,vocab_size=32000,max_position_embeddings=2048,batch=2,seq=2048",
+    # GPT-2's fused c_attn: one reader per f, a control
+    "gpt2-small": "gpt2:n_layer=4,n_embd=256,n_head=4,vocab_size=4096,n_positions=128,batch=8,seq=128",
+}
+CASES = ["llama-small:tp=2", "llama-small:dp=2,tp=2", "llama-7b-layer:tp=8", "llama-7b-layer:dp=2,tp=4"]
+CASES += ["gpt2-small:tp=2"]
+
+
+def row(case: str, cluster: ClusterSpec) -> str:
+    model, mesh = case.split(":")
+    m = build(MODELS[model], device="meta")
+    prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh(mesh))
+    base = ShardOptions(cluster=cluster)
+    cells = []
+    for opts in (base, megatron_options(prog, base)):
+        t0 = time.perf_counter()
+        sharding = solve_sharding(prog, opts)
+        program = PassManager(DEFAULT_PIPELINE, options={"shard": opts}).run(prog)
+        _, emitted = CostModel(prog.mesh, opts.setup, cluster).program_comm(program)
+        solve = time.perf_counter() - t0
+        cells += [
+            f"{sharding.comm_seconds * 1e3:.3f} / {emitted * 1e3:.3f}",
+            f"{sharding.step_seconds * 1e3:.3f}",
+            f"{solve:.1f}",
+        ]
+    return f"| {model} | {mesh} | " + " | ".join(cells) + " |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=";".join(CASES), help="MODEL:MESH;... (MODEL from MODELS)")
+    ap.add_argument("--cluster", default="dgx-a100", help="cluster spec preset or file (default dgx-a100)")
+    a = ap.parse_args()
+    cluster = ClusterSpec.load(a.cluster)
+    print(
+        "| model | mesh | free: predicted / emitted comm ms | free: step ms | free: s "
+        "| Megatron: predicted / emitted comm ms | Megatron: step ms | Megatron: s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for case in a.cases.split(";"):
+        print(row(case, cluster), flush=True)
+
+
+if __name__ == "__main__":
+    main()
