@@ -103,6 +103,7 @@ class GroupBuilder:
         self.params = {v.name for v in prog.params}
         self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
         self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedF node prices
+        self.shared_edges: dict[tuple, dict] = {}  # SharedF edges' costs by value type, keys and reader candidates
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:

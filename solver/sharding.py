@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import InfeasibleError
-from autopar.ir.core import Op, Placement, Program, R, Replicate, TensorType, Value
+from autopar.ir.core import Op, Placement, Program, R, Replicate, Shard, TensorType, Value
 from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF
 from autopar.solver.groups import Group, GroupBuilder, label, unnamed
@@ -110,8 +110,8 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
             totals[3] -= sum(x[1] for x in both)
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
-        elif isinstance(name, tuple):  # ("read", value): a read through the value's shared f's node
-            vol, sec = _read_through(b, name[1], a, bb)
+        elif isinstance(name, tuple):  # ("read", value): a read through the value's SharedF node
+            vol, sec = _read_through(b, b.types[name[1]], a, bb, grad=name[1] in b.grad)
             totals[2] += vol
             totals[3] += sec
         elif bb is not None and a != bb:
@@ -231,37 +231,51 @@ def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, in
     return out
 
 
+MAX_SHARED_KEYS = 128  # candidates of a SharedF node before its rarer shared gathers are left out
+
+
 @dataclass
 class SharedF(Group):
-    """The decision of which gradient all-reduces of a value its readers share (Megatron's f, once for
-    LLaMA's q, k and v): one candidate per ``keys`` entry ``(stored placements, axes of the shared f)``."""
+    """What the readers of one value share: the value resharded once and Megatron's f once (LLaMA's q, k and v
+    read one norm output, all-gathered once where it is sequence-sharded, with one f). One candidate per
+    ``keys`` entry ``(stored placements, placements the sharing readers read, axes of the shared f)``."""
 
     keys: list[tuple] = field(default_factory=list)
 
 
-def _read_key(b: GroupBuilder, c: dict[str, Strategy], op: Op, pos: int) -> tuple:
+def _read_key(b: GroupBuilder, c: dict[str, Strategy], op: Op, pos: int, grad: bool = True) -> tuple:
     """(the placements a read of input ``pos`` wants, the axes where its gradient is a partial sum: the read is
-    replicated there and the op's ranks compute different things) of candidate ``c``."""
+    replicated there and the op's ranks compute different things; none without a ``grad``) of candidate ``c``."""
     s = c[op.result]
     p = s.inputs[pos]
-    if p is None:
-        return None, ()
+    if p is None or not grad:
+        return p, ()
     return p, tuple(a for a in range(len(b.mesh.axes)) if isinstance(p[a], Replicate) and is_divergent(s, a))
 
 
+def _gathered(p: tuple, q: tuple) -> bool:
+    """Whether ``q`` is ``p`` all-gathered over some axes (the resharding several readers typically share)."""
+    return p != q and all(x == y or (isinstance(x, Shard) and isinstance(y, Replicate)) for x, y in zip(p, q))
+
+
 def _shared_f(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> dict[str, tuple[list, list[tuple]]]:
-    """The activations whose f two or more readers in other groups can share, each with its reads
+    """The values whose resharding or f two or more readers in other groups can share, each with its reads
     ``(group, op, input position)`` and the keys of its ``SharedF`` node.
 
-    ``insert-collectives`` emits one f per value, wanted placements and axis, whichever op reads it;
-    priced per reader, LLaMA's q/k/v would pay three all-reduces for the one the program runs. A read
-    shares the f when it reads the value as stored with the same partial axes as the f; other reads pay
-    their own, as before. Parameters are left to ``_shared_sync_edges`` (their sync follows the backward).
+    ``insert-collectives`` reshards a value once per wanted placements and emits one f per those placements
+    and axis, whichever ops read it; priced per reader, LLaMA's q/k/v would pay three all-reduces for the one
+    the program runs, and an input all-gathered for three readers three all-gathers. A read shares when it
+    wants the shared placements (with the same partial axes as the f, for the f); other reads pay their own
+    resharding and f's, as before. The shared placements are the stored ones or an all-gather of them
+    (``_gathered``), the gathers that more reads can want first, up to ``MAX_SHARED_KEYS`` candidates; other
+    reshardings shared by several readers are priced per reader, an over-estimate. Parameters are left to
+    ``_shared_sync_edges`` (their sync follows the backward); values each rank computes are never moved.
     """
     out = {}
     for name, users in b.users.items():
-        if name in b.params or name not in b.grad or name not in where:
+        if name in b.params or name in b.recomputable or name not in where:
             continue
+        grad = name in b.grad  # else its readers share the resharding only: there is no f
         hi = where[name]
         reads = [
             (where[op.result], op, i)
@@ -272,30 +286,45 @@ def _shared_f(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> di
         if len(reads) < 2:
             continue
         stored = list(dict.fromkeys(b.placement_in(c, groups[hi], name) for c in groups[hi].candidates))
-        takers: dict[tuple, int] = {}  # (stored placements, partial axes) -> how many reads can take it
+        wanted: dict[tuple, int] = {}  # placements -> how many reads can want them
+        partial: dict[tuple, int] = {}  # (placements, partial axes) -> how many reads can want them so
         for gi, op, pos in reads:
-            for key in {_read_key(b, c, op, pos) for c in groups[gi].candidates}:
-                if key[1] and key[0] in stored:
-                    takers[key] = takers.get(key, 0) + 1
-        if not any(n >= 2 for n in takers.values()):
-            continue
-        keys = [(p, axes) for p in stored for axes in [(), *(k[1] for k, n in takers.items() if k[0] == p and n >= 2)]]
-        out[name] = (reads, keys)
+            mine = {_read_key(b, c, op, pos, grad) for c in groups[gi].candidates}
+            for q in {k[0] for k in mine if k[0] is not None}:
+                wanted[q] = wanted.get(q, 0) + 1
+            for k in mine:
+                if k[1]:
+                    partial[k] = partial.get(k, 0) + 1
+        pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
+        # the gathers more reads can share first; past MAX_SHARED_KEYS the rest are priced per reader
+        shared = sorted((q for q, n in wanted.items() if n >= 2 and not pinned), key=lambda q: -wanted[q])
+        fs = {q: [(), *(k[1] for k, n in partial.items() if k[0] == q and n >= 2)] for q in [*stored, *shared]}
+        keys = [(p, p, axes) for p in stored for axes in fs[p]]
+        for q in shared:
+            more = [(p, q, axes) for p in stored if _gathered(p, q) for axes in fs[q]]
+            if len(keys) + len(more) > max(MAX_SHARED_KEYS, len(stored)):
+                break
+            keys += more
+        if any(q != p or axes for p, q, axes in keys):
+            out[name] = (reads, keys)
     return out
 
 
 def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: list[tuple]) -> None:
-    """Value ``name``'s SharedF node: its own cost is the shared f's all-reduces, an edge from the producer
-    fixes its stored placements, and each read's edge prices what that read pays beyond it."""
+    """Value ``name``'s SharedF node: its own cost is the shared resharding and f's all-reduces, an edge from the
+    producer fixes its stored placements, and each read's edge prices what that read pays beyond them. The
+    edges' costs are made once per value type, keys and reader candidates (the same in every layer)."""
     t = b.types[name]
+    grad = name in b.grad
     producer = b.producers.get(name)
     path = producer.path if isinstance(producer, Op) and producer.path else ""
-    g = SharedF(Value(f"{path}:<f of %{name}>", "input", t), candidates=[{} for _ in keys], keys=list(keys))
-    g.signature = ("shared f", t, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
-    for p, axes in keys:
-        vol = sec = 0.0
+    g = SharedF(Value(f"{path}:<shared by the readers of %{name}>", "input", t), keys=list(keys))
+    g.candidates = [{} for _ in keys]
+    g.signature = ("shared", t, grad, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
+    for p, q, axes in keys:
+        vol, sec = b.cost.redistribute(t, p, q, grad) if q != p else (0.0, 0.0)
         for a in axes:
-            x, y = b.cost.grad_reduce(t, p, a)
+            x, y = b.cost.grad_reduce(t, q, a)
             vol, sec = vol + x, sec + y
         g.memory.append(0.0)
         g.redundancy.append(0.0)
@@ -309,34 +338,39 @@ def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: 
     )
     hi = where[name]
     ug, uids = _group_ids([b.placement_in(c, groups[hi], name) for c in groups[hi].candidates])
-    vg, vids = _group_ids([p for p, _ in keys])
+    vg, vids = _group_ids([p for p, _, _ in keys])
     e = Edge(hi, fi, ug, vg, {(i, j): 0.0 for i, p in enumerate(uids) for j, q in enumerate(vids) if p == q})
     e.keys = ("same", list(uids), list(vids))
     edges.append(e)
     pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
     ug, uids = _group_ids(list(keys))
     for gi, op, pos in reads:
-        vg, vids = _group_ids([_read_key(b, c, op, pos) for c in groups[gi].candidates])
-        cost = {}
-        for i, fk in enumerate(uids):
-            for j, rk in enumerate(vids):
-                vol, sec = _read_through(b, name, fk, rk, pinned)
-                if vol != INF:
-                    cost[(i, j)] = b.objective(0.0, vol, sec, 0.0)
-        e = Edge(fi, gi, ug, vg, cost)
+        vg, vids = _group_ids([_read_key(b, c, op, pos, grad) for c in groups[gi].candidates])
+        key = (t, tuple(uids), tuple(vids), pinned, grad)
+        if key not in b.shared_edges:
+            cost = {}
+            for i, fk in enumerate(uids):
+                for j, rk in enumerate(vids):
+                    vol, sec = _read_through(b, t, fk, rk, pinned, grad)
+                    if vol != INF:
+                        cost[(i, j)] = b.objective(0.0, vol, sec, 0.0)
+            b.shared_edges[key] = cost
+        e = Edge(fi, gi, ug, vg, dict(b.shared_edges[key]))
         e.keys = (("read", name), list(uids), list(vids))
         edges.append(e)
 
 
-def _read_through(b: GroupBuilder, name: str, fkey: tuple, rkey: tuple, pinned: bool = False) -> tuple[float, float]:
-    """(bytes, seconds) a read of ``name`` pays beyond its shared f, with the SharedF node at ``fkey`` and the
-    read at ``rkey`` (``_read_key``): nothing if it reads the value as stored with the f's partial axes,
-    else its own resharding and its own gradient all-reduces (INF: a resharding ``pinned`` forbids)."""
-    (p, shared), (want, axes) = fkey, rkey
-    if want is None or (want == p and axes == shared):
+def _read_through(
+    b: GroupBuilder, t: TensorType, fkey: tuple, rkey: tuple, pinned: bool = False, grad: bool = True
+) -> tuple[float, float]:
+    """(bytes, seconds) a read of a value of type ``t`` pays beyond what its readers share, with the SharedF node
+    at ``fkey`` and the read at ``rkey`` (``_read_key``): nothing if it reads the shared placements with the
+    shared f's partial axes, its own f's if it reads them with others, else its own resharding and its own
+    f's (INF: a resharding ``pinned`` forbids)."""
+    (p, q, shared), (want, axes) = fkey, rkey
+    if want is None or (want == q and axes == shared):
         return 0.0, 0.0
-    t = b.types[name]
-    vol, sec = b.cost.redistribute(t, p, want, True)
+    vol, sec = b.cost.redistribute(t, p, want, grad) if want != q else (0.0, 0.0)
     if pinned and vol:
         return INF, INF
     for a in axes:

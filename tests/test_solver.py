@@ -196,7 +196,9 @@ def test_elimination_keeps_the_optimum_on_a_three_axis_mesh():
         assert fast.solution.variables == 0 and fast.solution.eliminated > 0  # nothing left for CBC
         assert full.solution.variables > 10_000 and full.solution.status == "optimal"
         assert fast.solution.objective == pytest.approx(full.solution.objective, rel=1e-12)
-        assert fast.memory_bytes == full.memory_bytes
+        # ties: elimination keeps the least memory; CBC returns any optimum (the memory objective has no
+        # memory term), so the full ILP's plan can hold more among plans of the same objective
+        assert fast.memory_bytes <= full.memory_bytes
     assert smallest_budget(prog, opts) == smallest_budget(prog, replace(opts, eliminate=False))
 
 
@@ -264,17 +266,30 @@ def test_a_constrained_plan_never_beats_the_free_optimum():
     assert free <= unpinned * (1 + 1e-12) and unpinned <= megatron * (1 + 1e-12)
 
 
-def test_the_ilp_prices_what_the_program_emits_on_a_three_axis_mesh():
-    """A BERT-large layer on dp x sp x tp, least step time: the plan's predicted communication equals its
-    program's collectives, priced one by one. The first q projection (reading the user's input, no gradient)
-    and the attention's output dense (reading an activation) look alike in types and arguments; pricing them
-    as one group once left the dense's two f all-reduces out (predicted 0.82 of what the program runs)."""
-    m = build("mmr-bert-large", device="meta")
-    prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("dp=2,sp=2,tp=2"))
-    opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
+@pytest.mark.parametrize(
+    "spec,mesh,objective,collective",
+    [
+        # the first q projection (reading the user's input, no gradient) and the attention's output dense
+        # (reading an activation) look alike in types and arguments; pricing them as one group left the
+        # dense's two f all-reduces out: predicted 0.82 of what the program runs
+        ("mmr-bert-large", "dp=2,sp=2,tp=2", "time", "grad_all_reduce"),
+        # the user's input all-gathered once for q, k and v, charged three times: 1.20
+        ("tiny-encoder", "tp=4", "memory", "all_gather"),
+        # an activation all-gathered once, with one f, for two readers, charged twice each: 1.12
+        ("tiny-mlp", "dp=2,tp=2", "memory", "all_gather"),
+        # Llama's norm outputs: 1.07
+        ("tiny-llama", "tp=4", "memory", "all_gather"),
+    ],
+)
+def test_the_ilp_prices_what_the_program_emits(spec, mesh, objective, collective):
+    """The plan's predicted communication equals its program's collectives, priced one by one (the ratio
+    the old ILP gave is beside each case)."""
+    m = build(spec, device="meta")
+    prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh(mesh))
+    opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"), objective=objective)
     sharding = shard(prog, opts)
     program = insert_collectives(sharding.program)
-    assert any(op.target == "grad_all_reduce" for op in program.ops)
+    assert any(op.target == collective for op in program.ops)
     vol, sec = CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
 
