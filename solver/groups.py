@@ -68,7 +68,7 @@ class Group:
     comm_bytes: list[float] = field(default_factory=list)
     comm_seconds: list[float] = field(default_factory=list)
     compute_seconds: list[float] = field(default_factory=list)
-    signature: tuple = ()  # what its candidates and prices depend on (sharding.py:_signature); () unset
+    signature: tuple = ()  # what its candidates and prices depend on (GroupBuilder.signature); () unset
 
     def results(self) -> set[str]:
         """Names of the results of the group's ops."""
@@ -249,6 +249,35 @@ class GroupBuilder:
         return True
 
     # -- costs ----------------------------------------------------------------------------------
+    def signature(self, g: Group) -> tuple:
+        """Everything ``price`` reads of a group, without value names: groups with equal signatures (the same
+        group in every layer) have index-aligned candidates and equal prices, and are priced once.
+
+        Types and arguments alone are not enough: a linear reading the user's input and one reading an
+        activation (BERT's first q projection and its attention output dense, alike in shape) differ in the
+        gradient all-reduce they need, and a weight that is not folded into its reader leaves down_proj and
+        o_proj with one output type."""
+        if isinstance(g.head, Value):
+            return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
+        index = {r: k for k, op in enumerate(g.ops) for r in op.results}
+        ops = []
+        for op in g.ops:
+            reads = tuple(
+                (
+                    self.types[r.name],
+                    index.get(r.name, -1),  # produced inside the group: by which op
+                    r.name in self.grad,
+                    len(self.users[r.name]) if r.name in self.params else 0,
+                    r.name in self.recomputable,
+                    (op.result, i) in self.summed,
+                )
+                for i, r in enumerate(self.refs(op))
+            )
+            saved = tuple(self.saved.activation(r) for r in op.results), self.saved.extra.get(op.result)
+            ops.append((op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved))
+        values = tuple((v.kind, v.type, self.saved.activation(v.name)) for v in g.values)
+        return ("ops", tuple(ops), values, len(g.candidates))
+
     def price(self, g: Group) -> None:
         for cand in g.candidates:
             mem = red = vol = sec = flop_sec = 0.0

@@ -12,7 +12,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.core import Op, Placement, Program, R, Replicate, Shard, TensorType, Value
 from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF
-from autopar.solver.groups import Group, GroupBuilder, label, unnamed
+from autopar.solver.groups import Group, GroupBuilder, label
 from autopar.solver.ilp import Solution, solve
 from autopar.solver.options import ShardOptions
 from autopar.solver.problem import Edge, Node, fold_repeated
@@ -134,7 +134,7 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
     priced: dict[tuple, Group] = {}
     for g in groups:
         # identical groups (the same group in every layer) have index-aligned candidates: price once
-        sig = g.signature = _signature(g, b.types, b.summed)  # before pricing prunes impossible candidates
+        sig = g.signature = b.signature(g)  # before pricing prunes impossible candidates
         same = priced.get(sig)
         if same is not None:
             g.candidates = _rename(same, g)
@@ -241,6 +241,7 @@ class SharedF(Group):
     ``keys`` entry ``(stored placements, placements the sharing readers read, axes of the shared f)``."""
 
     keys: list[tuple] = field(default_factory=list)
+    producer: int = -1  # the group of the value's producer
 
 
 def _read_key(b: GroupBuilder, c: dict[str, Strategy], op: Op, pos: int, grad: bool = True) -> tuple:
@@ -318,7 +319,7 @@ def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: 
     grad = name in b.grad
     producer = b.producers.get(name)
     path = producer.path if isinstance(producer, Op) and producer.path else ""
-    g = SharedF(Value(f"{path}:<shared by the readers of %{name}>", "input", t), keys=list(keys))
+    g = SharedF(Value(f"{path}:<shared by the readers of %{name}>", "input", t), keys=list(keys), producer=where[name])
     g.candidates = [{} for _ in keys]
     g.signature = ("shared", t, grad, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
     for p, q, axes in keys:
@@ -448,8 +449,15 @@ def _group_ids(keys):
 
 def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
     """For each group its representative: the same group of the first layer when every layer of the
-    model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups."""
-    layer_of = [layer_key(g.head.path if isinstance(g.head, Op) else g.head.name) for g in groups]
+    model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups.
+
+    A SharedF node goes with its producer: it stands for the node of its producer's representative when that
+    has one with the same signature, else for itself. (The last layer's output may have one reader where the
+    others have several, BERT's, and so no node: the layers are still alike.)"""
+    layer_of = [
+        None if isinstance(g, SharedF) else layer_key(g.head.path if isinstance(g.head, Op) else g.head.name)
+        for g in groups
+    ]
     stacks: dict[str, dict[int, list[int]]] = {}
     for i, key in enumerate(layer_of):
         if key is not None:
@@ -467,6 +475,10 @@ def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
     for layer in layers[1:]:
         for i, first in zip(layer, layers[0]):
             rep[i] = first
+    shared = {(g.producer, g.signature): i for i, g in enumerate(groups) if isinstance(g, SharedF)}
+    for i, g in enumerate(groups):
+        if isinstance(g, SharedF):
+            rep[i] = shared.get((rep[g.producer], g.signature), i)
     return rep, len(layers)
 
 
@@ -477,22 +489,3 @@ def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
     if isinstance(src.head, Value):
         names[src.head.name] = dst.head.name
     return [{names[k]: v for k, v in c.items()} for c in src.candidates]
-
-
-def _signature(g: Group, types: dict[str, TensorType], summed: set[tuple[str, int]] = frozenset()) -> tuple:
-    """Everything a group's candidates and prices depend on, without value names: groups with equal
-    signatures (the same group in every layer) have index-aligned candidates and equal costs (``types``: the
-    program's, for the ops' inputs; ``summed``: the reads whose gradient all-reduce a shared f's node prices,
-    not the group)."""
-    if isinstance(g.head, Value):
-        return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
-    # the input types too: Llama's down_proj and o_proj have one output type, and a weight that is not
-    # folded into its reader (constrained, or read twice) leaves nothing else in the group to tell them apart
-    ops = tuple(
-        (op.target, tuple(types[r.name] for r in op.input_refs()), op.types, unnamed((op.args, op.kwargs)))
-        for op in g.ops
-    )
-    reads = tuple(
-        (k, pos) for k, op in enumerate(g.ops) for pos in range(len(op.input_refs())) if (op.result, pos) in summed
-    )
-    return ("ops", ops, tuple(v.type for v in g.values), len(g.candidates), reads)
