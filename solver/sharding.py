@@ -12,6 +12,7 @@ from autopar.errors import InfeasibleError
 from autopar.ir.core import Op, Placement, Program, R, Replicate, Shard, TensorType, Value
 from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF
+from autopar.solver.eliminate import eliminate as reduce_problem
 from autopar.solver.groups import Group, GroupBuilder, label
 from autopar.solver.ilp import Solution, solve
 from autopar.solver.options import ShardOptions
@@ -78,6 +79,10 @@ def smallest_budget(prog: Program, opts: ShardOptions) -> float:
 def _solve_problem(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: ShardOptions) -> Solution:
     args = dict(budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend, eliminate=opts.eliminate)
     found = repeated_layers(groups) if opts.reuse_layers else None
+    if found is not None and opts.eliminate and opts.budget_bytes is None and not reduce_problem(nodes, edges).edges:
+        # elimination solves the whole problem exactly: folding would only restrict it to identical layers, and
+        # joining each layer's end to its start (through a SharedF node) can leave elimination a core for CBC
+        found = None
     # (repeated layers whose costs differ after all are not identical: solved in full)
     if found is None or any(nodes[i].costs != nodes[r].costs for i, r in enumerate(found[0])):
         sol = solve(nodes, edges, **args)
