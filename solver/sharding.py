@@ -110,9 +110,9 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
         a = u_keys[e.u_group[sol.choice[e.u]]]
         bb = v_keys[e.v_group[sol.choice[e.v]]]
         if name == "refund":  # a shared parameter's gradient synchronized once
-            both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, bb)]
-            totals[2] -= sum(x[0] for x in both)
-            totals[3] -= sum(x[1] for x in both)
+            vol, sec = _refund(a, bb)
+            totals[2] -= vol
+            totals[3] -= sec
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
         elif isinstance(name, tuple):  # ("read", value): a read through the value's SharedF node
@@ -193,24 +193,43 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
 
 
 def _sync_needs(b: GroupBuilder, g: Group, op: Op, pos: int, t: TensorType) -> list[tuple]:
-    """Per candidate of g: for each mesh axis, the (bytes, seconds) of the gradient all-reduce that
-    op's read of input ``pos`` needs there ((0, 0) where it needs none)."""
+    """Per candidate of g: for each mesh axis, the (bytes, seconds) of the gradient all-reduce that op's read of
+    input ``pos`` needs there, bucketed after the backward and as an f of its own ((0, 0) twice where it needs
+    none)."""
     out = []
+    none = ((0.0, 0.0), (0.0, 0.0))
     for c in g.candidates:
         s, p = c[op.result], c[op.result].inputs[pos]
         out.append(
             tuple(
-                b.cost.grad_reduce(t, p, a, True) if isinstance(p[a], Replicate) and is_divergent(s, a) else (0.0, 0.0)
+                (b.cost.grad_reduce(t, p, a, True), b.cost.grad_reduce(t, p, a, False))
+                if isinstance(p[a], Replicate) and is_divergent(s, a)
+                else none
                 for a in range(len(b.mesh.axes))
             )
         )
     return out
 
 
+def _refund(a: tuple, c: tuple) -> tuple[float, float]:
+    """(bytes, seconds) to take off two readers' syncs of one parameter (``_sync_needs`` of each): where both
+    need an axis's, it is synchronized once, after the backward; where one alone does, `insert-collectives`
+    cannot move its f to the parameter (the other read's gradient is whole), and it runs as an f of its own,
+    with its latency (a negative refund)."""
+    vol = sec = 0.0
+    for (pb, pf), (qb, qf) in zip(a, c):
+        if pb[0] and qb[0]:
+            vol, sec = vol + min(pb[0], qb[0]), sec + min(pb[1], qb[1])
+        elif pb[0] or qb[0]:
+            bucketed, own = (pb, pf) if pb[0] else (qb, qf)
+            vol, sec = vol - (own[0] - bucketed[0]), sec - (own[1] - bucketed[1])
+    return vol, sec
+
+
 def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> list[Edge]:
     """A parameter read by two ops in different groups (tied embeddings) whose gradients both need
     an axis's all-reduce gets it once, after backward (`insert-collectives` marks it grad_sync), but
-    each read was priced with its own: an edge between the two readers refunds the smaller."""
+    each read was priced with its own: an edge between the two readers refunds the smaller (``_refund``)."""
     out = []
     for v in b.prog.params:
         readers = [(op, i) for op in b.users[v.name] for i, r in enumerate(b.refs(op)) if r.name == v.name]
@@ -227,8 +246,7 @@ def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, in
         cost = {}
         for x, a in enumerate(uids):
             for y, c in enumerate(vids):
-                both = [min(p, q) if p[0] and q[0] else (0.0, 0.0) for p, q in zip(a, c)]
-                vol, sec = sum(x[0] for x in both), sum(x[1] for x in both)
+                vol, sec = _refund(a, c)
                 cost[(x, y)] = b.objective(0.0, -vol, -sec, 0.0)
         e = Edge(g1, g2, ug, vg, cost)
         e.keys = ("refund", list(uids), list(vids))
