@@ -102,8 +102,8 @@ class GroupBuilder:
         self.recomputable = recomputable(prog, global_batch=False) if local else recomputable(prog)
         self.params = {v.name for v in prog.params}
         self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
-        self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedF node prices
-        self.shared_edges: dict[tuple, dict] = {}  # SharedF edges' costs by value type, keys and reader candidates
+        self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedReads node prices
+        self.shared_edges: dict[tuple, dict] = {}  # SharedReads edges' costs by value type, keys and reader candidates
 
     # -- strategies -----------------------------------------------------------------------------
     def op_strats(self, op: Op) -> list[Strategy]:
@@ -317,7 +317,7 @@ class GroupBuilder:
                     if ref.name in self.grad and (op.result, i) not in self.summed:
                         # a parameter read by two ops whose gradients both need the sync is all-reduced
                         # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k;
-                        # an activation's f that readers share is priced on its SharedF node (sharding.py)
+                        # an activation's f that readers share is priced on its SharedReads node (sharding.py)
                         readers = len(self.users[ref.name]) if ref.name in self.params else 1
                         share = 1.0 if readers <= 2 else 1 / readers
                         for a in range(len(self.mesh.axes)):

@@ -81,7 +81,7 @@ def _solve_problem(nodes: list[Node], edges: list[Edge], groups: list[Group], op
     found = repeated_layers(groups) if opts.reuse_layers else None
     if found is not None and opts.eliminate and opts.budget_bytes is None and not reduce_problem(nodes, edges).edges:
         # elimination solves the whole problem exactly: folding would only restrict it to identical layers, and
-        # joining each layer's end to its start (through a SharedF node) can leave elimination a core for CBC
+        # joining each layer's end to its start (through a SharedReads node) can leave elimination a core for CBC
         found = None
     # (repeated layers whose costs differ after all are not identical: solved in full)
     if found is None or any(nodes[i].costs != nodes[r].costs for i, r in enumerate(found[0])):
@@ -115,7 +115,7 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
             totals[3] -= sec
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
-        elif isinstance(name, tuple):  # ("read", value): a read through the value's SharedF node
+        elif isinstance(name, tuple):  # ("read", value): a read through the value's SharedReads node
             vol, sec = _read_through(b, b.types[name[1]], a, bb, grad=name[1] in b.grad)
             totals[2] += vol
             totals[3] += sec
@@ -134,7 +134,7 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
     replicated."""
     b = GroupBuilder(prog, opts)
     groups, where = b.build_groups()
-    shared = _shared_f(b, groups, where)
+    shared = _shared_reads(b, groups, where)
     b.summed = {(op.result, pos) for reads, _ in shared.values() for _, op, pos in reads}
     priced: dict[tuple, Group] = {}
     for g in groups:
@@ -170,7 +170,7 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
                 hi = where[ref.name]
                 edges.append(_edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos]))
     for name, (reads, keys) in shared.items():
-        _add_shared_f(b, groups, nodes, edges, where, name, reads, keys)
+        _add_shared_reads(b, groups, nodes, edges, where, name, reads, keys)
     out_refs = [r for r in prog.outputs if hasattr(r, "name")]
     if out_refs:
         sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
@@ -254,11 +254,11 @@ def _shared_sync_edges(b: GroupBuilder, groups: list[Group], where: dict[str, in
     return out
 
 
-MAX_SHARED_KEYS = 128  # candidates of a SharedF node before its rarer shared gathers are left out
+MAX_SHARED_KEYS = 128  # candidates of a SharedReads node before its rarer shared gathers are left out
 
 
 @dataclass
-class SharedF(Group):
+class SharedReads(Group):
     """What the readers of one value share: the value resharded once and Megatron's f once (LLaMA's q, k and v
     read one norm output, all-gathered once where it is sequence-sharded, with one f). One candidate per
     ``keys`` entry ``(stored placements, placements the sharing readers read, axes of the shared f)``."""
@@ -282,9 +282,9 @@ def _gathered(p: tuple, q: tuple) -> bool:
     return p != q and all(x == y or (isinstance(x, Shard) and isinstance(y, Replicate)) for x, y in zip(p, q))
 
 
-def _shared_f(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> dict[str, tuple[list, list[tuple]]]:
+def _shared_reads(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> dict[str, tuple[list, list[tuple]]]:
     """The values whose resharding or f two or more readers in other groups can share, each with its reads
-    ``(group, op, input position)`` and the keys of its ``SharedF`` node.
+    ``(group, op, input position)`` and the keys of its ``SharedReads`` node.
 
     ``insert-collectives`` reshards a value once per wanted placements and emits one f per those placements
     and axis, whichever ops read it; priced per reader, LLaMA's q/k/v would pay three all-reduces for the one
@@ -334,15 +334,16 @@ def _shared_f(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> di
     return out
 
 
-def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: list[tuple]) -> None:
-    """Value ``name``'s SharedF node: its own cost is the shared resharding and f's all-reduces, an edge from the
+def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, keys: list[tuple]) -> None:
+    """Value ``name``'s SharedReads node: its own cost is the shared resharding and f's all-reduces, an edge from the
     producer fixes its stored placements, and each read's edge prices what that read pays beyond them. The
     edges' costs are made once per value type, keys and reader candidates (the same in every layer)."""
     t = b.types[name]
     grad = name in b.grad
     producer = b.producers.get(name)
     path = producer.path if isinstance(producer, Op) and producer.path else ""
-    g = SharedF(Value(f"{path}:<shared by the readers of %{name}>", "input", t), keys=list(keys), producer=where[name])
+    head = Value(f"{path}:<shared by the readers of %{name}>", "input", t)
+    g = SharedReads(head, keys=list(keys), producer=where[name])
     g.candidates = [{} for _ in keys]
     g.signature = ("shared", t, grad, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
     for p, q, axes in keys:
@@ -387,7 +388,7 @@ def _add_shared_f(b, groups, nodes, edges, where, name: str, reads: list, keys: 
 def _read_through(
     b: GroupBuilder, t: TensorType, fkey: tuple, rkey: tuple, pinned: bool = False, grad: bool = True
 ) -> tuple[float, float]:
-    """(bytes, seconds) a read of a value of type ``t`` pays beyond what its readers share, with the SharedF node
+    """(bytes, seconds) a read of a value of type ``t`` pays beyond what its readers share, with the SharedReads node
     at ``fkey`` and the read at ``rkey`` (``_read_key``): nothing if it reads the shared placements with the
     shared f's partial axes, its own f's if it reads them with others, else its own resharding and its own
     f's (INF: a resharding ``pinned`` forbids)."""
@@ -474,11 +475,11 @@ def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
     """For each group its representative: the same group of the first layer when every layer of the
     model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups.
 
-    A SharedF node goes with its producer: it stands for the node of its producer's representative when that
+    A SharedReads node goes with its producer: it stands for the node of its producer's representative when that
     has one with the same signature, else for itself. (The last layer's output may have one reader where the
     others have several, BERT's, and so no node: the layers are still alike.)"""
     layer_of = [
-        None if isinstance(g, SharedF) else layer_key(g.head.path if isinstance(g.head, Op) else g.head.name)
+        None if isinstance(g, SharedReads) else layer_key(g.head.path if isinstance(g.head, Op) else g.head.name)
         for g in groups
     ]
     stacks: dict[str, dict[int, list[int]]] = {}
@@ -498,9 +499,9 @@ def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
     for layer in layers[1:]:
         for i, first in zip(layer, layers[0]):
             rep[i] = first
-    shared = {(g.producer, g.signature): i for i, g in enumerate(groups) if isinstance(g, SharedF)}
+    shared = {(g.producer, g.signature): i for i, g in enumerate(groups) if isinstance(g, SharedReads)}
     for i, g in enumerate(groups):
-        if isinstance(g, SharedF):
+        if isinstance(g, SharedReads):
             rep[i] = shared.get((rep[g.producer], g.signature), i)
     return rep, len(layers)
 

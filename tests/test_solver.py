@@ -324,7 +324,7 @@ def test_groups_alike_in_types_but_not_in_gradients_are_priced_apart(pinned):
 
 
 def test_repeated_layers_fold_when_the_last_layers_output_has_one_reader():
-    """BERT's last layer output is read by the head alone, so it gets no SharedF node where the other layers'
+    """BERT's last layer output is read by the head alone, so it gets no SharedReads node where the other layers'
     outputs (read by the next layer's q, k, v and residual) do; the layers are still found alike. Elimination
     solves this problem whole, so it is solved unfolded: exactly, and no slower."""
     _, prog = _tiny("tiny-bert:num_hidden_layers=4", "dp=2,tp=2")
