@@ -51,6 +51,16 @@ CASES = ["llama-small:tp=2", "llama-small:dp=2,tp=2", "llama-7b-layer:tp=8", "ll
 CASES += ["gpt2-small:tp=2"]
 
 
+def priced(prog, opts: ShardOptions):
+    """(the ILP's solution, its program's collectives priced one by one in seconds, solve seconds)."""
+    t0 = time.perf_counter()
+    sharding = solve_sharding(prog, opts)
+    solve = time.perf_counter() - t0
+    program = PassManager(DEFAULT_PIPELINE, options={"shard": opts}).run(prog)
+    _, emitted = CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
+    return sharding, emitted, solve
+
+
 def row(case: str, cluster: ClusterSpec) -> str:
     model, mesh = case.split(":")
     m = build(MODELS[model], device="meta")
@@ -58,11 +68,7 @@ def row(case: str, cluster: ClusterSpec) -> str:
     base = ShardOptions(cluster=cluster)
     cells = []
     for opts in (base, megatron_options(prog, base)):
-        t0 = time.perf_counter()
-        sharding = solve_sharding(prog, opts)
-        program = PassManager(DEFAULT_PIPELINE, options={"shard": opts}).run(prog)
-        _, emitted = CostModel(prog.mesh, opts.setup, cluster).program_comm(program)
-        solve = time.perf_counter() - t0
+        sharding, emitted, solve = priced(prog, opts)
         cells += [
             f"{sharding.comm_seconds * 1e3:.3f} / {emitted * 1e3:.3f}",
             f"{sharding.step_seconds * 1e3:.3f}",
@@ -79,12 +85,7 @@ def survey_rows(cluster: ClusterSpec):
         for mesh in SURVEY_MESHES:
             prog = lower(captured, parse_mesh(mesh))
             for objective in ("time", "memory"):
-                opts = ShardOptions(cluster=cluster, objective=objective)
-                t0 = time.perf_counter()
-                sharding = solve_sharding(prog, opts)
-                solve = time.perf_counter() - t0
-                program = PassManager(DEFAULT_PIPELINE, options={"shard": opts}).run(prog)
-                _, emitted = CostModel(prog.mesh, opts.setup, cluster).program_comm(program)
+                sharding, emitted, solve = priced(prog, ShardOptions(cluster=cluster, objective=objective))
                 yield spec, mesh, objective, sharding.comm_seconds, emitted, solve
 
 

@@ -33,7 +33,7 @@ from autopar.ir.core import (
 )
 from autopar.ir.layout import redistribute_steps
 from autopar.passes.shard import required_inputs
-from autopar.solver.strategies import Strategy, is_divergent
+from autopar.solver.strategies import Strategy, partial_axes
 
 _KW = {
     "all_reduce": lambda a, b: {"op": a.op},
@@ -97,9 +97,8 @@ def insert_collectives(prog: Program) -> Program:
             for i, (ref, req) in enumerate(zip(refs, reqs)):
                 if req is None or ref.name not in grad:
                     continue
-                for axis in range(len(prog.mesh.axes)):
-                    if isinstance(req[axis], Replicate) and is_divergent(strategy, axis):
-                        new_names[i] = b.grad_reduce(new_names[i], axis, op.path)
+                for axis in partial_axes(strategy, req):
+                    new_names[i] = b.grad_reduce(new_names[i], axis, op.path)
         args = map_refs((op.args, op.kwargs), _renamer(iter(new_names)))
         attrs = {k: v for k, v in op.attrs.items() if k != "in"}
         b.ops.append(op.with_(args=args[0], kwargs=args[1], attrs=attrs))

@@ -25,12 +25,20 @@ import numpy as np
 
 from autopar.errors import InfeasibleError
 from autopar.ir.axes import is_data_axis
-from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, Replicate, TensorType, Value, map_refs
+from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, TensorType, Value, map_refs
 from autopar.solver.blocks import layer_key
 from autopar.solver.cost import INF, CostModel
 from autopar.solver.options import ShardOptions
 from autopar.solver.saved import extra_bytes, saved_values
-from autopar.solver.strategies import Strategy, chunk_counts, is_divergent, is_follower, op_strategies, value_strategies
+from autopar.solver.strategies import (
+    Strategy,
+    chunk_counts,
+    is_divergent,
+    is_follower,
+    op_strategies,
+    partial_axes,
+    value_strategies,
+)
 
 MAX_GROUP_CANDIDATES = 2048
 CHEAP_FLOPS_PER_ELEMENT = 16  # an op doing at most this many FLOPs per output element is cheap to recompute
@@ -320,10 +328,9 @@ class GroupBuilder:
                         # an activation's f that readers share is priced on its SharedReads node (sharding.py)
                         readers = len(self.users[ref.name]) if ref.name in self.params else 1
                         share = 1.0 if readers <= 2 else 1 / readers
-                        for a in range(len(self.mesh.axes)):
-                            if isinstance(p[a], Replicate) and is_divergent(s, a):
-                                b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
-                                vol, sec = vol + share * b, sec + share * x
+                        for a in partial_axes(s, p):
+                            b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
+                            vol, sec = vol + share * b, sec + share * x
             g.memory.append(mem)
             g.redundancy.append(red)
             g.comm_bytes.append(vol)

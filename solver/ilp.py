@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import pulp
 
 from autopar.errors import InfeasibleError, SolverError
+from autopar.solver.eliminate import Elimination
 from autopar.solver.eliminate import eliminate as reduce_problem
 from autopar.solver.problem import Edge, Node, objective_of
 
@@ -62,10 +63,12 @@ def _solve(
     time_limit: float | None = 60.0,
     backend: str = "cbc",
     eliminate: bool = True,
+    reduced: Elimination | None = None,
 ) -> Solution:
+    """``reduced``: ``eliminate(nodes, edges)`` where the caller has it already."""
     t0 = time.perf_counter()
     if eliminate:
-        reduced = reduce_problem(nodes, edges)
+        reduced = reduced or reduce_problem(nodes, edges)
         if _size(reduced.nodes, reduced.edges) <= _size(nodes, edges):  # else elimination did not pay
             choice, optimal, size = _ilp(reduced.nodes, reduced.edges, None, time_limit, backend)
             choice = reduced.expand(choice)

@@ -17,7 +17,7 @@ from autopar.solver.groups import Group, GroupBuilder, label
 from autopar.solver.ilp import Solution, solve
 from autopar.solver.options import ShardOptions
 from autopar.solver.problem import Edge, Node, fold_repeated
-from autopar.solver.strategies import Strategy, is_divergent
+from autopar.solver.strategies import Strategy, partial_axes
 
 
 @dataclass
@@ -79,10 +79,14 @@ def smallest_budget(prog: Program, opts: ShardOptions) -> float:
 def _solve_problem(nodes: list[Node], edges: list[Edge], groups: list[Group], opts: ShardOptions) -> Solution:
     args = dict(budget=opts.budget_bytes, time_limit=opts.time_limit, backend=opts.backend, eliminate=opts.eliminate)
     found = repeated_layers(groups) if opts.reuse_layers else None
-    if found is not None and opts.eliminate and opts.budget_bytes is None and not reduce_problem(nodes, edges).edges:
-        # elimination solves the whole problem exactly: folding would only restrict it to identical layers, and
-        # joining each layer's end to its start (through a SharedReads node) can leave elimination a core for CBC
-        found = None
+    if found is not None and opts.eliminate and opts.budget_bytes is None:
+        reduced = reduce_problem(nodes, edges)
+        if not reduced.edges:
+            # elimination solves the whole problem exactly: folding would only restrict it to identical layers,
+            # and joining each layer's end to its start (through a SharedReads node) can leave CBC a core
+            sol = solve(nodes, edges, **args, reduced=reduced)
+            sol.layers = 0
+            return sol
     # (repeated layers whose costs differ after all are not identical: solved in full)
     if found is None or any(nodes[i].costs != nodes[r].costs for i, r in enumerate(found[0])):
         sol = solve(nodes, edges, **args)
@@ -199,12 +203,11 @@ def _sync_needs(b: GroupBuilder, g: Group, op: Op, pos: int, t: TensorType) -> l
     out = []
     none = ((0.0, 0.0), (0.0, 0.0))
     for c in g.candidates:
-        s, p = c[op.result], c[op.result].inputs[pos]
+        p = c[op.result].inputs[pos]
+        partial = partial_axes(c[op.result], p)
         out.append(
             tuple(
-                (b.cost.grad_reduce(t, p, a, True), b.cost.grad_reduce(t, p, a, False))
-                if isinstance(p[a], Replicate) and is_divergent(s, a)
-                else none
+                (b.cost.grad_reduce(t, p, a, True), b.cost.grad_reduce(t, p, a, False)) if a in partial else none
                 for a in range(len(b.mesh.axes))
             )
         )
@@ -270,11 +273,8 @@ class SharedReads(Group):
 def _read_key(b: GroupBuilder, c: dict[str, Strategy], op: Op, pos: int, grad: bool = True) -> tuple:
     """(the placements a read of input ``pos`` wants, the axes where its gradient is a partial sum: the read is
     replicated there and the op's ranks compute different things; none without a ``grad``) of candidate ``c``."""
-    s = c[op.result]
-    p = s.inputs[pos]
-    if p is None or not grad:
-        return p, ()
-    return p, tuple(a for a in range(len(b.mesh.axes)) if isinstance(p[a], Replicate) and is_divergent(s, a))
+    p = c[op.result].inputs[pos]
+    return p, partial_axes(c[op.result], p) if grad else ()
 
 
 def _gathered(p: tuple, q: tuple) -> bool:

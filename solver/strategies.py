@@ -102,3 +102,11 @@ def value_strategies(t: TensorType, mesh: MeshSpec, counts: tuple[int, ...], sha
 def is_divergent(strategy: Strategy, axis: int) -> bool:
     """Whether ranks of ``axis`` compute different things (some input is not replicated there)."""
     return any(p is not None and not isinstance(p[axis], Replicate) for p in strategy.inputs)
+
+
+def partial_axes(strategy: Strategy, read: tuple[Placement, ...] | None) -> tuple[int, ...]:
+    """The axes over which the gradient of an input the op reads at placements ``read`` is a partial sum (and
+    needs Megatron's f): the read is replicated there and the op's ranks compute different things."""
+    if read is None:
+        return ()
+    return tuple(a for a, p in enumerate(read) if isinstance(p, Replicate) and is_divergent(strategy, a))

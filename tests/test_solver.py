@@ -27,7 +27,7 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.plan import Plan, fingerprint
 from autopar.planner import plan_captured
-from autopar.solver.baselines import megatron_options, run_baseline
+from autopar.solver.baselines import Exactly, megatron_options, run_baseline
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import CostModel, TrainingSetup
 from autopar.solver.ilp import solve
@@ -213,6 +213,19 @@ def test_an_impossible_budget_names_the_smallest_that_fits():
     assert shard(prog, ShardOptions(objective="comm", budget_bytes=smallest * 1.0001)).memory_bytes <= smallest * 1.0001
 
 
+def _planned_and_emitted(prog, opts):
+    """(the plan ``shard`` solves under ``opts``, its program after insert-collectives, and that program's
+    collectives priced one by one: (bytes, seconds))."""
+    sharding = shard(prog, opts)
+    program = insert_collectives(sharding.program)
+    return sharding, program, CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
+
+
+def _pinned(opts, want: dict):
+    """``opts`` with each named value fixed at the given placements, read where it is stored."""
+    return replace(opts, constrain={n: Exactly(w) for n, w in want.items()}, pin_constrained=True)
+
+
 class ThreeReaders(torch.nn.Module):
     """One activation read by three projections (LLaMA's q, k, v from one norm's output)."""
 
@@ -234,16 +247,10 @@ def test_readers_sharing_an_activation_pay_its_f_once(columns):
     prog = lower(capture(model, (torch.randn(4, 8),)), parse_mesh("tp=2"))
     col = tuple(Shard(0) if n in columns else R for n in "qkv")
     want = {"a.weight": (R,), "q.weight": col[:1], "k.weight": col[1:2], "v.weight": col[2:], "x": (R,)}
-    opts = ShardOptions(
-        cluster=ClusterSpec.load("dgx-a100"), constrain={n: (lambda p, w=w: p == w) for n, w in want.items()}
-    )
-    opts = replace(opts, pin_constrained=True)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
+    opts = _pinned(ShardOptions(cluster=ClusterSpec.load("dgx-a100")), want)
+    sharding, program, (vol, sec) = _planned_and_emitted(prog, opts)
     fs = [op for op in program.ops if op.target == "grad_all_reduce"]
     assert len(fs) == (1 if columns else 0)
-    cost = CostModel(prog.mesh, opts.setup, opts.cluster)
-    vol, sec = cost.program_comm(program)
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
     assert sharding.comm_seconds > 0 or not columns
 
@@ -287,10 +294,8 @@ def test_the_ilp_prices_what_the_program_emits(spec, mesh, objective, collective
     m = build(spec, device="meta")
     prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh(mesh))
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"), objective=objective)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
+    sharding, program, (vol, sec) = _planned_and_emitted(prog, opts)
     assert any(op.target == collective for op in program.ops)
-    vol, sec = CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
 
 
@@ -314,12 +319,9 @@ def test_groups_alike_in_types_but_not_in_gradients_are_priced_apart(pinned):
     prog = lower(capture(TwoLinears(), (torch.randn(32, 64),)), parse_mesh("tp=2"))
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"), objective="memory", shard_inputs=False)
     if pinned:
-        want = {"l1.weight": (R,), "l2.weight": (Shard(0),)}
-        opts = replace(opts, constrain={n: (lambda p, w=w: p == w) for n, w in want.items()}, pin_constrained=True)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
+        opts = _pinned(opts, {"l1.weight": (R,), "l2.weight": (Shard(0),)})
+    sharding, program, (vol, sec) = _planned_and_emitted(prog, opts)
     assert any(op.target == "grad_all_reduce" for op in program.ops) or not pinned
-    vol, sec = CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
     assert sec > 0 and (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
 
 
@@ -346,10 +348,8 @@ def test_a_tied_weight_whose_one_reader_needs_the_sync_pays_an_f_of_its_own():
     m = build("tiny-gpt2", device="meta")
     prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("dp=2,tp=2"))
     opts = megatron_options(prog, ShardOptions(cluster=ClusterSpec.load("dgx-a100")))
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
+    sharding, program, (vol, sec) = _planned_and_emitted(prog, opts)
     assert any(op.target == "grad_all_reduce" and op.kwargs["axis"] == "dp" for op in program.ops)
-    vol, sec = CostModel(prog.mesh, opts.setup, opts.cluster).program_comm(program)
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
 
 
