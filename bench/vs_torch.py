@@ -60,7 +60,7 @@ from _launch import add_model_args, free_port, init_worker  # noqa: E402
 from vs_torch_systems import build_system, family_of, prepare_search  # noqa: E402
 
 PAIRS = {
-    "dp": ("autopar-dp", ("ddp",)),
+    "dp": ("autopar-dp", ("ddp", "ddp-fused")),  # torch's default AdamW, and the fused kernel autopar picks
     "zero3": ("autopar-zero3", ("fsdp2",)),
     "tp": ("autopar-tp", ("dtensor-tp",)),
     "tp-megatron": ("autopar-megatron", ("autopar-megatron-unfused", "dtensor-tp")),  # the same layout on both

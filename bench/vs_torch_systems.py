@@ -10,7 +10,8 @@ Every system is built from the same model spec and seed on every rank and return
 - ``autopar-search``: ``autopar.compile`` (default objective) on the mesh, ZeRO stage and pipeline that
   ``autopar.search`` chose for these ranks on this machine's cluster spec (``prepare_search``, once in the
   parent);
-- ``ddp``: ``DistributedDataParallel``; ``fsdp2``: ``fully_shard`` per decoder layer, then the root;
+- ``ddp``: ``DistributedDataParallel`` with torch's default AdamW (``ddp-fused``: its fused kernel, the one
+  autopar's ``make_optimizer`` picks); ``fsdp2``: ``fully_shard`` per decoder layer, then the root;
   ``dtensor-tp``: ``parallelize_module`` with Megatron's layout (q/k/v/gate/up column-wise, o/down
   row-wise); ``fsdp2-tp``: torchtitan's 2-D layout, the same TP on a ``tp`` axis of 2 and ``fully_shard``
   over the ``dp`` axis of the rest.
@@ -25,7 +26,7 @@ import re
 import torch
 import torch.distributed as dist
 
-GPT2_SYSTEMS = {"autopar-dp", "ddp", "autopar-pp"}  # the dp pair's model is GPT-2 (issue 13's table)
+GPT2_SYSTEMS = {"autopar-dp", "ddp", "ddp-fused", "autopar-pp"}  # the dp pair's model is GPT-2 (issue 13's table)
 MEGATRON_SYSTEMS = ("autopar-megatron", "autopar-megatron-unfused")
 
 
@@ -114,11 +115,11 @@ def build_system(system: str, family: str, a, rank: int):
             return cm, torch.optim.AdamW(cm.parameters(), lr=1e-4), batch
         return cm, cm.make_optimizer(torch.optim.AdamW, lr=1e-4), batch  # ZeRO-1/2 slices where planned
     local = {k: v.chunk(world)[rank] for k, v in batch.items()}
-    if system == "ddp":
+    if system in ("ddp", "ddp-fused"):  # ddp-fused: the optimizer kernel autopar's make_optimizer picks
         from torch.nn.parallel import DistributedDataParallel
 
         ddp = DistributedDataParallel(model)
-        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4), local
+        return ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=system == "ddp-fused" or None), local
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 

@@ -210,9 +210,11 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         """``optimizer_cls(groups, **kwargs)`` over this rank's parameters as the plan's training setup
         says (``runtime/optim.py``: ZeRO-1/2 and MiCS slices, ``param_groups`` by the user's names),
         attached to ``train_step``, which steps it after clipping the global gradient norm to
-        ``max_grad_norm`` when given (``grad_norm`` then holds the norm). A ``torch.optim`` optimizer
-        built by hand over ``parameters()`` trains the same numbers but keeps whole states under
-        ZeRO-1/2, and the caller steps it."""
+        ``max_grad_norm`` when given (``grad_norm`` then holds the norm). Unless ``kwargs`` choose an
+        implementation (``fused``, ``foreach``), torch's fused kernel where the class has one
+        (``runtime/optim.py``: ``fused_by_default``). A ``torch.optim`` optimizer built by hand over
+        ``parameters()`` trains the same numbers (but for the last bits, where its implementation
+        rounds differently) but keeps whole states under ZeRO-1/2, and the caller steps it."""
         groups = resolve_groups(param_groups, *user_names(self.program, self._state))
         self._optimizer = build_optimizer(
             optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs

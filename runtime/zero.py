@@ -27,6 +27,7 @@ optimizer as they are.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,7 +74,8 @@ class _Flat:
 
 
 class ZeroOptimizer(torch.optim.Optimizer):
-    """Wraps ``optimizer_cls`` with ZeRO-2 sharding of the data-parallel gradient and optimizer states.
+    """Wraps ``optimizer_cls`` (a class, or a callable taking its groups and options) with ZeRO-2 sharding
+    of the data-parallel gradient and optimizer states.
 
     ``groups``: the parameter groups, each (its options, the names of its parameters); default one
     group of every parameter. Each group's managed parameters are one flat vector, so the wrapped
@@ -85,7 +87,7 @@ class ZeroOptimizer(torch.optim.Optimizer):
         self,
         params: dict[str, torch.nn.Parameter],
         grad_sync: dict[str, list[str]],
-        optimizer_cls: type[torch.optim.Optimizer],
+        optimizer_cls: Callable[..., torch.optim.Optimizer],
         comm: Comm,
         zero_axes: tuple[str, ...],
         replica_axes: tuple[str, ...] = (),
