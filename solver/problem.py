@@ -5,6 +5,7 @@ exact presolve of solver/eliminate.py); solver/sharding.py builds it from a prog
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,39 @@ def objective_of(nodes: list[Node], edges: list[Edge], choice: list[int]) -> flo
     for e in edges:
         total += e.cost.get((e.u_group[choice[e.u]], e.v_group[choice[e.v]]), float("inf"))
     return total
+
+
+def switch_costs(
+    nodes: list[Node], edges: list[Edge], choice: list[int], i: int, free: Collection[int] = ()
+) -> list[float]:
+    """For each candidate of node ``i``: how much the objective of ``choice`` grows when node ``i`` alone takes
+    it, the neighbours of ``i`` in ``free`` re-choosing their best candidate for it, measured from the choice's
+    candidate with its free neighbours at their best (0 for it; a negative entry: the choice is not optimal).
+    Free nodes must not neighbour each other (a ``SharedReads`` node neighbours its producer and readers)."""
+    inf = float("inf")
+    incident: dict[int, list[Edge]] = {}
+    for e in edges:
+        if i in (e.u, e.v) or e.u in free or e.v in free:
+            incident.setdefault(e.u, []).append(e)
+            incident.setdefault(e.v, []).append(e)
+    loose = {e.v if e.u == i else e.u for e in incident.get(i, ())} & set(free)
+    if any(e.u in loose and e.v in loose for n in loose for e in incident[n]):
+        raise ValueError("switch_costs: free nodes neighbour each other")
+
+    def edge(e: Edge, at: dict[int, int]) -> float:
+        return e.cost.get((e.u_group[at.get(e.u, choice[e.u])], e.v_group[at.get(e.v, choice[e.v])]), inf)
+
+    def value(c: int) -> float:
+        at = {i: c}
+        total = nodes[i].costs[c] + sum(edge(e, at) for e in incident.get(i, ()) if not {e.u, e.v} & loose)
+        for n in loose:
+            total += min(
+                nodes[n].costs[k] + sum(edge(e, {**at, n: k}) for e in incident[n]) for k in range(len(nodes[n].costs))
+            )
+        return total
+
+    values = [value(c) for c in range(len(nodes[i].costs))]
+    return [v - values[choice[i]] for v in values]
 
 
 def fold_repeated(nodes: list[Node], edges: list[Edge], rep: list[int]) -> tuple[list[Node], list[Edge], list[int]]:

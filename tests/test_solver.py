@@ -10,12 +10,13 @@ from dataclasses import replace
 import pytest
 import torch
 import transformers
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
 
 from autopar.api import parse_mesh
 from autopar.cli import main
+from autopar.cli.explain import plan_choice, rebuild
 from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.core import MeshSpec, Partial, R, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps
@@ -31,8 +32,8 @@ from autopar.solver.baselines import Exactly, megatron_options, run_baseline
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import CostModel, TrainingSetup
 from autopar.solver.ilp import solve
-from autopar.solver.problem import Edge, Node, fold_repeated
-from autopar.solver.sharding import build_problem, repeated_layers, smallest_budget, solve_sharding
+from autopar.solver.problem import Edge, Node, fold_repeated, objective_of, switch_costs
+from autopar.solver.sharding import SharedReads, build_problem, repeated_layers, smallest_budget, solve_sharding
 from autopar.solver.strategies import value_strategies
 
 
@@ -424,7 +425,67 @@ def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
     out = capsys.readouterr().out
     chosen = [line for line in out.splitlines() if line.startswith("->")]
     assert len(chosen) == 1 and "c_attn.weight=" in chosen[0]
+    rows = [line for line in out.splitlines() if line[:2] in ("->", "  ") and "placements" not in line and "Mi" in line]
+    deltas = [float(line[2:12]) for line in rows]  # "vs plan": the objective's change if this decision alone moved
+    assert chosen[0][2:12].strip() == "+0" and len(deltas) > 1 and min(deltas) >= 0
     assert main(["explain", str(plan), "no.such.op"]) == 2
+
+
+@given(st.integers(0, 2**32 - 1))
+@settings(max_examples=30, deadline=None)
+def test_switch_costs_equal_brute_force(seed):
+    """``explain``'s "vs plan" column: node 0's candidates, the free nodes 2 and 3 (shared reads, each between
+    node 0 and another node) re-chosen at their best, equal the best objective over the free nodes' choices
+    found by enumeration, less that of the choice's own candidate."""
+    g = torch.Generator().manual_seed(seed)
+
+    def costs(n):
+        return [float(x) for x in torch.rand(n, generator=g)]
+
+    sizes = [3, 2, 4, 3, 2]
+    nodes = [Node(f"n{i}", costs(n)) for i, n in enumerate(sizes)]
+    edges = []
+    for u, v in [(0, 1), (0, 2), (2, 1), (0, 3), (3, 4), (1, 4)]:
+        pairs = itertools.product(range(sizes[u]), range(sizes[v]))
+        cost = {(a, b): float(x) for (a, b), x in zip(pairs, torch.rand(sizes[u] * sizes[v], generator=g)) if x < 0.9}
+        edges.append(Edge(u, v, list(range(sizes[u])), list(range(sizes[v])), cost))
+    choice = [1, 0, 0, 2, 1]
+
+    def best(c):
+        return min(
+            objective_of(nodes, edges, [c, 0 + choice[1], k2, k3, choice[4]]) for k2 in range(4) for k3 in range(3)
+        )
+
+    assume(best(choice[0]) < math.inf)  # the choice itself feasible (a missing pair is forbidden)
+    want = [best(c) - best(choice[0]) for c in range(3)]
+    got = switch_costs(nodes, edges, choice, 0, free=(2, 3))
+    for a, b in zip(got, want):
+        assert a == b or abs(a - b) <= 1e-12 * max(1.0, abs(b)), (got, want)
+
+
+def test_every_decision_of_a_solved_plan_is_its_cheapest_beside_the_rest(tmp_path):
+    """A plan the ILP solved to optimality: no decision can move alone to a cheaper candidate (``explain``'s
+    "vs plan" is never negative), on a 2-axis mesh with shared reads. A choice made worse on one decision
+    shows it: the better candidate there is negative."""
+    path = tmp_path / "p.json"
+    assert main(["plan", "tiny-gpt2", "--mesh", "dp=2,tp=2", "--no-baselines", "-o", str(path)]) == 0
+    plan = Plan.load(path)
+    _, (_, groups, nodes, edges) = rebuild(plan)
+    choice = plan_choice(groups, nodes, edges, plan.parsed().types())
+    shared = [i for i, g in enumerate(groups) if isinstance(g, SharedReads)]
+    assert choice is not None and shared
+    moved = None
+    for i in range(len(groups)):
+        if i in shared:
+            continue
+        d = switch_costs(nodes, edges, choice, i, shared)
+        assert min(d) >= -1e-12 * objective_of(nodes, edges, choice), (nodes[i].name, d)
+        worse = [c for c, x in enumerate(d) if 0 < x < math.inf]
+        if moved is None and worse:
+            moved = i, worse[0], choice[i]
+    i, worse, was = moved
+    choice[i] = worse
+    assert switch_costs(nodes, edges, choice, i, shared)[was] < 0
 
 
 def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):

@@ -12,7 +12,8 @@ from autopar.passes.lower import lower
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.solver.cluster import ClusterSpec
-from autopar.solver.sharding import build_problem
+from autopar.solver.problem import switch_costs
+from autopar.solver.sharding import SharedReads, build_problem
 
 MiB = 2**20
 
@@ -37,15 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    if not plan.model:
-        raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
-    spec = build(plan.model, device="meta")
-    captured = capture(spec.model, spec.args, spec.kwargs)
-    plan.check(captured, plan.mesh_spec)
-    cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
-    opts = options_from_dict(plan.options, cluster)
-    prog = lower(captured, plan.mesh_spec)
-    b, groups, nodes, _ = build_problem(prog, opts)
+    opts, (b, groups, nodes, edges) = rebuild(plan)
     key = args.op.lstrip("%")
     gi = _find(groups, key)
     if gi is None:
@@ -53,34 +46,76 @@ def run(args: argparse.Namespace) -> int:
             f"no op, parameter or module {args.op!r} in the plan's program; see `autopar ir {plan.model}`"
         )
     g, node = groups[gi], nodes[gi]
-    chosen_types = plan.parsed().types()
-    chosen = next(
-        (i for i, c in enumerate(g.candidates) if all(_matches(chosen_types, n, s) for n, s in c.items())),
-        None,
-    )
+    choice = plan_choice(groups, nodes, edges, plan.parsed().types())
+    shared = [i for i, x in enumerate(groups) if isinstance(x, SharedReads)]
+    delta = switch_costs(nodes, edges, choice, gi, shared) if choice is not None else None
+    chosen = choice[gi] if choice is not None else None
     print(f"decision: {node.name}  ({len(g.ops)} ops, {len(g.values)} folded values, {len(g.candidates)} candidates)")
     for op in g.ops:
         print(f"  %{op.result} = {op.target}  # {op.path}")
     for v in g.values:
         print(f"  {v.kind} %{v.name}")
-    order = sorted(range(len(g.candidates)), key=lambda i: node.costs[i])
+    rank = delta if delta is not None else node.costs
+    order = sorted(range(len(g.candidates)), key=lambda i: (rank[i], node.costs[i]))
     shown = order[: args.top] + ([chosen] if chosen is not None and chosen not in order[: args.top] else [])
-    print(
-        f"\n{'':2s}{'objective':>12s} {'memory':>10s} {'redundant':>10s} {'comm':>10s}  placements "
-        "(own costs; resharding to neighbours is on the edges)"
-    )
+    print(f"\n{'':2s}{'vs plan':>10s} {'own cost':>10s} {'memory':>10s} {'redundant':>10s} {'comm':>10s}  placements")
     for i in shown:
         c = g.candidates[i]
         mark = "->" if i == chosen else "  "
         head = g.head.result if isinstance(g.head, Op) else g.head.name
         placements = ",".join(str(p) for p in c[head].outputs[0])
+        vs = f"{delta[i]:+10.3g}" if delta is not None else f"{'?':>10s}"
         print(
-            f"{mark}{node.costs[i]:>12.4g} {g.memory[i] / MiB:>8.2f}Mi {g.redundancy[i] / MiB:>8.2f}Mi "
+            f"{mark}{vs} {node.costs[i]:>10.4g} {g.memory[i] / MiB:>8.2f}Mi {g.redundancy[i] / MiB:>8.2f}Mi "
             f"{g.comm_bytes[i] / MiB:>8.2f}Mi  {{{placements}}} " + _params(c, g)
         )
-    if chosen is None:
-        print("\n(the chosen candidate could not be matched: the plan was made with other options)")
+    print(
+        "\nvs plan: the ILP objective's change if this decision alone took the candidate, the rest of the plan as it"
+        "\nis (the reshardings to its neighbours and the f's and gathers its readers share re-priced); own cost:"
+        "\nthe candidate's compute, memory and communication inside the decision. "
+        + ("In seconds per step." if opts.objective != "memory" else "In bytes (redundant memory + alpha x comm).")
+    )
+    if choice is None:
+        print("\n(the plan's placements match no candidate here: the plan was made with other options)")
     return 0
+
+
+def rebuild(plan: Plan):
+    """(the sharding options, ``build_problem``'s (builder, groups, nodes, edges)) of the strategy problem that
+    ``plan`` solved: its model captured again on the meta device, its mesh, cluster and options."""
+    if not plan.model:
+        raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
+    spec = build(plan.model, device="meta")
+    captured = capture(spec.model, spec.args, spec.kwargs)
+    plan.check(captured, plan.mesh_spec)
+    cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
+    opts = options_from_dict(plan.options, cluster)
+    return opts, build_problem(lower(captured, plan.mesh_spec), opts)
+
+
+def plan_choice(groups, nodes, edges, types) -> list[int] | None:
+    """The candidate of each decision that the plan's placements (``types``: SSA name -> type) took, None where
+    some decision has none. Where several match (alike in their outputs), the one cheapest beside its
+    neighbours; each ``SharedReads`` node takes its best key beside its producer and readers."""
+    shared = [i for i, g in enumerate(groups) if isinstance(g, SharedReads)]
+    matching = []
+    for g in groups:
+        if isinstance(g, SharedReads):
+            matching.append(list(range(len(g.candidates))))
+            continue
+        m = [i for i, c in enumerate(g.candidates) if all(_matches(types, n, s) for n, s in c.items())]
+        if not m:
+            return None
+        matching.append(m)
+    choice = [min(m, key=lambda i, n=n: n.costs[i]) for m, n in zip(matching, nodes)]
+    for i, m in enumerate(matching):  # the alike candidates (and the shared keys) settled by their neighbours
+        if len(m) > 1:
+            if isinstance(groups[i], SharedReads):
+                d = switch_costs(nodes, edges, choice, i)
+            else:
+                d = switch_costs(nodes, edges, choice, i, shared)
+            choice[i] = min(m, key=lambda k: d[k])
+    return choice
 
 
 def _find(groups, key: str) -> int | None:
