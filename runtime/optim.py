@@ -113,8 +113,8 @@ def build_optimizer(
 def fused_by_default(optimizer_cls: type[torch.optim.Optimizer], params: list, **kwargs: Any) -> torch.optim.Optimizer:
     """``optimizer_cls(params, **kwargs)`` with torch's fused kernel when the caller chose no implementation
     (neither ``fused`` nor ``foreach`` given) and the class has one (Adam, AdamW, SGD, Adagrad): one kernel over
-    all the tensors instead of about ten ops per parameter (AdamW on issue 13's GPT-2 on CPU: 2.1 against
-    9.7 ms a step), as torchtitan defaults to. Its numbers differ from the for-loop's in the last bits of
+    all the tensors instead of about ten ops per parameter (``bench/optimizer_kernels.py``: AdamW on issue
+    13's GPT-2, one CPU thread, 2.5 against 7.0 ms a step), as torchtitan defaults to. Its numbers differ from the for-loop's in the last bits of
     float64, as torch's implementations differ from each other. Where torch refuses the fused kernel for
     these parameters or options (a device or dtype without it, ``differentiable=True``), torch's default."""
     chosen = "fused" in kwargs or "foreach" in kwargs
