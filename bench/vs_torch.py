@@ -25,8 +25,8 @@ A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_tor
   Plus autopar's GPT-2 on pp=2 (1F1B, --microbatches) for the memory table.
 
 Each run times --steps training steps (forward, backward, AdamW step) after one warm-up and reports
-their median; a pair's line is the ratio of the medians over rounds (autopar / peer; < 1: autopar
-faster) with the min-max of the per-round ratios (``--interleave``: each round builds the pair's systems in
+their median; a pair's line is the median of the per-round ratios of those medians (autopar / peer; < 1:
+autopar faster) with their min-max (``--interleave``: each round builds the pair's systems in
 the same fresh processes and alternates their steps, A B B A ..., for a machine whose load changes between
 runs). Each model returns its loss only.
 
@@ -243,9 +243,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _ratio(ours: list[float], peer: list[float]) -> str:
+    """The median of the per-round ratios (each round's two medians measured under the same load: with
+    ``--interleave`` in the same processes, steps alternating), with their min-max. (Until 2026-11-27 this was
+    the ratio of the medians over rounds, which pairs one round's time with another's when the load changes
+    between rounds.)"""
     ratios = [x / y for x, y in zip(ours, peer)]
-    m = statistics.median(ours) / statistics.median(peer)
-    return f"{m:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    return f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
 
 
 def _table(results: dict, a) -> str:
@@ -253,7 +256,7 @@ def _table(results: dict, a) -> str:
         f"{a.layers} layers, hidden {a.hidden}, vocab {a.vocab}, batch {a.batch} x {a.seq}; gloo, 1 thread per rank; "
         f"median of {a.steps} steps per run, {a.repeats} alternating rounds",
         "",
-        "| pair | ranks | autopar s/step | peer s/step | ratio autopar/peer (min-max) |",
+        "| pair | ranks | autopar s/step | peer s/step | ratio autopar/peer, median of rounds (min-max) |",
         "|---|---|---|---|---|",
     ]
     mem = ["", "| system | params MiB | grads MiB | optimizer MiB | activations MiB (saved) | predicted p/g/o/a MiB "
