@@ -24,6 +24,7 @@ import torch
 from autopar.ir.core import Op, Program, Ref
 from autopar.runtime import pending as inflight  # by module: tests replace its functions
 from autopar.runtime.comm import current_comm
+from autopar.solver.strategies import column_weight
 
 MM, LINEAR = "mm", "linear"
 
@@ -117,23 +118,21 @@ def column_groups(
     for op in prog.ops:
         if op.target != "grad_all_reduce" or op.result in returned or not users[op.result]:
             continue
-        readers = [_reader(u, op.result, add_of) for u in users[op.result]]
-        if all(r is not None and len(types[r.weight].shape) == 2 for r in readers):
+        readers = [_reader(u, op.result, add_of, types) for u in users[op.result]]
+        if all(r is not None for r in readers):
             out[op.result] = ColumnGroup(op, tuple(readers))  # type: ignore[arg-type]
     return out
 
 
-def _reader(u: Op, f: str, add_of: dict[str, tuple[str, str]]) -> Reader | None:
-    kind = {"aten.mm": MM, "aten.linear": LINEAR}.get(u.target)
-    if kind is None or u.kwargs or not isinstance(u.args[0], Ref) or u.args[0].name != f:
+def _reader(u: Op, f: str, add_of: dict[str, tuple[str, str]], types: dict) -> Reader | None:
+    """``u`` as a reader of f's output ``f``, or None where the fused call cannot stand for it: the form is the
+    one the cost model hides f behind (``solver.strategies.column_weight``), so the two cannot drift apart."""
+    weight = column_weight(u, 0, types)
+    if weight is None or u.args[0].name != f:
         return None
-    rest = u.args[1:]
-    if len(rest) not in ((1,) if kind == MM else (1, 2)) or not isinstance(rest[0], Ref) or rest[0].name == f:
-        return None
-    bias = rest[1] if len(rest) == 2 else None
-    if bias is not None and (not isinstance(bias, Ref) or bias.name == f):
-        return None
+    kind = MM if u.target == "aten.mm" else LINEAR
+    bias = u.args[2].name if len(u.args) == 3 else None
     if u.result in add_of:  # the bias add codegen fuses into this matmul
         add, b = add_of[u.result]
-        return Reader(u, kind, rest[0].name, b, add, (u.result, add))
-    return Reader(u, kind, rest[0].name, bias.name if bias is not None else None, u.result, (u.result,))
+        return Reader(u, kind, weight, b, add, (u.result, add))
+    return Reader(u, kind, weight, bias, u.result, (u.result,))

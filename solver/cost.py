@@ -48,9 +48,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.ir.axes import data_axes
-from autopar.ir.core import MeshSpec, Placement, Program, Replicate, Shard, TensorType
+from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import ClusterSpec
+from autopar.solver.strategies import column_weight
 
 INF = math.inf
 EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
@@ -278,6 +279,13 @@ class CostModel:
             seconds = max(seconds, nbytes / self.cluster.memory_bandwidth)
         return 3.0 * seconds / ways
 
+    def f_hidden(self, f_seconds: float, wgrad_seconds: float) -> float:
+        """Seconds of an f's all-reduce that run while the weight gradients of the matmuls reading it are
+        computed (``runtime/column_linear.py``: the all-reduce starts after their input gradient, is waited
+        after their weight gradients): the smaller of the two, where collectives run beside compute (NCCL's
+        stream); none on gloo (``ClusterSpec.overlaps_compute``). The search prices the same overlap."""
+        return min(f_seconds, wgrad_seconds) if self.cluster.overlaps_compute else 0.0
+
     def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
         vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row."""
@@ -314,14 +322,18 @@ class CostModel:
     def program_comm(self, program: Program) -> tuple[float, float]:
         """(bytes, seconds) of every collective a step of ``program`` (after ``insert-collectives``) runs,
         each priced on its own: the redistributions with their backward, each f's all-reduce, the collectives
-        inside ops (``inherent``), each synchronized gradient (without bucket latencies). The sharding ILP's
+        inside ops (``inherent``), each synchronized gradient (without bucket latencies), each f less what its
+        fused readers' weight gradients hide (``f_hidden``; none on gloo). The sharding ILP's
         prediction for the plan must equal it (tests/test_solver.py): what the ILP prices per decision, this
         prices per emitted collective. (``insert-collectives`` moving an f to a parameter's synchronized
         gradient, GPT-2's position table, is priced here as run and in the ILP as the f it replaces.)"""
         types, grad, vol, sec = program.types(), program.requires_grad(), 0.0, 0.0
+        users, returned = program.users(), {r.name for r in program.outputs if isinstance(r, Ref)}
         for op in program.ops:
             if op.target == "grad_all_reduce":
                 v, x = self.grad_reduce(op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"]))
+                if op.result not in returned:
+                    x -= self.f_hidden(x, self._fused_wgrad(users[op.result], op.result, types, grad))
             elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "local_shard"):
                 src = types[op.input_refs()[0].name]
                 v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
@@ -334,6 +346,20 @@ class CostModel:
                 v, x = self.grad_reduce(value.type, value.type.placements, program.mesh.index(axis), True)
                 vol, sec = vol + v, sec + x
         return vol, sec
+
+    def _fused_wgrad(self, readers: list, f: str, types: dict[str, TensorType], grad: set[str]) -> float:
+        """Seconds of the weight gradients computed while f's all-reduce is in flight: those of its readers when
+        every one is a matmul the runtime fuses with it (``solver.strategies.column_weight``), else none."""
+        total = 0.0
+        for u in readers:
+            w = column_weight(u, 0, types)
+            if w is None or u.args[0].name != f:
+                return 0.0
+            if w in grad:
+                ins = [types[r.name].placements for r in u.input_refs()]
+                split = [any(not isinstance(p[a], Replicate) for p in ins) for a in range(len(self.mesh.axes))]
+                total += self.compute_seconds(u.flops, split, u.bytes) / 3.0
+        return total
 
     def bucket_latency(self, axis: int, buckets: int) -> float:
         """Seconds of the latencies of ``buckets`` gradient all-reduces over ``axis``."""

@@ -33,6 +33,7 @@ from autopar.solver.saved import extra_bytes, saved_values
 from autopar.solver.strategies import (
     Strategy,
     chunk_counts,
+    column_weight,
     is_divergent,
     is_follower,
     op_strategies,
@@ -328,9 +329,13 @@ class GroupBuilder:
                         # an activation's f that readers share is priced on its SharedReads node (sharding.py)
                         readers = len(self.users[ref.name]) if ref.name in self.params else 1
                         share = 1.0 if readers <= 2 else 1 / readers
-                        for a in partial_axes(s, p):
+                        axes = partial_axes(s, p)
+                        for a in axes:
                             b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
                             vol, sec = vol + share * b, sec + share * x
+                        if axes and ref.name not in self.params:  # the last f, which op reads: fused with it
+                            split = [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+                            sec -= self.cost.f_hidden(x, self.column_wgrad(op, i, split))
             g.memory.append(mem)
             g.redundancy.append(red)
             g.comm_bytes.append(vol)
@@ -342,6 +347,15 @@ class GroupBuilder:
         for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
             arr = getattr(g, name)
             setattr(g, name, [arr[i] for i in keep])
+
+    def column_wgrad(self, op: Op, pos: int, split: list[bool]) -> float:
+        """Seconds of the weight gradient of ``op``, a matmul whose f on input ``pos`` the runtime fuses with it
+        (``solver.strategies.column_weight``), with its work divided over the axes where ``split`` is true;
+        0 for any other read or a weight without a gradient."""
+        w = column_weight(op, pos, self.types)
+        if w is None or w not in self.grad:
+            return 0.0
+        return self.cost.compute_seconds(op.flops, split, op.bytes) / 3.0
 
     def objective(self, red: float, vol: float, sec: float, mem: float, flop_sec: float = 0.0) -> float:
         if self.opts.objective == "memory":

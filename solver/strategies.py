@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from autopar.ir.core import MeshSpec, Op, Placement, Program, R, Replicate, Shard, TensorType
+from autopar.ir.core import MeshSpec, Op, Placement, Program, R, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import valid
 from autopar.solver import rules_contractions, rules_elementwise, rules_reductions, rules_views
 from autopar.solver.one_axis import Ctx, OneD, Rule, replicated, shards
@@ -102,6 +102,22 @@ def value_strategies(t: TensorType, mesh: MeshSpec, counts: tuple[int, ...], sha
 def is_divergent(strategy: Strategy, axis: int) -> bool:
     """Whether ranks of ``axis`` compute different things (some input is not replicated there)."""
     return any(p is not None and not isinstance(p[axis], Replicate) for p in strategy.inputs)
+
+
+def column_weight(op: Op, pos: int, types: dict[str, TensorType]) -> str | None:
+    """The weight of ``op`` when it is a matmul reading input ``pos`` as its left operand in a form whose f the
+    runtime fuses with it (``runtime/column_linear.py``, Megatron's asynchronous TP backward): ``mm(x, w)`` or
+    ``linear(x, w[, b])``, ``w`` a 2-D tensor other than ``x``; else None. Fused, f's all-reduce runs while the
+    weight's gradient is computed, and on a backend whose collectives run beside compute it is hidden there."""
+    kind = {"aten.mm": (2,), "aten.linear": (2, 3)}.get(op.target)
+    if kind is None or pos != 0 or op.kwargs or len(op.args) not in kind:
+        return None
+    x, w, *bias = op.args
+    if not isinstance(x, Ref) or not isinstance(w, Ref) or w.name == x.name or len(types[w.name].shape) != 2:
+        return None
+    if bias and (not isinstance(bias[0], Ref) or bias[0].name == x.name):
+        return None
+    return w.name
 
 
 def partial_axes(strategy: Strategy, read: tuple[Placement, ...] | None) -> tuple[int, ...]:

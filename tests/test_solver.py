@@ -300,6 +300,45 @@ def test_the_ilp_prices_what_the_program_emits(spec, mesh, objective, collective
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
 
 
+LLAMA_7B_LAYER = (
+    "tiny-llama:num_hidden_layers=1,hidden_size=4096,num_attention_heads=32,num_key_value_heads=32,"
+    "intermediate_size=11008,vocab_size=32000,max_position_embeddings=4096,batch=4,seq=4096"
+)
+
+
+def test_an_f_hidden_behind_weight_gradients_is_priced_as_the_runtime_fuses_it(monkeypatch):
+    """On NCCL an f read only by matmuls runs while their weight gradients are computed (runtime/column_linear.py,
+    Megatron's asynchronous TP backward): the ILP prices the program's f's less what that hides, exactly as the
+    program's collectives priced one by one (one LLaMA-7B layer on tp=8, its free plan and Megatron's layout).
+    What is hidden is, for each f codegen fuses, the smaller of its all-reduce and its readers' weight
+    gradients, and on this layer most of the f's time; on gloo (collectives not beside compute) nothing is."""
+    from autopar.runtime.codegen import _bias_adds
+    from autopar.runtime.column_linear import column_groups
+
+    m = build(LLAMA_7B_LAYER, device="meta")
+    prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("tp=8"))
+    nccl = ShardOptions(cluster=ClusterSpec.load("dgx-a100"))
+    for opts in (nccl, megatron_options(prog, nccl)):
+        sharding, program, (vol, sec) = _planned_and_emitted(prog, opts)
+        assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
+        cost = CostModel(prog.mesh, opts.setup, opts.cluster)
+        types, users, grad = program.types(), program.users(), program.requires_grad()
+        fused = column_groups(program, types, users, _bias_adds(program, types, users))
+        hidden = f_total = 0.0
+        for f in (op for op in program.ops if op.target == "grad_all_reduce"):
+            x = cost.grad_reduce(f.types[0], f.types[0].placements, program.mesh.index(f.kwargs["axis"]))[1]
+            f_total += x
+            if f.result in fused:
+                readers = [r.op for r in fused[f.result].readers if r.weight in grad]
+                wgrad = sum(cost.compute_seconds(u.flops, [True], u.bytes) / 3 for u in readers)  # split on tp
+                hidden += min(x, wgrad)
+        assert fused and hidden > 0.5 * f_total
+        with monkeypatch.context() as patch:  # gloo: nothing hidden
+            patch.setattr(ClusterSpec, "overlaps_compute", property(lambda self: False))
+            assert cost.program_comm(program)[1] == pytest.approx(sec + hidden, rel=1e-9)
+            assert shard(prog, opts).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
+
+
 class TwoLinears(torch.nn.Module):
     """Two linears alike in types and arguments: one reads the user's input (no gradient), one an activation."""
 
