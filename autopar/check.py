@@ -158,7 +158,8 @@ def check_program(
     args, kwargs = pytree.tree_map(double, (args, kwargs))
     mesh = prog.mesh
     names = dict(model.named_parameters(remove_duplicate=False))
-    names.update(dict(model.named_buffers(remove_duplicate=False)))
+    # the buffers as they are before the model's forward, which may update some in place (running statistics)
+    names.update({k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)})
     for k, v in captured.exported.constants.items():
         names.setdefault(k, double(v))
     flat = flatten_inputs(captured.in_spec, args, kwargs)

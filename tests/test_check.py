@@ -209,15 +209,33 @@ class _Recurrent(torch.nn.Module):
         return torch.nn.functional.cross_entropy(out + 1.0 if shift else out, y)
 
 
-@pytest.mark.parametrize("case", ["no_grad", "gru_and_constant_inputs"])
+class _Ema(torch.nn.Module):
+    """Updates a running average buffer in place under no_grad and reads it in the same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return ((h - self.ema) ** 2).mean()
+
+
+@pytest.mark.parametrize("case", ["no_grad", "gru_and_constant_inputs", "buffer_update"])
 def test_check_agrees_on_no_grad_blocks_rnns_and_non_tensor_inputs(case: str) -> None:
     """A no_grad block fed by values needing gradients used to be inlined with its gradient (the check named
     fc.weight's gradient: silently wrong training); a GRU without dropout was refused as a random op; a float
-    keyword argument failed lowering ("the graph produced a float")."""
+    keyword argument failed lowering ("the graph produced a float"); a buffer the forward updates in place was
+    given to the programs as the model's forward had left it ("the captured graph differs from the model")."""
     torch.manual_seed(0)
     mesh = MeshSpec((("dp", 2), ("tp", 2)))
     if case == "no_grad":
         model, args, kwargs = _NoGradScale(), (torch.randn(4, 8),), {}
+    elif case == "buffer_update":
+        model, args, kwargs = _Ema(), (torch.randn(4, 8),), {}
     else:
         model, args = _Recurrent(), (torch.randn(4, 5, 8), torch.randint(0, 3, (4,)))
         kwargs = {"mask": None, "scale": 2.0, "shift": False}
