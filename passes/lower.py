@@ -72,7 +72,11 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     sum before its bias."""
     mesh = mesh or MeshSpec()
     ep = captured.exported
-    gm = functionalize(ep.graph_module)
+    placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+    buffers = frozenset(
+        n for n, spec in zip(placeholders, ep.graph_signature.input_specs) if spec.kind == InputKind.BUFFER
+    )
+    gm = functionalize(ep.graph_module, buffers)
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
     constants: list[tuple[int, Any]] = []  # (leaf of the call's inputs, value) of each non-tensor input
