@@ -18,8 +18,10 @@ from fractions import Fraction
 
 import torch
 
-from autopar.ir.core import MeshSpec, Program, Value
+from autopar.errors import ScheduleError
+from autopar.ir.core import MeshSpec, Op, Program, Value
 from autopar.passes.assign_stages import assign_stages_pass
+from autopar.passes.prune import updates_state
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import F, Kind, Schedule
@@ -60,6 +62,8 @@ class StageBuilder:
     ) -> tuple[dict[int, StageRunner], dict[int, StageProgram]]:
         """The runners of ``stages`` of ``program`` (with the recompute variants each needs); ``overlap_tp``:
         codegen's (off where the backward is split or sub-pipelined)."""
+        if any(recompute.values()):  # the whole program's: every rank that recomputes refuses alike
+            _refuse_replayed_updates(program.ops)
         inner = program.mesh
         runners: dict[int, StageRunner] = {}
         programs: dict[int, StageProgram] = {}
@@ -82,6 +86,19 @@ class StageBuilder:
                     )
             runners[s] = runner
         return runners, programs
+
+
+def _refuse_replayed_updates(ops: tuple[Op, ...]) -> None:
+    """Recomputation runs a stage's forward again: an op that updates a buffer (an in-place write, a
+    batch norm's running statistics) would update it twice, and later reads would see the second."""
+    hit = next((op for op in ops if updates_state(op)), None)
+    if hit is not None:
+        raise ScheduleError(
+            f"the schedule recomputes forwards, and %{hit.result} = {hit.target} (at {hit.path or 'the top'}) "
+            "updates a buffer "
+            "(running statistics or an in-place write): recomputation would apply the update twice. "
+            "Train this model with a schedule without recompute."
+        )
 
 
 def recompute_fractions(schedule: Schedule, pp_rank: int) -> dict[int, set[Fraction]]:

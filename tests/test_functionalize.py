@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, SimulationError
 from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
@@ -168,3 +168,17 @@ def test_write_through_a_view_of_a_buffer_is_a_clear_error():
 
     with pytest.raises(CaptureError, match="writes to buffer .* through the view"):
         lower(capture(RowWrite(), (torch.randn(2, 3),)))
+
+
+def test_recomputing_a_forward_that_updates_a_buffer_is_refused():
+    """Recomputation would run the in-place update again (the buffer got it twice, silently; batch norm's
+    running statistics alike): a schedule with recompute is refused, the same schedule without it trains."""
+    torch.manual_seed(0)
+    model, x = _Running().double(), torch.randn(4, 8, dtype=torch.float64)
+    mesh = MeshSpec((("pp", 2),))
+    with pytest.raises(SimulationError, match="ScheduleError: the schedule recomputes forwards"):
+        SimCompiled.of(copy.deepcopy(model), mesh, (x,), schedule_options={"recompute": 1})
+    sim = SimCompiled.of(copy.deepcopy(model), mesh, (x,))
+    sim.train_step(x)
+    model(x)
+    torch.testing.assert_close(sim.full_state_dict()["seen"], model.seen, rtol=1e-12, atol=0)
