@@ -96,6 +96,8 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
             continue
         name = spec.target if kind != "input" else spec.arg.name
         attrs = {"constant": True} if spec.kind == InputKind.CONSTANT_TENSOR else {}
+        if kind == "param" and not getattr(ep.state_dict.get(name), "requires_grad", True):
+            attrs = {"frozen": True}  # requires_grad=False: trained by no one, given no gradient
         inputs.append(Value(name, kind, tensor_type(node.meta["val"], mesh), attrs))
         names[node.name] = Ref(name)
 
