@@ -1,5 +1,6 @@
 """The rank simulator (runtime/ranksim.py): after a failed run the next run of the same world starts clean;
-pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks."""
+pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks; a frozen submodule
+stays frozen; a loss summed over the batch is refused with microbatches."""
 
 from __future__ import annotations
 
@@ -136,3 +137,29 @@ def test_a_frozen_submodule_is_not_trained(zero: int) -> None:
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where)
     assert all(torch.equal(sim.full_state_dict()[k], v) for k, v in model.state_dict().items() if k.startswith("enc"))
+
+
+def test_a_summed_loss_over_microbatches_is_refused() -> None:
+    """Averaging the microbatches' losses halves a loss summed over the batch (reduction='sum') and its
+    gradients: with two microbatches the step's loss was half the model's and the parameters 94% off, silently.
+    The module refuses it and names the op; one microbatch (the program itself is exact) trains as the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    loss = _SummedLoss(model)
+    batch = {"x": torch.randn(8, 8, dtype=torch.float64), "t": torch.randn(8, 4, dtype=torch.float64)}
+    mesh = MeshSpec((("dp", 2),))
+    with pytest.raises(SimulationError, match=r"BatchError: the loss is a sum over the batch .*aten.mse_loss"):
+        SimCompiled.of(copy.deepcopy(loss), mesh, (), batch, microbatches=2)
+    sim = SimCompiled.of(copy.deepcopy(loss), mesh, (), batch, options=ShardOptions(objective="memory"))
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+    assert loss_error(losses, train(copy.deepcopy(loss), [batch, batch])) < TOL
+
+
+class _SummedLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, t):
+        return torch.nn.functional.mse_loss(self.model(x), t, reduction="sum")
