@@ -188,7 +188,8 @@ def check_program(
         whole_in[v.name] = x
     for v in prog.inputs:
         if v.kind != "input":
-            whole_in[v.name] = names[v.name].detach().clone().requires_grad_(v.kind == "param" and v.type.is_float)
+            trained = v.kind == "param" and v.type.is_float and not v.attrs.get("frozen")
+            whole_in[v.name] = names[v.name].detach().clone().requires_grad_(trained)
     ref = interpret_whole(prog, whole_in)
     ref_out = [ref[r.name] for r in outputs]
     diff = [(ref[r.name], cots[r.name]) for r in outputs if r.name in cots and ref[r.name].requires_grad]

@@ -224,18 +224,26 @@ class _Ema(torch.nn.Module):
         return ((h - self.ema) ** 2).mean()
 
 
-@pytest.mark.parametrize("case", ["no_grad", "gru_and_constant_inputs", "buffer_update"])
+@pytest.mark.parametrize("case", ["no_grad", "gru_and_constant_inputs", "buffer_update", "frozen"])
 def test_check_agrees_on_no_grad_blocks_rnns_and_non_tensor_inputs(case: str) -> None:
     """A no_grad block fed by values needing gradients used to be inlined with its gradient (the check named
     fc.weight's gradient: silently wrong training); a GRU without dropout was refused as a random op; a float
     keyword argument failed lowering ("the graph produced a float"); a buffer the forward updates in place was
-    given to the programs as the model's forward had left it ("the captured graph differs from the model")."""
+    given to the programs as the model's forward had left it ("the captured graph differs from the model"); a frozen
+    weight got a gradient in the whole program and none on the ranks (a crash)."""
     torch.manual_seed(0)
     mesh = MeshSpec((("dp", 2), ("tp", 2)))
     if case == "no_grad":
         model, args, kwargs = _NoGradScale(), (torch.randn(4, 8),), {}
     elif case == "buffer_update":
         model, args, kwargs = _Ema(), (torch.randn(4, 8),), {}
+    elif case == "frozen":  # its frozen weight has no gradient on the ranks (the whole program gave it one)
+        model, args, kwargs = (
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)),
+            (torch.randn(4, 8),),
+            {},
+        )
+        model[0].requires_grad_(False)
     else:
         model, args = _Recurrent(), (torch.randn(4, 5, 8), torch.randint(0, 3, (4,)))
         kwargs = {"mask": None, "scale": 2.0, "shift": False}
