@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
-from autopar.errors import CaptureError, SimulationError
+from autopar.errors import CaptureError, PlanError, SimulationError
 from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions
 from autopar.runtime.shards import shard_tensor, unshard_tensor
+from autopar.runtime.stages import require_whole_buffer_writes
 from autopar.simtrain import SimCompiled
 from autopar.solver.strategies import op_strategies
 
@@ -182,3 +184,15 @@ def test_recomputing_a_forward_that_updates_a_buffer_is_refused():
     sim.train_step(x)
     model(x)
     torch.testing.assert_close(sim.full_state_dict()["seen"], model.seen, rtol=1e-12, atol=0)
+
+
+def test_a_plan_that_splits_a_buffer_updated_in_place_is_refused():
+    """The update writes the rank's buffer itself: a buffer stored split (a copy is gathered for the write)
+    would lose it, so building the stages refuses such a plan; stored replicated it passes."""
+    prog = lower(capture(_Running(), (torch.randn(4, 8),)), MeshSpec((("tp", 2),)))
+    require_whole_buffer_writes(prog)
+    split = tuple(
+        replace(v, type=replace(v.type, placements=(Shard(0),))) if v.name == "seen" else v for v in prog.inputs
+    )
+    with pytest.raises(PlanError, match=r"updates buffer %seen .* in place"):
+        require_whole_buffer_writes(prog.with_(inputs=split))
