@@ -260,3 +260,13 @@ def test_a_call_with_another_non_tensor_input_than_compiled_is_refused() -> None
     assert all(torch.isfinite(loss) for loss in sim.train_step(*args, scale=2.0))
     with pytest.raises(SimulationError, match=r"input .scale. is 3.0 but the model was compiled with 2.0"):
         sim.train_step(*args, scale=3.0)
+
+
+def test_a_check_of_a_plan_that_splits_nothing_says_so() -> None:
+    """A tiny model's fastest plan replicates everything: "agrees" then checks no sharding, and the report says
+    so; a least-memory plan splits and the note goes."""
+    torch.manual_seed(0)
+    model, x, mesh = _NoGradScale(), torch.randn(4, 8), MeshSpec((("dp", 2),))
+    assert "no sharding was checked" in check_model(model, (x,), {}, mesh).summary()
+    split = check_model(model, (x,), {}, mesh, options=ShardOptions(objective="memory"))
+    assert split.agrees and "no sharding was checked" not in split.summary()
