@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from autopar.errors import CaptureError
 from autopar.ir.core import (
@@ -46,11 +47,17 @@ def _draws_random(node: torch.fx.Node) -> bool:
     return bool(bound.get("dropout")) and bool(bound.get("train"))
 
 
-def tensor_type(val: Any, mesh: MeshSpec) -> TensorType:
+def tensor_type(val: Any, mesh: MeshSpec, where: str = "") -> TensorType:
+    at = f" ({where})" if where else ""
     if not isinstance(val, torch.Tensor):
-        raise CaptureError(f"autopar's IR holds tensors; the graph produced a {type(val).__name__} ({val!r})")
+        raise CaptureError(f"autopar's IR holds tensors; the graph produced a {type(val).__name__} ({val!r}){at}")
     if val.dtype not in DTYPE_SHORT:
-        raise CaptureError(f"dtype {val.dtype} is not supported by autopar's IR")
+        raise CaptureError(f"dtype {val.dtype} is not supported by autopar's IR{at}")
+    if not all(is_concrete_int(s) for s in val.shape):
+        raise CaptureError(
+            f"a tensor whose shape depends on the data ({list(val.shape)}){at}: autopar plans fixed shapes. Keep "
+            "shapes static, e.g. torch.where(mask, x, 0).sum() instead of x[mask].sum(), or a fixed-size topk"
+        )
     shape = tuple(int(s) for s in val.shape)
     return TensorType(DTYPE_SHORT[val.dtype], shape, (R,) * len(mesh.axes))
 
@@ -119,7 +126,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
         return x
 
     def emit(target: str, args: tuple, kwargs: dict, vals: list, node: torch.fx.Node) -> tuple[str, ...]:
-        types = tuple(tensor_type(v, mesh) for v in vals)
+        types = tuple(tensor_type(v, mesh, f"{target} at {_module_path(node) or node.name}") for v in vals)
         results = tuple(str(next(counter)) for _ in types)
         op = Op(results, types, target, args, kwargs, path=_module_path(node))
         ops.append(op)
