@@ -19,7 +19,7 @@ A graph without in-place ops is returned unchanged.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,13 +57,17 @@ _IDENTITIES = {
 }
 
 
-def functionalize(gm: fx.GraphModule, in_place: frozenset[str] = frozenset()) -> fx.GraphModule:
+def functionalize(
+    gm: fx.GraphModule, in_place: frozenset[str] = frozenset(), refused: Mapping[str, str] | None = None
+) -> fx.GraphModule:
     """``gm`` with its in-place ops and writes through views replaced by out-of-place ops, except a
     write to a placeholder named in ``in_place`` itself (a buffer: the runtime runs that op in place
-    on the rank's buffer, so the update is kept across steps, as the model's own)."""
+    on the rank's buffer, so the update is kept across steps, as the model's own). A write to a
+    placeholder named in ``refused`` (a parameter; the value: its name in the model) is a CaptureError:
+    its update would not last."""
     if not any(_mutated_arg(n) is not None for n in gm.graph.nodes):
         return gm
-    return fx.GraphModule(gm, _Functionalizer(gm.graph, in_place).run(), class_name=type(gm).__name__)
+    return fx.GraphModule(gm, _Functionalizer(gm.graph, in_place, refused or {}).run(), class_name=type(gm).__name__)
 
 
 def _mutated_arg(node: fx.Node) -> int | None:
@@ -121,8 +125,8 @@ def _out_of_place(node: fx.Node) -> torch._ops.OpOverload:
 class _Functionalizer:
     """Copies a graph node by node, keeping each old node's current value (a new node)."""
 
-    def __init__(self, old: fx.Graph, in_place: frozenset[str] = frozenset()):
-        self.old, self.in_place = old, in_place
+    def __init__(self, old: fx.Graph, in_place: frozenset[str], refused: Mapping[str, str]):
+        self.old, self.in_place, self.refused = old, in_place, refused
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}  # old node -> new node holding its current value
         self.base: dict[fx.Node, fx.Node] = {}  # old view node -> the old node it is a view of
@@ -177,6 +181,12 @@ class _Functionalizer:
         while chain[-1] in self.base:
             chain.append(self.base[chain[-1]])
         root = chain[-1]
+        if root.op == "placeholder" and root.name in self.refused:
+            raise CaptureError(
+                f"{node.target} (at {node.name}) updates the parameter {self.refused[root.name]} in place in "
+                "forward (as nn.Embedding(max_norm=...) does); autopar does not keep a parameter's in-place update "
+                "across steps: apply it outside the forward (e.g. after optimizer.step(), under torch.no_grad())"
+            )
         if root.op == "placeholder" and root.name in self.in_place:
             self._write_in_place(node, chain)
             return

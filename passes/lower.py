@@ -80,10 +80,10 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     mesh = mesh or MeshSpec()
     ep = captured.exported
     placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
-    buffers = frozenset(
-        n for n, spec in zip(placeholders, ep.graph_signature.input_specs) if spec.kind == InputKind.BUFFER
-    )
-    gm = functionalize(ep.graph_module, buffers)
+    specs = dict(zip(placeholders, ep.graph_signature.input_specs))
+    buffers = frozenset(n for n, spec in specs.items() if spec.kind == InputKind.BUFFER)
+    params = {n: spec.target for n, spec in specs.items() if spec.kind == InputKind.PARAMETER}
+    gm = functionalize(ep.graph_module, buffers, params)
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
     constants: list[tuple[int, Any]] = []  # (leaf of the call's inputs, value) of each non-tensor input
