@@ -369,8 +369,9 @@ class Program:
         return out
 
     def requires_grad(self) -> set[str]:
-        """Names of the values whose gradient backward computes: float parameters and what they feed."""
-        out = {v.name for v in self.inputs if v.kind == "param" and v.type.is_float}
+        """Names of the values whose gradient backward computes: float parameters (not the ``frozen`` ones, the
+        user's ``requires_grad=False``) and what they feed."""
+        out = {v.name for v in self.inputs if v.kind == "param" and v.type.is_float and not v.attrs.get("frozen")}
         for op in self.ops:
             if any(r.name in out for r in op.input_refs()):
                 out.update(r for r, t in zip(op.results, op.types) if t.is_float)

@@ -134,19 +134,22 @@ class CostModel:
         """Into how many pieces p cuts a tensor (local bytes = global bytes / this)."""
         return math.prod(n for q, n in zip(p, self.mesh.sizes) if isinstance(q, Shard))
 
-    def param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
-        """(bytes per device, redundant bytes) of a parameter's weights, gradients, optimizer states."""
-        key = ("p", t, p)
+    def param_memory(self, t: TensorType, p: tuple[Placement, ...], frozen: bool = False) -> tuple[float, float]:
+        """(bytes per device, redundant bytes) of a parameter's weights, gradients, optimizer states; of a
+        ``frozen`` one (no gradient, not stepped) its weights and compute copy only."""
+        key = ("p", t, p, frozen)
         if key not in self._memo:
-            self._memo[key] = self._param_memory(t, p)
+            self._memo[key] = self._param_memory(t, p, frozen)
         return self._memo[key]
 
-    def state_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float, float]:
+    def state_bytes(self, t: TensorType, p: tuple[Placement, ...], frozen: bool = False) -> tuple[float, float, float]:
         """(weight, gradient, optimizer-state) bytes per device a parameter keeps between steps (the per-use
-        compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures."""
+        compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures; a
+        ``frozen`` one keeps no gradient or state."""
         numel = self.local_bytes(t, p) / t.itemsize
         zf = self.zero_factor(p)
-        per = self._per_param(zf)
+        w, g, s = self._per_param(zf)
+        per = (w, 0.0, 0.0) if frozen else (w, g, s)
         return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
 
     def zero_factor(self, p: tuple[Placement, ...]) -> int:
@@ -159,14 +162,15 @@ class CostModel:
         w, g, s = self.setup.bytes_per_param
         return w, g, s - (4.0 if self.setup.zero in (1, 2) and zf == 1 else 0.0)
 
-    def _param_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
+    def _param_memory(self, t: TensorType, p: tuple[Placement, ...], frozen: bool) -> tuple[float, float]:
         numel = self.local_bytes(t, p) / t.itemsize
         zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
         zf = math.prod(self.mesh.sizes[i] for i in zero_axes)
         repl_all = replication(p, self.mesh.sizes)
         repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
         mem = red = 0.0
-        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf), self.setup.copy_bytes)):
+        w, g, s = self._per_param(zf)
+        for stage, b in zip((3, 2, 1, 4), (w, 0.0 if frozen else g, 0.0 if frozen else s, self.setup.copy_bytes)):
             sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
             piece = numel * b / (zf if sharded else 1)
             mem += piece

@@ -267,7 +267,8 @@ class GroupBuilder:
         gradient all-reduce they need, and a weight that is not folded into its reader leaves down_proj and
         o_proj with one output type."""
         if isinstance(g.head, Value):
-            return ("value", g.head.kind, g.head.type, tuple(tuple(c.values()) for c in g.candidates))
+            frozen = bool(g.head.attrs.get("frozen"))
+            return ("value", g.head.kind, g.head.type, frozen, tuple(tuple(c.values()) for c in g.candidates))
         index = {r: k for k, op in enumerate(g.ops) for r in op.results}
         ops = []
         for op in g.ops:
@@ -284,7 +285,7 @@ class GroupBuilder:
             )
             saved = tuple(self.saved.activation(r) for r in op.results), self.saved.extra.get(op.result)
             ops.append((op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved))
-        values = tuple((v.kind, v.type, self.saved.activation(v.name)) for v in g.values)
+        values = tuple((v.kind, v.type, self.saved.activation(v.name), bool(v.attrs.get("frozen"))) for v in g.values)
         return ("ops", tuple(ops), values, len(g.candidates))
 
     def price(self, g: Group) -> None:
@@ -293,7 +294,9 @@ class GroupBuilder:
             for v in g.values + ([g.head] if isinstance(g.head, Value) else []):
                 p = cand[v.name].outputs[0]
                 m, r = (
-                    self.cost.param_memory(v.type, p) if v.kind == "param" else self.cost.activation_memory(v.type, p)
+                    self.cost.param_memory(v.type, p, bool(v.attrs.get("frozen")))
+                    if v.kind == "param"
+                    else self.cost.activation_memory(v.type, p)
                 )
                 mem, red = mem + m, red + r
             for op in g.ops:

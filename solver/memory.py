@@ -34,7 +34,8 @@ def memory_categories(prog, setup: TrainingSetup | None = None) -> dict[str, flo
         if v.kind != "param":
             out["inputs"] += local
             continue
-        for name, b in zip(("params", "grads", "optimizer"), model.state_bytes(v.type, v.type.placements)):
+        states = model.state_bytes(v.type, v.type.placements, bool(v.attrs.get("frozen")))
+        for name, b in zip(("params", "grads", "optimizer"), states):
             out[name] += b
         out["params"] += local / v.type.itemsize * model.setup.copy_bytes  # mixed precision's per-use copy
         buckets = sum(a not in zero_reduced for a in v.attrs.get("grad_sync", ()))

@@ -339,6 +339,26 @@ def test_an_f_hidden_behind_weight_gradients_is_priced_as_the_runtime_fuses_it(m
             assert shard(prog, opts).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
 
 
+def test_frozen_parameters_get_no_gradient_sync_and_no_optimizer_state():
+    """A frozen submodule's parameters (requires_grad=False) have no gradient: the plan neither synchronizes
+    nor prices one, and keeps no gradient or optimizer state for them (the program counted them trainable:
+    a gradient all-reduce and 12 bytes per parameter more on dp=2)."""
+    from autopar.solver.memory import memory_categories
+    from tests.test_ranksim import _FrozenEncoder
+
+    batch = {"x": torch.randn(8, 8), "t": torch.randn(8, 4)}
+    mesh = parse_mesh("dp=2")
+    prog = lower(capture(_FrozenEncoder(), (), batch), mesh)
+    ddp = {v.name: (R,) for v in prog.params} | {"x": (Shard(0),), "t": (Shard(0),)}  # DDP's layout
+    planned = insert_collectives(shard(prog, _pinned(ShardOptions(cluster=ClusterSpec.load("dgx-a100")), ddp)).program)
+    frozen = {v.name for v in planned.params if v.attrs.get("frozen")}
+    assert len(frozen) == 4 and not planned.requires_grad() & frozen
+    assert all(bool(v.attrs.get("grad_sync")) == (v.name not in frozen) for v in planned.params)
+    cats = memory_categories(planned)
+    trained = sum(v.type.local_nbytes(mesh) for v in planned.params if v.name not in frozen)
+    assert cats["grads"] == trained and cats["optimizer"] == 2 * trained  # Adam's two moments
+
+
 class TwoLinears(torch.nn.Module):
     """Two linears alike in types and arguments: one reads the user's input (no gradient), one an activation."""
 
