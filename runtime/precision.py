@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils import _pytree as pytree
 
 from autopar.errors import PrecisionError
@@ -141,12 +142,18 @@ def precision_setup(
 def compute_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model`` with its floating parameters in ``dtype``, for capture: the same modules (deep-copied) and
     buffers (shared, not copied); parameters on the meta device when the model has any there (nothing
-    allocated), else real copies (``dtype``'s bytes per parameter, for the capture only). Ties stay tied."""
+    allocated), else real copies (``dtype``'s bytes per parameter, for the capture only). Ties stay tied.
+
+    Batch norms keep their parameters in their own dtype, as FSDP's ``MixedPrecision`` does by default
+    (``_module_classes_to_ignore``) and autocast runs them: their running statistics are buffers, which keep
+    theirs, and a batch norm with bf16 weights and fp32 statistics is an error (torch runs bf16 inputs with
+    fp32 weights and statistics)."""
     params = list(model.named_parameters(remove_duplicate=True))
     on_meta = any(p.device.type == "meta" for _, p in params)
+    kept = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters(recurse=False)}
     memo: dict[int, Any] = {}
     for _, p in params:
-        d = dtype if p.is_floating_point() else p.dtype
+        d = dtype if p.is_floating_point() and id(p) not in kept else p.dtype
         t = torch.empty_like(p, dtype=d, device="meta") if on_meta else p.detach().to(d)
         memo[id(p)] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
     for b in model.buffers():

@@ -9,6 +9,7 @@ the rank simulator.
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -333,6 +334,48 @@ def test_compute_copy_captures_the_bf16_program_and_keeps_the_masters() -> None:
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the user's model is untouched
     assert copy.lm_head.weight is copy.transformer.wte.weight  # ties kept
     assert copy.transformer.wte.weight.equal(model.transformer.wte.weight.to(torch.bfloat16))
+
+
+class _ConvNet(torch.nn.Module):
+    """A convolution, a batch norm in training mode (running statistics kept in buffers), a linear head."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn, self.head = torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.Linear(8, 4)
+
+    def forward(self, x, t):
+        h = torch.relu(self.bn(self.conv(x))).mean((2, 3))
+        return torch.nn.functional.mse_loss(self.head(h), t)
+
+
+def test_a_batch_norm_trains_in_bf16_with_fp32_weights_and_statistics() -> None:
+    """bf16 batch norms keep fp32 weights, as FSDP's MixedPrecision does: bf16 weights beside the fp32 running
+    statistics were an error ("expected scalar type BFloat16 but found Float") in the capture and on the ranks.
+    On dp=2 the bf16 step's losses are the fp32 model's to bf16's rounding (5 u: a handful of roundings on the
+    way), and the running statistics moved as the model's do."""
+    torch.manual_seed(0)
+    model = _ConvNet()
+    batches = [{"x": torch.randn(8, 3, 6, 6), "t": torch.randn(8, 4)} for _ in range(STEPS)]
+    kept = compute_copy(model, torch.bfloat16)
+    assert kept.bn.weight.dtype == torch.float32 and kept.conv.weight.dtype == torch.bfloat16
+    run = simulated(copy.deepcopy(model), batches, policy_of("bf16"), MeshSpec((("dp", 2),)), objective="memory")[0]
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    want = []
+    for b in batches:
+        loss = sum(reference(**piece) for piece in _pieces(b)) / MICROBATCHES
+        want.append(loss.item())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert torch.allclose(run["losses"], torch.tensor(want, dtype=torch.float64), rtol=5 * UNIT_ROUNDOFF["bf16"])
+    mean = run["params"]["bn.running_mean"]
+    assert not torch.equal(mean, model.bn.running_mean)
+    assert torch.allclose(mean, reference.bn.running_mean, atol=5 * UNIT_ROUNDOFF["bf16"])
+
+
+def _pieces(batch: dict) -> list[dict]:
+    return [dict(zip(batch, piece)) for piece in zip(*(v.chunk(MICROBATCHES) for v in batch.values()))]
 
 
 def test_loss_scaler_grows_after_good_steps_and_backs_off() -> None:
