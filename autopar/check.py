@@ -158,7 +158,8 @@ def check_program(
     args, kwargs = pytree.tree_map(double, (args, kwargs))
     mesh = prog.mesh
     names = dict(model.named_parameters(remove_duplicate=False))
-    names.update(dict(model.named_buffers(remove_duplicate=False)))
+    # the buffers as they are before the model's forward, which may update some in place (running statistics)
+    names.update({k: b.clone() for k, b in model.named_buffers(remove_duplicate=False)})
     for k, v in captured.exported.constants.items():
         names.setdefault(k, double(v))
     flat = flatten_inputs(captured.in_spec, args, kwargs)
@@ -187,7 +188,8 @@ def check_program(
         whole_in[v.name] = x
     for v in prog.inputs:
         if v.kind != "input":
-            whole_in[v.name] = names[v.name].detach().clone().requires_grad_(v.kind == "param" and v.type.is_float)
+            trained = v.kind == "param" and v.type.is_float and not v.attrs.get("frozen")
+            whole_in[v.name] = names[v.name].detach().clone().requires_grad_(trained)
     ref = interpret_whole(prog, whole_in)
     ref_out = [ref[r.name] for r in outputs]
     diff = [(ref[r.name], cots[r.name]) for r in outputs if r.name in cots and ref[r.name].requires_grad]

@@ -70,9 +70,24 @@ class CheckReport:
         if self.agrees:
             return (
                 f"agrees on mesh {self.mesh}:{loss} largest relative difference {self.max_diff:.3g} over "
-                f"{self.compared} values and gradients (float64, tolerance {TOLERANCE:g})" + self._note()
+                f"{self.compared} values and gradients (float64, tolerance {TOLERANCE:g})"
+                + self._unsplit()
+                + self._note()
             )
         return f"DIFFERS on mesh {self.mesh}:{loss}\n{self.finding.describe()}" + self._note()  # type: ignore[union-attr]
+
+    def _unsplit(self) -> str:
+        """A warning when the checked plan splits nothing: the ranks then compute what one device does."""
+        prog = self.program
+        if prog is None or prog.mesh.size <= 1:
+            return ""
+        types = [v.type for v in prog.inputs] + [t for op in prog.ops for t in op.types]
+        if any(not isinstance(p, Replicate) for t in types for p in t.placements):
+            return ""
+        return (
+            "\n  note: the plan replicates every value on this mesh, so no sharding was checked (a small model is "
+            "fastest unsplit: try --objective memory; a dim no axis size divides is never split)"
+        )
 
     def _note(self) -> str:
         return f"\n  note: {self.note}" if self.note else ""

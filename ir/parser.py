@@ -31,7 +31,7 @@ _TOKEN = re.compile(
   | (?P<device>@device)
   | (?P<meshname>@\w+)
   | (?P<string>'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")
-  | (?P<number>-?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|inf)|nan)
+  | (?P<number>-?(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|inf(?![\w.]))|nan(?![\w.]))
   | (?P<name>[A-Za-z_][\w.]*)
   | (?P<punct>[()\[\]{}<>,=:|])
     """,

@@ -19,7 +19,7 @@ A graph without in-place ops is returned unchanged.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -57,11 +57,17 @@ _IDENTITIES = {
 }
 
 
-def functionalize(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` with its in-place ops and writes through views replaced by out-of-place ops."""
+def functionalize(
+    gm: fx.GraphModule, in_place: frozenset[str] = frozenset(), refused: Mapping[str, str] | None = None
+) -> fx.GraphModule:
+    """``gm`` with its in-place ops and writes through views replaced by out-of-place ops, except a
+    write to a placeholder named in ``in_place`` itself (a buffer: the runtime runs that op in place
+    on the rank's buffer, so the update is kept across steps, as the model's own). A write to a
+    placeholder named in ``refused`` (a parameter; the value: its name in the model) is a CaptureError:
+    its update would not last."""
     if not any(_mutated_arg(n) is not None for n in gm.graph.nodes):
         return gm
-    return fx.GraphModule(gm, _Functionalizer(gm.graph).run(), class_name=type(gm).__name__)
+    return fx.GraphModule(gm, _Functionalizer(gm.graph, in_place, refused or {}).run(), class_name=type(gm).__name__)
 
 
 def _mutated_arg(node: fx.Node) -> int | None:
@@ -119,8 +125,8 @@ def _out_of_place(node: fx.Node) -> torch._ops.OpOverload:
 class _Functionalizer:
     """Copies a graph node by node, keeping each old node's current value (a new node)."""
 
-    def __init__(self, old: fx.Graph):
-        self.old = old
+    def __init__(self, old: fx.Graph, in_place: frozenset[str], refused: Mapping[str, str]):
+        self.old, self.in_place, self.refused = old, in_place, refused
         self.graph = fx.Graph()
         self.env: dict[fx.Node, fx.Node] = {}  # old node -> new node holding its current value
         self.base: dict[fx.Node, fx.Node] = {}  # old view node -> the old node it is a view of
@@ -171,14 +177,24 @@ class _Functionalizer:
     def _write(self, node: fx.Node) -> None:
         """``op_(x, ...)``: x's new value is ``op(x, ...)``, scattered up to the root of x's storage."""
         target = _argument(node, _mutated_arg(node))
+        chain = [target]  # x, its base, the base's base, ... up to the storage's root
+        while chain[-1] in self.base:
+            chain.append(self.base[chain[-1]])
+        root = chain[-1]
+        if root.op == "placeholder" and root.name in self.refused:
+            raise CaptureError(
+                f"{node.target} (at {node.name}) updates the parameter {self.refused[root.name]} in place in "
+                "forward (as nn.Embedding(max_norm=...) does); autopar does not keep a parameter's in-place update "
+                "across steps: apply it outside the forward (e.g. after optimizer.step(), under torch.no_grad())"
+            )
+        if root.op == "placeholder" and root.name in self.in_place:
+            self._write_in_place(node, chain)
+            return
         args = fx.map_arg(node.args, self.read)
         kwargs = fx.map_arg(dict(node.kwargs), self.read)
         value = self._call(_out_of_place(node), args, kwargs, node)
         if value.meta["val"].dtype != target.meta["val"].dtype:  # in-place ops keep the input's dtype
             value = self._call(aten.to.dtype, (value, target.meta["val"].dtype), {}, node)
-        chain = [target]  # x, its base, the base's base, ... up to the storage's root
-        while chain[-1] in self.base:
-            chain.append(self.base[chain[-1]])
         before = [self.read(v) for v in chain]  # values before this write
         key = _storage(target)
         self.version[key] = self.version.get(key, 0) + 1
@@ -189,6 +205,25 @@ class _Functionalizer:
         self._define(chain[-1], written)
         self.base[node] = target  # the op's result is x itself
         self._define(node, value)
+
+    def _write_in_place(self, node: fx.Node, chain: list[fx.Node]) -> None:
+        """``op_(x, ...)`` on a buffer kept in place (x the buffer, or an in-place op's result on it): the
+        op stays, and later reads of the buffer read its result. A write through a view of the buffer
+        (a slice, say) is refused: the view may be a copy on a rank, and the update would be lost."""
+        views = [v for v in chain[:-1] if not _is_identity(v)]
+        if views:
+            raise CaptureError(
+                f"{node.target} (at {node.name}) writes to buffer {chain[-1].name} through the view {views[0].name} "
+                f"({views[0].target}); autopar keeps a buffer's in-place updates only when they write the whole "
+                "buffer: compute the new value and write it whole (buf.copy_(new)), or keep it outside the model"
+            )
+        key = _storage(chain[-1])
+        self.version[key] = self.version.get(key, 0) + 1
+        new = self.graph.node_copy(node, self.read)
+        for v in chain:
+            self._define(v, new)
+        self.base[node] = chain[0]
+        self._define(node, new)
 
     def _scatter(self, view: fx.Node, base: fx.Node, src: fx.Node, at: fx.Node) -> fx.Node:
         """The base's value after its view ``view`` was given the value ``src``."""

@@ -7,7 +7,8 @@ import operator
 from typing import Any
 
 import torch
-from torch.export.graph_signature import InputKind, OutputKind
+from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
+from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
 from autopar.errors import CaptureError
 from autopar.ir.core import (
@@ -33,11 +34,30 @@ _KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}
 _DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}
 
 
-def tensor_type(val: Any, mesh: MeshSpec) -> TensorType:
+def _draws_random(node: torch.fx.Node) -> bool:
+    """Whether the op draws from torch's generator: tagged nondeterministic_seeded, unless its schema's
+    own `dropout` probability is 0 or its `train` flag is off (nn.GRU/LSTM/RNN without dropout)."""
+    op = node.target
+    if torch.Tag.nondeterministic_seeded not in op.tags:
+        return False
+    names = [a.name for a in op._schema.arguments]
+    if "dropout" not in names or "train" not in names:
+        return True
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    return bool(bound.get("dropout")) and bool(bound.get("train"))
+
+
+def tensor_type(val: Any, mesh: MeshSpec, where: str = "") -> TensorType:
+    at = f" ({where})" if where else ""
     if not isinstance(val, torch.Tensor):
-        raise CaptureError(f"autopar's IR holds tensors; the graph produced a {type(val).__name__} ({val!r})")
+        raise CaptureError(f"autopar's IR holds tensors; the graph produced a {type(val).__name__} ({val!r}){at}")
     if val.dtype not in DTYPE_SHORT:
-        raise CaptureError(f"dtype {val.dtype} is not supported by autopar's IR")
+        raise CaptureError(f"dtype {val.dtype} is not supported by autopar's IR{at}")
+    if not all(is_concrete_int(s) for s in val.shape):
+        raise CaptureError(
+            f"a tensor whose shape depends on the data ({list(val.shape)}){at}: autopar plans fixed shapes. Keep "
+            "shapes static, e.g. torch.where(mask, x, 0).sum() instead of x[mask].sum(), or a fixed-size topk"
+        )
     shape = tuple(int(s) for s in val.shape)
     return TensorType(DTYPE_SHORT[val.dtype], shape, (R,) * len(mesh.axes))
 
@@ -51,14 +71,23 @@ def _module_path(node: torch.fx.Node) -> str:
 
 
 def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
-    """fx graph -> Program with every placement R. In-place ops and writes through views become
-    out-of-place ops first (passes/functionalize.py). addmm and biased linear are split into a
-    matmul and an add, so a row-parallel matmul can produce a partial sum before its bias."""
+    """fx graph -> Program with every placement R. A non-tensor input (a float or bool argument) is
+    baked into the ops by torch.export: it is no program input, and ``attrs["constant_inputs"]`` keeps
+    its position among the call's input leaves and its value (a call must pass the same). In-place
+    ops and writes through views become out-of-place ops first (passes/functionalize.py). addmm and
+    biased linear are split into a matmul and an add, so a row-parallel matmul can produce a partial
+    sum before its bias."""
     mesh = mesh or MeshSpec()
     ep = captured.exported
-    gm = functionalize(ep.graph_module)
+    placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+    specs = dict(zip(placeholders, ep.graph_signature.input_specs))
+    buffers = frozenset(n for n, spec in specs.items() if spec.kind == InputKind.BUFFER)
+    params = {n: spec.target for n, spec in specs.items() if spec.kind == InputKind.PARAMETER}
+    gm = functionalize(ep.graph_module, buffers, params)
     names: dict[str, Any] = {}  # fx node name -> Ref, or a tuple of Refs for multi-result ops
     inputs: list[Value] = []
+    constants: list[tuple[int, Any]] = []  # (leaf of the call's inputs, value) of each non-tensor input
+    leaf = iter(range(1 << 62))
     for spec, node in zip(ep.graph_signature.input_specs, (n for n in gm.graph.nodes if n.op == "placeholder")):
         kind = {
             InputKind.PARAMETER: "param",
@@ -68,8 +97,14 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
         }.get(spec.kind)
         if kind is None:
             raise CaptureError(f"input {node.name} of kind {spec.kind.name} is not supported by autopar")
+        index = next(leaf) if kind == "input" else -1
+        if isinstance(spec.arg, ConstantArgument):  # a non-tensor input: torch.export baked its value in
+            constants.append((index, spec.arg.value))
+            continue
         name = spec.target if kind != "input" else spec.arg.name
         attrs = {"constant": True} if spec.kind == InputKind.CONSTANT_TENSOR else {}
+        if kind == "param" and not getattr(ep.state_dict.get(name), "requires_grad", True):
+            attrs = {"frozen": True}  # requires_grad=False: trained by no one, given no gradient
         inputs.append(Value(name, kind, tensor_type(node.meta["val"], mesh), attrs))
         names[node.name] = Ref(name)
 
@@ -91,7 +126,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
         return x
 
     def emit(target: str, args: tuple, kwargs: dict, vals: list, node: torch.fx.Node) -> tuple[str, ...]:
-        types = tuple(tensor_type(v, mesh) for v in vals)
+        types = tuple(tensor_type(v, mesh, f"{target} at {_module_path(node) or node.name}") for v in vals)
         results = tuple(str(next(counter)) for _ in types)
         op = Op(results, types, target, args, kwargs, path=_module_path(node))
         ops.append(op)
@@ -111,13 +146,15 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     used = {r.name for op in ops for r in op.input_refs()} | {r.name for r in outputs if isinstance(r, Ref)}
     # a tied weight is listed under each of its names; keep the ones the graph reads
     inputs = [v for v in inputs if v.kind == "input" or v.name in used]
-    prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs))
+    attrs = {"constant_inputs": tuple(constants)} if constants else {}
+    prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs), attrs)
     return key_dropouts(annotate_costs(prog))
 
 
 def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
     """Lower call_function nodes in order; inline wrap_with_set_grad_enabled subgraphs (LLaMA's
-    rotary embedding is computed under no_grad: its inputs need no gradient, so inlining is exact)."""
+    rotary embedding is computed under no_grad). The results of a no_grad subgraph are detached: its
+    inputs may need gradients (``with torch.no_grad(): s = h.norm()``), and none may flow through it."""
     for node in nodes:
         if node.op == "output":
             return node.args[0]
@@ -133,7 +170,13 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
             for ph, operand in zip(placeholders, node.args[2:]):
                 names[ph.name] = conv(operand)
             result = _lower_nodes(sub, sub.graph.nodes, names, conv, emit)
-            names[node.name] = tuple(conv(r) for r in result)
+            refs = tuple(conv(r) for r in result)
+            if not node.args[0]:  # computed under no_grad: no gradient flows back through the results
+                refs = tuple(
+                    Ref(emit("aten.detach", (r,), {}, [x.meta["val"]], node)[0]) if isinstance(r, Ref) else r
+                    for r, x in zip(refs, result)
+                )
+            names[node.name] = refs
             continue
         if not isinstance(node.target, torch._ops.OpOverload):
             raise CaptureError(
@@ -143,7 +186,7 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         target = target_name(node.target)
         if target in _DROPPED:
             continue
-        if torch.Tag.nondeterministic_seeded in node.target.tags and target not in _KEYED_RANDOM:
+        if _draws_random(node) and target not in _KEYED_RANDOM:
             raise CaptureError(
                 f"{target} at {_module_path(node) or node.name} draws random numbers from torch's generator, "
                 "whose stream differs between ranks, so a sharded run would not compute what one device computes; "

@@ -147,7 +147,11 @@ def split_batch(args: tuple, kwargs: dict, microbatches: int) -> list[tuple[tupl
         )
     (batch,) = sizes
     if batch % microbatches:
-        raise CaptureError(f"a batch of {batch} cannot be cut into {microbatches} equal microbatches")
+        fits = [m for m in range(1, batch + 1) if batch % m == 0]
+        raise CaptureError(
+            f"a batch of {batch} cannot be cut into {microbatches} equal microbatches: pass microbatches= one of "
+            f"{fits} (the divisors of {batch}), or a batch that {microbatches} divides"
+        )
     parts = [
         [x.chunk(microbatches, 0)[i] if isinstance(x, torch.Tensor) and x.dim() > 0 else x for x in flat]
         for i in range(microbatches)

@@ -99,7 +99,8 @@ def codegen(
             local = shard_param(get_tensor(v.name), v.type.placements, prog.mesh.names, sizes, coords)
             local = local.detach().to(device).clone().contiguous()
             if v.kind == "param":
-                owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=v.type.is_float))
+                grad = v.type.is_float and not v.attrs.get("frozen")
+                owner.register_parameter(attr, torch.nn.Parameter(local, requires_grad=grad))
             else:
                 owner.register_buffer(attr, local)
         env[v.name] = graph.get_attr(v.name)

@@ -73,7 +73,9 @@ class CallInputs:
         leaves: Sequence[int] | None = None,
         local: bool = False,
         loss_weight: LossWeight | ProgramWeight | None = None,
+        constants: Sequence[tuple[int, object]] = (),
     ):
+        self.constants = tuple(constants)
         self.in_spec, self.values, self.comm, self.mesh, self.device = in_spec, list(values), comm, mesh, device
         self.layout, self.local, self.loss_weight = layout, local, loss_weight
         self.leaves = list(leaves) if leaves is not None else None
@@ -103,7 +105,8 @@ class CallInputs:
         mesh = program.mesh
         piece_rows = max(set(rows), key=rows.count) if rows else 0
         layout = DataLayout.of(mesh.names, mesh.sizes, comm.coords, pieces, piece_rows)
-        return cls(in_spec, values, comm, mesh, device, layout, **kw)
+        constants = program.attrs.get("constant_inputs", ())
+        return cls(in_spec, values, comm, mesh, device, layout, constants=constants, **kw)
 
     def layout_reading(self, reads: set[str]) -> DataLayout:
         """The layout, with the user's names of the inputs in ``reads`` (in call order) as its ``inputs``."""
@@ -119,6 +122,7 @@ class CallInputs:
         """Each value's tensor in the call (``None``: left out; only with local batches)."""
         if not self.local:
             flat = flatten_inputs(self.in_spec, args, kwargs)
+            self._check_constants(flat)
             if self.leaves is not None:
                 return [flat[j] for j in self.leaves]
             return [x for x in flat if isinstance(x, torch.Tensor)]
@@ -136,7 +140,19 @@ class CallInputs:
                 f"the inputs do not match the example inputs the model was compiled with: expected {self.in_spec}, "
                 f"got {spec}"
             )
+        self._check_constants(flat)
         return [flat[j] for j in self.leaves]
+
+    def _check_constants(self, flat: list) -> None:
+        """A non-tensor input (a float or bool) must have the value the program was captured with."""
+        for j, want in self.constants:
+            if flat[j] != want:
+                label = leaf_labels(self.in_spec)[j]
+                raise CaptureError(
+                    f"input {label!r} is {flat[j]!r} but the model was compiled with {want!r}: torch.export "
+                    "bakes a non-tensor input's value into the program; compile again with this value, or "
+                    "pass it as a tensor"
+                )
 
     def _check_rows(self, given: list[torch.Tensor | None], reads: set[str]) -> None:
         lay = self.layout

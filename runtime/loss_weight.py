@@ -21,7 +21,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from autopar.ir.core import Op, Partial, Program, Ref
+from autopar.errors import BatchError
+from autopar.ir.core import Op, Partial, Program, Ref, resolve_target
 from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.stage_runner import Part
 
@@ -100,12 +101,41 @@ class ProgramWeight:
         return float(count)
 
 
+SUM_REDUCTION = 2  # torch's Reduction enum: None 0, Mean 1, Sum 2
+
+
+def summed_loss(program: Program) -> Op | None:
+    """The op that makes ``program``'s loss (its first output) a sum over its inputs' items, when it is
+    one: a loss op given ``reduction="sum"`` (``F.mse_loss(..., reduction="sum")``), through copies."""
+    if not program.outputs or not isinstance(program.outputs[0], Ref):
+        return None
+    producers = program.producers()
+    op = producers.get(program.outputs[0].name)
+    while isinstance(op, Op) and op.target in SAME_VALUE and len(op.input_refs()) == 1:
+        op = producers.get(op.input_refs()[0].name)
+    if not isinstance(op, Op):
+        return None
+    try:
+        names = [a.name for a in resolve_target(op.target)._schema.arguments]
+    except (KeyError, AttributeError):
+        return None
+    bound = dict(zip(names, op.args)) | dict(op.kwargs)
+    return op if "reduction" in names and bound.get("reduction") == SUM_REDUCTION else None
+
+
 def program_weight(
     program: Program, build: Callable[[Program, str], Part], comm: Comm, pieces: int
 ) -> ProgramWeight | None:
     """``loss_weight="auto"``: the divisor of ``program``'s loss as each piece's weight, its GraphModule made
     by ``build`` (``StageBuilder.part``); ``None`` (equal pieces) for a loss that is no such ratio, or when
     the step has one piece (its weight is moot: no collective is spent on it)."""
+    summed = summed_loss(program) if pieces > 1 else None
+    if summed is not None:
+        raise BatchError(
+            f"the loss is a sum over the batch (%{summed.result} = {summed.target}, reduction='sum'), and the step "
+            f"combines its {pieces} pieces (microbatches) by averaging their losses, which would divide the loss "
+            "and its gradients by the count: use reduction='mean' (and scale the learning rate), or one microbatch"
+        )
     divisor = divisor_program(program) if pieces > 1 else None
     return ProgramWeight(build(divisor, "loss_weight"), comm) if divisor is not None else None
 

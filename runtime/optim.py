@@ -114,9 +114,10 @@ def fused_by_default(optimizer_cls: type[torch.optim.Optimizer], params: list, *
     """``optimizer_cls(params, **kwargs)`` with torch's fused kernel when the caller chose no implementation
     (neither ``fused`` nor ``foreach`` given) and the class has one (Adam, AdamW, SGD, Adagrad): one kernel over
     all the tensors instead of about ten ops per parameter (``bench/optimizer_kernels.py``: AdamW on issue
-    13's GPT-2, one CPU thread, 2.5 against 7.0 ms a step), as torchtitan defaults to. Its numbers differ from the for-loop's in the last bits of
-    float64, as torch's implementations differ from each other. Where torch refuses the fused kernel for
-    these parameters or options (a device or dtype without it, ``differentiable=True``), torch's default."""
+    13's GPT-2, one CPU thread, 2.5 against 7.0 ms a step), as torchtitan defaults to. Its numbers differ
+    from the for-loop's in the last bits of float64, as torch's implementations differ from each other.
+    Where torch refuses the fused kernel for these parameters or options (a device or dtype without it,
+    ``differentiable=True``), torch's default."""
     chosen = "fused" in kwargs or "foreach" in kwargs
     if chosen or "fused" not in inspect.signature(optimizer_cls).parameters:
         return optimizer_cls(params, **kwargs)

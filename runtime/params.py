@@ -89,7 +89,7 @@ class LocalTensors:
             local = local.detach().to(self.device).clone().contiguous()
             del full
             if v.kind == "param":
-                local = torch.nn.Parameter(local, requires_grad=v.type.is_float)
+                local = torch.nn.Parameter(local, requires_grad=v.type.is_float and not v.attrs.get("frozen"))
             self.tensors[v.name] = local
             register(self.root, v.name, local)
         return self.tensors[v.name]

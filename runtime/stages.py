@@ -18,8 +18,10 @@ from fractions import Fraction
 
 import torch
 
-from autopar.ir.core import MeshSpec, Program, Value
+from autopar.errors import PlanError, ScheduleError
+from autopar.ir.core import MeshSpec, Op, Program, Ref, Replicate, Value
 from autopar.passes.assign_stages import assign_stages_pass
+from autopar.passes.prune import updates_state, writes_in_place
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.actions import F, Kind, Schedule
@@ -60,6 +62,9 @@ class StageBuilder:
     ) -> tuple[dict[int, StageRunner], dict[int, StageProgram]]:
         """The runners of ``stages`` of ``program`` (with the recompute variants each needs); ``overlap_tp``:
         codegen's (off where the backward is split or sub-pipelined)."""
+        if any(recompute.values()):  # the whole program's: every rank that recomputes refuses alike
+            _refuse_replayed_updates(program.ops)
+        require_whole_buffer_writes(program)
         inner = program.mesh
         runners: dict[int, StageRunner] = {}
         programs: dict[int, StageProgram] = {}
@@ -82,6 +87,42 @@ class StageBuilder:
                     )
             runners[s] = runner
         return runners, programs
+
+
+def _refuse_replayed_updates(ops: tuple[Op, ...]) -> None:
+    """Recomputation runs a stage's forward again: an op that updates a buffer (an in-place write, a
+    batch norm's running statistics) would update it twice, and later reads would see the second."""
+    hit = next((op for op in ops if updates_state(op)), None)
+    if hit is not None:
+        raise ScheduleError(
+            f"the schedule recomputes forwards, and %{hit.result} = {hit.target} (at {hit.path or 'the top'}) "
+            "updates a buffer "
+            "(running statistics or an in-place write): recomputation would apply the update twice. "
+            "Train this model with a schedule without recompute."
+        )
+
+
+def require_whole_buffer_writes(program: Program) -> None:
+    """An in-place write (``passes/functionalize.py`` keeps those to buffers) must write the rank's buffer
+    itself: the buffer stored replicated and read as it is, not a resharded copy of it."""
+    producers = program.producers()
+    for op in program.ops:
+        if not writes_in_place(op):
+            continue
+        src = producers.get(op.args[0].name) if isinstance(op.args[0], Ref) else None
+        while isinstance(src, Op) and writes_in_place(src) and isinstance(src.args[0], Ref):
+            src = producers.get(src.args[0].name)
+        if not (
+            isinstance(src, Value)
+            and src.kind == "buffer"
+            and all(isinstance(p, Replicate) for p in src.type.placements)
+        ):
+            what = f"{src.kind} %{src.name} {src.type}" if isinstance(src, Value) else "a computed value"
+            raise PlanError(
+                f"%{op.result} = {op.target} (at {op.path or 'the top'}) updates {what} in place, which the plan does "
+                "not hold as the rank's whole buffer: the update would be lost. Plan again (buffers updated in "
+                "place must stay replicated)"
+            )
 
 
 def recompute_fractions(schedule: Schedule, pp_rank: int) -> dict[int, set[Fraction]]:

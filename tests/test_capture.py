@@ -56,6 +56,17 @@ def test_uncapturable_model_names_the_source_line():
         capture(DataDependent(), (torch.randn(3),))
 
 
+class MaskedSum(torch.nn.Module):
+    def forward(self, x):
+        return x[x > 0].sum()
+
+
+def test_a_data_dependent_shape_is_a_clear_error():
+    """torch.export captures x[mask] with an unbacked size; lowering raised a raw GuardOnDataDependentSymNode."""
+    with pytest.raises(CaptureError, match=r"shape depends on the data .*aten.index.Tensor(.|\n)*torch.where"):
+        lower(capture(MaskedSum(), (torch.randn(3, 4),)))
+
+
 def test_inputs_that_do_not_fit_are_named():
     with pytest.raises(CaptureError, match="example inputs do not fit Branchy"):
         capture(Branchy(), (torch.randn(4, 5),))

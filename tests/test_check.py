@@ -1,7 +1,8 @@
 """`autopar check` and the rank simulator under it: agreement on a scaled-down GPT-3 (dp x tp and pp x tp), T5 on
 pp x tp and a file.py:fn model (with a plan file), a model with dropout against autopar's keyed dropout; the first
-differing op named when a collective, a stage boundary or the dropout masks are broken on purpose.
-Cost: about 40-70 s on a loaded 2-core machine (ten checks of small models, one process)."""
+differing op named when a collective, a stage boundary or the dropout masks are broken on purpose; a no_grad
+block, a GRU and non-tensor arguments (and a call that changes one: refused).
+Cost: about 45-75 s on a loaded 2-core machine (twelve checks of small models, one process)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from autopar.runtime import pending as inflight
 from autopar.runtime import ranksim, rng
 from autopar.runtime.comm import use_comm
 from autopar.runtime.ranksim import SimWorld
+from autopar.simtrain import SimCompiled
 
 GPT3 = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
 
@@ -177,3 +179,94 @@ def test_check_with_dropout_against_keyed_dropout_on_one_device(monkeypatch) -> 
     monkeypatch.setattr(rng.DropoutSite, "of", classmethod(local_positions))
     report = check_model(model, (x,), {}, mesh, options=ShardOptions(objective="memory"))
     assert not report.agrees and "= aten.dropout(" in report.summary(), report.summary()
+
+
+class _NoGradScale(torch.nn.Module):
+    """Scales by a norm computed under no_grad: no gradient may flow through the norm."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            s = h.norm(dim=-1, keepdim=True) + 1.0
+        return (self.b(h / s) ** 2).mean()
+
+
+class _Recurrent(torch.nn.Module):
+    """A GRU (aten.gru.input, tagged random for its dropout argument, here 0) and non-tensor arguments
+    (a float, a bool and a None, which torch.export bakes into the graph)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn = torch.nn.GRU(8, 12, batch_first=True)
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x, y, mask=None, scale: float = 1.0, shift: bool = True):
+        out = self.head(self.rnn(x)[0][:, -1]) * scale
+        return torch.nn.functional.cross_entropy(out + 1.0 if shift else out, y)
+
+
+class _Ema(torch.nn.Module):
+    """Updates a running average buffer in place under no_grad and reads it in the same forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * h.mean(0))
+        return ((h - self.ema) ** 2).mean()
+
+
+@pytest.mark.parametrize("case", ["no_grad", "gru_and_constant_inputs", "buffer_update", "frozen"])
+def test_check_agrees_on_no_grad_blocks_rnns_and_non_tensor_inputs(case: str) -> None:
+    """A no_grad block fed by values needing gradients used to be inlined with its gradient (the check named
+    fc.weight's gradient: silently wrong training); a GRU without dropout was refused as a random op; a float
+    keyword argument failed lowering ("the graph produced a float"); a buffer the forward updates in place was
+    given to the programs as the model's forward had left it ("the captured graph differs from the model"); a frozen
+    weight got a gradient in the whole program and none on the ranks (a crash)."""
+    torch.manual_seed(0)
+    mesh = MeshSpec((("dp", 2), ("tp", 2)))
+    if case == "no_grad":
+        model, args, kwargs = _NoGradScale(), (torch.randn(4, 8),), {}
+    elif case == "buffer_update":
+        model, args, kwargs = _Ema(), (torch.randn(4, 8),), {}
+    elif case == "frozen":  # its frozen weight has no gradient on the ranks (the whole program gave it one)
+        model, args, kwargs = (
+            torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)),
+            (torch.randn(4, 8),),
+            {},
+        )
+        model[0].requires_grad_(False)
+    else:
+        model, args = _Recurrent(), (torch.randn(4, 5, 8), torch.randint(0, 3, (4,)))
+        kwargs = {"mask": None, "scale": 2.0, "shift": False}
+    report = check_model(model, args, kwargs, mesh, options=ShardOptions(objective="memory"))
+    assert report.agrees and report.max_diff < 1e-10, report.summary()
+
+
+def test_a_call_with_another_non_tensor_input_than_compiled_is_refused() -> None:
+    """torch.export bakes a float argument into the program: calling with another value would silently compute
+    with the compiled one, so the module names the argument instead (and the same value trains)."""
+    torch.manual_seed(0)
+    model, args = _Recurrent(), (torch.randn(4, 5, 8), torch.randint(0, 3, (4,)))
+    sim = SimCompiled.of(model, MeshSpec((("dp", 2),)), args, {"scale": 2.0})
+    assert all(torch.isfinite(loss) for loss in sim.train_step(*args, scale=2.0))
+    with pytest.raises(SimulationError, match=r"input .scale. is 3.0 but the model was compiled with 2.0"):
+        sim.train_step(*args, scale=3.0)
+
+
+def test_a_check_of_a_plan_that_splits_nothing_says_so() -> None:
+    """A tiny model's fastest plan replicates everything: "agrees" then checks no sharding, and the report says
+    so; a least-memory plan splits and the note goes."""
+    torch.manual_seed(0)
+    model, x, mesh = _NoGradScale(), torch.randn(4, 8), MeshSpec((("dp", 2),))
+    assert "no sharding was checked" in check_model(model, (x,), {}, mesh).summary()
+    split = check_model(model, (x,), {}, mesh, options=ShardOptions(objective="memory"))
+    assert split.agrees and "no sharding was checked" not in split.summary()

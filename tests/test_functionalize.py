@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, PlanError, SimulationError
 from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
+from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions
 from autopar.runtime.shards import shard_tensor, unshard_tensor
+from autopar.runtime.stages import require_whole_buffer_writes
+from autopar.simtrain import SimCompiled
 from autopar.solver.strategies import op_strategies
 
 
@@ -116,3 +123,84 @@ def test_rules_of_functionalized_ops_compute_the_whole_op(target, shapes, extra)
         p = s.outputs[0][0]
         got = unshard_tensor(outs, p.dim, p.chunks) if isinstance(p, Shard) else outs[0]
         torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=s.label())
+
+
+class _Running(torch.nn.Module):
+    """Updates its buffers in place in forward: a running sum of the batch (at the top level) and a decayed
+    average under no_grad (a chain of in-place ops), read after the update."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+        self.register_buffer("seen", torch.zeros(8))
+        self.register_buffer("avg", torch.zeros(8))
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.seen += x.abs().sum(0)
+        with torch.no_grad():
+            self.avg.mul_(0.5).add_(h.mean(0))
+        return ((h - self.avg) ** 2).mean()
+
+
+def test_buffers_updated_in_place_keep_their_update_on_every_rank():
+    """The in-place writes to a buffer stay in place on the rank's buffer (functionalized, the new values
+    were dropped: ``seen`` stayed zero), so two forwards on dp=2 x tp=2 simulated ranks leave the buffers
+    and the loss the model's two forwards do (float64: they differ only by the order of sums)."""
+    torch.manual_seed(0)
+    model, x = _Running().double(), torch.randn(4, 8, dtype=torch.float64)
+    sim = SimCompiled.of(copy.deepcopy(model), MeshSpec((("dp", 2), ("tp", 2))), (x,), options=ShardOptions("memory"))
+    losses = [sim(x)[0] for _ in range(2)]
+    expected = [model(x) for _ in range(2)]
+    full = sim.full_state_dict()
+    for key in ("seen", "avg"):
+        torch.testing.assert_close(full[key], getattr(model, key), rtol=1e-12, atol=0)
+    torch.testing.assert_close(losses[1], expected[1].detach(), rtol=1e-12, atol=0)
+
+
+def test_write_through_a_view_of_a_buffer_is_a_clear_error():
+    class RowWrite(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("rows", torch.zeros(4, 3))
+
+        def forward(self, x):
+            self.rows[0] = x.sum(0)
+            return (x * self.rows[1]).sum()
+
+    with pytest.raises(CaptureError, match="writes to buffer .* through the view"):
+        lower(capture(RowWrite(), (torch.randn(2, 3),)))
+
+
+def test_recomputing_a_forward_that_updates_a_buffer_is_refused():
+    """Recomputation would run the in-place update again (the buffer got it twice, silently; batch norm's
+    running statistics alike): a schedule with recompute is refused, the same schedule without it trains."""
+    torch.manual_seed(0)
+    model, x = _Running().double(), torch.randn(4, 8, dtype=torch.float64)
+    mesh = MeshSpec((("pp", 2),))
+    with pytest.raises(SimulationError, match="ScheduleError: the schedule recomputes forwards"):
+        SimCompiled.of(copy.deepcopy(model), mesh, (x,), schedule_options={"recompute": 1})
+    sim = SimCompiled.of(copy.deepcopy(model), mesh, (x,))
+    sim.train_step(x)
+    model(x)
+    torch.testing.assert_close(sim.full_state_dict()["seen"], model.seen, rtol=1e-12, atol=0)
+
+
+def test_a_plan_that_splits_a_buffer_updated_in_place_is_refused():
+    """The update writes the rank's buffer itself: a buffer stored split (a copy is gathered for the write)
+    would lose it, so building the stages refuses such a plan; stored replicated it passes."""
+    prog = lower(capture(_Running(), (torch.randn(4, 8),)), MeshSpec((("tp", 2),)))
+    require_whole_buffer_writes(prog)
+    split = tuple(
+        replace(v, type=replace(v.type, placements=(Shard(0),))) if v.name == "seen" else v for v in prog.inputs
+    )
+    with pytest.raises(PlanError, match=r"updates buffer %seen .* in place"):
+        require_whole_buffer_writes(prog.with_(inputs=split))
+
+
+def test_a_parameter_updated_in_place_in_forward_is_a_clear_error():
+    """nn.Embedding(max_norm=...) renormalizes its weight in place in forward: functionalized, the ranks used the
+    renormalized rows in the step but never stored them (emb.weight 57% off the model's after three steps)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(20, 8, max_norm=1.0), torch.nn.Linear(8, 3))
+    with pytest.raises(CaptureError, match=r"updates the parameter 0.weight in place in forward"):
+        lower(capture(model, (torch.randint(0, 20, (4, 5)),)))

@@ -100,6 +100,13 @@ def test_strings_named_like_torch_enums_stay_strings():
     assert parse(text) == prog
 
 
+def test_words_starting_like_inf_or_nan_stay_strings():
+    """Hypothesis drew grad_sync='inf0': printed bare, it read back as the number inf followed by 0."""
+    attrs = {"a": "inf0", "b": "nanx", "c": "inf.x", "d": float("inf"), "e": -float("inf")}
+    prog = Program(MeshSpec(()), (Value("x", "param", TensorType("f32", ()), attrs),), (), ())
+    assert parse(print_program(prog)) == prog
+
+
 def _tiny_gpt2_program(mesh: MeshSpec | None = None):
     spec = build("tiny-gpt2")
     return lower(capture(spec.model, spec.args, spec.kwargs), mesh)

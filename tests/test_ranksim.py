@@ -1,5 +1,6 @@
 """The rank simulator (runtime/ranksim.py): after a failed run the next run of the same world starts clean;
-pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks."""
+pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks; a frozen submodule
+stays frozen; a loss summed over the batch is refused with microbatches."""
 
 from __future__ import annotations
 
@@ -106,3 +107,59 @@ def test_each_simulated_rank_defers_its_own_weight_gradients() -> None:
     for t in threads:
         t.join()
     assert filed == {0: 1, 1: 0}
+
+
+class _FrozenEncoder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 8))
+        self.head = torch.nn.Linear(8, 4)
+        self.enc.requires_grad_(False)
+
+    def forward(self, x, t):
+        return torch.nn.functional.mse_loss(self.head(torch.tanh(self.enc(x))), t)
+
+
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_frozen_submodule_is_not_trained(zero: int) -> None:
+    """Parameters with requires_grad=False get no gradient on the ranks (they were trainable Parameters: an
+    optimizer over them moved them, and the losses drifted 5% from the model's in three steps): two SGD steps
+    on dp=2 x tp=2 (the module's optimizer, ZeRO-2 over dp too) equal the model's, frozen weights unchanged."""
+    torch.manual_seed(0)
+    model = _FrozenEncoder().double()
+    batch = {"x": torch.randn(8, 8, dtype=torch.float64), "t": torch.randn(8, 4, dtype=torch.float64)}
+    options = ShardOptions(objective="memory", setup=TrainingSetup(zero=zero, zero_axes=("dp",) if zero else None))
+    sim = SimCompiled.of(copy.deepcopy(model), MeshSpec((("dp", 2), ("tp", 2))), (), batch, options=options)
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    assert loss_error(losses, train(reference, [batch, batch])) < TOL
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where)
+    assert all(torch.equal(sim.full_state_dict()[k], v) for k, v in model.state_dict().items() if k.startswith("enc"))
+
+
+def test_a_summed_loss_over_microbatches_is_refused() -> None:
+    """Averaging the microbatches' losses halves a loss summed over the batch (reduction='sum') and its
+    gradients: with two microbatches the step's loss was half the model's and the parameters 94% off, silently.
+    The module refuses it and names the op; one microbatch (the program itself is exact) trains as the model."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4)).double()
+    loss = _SummedLoss(model)
+    batch = {"x": torch.randn(8, 8, dtype=torch.float64), "t": torch.randn(8, 4, dtype=torch.float64)}
+    mesh = MeshSpec((("dp", 2),))
+    with pytest.raises(SimulationError, match=r"BatchError: the loss is a sum over the batch .*aten.mse_loss"):
+        SimCompiled.of(copy.deepcopy(loss), mesh, (), batch, microbatches=2)
+    sim = SimCompiled.of(copy.deepcopy(loss), mesh, (), batch, options=ShardOptions(objective="memory"))
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+    assert loss_error(losses, train(copy.deepcopy(loss), [batch, batch])) < TOL
+
+
+class _SummedLoss(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, t):
+        return torch.nn.functional.mse_loss(self.model(x), t, reduction="sum")
