@@ -536,6 +536,23 @@ def test_every_decision_of_a_solved_plan_is_its_cheapest_beside_the_rest(tmp_pat
     assert switch_costs(nodes, edges, choice, i, shared)[was] < 0
 
 
+def test_explain_settles_each_shared_read_at_its_best_beside_the_plan(tmp_path):
+    """``plan_choice`` gives each SharedReads node its best key beside its producer and readers. On a plan made with
+    the memory objective the first guess (the cheapest own cost) was incompatible with its producer, every
+    re-measured key came out nan or -inf, and the guess stayed: the choice's objective was inf."""
+    path = tmp_path / "p.json"
+    assert (
+        main(["plan", "tiny-llama", "--mesh", "tp=2", "--objective", "memory", "--no-baselines", "-o", str(path)]) == 0
+    )
+    plan = Plan.load(path)
+    _, (_, groups, nodes, edges) = rebuild(plan)
+    choice = plan_choice(groups, nodes, edges, plan.parsed().types())
+    shared = [i for i, g in enumerate(groups) if isinstance(g, SharedReads)]
+    assert choice is not None and shared and objective_of(nodes, edges, choice) < math.inf
+    for i in shared:
+        assert min(switch_costs(nodes, edges, choice, i)) >= 0, nodes[i].name
+
+
 def test_cli_plan_with_a_pipeline_axis_reports_stages(capsys):
     assert main(["plan", "tiny-gpt2", "--mesh", "pp=2,tp=2", "--no-baselines", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
