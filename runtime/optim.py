@@ -119,6 +119,9 @@ def fused_by_default(optimizer_cls: type[torch.optim.Optimizer], params: list, *
     Where torch refuses the fused kernel for these parameters or options (a device or dtype without it,
     ``differentiable=True``), torch's default."""
     chosen = "fused" in kwargs or "foreach" in kwargs
+    tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
+    if any(not torch.is_floating_point(p) for p in tensors):  # complex: torch refuses fused only at step()
+        return optimizer_cls(params, **kwargs)
     if chosen or "fused" not in inspect.signature(optimizer_cls).parameters:
         return optimizer_cls(params, **kwargs)
     try:

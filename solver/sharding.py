@@ -120,11 +120,11 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
         elif isinstance(name, tuple):  # ("read", value, ...): a read through the value's SharedReads node
-            _, value, wgrads, fused, n = name
-            t = b.types[value]
+            _, value, wgrads, fused, wsums = name
+            t, j = b.types[value], e.v_group[sol.choice[e.v]]
             vol, sec = _read_through(b, t, a, bb, grad=value in b.grad)
             totals[2] += vol
-            totals[3] += sec - _hidden(b, t, a, bb, wgrads[e.v_group[sol.choice[e.v]]], fused, n)
+            totals[3] += sec - _hidden(b, t, a, bb, wgrads[j], fused, wsums[j])
         elif bb is not None and a != bb:
             vol, sec = b.cost.redistribute(b.types[name], a, bb, name in b.grad)
             totals[2] += vol
@@ -371,25 +371,29 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
     edges.append(e)
     pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
     ug, uids = _group_ids(list(keys))
-    fusable = sum(column_weight(op, pos, b.types) is not None for _, op, pos in reads)
+    fusable = [(op, pos) for _, op, pos in reads if column_weight(op, pos, b.types) is not None]
+    alike = tuple(sorted((op.flops, op.bytes, column_weight(op, pos, b.types) in b.grad) for op, pos in fusable))
     for gi, op, pos in reads:
         vg, vids = _group_ids([_read_key(b, c, op, pos, grad) for c in groups[gi].candidates])
         weight = column_weight(op, pos, b.types)
         fused = weight is not None
         reader = (op.flops, op.bytes, weight in b.grad) if fused else None
-        key = (t, tuple(uids), tuple(vids), pinned, grad, reader, fusable)
+        key = (t, tuple(uids), tuple(vids), pinned, grad, reader, alike)
         wgrads = [b.column_wgrad(op, pos, _split(rk)) if rk[0] is not None else 0.0 for rk in vids]
+        # each read's share of f is its part of the fusable reads' weight gradients at its placements (the same
+        # split for every read of the same f): alike or not (GQA's q against k/v), together they hide min(f, sum)
+        wsums = [sum(b.column_wgrad(o, i, _split(rk)) for o, i in fusable) if rk[0] is not None else 0.0 for rk in vids]
         if key not in b.shared_edges:
             cost = {}
             for j, rk in enumerate(vids):
                 for i, fk in enumerate(uids):
                     vol, sec = _read_through(b, t, fk, rk, pinned, grad)
                     if vol != INF:
-                        sec -= _hidden(b, t, fk, rk, wgrads[j], fused, fusable)
+                        sec -= _hidden(b, t, fk, rk, wgrads[j], fused, wsums[j])
                         cost[(i, j)] = b.objective(0.0, vol, sec, 0.0)
             b.shared_edges[key] = cost
         e = Edge(fi, gi, ug, vg, dict(b.shared_edges[key]))
-        e.keys = (("read", name, wgrads, fused, fusable), list(uids), list(vids))
+        e.keys = (("read", name, wgrads, fused, wsums), list(uids), list(vids))
         edges.append(e)
 
 
@@ -419,23 +423,24 @@ def _split(rkey: tuple) -> list[bool]:
     return [not isinstance(p, Replicate) or a in axes for a, p in enumerate(want)]
 
 
-def _hidden(b: GroupBuilder, t: TensorType, fkey: tuple, rkey: tuple, wgrad: float, fused: bool, n: int) -> float:
+def _hidden(b: GroupBuilder, t: TensorType, fkey: tuple, rkey: tuple, wgrad: float, fused: bool, wsum: float) -> float:
     """Seconds of the f a read shares or pays that weight gradients hide (``CostModel.f_hidden``), for a read
-    that is (``fused``) or is not a matmul the runtime fuses with its f, of ``n`` such reads of the value:
-    ``1/n`` of the f, up to the read's weight gradient ``wgrad``. Alike readers sharing it (LLaMA's q/k/v)
-    then hide ``min(f, n x wgrad)`` together, as the fused call does; fewer hide less than they would (an
-    under-estimate of what is hidden). An f a read pays on its own is hidden in the same share: the program
-    emits one f for every read of the same placements, which the ILP charges once per read (an
-    over-estimate), and hiding each in full would make that over-count look as cheap as the shared f. A read
-    the runtime cannot fuse, sharing the f, keeps the others from fusing: it is charged the whole f back (an
-    over-estimate where they hid less). Of f's on two axes, the last one's: ``insert-collectives`` chains them
-    in axis order, and the matmuls read (and are fused with) the last."""
+    that is (``fused``) or is not a matmul the runtime fuses with its f, ``wsum`` the weight gradients of all the
+    value's fusable reads at the read's placements: the read's share ``wgrad / wsum`` of the f, up to its weight
+    gradient ``wgrad``. Readers sharing it (LLaMA's q/k/v, alike or, with GQA, not) then hide ``min(f, wsum)``
+    together, as the fused call does; fewer hide less than they would (an under-estimate of what is hidden). An
+    f a read pays on its own is hidden in the same share: the program emits one f for every read of the same
+    placements, which the ILP charges once per read (an over-estimate), and hiding each in full would make that
+    over-count look as cheap as the shared f. A read the runtime cannot fuse, sharing the f, keeps the others
+    from fusing: it is charged the whole f back (an over-estimate where they hid less). Of f's on two axes, the
+    last one's: ``insert-collectives`` chains them in axis order, and the matmuls read (and are fused with) the
+    last."""
     (_, q, shared), (want, axes) = fkey, rkey
-    if not axes or not n:
+    if not axes or not wsum:
         return 0.0
     f = b.cost.grad_reduce(t, want, axes[-1])[1]
     if fused:
-        return b.cost.f_hidden(f / n, wgrad)
+        return b.cost.f_hidden(f * wgrad / wsum, wgrad)
     return -b.cost.f_hidden(f, f) if want == q and axes == shared else 0.0
 
 

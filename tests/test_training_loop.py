@@ -632,6 +632,11 @@ def test_the_optimizer_gets_torchs_fused_kernel_unless_told_otherwise():
     assert implementation(fused_by_default(torch.optim.RMSprop, params(), lr=0.01)) == (False, False)  # none
     refused = fused_by_default(torch.optim.AdamW, params(), differentiable=True)  # torch: fused is not
     assert implementation(refused) == (False, False)
+    z = torch.nn.Parameter(torch.randn(3, dtype=torch.complex128))  # torch refuses fused complex at step()
+    complex_opt = fused_by_default(torch.optim.AdamW, [{"params": [z]}], lr=1e-3)
+    assert implementation(complex_opt) == (False, False)
+    z.grad = torch.ones_like(z)
+    complex_opt.step()
 
     fused, plain = params(), params()
     opts = fused_by_default(torch.optim.AdamW, fused, lr=1e-3), torch.optim.AdamW(plain, lr=1e-3, foreach=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from autopar.errors import AutoparError
 from autopar.ir.core import Op
@@ -110,10 +111,11 @@ def plan_choice(groups, nodes, edges, types) -> list[int] | None:
     choice = [min(m, key=lambda i, n=n: n.costs[i]) for m, n in zip(matching, nodes)]
     for i, m in enumerate(matching):  # the alike candidates (and the shared keys) settled by their neighbours
         if len(m) > 1:
-            if isinstance(groups[i], SharedReads):
-                d = switch_costs(nodes, edges, choice, i)
-            else:
-                d = switch_costs(nodes, edges, choice, i, shared)
+            free = () if isinstance(groups[i], SharedReads) else shared
+            d = switch_costs(nodes, edges, choice, i, free)
+            if math.isnan(d[choice[i]]):  # the first guess is incompatible with a neighbour (inf - inf): re-measure
+                choice[i] = next((k for k in m if d[k] == -math.inf), choice[i])  # from a compatible candidate
+                d = switch_costs(nodes, edges, choice, i, free)
             choice[i] = min(m, key=lambda k: d[k])
     return choice
 
