@@ -237,8 +237,9 @@ def compile(  # noqa: A001
     text: list[str | None] = [None, None]
     if dist.get_rank() == 0:
         fwd, train = plan_programs(
-            captured, spec, sched, options, sharded, scatter_gather=scatter_gather, dump_dir=dump_dir
-        )
+            captured, spec, sched, options, sharded, scatter_gather=scatter_gather, dump_dir=dump_dir,
+            sub_pipeline_tp=sub_pipeline_tp,
+        )  # fmt: skip
         text = [print_program(fwd), print_program(train) if train is not None else None]
     dist.broadcast_object_list(text, src=0)
     forward = parse(text[0])

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from autopar.ir.core import MeshSpec, Program
 from autopar.passes.capture import Captured
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.actions import Kind, Schedule, stage_stash_points
+from autopar.runtime.actions import Kind, Schedule, split_backwards, stage_stash_points
 from autopar.runtime.comm import Comm
 from autopar.runtime.module import ParallelModule, RuntimeOptions
 from autopar.runtime.params import state_keys, value_source
@@ -31,6 +32,16 @@ def stash_points_of(schedule: Schedule) -> tuple | None:
     return tuple(tuple(stage_stash_points(lst)) for lst in schedule.actions)
 
 
+def pricing_options(options: ShardOptions | None, schedule: Schedule, sub_pipeline_tp: bool) -> ShardOptions | None:
+    """``options`` with the training setup the runtime will run: Megatron's f is fused with its matmuls, and
+    hidden behind their weight gradients on NCCL, unless ``schedule`` splits the backward (zero bubble) or
+    the stages are sub-pipelined (``runtime/module.py``); then the ILP prices each f whole."""
+    if not (sub_pipeline_tp or any(split_backwards(actions) for actions in schedule.actions)):
+        return options
+    options = options or ShardOptions()
+    return dataclasses.replace(options, setup=dataclasses.replace(options.setup, overlap_tp=False))
+
+
 def plan_programs(
     captured: Captured,
     mesh: MeshSpec,
@@ -40,14 +51,15 @@ def plan_programs(
     *,
     scatter_gather: bool = False,
     dump_dir: str | None = None,
+    sub_pipeline_tp: bool = False,
 ) -> tuple[Program, Program | None]:
     """The planned programs of ``captured`` on ``mesh`` (the whole mesh) by the flow
     (``passes/flow.py``): the forward program (every output) and the training program (pruned to the
     loss; ``None`` when the first output is not a scalar float), both cut into ``schedule``'s stages
-    at the same places, with send/recv ops."""
+    at the same places, with send/recv ops. Priced as the runtime will run them (``pricing_options``)."""
     chunks, waves = placement_shape(schedule.stage_to_rank, schedule.num_ranks)
     flow = FlowOptions(
-        shard=options,
+        shard=pricing_options(options, schedule, sub_pipeline_tp),
         chunks=chunks,
         waves=waves,
         microbatches=schedule.num_microbatches,

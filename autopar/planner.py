@@ -6,7 +6,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from autopar.build import stash_points_of
+from autopar.build import pricing_options, stash_points_of
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
@@ -87,6 +87,7 @@ def plan_captured(
         sched = make_schedule(po.schedule, pp, po.microbatches or 1)
         chunks, waves = placement_shape(sched.stage_to_rank, pp)
         points = stash_points_of(sched)
+        opts = pricing_options(opts, sched, False)  # its split backward runs each f unfused
     flow_opts = FlowOptions(
         shard=opts,
         chunks=chunks,

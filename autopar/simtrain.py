@@ -67,7 +67,7 @@ class SimCompiled:
         example = sub_microbatch(args, kwargs, microbatches, run.sub_microbatches)
         captured = capture(model, *example)
         sched = make_schedule(schedule, mesh.pipeline_size, microbatches, **dict(schedule_options or {}))
-        forward, train = plan_programs(captured, mesh, sched, options, sharded)
+        forward, train = plan_programs(captured, mesh, sched, options, sharded, sub_pipeline_tp=sub_pipeline_tp)
         if float64:
             forward, train = to_float64(forward), (to_float64(train) if train is not None else None)
         parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)

@@ -290,9 +290,14 @@ def _allocate_states(path: Path, p: torch.Tensor, parts: list[tuple[Held, int]],
     return out
 
 
+# how torch.optim steps, not what: a resumed run keeps the implementation its optimizer was built with (a
+# checkpoint saved with torch's for-loop kernel does not turn make_optimizer's fused default off, nor the reverse)
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
 def _install_optimizer(path: Path, optimizer, manifest: dict[str, Any], loaded: list[tuple[list[str], dict]]) -> None:
     """The loaded states (each parameter's, with the user keys it holds), the states that are not tensors
-    and the saved hyper-parameters into ``optimizer``."""
+    and the saved hyper-parameters (not the implementation: ``IMPLEMENTATION_KEYS``) into ``optimizer``."""
     saved = decode(_section(path, manifest, "optimizer"))
     current = optimizer.state_dict()
     groups = current["param_groups"]
@@ -301,8 +306,8 @@ def _install_optimizer(path: Path, optimizer, manifest: dict[str, Any], loaded: 
             f"the checkpoint at {path} has {len(saved['param_groups'])} optimizer parameter groups, this optimizer "
             f"{len(groups)}: build the optimizer with the same groups"
         )
-    for g, s in zip(groups, saved["param_groups"]):
-        g.update({k: v for k, v in s.items() if k != "params"})
+    for g, s in zip(groups, saved["param_groups"]):  # hyper-parameters as saved; the kernel as built here
+        g.update({k: v for k, v in s.items() if k not in ("params", *IMPLEMENTATION_KEYS)})
     states = {}
     for i, (keys, entry) in enumerate(loaded):
         entry = {**saved["scalars"].get(keys[0], {}), **entry} if keys else entry

@@ -71,6 +71,10 @@ class TrainingSetup:
     # gradients are all-reduced in flat buckets closed at this size (DDP's bucket_cap_mb, default 25 MiB;
     # solver/buckets.py): the runtime launches one all-reduce per bucket and the cost model prices its latency
     bucket_cap_mb: float = BUCKET_BYTES / 2**20
+    # the runtime fuses Megatron's f with the matmuls reading it (runtime/column_linear.py), so that on NCCL its
+    # all-reduce is hidden behind their weight gradients; not under a split backward (zero-bubble schedules) or
+    # sub-pipelined tensor parallelism, where the f runs on its own (runtime/module.py)
+    overlap_tp: bool = True
 
     @property
     def bucket_bytes(self) -> float:
@@ -287,8 +291,9 @@ class CostModel:
         """Seconds of an f's all-reduce that run while the weight gradients of the matmuls reading it are
         computed (``runtime/column_linear.py``: the all-reduce starts after their input gradient, is waited
         after their weight gradients): the smaller of the two, where collectives run beside compute (NCCL's
-        stream); none on gloo (``ClusterSpec.overlaps_compute``). The search prices the same overlap."""
-        return min(f_seconds, wgrad_seconds) if self.cluster.overlaps_compute else 0.0
+        stream); none on gloo (``ClusterSpec.overlaps_compute``) or where the runtime does not fuse f
+        (``TrainingSetup.overlap_tp``). The search prices the same overlap."""
+        return min(f_seconds, wgrad_seconds) if self.cluster.overlaps_compute and self.setup.overlap_tp else 0.0
 
     def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a

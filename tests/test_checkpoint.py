@@ -383,6 +383,26 @@ def _mlp_run(preset: str = "tiny-mlp"):
     return pipe, opt
 
 
+def test_a_resumed_optimizer_keeps_its_kernel_and_takes_the_saved_hyper_parameters(tmp_path):
+    """A checkpoint restores the learning rate and the other hyper-parameters, not how torch steps: an
+    optimizer built with torch's for-loop kernel stays so after loading a fused one's checkpoint, and the
+    reverse (it copied ``fused``/``foreach`` too, so a checkpoint saved before make_optimizer's fused default
+    turned it off on resume). One process, one compile of tiny-mlp."""
+    from autopar.runtime import checkpoint
+
+    with _one_process():
+        pipe, opt = _mlp_run()
+        assert opt.param_groups[0]["fused"] is True
+        checkpoint.save(tmp_path / "fused", pipe, opt, step=1)
+        plain = pipe.make_optimizer(torch.optim.AdamW, lr=5e-4, fused=False)
+        checkpoint.save(tmp_path / "plain", pipe, plain, step=1)
+        checkpoint.load(tmp_path / "fused", pipe, plain)
+        assert plain.param_groups[0]["lr"] == 1e-3 and not plain.param_groups[0]["fused"]
+        fused = pipe.make_optimizer(torch.optim.AdamW, lr=1e-3)
+        checkpoint.load(tmp_path / "plain", pipe, fused)
+        assert fused.param_groups[0]["lr"] == 5e-4 and fused.param_groups[0]["fused"] is True
+
+
 def test_bad_checkpoints_get_named_errors(tmp_path, monkeypatch):
     """Interrupted saves, lost, truncated or altered files, another model, pickled objects and a malicious
     .metadata each get their CheckpointError; no plain unpickling happens on load. Cost: one process, two

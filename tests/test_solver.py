@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from transformers import T5Config, T5ForConditionalGeneration, ViTConfig, ViTForImageClassification
 
 from autopar.api import parse_mesh
+from autopar.build import pricing_options
 from autopar.cli import main
 from autopar.cli.explain import plan_choice, rebuild
 from autopar.errors import InfeasibleError, PlanError
@@ -28,6 +29,7 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.plan import Plan, fingerprint
 from autopar.planner import plan_captured
+from autopar.runtime.schedules import make_schedule
 from autopar.solver.baselines import Exactly, megatron_options, run_baseline
 from autopar.solver.cluster import ClusterSpec
 from autopar.solver.cost import CostModel, TrainingSetup
@@ -346,6 +348,20 @@ def test_an_f_hidden_behind_weight_gradients_is_priced_as_the_runtime_fuses_it(m
             patch.setattr(ClusterSpec, "overlaps_compute", property(lambda self: False))
             assert cost.program_comm(program)[1] == pytest.approx(sec + hidden, rel=1e-9)
             assert shard(prog, opts).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
+        # a split backward (zero bubble) or sub-pipelined tp runs each f unfused: priced whole (the plan the same)
+        unfused = replace(opts, setup=replace(opts.setup, overlap_tp=False))
+        assert CostModel(prog.mesh, unfused.setup, unfused.cluster).program_comm(program)[1] == pytest.approx(
+            sec + hidden, rel=1e-9
+        )
+        assert shard(prog, unfused).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
+    for name, sub, fused in [
+        ("1f1b", False, True),
+        ("zb-h1", False, False),
+        ("zbv", False, False),
+        ("1f1b", True, False),
+    ]:
+        priced = pricing_options(nccl, make_schedule(name, 2, 4), sub)
+        assert priced.setup.overlap_tp is fused and priced.cluster is nccl.cluster, (name, sub)
 
 
 def test_frozen_parameters_get_no_gradient_sync_and_no_optimizer_state():
