@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +44,10 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         kwargs = torch.utils._pytree.tree_map(_to_meta, kwargs)
     t0 = time.perf_counter()
     try:
-        ep = torch.export.export(model, tuple(args), kwargs, strict=False)
+        with warnings.catch_warnings():
+            # torch's RNN modules re-assign their weight list in forward: export warns, and nothing is wrong
+            warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
+            ep = torch.export.export(model, tuple(args), kwargs, strict=False)
     except Exception as e:
         if _is_capture_limit(e):
             raise CaptureError(_export_failure(model, e)) from e
