@@ -99,30 +99,43 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``optimizer_cls`` over this rank's ``params`` (name -> parameter, a ZeRO-3 slice where there is
     one) in ``groups``: ``ZeroOptimizer`` with ZeRO-1/2 over the plan's axes, else the class itself."""
+    make = functools.partial(fused_by_default, optimizer_cls, sparse_grads=sparse_gradients(program))
     zero_axes, replica_axes = zero_axes_of(setup, program.mesh)
     if 1 <= setup.zero <= 2 and zero_axes:
         whole = whole_gradient_params(program, zero_axes + replica_axes)
-        make = functools.partial(fused_by_default, optimizer_cls)
         return ZeroOptimizer(params, grad_sync, make, comm, zero_axes, replica_axes, whole, groups=groups, **kwargs)
     if groups is None:
-        return fused_by_default(optimizer_cls, list(params.values()), **kwargs)
+        return make(list(params.values()), **kwargs)
     torch_groups = [{**options, "params": [params[n] for n in members if n in params]} for options, members in groups]
-    return fused_by_default(optimizer_cls, torch_groups, **kwargs)
+    return make(torch_groups, **kwargs)
 
 
-def fused_by_default(optimizer_cls: type[torch.optim.Optimizer], params: list, **kwargs: Any) -> torch.optim.Optimizer:
+def sparse_gradients(program) -> bool:
+    """Whether some parameter of ``program`` gets a sparse gradient: an embedding lookup with ``sparse=True``
+    (``nn.Embedding(sparse=True)``; ``aten.embedding``'s fifth argument, ``aten._embedding_bag``'s seventh)."""
+    where = {"aten.embedding": 4, "aten._embedding_bag": 6, "aten._embedding_bag_forward_only": 6}
+    return any(
+        op.target in where and len(op.args) > where[op.target] and op.args[where[op.target]] is True
+        for op in program.ops
+    )
+
+
+def fused_by_default(
+    optimizer_cls: type[torch.optim.Optimizer], params: list, *, sparse_grads: bool = False, **kwargs: Any
+) -> torch.optim.Optimizer:
     """``optimizer_cls(params, **kwargs)`` with torch's fused kernel when the caller chose no implementation
     (neither ``fused`` nor ``foreach`` given) and the class has one (Adam, AdamW, SGD, Adagrad): one kernel over
     all the tensors instead of about ten ops per parameter (``bench/optimizer_kernels.py``: AdamW on issue
     13's GPT-2, one CPU thread, 2.5 against 7.0 ms a step), as torchtitan defaults to. Its numbers differ
     from the for-loop's in the last bits of float64, as torch's implementations differ from each other.
     Where torch refuses the fused kernel for these parameters or options (a device or dtype without it,
-    ``differentiable=True``), torch's default."""
+    ``differentiable=True``; ``sparse_grads``: some parameter's gradient is sparse, which the fused kernels
+    refuse only at ``step()``, as they refuse complex parameters), torch's default."""
     chosen = "fused" in kwargs or "foreach" in kwargs
     tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
     if any(not torch.is_floating_point(p) for p in tensors):  # complex: torch refuses fused only at step()
         return optimizer_cls(params, **kwargs)
-    if chosen or "fused" not in inspect.signature(optimizer_cls).parameters:
+    if chosen or sparse_grads or "fused" not in inspect.signature(optimizer_cls).parameters:
         return optimizer_cls(params, **kwargs)
     try:
         return optimizer_cls(params, fused=True, **kwargs)

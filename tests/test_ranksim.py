@@ -139,6 +139,33 @@ def test_a_frozen_submodule_is_not_trained(zero: int) -> None:
     assert all(torch.equal(sim.full_state_dict()[k], v) for k, v in model.state_dict().items() if k.startswith("enc"))
 
 
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1)
+
+    def forward(self, ids, t):
+        return torch.nn.functional.mse_loss(self.head(self.emb(ids)).squeeze(-1), t)
+
+
+def test_a_sparse_embedding_trains_with_the_default_optimizer() -> None:
+    """``nn.Embedding(sparse=True)`` gives its weight a sparse gradient, which torch's fused kernels refuse at
+    ``step()``: make_optimizer's default keeps torch's own kernel there (it failed: "`_fused_sgd` does not
+    support sparse gradients"), and two SGD steps on dp=2 equal the model's."""
+    torch.manual_seed(0)
+    model = _SparseEmbedding().double()
+    batch = {"ids": torch.randint(0, 50, (4, 6)), "t": torch.randn(4, 6, dtype=torch.float64)}
+    sim = SimCompiled.of(
+        copy.deepcopy(model), MeshSpec((("dp", 2),)), (), batch, options=ShardOptions(objective="memory")
+    )
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+    reference = copy.deepcopy(model)
+    assert loss_error(losses, train(reference, [batch, batch])) < TOL
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where)
+
+
 def test_a_summed_loss_over_microbatches_is_refused() -> None:
     """Averaging the microbatches' losses halves a loss summed over the batch (reduction='sum') and its
     gradients: with two microbatches the step's loss was half the model's and the parameters 94% off, silently.
