@@ -129,13 +129,7 @@ def test_a_frozen_submodule_is_not_trained(zero: int) -> None:
     model = _FrozenEncoder().double()
     batch = {"x": torch.randn(8, 8, dtype=torch.float64), "t": torch.randn(8, 4, dtype=torch.float64)}
     options = ShardOptions(objective="memory", setup=TrainingSetup(zero=zero, zero_axes=("dp",) if zero else None))
-    sim = SimCompiled.of(copy.deepcopy(model), MeshSpec((("dp", 2), ("tp", 2))), (), batch, options=options)
-    make_optimizer("sgd", sim)
-    losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
-    reference = copy.deepcopy(model)
-    assert loss_error(losses, train(reference, [batch, batch])) < TOL
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where)
+    sim = _two_sgd_steps_equal_the_models(model, batch, MeshSpec((("dp", 2), ("tp", 2))), options)
     assert all(torch.equal(sim.full_state_dict()[k], v) for k, v in model.state_dict().items() if k.startswith("enc"))
 
 
@@ -155,15 +149,20 @@ def test_a_sparse_embedding_trains_with_the_default_optimizer() -> None:
     torch.manual_seed(0)
     model = _SparseEmbedding().double()
     batch = {"ids": torch.randint(0, 50, (4, 6)), "t": torch.randn(4, 6, dtype=torch.float64)}
-    sim = SimCompiled.of(
-        copy.deepcopy(model), MeshSpec((("dp", 2),)), (), batch, options=ShardOptions(objective="memory")
-    )
+    _two_sgd_steps_equal_the_models(model, batch, MeshSpec((("dp", 2),)), ShardOptions(objective="memory"))
+
+
+def _two_sgd_steps_equal_the_models(model, batch: dict, mesh: MeshSpec, options: ShardOptions) -> SimCompiled:
+    """Two SGD steps of ``model`` compiled on ``mesh`` (the module's own optimizer) give the model's losses and
+    parameters, to ``TOL``; the compiled module after them."""
+    sim = SimCompiled.of(copy.deepcopy(model), mesh, (), batch, options=options)
     make_optimizer("sgd", sim)
     losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
     reference = copy.deepcopy(model)
     assert loss_error(losses, train(reference, [batch, batch])) < TOL
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where)
+    return sim
 
 
 def test_a_summed_loss_over_microbatches_is_refused() -> None:
