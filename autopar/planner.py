@@ -15,6 +15,7 @@ from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
+from autopar.runtime.batch import split_batch
 from autopar.runtime.precision import for_capture
 from autopar.runtime.schedules import make_schedule
 from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
@@ -187,6 +188,8 @@ def plan_model(
     pipeline: PipelinePlanOptions | None = None,
 ) -> PlanReport:
     m = build(spec, device="meta")
+    if pipeline is not None and pipeline.microbatches:
+        split_batch(m.args, m.kwargs, pipeline.microbatches)  # a count the batch does not divide: named, as compile
     t0 = time.perf_counter()
     captured = capture(*for_capture(m.model, m.args, m.kwargs, opts.setup.precision))  # as compile captures
     captured.seconds = time.perf_counter() - t0

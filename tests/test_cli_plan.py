@@ -135,3 +135,10 @@ def test_plan_for_a_zero_bubble_schedule_lays_out_its_v(tmp_path, capsys):
     capsys.readouterr()
     assert main(["plan", "tiny-gpt2", "--mesh", "dp=2", "--schedule", "zbv"]) != 0
     assert "--schedule need a pipeline axis" in capsys.readouterr().err
+
+
+def test_plan_refuses_a_microbatch_count_the_batch_does_not_divide(capsys):
+    """`autopar plan` names the counts that fit, as compile does (it planned batch 5 in 2 microbatches, which
+    compile then refused)."""
+    assert main(["plan", "tiny-gpt2:batch=5", "--mesh", "pp=2", "--microbatches", "2", "--no-baselines"]) == 2
+    assert "a batch of 5 cannot be cut into 2 equal microbatches" in capsys.readouterr().err
