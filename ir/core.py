@@ -394,6 +394,16 @@ def resolve_target(target: str):
     return getattr(packet, parts[2] if len(parts) == 3 else "default")
 
 
+def bound_args(op: Op) -> dict[str, Any] | None:
+    """``op``'s arguments (positional and keyword) by their names in its ATen schema; None for a target that
+    is no ATen op."""
+    try:
+        schema = resolve_target(op.target)._schema
+    except (KeyError, AttributeError):
+        return None
+    return dict(zip((a.name for a in schema.arguments), op.args)) | dict(op.kwargs)
+
+
 def target_name(op_overload) -> str:
     """Inverse of resolve_target."""
     packet = op_overload._schema.name.split("::")[1]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.ir.core import Op, Program, iter_refs, resolve_target
+from autopar.ir.core import Op, Program, bound_args, iter_refs, resolve_target
 
 
 def writes_in_place(op: Op) -> bool:
@@ -20,13 +20,7 @@ def updates_state(op: Op) -> bool:
     updates the running statistics it is given (``aten.batch_norm``, ``aten.instance_norm``)."""
     if writes_in_place(op):
         return True
-    try:
-        names = [a.name for a in resolve_target(op.target)._schema.arguments]
-    except (KeyError, AttributeError):
-        return False
-    if "running_mean" not in names:
-        return False
-    bound = dict(zip(names, op.args)) | dict(op.kwargs)
+    bound = bound_args(op) or {}
     return bound.get("running_mean") is not None and bool(bound.get("training", bound.get("use_input_stats")))
 
 

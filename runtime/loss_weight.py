@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from autopar.errors import BatchError
-from autopar.ir.core import Op, Partial, Program, Ref, resolve_target
+from autopar.ir.core import Op, Partial, Program, Ref, bound_args
 from autopar.runtime.comm import Comm, use_comm
 from autopar.runtime.stage_runner import Part
 
@@ -113,14 +113,8 @@ def summed_loss(program: Program) -> Op | None:
     op = producers.get(program.outputs[0].name)
     while isinstance(op, Op) and op.target in SAME_VALUE and len(op.input_refs()) == 1:
         op = producers.get(op.input_refs()[0].name)
-    if not isinstance(op, Op):
-        return None
-    try:
-        names = [a.name for a in resolve_target(op.target)._schema.arguments]
-    except (KeyError, AttributeError):
-        return None
-    bound = dict(zip(names, op.args)) | dict(op.kwargs)
-    return op if "reduction" in names and bound.get("reduction") == SUM_REDUCTION else None
+    bound = bound_args(op) if isinstance(op, Op) else None
+    return op if bound is not None and bound.get("reduction") == SUM_REDUCTION else None
 
 
 def program_weight(

@@ -133,9 +133,8 @@ def fused_by_default(
     refuse only at ``step()``, as they refuse complex parameters), torch's default."""
     chosen = "fused" in kwargs or "foreach" in kwargs
     tensors = [p for x in params for p in (x["params"] if isinstance(x, dict) else [x])]
-    if any(not torch.is_floating_point(p) for p in tensors):  # complex: torch refuses fused only at step()
-        return optimizer_cls(params, **kwargs)
-    if chosen or sparse_grads or "fused" not in inspect.signature(optimizer_cls).parameters:
+    complex_ = any(not torch.is_floating_point(p) for p in tensors)  # torch refuses fused for it only at step()
+    if chosen or sparse_grads or complex_ or "fused" not in inspect.signature(optimizer_cls).parameters:
         return optimizer_cls(params, **kwargs)
     try:
         return optimizer_cls(params, fused=True, **kwargs)

@@ -152,18 +152,19 @@ class CostModel:
         ``frozen`` one keeps no gradient or state."""
         numel = self.local_bytes(t, p) / t.itemsize
         zf = self.zero_factor(p)
-        w, g, s = self._per_param(zf)
-        per = (w, 0.0, 0.0) if frozen else (w, g, s)
+        per = self._per_param(zf, frozen)
         return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
 
     def zero_factor(self, p: tuple[Placement, ...]) -> int:
         """How many ways ZeRO shards a parameter placed ``p`` (its ZeRO axes on which it is replicated)."""
         return math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
 
-    def _per_param(self, zf: int) -> tuple[float, float, float]:
+    def _per_param(self, zf: int, frozen: bool = False) -> tuple[float, float, float]:
         """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
-        (the ZeRO-1/2 optimizer steps such a parameter itself)."""
+        (the ZeRO-1/2 optimizer steps such a parameter itself); a ``frozen`` one's weights only."""
         w, g, s = self.setup.bytes_per_param
+        if frozen:
+            return w, 0.0, 0.0
         return w, g, s - (4.0 if self.setup.zero in (1, 2) and zf == 1 else 0.0)
 
     def _param_memory(self, t: TensorType, p: tuple[Placement, ...], frozen: bool) -> tuple[float, float]:
@@ -173,8 +174,7 @@ class CostModel:
         repl_all = replication(p, self.mesh.sizes)
         repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
         mem = red = 0.0
-        w, g, s = self._per_param(zf)
-        for stage, b in zip((3, 2, 1, 4), (w, 0.0 if frozen else g, 0.0 if frozen else s, self.setup.copy_bytes)):
+        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf, frozen), self.setup.copy_bytes)):
             sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
             piece = numel * b / (zf if sharded else 1)
             mem += piece
@@ -356,18 +356,25 @@ class CostModel:
                 vol, sec = vol + v, sec + x
         return vol, sec
 
+    def column_wgrad(self, op, pos: int, types: dict[str, TensorType], grad: set[str], split: list[bool]) -> float:
+        """Seconds of the weight gradient of ``op``, a matmul whose f on input ``pos`` the runtime fuses with it
+        (``solver.strategies.column_weight``), with its work divided over the axes where ``split`` is true;
+        0 for any other read or a weight without a gradient."""
+        w = column_weight(op, pos, types)
+        if w is None or w not in grad:
+            return 0.0
+        return self.compute_seconds(op.flops, split, op.bytes) / 3.0
+
     def _fused_wgrad(self, readers: list, f: str, types: dict[str, TensorType], grad: set[str]) -> float:
         """Seconds of the weight gradients computed while f's all-reduce is in flight: those of its readers when
         every one is a matmul the runtime fuses with it (``solver.strategies.column_weight``), else none."""
+        if any(column_weight(u, 0, types) is None or u.args[0].name != f for u in readers):
+            return 0.0
         total = 0.0
         for u in readers:
-            w = column_weight(u, 0, types)
-            if w is None or u.args[0].name != f:
-                return 0.0
-            if w in grad:
-                ins = [types[r.name].placements for r in u.input_refs()]
-                split = [any(not isinstance(p[a], Replicate) for p in ins) for a in range(len(self.mesh.axes))]
-                total += self.compute_seconds(u.flops, split, u.bytes) / 3.0
+            ins = [types[r.name].placements for r in u.input_refs()]
+            split = [any(not isinstance(p[a], Replicate) for p in ins) for a in range(len(self.mesh.axes))]
+            total += self.column_wgrad(u, 0, types, grad, split)
         return total
 
     def bucket_latency(self, axis: int, buckets: int) -> float:

@@ -33,7 +33,6 @@ from autopar.solver.saved import extra_bytes, saved_values
 from autopar.solver.strategies import (
     Strategy,
     chunk_counts,
-    column_weight,
     is_divergent,
     is_follower,
     op_strategies,
@@ -352,13 +351,8 @@ class GroupBuilder:
             setattr(g, name, [arr[i] for i in keep])
 
     def column_wgrad(self, op: Op, pos: int, split: list[bool]) -> float:
-        """Seconds of the weight gradient of ``op``, a matmul whose f on input ``pos`` the runtime fuses with it
-        (``solver.strategies.column_weight``), with its work divided over the axes where ``split`` is true;
-        0 for any other read or a weight without a gradient."""
-        w = column_weight(op, pos, self.types)
-        if w is None or w not in self.grad:
-            return 0.0
-        return self.cost.compute_seconds(op.flops, split, op.bytes) / 3.0
+        """``CostModel.column_wgrad`` of ``op``'s read of input ``pos`` in this program."""
+        return self.cost.column_wgrad(op, pos, self.types, self.grad, split)
 
     def objective(self, red: float, vol: float, sec: float, mem: float, flop_sec: float = 0.0) -> float:
         if self.opts.objective == "memory":
