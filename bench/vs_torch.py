@@ -9,6 +9,8 @@ Pairs (autopar / peers), each run in fresh gloo processes (one thread per rank),
 A B A B ... for --repeats rounds (shared/BENCHMARKING.md); systems: bench/vs_torch_systems.py.
 
 - ``dp``: autopar.compile on dp=2 (the default plan: fastest within the memory) vs torch DDP; GPT-2;
+- ``table``: issue 13's first table, GPT-2 on 2 ranks: autopar dp beside one process's step (eager, the whole
+  batch on each rank), DDP and autopar's tp=2 plan;
 - ``zero3``: autopar with ZeRO-3 on dp=2 vs FSDP2 (``fully_shard`` per decoder layer, then the root); LLaMA;
 - ``tp``: autopar on tp=2 (its plan) vs DTensor TP (``parallelize_module``, Megatron's layout); LLaMA;
 - ``tp-megatron``: autopar with Megatron's layout fixed on tp=2, its f fused with the matmuls that read it (the
@@ -61,6 +63,7 @@ from vs_torch_systems import build_system, family_of, prepare_search  # noqa: E4
 
 PAIRS = {
     "dp": ("autopar-dp", ("ddp", "ddp-fused")),  # torch's default AdamW, and the fused kernel autopar picks
+    "table": ("autopar-dp", ("eager", "ddp", "autopar-tp-gpt2")),  # issue 13's first table: GPT-2 on 2 ranks
     "zero3": ("autopar-zero3", ("fsdp2",)),
     "tp": ("autopar-tp", ("dtensor-tp",)),
     "tp-megatron": ("autopar-megatron", ("autopar-megatron-unfused", "dtensor-tp")),  # the same layout on both
@@ -207,7 +210,9 @@ def run_pp(a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp, tp-megatron, search, pp")
+    p.add_argument(
+        "--pairs", default="dp,zero3,tp", help="comma-separated: dp, zero3, tp, tp-megatron, search, pp, table"
+    )
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--search-ranks", type=int, default=4, help="ranks of the search pair")
     p.add_argument("--pp-ranks", type=int, default=4, help="ranks of the emulated pipeline runs")

@@ -10,6 +10,8 @@ Every system is built from the same model spec and seed on every rank and return
 - ``autopar-search``: ``autopar.compile`` (default objective) on the mesh, ZeRO stage and pipeline that
   ``autopar.search`` chose for these ranks on this machine's cluster spec (``prepare_search``, once in the
   parent);
+- ``eager``: the model itself on the whole batch, on every rank (one process's step, issue 13's first column);
+  ``autopar-tp-gpt2``: autopar's tp plan of the dp pair's GPT-2 (the issue's last column);
 - ``ddp``: ``DistributedDataParallel`` with torch's default AdamW (``ddp-fused``: its fused kernel, the one
   autopar's ``make_optimizer`` picks); ``fsdp2``: ``fully_shard`` per decoder layer, then the root;
   ``dtensor-tp``: ``parallelize_module`` with Megatron's layout (q/k/v/gate/up column-wise, o/down
@@ -26,7 +28,8 @@ import re
 import torch
 import torch.distributed as dist
 
-GPT2_SYSTEMS = {"autopar-dp", "ddp", "ddp-fused", "autopar-pp"}  # the dp pair's model is GPT-2 (issue 13's table)
+# the dp pair's model is GPT-2 (issue 13's table)
+GPT2_SYSTEMS = {"autopar-dp", "ddp", "ddp-fused", "eager", "autopar-tp-gpt2", "autopar-pp"}
 MEGATRON_SYSTEMS = ("autopar-megatron", "autopar-megatron-unfused")
 
 
@@ -106,7 +109,7 @@ def build_system(system: str, family: str, a, rank: int):
             axes = {"tp": world}
             kwargs["options"] = _megatron_options(model, batch, axes)
         else:
-            axes = {"autopar-tp": {"tp": world}}.get(system, {"dp": world})
+            axes = {"tp": world} if system.startswith("autopar-tp") else {"dp": world}
         if system == "autopar-zero3":
             kwargs["options"] = ShardOptions(setup=TrainingSetup(zero=3))
         with _unfused() if system == "autopar-megatron-unfused" else contextlib.nullcontext():
@@ -114,6 +117,8 @@ def build_system(system: str, family: str, a, rank: int):
         if cm.schedule.num_stages > 1:  # the caller steps it after train_step (an attached one zeroes the grads)
             return cm, torch.optim.AdamW(cm.parameters(), lr=1e-4), batch
         return cm, cm.make_optimizer(torch.optim.AdamW, lr=1e-4), batch  # ZeRO-1/2 slices where planned
+    if system == "eager":  # one process's step, on each rank: the whole batch, no communication
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-4), batch
     local = {k: v.chunk(world)[rank] for k, v in batch.items()}
     if system in ("ddp", "ddp-fused"):  # ddp-fused: the optimizer kernel autopar's make_optimizer picks
         from torch.nn.parallel import DistributedDataParallel
