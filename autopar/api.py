@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
-from autopar.check import check_before_training
+from autopar.check.step import check_before_training
 from autopar.errors import BatchError, CheckError, MeshError, PlanError, PrecisionError, SubPipelineError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
@@ -35,15 +35,15 @@ from autopar.passes.shard import ShardOptions, planning_options
 from autopar.passes.split_cache import cache_dir
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
-from autopar.runtime import collectives as coll
-from autopar.runtime.batch import LossWeight, sub_microbatch, token_count
-from autopar.runtime.comm import Comm
+from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
+from autopar.runtime.build.rng import rng_for
+from autopar.runtime.call.batch import LossWeight, sub_microbatch, token_count
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.teardown import shutdown_at_exit
 from autopar.runtime.module import ParallelModule, RuntimeOptions
-from autopar.runtime.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
-from autopar.runtime.rng import rng_for
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.teardown import shutdown_at_exit
-from autopar.solver.cluster import ClusterSpec, local_cluster
+from autopar.schedule.generators import make_schedule
+from autopar.solver.cluster.spec import ClusterSpec, local_cluster
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
@@ -64,7 +64,7 @@ def check_restartable() -> None:
 def init_mesh(device_type: str | None = None, **axes: int):
     """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size (and, under
     torchrun restarts, against a store its restarts cannot use: ``check_restartable``). Its process groups
-    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.teardown``)."""
+    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.comm.teardown``)."""
     check_restartable()
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
@@ -78,7 +78,7 @@ def init_mesh(device_type: str | None = None, **axes: int):
             f"{size} processes (torchrun --nproc-per-node {size}) or change the axis sizes"
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
-    shutdown_at_exit()  # the groups destroyed and freed before the interpreter finalizes (runtime/teardown.py)
+    shutdown_at_exit()  # the groups destroyed and freed before the interpreter finalizes (runtime/comm/teardown.py)
     return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
 
 
@@ -153,7 +153,7 @@ def compile(  # noqa: A001
     every rank runs the same program. With ``plan=`` (a file from ``autopar plan -o``) nothing is
     solved: the plan is checked against this model's graph and this mesh and used as it is. The
     model's weights are sliced into this rank's shards; the module keeps no whole copy. A model
-    built on the meta device is initialized shard by shard from ``seed`` (``autopar.runtime.init``).
+    built on the meta device is initialized shard by shard from ``seed`` (``autopar.runtime.build.init_weights``).
 
     The result is a ``ParallelModule`` on every mesh (``autopar.runtime.module``); a mesh without a
     ``pp`` axis is a one-stage pipeline. The inputs are the global batch, cut into ``microbatches``
@@ -173,7 +173,7 @@ def compile(  # noqa: A001
     always the global batch. ``loss_weight``: how the pieces' (microbatches') losses make the step's.
     ``"auto"`` (the default): where the loss is a mean over items of the data that the pieces hold
     unequally (a cross-entropy over the targets that are not ``ignore_index``: ``sum / count`` in the
-    program), each piece weighs its count, read from the program (``runtime/loss_weight.py``), so the
+    program), each piece weighs its count, read from the program (``runtime/call/loss_weight.py``), so the
     step's loss and gradient are the whole batch's mean, as on one device; any other loss, equal
     pieces. ``"tokens"`` (the targets of ``labels`` other than -100) or a function of a piece's inputs
     by name giving its weight (``autopar.data.token_count``) say it explicitly; ``None``: the mean of
@@ -183,14 +183,14 @@ def compile(  # noqa: A001
     ``param_dtype``, ``reduce_dtype`` (fp32 by default), ``output_dtype``): the model is captured and computes
     in ``param_dtype`` while this rank's parameters stay fp32 master weights (the optimizer, ZeRO and
     checkpoints see fp32); fp16 scales the loss dynamically and skips steps whose gradients overflow on any
-    rank (``runtime/precision.py``). Default: the precision of ``plan=``'s or ``options``' training setup.
+    rank (``runtime/build/precision.py``). Default: the precision of ``plan=``'s or ``options``' training setup.
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
     verdict broadcast; on a pipeline, one microbatch through the stages) and raises ``CheckError`` naming
-    the first op whose output or gradient differs. A model above ``autopar.check.CHECK_MAX_PARAMS``
+    the first op whose output or gradient differs. A model above ``autopar.check.step.CHECK_MAX_PARAMS``
     parameters (or on the meta device) is checked on a copy rebuilt small from its config that carries
-    the plan's ops and placements (``autopar/check_scale.py``), so the check stays cheap at any size.
+    the plan's ops and placements (``autopar/check/scale.py``), so the check stays cheap at any size.
     """
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(

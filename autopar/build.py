@@ -1,5 +1,5 @@
 """The planned programs of a captured model on a mesh, and one rank's ``ParallelModule`` of them: what
-``autopar.compile`` does after capture, shared with the rank simulator's training (``autopar/simtrain.py``).
+``autopar.compile`` does after capture, shared with the rank simulator's training (``autopar/check/simtrain.py``).
 """
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ from autopar.ir.core import MeshSpec, Program
 from autopar.passes.capture import Captured
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.actions import Kind, Schedule, split_backwards, stage_stash_points
-from autopar.runtime.comm import Comm
+from autopar.runtime.build.params import state_keys, value_source
+from autopar.runtime.build.rng import DropoutRng
+from autopar.runtime.comm.context import Comm
 from autopar.runtime.module import ParallelModule, RuntimeOptions
-from autopar.runtime.params import state_keys, value_source
-from autopar.runtime.rng import DropoutRng
-from autopar.solver.pipeline_shape import placement_shape
+from autopar.schedule.actions import Kind, Schedule, split_backwards, stage_stash_points
+from autopar.schedule.placement import placement_shape
 
 
 def stash_points_of(schedule: Schedule) -> tuple | None:

@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Sampler
 
 from autopar.errors import BatchError
-from autopar.runtime.batch import DataLayout, take_rows, token_count
+from autopar.runtime.call.batch import DataLayout, take_rows, token_count
 from autopar.runtime.module import ParallelModule
 
 

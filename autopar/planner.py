@@ -10,18 +10,18 @@ from autopar.build import pricing_options, stash_points_of
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
-from autopar.runtime.batch import split_batch
-from autopar.runtime.precision import for_capture
-from autopar.runtime.schedules import make_schedule
-from autopar.solver.baselines import BASELINES, Unavailable, run_baselines
-from autopar.solver.buckets import grad_buckets
-from autopar.solver.cost import CostModel, TrainingSetup
-from autopar.solver.pipeline_shape import ZERO_BUBBLE, placement_shape
+from autopar.runtime.build.precision import for_capture
+from autopar.runtime.call.batch import split_batch
+from autopar.schedule.generators import make_schedule, splits_backward
+from autopar.schedule.placement import placement_shape
+from autopar.solver.sharding.baselines import BASELINES, Unavailable, run_baselines
+from autopar.solver.sharding.buckets import grad_buckets
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
 
 
 @dataclass
@@ -84,7 +84,7 @@ def plan_captured(
     pp = dict(mesh.axes).get(PIPELINE_AXIS)
     po = pipeline or PipelinePlanOptions()
     chunks, waves, points = po.chunks, po.waves, None
-    if pp and po.schedule in ZERO_BUBBLE:  # its stages where it places them, its memory its own stash points
+    if pp and po.schedule and splits_backward(po.schedule):  # its stages where it places them, its own stash points
         sched = make_schedule(po.schedule, pp, po.microbatches or 1)
         chunks, waves = placement_shape(sched.stage_to_rank, pp)
         points = stash_points_of(sched)
@@ -148,7 +148,7 @@ def shard_stats(result: ShardResult, opts: ShardOptions, ops: int) -> dict:
         "solve_seconds": sol.seconds,
         "ilp_variables": sol.variables,
         "ilp_constraints": sol.constraints,
-        "ilp_eliminated": sol.eliminated,  # decisions solved exactly before the ILP (solver/eliminate.py)
+        "ilp_eliminated": sol.eliminated,  # decisions solved exactly before the ILP (solver/sharding/eliminate.py)
         "ilp_groups": len(result.groups),
         "layers_solved_once": sol.layers,
         "memory_per_device_bytes": result.memory_bytes,
@@ -161,7 +161,7 @@ def shard_stats(result: ShardResult, opts: ShardOptions, ops: int) -> dict:
 
 
 def bucket_stats(program, opts: ShardOptions) -> dict:
-    """The plan's gradient buckets (``solver/buckets.py``): per axis, each bucket's parameter count and
+    """The plan's gradient buckets (``solver/sharding/buckets.py``): per axis, each bucket's parameter count and
     bytes per rank, and the latency seconds they add to the step (one per bucket)."""
     buckets = grad_buckets(program, opts.setup.bucket_bytes)
     cost = CostModel(program.mesh, opts.setup, opts.cluster)

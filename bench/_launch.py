@@ -11,7 +11,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.teardown import shutdown_at_exit
+from autopar.runtime.comm.teardown import shutdown_at_exit
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +35,7 @@ def free_port() -> int:
 def init_worker(rank: int, world: int, port: int, timeout: float) -> None:
     """Join the gloo group on ``port`` with one compute thread; print every stack and exit after
     ``timeout`` seconds, so a hung peer cannot hold the machine (shared/BENCHMARKING.md). At exit every
-    process group is destroyed and freed before the interpreter finalizes (``autopar.runtime.teardown``)."""
+    process group is destroyed and freed before the interpreter finalizes (``autopar.runtime.comm.teardown``)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(timeout, exit=True)

@@ -18,7 +18,7 @@ import time
 from megatron_table1 import TABLE1, predict, row_summary
 
 from autopar.search import Scorer, SearchSpace, profile_model, search
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 GiB = 2**30
 

@@ -21,7 +21,7 @@ import time
 def measure(model: str) -> dict:
     import torch
 
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
 

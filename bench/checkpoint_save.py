@@ -32,8 +32,8 @@ def main() -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     import autopar
-    from autopar.models import build
-    from autopar.runtime import checkpoint
+    from autopar.models.resolve import build
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     spec = build(f"gpt2:n_layer={args.layers},n_embd={args.hidden},n_head=4,batch=2,seq=64", device="cpu", seed=0)
     pipe = autopar.compile(spec.model, autopar.init_mesh("cpu", dp=1), kwargs=spec.kwargs)

@@ -5,11 +5,11 @@ Run from the repository root::
 
     .venv/bin/python bench/families_table.py > /tmp/families.md
 
-Each family (``autopar/small_families.py``: T5 and the decoders by default, ``--families all`` for every
+Each family (``autopar/models/small_families.py``: T5 and the decoders by default, ``--families all`` for every
 one) is trained in float64 for ``--steps`` steps of AdamW and of SGD with momentum (``tests/exactness.py``'s
-settings) on every simulated rank (``autopar/simtrain.py``: the ``ParallelModule`` each real rank builds,
+settings) on every simulated rank (``autopar/check/simtrain.py``: the ``ParallelModule`` each real rank builds,
 its collectives and pipeline point-to-point computed over the simulated ranks) and in one process, every
-float in float64 on both sides (``autopar/float64.py``: Hugging Face computes RMS norms and rotary tables in
+float in float64 on both sides (``autopar/check/float64.py``: Hugging Face computes RMS norms and rotary tables in
 float32 whatever the model's dtype, whose rounding a sharded reduction changes by ~1e-9). Each
 cell is the largest relative difference over both optimizers and both objectives (the fastest plan priced
 on a slow-compute cluster, so ops split; least memory) of the per-step losses, and of every state-dict
@@ -25,12 +25,12 @@ import copy
 
 import torch
 
-from autopar.float64 import Float64Mode
+from autopar.check.float64 import Float64Mode
+from autopar.check.simtrain import SimCompiled
 from autopar.ir.core import MeshSpec
+from autopar.models.small_families import FAMILIES
 from autopar.passes.shard import ShardOptions
-from autopar.simtrain import SimCompiled
-from autopar.small_families import FAMILIES
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 DECODERS = ["t5", "gpt2", "opt", "llama", "bloom", "falcon", "mistral", "mixtral"]
 MESHES = {"dp=2 x tp=2": MeshSpec((("dp", 2), ("tp", 2))), "pp=2 x tp=2": MeshSpec((("pp", 2), ("tp", 2)))}

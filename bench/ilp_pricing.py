@@ -22,15 +22,15 @@ import argparse
 import time
 
 from autopar.api import DEFAULT_PIPELINE, parse_mesh
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions
-from autopar.solver.baselines import megatron_options
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import CostModel
-from autopar.solver.sharding import solve_sharding
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.baselines import megatron_options
+from autopar.solver.sharding.cost import CostModel
+from autopar.solver.sharding.solve import solve_sharding
 
 MODELS = {
     # issue 13's Llama (bench/vs_torch.py's sizes)

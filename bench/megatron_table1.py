@@ -26,7 +26,7 @@ from autopar.search.evaluation import Evaluation
 from autopar.search.price import Analytic
 from autopar.search.score import Scorer
 from autopar.search.space import Candidate, divisors
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 A100_PEAK = 312e12  # the paper's 16-bit peak, the dgx-a100 preset's bf16 figure
 

@@ -35,11 +35,11 @@ from vs_torch_systems import LossOnly  # noqa: E402
 
 def run_one(rank: int, world: int, port: int, precision: str, a, out: str) -> None:
     import autopar
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime.memory import SavedTensors, tensor_bytes
-    from autopar.runtime.zero import ZeroOptimizer
-    from autopar.solver.cost import CostModel, TrainingSetup
+    from autopar.runtime.grads.zero import ZeroOptimizer
+    from autopar.runtime.measure.memory import SavedTensors, tensor_bytes
+    from autopar.solver.sharding.cost import CostModel, TrainingSetup
 
     init_worker(rank, world, port, a.timeout)
     torch.manual_seed(0)

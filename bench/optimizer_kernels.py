@@ -3,7 +3,7 @@
     .venv/bin/python bench/optimizer_kernels.py                       # GPT-2 (4 layers, hidden 256, vocab 4096)
     .venv/bin/python bench/optimizer_kernels.py --family llama --repeats 50
 
-``make_optimizer`` takes torch's fused kernel unless told otherwise (``runtime/optim.py:fused_by_default``);
+``make_optimizer`` takes torch's fused kernel unless told otherwise (``runtime/grads/optimizer.py:fused_by_default``);
 this is the measurement behind that default. Each optimizer class steps the model's parameters (float32,
 random gradients) with each implementation it has, the implementations alternating step by step after 5
 warm-up steps; the table gives the median step in ms and each implementation's time over the for-loop's.
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     add_model_args(p)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
-    from autopar.models import build  # deferred: the model zoo imports transformers
+    from autopar.models.resolve import build  # deferred: the model zoo imports transformers
 
     model = build(model_spec(a.family, a), device="cpu", seed=0).model
     shapes = [q.shape for q in model.parameters()]

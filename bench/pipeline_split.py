@@ -33,7 +33,7 @@ MERAK_GPT2_STAGES = [27, 26, 24, 21]  # Merak Sec. 4.2: GPT-2 (98 subgraphs) ove
 def once(model: str, cache_dir: str) -> dict:
     os.environ["AUTOPAR_CACHE_DIR"] = cache_dir
     t0 = time.perf_counter()
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
     from autopar.passes.pipeline_split import split_program
@@ -104,11 +104,11 @@ def timing(model: str, repeats: int) -> None:
 def balance() -> None:
     from autopar.errors import StageMemoryError
     from autopar.ir.core import MeshSpec
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.assign_stages import assign_stages
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.solver.pipeline_shape import schedule_of
+    from autopar.schedule.placement import schedule_of
 
     cases = [("gpt2-xl", None), ("llama-70b:batch=1", MeshSpec((("tp", 8),)))]
     print(

@@ -6,7 +6,7 @@ Two measurements, in one invocation each, alternating autopar (A) and torch (B) 
 - ``--mode emulated``: the device is emulated. Every stage's forward sleeps ``t_f`` and its backward
   ``t_b = 2 t_f`` (a ``torch.autograd.Function`` around ``time.sleep``), on a real boundary tensor
   (``--mb x --seq x --hidden`` floats) that the point-to-point transfers really carry. autopar's side is
-  ``autopar.runtime.executor.Executor`` running the schedule's action lists; torch's side is hand-built
+  ``autopar.runtime.execute.executor.Executor`` running the schedule's action lists; torch's side is hand-built
   ``PipelineStage``s under ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B``. Costs
   follow Hanayo's convention: ``--tf`` is a rank's share per microbatch, split over its stages.
 - ``--mode real``: real compute. A stack of MLP blocks (embedding, ``--layers`` pre-norm MLP blocks,
@@ -94,10 +94,10 @@ def _mean_loss(y, target=None):
 def _autopar_emulated(sched, rank: int, shape, tf_stage: float, module=None):
     """autopar's Executor over this rank's emulated stages: ``module(k)`` is a stage module doing ``k``
     of a stage's work (default ``SleepStage(k t_f, 2 k t_f)``; recomputation's head and rest split it)."""
-    from autopar.runtime.actions import Kind
-    from autopar.runtime.comm import Comm
-    from autopar.runtime.executor import Executor
-    from autopar.runtime.stage_runner import Buffer, Part, StageRunner
+    from autopar.runtime.comm.context import Comm
+    from autopar.runtime.execute.executor import Executor
+    from autopar.runtime.execute.stage_runner import Buffer, Part, StageRunner
+    from autopar.schedule.actions import Kind
 
     S = sched.num_stages
     module = module or (lambda k: SleepStage(k * tf_stage, 2 * k * tf_stage))
@@ -191,7 +191,7 @@ def _one_way_seconds(shape, reps: int = 20) -> float:
 
 def _gathered(sched, ex):
     """Every rank's trace of the executor's last step, on one clock, as a SimResult. Collective."""
-    from autopar.runtime.trace import gathered_result
+    from autopar.runtime.measure.trace import gathered_result
 
     return gathered_result(sched, ex.trace, ex.trace_origin)
 
@@ -205,7 +205,7 @@ def _timed(fn) -> float:
 
 
 def emulated(rank: int, world: int, args) -> dict:
-    from autopar.runtime.schedules import make_schedule
+    from autopar.schedule.generators import make_schedule
 
     P, M = world, args.microbatches
     shape = (args.mb, args.seq, args.hidden)
@@ -241,8 +241,8 @@ def emulated(rank: int, world: int, args) -> dict:
             if ts is not None:
                 times[name]["torch"].append(_timed(tstep))
     if rank == 0:
-        from autopar.runtime.action_costs import Costs
-        from autopar.runtime.simulator import simulate
+        from autopar.schedule.action_costs import Costs
+        from autopar.schedule.simulator import simulate
 
         for name, opts, sched, *_ in runs:
             costs = Costs.from_rank_share(sched, tf=args.tf, tb=2 * args.tf, tr=args.tf)
@@ -316,7 +316,7 @@ def real(rank: int, world: int, args) -> dict:
     import copy
 
     import autopar
-    from autopar.runtime.schedules import make_schedule
+    from autopar.schedule.generators import make_schedule
 
     P, M = world, args.microbatches
     torch.manual_seed(0)
@@ -373,7 +373,7 @@ def real(rank: int, world: int, args) -> dict:
     out = {}
     last_steps = [pipe.measured() for _n, _o, pipe, *_ in runs]  # collective: every rank
     if rank == 0:
-        from autopar.runtime.simulator import simulate
+        from autopar.schedule.simulator import simulate
 
         for (name, opts, pipe, *_), m in zip(runs, last_steps):
             # the simulator with the per-stage compute times measured in autopar's last step
@@ -391,8 +391,8 @@ def _measured_costs(sched, m, tc: float = 0.0):
     Costs (a split B's time is the input-gradient part; the whole backward is it plus the W's), and the
     mean time a rank spent issuing one send (a batch of sends and receives: from the end of the rank's
     previous action to the end of the post, over the batch's sends)."""
-    from autopar.runtime.action_costs import Costs
-    from autopar.runtime.actions import RECV_KINDS, SEND_KINDS, Kind, split_backwards
+    from autopar.schedule.action_costs import Costs
+    from autopar.schedule.actions import RECV_KINDS, SEND_KINDS, Kind, split_backwards
 
     acc: dict[tuple[str, int], list[float]] = {}
     posts: dict[tuple[int, float], list[float]] = {}  # (rank, post start) -> the batch's send times
@@ -428,7 +428,7 @@ def _measured_costs(sched, m, tc: float = 0.0):
 def _action_gap(sched, m) -> float:
     """The executor's own mean time before a compute action that waited for no data (``Costs.t_action``):
     from the end of the rank's previous action (a send's post included) to the compute's start."""
-    from autopar.runtime.actions import COMPUTE_KINDS, RECV_KINDS, Kind
+    from autopar.schedule.actions import COMPUTE_KINDS, RECV_KINDS, Kind
 
     s2r, gaps = sched.stage_to_rank, []
     for r, events in enumerate(m.timeline):
@@ -456,7 +456,7 @@ def _in_step_hop(sched, m) -> float:
     sat waiting when the send was posted: from the post to the end of the receive's wait (gloo's
     transfer plus waking the blocked rank). The idle ping-pong of ``_one_way_seconds`` measures the
     transfer alone. Needs the traces on one clock (``_gathered``)."""
-    from autopar.runtime.actions import RECV_KINDS, Action, Kind
+    from autopar.schedule.actions import RECV_KINDS, Action, Kind
 
     at = {e.action: e for events in m.timeline for e in events}
     hops = []

@@ -19,10 +19,10 @@ from __future__ import annotations
 import argparse
 from fractions import Fraction
 
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.formulas import paper_bubble
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.formulas import paper_bubble
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
 
 ROWS: list[tuple[str, str, dict[str, int | Fraction]]] = [
     ("gpipe", "gpipe", {}),

@@ -19,12 +19,12 @@ import time
 
 def measure(model: str, mesh: str) -> dict:
     from autopar.api import parse_mesh
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions, shard
-    from autopar.solver.cluster import ClusterSpec
-    from autopar.solver.sharding import build_problem
+    from autopar.solver.cluster.spec import ClusterSpec
+    from autopar.solver.sharding.solve import build_problem
 
     spec = build(model, device="meta")
     t0 = time.perf_counter()

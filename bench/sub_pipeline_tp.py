@@ -20,7 +20,7 @@ sub-microbatch's compute did not cover, so this shows whether the communication 
 once), ``T_m`` (given, or for ``real`` estimated as the non-sub-pipelined mean F per layer minus
 ``T_a``), and Merak's closed form per microbatch and stage, ``(3T_m + 2T_a)K`` against
 ``3/4 T_m + 1/2 T_a + (K - 1/4) max{3T_m, 2T_m + T_a, 2T_a}``
-(``autopar.runtime.formulas.sub_pipelined_tp``).
+(``autopar.schedule.formulas.sub_pipelined_tp``).
 
     .venv/bin/python bench/sub_pipeline_tp.py                       # both modes, pp=2 x tp=2
     .venv/bin/python bench/sub_pipeline_tp.py --mode emulated --hidden 512 --tm 0.04
@@ -72,7 +72,7 @@ def emulated_compute(x: torch.Tensor, w: torch.Tensor, per_sample: float) -> tor
 
 def _stage_module(layers: int, per_sample: float, last: bool) -> fx.GraphModule:
     """``layers`` layers of two Megatron blocks: x + g(compute(f(x))), the loss on the last stage."""
-    from autopar.runtime import collectives as coll
+    from autopar.runtime.comm import collectives as coll
 
     root = torch.nn.Module()
     g = fx.Graph()
@@ -89,10 +89,10 @@ def _stage_module(layers: int, per_sample: float, last: bool) -> fx.GraphModule:
 
 
 def _emulated_executors(args, mesh, tm: float) -> dict:
-    from autopar.runtime.comm import Comm
-    from autopar.runtime.executor import Executor
-    from autopar.runtime.schedules import make_schedule
-    from autopar.runtime.stage_runner import Buffer, Part, StageRunner
+    from autopar.runtime.comm.context import Comm
+    from autopar.runtime.execute.executor import Executor
+    from autopar.runtime.execute.stage_runner import Buffer, Part, StageRunner
+    from autopar.schedule.generators import make_schedule
 
     pp_rank, tp_rank = mesh.get_coordinate()
     sched = make_schedule(args.schedule, args.pp, args.microbatches)
@@ -135,11 +135,11 @@ def _model_spec(args, batch: int) -> str:
 def _real_pipes(args, mesh) -> dict:
     import autopar
     from autopar.ir.core import MeshSpec
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.runtime.batch import split_batch
-    from autopar.solver.baselines import megatron_options
+    from autopar.runtime.call.batch import split_batch
+    from autopar.solver.sharding.baselines import megatron_options
 
     spec = build(_model_spec(args, args.mb * args.microbatches), device="cpu", seed=0)
     g = torch.Generator().manual_seed(1)
@@ -188,7 +188,7 @@ def _max_over_ranks(v: float) -> float:
 
 def _per_microbatch(trace, kind: str) -> float:
     """Mean seconds of this rank's F (or F+B) actions per microbatch."""
-    from autopar.runtime.actions import Kind
+    from autopar.schedule.actions import Kind
 
     kinds = {"F": (Kind.F,), "FB": (Kind.F, Kind.B)}[kind]
     fs = [e for e in trace if e.action.kind is Kind.F]
@@ -201,7 +201,7 @@ _BLOCKED = [0.0]  # seconds this rank spent blocked waiting for a tp collective 
 def _count_blocked() -> None:
     """Time every wait for a tp collective: all of a synchronous collective's time, only what is left
     of an asynchronous one when its sub-microbatch resumes."""
-    from autopar.runtime.pending import Pending
+    from autopar.runtime.comm.pending import Pending
 
     wait = Pending.wait
 
@@ -217,7 +217,7 @@ def _count_blocked() -> None:
 
 def measure(rank: int, world: int, args, mode: str) -> dict:
     import autopar
-    from autopar.runtime.formulas import sub_pipelined_tp
+    from autopar.schedule.formulas import sub_pipelined_tp
 
     mesh = autopar.init_mesh("cpu", pp=args.pp, tp=args.tp)
     hidden, k = (args.real_hidden, args.real_layers) if mode == "real" else (args.hidden, args.layers)
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the results here")
     args = p.parse_args(argv)
     if args.mode in ("real", "both"):
-        from autopar.models import build
+        from autopar.models.resolve import build
 
         cfg = build(_model_spec(args, 1), device="meta").model.config
         args.real_layers = cfg.n_layer // args.pp

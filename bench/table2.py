@@ -25,13 +25,13 @@ import time
 
 from autopar.api import parse_mesh
 from autopar.errors import InfeasibleError
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
-from autopar.solver.baselines import run_baseline
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.sharding import smallest_budget
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.baselines import run_baseline
+from autopar.solver.sharding.solve import smallest_budget
 
 PAPER = {  # Table 2: (Megatron MB, ours MB, ours / Megatron)
     ("mmr-bert-large", 2): (216.06, 185.05, 0.86),

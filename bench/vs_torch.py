@@ -32,10 +32,10 @@ autopar faster) with their min-max (``--interleave``: each round builds the pair
 the same fresh processes and alternates their steps, A B B A ..., for a machine whose load changes between
 runs). Each model returns its loss only.
 
-Memory: on rank 0 of each run, live bytes by category after the warm-up step (``runtime/memory.py``):
+Memory: on rank 0 of each run, live bytes by category after the warm-up step (``runtime/measure/memory.py``):
 parameters, gradients, optimizer states (this rank's local tensors), activations (what autograd saved for
 backward, each storage once, by saved-tensor hooks: no allocator involved), and for autopar the cost
-model's prediction of the same categories (``predicted_categories``: activations from ``solver/saved.py``;
+model's prediction of the same categories (``predicted_categories``: activations from ``solver/sharding/saved.py``;
 on a pipeline all microbatches of the step). autopar's gradient buckets, kept from step to step (the
 gradients are their slices after the sync), are a column of their own beside their prediction (DDP keeps
 its buckets too, not counted here); other communication buffers are transient inside the collectives and
@@ -74,7 +74,7 @@ PP_SCHEDULES = ("1f1b", "interleaved")
 
 def _prepare(system: str, pair: str, a, rank: int):
     """Build ``system``, run its warm-up step measuring memory; (one timed-step function, memory, predicted)."""
-    from autopar.runtime.memory import (
+    from autopar.runtime.measure.memory import (
         SavedTensors,
         measured_categories,
         predicted_categories,

@@ -6,7 +6,7 @@ Every system is built from the same model spec and seed on every rank and return
   (ZeRO-3: ``TrainingSetup(zero=3)``); ``autopar-pp``: on a pp mesh, 1F1B over ``--microbatches``;
 - ``autopar-megatron``: ``autopar.compile`` on a tp mesh of all ranks with Megatron's layout fixed (the DTensor TP
   peer's), each f fused with its matmuls so that its gradient's all-reduce overlaps their weight gradients
-  (``runtime/column_linear.py``); ``autopar-megatron-unfused``: the same without the fusion;
+  (``runtime/comm/column_linear.py``); ``autopar-megatron-unfused``: the same without the fusion;
 - ``autopar-search``: ``autopar.compile`` (default objective) on the mesh, ZeRO stage and pipeline that
   ``autopar.search`` chose for these ranks on this machine's cluster spec (``prepare_search``, once in the
   parent);
@@ -88,9 +88,9 @@ def prepare_search(a, world: int, path: str) -> str:
 def build_system(system: str, family: str, a, rank: int):
     """(module to call with the batch or None for a pipeline, the ParallelModule or None, optimizer, batch)."""
     import autopar
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.shard import ShardOptions
-    from autopar.solver.cost import TrainingSetup
+    from autopar.solver.sharding.cost import TrainingSetup
 
     m = build(model_spec(family, a), device="cpu", seed=0)
     model, batch = LossOnly(m.model), m.kwargs
@@ -155,16 +155,16 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int])
     from autopar.ir.core import MeshSpec
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.solver.baselines import megatron_options
+    from autopar.solver.sharding.baselines import megatron_options
 
     return megatron_options(lower(capture(model, (), batch), MeshSpec(tuple(axes.items()))))
 
 
 @contextlib.contextmanager
 def _unfused():
-    """Compile without fusing Megatron's f with its matmuls (runtime/column_linear.py): f's all-reduce then
+    """Compile without fusing Megatron's f with its matmuls (runtime/comm/column_linear.py): f's all-reduce then
     overlaps nothing, as before the fusion (the A/B of the benchmark's tp-megatron pair)."""
-    from autopar.runtime import codegen
+    from autopar.runtime.build import codegen
 
     groups = codegen.column_groups
     codegen.column_groups = lambda *args: {}  # same signature, no groups

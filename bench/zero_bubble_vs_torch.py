@@ -4,7 +4,7 @@ The device is emulated as shared/BENCHMARKING.md asks: every stage's forward sle
 input-gradient half of its backward ``t_b`` and the weight-gradient half ``t_w``, on a real boundary
 tensor (``--mb x --seq x --hidden`` floats) that the point-to-point transfers carry. The two halves are
 separate autograd nodes (``ZBSleepStage``: the sleep of ``t_w`` sits on the weight's own branch), so
-autopar's B/W split (``runtime/split_backward.py``) and torch's ``stage_backward_input`` /
+autopar's B/W split (``runtime/execute/split_backward.py``) and torch's ``stage_backward_input`` /
 ``stage_backward_weight`` each run them where their schedule puts them, and a whole backward runs
 both. The first stage's input is data (no gradient), so its backward is all weight gradients, as a
 language model's embedding stage: both sides skip its B and the simulator is given ``t_b = 0`` there.
@@ -24,7 +24,7 @@ as often per rank) and the executor's own time before each compute action (``Cos
 with every cost as the step measured it (each stage's mean F, B and W, sleep overshoot included, and
 the in-step hop, send post to the waiting receiver's wake-up, as t_c). The last column divides each
 step's traced bubble by that last simulation of the same step: median and range over the steps.
-The traces are put on one clock first (``runtime.trace.on_one_clock``): ranks begin a step up to
+The traces are put on one clock first (``runtime.measure.trace.on_one_clock``): ranks begin a step up to
 milliseconds apart.
 
     .venv/bin/python bench/zero_bubble_vs_torch.py --ranks 4 --microbatches 8 --repeats 5
@@ -60,7 +60,7 @@ from pipeline_vs_torch import _table as one_table
 from pipeline_vs_torch import _torch_schedule as torch_schedule
 from torch import nn
 
-from autopar.runtime.simulator import simulate
+from autopar.schedule.simulator import simulate
 
 SCHEDULES = [("1f1b", {}), ("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
 TORCH_HAS = {"1f1b", "zb-h1", "zbv", "dualpipev"}
@@ -95,7 +95,7 @@ class ZBSleepStage(nn.Module):
 def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0, t_action: float = 0.0):
     """The emulated stages' costs for the simulator: a rank's share split over its stages; the first
     stage's backward is its weight gradients only."""
-    from autopar.runtime.action_costs import Costs
+    from autopar.schedule.action_costs import Costs
 
     S, k = sched.num_stages, sched.num_ranks / sched.num_stages
     tw = [args.tw * k] * S
@@ -104,7 +104,7 @@ def simulated_costs(sched, args, tc: float = 0.0, t_send: float = 0.0, t_action:
 
 
 def emulated(rank: int, world: int, args) -> dict:
-    from autopar.runtime.schedules import make_schedule
+    from autopar.schedule.generators import make_schedule
 
     P, M = world, args.microbatches
     shape = (args.mb, args.seq, args.hidden)

@@ -23,7 +23,7 @@ is 0: torchrun counts a restart on the node whose process died; the other nodes 
 
 The checkpoint directory must be visible to every node (a shared file system): each rank writes its
 own shards, and on resume reads those of the mesh it runs on now, whatever mesh saved them. The model
-is a MODEL string (``autopar.models``: a preset with overrides, or ``path/to/file.py:fn``), built with
+is a MODEL string (``autopar.models.resolve``: a preset with overrides, or ``path/to/file.py:fn``), built with
 real weights from ``--seed`` on every rank; on CPU every process uses gloo and one thread, with CUDA
 NCCL and one GPU per process.
 """
@@ -112,7 +112,7 @@ class Data:
 
 def build(args: argparse.Namespace) -> tuple[Any, Data]:
     """The model with real weights from the seed, and its data."""
-    from autopar.models import build as build_model
+    from autopar.models.resolve import build as build_model
 
     spec = build_model(args.model, device="cpu", seed=args.seed)
     vocab = getattr(getattr(spec.model, "config", None), "vocab_size", None) or 2
@@ -156,7 +156,7 @@ def _kill_after_first_forward(why: str) -> Callable[[], None]:
 def _prune(root: Path, keep: int) -> None:
     """Remove all but the ``keep`` newest committed checkpoints under ``root`` (rank 0)."""
     from autopar.errors import CheckpointError
-    from autopar.runtime.checkpoint_files import read_manifest
+    from autopar.runtime.checkpoint.files import read_manifest
 
     done = []
     for d in root.glob("step-*"):
@@ -173,9 +173,9 @@ def train(args: argparse.Namespace) -> None:
     import autopar
     from autopar.api import parse_mesh
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime import checkpoint
-    from autopar.runtime.safetensors_io import save_safetensors
-    from autopar.solver.cost import TrainingSetup
+    from autopar.runtime.checkpoint import save_load as checkpoint
+    from autopar.runtime.checkpoint.safetensors_io import save_safetensors
+    from autopar.solver.sharding.cost import TrainingSetup
 
     autopar.api.check_restartable()  # before the process group: init_mesh checks it too, later
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

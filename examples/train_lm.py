@@ -161,7 +161,7 @@ def run(args) -> dict:
     else:
         from autopar.api import parse_mesh
         from autopar.passes.shard import ShardOptions
-        from autopar.solver.cost import TrainingSetup
+        from autopar.solver.sharding.cost import TrainingSetup
 
         mesh = autopar.init_mesh(**dict(parse_mesh(args.mesh).axes))
         example = torch.utils.data.default_collate([train_set[i] for i in range(args.batch)])
@@ -244,14 +244,14 @@ def evaluate(model: nn.Module, batches, n: int) -> float:
 
 
 def _save(args, model, opt, sched, step: int) -> None:
-    from autopar.runtime import checkpoint
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     # the schedule's state and the step go in as JSON; checkpoint.latest() finds the newest committed save
     checkpoint.save(Path(args.ckpt_dir) / f"step{step:06d}", model, opt, lr_scheduler=sched, step=step, extra=step)
 
 
 def _resume(args, model, opt, sched) -> int:
-    from autopar.runtime import checkpoint
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     last = checkpoint.latest(args.ckpt_dir)
     if last is None:

@@ -20,12 +20,12 @@ import torch.distributed as dist
 
 import autopar
 from autopar.api import parse_mesh
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.shard import ShardOptions
-from autopar.runtime import checkpoint
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.simulator import simulate
-from autopar.solver.cost import TrainingSetup
+from autopar.runtime.checkpoint import save_load as checkpoint
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.simulator import simulate
+from autopar.solver.sharding.cost import TrainingSetup
 
 
 def main() -> None:
@@ -77,7 +77,7 @@ def main() -> None:
     measured = pipe.measured()
     simulated = simulate(pipe.schedule, Costs.uniform(pipe.schedule.num_stages))
     if dist.get_rank() == 0:
-        from autopar.runtime.chart import save_gantt
+        from autopar.schedule.chart import save_gantt
 
         os.makedirs(args.out, exist_ok=True)
         save_gantt(measured, os.path.join(args.out, "measured.png"))

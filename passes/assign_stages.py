@@ -4,7 +4,7 @@
 
 The split is ``passes/pipeline_split.py`` (cached by the program's fingerprint), the balance
 ``solver/stages.balance_stages`` (min-max stage time within the memory budget, in-flight microbatches
-of ``solver/pipeline_shape.py``). The program comes back with ``subgraph=k`` and ``stage=s`` on every op
+of ``schedule/placement.py``). The program comes back with ``subgraph=k`` and ``stage=s`` on every op
 (graph inputs: those of their first use) and ``pipeline_stages`` in its attrs.
 """
 
@@ -17,12 +17,12 @@ from autopar.errors import NoLegalCutError, PipelineError
 from autopar.ir.core import Program
 from autopar.passes.pipeline_split import blockers, common_nodes, split_options, split_program
 from autopar.passes.subgraphs import Split, SplitOptions, annotate
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import EFFICIENCY
-from autopar.solver.pipeline_shape import check_shape, num_stages
-from autopar.solver.stage_cost import CommFn, megatron_tp_comm_seconds
-from autopar.solver.stage_plan import StagePlan
-from autopar.solver.stages import StashPoints, balance_stages, pipeline_shape_text
+from autopar.schedule.placement import check_shape, num_stages
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import EFFICIENCY
+from autopar.solver.stages.balance import StashPoints, balance_stages, pipeline_shape_text
+from autopar.solver.stages.cost import CommFn, megatron_tp_comm_seconds
+from autopar.solver.stages.plan import StagePlan
 
 
 def assign_stages(

@@ -33,7 +33,7 @@ from autopar.ir.core import (
 )
 from autopar.ir.layout import redistribute_steps
 from autopar.passes.shard import required_inputs
-from autopar.solver.strategies import Strategy, partial_axes
+from autopar.solver.sharding.strategies import Strategy, partial_axes
 
 _KW = {
     "all_reduce": lambda a, b: {"op": a.op},

@@ -5,7 +5,7 @@ its number among the program's dropouts in program order (the same on every mesh
 in every pipeline stage that holds it), ``d`` the dim of its value along which a pipeline's
 microbatches lie (``-1``: the value holds no batch rows, e.g. a dropout of a parameter; ``None``: not
 found, which only matters when the program runs as several microbatches). Codegen turns each keyed
-dropout into ``autopar.runtime.rng.keyed_dropout``.
+dropout into ``autopar.runtime.build.rng.keyed_dropout``.
 
 The batch dim is found with the sharding rules (``solver/rules_*.py``): a pipeline cuts dim 0 of
 every user input into microbatches, which is the placement ``S(0)`` of each input on a virtual mesh
@@ -21,8 +21,8 @@ import math
 from dataclasses import replace
 
 from autopar.ir.core import Op, Partial, Program, R, Shard, TensorType
-from autopar.solver.one_axis import Ctx
-from autopar.solver.strategies import RULES
+from autopar.solver.sharding.one_axis import Ctx
+from autopar.solver.sharding.strategies import RULES
 
 _VIRTUAL = 2  # microbatches on the virtual axis: any count works, the shapes only need to divide
 

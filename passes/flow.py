@@ -36,8 +36,9 @@ from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.passes.split_cache import cache_dir, code_fingerprint, write_atomic
-from autopar.solver.pipeline_shape import SCHEDULES, num_stages
-from autopar.solver.stage_plan import StagePlan
+from autopar.schedule.generators import SCHEDULES
+from autopar.schedule.placement import num_stages
+from autopar.solver.stages.plan import StagePlan
 
 FLOW: tuple[str, ...] = (
     "capture",

@@ -28,7 +28,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.dropout import key_dropouts
 from autopar.passes.functionalize import functionalize
 
-# Random ops autopar draws itself (passes/dropout.py, runtime/rng.py); any other random op is refused.
+# Random ops autopar draws itself (passes/dropout.py, runtime/build/rng.py); any other random op is refused.
 _KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}
 # Ops that only check metadata at trace time; on the meta device they mean nothing.
 _DROPPED = {"aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range_for_size"}
@@ -266,7 +266,7 @@ def _attention_dropout(args: tuple, kwargs: dict) -> bool:
 def _lower_attention_with_dropout(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> Ref:
     """``scaled_dot_product_attention`` with ``dropout_p > 0`` as PyTorch's math attention: scores,
     mask, softmax, dropout, weighted sum. A fused kernel draws its dropout mask inside, from torch's
-    stream generator; as ops the dropout is keyed like any other (runtime/rng.py), so every mesh and
+    stream generator; as ops the dropout is keyed like any other (runtime/build/rng.py), so every mesh and
     microbatch count draws the mask one device draws."""
     q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
     if gqa:

@@ -1,12 +1,12 @@
-"""The `shard` pass: solve the program's sharding strategy (solver/sharding.py), write the chosen placements.
+"""The `shard` pass: solve the program's sharding strategy (solver/sharding/solve.py), write the chosen placements.
 
 Every value's type and every op's result types get the chosen placements, and each op the attribute
 ``in`` with the placements its inputs must have ("*" where any will do); `insert-collectives` turns
 every mismatch into collectives and drops the attribute. What the solver decides, and how, is in
-solver/groups.py (decisions and their prices) and solver/sharding.py (the problem and its solution).
+solver/sharding/groups.py (decisions and their prices) and solver/sharding/solve.py (the problem and its solution).
 
-Three options are the pass's own (solver/options.py): ``data_parallel`` becomes constraints on the program it
-solves (solver/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), so does a local
+Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints on the program it
+solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), so does a local
 ``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
 ``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
 ``how`` names the attempt that solved it.
@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, fields, replace
 from autopar.errors import InfeasibleError
 from autopar.ir.axes import data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
-from autopar.solver.baselines import data_parallel_constraints, local_batch_constraints
-from autopar.solver.options import OBJECTIVES, ShardOptions, planning_options
-from autopar.solver.sharding import Sharding, solve_sharding
+from autopar.solver.sharding.baselines import data_parallel_constraints, local_batch_constraints
+from autopar.solver.sharding.options import OBJECTIVES, ShardOptions, planning_options
+from autopar.solver.sharding.solve import Sharding, solve_sharding
 
 AS_ASKED = "as asked"
 

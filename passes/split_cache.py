@@ -24,17 +24,18 @@ _MEMORY: dict[str, Split] = {}
 
 @functools.cache
 def code_fingerprint() -> str:
-    """sha256 of the source of the packages a plan comes from (the IR, the passes, the solver): a
+    """sha256 of the source of the packages a plan comes from (the IR, the schedules, the passes, the solver): a
     cached plan or split is reused only by the code that made it, so a new autopar (or an edited
     cost model) never runs a stale plan."""
     import autopar.ir
     import autopar.passes
+    import autopar.schedule
     import autopar.solver
 
     h = hashlib.sha256()
-    for pkg in (autopar.ir, autopar.passes, autopar.solver):
+    for pkg in (autopar.ir, autopar.schedule, autopar.passes, autopar.solver):
         for path in sorted(Path(pkg.__file__).parent.rglob("*.py")):
-            h.update(path.name.encode())
+            h.update(path.relative_to(Path(pkg.__file__).parent).as_posix().encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
 

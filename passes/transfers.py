@@ -18,7 +18,7 @@ A value needed two stages later is received and sent on by the stage between.
 With ``scatter_gather=True`` (Megatron's scatter/gather of stage boundaries, PTD-P section 4.1) a
 float boundary tensor replicated over the tensor-parallel axis is sent as 1/t: the sender cuts it
 with ``local_shard`` (no communication), the receiver ``all_gather``s it back over tp. Both are the
-autograd-aware collectives of ``autopar.runtime.collectives``, so the gradient goes back the same
+autograd-aware collectives of ``autopar.runtime.comm.collectives``, so the gradient goes back the same
 way (1/t on the wire, gathered by the sender).
 """
 

@@ -4,25 +4,25 @@ A mesh without a pipeline axis is a one-stage pipeline run by the same code. The
 two planned programs of the whole model (stages and transfers already in them): ``forward`` keeps
 every output of the model, ``train`` only the loss (``None`` when the first output is no scalar
 float). Both cut the model at the same places and share every parameter, so this rank materializes
-each of its parameter shards once (``runtime/params.py``), registered under the user's names.
+each of its parameter shards once (``runtime/build/params.py``), registered under the user's names.
 
 - ``forward(*args, **kwargs)`` returns the model's outputs. On one stage it runs with autograd (the
-  user may call ``backward()``; gradients are synced at its end, ``runtime/grads.py``), the batch
-  cut into the microbatches and their outputs merged (``runtime/batch.py``). On a pipeline it runs
+  user may call ``backward()``; gradients are synced at its end, ``runtime/grads/sync.py``), the batch
+  cut into the microbatches and their outputs merged (``runtime/call/batch.py``). On a pipeline it runs
   forward only through the stages and broadcasts the outputs over the pipeline axis. ``eval()``
   turns dropout off.
-- ``train_step(*args, **kwargs)`` runs the schedule (``runtime/executor.py``): every microbatch's
+- ``train_step(*args, **kwargs)`` runs the schedule (``runtime/execute/executor.py``): every microbatch's
   forward and backward, recomputation, sub-pipelined tensor parallelism, gradient reduction, clipping
   and the optimizer ``make_optimizer`` attached; it returns the step's loss on every rank.
 - The batch is the global one, or this rank's data-parallel shard (``RuntimeOptions.batch``,
-  ``runtime/inputs.py``); ``data_layout`` says which rows a rank takes.
-- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/optim.py``, ``runtime/zero.py``), with
+  ``runtime/call/inputs.py``); ``data_layout`` says which rows a rank takes.
+- ZeRO-1/2 and MiCS through ``make_optimizer`` (``runtime/grads/optimizer.py``, ``runtime/grads/zero.py``), with
   parameter groups by the user's names; ZeRO-3 keeps only this rank's slices and gathers them one
   unit (a repeated block, or the root) at a time, with prefetch, in forward and backward
-  (``runtime/zero3.py``). ``clip_grad_norm_``:
-  ``runtime/clip.py``.
+  (``runtime/grads/zero3.py``). ``clip_grad_norm_``:
+  ``runtime/grads/clip.py``.
 - ``full_state_dict()``: every key of the user's ``model.state_dict()``, whole, on every rank; it and
-  the inspection properties (``stages``, ``trace``, ``measured()``) are in ``runtime/module_views.py``.
+  the inspection properties (``stages``, ``trace``, ``measured()``) are in ``runtime/views.py``.
 """
 
 from __future__ import annotations
@@ -41,27 +41,27 @@ from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
-from autopar.runtime import clip
-from autopar.runtime.actions import Schedule, split_backwards
-from autopar.runtime.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
-from autopar.runtime.comm import Comm, use_comm
-from autopar.runtime.executor import Executor
-from autopar.runtime.grads import GradSync
-from autopar.runtime.inputs import CallInputs, stage_reads
-from autopar.runtime.lazy import Deferred, settle
-from autopar.runtime.loss_weight import program_weight
-from autopar.runtime.module_views import ModuleViews
-from autopar.runtime.optim import ParamGroups, build_optimizer, resolve_groups, user_names
-from autopar.runtime.outputs import batch_outputs, broadcast_outputs, broadcast_weights
-from autopar.runtime.params import LocalTensors, register
-from autopar.runtime.precision import LossScaler, MixedPrecisionPolicy, cast_floats
-from autopar.runtime.rng import DropoutRng
-from autopar.runtime.stage_runner import StageRunner
-from autopar.runtime.stages import StageBuilder, forward_schedule, recompute_fractions
-from autopar.runtime.teardown import holds_groups
-from autopar.runtime.zero import ZeroOptimizer
-from autopar.runtime.zero3 import shard_zero3
-from autopar.solver.cost import TrainingSetup
+from autopar.runtime.build.params import LocalTensors, register
+from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
+from autopar.runtime.build.rng import DropoutRng
+from autopar.runtime.build.stages import StageBuilder, forward_schedule, recompute_fractions
+from autopar.runtime.call.batch import LossWeight, loss_scales, merge_outputs, step_loss, take_rows
+from autopar.runtime.call.inputs import CallInputs, stage_reads
+from autopar.runtime.call.loss_weight import program_weight
+from autopar.runtime.call.outputs import batch_outputs, broadcast_outputs, broadcast_weights
+from autopar.runtime.comm.context import Comm, use_comm
+from autopar.runtime.comm.lazy import Deferred, settle
+from autopar.runtime.comm.teardown import holds_groups
+from autopar.runtime.execute.executor import Executor
+from autopar.runtime.execute.stage_runner import StageRunner
+from autopar.runtime.grads import clip
+from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolve_groups, user_names
+from autopar.runtime.grads.sync import GradSync
+from autopar.runtime.grads.zero import ZeroOptimizer
+from autopar.runtime.grads.zero3 import shard_zero3
+from autopar.runtime.views import ModuleViews
+from autopar.schedule.actions import Schedule, split_backwards
+from autopar.solver.sharding.cost import TrainingSetup
 
 
 @dataclass(frozen=True)
@@ -76,9 +76,9 @@ class RuntimeOptions:
     sub_pipeline_tp: bool = False
     batch: str = "global"  # "global": every rank is given the whole batch; "local": its data-parallel shard
     # each piece's weight in the step's loss: "auto" the divisor of a loss that is a mean over items of the
-    # data (runtime/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
+    # data (runtime/call/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
     loss_weight: LossWeight | str | None = "auto"
-    precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/precision.py); None: as captured
+    precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/build/precision.py); None: as captured
 
     @property
     def sub_microbatches(self) -> int:
@@ -134,13 +134,13 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
-        self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/lazy.py)
+        self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/comm/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng)
-        # f fused with its matmuls (runtime/column_linear.py) needs one backward through them, not cut or split: the
-        # forward programs run whole (never sub-pipelined, backward by the user's own call)
+        # f fused with its matmuls (runtime/comm/column_linear.py) needs one backward through them, not cut or
+        # split: the forward programs run whole (never sub-pipelined, backward by the user's own call)
         self.forward_runners, _ = builder.runners(forward, mine, {}, "forward")
         self.train_runners: dict[int, StageRunner] = {}
         self._stages: dict[int, StageProgram] = {}
@@ -208,11 +208,11 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """``optimizer_cls(groups, **kwargs)`` over this rank's parameters as the plan's training setup
-        says (``runtime/optim.py``: ZeRO-1/2 and MiCS slices, ``param_groups`` by the user's names),
+        says (``runtime/grads/optimizer.py``: ZeRO-1/2 and MiCS slices, ``param_groups`` by the user's names),
         attached to ``train_step``, which steps it after clipping the global gradient norm to
         ``max_grad_norm`` when given (``grad_norm`` then holds the norm). Unless ``kwargs`` choose an
         implementation (``fused``, ``foreach``), torch's fused kernel where the class has one
-        (``runtime/optim.py``: ``fused_by_default``). A ``torch.optim`` optimizer built by hand over
+        (``runtime/grads/optimizer.py``: ``fused_by_default``). A ``torch.optim`` optimizer built by hand over
         ``parameters()`` trains the same numbers (but for the last bits, where its implementation
         rounds differently) but keeps whole states under ZeRO-1/2, and the caller steps it."""
         groups = resolve_groups(param_groups, *user_names(self.program, self._state))

@@ -1,1 +1,2 @@
-"""Strategy search: cost model, ILP construction and solving, baselines, explanations."""
+"""Strategy search: sharding (rules, cost model, ILP, baselines), stages (pipeline balance), cluster
+(specs, units, presets)."""

@@ -35,7 +35,7 @@ PRELOAD = [
     "transformers.models.gpt2.modeling_gpt2",
     "transformers.models.llama.modeling_llama",
     "autopar",
-    "autopar.models",
+    "autopar.models.resolve",
     "tests.equivalence",
     "tests.exactness",
 ]

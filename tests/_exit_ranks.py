@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.runtime.comm import Comm
-from autopar.runtime.teardown import gloo_threads
+from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.teardown import gloo_threads
 from tests._dist import _free_port
 
 KEPT: list = []
@@ -50,7 +50,7 @@ def rank_main(rank: int, port: int, check: bool) -> None:
     comm = Comm.from_device_mesh(mesh)
     # imported once the group exists, as examples/train_lm.py does: DCP imports torch.distributed.nn.functional,
     # whose defaults (group=group.WORLD) then hold the default group
-    checkpoint = importlib.import_module("autopar.runtime.checkpoint")
+    checkpoint = importlib.import_module("autopar.runtime.checkpoint.save_load")
     groups = [comm.groups["dp"], checkpoint._checkpoint_group(), None]  # None: the default group
     for _ in range(10):
         for g in groups:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.comm import Comm
+from autopar.runtime.comm.context import Comm
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -18,10 +18,10 @@ import torch
 
 import autopar
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.models import build
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import COMPUTE_KINDS
-from autopar.runtime.simulator import simulate
+from autopar.models.resolve import build
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import COMPUTE_KINDS
+from autopar.schedule.simulator import simulate
 from tests.exactness import (
     STATES_PER_ELEMENT,
     drop_a_row_parallel_all_reduce,
@@ -121,8 +121,8 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         from autopar.passes.capture import capture
         from autopar.passes.lower import lower
         from autopar.passes.shard import ShardOptions
-        from autopar.solver.baselines import data_parallel_constraints, megatron_constraints
-        from autopar.solver.cost import TrainingSetup
+        from autopar.solver.sharding.baselines import data_parallel_constraints, megatron_constraints
+        from autopar.solver.sharding.cost import TrainingSetup
 
         prog = lower(capture(model, (), batches[0]), mesh_spec(mesh))
         layout = megatron_constraints(prog) if "megatron" in kinds else data_parallel_constraints(prog)
@@ -202,8 +202,8 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
 
 
 def fused_column_linears(compiled) -> int:
-    """How many of Megatron's f run fused with their matmuls (runtime/column_linear.py) in the rank's modules."""
-    from autopar.runtime.column_linear import column_linears
+    """How many of Megatron's f run fused with their matmuls (runtime/comm/column_linear.py) in the rank's modules."""
+    from autopar.runtime.comm.column_linear import column_linears
 
     gms = compiled.stage_modules.values()
     return sum(n.target is column_linears for gm in gms for n in gm.graph.nodes)
@@ -216,7 +216,7 @@ def _zero_expected(compiled, per_element: int, per_tensor: bool = False) -> int:
     padded and sliced on its own (ZeRO-3's layout, where with ``per_element=1`` this is also the number
     of parameter elements the rank keeps)."""
     from autopar.ir.core import Replicate
-    from autopar.runtime.zero import zero_axes_of
+    from autopar.runtime.grads.zero import zero_axes_of
 
     zero_axes, replicas = zero_axes_of(compiled.setup, compiled.program.mesh)
     need = set(zero_axes) | set(replicas)
@@ -354,7 +354,7 @@ def compare_train_step(
     output, the losses, and every key of the model's state dict as ``full_state_dict`` gathers it
     whole on every rank. ``make_optimizer``: the module's own optimizer (ZeRO when the plan says
     so) instead of the user's over the local shards."""
-    from autopar.runtime.init import materialize
+    from autopar.runtime.build.init_weights import materialize
 
     preset = f"{PRESETS.get(model_name, model_name)}:batch={batch}"
     spec = build(preset, device="meta" if meta else "cpu", seed=0)
@@ -424,8 +424,8 @@ def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int],
     from autopar.api import _capture
     from autopar.ir.core import MeshSpec
     from autopar.passes.lower import lower
-    from autopar.runtime.batch import split_batch
-    from autopar.solver.baselines import megatron_options
+    from autopar.runtime.call.batch import split_batch
+    from autopar.solver.sharding.baselines import megatron_options
 
     args, kwargs = split_batch((), batch, microbatches)[0]
     inner = MeshSpec(tuple(axes.items())).without_pipeline()
@@ -442,9 +442,9 @@ def sub_pipeline_events(
     megatron: bool = False,
 ) -> dict[str, Any]:
     """One 1F1B step with sub-pipelined tensor parallelism, recording every compute, issue and wait of
-    the interleaved sub-microbatches (``autopar.runtime.subpipeline.record_events``), and which issues
+    the interleaved sub-microbatches (``autopar.runtime.execute.subpipeline.record_events``), and which issues
     had the other sub-microbatch compute before their wait."""
-    from autopar.runtime.subpipeline import record_events
+    from autopar.runtime.execute.subpipeline import record_events
 
     spec = build(f"{PRESETS.get(model_name, model_name)}:batch={batch}", device="cpu", seed=0)
     b = make_batches(spec.model, spec.kwargs, 1)[0]

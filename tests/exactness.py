@@ -197,7 +197,7 @@ def drop_a_row_parallel_all_reduce(gm: fx.GraphModule) -> str:
     """Break a rank's program on purpose (tests only): the first all-reduce that sums a matmul's
     partial products (a row-parallel linear) is removed, so its consumers see this rank's partial sum.
     Returns the dropped node's name; raises if the program has no such all-reduce."""
-    from autopar.runtime.collectives import all_reduce
+    from autopar.runtime.comm.collectives import all_reduce
 
     matmuls = ("mm", "matmul", "linear", "addmm", "bmm")
     for node in gm.graph.nodes:

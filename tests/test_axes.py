@@ -11,7 +11,7 @@ from autopar.ir.axes import (
     tensor_axes,
 )
 from autopar.ir.core import MeshSpec
-from autopar.solver.cost import TrainingSetup
+from autopar.solver.sharding.cost import TrainingSetup
 
 MESH = MeshSpec((("pp", 2), ("dpr", 2), ("dp", 2), ("ep", 2), ("tp", 2), ("tp2", 3)))
 

@@ -8,7 +8,7 @@ import torch
 import autopar
 from autopar.api import parse_mesh
 from autopar.errors import CaptureError, MeshError, PresetError
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 

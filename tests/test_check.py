@@ -11,17 +11,18 @@ import re
 import pytest
 import torch
 
-from autopar.check import check_model
+from autopar.check.simtrain import SimCompiled
+from autopar.check.step import check_model
 from autopar.cli import main
 from autopar.errors import SimulationError
 from autopar.ir.core import MeshSpec
 from autopar.passes.shard import ShardOptions
-from autopar.runtime import collectives as coll
-from autopar.runtime import pending as inflight
-from autopar.runtime import ranksim, rng
-from autopar.runtime.comm import use_comm
-from autopar.runtime.ranksim import SimWorld
-from autopar.simtrain import SimCompiled
+from autopar.runtime.build import rng
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm import pending as inflight
+from autopar.runtime.comm.context import use_comm
+from autopar.runtime.sim import ranksim
+from autopar.runtime.sim.ranksim import SimWorld
 
 GPT3 = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
 
@@ -149,10 +150,10 @@ def test_check_covers_pipeline_stage_boundaries(monkeypatch, capsys) -> None:
 
 
 def test_check_on_t5_pipeline_agrees(tmp_path, capsys) -> None:
-    """T5 (autopar/small_families.py) from a file.py:fn on pp=2 x tp=2."""
+    """T5 (autopar/models/small_families.py) from a file.py:fn on pp=2 x tp=2."""
     path = tmp_path / "t5.py"
     path.write_text(
-        "import torch\nfrom autopar.small_families import FAMILIES\n"
+        "import torch\nfrom autopar.models.small_families import FAMILIES\n"
         "def make():\n    torch.manual_seed(0)\n    model, kw = FAMILIES['t5'](torch.Generator().manual_seed(1))\n"
         "    return model, (), kw\n"
     )

@@ -53,7 +53,7 @@ class Position:
 
 
 def _model_and_batches():
-    from autopar.models import build
+    from autopar.models.resolve import build
     from tests.equivalence import make_batches
     from tests.exactness import float64_batch, float64_model
 
@@ -89,7 +89,7 @@ class _Run:
     def __init__(self, name: str, model, batches):
         import autopar
         from autopar.passes.shard import ShardOptions
-        from autopar.solver.cost import TrainingSetup
+        from autopar.solver.sharding.cost import TrainingSetup
 
         axes, setup, schedule, schedule_options, optimizer = MESHES[name]
         options = ShardOptions(setup=TrainingSetup(**setup)) if setup else None
@@ -118,7 +118,7 @@ class _Run:
         return {"losses": torch.tensor(losses, dtype=torch.float64), "state": self.pipe.full_state_dict()}
 
     def save(self, path: str) -> None:
-        from autopar.runtime import checkpoint
+        from autopar.runtime.checkpoint import save_load as checkpoint
 
         kw = {"lr_scheduler": self.sched, "objects": {"data": self.position}}
         checkpoint.save(path, self.pipe, self.opt, step=self.position.batch, extra={"saved": "here"}, **kw)
@@ -126,7 +126,7 @@ class _Run:
     def resume(self, path: str, scheduler: bool = True, optimizer: bool = True) -> dict:
         """Load ``path`` into this run (whatever it trained before) and train the steps after it;
         ``scheduler``/``optimizer`` False leave theirs as they were (broken resumes)."""
-        from autopar.runtime import checkpoint
+        from autopar.runtime.checkpoint import save_load as checkpoint
 
         kw = {"lr_scheduler": self.sched} if scheduler else {}
         opt = self.opt if optimizer else None
@@ -200,9 +200,9 @@ def _padding_only_slice(path: str) -> dict:
     bit for bit the run that went on."""
     import autopar
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime import checkpoint
-    from autopar.runtime.state_pieces import slice_range
-    from autopar.solver.cost import TrainingSetup
+    from autopar.runtime.checkpoint import save_load as checkpoint
+    from autopar.runtime.checkpoint.state_pieces import slice_range
+    from autopar.solver.sharding.cost import TrainingSetup
 
     torch.manual_seed(0)
     model = _Tiny().double()
@@ -241,7 +241,7 @@ def _export_and_load(runs: dict, root: str) -> dict:
     plain state dict, each rank reading its own pieces: the module then holds exactly those values."""
     from safetensors.torch import save_file
 
-    from autopar.runtime.safetensors_io import load_safetensors, load_weights, save_safetensors
+    from autopar.runtime.checkpoint.safetensors_io import load_safetensors, load_weights, save_safetensors
 
     out = {}
     for name, run in runs.items():
@@ -280,7 +280,7 @@ def test_a_checkpoint_resumes_on_another_mesh_as_one_uninterrupted_process(tmp_p
     and two one-process phases in this process."""
     from safetensors import safe_open
 
-    from autopar.runtime.safetensors_io import load_safetensors
+    from autopar.runtime.checkpoint.safetensors_io import load_safetensors
     from tests.exactness import TOL, loss_error, state_error
 
     root = str(tmp_path)
@@ -324,7 +324,7 @@ def _dying(rank: int, world: int, port: int, result: str, timeout: float) -> Non
     import torch.distributed as dist
 
     faulthandler.dump_traceback_later(240, exit=True)  # the test's own guard: never hang CI
-    from autopar.models import build
+    from autopar.models.resolve import build
     from tests.equivalence import make_batches
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -374,7 +374,7 @@ def test_a_dead_rank_stops_the_others_with_a_clear_error(tmp_path):
 
 def _mlp_run(preset: str = "tiny-mlp"):
     import autopar
-    from autopar.models import build
+    from autopar.models.resolve import build
 
     spec = build(preset, device="cpu", seed=0)
     pipe = autopar.compile(spec.model, autopar.init_mesh("cpu", dp=1), args=spec.args, kwargs=spec.kwargs)
@@ -388,7 +388,7 @@ def test_a_resumed_optimizer_keeps_its_kernel_and_takes_the_saved_hyper_paramete
     optimizer built with torch's for-loop kernel stays so after loading a fused one's checkpoint, and the
     reverse (it copied ``fused``/``foreach`` too, so a checkpoint saved before make_optimizer's fused default
     turned it off on resume). One process, one compile of tiny-mlp."""
-    from autopar.runtime import checkpoint
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     with _one_process():
         pipe, opt = _mlp_run()
@@ -417,7 +417,8 @@ def test_bad_checkpoints_get_named_errors(tmp_path, monkeypatch):
         MeshError,
         UnsafeCheckpointError,
     )
-    from autopar.runtime import checkpoint, checkpoint_files
+    from autopar.runtime.checkpoint import files as checkpoint_files
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     with _one_process():
         pipe, opt = _mlp_run()
@@ -501,14 +502,14 @@ def test_an_asynchronous_save_holds_the_state_of_its_call(tmp_path):
     """An asynchronous save copies to host memory and writes in the background while training goes on: loaded
     back, the model and optimizer are bit for bit what they were at the call. Cost: one process, two
     compiles of tiny-mlp."""
-    from autopar.runtime import checkpoint
+    from autopar.runtime.checkpoint import save_load as checkpoint
 
     with _one_process():
         pipe, opt = _mlp_run()
         at_call = pipe.full_state_dict()  # copies on one process too, not the module's live tensors
         states = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
         pending = checkpoint.save(tmp_path / "a", pipe, opt, step=1, asynchronous=True)
-        from autopar.models import build
+        from autopar.models.resolve import build
 
         spec = build("tiny-mlp", device="cpu", seed=0)
         for _ in range(2):  # training goes on while the files are written

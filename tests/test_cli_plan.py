@@ -2,7 +2,7 @@
 
 A baseline whose layout cannot exist on a mesh (data parallelism splitting a batch of 2 over 4 devices)
 is reported as n/a with the reason; autopar's own plan is still printed and written. The expected
-availability is computed here from the batch and the mesh, independently of solver/baselines.py.
+availability is computed here from the batch and the mesh, independently of solver/sharding/baselines.py.
 
 Cost (in-process through ``autopar.cli.main``, measured on the shared 2-core machine): 0.2 to 6 s per mesh,
 44 s wall and 28 s of CPU for the whole file.
@@ -87,10 +87,10 @@ def test_plan_text_shows_unavailable_baselines_and_autopars_plan(tmp_path, capsy
 def test_unavailable_reason_names_the_dim_that_does_not_divide():
     """The reason comes from the placement that is not valid, for any dim, not only the batch."""
     from autopar.api import parse_mesh
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.solver.baselines import Exactly, data_parallel_constraints, unavailable_reason
+    from autopar.solver.sharding.baselines import Exactly, data_parallel_constraints, unavailable_reason
 
     m = build("tiny-mlp")  # batch 4; its parameters have 16 and 32 features
     prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("dp=3"))
@@ -108,11 +108,11 @@ def test_impossible_constraint_error_says_what_is_wrong():
     to relax constraints, and an unconstrained program is never reported as constrained."""
     from autopar.api import parse_mesh
     from autopar.errors import InfeasibleError
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
     from autopar.passes.shard import ShardOptions, shard
-    from autopar.solver.baselines import Exactly
+    from autopar.solver.sharding.baselines import Exactly
 
     m = build("tiny-mlp")
     prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("dp=3"))

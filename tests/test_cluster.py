@@ -1,4 +1,4 @@
-"""Tests of autopar.solver.cluster: presets load and round-trip, bad specs name the field, costs."""
+"""Tests of autopar.solver.cluster.spec: presets load and round-trip, bad specs name the field, costs."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import yaml
 
 from autopar.errors import ClusterSpecError
-from autopar.solver.cluster import ClusterSpec, list_clusters
-from autopar.solver.units import parse_bytes, parse_rate, parse_seconds
+from autopar.solver.cluster.spec import ClusterSpec, list_clusters
+from autopar.solver.cluster.units import parse_bytes, parse_rate, parse_seconds
 
 PRESETS = ["dgx-a100", "merak-3090", "mics-p3dn", "local-cpu"]
 

@@ -1,4 +1,4 @@
-"""Megatron's f fused with the matmuls that read it (runtime/column_linear.py): the same outputs and gradients as
+"""Megatron's f fused with the matmuls that read it (runtime/comm/column_linear.py): the same outputs and gradients as
 the separate ops in float64, the weight gradients computed while f's all-reduce is in flight, and codegen fusing
 exactly the f's that only matmuls read (their weights read through a transpose included). The multi-process
 equality with one process, Megatron's layout on tp=2, is tests/test_equivalence.py (it checks the fused call ran)."""
@@ -9,17 +9,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.check.simtrain import SimCompiled
 from autopar.ir.core import MeshSpec, Op, Program, R, Ref, Shard, TensorType, Value
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.runtime import collectives as coll
-from autopar.runtime import pending as inflight
-from autopar.runtime.codegen import codegen
-from autopar.runtime.column_linear import column_linears
-from autopar.runtime.comm import use_comm
-from autopar.simtrain import SimCompiled
-from autopar.solver.baselines import megatron_options
+from autopar.runtime.build.codegen import codegen
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm import pending as inflight
+from autopar.runtime.comm.column_linear import column_linears
+from autopar.runtime.comm.context import use_comm
+from autopar.solver.sharding.baselines import megatron_options
 from tests.exactness import TOL
 
 F64 = torch.float64

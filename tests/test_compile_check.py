@@ -14,29 +14,29 @@ import pytest
 import torch
 
 from autopar.build import plan_programs
-from autopar.check import check_before_training
+from autopar.check.step import check_before_training
 from autopar.errors import CheckError
 from autopar.ir.core import MeshSpec
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.schedules import make_schedule
+from autopar.schedule.generators import make_schedule
 from tests._dist import run_distributed
 
 MODEL = "gpt3-175b:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=8"
 
 
 # above CHECK_MAX_PARAMS (about 29M parameters), built on the meta device: check=True checks a copy rebuilt small
-# from its config carrying the plan's ops and placements (autopar/check_scale.py)
+# from its config carrying the plan's ops and placements (autopar/check/scale.py)
 LARGE = "gpt2:n_layer=2,n_embd=512,n_head=8,batch=4,seq=16"
 
 
 def _compile(rank: int, world: int) -> dict[str, object]:
     import autopar
-    from autopar.check import CHECK_MAX_PARAMS
-    from autopar.models import build
+    from autopar.check.step import CHECK_MAX_PARAMS
+    from autopar.models.resolve import build
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime import pending as inflight
+    from autopar.runtime.comm import pending as inflight
 
     mesh = autopar.init_mesh("cpu", tp=world)
     options = ShardOptions(objective="memory")

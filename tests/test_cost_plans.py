@@ -14,15 +14,15 @@ import torch
 
 from autopar.api import DEFAULT_PIPELINE, parse_mesh
 from autopar.ir.core import Op, Replicate, Shard
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions
-from autopar.solver.buckets import grad_buckets
-from autopar.solver.cluster import ClusterSpec, calibration_file
-from autopar.solver.cost import TrainingSetup
-from autopar.solver.groups import recomputable
+from autopar.solver.cluster.spec import ClusterSpec, calibration_file
+from autopar.solver.sharding.buckets import grad_buckets
+from autopar.solver.sharding.cost import TrainingSetup
+from autopar.solver.sharding.groups import recomputable
 from tests._dist import run_distributed
 
 COMMUNICATING = {"all_gather", "all_reduce", "reduce_scatter", "all_to_all", "grad_all_reduce"}
@@ -90,7 +90,7 @@ def test_position_ids_and_masks_are_recomputed_not_gathered(monkeypatch):
     assert not _gathered_then_resliced(planned)
     assert not [op for op in planned.ops if op.target in COMMUNICATING and not op.types[0].is_float]
     # broken input: the least-memory plan with recomputable values allowed to move gathers position ids
-    monkeypatch.setattr("autopar.solver.groups.recomputable", lambda prog: set())
+    monkeypatch.setattr("autopar.solver.sharding.groups.recomputable", lambda prog: set())
     lowered, old = _planned(spec, "dp=2,tp=2", ShardOptions(objective="memory"))
     assert len(_moved_recomputable(lowered, old)) >= 4  # 4 since activations are priced as saved (was 6)
 
@@ -121,7 +121,7 @@ def test_solver_does_not_import_the_search():
         r"^\s*(from autopar\.search import|from autopar import search\b|import autopar\.search\b)",
         re.M,
     )
-    for path in Path(autopar.solver.__file__).parent.glob("*.py"):
+    for path in Path(autopar.solver.__file__).parent.rglob("*.py"):
         assert not importing.search(path.read_text()), path
 
 
@@ -168,7 +168,7 @@ def planned_collectives(
     """(kind, axis, bytes per rank) of every collective one training step of ``program`` issues, as
     the plan lists them: each IR collective's forward and backward (gloo's reduce-scatter is an
     all-reduce) once per microbatch, then the gradient sync of grad_sync parameters once per step, one
-    all-reduce per bucket of ``solver/buckets.py`` (``bucket_bytes``: the cap; ``sync=False``: none)."""
+    all-reduce per bucket of ``solver/sharding/buckets.py`` (``bucket_bytes``: the cap; ``sync=False``: none)."""
 
     local = lambda t: t.local_nbytes(program.mesh)  # noqa: E731
     types = program.types()
@@ -327,9 +327,9 @@ def test_generated_code_adds_biases_inside_the_matmul_where_nothing_comes_betwee
     fuses them again where the add reads the matmul directly: GPT-2's 16 Conv1D layers run as addmm on
     dp=2, as in eager, while on tp=2 (the least-memory plan: Megatron's layout) the row-parallel ones
     (bias after the all-reduce) stay split, and the column-parallel ones run inside their f's fused call
-    (runtime/column_linear.py), each with its bias."""
-    from autopar.runtime.codegen import codegen
-    from autopar.runtime.column_linear import column_linears
+    (runtime/comm/column_linear.py), each with its bias."""
+    from autopar.runtime.build.codegen import codegen
+    from autopar.runtime.comm.column_linear import column_linears
 
     model = LossOnly(build(GPT2_SMALL, device="meta").model)
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
@@ -355,9 +355,9 @@ def test_a_collective_over_an_axis_of_one_rank_is_not_issued():
     made a 2-layer GPT-2 1.37x eager's step; 1.05x without them). The same plan on dp=1 x tp=2 keeps its tp
     collectives, and the program (run on one device) still computes the model's loss."""
     from autopar.passes.shard import planning_options
-    from autopar.runtime import collectives as coll
-    from autopar.runtime.codegen import codegen
-    from autopar.solver.cluster import local_cluster
+    from autopar.runtime.build.codegen import codegen
+    from autopar.runtime.comm import collectives as coll
+    from autopar.solver.cluster.spec import local_cluster
 
     spec = "gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=512,n_positions=32,batch=8,seq=32"
     m = build(spec, device="cpu", seed=0)

@@ -1,4 +1,4 @@
-"""Mesh-invariant dropout (runtime/rng.py): every mesh, microbatch count and recomputation draws the
+"""Mesh-invariant dropout (runtime/build/rng.py): every mesh, microbatch count and recomputation draws the
 masks autopar draws on one device, so training with dropout is exact (float64, 1e-10) in parallel.
 
 Cost on 2 cores (measured, about 30 s in all): the mask, statistics and lowering tests take about
@@ -19,10 +19,10 @@ from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.runtime.codegen import codegen
-from autopar.runtime.placement_values import assemble
-from autopar.runtime.ranksim import SimWorld
-from autopar.runtime.rng import DropoutRng, DropoutSite, keep_mask, keyed_dropout, uniform
+from autopar.runtime.build.codegen import codegen
+from autopar.runtime.build.rng import DropoutRng, DropoutSite, keep_mask, keyed_dropout, uniform
+from autopar.runtime.sim.placement_values import assemble
+from autopar.runtime.sim.ranksim import SimWorld
 from tests.exactness import TOL, float64_batch, float64_model, train
 
 P_DROP = 0.1
@@ -126,7 +126,7 @@ GPT2_DROPOUT = (
 
 def gpt2_with_dropout(batch: int = 4, seq: int = 8, steps: int = 3):
     """Tiny GPT-2 with embedding, attention (SDPA with dropout_p) and residual dropout, in float64."""
-    from autopar.models import build
+    from autopar.models.resolve import build
     from tests.equivalence import make_batches
 
     spec = build(f"{GPT2_DROPOUT},batch={batch},seq={seq}", device="cpu", seed=0)
@@ -171,8 +171,8 @@ def train_simulated(model, batches, mesh: MeshSpec, layout: str = "autopar", see
     each rank); every rank's losses, the whole trained parameters, and the planned program."""
     from autopar.passes.flow import FlowOptions, plan_program
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime.one_stage import one_stage_module
-    from autopar.solver.baselines import megatron_constraints
+    from autopar.runtime.sim.one_stage import one_stage_module
+    from autopar.solver.sharding.baselines import megatron_constraints
 
     model = copy.deepcopy(model)
     captured = capture(model, (), batches[0])
@@ -371,7 +371,7 @@ def test_a_random_op_autopar_cannot_key_is_refused() -> None:
 def test_sub_microbatches_draw_their_own_rows() -> None:
     """Sub-pipelined tp runs two halves of microbatch m interleaved node by node: half h draws the
     mask of sub-microbatch 2m + h, as the plain module does when told that index."""
-    from autopar.runtime.subpipeline import Interleaved
+    from autopar.runtime.execute.subpipeline import Interleaved
 
     torch.manual_seed(0)
     model = DropoutMLP().double()

@@ -1,4 +1,4 @@
-"""The executor's point-to-point (runtime/executor_p2p.py): with ``ahead`` every channel keeps its next receive
+"""The executor's point-to-point (runtime/execute/p2p.py): with ``ahead`` every channel keeps its next receive
 posted (the first at the step's start, the next once the one before is taken: with the consumer's sends, or
 before the rank next waits), in the list's FIFO order, each once; without it receives are posted where the
 list puts them. Cost: well under a second."""
@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from autopar.errors import RuntimeCommError
-from autopar.runtime.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
-from autopar.runtime.executor_p2p import PointToPoint
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.stage_runner import Buffer, Part, StageRunner
+from autopar.runtime.execute.p2p import PointToPoint
+from autopar.runtime.execute.stage_runner import Buffer, Part, StageRunner
+from autopar.schedule.actions import COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, Action, Kind
+from autopar.schedule.generators import make_schedule
 
 
 class _Work:

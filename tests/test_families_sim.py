@@ -1,9 +1,9 @@
-"""Hugging Face families built small from their configs (``autopar/small_families.py``), each checked exactly on
+"""Hugging Face families built small from their configs (``autopar/models/small_families.py``), each checked exactly on
 simulated ranks, on dp=2 x tp=2 (every op's values and gradients) and trained on pp=2 x tp=2.
 
 Every family is planned on dp=2 x tp=2 under both objectives and one float64 training step (forward,
 backward, gradient sync) of every simulated rank is compared, value by value and gradient by
-gradient, with the unsharded program and the model itself (``autopar.check.check_model``, tolerance
+gradient, with the unsharded program and the model itself (``autopar.check.step.check_model``, tolerance
 1e-10 relative; the largest difference seen is about 1e-15). Language models are trained on a float64
 cross-entropy of their logits (HF's own loss casts to float32), vision models on a cross-entropy of
 their class logits; dropout is off.
@@ -15,15 +15,15 @@ most values on both axes. ``objective="memory"`` shards weights as much as it ca
 vocab-parallel embeddings and losses, partial sums).
 
 Regressions kept here: DistilBERT's padding row trained under a vocab-parallel embedding (fixed in
-``runtime/collectives.py``); Falcon's in-place ``div_`` after a collective and T5's ``-inf`` relative
-positions were false reports of the checker (``autopar/check.py``); Mixtral's in-place router
+``runtime/comm/collectives.py``); Falcon's in-place ``div_`` after a collective and T5's ``-inf`` relative
+positions were false reports of the checker (``autopar/check/step.py``); Mixtral's in-place router
 normalization (``/=`` on a top-k result) differed before the captured graph was functionalized.
 Also exact when tried (left out for time): Qwen2, MPT, GPT-NeoX, Gemma, Phi, OLMoE, Qwen2-MoE, BART, Swin,
 and tp=2 alone for every family here.
 
 On pp=2 x tp=2 each family trains two AdamW steps through every simulated rank's ``ParallelModule`` (its
 pipeline schedule: every schedule is used by some family; point to point through the simulator) against the
-model in one process, float64 semantics on both sides (``autopar/float64.py``: the models' own float32 RMS
+model in one process, float64 semantics on both sides (``autopar/check/float64.py``: the models' own float32 RMS
 norms and rotary tables would otherwise differ by rounding), every loss and state-dict key at ``TOL``. Perturbing
 every pipeline message by 1e-3 fails GPT-2, T5 and ViT there (tried by hand).
 
@@ -38,13 +38,13 @@ import copy
 import pytest
 import torch
 
-from autopar.check import check_model
-from autopar.float64 import Float64Mode
+from autopar.check.float64 import Float64Mode
+from autopar.check.simtrain import SimCompiled
+from autopar.check.step import check_model
 from autopar.ir.core import MeshSpec, Replicate
+from autopar.models.small_families import FAMILIES
 from autopar.passes.shard import ShardOptions
-from autopar.simtrain import SimCompiled
-from autopar.small_families import FAMILIES
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 DP_TP = MeshSpec((("dp", 2), ("tp", 2)))
@@ -83,7 +83,7 @@ PIPELINES: dict[str, tuple[str, dict, int]] = {
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_family_trains_exactly_on_pp_tp(family: str) -> None:
-    """Two SGD steps of the family on pp=2 x tp=2 simulated ranks (``autopar/simtrain.py``: every rank's
+    """Two SGD steps of the family on pp=2 x tp=2 simulated ranks (``autopar/check/simtrain.py``: every rank's
     ``ParallelModule`` with its pipeline schedule, point-to-point through the simulator) equal two steps of
     the model in one process: every loss and every key of the state dict, float64, ``TOL``."""
     torch.manual_seed(0)

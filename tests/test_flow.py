@@ -13,13 +13,13 @@ from autopar.api import parse_mesh
 from autopar.errors import PipelineError, StageMemoryError
 from autopar.ir.parser import parse
 from autopar.ir.verify import verify
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.flow import FLOW, FlowOptions, flow_index, plan_program
 from autopar.passes.lower import lower
 from autopar.passes.manager import PASSES
 from autopar.passes.shard import ShardOptions
-from autopar.solver.sharding import smallest_budget
+from autopar.solver.sharding.solve import smallest_budget
 
 GPT2 = "gpt2:n_layer=2,n_embd=32,n_head=2,vocab_size=64,n_positions=16,batch=4,seq=8"
 

@@ -8,16 +8,16 @@ from dataclasses import replace
 import pytest
 import torch
 
+from autopar.check.simtrain import SimCompiled
 from autopar.errors import CaptureError, PlanError, SimulationError
 from autopar.ir.core import MeshSpec, Op, Partial, Ref, Shard, TensorType, resolve_target
 from autopar.passes.capture import capture
 from autopar.passes.functionalize import _mutated_arg, functionalize
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.shards import shard_tensor, unshard_tensor
-from autopar.runtime.stages import require_whole_buffer_writes
-from autopar.simtrain import SimCompiled
-from autopar.solver.strategies import op_strategies
+from autopar.runtime.build.stages import require_whole_buffer_writes
+from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
+from autopar.solver.sharding.strategies import op_strategies
 
 
 class ShiftRight(torch.nn.Module):

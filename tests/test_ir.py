@@ -12,7 +12,7 @@ from autopar.ir.core import DEVICE, MeshSpec, Op, Partial, Program, R, Ref, Shar
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 

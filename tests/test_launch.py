@@ -32,7 +32,7 @@ LAUNCH_TIMEOUT = 300  # seconds for the whole job, a hang guard far above the ~5
 def float64_tiny_gpt2():
     """Tiny GPT-2 in float64 with its cross-entropy computed in float64: a MODEL for ``--model``
     (``tests.test_launch:float64_tiny_gpt2``)."""
-    from autopar.models import build
+    from autopar.models.resolve import build
     from tests.exactness import float64_model
 
     spec = build("tiny-gpt2:batch=8", device="cpu")  # weights from the seed the caller set
@@ -97,7 +97,7 @@ def test_two_launchers_survive_a_killed_rank_and_equal_one_process(tmp_path):
     that drops the learning-rate schedule fails it (checked by hand: losses 5e-4, model 3e-2 off).
     Cost: 32-45 s wall on the shared 2 cores (two launchers, four rank processes over the two
     attempts, each importing torch, transformers and autopar), plus the single-process reference."""
-    from autopar.runtime.safetensors_io import load_safetensors
+    from autopar.runtime.checkpoint.safetensors_io import load_safetensors
     from tests.exactness import TOL, state_error
 
     example = _example()

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from autopar.ir.core import Partial, R, Shard
 from autopar.ir.layout import Unreachable, redistribute_steps, valid
-from autopar.runtime.shards import shard_tensor, unshard_tensor
+from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
 
 
 def _locals(x: torch.Tensor, placements, sizes, seed: int):

@@ -1,10 +1,10 @@
-"""runtime/lazy.py: a returned collective result is waited for when it is read, and a backward does not read it."""
+"""runtime/comm/lazy.py: a returned collective result is waited for when it is read, and a backward does not read it."""
 
 from __future__ import annotations
 
 import torch
 
-from autopar.runtime.lazy import Deferred, settle
+from autopar.runtime.comm.lazy import Deferred, settle
 
 
 class _Sum(torch.autograd.Function):

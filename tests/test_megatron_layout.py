@@ -9,7 +9,7 @@ from torch import nn
 from autopar.ir.core import MeshSpec
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.solver.megatron_roles import megatron_layout
+from autopar.solver.sharding.megatron_roles import megatron_layout
 
 HEADS, HEAD_DIM = 2, 4
 HIDDEN = HEADS * HEAD_DIM

@@ -1,4 +1,4 @@
-"""Mixed precision (runtime/precision.py): bf16 and fp16 training on dp=2 x tp=2 and pp=2 x dp=2 against one
+"""Mixed precision (runtime/build/precision.py): bf16 and fp16 training on dp=2 x tp=2 and pp=2 x dp=2 against one
 process with the same policy (within the bound of docs/runtime.md, "Mixed precision"), bit for bit against
 the rank simulator running the same plan, fp16's overflowing step skipped on every rank alike, and each
 rank's bytes of parameters, gradients and optimizer states equal to the cost model's prediction.
@@ -22,13 +22,10 @@ from autopar.errors import PrecisionError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.batch import sub_microbatch
-from autopar.runtime.comm import Comm
-from autopar.runtime.module import ParallelModule, RuntimeOptions
-from autopar.runtime.params import state_keys, value_source
-from autopar.runtime.precision import (
+from autopar.runtime.build.params import state_keys, value_source
+from autopar.runtime.build.precision import (
     LossScaler,
     LossScaling,
     MixedPrecisionPolicy,
@@ -36,10 +33,13 @@ from autopar.runtime.precision import (
     policy_of,
     precision_setup,
 )
-from autopar.runtime.ranksim import SimWorld
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.zero import ZeroOptimizer
-from autopar.solver.cost import CostModel, TrainingSetup
+from autopar.runtime.call.batch import sub_microbatch
+from autopar.runtime.comm.context import Comm
+from autopar.runtime.grads.zero import ZeroOptimizer
+from autopar.runtime.module import ParallelModule, RuntimeOptions
+from autopar.runtime.sim.ranksim import SimWorld
+from autopar.schedule.generators import make_schedule
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
 from tests.equivalence import make_batches
 
 MODEL = (

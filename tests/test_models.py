@@ -1,4 +1,4 @@
-"""Tests of autopar.models: presets build on meta, capture with torch.export, count right, take overrides."""
+"""Tests of autopar.models.resolve: presets build on meta, capture with torch.export, count right, take overrides."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from autopar import models
 from autopar.errors import PresetError
+from autopar.models import resolve as models
 
 REQUIRED = [
     "gpt2", "gpt2-medium", "gpt2-xl", "bert-large", "llama-7b", "llama-70b", "gpt3-175b",

@@ -1,4 +1,4 @@
-"""A normal (non-editable) install ships ir/, passes/, solver/ and runtime/ as autopar.* with their data."""
+"""A normal (non-editable) install ships ir/, schedule/, passes/, solver/ and runtime/ as autopar.* with their data."""
 
 from __future__ import annotations
 
@@ -29,9 +29,21 @@ def test_wheel_maps_top_level_packages_under_autopar(tmp_path):
     )
     (wheel,) = tmp_path.glob("autopar-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for module in ("ir/core.py", "passes/shard.py", "solver/ilp.py", "solver/cost.py", "runtime/codegen.py"):
+    for module in (
+        "ir/core.py",
+        "schedule/generators.py",
+        "passes/shard.py",
+        "solver/sharding/ilp.py",
+        "solver/sharding/cost.py",
+        "runtime/build/codegen.py",
+    ):
         assert f"autopar/{module}" in names, module
-    assert "autopar/solver/clusters/dgx-a100.yaml" in names
-    assert not any(n.startswith(("ir/", "passes/", "solver/", "runtime/", "tests/")) for n in names)
+    # every module of every folder: a subpackage missing from pyproject.toml's list would not ship
+    for top in ("autopar", "ir", "schedule", "passes", "solver", "runtime"):
+        for path in (ROOT / top).rglob("*.py"):
+            rel = path.relative_to(ROOT / top).as_posix()
+            assert ("autopar/" + rel if top == "autopar" else f"autopar/{top}/{rel}") in names, path
+    assert "autopar/solver/cluster/presets/dgx-a100.yaml" in names
+    assert not any(n.startswith(("ir/", "schedule/", "passes/", "solver/", "runtime/", "tests/")) for n in names)
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "autopar = autopar.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

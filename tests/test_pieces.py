@@ -1,4 +1,5 @@
-"""A rank's boxes of a global tensor (runtime/pieces.py) and states as JSON (runtime/jsonstate.py)."""
+"""A rank's boxes of a global tensor (runtime/checkpoint/pieces.py) and states as JSON
+(runtime/checkpoint/jsonstate.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from hypothesis import strategies as st
 
 from autopar.errors import CheckpointError
 from autopar.ir.core import Replicate, Shard
-from autopar.runtime.codegen import shard_param
-from autopar.runtime.jsonstate import decode, encode
-from autopar.runtime.pieces import boxes, dim_runs, flat_boxes
+from autopar.runtime.build.codegen import shard_param
+from autopar.runtime.checkpoint.jsonstate import decode, encode
+from autopar.runtime.checkpoint.pieces import boxes, dim_runs, flat_boxes
 
 NAMES, SIZES = ("dp", "tp"), (2, 3)
 

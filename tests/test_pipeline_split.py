@@ -18,7 +18,7 @@ from autopar.ir.core import Device, MeshSpec, Op, Program, Ref, TensorType, Valu
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes import pipeline_split as ps
 from autopar.passes import split_cache
 from autopar.passes.assign_stages import assign_stages_pass
@@ -334,7 +334,7 @@ def test_empty_program_is_an_error():
 
 
 # ---------------------------------------------------------------------------------------------
-# Encoder-decoder: T5 is not a preset (autopar/model_families.py has no T5 family); built here directly
+# Encoder-decoder: T5 is not a preset (autopar/models/families.py has no T5 family); built here directly
 
 
 @functools.cache

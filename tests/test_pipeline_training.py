@@ -24,7 +24,7 @@ from autopar.ir.core import MeshSpec, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.assign_stages import assign_stages
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
@@ -32,15 +32,15 @@ from autopar.passes.prune import prune_outputs
 from autopar.passes.shard import ShardOptions
 from autopar.passes.stage_program import recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import COMPUTE_KINDS
-from autopar.runtime.batch import split_batch
-from autopar.runtime.codegen import codegen
-from autopar.runtime.init import canonical_names, init_value, materialize
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
-from autopar.runtime.stage_runner import Part
-from autopar.runtime.trace import TraceEvent, measured_result, on_one_clock
+from autopar.runtime.build.codegen import codegen
+from autopar.runtime.build.init_weights import canonical_names, init_value, materialize
+from autopar.runtime.call.batch import split_batch
+from autopar.runtime.execute.stage_runner import Part
+from autopar.runtime.measure.trace import TraceEvent, measured_result, on_one_clock
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import COMPUTE_KINDS
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
 from tests._dist import run_distributed
 from tests.equivalence import compare_jobs
 from tests.exactness import TOL
@@ -60,7 +60,7 @@ SUB = {"microbatches": 2, "sub_pipeline_tp": True}
 # it), so the tensor-parallel collectives inside stages, and sub-pipelining them, are exercised.
 SHARDED = ShardOptions(objective="memory")
 SUB_RUNS = [("1f1b", {}, SUB), ("interleaved", {"chunks": 2}, SUB), ("scp", {"alpha1": Fraction(1, 2)}, SUB)]
-# zero bubble: each backward split into B (input gradients) and W (weight gradients, runtime/split_backward.py)
+# zero bubble: each backward split into B (input gradients) and W (weight gradients, runtime/execute/split_backward.py)
 ZB = [("zb-h1", {}), ("zb-h2", {}), ("zbv", {}), ("dualpipev", {})]
 
 
@@ -132,7 +132,7 @@ def _check_sub_pipeline_events(results, job: str) -> None:
 
 @pytest.mark.multiproc
 def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipelined_meta_dp2tp2():
-    from autopar.solver.cost import TrainingSetup
+    from autopar.solver.sharding.cost import TrainingSetup
 
     zero2 = {"options": ShardOptions(setup=TrainingSetup(zero=2))}
     zero3 = {"options": ShardOptions(setup=TrainingSetup(zero=3))}
@@ -216,7 +216,7 @@ def test_pp2_dp2_and_pp2_tp2_every_schedule_zero2_zero3_scatter_gather_sub_pipel
 
 @pytest.mark.multiproc
 def test_pp2_dp2_tp2_and_mics():
-    from autopar.solver.cost import TrainingSetup
+    from autopar.solver.sharding.cost import TrainingSetup
 
     mics = ShardOptions(setup=TrainingSetup(zero=2, zero_axes=("dpr", "dp"), mics_group=2))
     jobs = [

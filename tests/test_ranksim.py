@@ -1,4 +1,4 @@
-"""The rank simulator (runtime/ranksim.py): after a failed run the next run of the same world starts clean;
+"""The rank simulator (runtime/sim/ranksim.py): after a failed run the next run of the same world starts clean;
 pipelines (pp x dp with ZeRO, zero-bubble, sub-pipelined tp) train exactly on simulated ranks; a frozen submodule
 stays frozen; a loss summed over the batch is refused with microbatches."""
 
@@ -11,17 +11,17 @@ import time
 import pytest
 import torch
 
+from autopar.check.float64 import Float64Mode
+from autopar.check.simtrain import SimCompiled
 from autopar.errors import SimulationError
-from autopar.float64 import Float64Mode
 from autopar.ir.core import MeshSpec
+from autopar.models.small_families import FAMILIES
 from autopar.passes.shard import ShardOptions
-from autopar.runtime import collectives as coll
-from autopar.runtime.comm import use_comm
-from autopar.runtime.ranksim import SimWorld
-from autopar.runtime.split_backward import deferring_weights, run_backward
-from autopar.simtrain import SimCompiled
-from autopar.small_families import FAMILIES
-from autopar.solver.cost import TrainingSetup
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.context import use_comm
+from autopar.runtime.execute.split_backward import deferring_weights, run_backward
+from autopar.runtime.sim.ranksim import SimWorld
+from autopar.solver.sharding.cost import TrainingSetup
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 
@@ -61,7 +61,7 @@ PIPELINE_RUNS = {
 
 @pytest.mark.parametrize("run", list(PIPELINE_RUNS))
 def test_pipelines_train_exactly_on_simulated_ranks(run: str) -> None:
-    """Pipelines on the simulator (``autopar/simtrain.py``) beyond pp x tp: pp x dp with ZeRO-1 and ZeRO-3 and
+    """Pipelines on the simulator (``autopar/check/simtrain.py``) beyond pp x tp: pp x dp with ZeRO-1 and ZeRO-3 and
     zero-bubble V, and sub-pipelined tensor parallelism with recomputation; two AdamW steps of tiny GPT-2
     equal one process (float64, every state-dict key). The pp x tp families: tests/test_families_sim.py.
     Cost: about 1-2 s each."""

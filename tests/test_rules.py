@@ -4,7 +4,7 @@ For each op target with a rule, hypothesis draws shapes and arguments (``CASES``
 two or three axes; every strategy the rule offers on that mesh (on meshes with more than
 ``SAMPLE`` strategies, a drawn sample; every one-axis candidate appears on the 1-D meshes) is run
 forward and backward on the simulated ranks in float64 and compared with the whole op
-(``autopar.rulecheck``). ``test_checker_catches_broken_rule`` shows the check failing on rules
+(``autopar.check.rules``). ``test_checker_catches_broken_rule`` shows the check failing on rules
 broken on purpose. Cost: about 20-40 s for the file on a loaded 2-core machine.
 """
 
@@ -15,10 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autopar.check.rules import check_strategy, one_op_program, strategies_of
 from autopar.ir.core import MeshSpec, Partial, Shard
-from autopar.rulecheck import check_strategy, one_op_program, strategies_of
-from autopar.solver.rules_elementwise import POINTWISE
-from autopar.solver.strategies import RULES
+from autopar.solver.sharding.rules.elementwise import POINTWISE
+from autopar.solver.sharding.strategies import RULES
 
 F64 = torch.float64
 MESHES = [

@@ -10,17 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ScheduleError
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import P2P_KINDS, Action, Kind, Schedule
-from autopar.runtime.schedules import (
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import P2P_KINDS, Action, Kind, Schedule
+from autopar.schedule.generators import (
     SCHEDULES,
     gpipe,
     make_schedule,
     register,
     stage_aware_ratios,
 )
-from autopar.runtime.simulator import simulate
-from autopar.solver.pipeline_shape import stage_ranks
+from autopar.schedule.placement import stage_ranks
+from autopar.schedule.simulator import simulate
 
 
 @st.composite

@@ -19,20 +19,20 @@ from autopar.errors import InfeasibleError
 from autopar.ir.core import MeshSpec, R, Shard
 from autopar.ir.parser import parse
 from autopar.ir.verify import verify
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.flow import FLOW, flow_index
 from autopar.passes.lower import lower
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
 from autopar.search import Scorer, launch_options, profile_model, search, search_model
 from autopar.search.price import Analytic
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import Candidate, Family, SearchSpace, chains, families
 from autopar.search.stage_layout import balanced_layout
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.saved import activation_bytes
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.saved import activation_bytes
 from tests._dist import run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
 
 def test_f_all_reduce_is_charged_only_beyond_its_readers_weight_gradients():
     """A backward tp all-reduce (Megatron's f) runs beside the weight gradients of the matmuls reading it
-    (runtime/column_linear.py): a stage's backward is charged only what outlasts them, per f; a zero-bubble
+    (runtime/comm/column_linear.py): a stage's backward is charged only what outlasts them, per f; a zero-bubble
     schedule, whose split backward computes them later, is charged all of it."""
     l, h, heads, s, V = 2, 64, 4, 32, 128
     prof = profile_model(f"gpt2:n_layer={l},n_embd={h},n_head={heads},n_positions={s},vocab_size={V},seq={s}")
@@ -132,7 +132,7 @@ def _model(spec: str):
     ids=["gpt2", "llama"],
 )
 def test_profile_activations_are_what_autograd_saves(spec):
-    """The search's saved bytes per unit are ``solver/saved.py``'s (the ILP's): a layer's are what one more
+    """The search's saved bytes per unit are ``solver/sharding/saved.py``'s (the ILP's): a layer's are what one more
     layer adds to the whole program's saved bytes, and all units together are the program's. (The hand table
     of saved ops the profile had before is 9% under on this GPT-2 layer and 13% over on this LLaMA one.)"""
     whole = []
@@ -238,7 +238,7 @@ def test_balanced_layout_reaches_the_least_bottleneck_and_fills_later_stages_fir
 
 
 def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
-    """By default the search offers ZeRO-3 (and MiCS-3) with a pipeline, priced as runtime/zero3.py runs it:
+    """By default the search offers ZeRO-3 (and MiCS-3) with a pipeline, priced as runtime/grads/zero3.py runs it:
     one all-gather per unit (each layer, the embedding and head units) in every forward, recomputation and
     backward, one reduce-scatter per unit in every backward (with MiCS also an all-reduce of the shard across
     the groups); a split backward gathers again in its W, which does the scatters; while a stage runs it
@@ -439,10 +439,10 @@ def _train_with_plans(rank: int, world: int, flat: str, *piped: str, steps: int 
     """Each plan file trained for ``steps`` SGD steps as a user would (the preset's own Hugging Face loss,
     float32) against one process: the largest relative difference of the losses and of any parameter."""
     import autopar
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.plan import Plan
-    from autopar.runtime.batch import split_batch
-    from autopar.runtime.init import materialize
+    from autopar.runtime.build.init_weights import materialize
+    from autopar.runtime.call.batch import split_batch
     from tests.equivalence import make_batches
     from tests.exactness import loss_error, make_optimizer, parameter_error, train
 

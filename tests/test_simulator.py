@@ -12,11 +12,11 @@ import pytest
 
 from autopar.cli import main
 from autopar.errors import ScheduleError
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import COMPUTE_KINDS, RECOMPUTE, Action, B, F, Kind, Schedule
-from autopar.runtime.p2p import insert_comm_actions
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import COMPUTE_KINDS, RECOMPUTE, Action, B, F, Kind, Schedule
+from autopar.schedule.comm_actions import insert_comm_actions
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
 
 # ---- closed forms -------------------------------------------------------------------------------
 
@@ -272,7 +272,7 @@ def test_batched_mode_catches_cross_communication_deadlock() -> None:
     """Interleaved chunks wrap from rank P-1 back to rank 0, so two ranks send to each other. With
     receives posted just before their consumers the lists run under eager p2p but deadlock under
     blocking batched p2p: each rank blocks on a send whose receive the other posts one compute
-    later. The generators' receive placement (autopar.runtime.p2p, rule 5) avoids exactly this."""
+    later. The generators' receive placement (autopar.schedule.comm_actions, rule 5) avoids exactly this."""
     s = make_schedule("interleaved", 2, 4, chunks=2)
     costs = Costs.from_rank_share(s)
     late = receives_just_in_time(s)

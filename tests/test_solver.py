@@ -22,21 +22,21 @@ from autopar.errors import InfeasibleError, PlanError
 from autopar.ir.core import MeshSpec, Partial, R, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps
 from autopar.ir.parser import parse
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.plan import Plan, fingerprint
 from autopar.planner import plan_captured
-from autopar.runtime.schedules import make_schedule
-from autopar.solver.baselines import Exactly, megatron_options, run_baseline
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import CostModel, TrainingSetup
-from autopar.solver.ilp import solve
-from autopar.solver.problem import Edge, Node, fold_repeated, objective_of, switch_costs
-from autopar.solver.sharding import SharedReads, build_problem, repeated_layers, smallest_budget, solve_sharding
-from autopar.solver.strategies import value_strategies
+from autopar.schedule.generators import make_schedule
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.baselines import Exactly, megatron_options, run_baseline
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
+from autopar.solver.sharding.ilp import solve
+from autopar.solver.sharding.problem import Edge, Node, fold_repeated, objective_of, switch_costs
+from autopar.solver.sharding.solve import SharedReads, build_problem, repeated_layers, smallest_budget, solve_sharding
+from autopar.solver.sharding.strategies import value_strategies
 
 
 @pytest.mark.parametrize("d,r,c", [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 2), (4, 2, 1), (2, 3, 2)])
@@ -318,13 +318,13 @@ LLAMA_7B_LAYER = (
 
 
 def test_an_f_hidden_behind_weight_gradients_is_priced_as_the_runtime_fuses_it(monkeypatch):
-    """On NCCL an f read only by matmuls runs while their weight gradients are computed (runtime/column_linear.py,
+    """On NCCL an f read only by matmuls runs while their weight gradients are computed (runtime/comm/column_linear.py,
     Megatron's asynchronous TP backward): the ILP prices the program's f's less what that hides, exactly as the
     program's collectives priced one by one (one LLaMA-7B layer on tp=8, its free plan and Megatron's layout).
     What is hidden is, for each f codegen fuses, the smaller of its all-reduce and its readers' weight
     gradients, and on this layer most of the f's time; on gloo (collectives not beside compute) nothing is."""
-    from autopar.runtime.codegen import _bias_adds
-    from autopar.runtime.column_linear import column_groups
+    from autopar.runtime.build.codegen import _bias_adds
+    from autopar.runtime.comm.column_linear import column_groups
 
     m = build(LLAMA_7B_LAYER, device="meta")
     prog = lower(capture(m.model, m.args, m.kwargs), parse_mesh("tp=8"))
@@ -368,7 +368,7 @@ def test_frozen_parameters_get_no_gradient_sync_and_no_optimizer_state():
     """A frozen submodule's parameters (requires_grad=False) have no gradient: the plan neither synchronizes
     nor prices one, and keeps no gradient or optimizer state for them (the program counted them trainable:
     a gradient all-reduce and 12 bytes per parameter more on dp=2)."""
-    from autopar.solver.memory import memory_categories
+    from autopar.solver.sharding.memory import memory_categories
     from tests.test_ranksim import _FrozenEncoder
 
     batch = {"x": torch.randn(8, 8), "t": torch.randn(8, 4)}

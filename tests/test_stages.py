@@ -1,4 +1,4 @@
-"""Stage assignment (solver/stages.py, passes/assign_stages.py): DP optimal against brute force, mappings,
+"""Stage assignment (solver/stages/balance.py, passes/assign_stages.py): DP optimal against brute force, mappings,
 in-flight counts, costs, plan, errors."""
 
 from __future__ import annotations
@@ -16,20 +16,22 @@ from hypothesis import strategies as st
 from autopar.errors import NoLegalCutError, PipelineError, StageMemoryError, TooFewSubgraphsError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes import pipeline_split as ps
 from autopar.passes.assign_stages import assign_stages, assign_stages_pass
 from autopar.passes.capture import capture
+from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.lower import lower
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
-from autopar.solver import partition
-from autopar.solver import pipeline_shape as shape
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.stage_cost import StageContext, megatron_tp_comm_seconds
-from autopar.solver.stage_plan import StagePlan, module_units
-from autopar.solver.stages import balance_stages
+from autopar.schedule import placement as shape
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import stash_points
+from autopar.schedule.generators import SCHEDULES, inflight_per_rank, inflight_per_stage, make_schedule
+from autopar.schedule.simulator import simulate
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.stages import partition
+from autopar.solver.stages.balance import balance_stages
+from autopar.solver.stages.cost import StageContext, megatron_tp_comm_seconds
+from autopar.solver.stages.plan import StagePlan, module_units
 
 A100 = ClusterSpec.load("dgx-a100")
 
@@ -135,12 +137,12 @@ def test_waves_are_v_shaped_with_2PW_stages():
 
 
 def test_inflight_formulas():
-    assert shape.inflight_per_stage(4) == [4, 3, 2, 1]
-    assert shape.inflight_per_stage(4, microbatches=2) == [2, 2, 2, 1]
+    assert inflight_per_stage(4) == [4, 3, 2, 1]
+    assert inflight_per_stage(4, microbatches=2) == [2, 2, 2, 1]
     # interleaved: warm-up 2(p-r-1) + (v-1)p forwards plus one, spread over the rank's v chunks
-    assert shape.inflight_per_stage(2, chunks=2) == [2.5, 1.5, 2.5, 1.5]
-    assert shape.inflight_per_stage(2, waves=1) == [4, 4, 4, 4]
-    assert shape.inflight_per_stage(2, waves=1, microbatches=3) == [3, 3, 3, 3]
+    assert inflight_per_stage(2, chunks=2) == [2.5, 1.5, 2.5, 1.5]
+    assert inflight_per_stage(2, waves=1) == [4, 4, 4, 4]
+    assert inflight_per_stage(2, waves=1, microbatches=3) == [3, 3, 3, 3]
 
 
 @pytest.mark.parametrize(("name", "options"), [("1f1b", {}), ("interleaved", {"chunks": 2}), ("wave", {"waves": 1})])
@@ -148,13 +150,48 @@ def test_inflight_formulas():
 def test_inflight_never_below_the_simulated_peak(name, options, P, M):
     sched = make_schedule(name, P, M, **options)
     peaks = simulate(sched, Costs.uniform(sched.num_stages)).peak_activations
-    k = shape.inflight_per_stage(P, options.get("chunks", 1), options.get("waves"), M)
+    k = inflight_per_stage(P, options.get("chunks", 1), options.get("waves"), M)
     ranks = shape.stage_ranks(P, options.get("chunks", 1), options.get("waves"))
     assert tuple(ranks) == sched.stage_to_rank
     per_rank = [sum(k[s] for s in range(len(k)) if ranks[s] == r) for r in range(P)]
     assert all(mine >= sim for mine, sim in zip(per_rank, peaks))
     if name == "1f1b" or (name == "interleaved" and M % P == 0):  # exact; waves: an upper bound
         assert per_rank == list(peaks)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved", "wave", "scp", "zb-h1", "zb-h2", "zbv", "dualpipev"])
+def test_every_registered_in_flight_count_bounds_the_lists(name):
+    """The registry's closed forms (what the stage balance prices) never fall below the peaks counted off
+    each schedule's own action lists, and equal them for the schedules whose formula is exact."""
+    kind = SCHEDULES[name]
+    for P, M in [(2, 4), (3, 6), (4, 8), (4, 3), (3, 1)]:
+        if name == "dualpipev" and M < 2 * P:
+            continue
+        shape_opts = {"chunks": 2} if "chunks" in kind.options() else {}
+        counted = [max(n for n, _ in stash_points(lst)) for lst in make_schedule(name, P, M, **shape_opts).actions]
+        formula = inflight_per_rank(name, P, M, chunks=shape_opts.get("chunks", 1), waves=1 if kind.v_shape else None)
+        assert all(f >= c for f, c in zip(formula, counted)), (P, M, formula, counted)
+        if name in ("gpipe", "1f1b", "zb-h1"):
+            assert formula == counted, (P, M)
+
+
+def test_gpipe_stages_are_priced_with_every_microbatch_in_flight():
+    """compile(schedule="gpipe") on a pp mesh balances its stages with GPipe's in-flight counts: every rank
+    stashes all m microbatches. Before the one registry the solver's own list of schedules lacked gpipe, so
+    the flow priced 1F1B's [4, 3, 2, 1] for 4 stages and 8 microbatches: up to 8x too few activations."""
+    sched = make_schedule("gpipe", 4, 8)
+    assert list(simulate(sched, Costs.uniform(4)).peak_activations) == [8] * 4
+    assert inflight_per_stage(4, microbatches=8, schedule="gpipe") == [8] * 4
+    spec = build("tiny-gpt2:n_layer=4", device="meta")
+    captured = capture(spec.model, spec.args, spec.kwargs)
+    options = FlowOptions(microbatches=8, stage_to_rank=sched.stage_to_rank, schedule="gpipe", cache=False)
+    gpipe = plan_program(captured, MeshSpec((("pp", 4),)), options).stage_plan
+    assert [s.inflight for s in gpipe.stages] == [8] * 4
+    for s in gpipe.stages:
+        assert s.memory_bytes == pytest.approx(s.weight_bytes + 8 * s.activation_bytes)
+    options = FlowOptions(microbatches=8, stage_to_rank=sched.stage_to_rank, schedule="1f1b", cache=False)
+    one_f_one_b = plan_program(captured, MeshSpec((("pp", 4),)), options).stage_plan
+    assert [s.inflight for s in one_f_one_b.stages] == [4, 3, 2, 1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -304,9 +341,9 @@ def test_a_v_is_balanced_per_rank_as_brute_force(monkeypatch) -> None:
     """On a V (ZB-V's one wave: rank r holds stages r and 2P - 1 - r) the balancer minimizes the slowest rank,
     both its stages together, as brute force over every cut of tiny GPT-2's split into 2P stages; the
     per-stage balance (what it did before, the V layout switched off here) leaves a slower rank."""
-    from autopar.solver import stages
-    from autopar.solver.cost import EFFICIENCY
-    from autopar.solver.stage_cost import subgraph_costs
+    from autopar.solver.sharding.cost import EFFICIENCY
+    from autopar.solver.stages import balance as stages
+    from autopar.solver.stages.cost import subgraph_costs
 
     prog, pp = gpt2(), 2
     split = ps.split_program(prog)

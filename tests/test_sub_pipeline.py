@@ -13,10 +13,10 @@ import torch.fx as fx
 
 from autopar.errors import SubPipelineError
 from autopar.ir.core import MeshSpec
-from autopar.runtime import collectives as coll
-from autopar.runtime.comm import use_comm
-from autopar.runtime.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
-from autopar.runtime.subpipeline import Interleaved, record_events
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.context import use_comm
+from autopar.runtime.execute.subpipeline import Interleaved, record_events
+from autopar.schedule.formulas import sub_pipelined_tp, sub_pipelined_tp_phases
 from tests.equivalence import overlapped_issues
 from tests.exactness import TOL
 
@@ -96,10 +96,10 @@ def test_merak_sub_pipelined_cost():
 
 def test_sub_pipelining_refuses_an_odd_microbatch_and_a_plan_without_tp_collectives():
     from autopar.api import _check_sub_pipeline
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.runtime.batch import sub_microbatch
+    from autopar.runtime.call.batch import sub_microbatch
 
     x = torch.zeros(12, 4)
     with pytest.raises(SubPipelineError, match="multiple of 8"):

@@ -1,4 +1,4 @@
-"""Ranks leave through the interpreter's teardown without aborting: autopar's shutdown (runtime/teardown.py)
+"""Ranks leave through the interpreter's teardown without aborting: autopar's shutdown (runtime/comm/teardown.py)
 frees every process group, its gloo worker threads joined, before the interpreter finalizes."""
 
 from __future__ import annotations

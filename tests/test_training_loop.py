@@ -42,8 +42,8 @@ import pytest
 import torch
 
 from autopar.errors import BatchError, OptimizerError
-from autopar.runtime.batch import DataLayout, merge_outputs, token_count
-from autopar.runtime.optim import fused_by_default, resolve_groups
+from autopar.runtime.call.batch import DataLayout, merge_outputs, token_count
+from autopar.runtime.grads.optimizer import fused_by_default, resolve_groups
 from tests.equivalence import tiny_mlp, tiny_padded_gpt, train_lm_example
 from tests.exactness import TOL, float64_batch, float64_model, state_error
 
@@ -111,7 +111,7 @@ def _zero2_groups_clip(rank: int) -> dict:
     """dp=2 x tp=2, ZeRO-2: global vs local batches vs the user's own loop, against one process."""
     import autopar
     from autopar.passes.shard import ShardOptions
-    from autopar.solver.cost import TrainingSetup
+    from autopar.solver.sharding.cost import TrainingSetup
 
     model, batches = tiny_padded_gpt(steps=5)
     adamw = {"lr": 1e-2, "weight_decay": 0.1}
@@ -177,7 +177,7 @@ def _float_inputs_zero3(rank: int) -> dict:
     ZeRO-3 over dp, clipping inside ``train_step``: local vs global batches vs one process."""
     import autopar
     from autopar.passes.shard import ShardOptions
-    from autopar.solver.cost import TrainingSetup
+    from autopar.solver.sharding.cost import TrainingSetup
 
     model, batches = tiny_mlp(steps=2)
     model, batches = float64_model(model), [float64_batch(b) for b in batches]
@@ -425,8 +425,8 @@ def _eight(rank: int, world: int, root: str) -> dict:
 
     import autopar
     from autopar.passes.shard import ShardOptions
-    from autopar.runtime.safetensors_io import load_safetensors, save_safetensors
-    from autopar.solver.cost import TrainingSetup
+    from autopar.runtime.checkpoint.safetensors_io import load_safetensors, save_safetensors
+    from autopar.solver.sharding.cost import TrainingSetup
 
     model, batches = tiny_padded_gpt(steps=3)
     sgd = {"lr": 0.1, "momentum": 0.9}
@@ -552,7 +552,7 @@ def test_a_local_batch_is_planned_as_given():
     from autopar.passes.lower import lower
     from autopar.passes.manager import PassManager
     from autopar.passes.shard import ShardOptions, planning_options
-    from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.cluster.spec import ClusterSpec
     from tests.test_cost_plans import _moved_recomputable
 
     ex = train_lm_example()
@@ -601,7 +601,7 @@ def test_the_loss_weighting_is_read_from_the_program():
     from autopar.api import parse_mesh
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
-    from autopar.runtime.loss_weight import divisor_program
+    from autopar.runtime.call.loss_weight import divisor_program
 
     mesh = parse_mesh("dp=1")
     model, batches = tiny_padded_gpt(steps=1)

@@ -19,13 +19,13 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import ScheduleError
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import P2P_KINDS, Action, B, F, Kind, Schedule, W
-from autopar.runtime.formulas import dualpipev_equal, paper_bubble, zb_h1, zb_h2
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
-from autopar.runtime.split_backward import deferring_weights, run_backward
-from autopar.runtime.timeline import SimResult
+from autopar.runtime.execute.split_backward import deferring_weights, run_backward
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import P2P_KINDS, Action, B, F, Kind, Schedule, W
+from autopar.schedule.formulas import dualpipev_equal, paper_bubble, zb_h1, zb_h2
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
+from autopar.schedule.timeline import SimResult
 from autopar.search.space import SearchSpace
 
 ZERO_BUBBLE = ("zb-h1", "zb-h2", "zbv", "dualpipev")
@@ -327,15 +327,15 @@ def test_split_backward_equals_the_whole_backward_and_runs_each_node_once() -> N
 def test_split_backward_of_a_generated_stage() -> None:
     """A stage GraphModule codegen made (tiny GPT-2's second stage, float64): the received activation's
     gradient after B and every parameter's after W equal a whole backward's."""
-    from autopar.models import build
+    from autopar.models.resolve import build
     from autopar.passes.assign_stages import assign_stages
     from autopar.passes.capture import capture
     from autopar.passes.lower import lower
     from autopar.passes.prune import prune_outputs
     from autopar.passes.stage_program import stage_program
     from autopar.passes.transfers import insert_transfers
-    from autopar.runtime.codegen import codegen
-    from autopar.runtime.stage_runner import Part
+    from autopar.runtime.build.codegen import codegen
+    from autopar.runtime.execute.stage_runner import Part
 
     spec = build("tiny-gpt2", device="cpu", seed=0)
     model = spec.model.double()
@@ -374,7 +374,7 @@ def test_the_search_prices_zero_bubble_and_picks_the_v_when_memory_allows() -> N
     schedule's in-flight count (a microbatch counted until its W), the step by simulating its lists
     with the weight-gradient part of each backward as W."""
     from autopar.search import search
-    from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.cluster.spec import ClusterSpec
     from tests.test_search import gpt_profile
 
     prof, cluster = gpt_profile(layers=16, V=8192), ClusterSpec.load("dgx-a100:nodes=1")
@@ -399,7 +399,7 @@ def test_the_search_prices_zero_bubble_and_picks_the_v_when_memory_allows() -> N
 def test_stash_points_price_the_simulated_peak_with_w_kept_gradients(name, p, extra, act, grad) -> None:
     """The search prices a zero-bubble rank's activation memory at the worst of its (stashed, awaiting W)
     points: equal to the simulator's peak bytes for any stash and W-kept gradient sizes."""
-    from autopar.runtime.actions import stash_points
+    from autopar.schedule.actions import stash_points
 
     sched = schedule(name, p, max(2 * p, p + extra))
     peak = simulate(sched, Costs.uniform(sched.num_stages, act_bytes=act, w_bytes=grad)).peak_activation_bytes
@@ -412,7 +412,7 @@ def _analytic(wgrad: float):
     import dataclasses
 
     from autopar.search.price import Analytic
-    from autopar.solver.cluster import ClusterSpec
+    from autopar.solver.cluster.spec import ClusterSpec
     from tests.test_search import gpt_profile
 
     prof = gpt_profile(layers=16, V=8192)
@@ -511,7 +511,7 @@ def test_the_stage_balancer_prices_the_schedule_that_runs() -> None:
     """ZB-H1/H2 have 1F1B's shape and ZB-V/DualPipeV a wave's; the stage balancer counts their own
     in-flight microbatches (until W), from the flow's options down to the stage plan."""
     from autopar.passes.assign_stages import assign_stages_pass
-    from autopar.solver.pipeline_shape import inflight_per_stage
+    from autopar.schedule.generators import inflight_per_stage
     from tests.test_pipeline_split import preset
 
     assert inflight_per_stage(4) == [4, 3, 2, 1]
@@ -538,7 +538,7 @@ def test_the_flows_stage_balancer_predicts_each_ranks_peak_as_the_simulator(name
     peak for the plan's own per-stage bytes; the W-kept gradients are not zero there (the in-flight count
     alone, what the balancer had before, is below the peak). Cost: ~1 s."""
     from autopar.passes.assign_stages import assign_stages_pass
-    from autopar.runtime.actions import stage_stash_points
+    from autopar.schedule.actions import stage_stash_points
     from tests.test_pipeline_split import preset
 
     _, prog, _ = preset("tiny-gpt2")
@@ -586,8 +586,8 @@ def test_the_simulator_charges_each_action_the_executors_own_time() -> None:
 def test_stash_points_repeat_from_2p_microbatches_on() -> None:
     """The search reads a zero-bubble rank's memory off its order for min(m, 4P) microbatches: from 2P on
     the orders only repeat their steady state, so the points are those of any larger m."""
-    from autopar.runtime.actions import stash_points
-    from autopar.runtime.schedules import zero_bubble_orders
+    from autopar.schedule.actions import stash_points
+    from autopar.schedule.generators import zero_bubble_orders
 
     for name in ZERO_BUBBLE:
         for p in (2, 3, 5):

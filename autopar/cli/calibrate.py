@@ -7,8 +7,8 @@ import time
 
 from autopar.api import calibration_dir
 from autopar.errors import AutoparError
-from autopar.runtime.calibrate import calibrate
-from autopar.solver.cluster import calibration_file
+from autopar.runtime.measure.calibrate import calibrate
+from autopar.solver.cluster.spec import calibration_file
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 
 from autopar.api import parse_mesh
-from autopar.check import check_model
+from autopar.check.step import check_model
 from autopar.errors import AutoparError
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.shard import ShardOptions
 
 

@@ -7,14 +7,14 @@ import math
 
 from autopar.errors import AutoparError
 from autopar.ir.core import Op
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.problem import switch_costs
-from autopar.solver.sharding import SharedReads, build_problem
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.problem import switch_costs
+from autopar.solver.sharding.solve import SharedReads, build_problem
 
 MiB = 2**20
 

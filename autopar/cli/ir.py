@@ -9,12 +9,12 @@ import sys
 from autopar.api import DEFAULT_PIPELINE, dump_rank_code, parse_mesh
 from autopar.errors import AutoparError
 from autopar.ir.printer import print_program
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.manager import PassManager
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.codegen import codegen
+from autopar.runtime.build.codegen import codegen
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

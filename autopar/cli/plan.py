@@ -9,14 +9,14 @@ import sys
 from autopar.api import parse_mesh
 from autopar.errors import AutoparError
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.models import list_presets
+from autopar.models.resolve import list_presets
 from autopar.passes.shard import ShardOptions, planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
+from autopar.schedule.generators import SCHEDULES
 from autopar.search import run_cli
-from autopar.solver.baselines import BASELINES
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import TrainingSetup
-from autopar.solver.pipeline_shape import SCHEDULES
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.baselines import BASELINES
+from autopar.solver.sharding.cost import TrainingSetup
 
 GiB = 2**30
 
@@ -70,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (pipeline meshes)")
     p.add_argument(
         "--schedule",
-        choices=[s for s in SCHEDULES if s != "none"],
+        choices=sorted(SCHEDULES),
         default=None,
         help="pipeline schedule the stages are balanced for (pipeline meshes; default 1f1b, interleaved with "
         "--chunks, wave with --waves): a zero-bubble one prices the output gradients its split backward keeps",

@@ -26,12 +26,12 @@ from fractions import Fraction
 
 from autopar.errors import ScheduleError
 from autopar.plan import Plan
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import Schedule
-from autopar.runtime.chart import save_gantt
-from autopar.runtime.schedules import SCHEDULES, make_schedule
-from autopar.runtime.simulator import simulate
-from autopar.runtime.timeline import SimResult
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import Schedule
+from autopar.schedule.chart import save_gantt
+from autopar.schedule.generators import SCHEDULES, make_schedule
+from autopar.schedule.simulator import simulate
+from autopar.schedule.timeline import SimResult
 
 # flag -> generator keyword; a flag is passed only to generators that take that keyword
 _OPTION_FLAGS = {"chunks": "chunks", "waves": "waves", "recompute": "recompute", "alpha1": "alpha1"}
@@ -69,7 +69,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
     """The (Schedule, Costs) pair the flags describe."""
-    generator = SCHEDULES[args.schedule]
+    generator = SCHEDULES[args.schedule].generator
     accepted = inspect.signature(generator).parameters
     options = {}
     for flag, keyword in _OPTION_FLAGS.items():

@@ -13,7 +13,7 @@ from autopar.errors import AutoparError
 from autopar.search.result import GiB
 from autopar.search.search import search_model
 from autopar.search.space import SearchSpace
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -5,19 +5,19 @@ With the cluster's alpha-beta links (intra-node when a group of consecutive rank
 - tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
   inter-node link prices the whole ring); a backward one (Megatron's f) is charged only where it outlasts the
   weight gradients of the matmuls reading it, which the runtime computes while it is in flight
-  (``StageTerms.hidden_ar_bwd``, ``runtime/column_linear.py``; not under a zero-bubble schedule, whose
+  (``StageTerms.hidden_ar_bwd``, ``runtime/comm/column_linear.py``; not under a zero-bubble schedule, whose
   split backward computes them later, nor on gloo, whose reduction waits for the compute);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
   all-reduce (= reduce-scatter + all-gather) of the rank's gradients, ZeRO-0's per bucket of ``BUCKET_BYTES``
-  (one latency each, ``solver/buckets.py``; on gloo, whose reduce-scatter is an all-reduce, ZeRO-1 pays the
+  (one latency each, ``solver/sharding/buckets.py``; on gloo, whose reduce-scatter is an all-reduce, ZeRO-1 pays the
   all-reduce and the all-gather); ZeRO-2 one reduce-scatter per
   microbatch (the gradient shard accumulates) plus an all-gather of the weights; ZeRO-3 all-gathers
   the weights in every forward, backward and recomputation and reduce-scatters every backward (priced
   per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
   all-reduce of 1/g of the gradients (2-hop synchronization): once per step, after the last backward,
-  with ZeRO-1/2; in every backward with ZeRO-3, whose gradient shards are made there (``runtime/zero3.py``).
+  with ZeRO-1/2; in every backward with ZeRO-3, whose gradient shards are made there (``runtime/grads/zero3.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from __future__ import annotations
 import math
 
 from autopar.search.space import Candidate
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import BUCKET_BYTES
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import BUCKET_BYTES
 
 
 class CommTime:

@@ -29,17 +29,17 @@ from typing import Any, Protocol
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
-from autopar.models import build
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions
 from autopar.plan import Plan, fingerprint
 from autopar.planner import options_dict, options_from_dict, shard_stats
-from autopar.runtime.precision import for_capture
+from autopar.runtime.build.precision import for_capture
 from autopar.search.evaluation import Evaluation
 from autopar.search.profile import with_batch
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import TrainingSetup
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import TrainingSetup
 
 
 class SearchOutcome(Protocol):

@@ -7,12 +7,12 @@ the data-parallel gradient synchronization after each rank's last backward under
 
 - memory per rank: model states (``TrainingSetup.bytes_per_param``, divided as ZeRO/MiCS say) plus
   the stashed activations of the microbatches in flight (closed forms per schedule,
-  ``solver/pipeline_shape.inflight_per_rank``; for zero-bubble schedules, read off their action lists:
+  ``schedule/generators.inflight_per_rank``; for zero-bubble schedules, read off their action lists:
   a microbatch counts until its W, and from its B on it also holds the output gradients of its weight
   ops, ``UnitCost.wgrad_*``, priced at the worst point of each rank's list)
   plus what a stage holds only while it runs: one recomputed layer's activations while it is
   rematerialized and, with ZeRO-3, the whole weights the runtime holds while the stage runs: its
-  embedding/head units and two layers (``runtime/zero3.py`` gathers one unit at a time, with prefetch);
+  embedding/head units and two layers (``runtime/grads/zero3.py`` gathers one unit at a time, with prefetch);
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -31,8 +31,8 @@ import functools
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.runtime.actions import stash_points
-from autopar.runtime.schedules import zero_bubble_orders
+from autopar.schedule.actions import stash_points
+from autopar.schedule.generators import zero_bubble_orders
 from autopar.search.evaluation import Evaluation
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_terms import StageTerms
@@ -128,7 +128,7 @@ class Analytic(StageTerms):
     def _state_bytes(self, zero: int, group: int) -> float:
         """Model-state bytes per parameter element with ZeRO stage ``zero`` sharding over ``group`` ranks."""
         w, g, o = self.weight_b, self.grad_b, self.state_b
-        o += 4.0 if zero in (1, 2) else 0.0  # the ZeRO-1/2 optimizer's fp32 flat slice (runtime/zero.py)
+        o += 4.0 if zero in (1, 2) else 0.0  # the ZeRO-1/2 optimizer's fp32 flat slice (runtime/grads/zero.py)
         shards = w / (group if zero >= 3 else 1) + g / (group if zero >= 2 else 1) + o / (group if zero >= 1 else 1)
         return shards + self.copy_b  # mixed precision's per-use compute copy, unsharded
 

@@ -5,17 +5,17 @@ unit per layer of the stack (``transformer.h.N``, ``model.layers.N``), ``post`` 
 loss). Per unit and per sample (``UnitCost``): forward FLOPs, parameters, bytes saved for backward,
 bytes entering the unit, and the tensor-parallel all-reduces of Megatron's layout.
 
-- Megatron's tensor parallelism is read off the IR (``solver/megatron_roles.py``, the one copy of the
+- Megatron's tensor parallelism is read off the IR (``solver/sharding/megatron_roles.py``, the one copy of the
   column/row detection): values between a column- and a row-parallel matmul are split over tp, so
   are their FLOPs and bytes. Each row-parallel output is all-reduced in the forward pass (Megatron's
   g), each distinct input of a column-parallel matmul in the backward pass (f); an embedding lookup
   of the largest table is vocabulary-parallel (forward all-reduce of its output). Matrices (2-D
   parameters) are split over tp, vectors are not.
-- Saved activations: what autograd saves for backward, from ``solver/saved.py`` (the ILP's cost model
+- Saved activations: what autograd saves for backward, from ``solver/sharding/saved.py`` (the ILP's cost model
   reads the same): each storage some op keeps, counted in the unit whose op produced it (a layer's
   output saved by the next layer's norm is the layer's), plus the intermediates an op saves (a layer
   norm's mean and rstd, attention's logsumexp and float mask) in the op's unit; split over tp where the
-  value (for an intermediate: the operand it lines up with, as ``solver/saved.py`` splits it) lies
+  value (for an intermediate: the operand it lines up with, as ``solver/sharding/saved.py`` splits it) lies
   between Megatron's column- and row-parallel matmuls. Parameters and the batch are not activations.
 
 ``profile_model`` captures a model spec on the meta device and caches its profile on disk by spec
@@ -34,17 +34,25 @@ import torch
 
 from autopar.errors import PresetError
 from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
-from autopar.models import build
+from autopar.models.presets import PRESETS
+from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
-from autopar.presets import PRESETS
-from autopar.solver.megatron_roles import COLUMN, CONTRACTIONS, ROW, SPLIT, VOCAB, megatron_roles, weight_values
-from autopar.solver.saved import NOTHING, aligned_operand, op_saved, saved_values
+from autopar.solver.sharding.megatron_roles import (
+    COLUMN,
+    CONTRACTIONS,
+    ROW,
+    SPLIT,
+    VOCAB,
+    megatron_roles,
+    weight_values,
+)
+from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
 PROFILE_VERSION = 6  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
-# 4: saved activations from solver/saved.py (what autograd saves), no longer a table of ops
+# 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
 _LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
@@ -72,12 +80,12 @@ class UnitCost:
     ar_bwd_bytes: float  # bytes all-reduced over tp in the backward pass
     ar_bwd_count: int
     # bytes of the outputs of ops that read a weight: their gradients are what a split backward keeps
-    # from B to W (runtime/split_backward.py captures each where the weight's branch leaves the input path)
+    # from B to W (runtime/execute/split_backward.py captures each where the weight's branch leaves the input path)
     wgrad_tp: float = 0.0
     wgrad_rep: float = 0.0
     # per Megatron f of the unit: (bytes its backward all-reduces, forward FLOPs of the column-parallel matmuls
     # reading it = their weight gradients' FLOPs), per sample: the runtime computes those weight gradients while
-    # the all-reduce is in flight (runtime/column_linear.py)
+    # the all-reduce is in flight (runtime/comm/column_linear.py)
     ar_bwd_groups: tuple[tuple[float, float], ...] = ()
 
     def act(self, tp: int) -> float:

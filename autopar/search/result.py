@@ -6,14 +6,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from autopar.plan import Plan
-from autopar.runtime.simulator import simulate
-from autopar.runtime.timeline import SimResult
+from autopar.schedule.simulator import simulate
+from autopar.schedule.timeline import SimResult
 from autopar.search.evaluation import Evaluation
 from autopar.search.materialize import build_plan
 from autopar.search.price import Analytic
 from autopar.search.score import Scorer
 from autopar.search.space import SearchSpace
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 GiB = 2**30
 
@@ -105,7 +105,7 @@ class SearchResult:
 
     def simulate(self, rank: int = 0) -> SimResult:
         """The simulated step (``SimResult``) of the ``rank``-th best plan at its own microbatch count,
-        for ``autopar.runtime.chart.draw_gantt``; the plan needs a pipeline (pp > 1)."""
+        for ``autopar.schedule.chart.draw_gantt``; the plan needs a pipeline (pp > 1)."""
         ev = self.best[rank]
         c = ev.candidate
         if c.pp == 1:

@@ -14,10 +14,10 @@ import hashlib
 from typing import Any
 
 from autopar.passes.split_cache import cache_dir, write_atomic
-from autopar.runtime.action_costs import Costs
-from autopar.runtime.actions import COMPUTE_KINDS, Schedule
-from autopar.runtime.schedules import make_schedule
-from autopar.runtime.simulator import simulate
+from autopar.schedule.action_costs import Costs
+from autopar.schedule.actions import COMPUTE_KINDS, Schedule
+from autopar.schedule.generators import make_schedule
+from autopar.schedule.simulator import simulate
 from autopar.search.evaluation import Evaluation
 
 FULL_SIMULATION = 2048  # simulate exactly up to this many forward actions (stages x microbatches)

@@ -47,7 +47,7 @@ from autopar.search.profile import Profile, profile_model
 from autopar.search.result import GiB, SearchResult
 from autopar.search.score import Scorer
 from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, families, max_shard
-from autopar.solver.cluster import ClusterSpec
+from autopar.solver.cluster.spec import ClusterSpec
 
 _BOUND_SLACK = 1e-9  # relative: float sums of the bound and the simulator differ in the last bits
 

@@ -26,11 +26,16 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 from autopar.ir.axes import PIPELINE_AXIS
+from autopar.schedule.generators import inflight_per_rank, schedule_kind
+from autopar.schedule.placement import num_stages
 from autopar.search.profile import Profile
-from autopar.solver.pipeline_shape import SCHEDULES, ZERO_BUBBLE, inflight_per_rank, num_stages
 
 RECOMPUTE = ("none", "full", "stage-aware")
 ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
+# the schedules the search tries, each enumerated with its options in _schedules ("none": pp = 1, gradient
+# accumulation); every other name is the registry's (schedule/generators.py), which says what each one is
+SEARCHED = ("none", "1f1b", "interleaved", "wave", "scp", "zb-h1", "zb-h2", "zbv", "dualpipev")
+ZERO_BUBBLE = tuple(n for n in SEARCHED[1:] if schedule_kind(n).split_backward)  # each backward split into B and W
 
 
 @dataclass(frozen=True, order=True)
@@ -65,11 +70,11 @@ class Candidate:
 
     def inflight_counts(self) -> list[float]:
         """Stage-microbatches whose activations each pipeline rank stashes at its peak
-        (``solver/pipeline_shape.inflight_per_rank``)."""
+        (``schedule/generators.inflight_per_rank``)."""
         return inflight_per_rank(self.schedule, self.pp, self.microbatches, self.chunks, self.waves)
 
     def schedule_options(self) -> dict[str, Any]:
-        """Keyword options of ``autopar.runtime.schedules.make_schedule`` for this candidate."""
+        """Keyword options of ``autopar.schedule.generators.make_schedule`` for this candidate."""
         if self.schedule == "interleaved":
             return {"chunks": self.chunks}
         if self.schedule == "wave":
@@ -120,7 +125,7 @@ class SearchSpace:
     dp: tuple[int, ...] | None = None
     tp: tuple[int, ...] | None = None
     micro_batch: tuple[int, ...] | None = None
-    schedules: tuple[str, ...] = SCHEDULES
+    schedules: tuple[str, ...] = SEARCHED
     chunks: tuple[int, ...] = (2, 3, 4, 6, 8)
     waves: tuple[int, ...] = (1, 2)
     recompute: tuple[str, ...] = ("none", "full", "stage-aware")
@@ -129,7 +134,7 @@ class SearchSpace:
     mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
     devices_per_node: int = 8  # set from the cluster by the search
     # ZeRO-3 / MiCS-3 also with pp > 1: the runtime gathers a stage's weights one unit (layer, embedding, head)
-    # at a time in each forward, recomputation and backward (runtime/zero3.py), as price.py prices it; False
+    # at a time in each forward, recomputation and backward (runtime/grads/zero3.py), as price.py prices it; False
     # leaves those candidates out
     pipeline_zero3: bool = True
     layouts: tuple[str, ...] = ("balanced", "even")
@@ -258,7 +263,7 @@ def _schedules(pp: int, layers: int, space: SearchSpace, microbatches: int) -> I
             if 2 * pp * w <= layers:
                 yield "wave", 1, w
     for name in ZERO_BUBBLE:
-        v_shaped = name in ("zbv", "dualpipev")
+        v_shaped = schedule_kind(name).v_shape
         if name not in space.schedules or (v_shaped and 2 * pp > layers):
             continue
         if name != "dualpipev" or microbatches >= 2 * pp:

@@ -5,7 +5,7 @@ balancer's own partition (``solver/partition.min_max_partition``); among the lay
 the one that fills later stages first, since the first stages hold more microbatches in flight (the
 partition's own choice fills the earlier ones). ``even_layout`` is Megatron's, L / S layers per stage.
 
-``balanced_v_layout`` (``solver/v_layout.py``, shared with the flow's stage balancer) is for the V
+``balanced_v_layout`` (``solver/stages/v_layout.py``, shared with the flow's stage balancer) is for the V
 placements (a wave with W = 1, ZB-V, DualPipeV): it minimizes the largest *rank's* FLOPs, the two
 stages of a rank together.
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.solver.partition import min_max_partition
-from autopar.solver.v_layout import Layout, balanced_v_layout
+from autopar.solver.stages.partition import min_max_partition
+from autopar.solver.stages.v_layout import Layout, balanced_v_layout
 
 
 def balanced_layout(flops: Sequence[float], stages: int) -> Layout | None:

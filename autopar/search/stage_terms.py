@@ -4,7 +4,7 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
 
 - stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
   (``stage_layout.py``: balanced FLOPs, per rank for a V of one wave, or Megatron's L / S layers each);
-- compute seconds per microbatch: forward = FLOPs / (peak * ``solver.cost.EFFICIENCY``), backward
+- compute seconds per microbatch: forward = FLOPs / (peak * ``solver.sharding.cost.EFFICIENCY``), backward
   twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
   once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
@@ -26,14 +26,14 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from autopar.runtime.schedules import stage_aware_ratios
+from autopar.schedule.generators import stage_aware_ratios
+from autopar.schedule.placement import stage_ranks
 from autopar.search.comm_time import CommTime
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
-from autopar.solver.cluster import ClusterSpec
-from autopar.solver.cost import EFFICIENCY, TrainingSetup
-from autopar.solver.pipeline_shape import stage_ranks
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import EFFICIENCY, TrainingSetup
 
 
 class StageTerms:
@@ -108,7 +108,7 @@ class StageTerms:
 
     def hidden_ar_bwd(self, a: int, e: int, b: int, tp: int) -> float:
         """Seconds of units ``a..e``'s backward tensor-parallel all-reduces (Megatron's f) that run while the
-        weight gradients of the matmuls reading each f are computed (``runtime/column_linear.py``): per f, the
+        weight gradients of the matmuls reading each f are computed (``runtime/comm/column_linear.py``): per f, the
         smaller of its all-reduce and those weight gradients, at micro-batch ``b``; none where the backend's
         collectives do not run beside compute (gloo: ``ClusterSpec.overlaps_compute``)."""
         return sum(self._unit_hidden(self.p.units[i].ar_bwd_groups, b, tp) for i in range(a, e))
@@ -206,7 +206,7 @@ class StageTerms:
         return base
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
-        """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/zero3.py`` runs it: one all-gather per unit
+        """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/grads/zero3.py`` runs it: one all-gather per unit
         (the stage's embedding/head units, each layer) in every forward, backward and recomputation,
         one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across the
         groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. While a

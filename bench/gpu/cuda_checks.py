@@ -41,7 +41,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _batches(device: str):
-    from autopar.models import build
+    from autopar.models.resolve import build
     from tests.equivalence import make_batches
 
     spec = build(f"{SPEC},batch=8,seq=8", device="cpu", seed=0)
@@ -54,8 +54,8 @@ def eager(precision: str, device: str = "cuda") -> list[float]:
     """Eager PyTorch on the GPU under the same policy as autopar's: each step a compute-dtype copy of the fp32
     model (``precision.compute_copy``) runs forward and backward, its gradients become the fp32 masters'
     (fp16: scaled and unscaled by autopar's ``LossScaler`` arithmetic, steps with an overflow skipped)."""
-    from autopar.runtime.comm import Comm
-    from autopar.runtime.precision import LossScaler, LossScaling, compute_copy
+    from autopar.runtime.build.precision import LossScaler, LossScaling, compute_copy
+    from autopar.runtime.comm.context import Comm
 
     model, batches = _batches(device)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -123,11 +123,11 @@ def nccl_world_one() -> list[tuple[str, bool, str]]:
 
 
 def column_linears_on_cuda() -> tuple[str, bool, str]:
-    """Megatron's f fused with its readers (runtime/column_linear.py) on CUDA, the all-reduce on NCCL (the group
+    """Megatron's f fused with its readers (runtime/comm/column_linear.py) on CUDA, the all-reduce on NCCL (the group
     of one as the tp axis): outputs and gradients against the separate ops, fp32, within 1e-5 relative."""
-    from autopar.runtime import collectives as coll
-    from autopar.runtime.column_linear import column_linears
-    from autopar.runtime.comm import Comm, use_comm
+    from autopar.runtime.comm import collectives as coll
+    from autopar.runtime.comm.column_linear import column_linears
+    from autopar.runtime.comm.context import Comm, use_comm
 
     torch.manual_seed(0)
     x = torch.randn(64, 256, device="cuda")

@@ -63,7 +63,7 @@ def _free_port() -> int:
 
 def run_variant(args) -> dict:
     """One variant in this process: time the steps, read the peak memory."""
-    from autopar.models import build
+    from autopar.models.resolve import build
 
     spec_text = f"{args.model}:embd_pdrop=0,attn_pdrop=0,resid_pdrop=0,batch={args.batch},seq={args.seq}"
     torch.manual_seed(0)
@@ -72,7 +72,7 @@ def run_variant(args) -> dict:
         import torch.distributed as dist
 
         import autopar
-        from autopar.solver.cost import CostModel
+        from autopar.solver.sharding.cost import CostModel
 
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
         dist.init_process_group("nccl", rank=0, world_size=1)

@@ -1,0 +1,89 @@
+"""Megatron's vocab-parallel embedding and cross-entropy: a table or logits split over the vocabulary on
+tensor-parallel axes, computed without gathering them (the generated per-rank modules call these)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.comm.context import current_comm
+
+
+def vocab_parallel_embedding(
+    weight: torch.Tensor, ids: torch.Tensor, axes: list[str], padding_idx: int = -1
+) -> torch.Tensor:
+    """Megatron's vocab-parallel lookup: this rank holds rows [start, start + V_local) of the table
+    (its block over ``axes``, outer axis first); ids outside read as zero, so summing over the axes
+    gives the whole lookup. ``padding_idx`` (a global row whose gradient stays zero) is passed on as
+    the local row on the rank that holds it. Plain ATen ops, so autograd needs nothing special."""
+    c = current_comm()
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    start = block * weight.shape[0]
+    outside = (ids < start) | (ids >= start + weight.shape[0])
+    local_pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + weight.shape[0] else -1
+    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0), local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits whose class dim is split over ``axes`` (Megatron's vocab-parallel
+    loss): the max, the softmax denominator and the target's logit are all-reduced (three reductions
+    of one number per row) instead of gathering the logits."""
+
+    @staticmethod
+    def forward(ctx, logits, target, axes, reduction, ignore_index):
+        c = current_comm()
+        start = 0
+        for a in axes:
+            start = start * c.sizes[a] + c.coords[a]
+        local = logits.shape[1]
+        start *= local
+        groups = [c.groups[a] for a in axes]
+        # half types are upcast for the exponentials and sums; float32 and float64 keep their precision
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        row_max = logits.max(dim=1).values
+        for g in groups:
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)
+        shifted = logits - row_max.unsqueeze(1)
+        exp = shifted.exp()
+        denom = exp.sum(dim=1)
+        ignored = target == ignore_index
+        outside = (target < start) | (target >= start + local) | ignored
+        idx = (target - start).masked_fill(outside, 0)
+        picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+        for g in groups:
+            dist.all_reduce(denom, op=dist.ReduceOp.SUM, group=g)
+            dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=g)
+        loss = (denom.log() - picked).masked_fill(ignored, 0.0)
+        count = (~ignored).sum()
+        ctx.save_for_backward(exp / denom.unsqueeze(1), idx, outside, ignored, count)
+        ctx.reduction = reduction
+        if reduction == 1:  # mean over the rows that are not ignored
+            return loss.sum() / count
+        return loss.sum() if reduction == 2 else loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, idx, outside, ignored, count = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0])
+        g[rows, idx] -= (~outside).to(g.dtype)
+        g = g.masked_fill(ignored.unsqueeze(1), 0.0)
+        if ctx.reduction == 1:
+            g = g * (grad / count)
+        elif ctx.reduction == 2:
+            g = g * grad
+        else:
+            g = g * grad.unsqueeze(1)
+        return g, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, axes: list[str], reduction: int = 1, ignore_index: int = -100
+) -> torch.Tensor:
+    return _VocabParallelCrossEntropy.apply(logits, target, axes, reduction, ignore_index)
+
+
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_embedding"]

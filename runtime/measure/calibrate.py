@@ -1,0 +1,222 @@
+"""Measure this machine for the cost model: matmul FLOP/s, elementwise bandwidth, collectives' alpha-beta.
+
+``calibrate(ranks)`` spawns ``ranks`` local processes on the local backend (NCCL with one GPU each
+when CUDA has enough devices, else gloo with one thread each, as autopar trains), and in all of them
+at once, as in a training step:
+
+- times square matmuls (fp32, and bf16/fp16) -> ``peak_flops`` with ``efficiency: 1`` (the rates
+  are what a kernel sustains here, not a datasheet peak);
+- times ``x + y`` on tensors far larger than the caches -> ``memory_bandwidth`` (3 tensors moved);
+- times all_reduce, all_gather, reduce_scatter over all ranks and send/recv between ranks 0 and 1
+  at several sizes and fits ``t = A + S * B`` by least squares; with the ring model of
+  ``solver/cluster/spec.py`` (steps k: 2(n-1) for all_reduce, n-1 otherwise, 1 for send) the latency per
+  step is A / k and the bandwidth k / (n B), written under ``collectives`` of the spec.
+
+The result is a ``ClusterSpec`` of one node with ``ranks`` devices (``local_cluster`` rescales it
+to the job's world size); ``autopar calibrate`` writes it as YAML.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.runtime.comm.teardown import shutdown
+from autopar.solver.cluster.spec import ClusterSpec
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
+CPU_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 23)  # bytes per collective
+GPU_SIZES = (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_seconds(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+    fn()  # warm-up
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int, sync) -> float:
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), reps, sync)
+
+
+def _bandwidth(device: torch.device, numel: int, reps: int, sync) -> float:
+    x, y = torch.randn(numel, device=device), torch.randn(numel, device=device)
+    out = torch.empty_like(x)
+    return 3 * x.nbytes / _median_seconds(lambda: torch.add(x, y, out=out), reps, sync)
+
+
+def _collective_times(device: torch.device, sizes: tuple[int, ...], reps: int, sync) -> dict[str, list[float]]:
+    """Per kind, the median seconds at each size (every rank times the same calls; rank 0's are kept)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out: dict[str, list[float]] = {k: [] for k in KINDS}
+    for nbytes in sizes:
+        numel = max(world, nbytes // 4 // world * world)
+        x = torch.ones(numel, device=device)
+        shards = torch.empty(numel // world, device=device)
+        gathered = torch.empty(numel, device=device)
+        calls = {
+            "all_reduce": lambda x=x: dist.all_reduce(x),
+            "all_gather": lambda s=shards, g=gathered: dist.all_gather_into_tensor(g, s),
+            "reduce_scatter": lambda s=shards, x=x: dist.reduce_scatter_tensor(s, x),
+        }
+        if device.type == "cpu":  # gloo has no reduce_scatter_tensor / all_gather_into_tensor everywhere
+            parts = list(x.chunk(world))
+            calls["all_gather"] = lambda s=shards, p=parts: dist.all_gather(p, s)
+            calls["reduce_scatter"] = lambda x=x, p=parts: _reduce_scatter_gloo(x, p)
+        for kind, fn in calls.items():
+            dist.barrier()
+            out[kind].append(_median_seconds(fn, reps, sync))
+        dist.barrier()
+        if rank in (0, 1):
+            peer = 1 - rank
+
+            def ping(x=x, peer=peer, rank=rank) -> None:  # one way = half a round trip
+                if rank == 0:
+                    dist.send(x, peer)
+                    dist.recv(x, peer)
+                else:
+                    dist.recv(x, peer)
+                    dist.send(x, peer)
+
+            out["send"].append(_median_seconds(ping, reps, sync) / 2)
+        dist.barrier()
+    return out
+
+
+def _reduce_scatter_gloo(x: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """What a reduce-scatter costs on gloo, which has none: the ring's half of an all-reduce is not
+    available, so autopar's runtime all-reduces and keeps its slice (runtime/comm/pending.py)."""
+    dist.all_reduce(x)
+    parts[dist.get_rank()].clone()
+
+
+def _worker(rank: int, world: int, port: int, backend: str, opts: dict, result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+
+        def sync() -> None:
+            torch.cuda.synchronize()
+    else:
+        torch.set_num_threads(1)
+        device = torch.device("cpu")
+
+        def sync() -> None:
+            pass
+
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600))
+    try:
+        say = print if rank == 0 and opts["progress"] else (lambda *a, **k: None)
+        low = torch.bfloat16 if backend == "nccl" else torch.float32
+        n = opts["matmul_size"]
+        say(f"  matmul {n}x{n} fp32 on every rank at once ...", flush=True)
+        flops = {"fp32": _matmul_rate(device, torch.float32, n, opts["reps"], sync)}
+        if backend == "nccl":
+            say(f"  matmul {n}x{n} bf16 ...", flush=True)
+            flops["bf16"] = _matmul_rate(device, low, n, opts["reps"], sync)
+        say("  elementwise add bandwidth ...", flush=True)
+        bandwidth = _bandwidth(device, opts["stream_numel"], opts["reps"], sync)
+        say(f"  collectives over {world} ranks at {len(opts['sizes'])} sizes ...", flush=True)
+        coll = _collective_times(device, opts["sizes"], opts["reps"], sync) if world > 1 else {}
+        result = {"flops": flops, "bandwidth": bandwidth, "collectives": coll}
+        torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
+    finally:
+        shutdown()  # a spawned process finalizes its interpreter: its gloo threads must be joined first
+
+
+def fit_alpha_beta(kind: str, n: int, sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(latency per step, bandwidth bytes/s) of the ring model from times at sizes (least squares on
+    ``t = A + S * B``; a slope or intercept fitted below zero is clamped)."""
+    if kind == "send":
+        steps, share = 1, 1.0
+    else:
+        steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+        share = steps / n
+    slope, intercept = np.polyfit(np.asarray(sizes, dtype=float), np.asarray(seconds, dtype=float), 1)
+    slope = max(float(slope), 1e-15)
+    return max(float(intercept), 0.0) / steps, share / slope
+
+
+def calibrate(ranks: int = 2, quick: bool = False, progress: bool = True) -> ClusterSpec:
+    """Measure this machine with ``ranks`` local processes (module docstring) and return its spec."""
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
+    backend = "nccl" if cuda else "gloo"
+    sizes = (GPU_SIZES if cuda else CPU_SIZES)[: 3 if quick else None]
+    opts = {
+        "reps": 3 if quick else 10,
+        "matmul_size": (4096 if cuda else 256) if quick else (8192 if cuda else 1024),
+        "stream_numel": (1 << 26 if cuda else 1 << 22) if quick else (1 << 28 if cuda else 1 << 24),
+        "sizes": sizes,
+        "progress": progress,
+    }
+    if progress:
+        print(f"calibrating {backend} with {ranks} local processes ({'quick' if quick else 'full'}):", flush=True)
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(ranks, _free_port(), backend, opts, d), nprocs=ranks, join=True)
+        results = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=True) for r in range(ranks)]
+    return spec_from_measurements(results, backend, ranks, list(sizes))
+
+
+def spec_from_measurements(results: list[dict], backend: str, ranks: int, sizes: list[int]) -> ClusterSpec:
+    """The cluster spec of per-rank measurements (medians over ranks for compute, rank 0's for links)."""
+    flops = {k: statistics.median(r["flops"][k] for r in results) for k in results[0]["flops"]}
+    if "bf16" not in flops:  # CPU: no faster 16-bit matmul is assumed
+        flops["bf16"] = flops["fp32"]
+    bandwidth = statistics.median(r["bandwidth"] for r in results)
+    base = ClusterSpec.load("local-cpu" if backend == "gloo" else "local-gpu").to_dict()
+    collectives, notes = {}, {}
+    for kind, seconds in results[0]["collectives"].items():
+        lat, bw = fit_alpha_beta(kind, ranks, sizes, seconds)
+        collectives[kind] = {"latency": lat, "bandwidth": bw}
+        notes[f"measured {kind}"] = ", ".join(f"{s}B: {t * 1e6:.0f}us" for s, t in zip(sizes, seconds))
+    link = collectives.get("all_reduce")
+    data = dict(
+        base,
+        name=f"local-{backend}-calibrated",
+        description=f"this machine measured by `autopar calibrate` with {ranks} {backend} processes",
+        nodes=1,
+        devices_per_node=ranks,
+        peak_flops=flops,
+        efficiency=1.0,
+        memory_bandwidth=bandwidth,
+        collectives=collectives,
+        backend=backend,
+        notes={
+            "source": f"autopar calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}, torch "
+            f"{torch.__version__}",
+            "peak_flops": "sustained square-matmul rates on every rank at once (efficiency 1)",
+            **notes,
+        },
+    )
+    if link is not None:
+        data["intra_node_latency"], data["intra_node_bandwidth"] = link["latency"], link["bandwidth"]
+    return ClusterSpec.from_dict(data)
+
+
+__all__ = ["calibrate", "fit_alpha_beta", "spec_from_measurements"]

@@ -1,0 +1,243 @@
+"""Describe a cluster (nodes, devices, memory, FLOP/s, links) and price collectives on it (alpha-beta).
+
+A ``ClusterSpec`` is read from YAML or JSON (see ``docs/cluster_spec.md``) or from a preset in
+``solver/cluster/presets/NAME.yaml``, optionally with overrides: ``ClusterSpec.load("dgx-a100:nodes=128")``.
+Units are bytes, bytes/s, seconds and FLOP/s; files may also write ``80GiB``, ``200Gb/s`` (bits),
+``25GB/s`` (bytes), ``5us`` and ``312 TFLOP/s``. Bandwidths are *per device*: what one rank can
+push over the link while every rank of its node communicates at once (for an inter-node link, the
+node's NIC bandwidth divided among the devices that share it).
+
+Collective costs (``collective_seconds``) follow the ring alpha-beta model. For a group of n
+ranks, a link with latency a (seconds per step) and bandwidth b (bytes/s), and B bytes:
+
+    kind            time                             B is
+    all_reduce      2 (n-1)/n * B/b  +  2 (n-1) a    the tensor each rank holds (reduce-scatter + all-gather)
+    all_gather        (n-1)/n * B/b  +    (n-1) a    the gathered output (each rank contributes B/n)
+    reduce_scatter    (n-1)/n * B/b  +    (n-1) a    the full input each rank holds (each keeps B/n)
+    all_to_all        (n-1)/n * B/b  +    (n-1) a    each rank's send buffer (it keeps 1/n of it)
+    send / recv               B/b    +          a    the message (point to point, n ignored)
+
+A group of one rank, or zero bytes, costs nothing. ``intra_node`` picks the NVLink/PCIe link or
+the inter-node network; a group that spans nodes is priced on the inter-node link (its bottleneck).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autopar.errors import ClusterSpecError
+from autopar.solver.cluster.fields import COLLECTIVES, DTYPES, check_fields, parse_overrides, read_file
+
+__all__ = ["ClusterSpec", "COLLECTIVES", "calibration_file", "list_clusters", "local_cluster"]
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """A homogeneous cluster: ``nodes`` x ``devices_per_node`` devices and the links between them."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory: int  # bytes per device
+    peak_flops: dict[str, float]  # dtype ("fp32", "bf16", "fp16", ...) -> peak FLOP/s per device
+    intra_node_bandwidth: float  # bytes/s per device inside a node (NVLink/NVSwitch, PCIe, loopback)
+    intra_node_latency: float  # seconds per collective step inside a node
+    inter_node_bandwidth: float  # bytes/s per device across nodes (node NIC bandwidth / devices sharing it)
+    inter_node_latency: float  # seconds per collective step across nodes
+    backend: str = "nccl"  # torch.distributed backend: "nccl" (GPU) or "gloo" (CPU)
+    # measured by `autopar calibrate` (optional): per collective kind, (latency s, bandwidth bytes/s) of
+    # the intra-node link in the ring model, replacing intra_node_latency/bandwidth for that kind
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
+    memory_bandwidth: float | None = None  # bytes/s an elementwise kernel streams (None: not priced)
+    efficiency: float | None = None  # fraction of peak_flops a step sustains (None: the cost model's default)
+    description: str = ""
+    notes: dict[str, str] = field(default_factory=dict)  # where each number comes from
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops", dict(self.peak_flops))
+        object.__setattr__(self, "notes", dict(self.notes))
+        object.__setattr__(self, "collectives", {k: tuple(v) for k, v in self.collectives.items()})
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
+        """Validate a mapping (units allowed, see the module docstring); errors name the field."""
+        return cls(**check_fields(data, [f.name for f in dataclasses.fields(cls)]))
+
+    @classmethod
+    def load(cls, source: str | os.PathLike[str]) -> ClusterSpec:
+        """Load a YAML/JSON file, or a preset name with optional overrides (``dgx-a100:nodes=128``)."""
+        text = os.fspath(source)
+        path = Path(text)
+        if path.suffix.lower() in (".yaml", ".yml", ".json") or path.is_file():
+            if not path.is_file():
+                raise ClusterSpecError(f"cluster spec file {text!r} does not exist")
+            return cls.from_dict(read_file(path))
+        name, _, rest = text.partition(":")
+        preset = PRESET_DIR / f"{name}.yaml"
+        if not preset.is_file():
+            names = sorted(list_clusters())
+            close = difflib.get_close_matches(name, names, n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ClusterSpecError(
+                f"unknown cluster preset {name!r}.{hint} Presets: {', '.join(names)}; "
+                "or give a path to a .yaml/.json cluster spec."
+            )
+        data = read_file(preset)
+        data.update(parse_overrides(name, rest, data))
+        return cls.from_dict(data)
+
+    def replace(self, **changes: Any) -> ClusterSpec:
+        """A copy with some fields changed, validated like a loaded spec (units allowed)."""
+        return ClusterSpec.from_dict({**self.to_dict(), **changes})
+
+    # -- serialization -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain numbers (bytes, bytes/s, s, FLOP/s): ``from_dict(to_dict())`` gives an equal spec."""
+        out = dataclasses.asdict(self)
+        out["peak_flops"] = dict(self.peak_flops)
+        out["collectives"] = {k: {"latency": a, "bandwidth": b} for k, (a, b) in self.collectives.items()}
+        for key in ("collectives", "memory_bandwidth", "efficiency", "notes"):
+            if not out[key]:
+                del out[key]
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write YAML or JSON, chosen by the file's suffix."""
+        p = Path(path)
+        p.write_text(self.to_json() if p.suffix.lower() == ".json" else self.to_yaml())
+
+    # -- queries -----------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def peak(self, dtype: Any = "bf16") -> float:
+        """Peak FLOP/s per device for a dtype name (``bf16``, ``bfloat16``) or a ``torch.dtype``."""
+        key = DTYPES.get(str(dtype).removeprefix("torch."))
+        if key is None or key not in self.peak_flops:
+            raise ClusterSpecError(
+                f"cluster {self.name!r} has no peak_flops entry for {dtype!s}; "
+                f"it has {', '.join(sorted(self.peak_flops))}"
+            )
+        return self.peak_flops[key]
+
+    def alpha_beta(self, intra: bool) -> tuple[float, float]:
+        """(latency in s, bandwidth in bytes/s) of the intra-node or the inter-node link."""
+        if intra:
+            return self.intra_node_latency, self.intra_node_bandwidth
+        return self.inter_node_latency, self.inter_node_bandwidth
+
+    def collective_seconds(self, kind: str, nbytes: float, group_size: int, intra_node: bool) -> float:
+        """Ring alpha-beta seconds of one collective (formulas, meaning of ``nbytes``: module doc)."""
+        if kind not in COLLECTIVES:
+            close = difflib.get_close_matches(kind, COLLECTIVES, n=2)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"unknown collective {kind!r}{hint} Known: {', '.join(COLLECTIVES)}")
+        if group_size < 1 or nbytes < 0:
+            raise ValueError(f"{kind}: group_size must be >= 1 and nbytes >= 0, got {group_size}, {nbytes}")
+        n = group_size
+        if nbytes == 0 or (n == 1 and kind not in ("send", "recv")):
+            return 0.0
+        kind = self.runs_as(kind)
+        lat, bw = self._link(kind, intra_node)
+        if kind in ("send", "recv"):
+            return nbytes / bw + lat
+        steps = _ring_steps(kind, n)
+        return steps / n * nbytes / bw + steps * lat
+
+    def runs_as(self, kind: str) -> str:
+        """The collective that runs for ``kind`` on this backend: gloo has no reduce-scatter, and autopar's
+        runtime all-reduces and keeps the local slice there (``runtime/comm/pending.py``, ``runtime/grads/zero.py``),
+        so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's)."""
+        return "all_reduce" if kind == "reduce_scatter" and self.backend == "gloo" else kind
+
+    @property
+    def overlaps_compute(self) -> bool:
+        """Whether a collective in flight runs beside the rank's compute: NCCL's on its own stream; gloo's reduce
+        on CPU threads that wait for the rank's compute to yield (BENCHMARKS.md, "Megatron's asynchronous TP
+        backward": fused and unfused at parity on 2 ranks of 2 cores)."""
+        return self.backend != "gloo"
+
+    def collective_terms(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
+        """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
+        ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them."""
+        n = group_size
+        if n == 1:
+            return 0.0, 0.0
+        kind = self.runs_as(kind)
+        lat, bw = self._link(kind, intra_node)
+        steps = _ring_steps(kind, n)
+        return steps / n / bw, steps * lat
+
+    def _link(self, kind: str, intra_node: bool) -> tuple[float, float]:
+        """(latency, bandwidth) a collective of this kind sees: measured for it when calibrated (inside a
+        node; ``recv`` as ``send``), else the link's."""
+        measured = self.collectives.get("send" if kind == "recv" else kind)
+        if intra_node and measured is not None:
+            return measured
+        return self.alpha_beta(intra_node)
+
+
+def _ring_steps(kind: str, n: int) -> int:
+    """Ring steps of a collective over n ranks, each moving nbytes / n and paying one latency."""
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def calibration_file(cache_dir: str | os.PathLike[str], backend: str) -> Path:
+    """Where ``autopar calibrate --save`` keeps this machine's measured spec for a backend."""
+    return Path(cache_dir) / f"calibration-{backend}.yaml"
+
+
+def local_cluster(
+    backend: str,
+    devices: int,
+    cache_dir: str | os.PathLike[str] | None = None,
+    device_memory: int | None = None,
+) -> ClusterSpec:
+    """This machine as one node of ``devices`` processes on ``backend``: the calibration saved in
+    ``cache_dir`` when there is one, else the ``local-cpu`` (gloo) or ``local-gpu`` (nccl) preset.
+    ``device_memory`` (a GPU's memory) replaces the spec's; on CPU the host memory is shared evenly."""
+    if backend not in ("gloo", "nccl"):
+        raise ClusterSpecError(f"no local cluster description for backend {backend!r}; use gloo or nccl")
+    saved = calibration_file(cache_dir, backend) if cache_dir is not None else None
+    if saved is not None and saved.is_file():
+        spec = ClusterSpec.load(saved)
+    else:
+        spec = ClusterSpec.load("local-cpu" if backend == "gloo" else "local-gpu")
+    if device_memory is None:
+        # CPU processes share the host: what one of ``devices`` gets
+        device_memory = spec.device_memory * spec.devices_per_node // devices
+    return spec.replace(nodes=1, devices_per_node=devices, device_memory=device_memory)
+
+
+def list_clusters() -> dict[str, str]:
+    """Preset name -> its one-line description, from ``solver/cluster/presets/*.yaml``."""
+    out = {}
+    for path in sorted(PRESET_DIR.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text()) or {}
+        out[path.stem] = str(data.get("description", ""))
+    return out

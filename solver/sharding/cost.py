@@ -1,0 +1,442 @@
+"""Cost model: per-device memory, redundant memory and communication (bytes and seconds) of a candidate.
+
+Memory per device of a placement of a tensor is its local bytes. A parameter stores, per element, what
+the runtime holds (``TrainingSetup.bytes_per_param``): its fp32 weight and fp32 gradient (4 + 4 bytes,
+in mixed precision too: the parameters are the fp32 master weights and their gradients accumulate in
+fp32, ``runtime/build/precision.py``), Adam's two fp32 moments (8 bytes; none for SGD), and under ZeRO-1/2 the
+optimizer's fp32 flat slice of the parameters it steps (4 bytes, ``runtime/grads/zero.py``). ZeRO over the
+data-parallel axes on which the parameter is replicated divides the optimizer states (stage 1), also
+the gradients (stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the
+same inside partition groups of size p (the dp axes whose product is p) and replicates across groups.
+Mixed precision adds the compute copy (2 bytes in bf16/fp16, ``TrainingSetup.copy_bytes``): made per
+use in the forward and saved for the backward, it is priced once per parameter element, unsharded
+(ZeRO-3 gathers the fp32 slices, then casts), and gradients are reduced in ``reduce_dtype``
+(``TrainingSetup.grad_itemsize``: 4 bytes by default).
+ZeRO-3 also holds whole weights while it computes, one unit at a time (``runtime/grads/zero3.py``): at most
+the root unit and two repeated blocks (``zero3_gathered``).
+
+Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
+other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
+the product of the sizes of the axes on which the piece is replicated or partial. For a matmul with
+data-, row- and column-parallel degrees d, r, c (X=(S(0),S(1),R), W=(R,S(0),S(1)),
+Y=(S(0),P,S(1))) this is Eq. 4 of the paper, (d(d-1)|W| + r(r-1)|Y| + c(c-1)|X|) / (drc).
+
+Communication, counted forward and backward (each redistribution has a dual):
+
+    all_gather     S -> R   (n-1)/n * B_out forward; backward keeps the local shard
+    local_shard    R -> S   nothing forward; the gradient is all-gathered backward
+    all_reduce     P -> R   2(n-1)/n * B forward; backward is the identity (Megatron's g)
+    reduce_scatter P -> S   (n-1)/n * B forward; the gradient is all-gathered backward
+    R used by a computation that differs across an axis: all-reduce of its gradient (Megatron's f;
+    for parameters, the data-parallel gradient all-reduce; reduce-scatter + all-gather under ZeRO)
+
+Bytes become seconds with the ClusterSpec's alpha-beta model of the axis's link (intra-node when
+the axis's ranks share a node, else the inter-node network). There is always a cluster: without one
+the model prices on the ``local-cpu`` preset, never by bytes alone (which would make computing
+everything on every rank free).
+
+Computation: an op's forward plus backward takes three times its forward, the larger of its FLOPs
+at the cluster's sustained rate and its bytes at the cluster's memory bandwidth (a roofline),
+divided over the axes on which its ranks compute different pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.ir.axes import data_axes
+from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
+from autopar.ir.layout import Unreachable, redistribute_steps, replication
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.strategies import column_weight
+
+INF = math.inf
+EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
+BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets closed at this size (DDP's default)
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What the memory model assumes about training."""
+
+    optimizer: str = "adam"  # "adam": two fp32 moments per parameter; "sgd": none
+    precision: str = "fp32"  # "fp32" or "bf16"/"fp16" mixed precision (with fp32 master weights)
+    reduce_dtype: str = "fp32"  # the dtype gradients are reduced in under mixed precision (its reduce_dtype)
+    zero: int = 0  # ZeRO stage over the data-parallel axes: 0, 1, 2 or 3
+    zero_axes: tuple[str, ...] | None = None  # default: the data-parallel (dp*) axes, ir/axes.py
+    mics_group: int | None = None  # MiCS partition group size (shards inside groups of this many ranks)
+    # gradients are all-reduced in flat buckets closed at this size (DDP's bucket_cap_mb, default 25 MiB;
+    # solver/sharding/buckets.py): the runtime launches one all-reduce per bucket and the cost model prices its latency
+    bucket_cap_mb: float = BUCKET_BYTES / 2**20
+    # the runtime fuses Megatron's f with the matmuls reading it (runtime/comm/column_linear.py), so that on NCCL its
+    # all-reduce is hidden behind their weight gradients; not under a split backward (zero-bubble schedules) or
+    # sub-pipelined tensor parallelism, where the f runs on its own (runtime/module.py)
+    overlap_tp: bool = True
+
+    @property
+    def bucket_bytes(self) -> float:
+        return self.bucket_cap_mb * 2**20
+
+    def shard_axes(self, mesh: MeshSpec) -> tuple[int, ...]:
+        names = self.zero_axes if self.zero_axes is not None else data_axes(mesh.names)
+        axes = tuple(mesh.index(n) for n in names if n in mesh.names)
+        if self.mics_group is None:
+            return axes
+        # MiCS: shard over the innermost dp axes whose sizes multiply to the partition group size
+        chosen, size = [], 1
+        for i in reversed(axes):
+            if size * mesh.sizes[i] > self.mics_group:
+                break
+            chosen.append(i)
+            size *= mesh.sizes[i]
+        return tuple(sorted(chosen))
+
+    @property
+    def bytes_per_param(self) -> tuple[float, float, float]:
+        """(weights, gradients, optimizer states) bytes per element, as the runtime holds them in fp32 and
+        in mixed precision alike: the fp32 parameter (the master weight), its fp32 gradient, Adam's two
+        moments, and under ZeRO-1/2 the optimizer's fp32 flat slice of the parameters."""
+        states = 8.0 if self.optimizer == "adam" else 0.0
+        if self.zero in (1, 2):
+            states += 4.0
+        return 4.0, 4.0, states
+
+    @property
+    def copy_bytes(self) -> float:
+        """Bytes per parameter element of the compute-dtype copy mixed precision makes per use (0 in fp32)."""
+        return 0.0 if self.precision == "fp32" else 2.0
+
+    def grad_itemsize(self, itemsize: int) -> int:
+        """Bytes per element a gradient reduction sends, for a parameter typed ``itemsize`` in the program:
+        the reduce dtype's under mixed precision, else the parameter's own."""
+        return itemsize if self.precision == "fp32" else {"fp32": 4, "bf16": 2, "fp16": 2}[self.reduce_dtype]
+
+
+@dataclass
+class CostModel:
+    mesh: MeshSpec
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    cluster: ClusterSpec | None = None
+
+    def __post_init__(self):
+        if self.cluster is None:
+            self.cluster = default_cluster()
+        self._zero_axes = self.setup.shard_axes(self.mesh)
+        self._intra = _axes_intra_node(self.mesh, self.cluster)
+        self._memo: dict = {}
+        self._terms = _shared_terms(self.mesh, self._intra, self.cluster)
+        self._blocks: dict = {}
+
+    # -- memory ---------------------------------------------------------------------------------
+    def local_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> float:
+        return t.nbytes / self._shards(p)
+
+    def _shards(self, p: tuple[Placement, ...]) -> int:
+        """Into how many pieces p cuts a tensor (local bytes = global bytes / this)."""
+        return math.prod(n for q, n in zip(p, self.mesh.sizes) if isinstance(q, Shard))
+
+    def param_memory(self, t: TensorType, p: tuple[Placement, ...], frozen: bool = False) -> tuple[float, float]:
+        """(bytes per device, redundant bytes) of a parameter's weights, gradients, optimizer states; of a
+        ``frozen`` one (no gradient, not stepped) its weights and compute copy only."""
+        key = ("p", t, p, frozen)
+        if key not in self._memo:
+            self._memo[key] = self._param_memory(t, p, frozen)
+        return self._memo[key]
+
+    def state_bytes(self, t: TensorType, p: tuple[Placement, ...], frozen: bool = False) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer-state) bytes per device a parameter keeps between steps (the per-use
+        compute copy apart), as ZeRO shards them: what ``tests/test_mixed_precision.py`` measures; a
+        ``frozen`` one keeps no gradient or state."""
+        numel = self.local_bytes(t, p) / t.itemsize
+        zf = self.zero_factor(p)
+        per = self._per_param(zf, frozen)
+        return tuple(numel * b / (zf if self.setup.zero >= stage else 1) for stage, b in zip((3, 2, 1), per))
+
+    def zero_factor(self, p: tuple[Placement, ...]) -> int:
+        """How many ways ZeRO shards a parameter placed ``p`` (its ZeRO axes on which it is replicated)."""
+        return math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
+
+    def _per_param(self, zf: int, frozen: bool = False) -> tuple[float, float, float]:
+        """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
+        (the ZeRO-1/2 optimizer steps such a parameter itself); a ``frozen`` one's weights only."""
+        w, g, s = self.setup.bytes_per_param
+        if frozen:
+            return w, 0.0, 0.0
+        return w, g, s - (4.0 if self.setup.zero in (1, 2) and zf == 1 else 0.0)
+
+    def _param_memory(self, t: TensorType, p: tuple[Placement, ...], frozen: bool) -> tuple[float, float]:
+        numel = self.local_bytes(t, p) / t.itemsize
+        zero_axes = [i for i in self._zero_axes if isinstance(p[i], Replicate)]
+        zf = math.prod(self.mesh.sizes[i] for i in zero_axes)
+        repl_all = replication(p, self.mesh.sizes)
+        repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
+        mem = red = 0.0
+        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf, frozen), self.setup.copy_bytes)):
+            sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
+            piece = numel * b / (zf if sharded else 1)
+            mem += piece
+            red += piece * ((repl_sharded if sharded else repl_all) - 1)
+        return mem, red
+
+    def activation_memory(self, t: TensorType, p: tuple[Placement, ...]) -> tuple[float, float]:
+        local = self.local_bytes(t, p)
+        return local, local * (self.replication(p) - 1)
+
+    def replication(self, p: tuple[Placement, ...]) -> int:
+        """On how many ranks each piece of a value placed p is held (or summed)."""
+        return replication(p, self.mesh.sizes)
+
+    # -- communication --------------------------------------------------------------------------
+    def _collective(self, kind: str, nbytes: float, axis: int) -> tuple[float, float]:
+        """(volume in bytes, seconds) of one collective of a tensor of nbytes on one axis."""
+        if nbytes == 0:
+            return 0.0, 0.0
+        v, per_byte, latency = self._collective_terms(kind, axis)
+        return nbytes * v, nbytes * per_byte + latency
+
+    def redistribute(
+        self, t: TensorType, src: tuple[Placement, ...], dst: tuple[Placement, ...], grad: bool | None = None
+    ) -> tuple[float, float]:
+        """(bytes, seconds) per device to turn src into dst, forward plus backward (``grad``: whether
+        the value has a gradient, default: whether it is a float); INF if impossible."""
+        a, b = self._terms.ids([src, dst])
+        grad = t.is_float if grad is None else grad
+        v, per_byte, latency = self._terms.terms(a, b, grad, self._redistribute_terms)
+        if v == INF:
+            return INF, INF
+        nbytes = t.nbytes
+        return (nbytes * v, nbytes * per_byte + latency) if nbytes else (0.0, 0.0)
+
+    def redistribute_matrix(
+        self,
+        t: TensorType,
+        srcs: list[tuple[Placement, ...]],
+        dsts: list[tuple[Placement, ...] | None],
+        grad: bool | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """`redistribute` of t from every placement in srcs (rows) to every one in dsts (columns; None
+        needs nothing), as two arrays: what prices an edge of the strategy graph at once.
+
+        Bytes and seconds are linear in the tensor's global bytes N: bytes = N * v, seconds =
+        N * s + latency, with (v, s, latency) per placement pair, computed once per mesh."""
+        cache, grad = self._terms, t.is_float if grad is None else grad
+        a_ids, b_ids = cache.ids(srcs), cache.ids(dsts)
+        key = (tuple(a_ids), tuple(b_ids), grad)
+        terms = self._blocks.get(key)
+        if terms is None:
+            flat = [cache.terms(a, b, grad, self._redistribute_terms) for a in a_ids for b in b_ids]
+            terms = self._blocks[key] = np.array(flat, dtype=float).reshape(len(srcs), len(dsts), 3)
+        nbytes = t.nbytes
+        if not nbytes:
+            nothing = np.where(np.isinf(terms[..., 0]), INF, 0.0)
+            return nothing, nothing.copy()
+        return nbytes * terms[..., 0], nbytes * terms[..., 1] + terms[..., 2]
+
+    def _redistribute_terms(self, src, dst, grad: bool) -> tuple[float, float, float]:
+        """(v, s, latency) of `redistribute_matrix` for one pair; INF where dst cannot be reached."""
+        if dst is None:
+            return 0.0, 0.0, 0.0
+        try:
+            steps = redistribute_steps(src, dst)
+        except Unreachable:
+            return INF, INF, INF
+        vol = per_byte = latency = 0.0
+        for s in steps:
+            # the collectives of a step, each with the placement that fixes its message size
+            if s.kind == "all_gather":
+                parts = [("all_gather", s.after)]
+            elif s.kind == "all_reduce":
+                parts = [("all_reduce", s.before)]
+            elif s.kind == "reduce_scatter":
+                parts = [("reduce_scatter", s.before)] + ([("all_gather", s.before)] if grad else [])
+            else:  # local_shard: the gradient is all-gathered backward
+                parts = [("all_gather", s.before)] if grad else []
+            for kind, p in parts:
+                v, a, b = self._collective_terms(kind, s.axis)
+                share = 1 / self._shards(p)  # local bytes per global byte
+                vol, per_byte, latency = vol + v * share, per_byte + a * share, latency + b
+        return vol, per_byte, latency
+
+    def _collective_terms(self, kind: str, axis: int) -> tuple[float, float, float]:
+        """A collective of a non-empty tensor of N bytes on one axis as linear terms: (volume per byte,
+        seconds per byte, latency seconds)."""
+        key = ("c", kind, axis)
+        if key not in self._memo:
+            n = self.mesh.sizes[axis]
+            factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
+            if n == 1:
+                self._memo[key] = 0.0, 0.0, 0.0
+            else:
+                self._memo[key] = (factor, *self.cluster.collective_terms(kind, n, self._intra[axis]))
+        return self._memo[key]
+
+    def compute_seconds(self, flops: float, split: list[bool], nbytes: float = 0.0) -> float:
+        """Forward plus backward (3x forward) time of an op whose work is divided over the axes where
+        ``split`` is true: its FLOPs at the cluster's efficiency (default ``EFFICIENCY``) of its peak
+        (fp32 for fp32 training), or its bytes at the cluster's memory bandwidth when that is slower."""
+        if not flops and not nbytes:
+            return 0.0
+        ways = math.prod(n for n, s in zip(self.mesh.sizes, split) if s)
+        dtype = "fp32" if self.setup.precision == "fp32" else self.setup.precision
+        rate = self.cluster.peak(dtype) * (self.cluster.efficiency or EFFICIENCY)
+        seconds = flops / rate
+        if self.cluster.memory_bandwidth and nbytes:
+            seconds = max(seconds, nbytes / self.cluster.memory_bandwidth)
+        return 3.0 * seconds / ways
+
+    def f_hidden(self, f_seconds: float, wgrad_seconds: float) -> float:
+        """Seconds of an f's all-reduce that run while the weight gradients of the matmuls reading it are
+        computed (``runtime/comm/column_linear.py``: the all-reduce starts after their input gradient, is waited
+        after their weight gradients): the smaller of the two, where collectives run beside compute (NCCL's
+        stream); none on gloo (``ClusterSpec.overlaps_compute``) or where the runtime does not fuse f
+        (``TrainingSetup.overlap_tp``). The search prices the same overlap."""
+        return min(f_seconds, wgrad_seconds) if self.cluster.overlaps_compute and self.setup.overlap_tp else 0.0
+
+    def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
+        """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
+        vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row."""
+        if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
+            return 0.0, 0.0
+        vol = sec = 0.0
+        rows = in_types[0].shape[0] * 4
+        for a, p in enumerate(in_placements[0]):
+            if isinstance(p, Shard) and p.dim == 1:
+                b, x = self._collective("all_reduce", rows, a)
+                vol, sec = vol + 3 * b, sec + 3 * x
+        return vol, sec
+
+    def grad_reduce(
+        self, t: TensorType, p: tuple[Placement, ...], axis: int, bucketed: bool = False
+    ) -> tuple[float, float]:
+        """(bytes, seconds) of all-reducing the gradient of a value replicated on ``axis``; a
+        ``bucketed`` one (a parameter's, synchronized in flat buckets of ``setup.bucket_bytes``,
+        solver/sharding/buckets.py) pays bandwidth only: the step pays one latency per bucket, which a
+        parameter changes only where it opens a bucket (``bucket_latency`` prices them for a plan).
+        Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
+        vocab-parallel head whose gathers measure slower (docs/runtime.md). Under ZeRO-3 on a ZeRO axis a
+        parameter's sync is its reduce-scatter plus its all-gathers for the forward and again for the
+        backward (``runtime/grads/zero3.py``): an all-reduce's bytes and one all-gather more."""
+        nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize  # in reduce_dtype
+        if not bucketed:
+            return self._collective("all_reduce", nbytes, axis)
+        v, per_byte, _ = self._collective_terms("all_reduce", axis)
+        if self.setup.zero >= 3 and axis in self._zero_axes:
+            gv, gs, _ = self._collective_terms("all_gather", axis)
+            v, per_byte = v + gv, per_byte + gs
+        return nbytes * v, nbytes * per_byte
+
+    def program_comm(self, program: Program) -> tuple[float, float]:
+        """(bytes, seconds) of every collective a step of ``program`` (after ``insert-collectives``) runs,
+        each priced on its own: the redistributions with their backward, each f's all-reduce, the collectives
+        inside ops (``inherent``), each synchronized gradient (without bucket latencies), each f less what its
+        fused readers' weight gradients hide (``f_hidden``; none on gloo). The sharding ILP's
+        prediction for the plan must equal it (tests/test_solver.py): what the ILP prices per decision, this
+        prices per emitted collective. (``insert-collectives`` moving an f to a parameter's synchronized
+        gradient, GPT-2's position table, is priced here as run and in the ILP as the f it replaces.)"""
+        types, grad, vol, sec = program.types(), program.requires_grad(), 0.0, 0.0
+        users, returned = program.users(), {r.name for r in program.outputs if isinstance(r, Ref)}
+        for op in program.ops:
+            if op.target == "grad_all_reduce":
+                v, x = self.grad_reduce(op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"]))
+                if op.result not in returned:
+                    x -= self.f_hidden(x, self._fused_wgrad(users[op.result], op.result, types, grad))
+            elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "local_shard"):
+                src = types[op.input_refs()[0].name]
+                v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
+            else:  # the collectives an op runs inside itself (a vocab-parallel cross-entropy's)
+                ins = [types[r.name] for r in op.input_refs()]
+                v, x = self.inherent(op.target, ins, [t.placements for t in ins])
+            vol, sec = vol + v, sec + x
+        for value in program.params:
+            for axis in value.attrs.get("grad_sync", ()):
+                v, x = self.grad_reduce(value.type, value.type.placements, program.mesh.index(axis), True)
+                vol, sec = vol + v, sec + x
+        return vol, sec
+
+    def column_wgrad(self, op, pos: int, types: dict[str, TensorType], grad: set[str], split: list[bool]) -> float:
+        """Seconds of the weight gradient of ``op``, a matmul whose f on input ``pos`` the runtime fuses with it
+        (``solver.sharding.strategies.column_weight``), with its work divided over the axes where ``split`` is true;
+        0 for any other read or a weight without a gradient."""
+        w = column_weight(op, pos, types)
+        if w is None or w not in grad:
+            return 0.0
+        return self.compute_seconds(op.flops, split, op.bytes) / 3.0
+
+    def _fused_wgrad(self, readers: list, f: str, types: dict[str, TensorType], grad: set[str]) -> float:
+        """Seconds of the weight gradients computed while f's all-reduce is in flight: those of its readers when
+        every one is a matmul the runtime fuses with it (``solver.sharding.strategies.column_weight``), else none."""
+        if any(column_weight(u, 0, types) is None or u.args[0].name != f for u in readers):
+            return 0.0
+        total = 0.0
+        for u in readers:
+            ins = [types[r.name].placements for r in u.input_refs()]
+            split = [any(not isinstance(p[a], Replicate) for p in ins) for a in range(len(self.mesh.axes))]
+            total += self.column_wgrad(u, 0, types, grad, split)
+        return total
+
+    def bucket_latency(self, axis: int, buckets: int) -> float:
+        """Seconds of the latencies of ``buckets`` gradient all-reduces over ``axis``."""
+        return buckets * self._collective_terms("all_reduce", axis)[2]
+
+
+class _Terms:
+    """Redistribution terms per pair of placements (numbered, so a pair is a cheap key), shared by the
+    cost models of one mesh and cluster: planning a model builds several problems on one mesh."""
+
+    def __init__(self):
+        self._ids: dict = {}
+        self._placements: list = []
+        self._terms: dict[tuple[int, int, bool], tuple[float, float, float]] = {}
+
+    def ids(self, placements: list) -> list[int]:
+        out = []
+        for p in placements:
+            i = self._ids.get(p)
+            if i is None:
+                i = self._ids[p] = len(self._placements)
+                self._placements.append(p)
+            out.append(i)
+        return out
+
+    def terms(self, a: int, b: int, grad: bool, compute) -> tuple[float, float, float]:
+        key = (a, b, grad)
+        found = self._terms.get(key)
+        if found is None:
+            found = self._terms[key] = compute(self._placements[a], self._placements[b], grad)
+        return found
+
+
+_SHARED_TERMS: dict[tuple, _Terms] = {}
+
+
+def default_cluster() -> ClusterSpec:
+    """The spec a cost model without one prices on: the ``local-cpu`` preset."""
+    global _DEFAULT_CLUSTER
+    if _DEFAULT_CLUSTER is None:
+        _DEFAULT_CLUSTER = ClusterSpec.load("local-cpu")
+    return _DEFAULT_CLUSTER
+
+
+_DEFAULT_CLUSTER: ClusterSpec | None = None
+
+
+def _shared_terms(mesh: MeshSpec, intra: list[bool], cluster: ClusterSpec) -> _Terms:
+    links = (cluster.alpha_beta(True), cluster.alpha_beta(False), tuple(sorted(cluster.collectives.items())))
+    key = (mesh.sizes, tuple(intra), links)
+    if key not in _SHARED_TERMS and len(_SHARED_TERMS) >= 16:
+        _SHARED_TERMS.clear()
+    return _SHARED_TERMS.setdefault(key, _Terms())
+
+
+def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:
+    """Ranks are laid out row-major over the mesh (last axis fastest): an axis stays inside a node
+    when its stride times its size fits in one node's devices."""
+    out = []
+    stride = 1
+    for n in reversed(mesh.sizes):
+        out.append(stride * n <= cluster.devices_per_node)
+        stride *= n
+    return list(reversed(out))

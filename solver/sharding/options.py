@@ -1,0 +1,82 @@
+"""What the sharding solve is asked for (ShardOptions: objective, memory budget, ILP back end, constraints)
+and the options a user-facing entry point plans with.
+
+Objectives: ``time`` (the default) is the least predicted step time, communication plus computation
+seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
+cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
+``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
+
+``data_parallel``, ``batch`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
+``constrain`` entries (solver/sharding/baselines.py:data_parallel_constraints) and retries; the solver itself
+(solver/sharding/solve.py) reads ``constrain`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from autopar.errors import SolverError
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import TrainingSetup
+
+OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
+DATA_PARALLEL = (None, "inputs", "activations")
+BATCH = ("global", "local")
+
+
+@dataclass
+class ShardOptions:
+    objective: str = "time"  # "time": step time within the budget; "memory": redundancy + alpha * comm bytes
+    alpha: float = 1.0
+    budget_bytes: float | None = None  # per-device memory budget (None: none; see planning_options)
+    time_limit: float | None = 60.0
+    backend: str = "cbc"
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    cluster: ClusterSpec | None = None
+    shard_inputs: bool = True
+    collapse: bool = True
+    reuse_layers: bool = True  # solve identical repeated layers once
+    eliminate: bool = True  # solve series-parallel parts exactly before the ILP (solver/sharding/eliminate.py)
+    # restrict candidates (baselines): name of a value / op result -> predicate on its placements
+    constrain: dict | None = None
+    # a constrained value is read where it is stored, never moved by a collective: a hand-written layout
+    # such as Megatron's computes with each weight shard in place (without this the cheapest execution of
+    # Megatron's storage may gather the weights, ZeRO-3 style)
+    pin_constrained: bool = False
+    # the mesh axes named dp* are data parallel (the search's meaning of its dp): "inputs": parameters and
+    # buffers replicated on them, user inputs split on the batch (dim 0); "activations": also every
+    # activation that carries the batch (without it a model too small for its compute to matter is computed
+    # whole on every dp rank, which communicates least); None: the ILP places everything by cost
+    data_parallel: str | None = None
+    # when nothing fits: retry with the least memory and no budget, then (data_parallel="activations")
+    # with the inputs constrained only, and each of those with the least memory; ShardResult.how says which
+    fallbacks: bool = False
+    # how the batch is passed (compile(batch=...)): "global", every rank is given all of it, so an integer input
+    # is recomputable (held whole, sliced for free); "local", each data-parallel rank is given only its rows:
+    # the `shard` pass fixes the user inputs split on dim 0 over the dp* axes as they are dealt
+    # (solver/sharding/baselines.py:local_batch_constraints), and moving one (all-gathering token ids) is priced
+    batch: str = "global"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
+                              "budget) or memory (least memory)")  # fmt: skip
+        if self.batch not in BATCH:
+            raise SolverError(f"unknown batch {self.batch!r}; choose global (every rank is given the whole batch) "
+                              "or local (each data-parallel rank its rows)")  # fmt: skip
+        if self.data_parallel not in DATA_PARALLEL:
+            raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
+                              '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '
+                              "(also every batch-carrying activation split)")  # fmt: skip
+
+
+def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:
+    """What a user-facing entry point plans with: ``opts`` (default: the fastest plan) priced on
+    ``cluster`` when they name none, and for the time objective a budget of the cluster's device
+    memory when they set none."""
+    opts = opts or ShardOptions()
+    if opts.cluster is None:
+        opts = replace(opts, cluster=cluster)
+    if opts.objective != "memory" and opts.budget_bytes is None:
+        opts = replace(opts, budget_bytes=float(opts.cluster.device_memory))
+    return opts
