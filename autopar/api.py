@@ -1,7 +1,7 @@
 """autopar's facade: compile a model over a DeviceMesh, and the mesh helpers.
 
 mesh = autopar.init_mesh(dp=2, tp=2)               # a DeviceMesh with named axes (pp=2 for a pipeline)
-model = autopar.compile(model, mesh, kwargs={"input_ids": x, "labels": y})
+model = autopar.compile(model, mesh, kwargs={"input_ids": x, "labels": y})  # , zero=2, microbatches=4, ...
 opt = model.make_optimizer(torch.optim.AdamW, lr=1e-3)  # this rank's shards (ZeRO when planned)
 out = model(input_ids=x, labels=y)                 # the whole batch; each rank takes its shard
 out.loss.backward(); opt.step(); opt.zero_grad()   # or: loss = model.train_step(input_ids=x, labels=y)
@@ -13,7 +13,6 @@ the planned programs come from), broadcasts the programs and builds this rank's
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import weakref
 from pathlib import Path
@@ -25,7 +24,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
 from autopar.check.step import check_before_training
-from autopar.errors import BatchError, CheckError, MeshError, PlanError, PrecisionError, SubPipelineError
+from autopar.config import NOT_SHARDING, TrainConfig, resolve
+from autopar.errors import CheckError, MeshError, PlanError, PrecisionError, SubPipelineError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
@@ -35,13 +35,13 @@ from autopar.passes.shard import ShardOptions, planning_options
 from autopar.passes.split_cache import cache_dir
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
-from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, compute_copy, precision_setup
+from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, compute_copy
 from autopar.runtime.build.rng import rng_for
-from autopar.runtime.call.batch import LossWeight, sub_microbatch, token_count
+from autopar.runtime.call.batch import sub_microbatch
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.teardown import shutdown_at_exit
-from autopar.runtime.module import ParallelModule, RuntimeOptions
+from autopar.runtime.module import ParallelModule
 from autopar.schedule.generators import make_schedule
 from autopar.solver.cluster.spec import ClusterSpec, local_cluster
 
@@ -127,63 +127,37 @@ def compile(  # noqa: A001
     args: tuple = (),
     kwargs: dict | None = None,
     *,
-    options: ShardOptions | None = None,
+    config: TrainConfig | None = None,
     plan: str | os.PathLike | None = None,
     dump_dir: str | None = None,
     device: str | torch.device | None = None,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    schedule_options: dict | None = None,
-    seed: int = 0,
-    scatter_gather: bool = False,
-    timeout: float = 600.0,
-    sub_pipeline_tp: bool = False,
-    check: bool = False,
-    record: bool = True,
-    batch: str = "global",
-    loss_weight: str | LossWeight | None = "auto",
-    mixed_precision: MixedPrecisionPolicy | str | torch.dtype | None = None,
+    **choices,
 ) -> ParallelModule:
     """Capture ``model(*args, **kwargs)``, solve its sharding over ``mesh``, build this rank's module.
 
-    ``options`` default to the fastest plan that fits the device memory (``objective="time"``; least
-    memory with ``ShardOptions(objective="memory")``), priced on ``options.cluster`` or else on this
-    machine (``local_cluster_spec``: the saved ``autopar calibrate`` spec when there is one).
-    ``mesh`` is a torch DeviceMesh with named axes. Rank 0 plans and broadcasts the planned IR, so
-    every rank runs the same program. With ``plan=`` (a file from ``autopar plan -o``) nothing is
-    solved: the plan is checked against this model's graph and this mesh and used as it is. The
-    model's weights are sliced into this rank's shards; the module keeps no whole copy. A model
-    built on the meta device is initialized shard by shard from ``seed`` (``autopar.runtime.build.init_weights``).
+    ``mesh`` is a torch DeviceMesh with named axes. How it trains is one ``autopar.TrainConfig``: ``config``,
+    or the keyword ``choices``, which are its fields (``compile(model, mesh, kwargs=batch, zero=2,
+    microbatches=8)``), or both (the choices change the config's fields). By default the plan is the fastest
+    that fits the device memory (``objective="time"``; least memory with ``objective="memory"``), priced on
+    the config's ``cluster`` or else on this machine (``local_cluster_spec``: the saved ``autopar calibrate``
+    spec when there is one). Rank 0 plans and broadcasts the planned IR, so every rank runs the same program.
+    With ``plan=`` (a file from ``autopar plan -o``) nothing is solved: the plan is checked against this
+    model's graph and this mesh and used as it is, and its config is the default (its schedule, microbatches,
+    ZeRO, precision), which ``config`` or the choices override. The model's weights are sliced into this
+    rank's shards; the module keeps no whole copy. A model built on the meta device is initialized shard by
+    shard from ``seed`` (``autopar.runtime.build.init_weights``).
 
     The result is a ``ParallelModule`` on every mesh (``autopar.runtime.module``); a mesh without a
     ``pp`` axis is a one-stage pipeline. The inputs are the global batch, cut into ``microbatches``
     (the model is captured with one microbatch's inputs); calling the module returns the model's
-    outputs, ``train_step(**batch)`` runs ``schedule`` (gpipe, 1f1b, interleaved, wave, scp, zb-h1,
-    zb-h2, zbv, dualpipev) with ``schedule_options`` (chunks=, waves=, alpha1=, recompute=) and
-    returns the loss.
-    ``scatter_gather`` sends 1/tp of each tensor-parallel-replicated stage boundary; ``timeout`` bounds
-    every transfer (seconds); ``record`` times every action of a step (a barrier opens it);
-    ``sub_pipeline_tp`` runs each microbatch as two halves whose tensor-parallel collectives overlap
-    each other's computation (Merak's sub-pipelined tensor parallelism, docs/runtime.md).
-
-    ``batch="global"`` (the default): every call passes the whole batch, on every rank, and each rank
-    slices its shard. ``batch="local"``: each rank passes only its data-parallel shard, the rows
-    ``autopar.data`` gives it (``BatchSampler``, ``local_batch``; ranks of a pipeline's middle stages may
-    pass nothing); outputs carrying the batch come back as this rank's rows. The example inputs are
-    always the global batch. ``loss_weight``: how the pieces' (microbatches') losses make the step's.
-    ``"auto"`` (the default): where the loss is a mean over items of the data that the pieces hold
-    unequally (a cross-entropy over the targets that are not ``ignore_index``: ``sum / count`` in the
-    program), each piece weighs its count, read from the program (``runtime/call/loss_weight.py``), so the
-    step's loss and gradient are the whole batch's mean, as on one device; any other loss, equal
-    pieces. ``"tokens"`` (the targets of ``labels`` other than -100) or a function of a piece's inputs
-    by name giving its weight (``autopar.data.token_count``) say it explicitly; ``None``: the mean of
-    the pieces' losses (each microbatch's mean weighs the same).
-
-    ``mixed_precision``: ``"bf16"``, ``"fp16"``, a dtype or a ``MixedPrecisionPolicy`` (FSDP2's fields:
-    ``param_dtype``, ``reduce_dtype`` (fp32 by default), ``output_dtype``): the model is captured and computes
-    in ``param_dtype`` while this rank's parameters stay fp32 master weights (the optimizer, ZeRO and
-    checkpoints see fp32); fp16 scales the loss dynamically and skips steps whose gradients overflow on any
-    rank (``runtime/build/precision.py``). Default: the precision of ``plan=``'s or ``options``' training setup.
+    outputs, ``train_step(**batch)`` runs ``schedule`` (any registered one: gpipe, 1f1b, interleaved, wave,
+    scp, zb-h1, zb-h2, zbv, dualpipev) with ``schedule_options`` (chunks=, waves=, alpha1=) and returns the
+    loss. ``TrainConfig``'s docstring and comments say what every field does: ``batch="local"`` (each rank
+    passes its data-parallel rows, ``autopar.data``), ``loss_weight`` (how the microbatches' losses make the
+    step's: by default each piece weighs the count its mean divides by, read from the program, so the step's
+    loss and gradient are the whole batch's mean, as on one device), ``precision`` (``"bf16"``, ``"fp16"``,
+    a dtype or a ``MixedPrecisionPolicy``: computed in that dtype with fp32 master weights; fp16 scales the
+    loss), ``scatter_gather``, ``sub_pipeline_tp``, ``timeout``, ``record``.
 
     ``check=True`` runs, before building this rank's module, one float64 training step of every rank of
     the plan on the single-process rank simulator against the model (``autopar check``; on rank 0, the
@@ -191,6 +165,9 @@ def compile(  # noqa: A001
     the first op whose output or gradient differs. A model above ``autopar.check.step.CHECK_MAX_PARAMS``
     parameters (or on the meta device) is checked on a copy rebuilt small from its config that carries
     the plan's ops and placements (``autopar/check/scale.py``), so the check stays cheap at any size.
+
+    Before TrainConfig: ``options=ShardOptions(...)`` and ``mixed_precision=`` still work, with a
+    DeprecationWarning, for one release.
     """
     if not isinstance(mesh, DeviceMesh):
         raise MeshError(
@@ -200,33 +177,23 @@ def compile(  # noqa: A001
     spec = mesh_spec(mesh)
     pp = spec.pipeline_size
     loaded = Plan.load(plan) if plan is not None else None
-    if options is None and loaded is not None and loaded.options:  # the plan's training setup unless overridden
-        options = options_from_dict(loaded.options)
-    policy, options = precision_setup(mixed_precision, options)
+    cfg, legacy = resolve(config, choices, plan_config(loaded) if loaded is not None else None)
+    policy = cfg.policy()
     if loaded is not None:
         _check_plan_precision(loaded, policy)
-    if batch not in ("global", "local"):
-        raise BatchError(
-            f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {batch!r}"
-        )
-    if plan is None:  # priced on this machine: the fastest plan within its device memory by default
-        options = planning_options(options, local_cluster_spec(mesh.device_type, mesh.size()))
-        options = dataclasses.replace(options, batch=batch)  # a local batch's inputs arrive split over dp
-    weight = token_count() if loss_weight == "tokens" else loss_weight
-    if not (weight is None or weight == "auto" or (callable(weight) and not isinstance(weight, str))):
-        raise BatchError(
-            f"loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, not {loss_weight!r}"
-        )
-    run = RuntimeOptions(microbatches, timeout, record, sub_pipeline_tp, batch, weight, policy)
-    example = sub_microbatch(args, dict(kwargs or {}), microbatches, run.sub_microbatches)
+        options = cfg.shard_options(base=legacy)
+    else:  # priced on this machine: the fastest plan within its device memory by default
+        options = planning_options(cfg.shard_options(base=legacy), local_cluster_spec(mesh.device_type, mesh.size()))
+    run = cfg.runtime_options()
+    example = sub_microbatch(args, dict(kwargs or {}), cfg.microbatches, run.sub_microbatches)
     captured = _capture(model, *example, policy)
-    sched = make_schedule(schedule, pp, microbatches, **dict(schedule_options or {}))
+    sched = make_schedule(cfg.schedule, pp, cfg.microbatches, **cfg.schedule_kwargs())
     sharded = None
     if loaded is not None:  # every rank reads and checks it, so a refused plan stops all of them
         try:
             loaded.check(captured, spec)
         except PlanError as e:
-            if not sub_pipeline_tp:
+            if not cfg.sub_pipeline_tp:
                 raise
             raise PlanError(
                 f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
@@ -237,24 +204,37 @@ def compile(  # noqa: A001
     text: list[str | None] = [None, None]
     if dist.get_rank() == 0:
         fwd, train = plan_programs(
-            captured, spec, sched, options, sharded, scatter_gather=scatter_gather, dump_dir=dump_dir,
-            sub_pipeline_tp=sub_pipeline_tp,
+            captured, spec, sched, options, sharded, scatter_gather=cfg.scatter_gather, dump_dir=dump_dir,
+            sub_pipeline_tp=cfg.sub_pipeline_tp,
         )  # fmt: skip
         text = [print_program(fwd), print_program(train) if train is not None else None]
     dist.broadcast_object_list(text, src=0)
     forward = parse(text[0])
     train = parse(text[1]) if text[1] is not None else None
-    if sub_pipeline_tp:
+    if cfg.sub_pipeline_tp:
         _check_sub_pipeline(forward, spec)
-    if check:
+    if cfg.check:
         _check_before_training(forward, train, model, captured, example, spec, sched.stage_to_rank)
     device = torch.device(device) if device is not None else _default_device(mesh)
-    parts = ModuleParts(model, captured, example, forward, train, sched, options, run, seed)
-    rng = rng_for(forward.ops, microbatches * run.sub_microbatches)
+    parts = ModuleParts(model, captured, example, forward, train, sched, options, run, cfg.seed)
+    rng = rng_for(forward.ops, cfg.microbatches * run.sub_microbatches)
     module = build_module(parts, Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
     return module
+
+
+def plan_config(plan: Plan) -> TrainConfig:
+    """The config ``compile(plan=...)`` starts from: what the plan's sharding was solved with (its objective,
+    budget, ZeRO, precision, read from the plan's options as before TrainConfig) and the rest of the config
+    it was made with (its schedule and microbatches), when the plan keeps one. The cluster is not re-read:
+    nothing is priced again."""
+    options = options_from_dict(plan.options) if plan.options else ShardOptions()
+    rest = {}
+    if plan.config:
+        made = TrainConfig.from_dict(plan.config, source="the plan's config")
+        rest = {name: getattr(made, name) for name in NOT_SHARDING}
+    return TrainConfig.from_shard_options(options, **rest)
 
 
 def _check_plan_precision(plan: Plan, policy: MixedPrecisionPolicy | None) -> None:

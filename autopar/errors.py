@@ -135,5 +135,9 @@ class UnsafeCheckpointError(CheckpointError):
     """A checkpoint holding pickled objects, whose loading could run code: autopar never writes such."""
 
 
+class ConfigError(AutoparError):
+    """A TrainConfig field, a config file or a compile() keyword that autopar cannot use."""
+
+
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""

@@ -1,8 +1,12 @@
 """The plan file: a versioned JSON document holding everything planned for a model on a mesh.
 
     {"format": "autopar-plan", "version": 1, "model": "gpt2", "fingerprint": "...",
-     "mesh": {"dp": 2, "tp": 4}, "cluster": {...} | null, "options": {...},
+     "mesh": {"dp": 2, "tp": 4}, "cluster": {...} | null, "options": {...}, "config": {...} | null,
      "program": "<the IR after all passes>", "stats": {...}, "baselines": {...}, "pipeline": null}
+
+``config`` is the ``TrainConfig`` the plan was made with (``autopar plan --config``, its flags), which
+``compile(plan=...)`` starts from; ``options`` the sharding solve's own options (what the program was solved
+for). A plan without ``config`` (written before it existed) gives compile its options alone.
 
 ``mesh`` is the mesh of the sharded program; a plan with a pipeline keeps the mesh to launch, ``pp``
 included, in ``pipeline.mesh`` (``autopar.search.launch_options`` reads both).
@@ -81,6 +85,7 @@ class Plan:
     stats: dict[str, Any] = field(default_factory=dict)
     baselines: dict[str, Any] = field(default_factory=dict)
     pipeline: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None  # the TrainConfig it was made with (TrainConfig.to_dict)
     version: int = VERSION
 
     @property

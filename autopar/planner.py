@@ -77,6 +77,7 @@ def plan_captured(
     model: str | None = None,
     baselines: tuple[str, ...] = BASELINES,
     pipeline: PipelinePlanOptions | None = None,
+    config: dict | None = None,
 ) -> PlanReport:
     """Plan a captured model by the flow (``autopar.passes.flow``). A mesh axis named ``pp`` is pipeline
     parallelism: the intra-op ILP runs on the other axes, then the sharded graph is split into stages
@@ -131,6 +132,7 @@ def plan_captured(
         options=options_dict(opts),
         stats=dict(shard_stats(result, opts, len(prog.ops)), grad_buckets=bucket_stats(planned.sharded, opts)),
         baselines={k: baseline_dict(v) for k, v in base.items()},
+        config=config,
     )
     return PlanReport(plan, result, base, captured.seconds)
 
@@ -186,11 +188,13 @@ def plan_model(
     opts: ShardOptions,
     baselines: tuple[str, ...] = BASELINES,
     pipeline: PipelinePlanOptions | None = None,
+    config: dict | None = None,
 ) -> PlanReport:
+    """Plan preset or ``file.py:fn`` ``spec`` (``autopar plan``); ``config``: the TrainConfig the plan keeps."""
     m = build(spec, device="meta")
     if pipeline is not None and pipeline.microbatches:
         split_batch(m.args, m.kwargs, pipeline.microbatches)  # a count the batch does not divide: named, as compile
     t0 = time.perf_counter()
     captured = capture(*for_capture(m.model, m.args, m.kwargs, opts.setup.precision))  # as compile captures
     captured.seconds = time.perf_counter() - t0
-    return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline)
+    return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline, config=config)

@@ -171,11 +171,8 @@ def _prune(root: Path, keep: int) -> None:
 def train(args: argparse.Namespace) -> None:
     """One torchrun rank: compile, resume from the latest checkpoint, train to ``--steps``."""
     import autopar
+    from autopar import checkpoint
     from autopar.api import parse_mesh
-    from autopar.passes.shard import ShardOptions
-    from autopar.runtime.checkpoint import save_load as checkpoint
-    from autopar.runtime.checkpoint.safetensors_io import save_safetensors
-    from autopar.solver.sharding.cost import TrainingSetup
 
     autopar.api.check_restartable()  # before the process group: init_mesh checks it too, later
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -190,11 +187,10 @@ def train(args: argparse.Namespace) -> None:
         raise SystemExit(f"--fail-at names rank {args.fail_at[0]}, but the ranks are 0..{dist.get_world_size() - 1}")
     mesh = autopar.init_mesh(**dict(parse_mesh(args.mesh).axes))
     spec, data = build(args)
-    options = ShardOptions(setup=TrainingSetup(zero=args.zero)) if args.zero else None
-    pipe = autopar.compile(
-        spec.model, mesh, args=spec.args, kwargs=spec.kwargs, microbatches=args.microbatches,
-        schedule=args.schedule, options=options, timeout=args.timeout, seed=args.seed,
-    )  # fmt: skip
+    config = autopar.TrainConfig(
+        zero=args.zero, microbatches=args.microbatches, schedule=args.schedule, timeout=args.timeout, seed=args.seed
+    )
+    pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, config=config)
     del spec  # each rank keeps only its shards
     opt = pipe.make_optimizer(torch.optim.AdamW, lr=args.lr)
     sched = schedule(getattr(opt, "optimizer", opt), args)  # ZeRO's optimizer wraps the torch one
@@ -227,7 +223,7 @@ def train(args: argparse.Namespace) -> None:
             if rank == 0 and args.keep:
                 _prune(root, args.keep)
     if args.export:
-        save_safetensors(pipe, args.export)
+        checkpoint.save_safetensors(pipe, args.export)
     if log is not None:
         log.close()
     dist.destroy_process_group()

@@ -160,14 +160,12 @@ def run(args) -> dict:
                     BatchSampler(len(val_set), args.batch, shuffle=False))  # fmt: skip
     else:
         from autopar.api import parse_mesh
-        from autopar.passes.shard import ShardOptions
-        from autopar.solver.sharding.cost import TrainingSetup
 
         mesh = autopar.init_mesh(**dict(parse_mesh(args.mesh).axes))
         example = torch.utils.data.default_collate([train_set[i] for i in range(args.batch)])
         model = autopar.compile(
             model, mesh, kwargs=example, microbatches=args.microbatches, schedule=args.schedule,
-            options=ShardOptions(setup=TrainingSetup(zero=args.zero)), batch="local", seed=args.seed,
+            zero=args.zero, batch="local", seed=args.seed,
         )  # fmt: skip
         # two groups by the model's own parameter names (ZeRO shards each group's states as the plan says)
         opt = model.make_optimizer(torch.optim.AdamW, groups, max_grad_norm=args.clip, **adamw)
@@ -244,14 +242,14 @@ def evaluate(model: nn.Module, batches, n: int) -> float:
 
 
 def _save(args, model, opt, sched, step: int) -> None:
-    from autopar.runtime.checkpoint import save_load as checkpoint
+    from autopar import checkpoint
 
     # the schedule's state and the step go in as JSON; checkpoint.latest() finds the newest committed save
     checkpoint.save(Path(args.ckpt_dir) / f"step{step:06d}", model, opt, lr_scheduler=sched, step=step, extra=step)
 
 
 def _resume(args, model, opt, sched) -> int:
-    from autopar.runtime.checkpoint import save_load as checkpoint
+    from autopar import checkpoint
 
     last = checkpoint.latest(args.ckpt_dir)
     if last is None:

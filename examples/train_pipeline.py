@@ -19,13 +19,11 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar import checkpoint
 from autopar.api import parse_mesh
 from autopar.models.resolve import build
-from autopar.passes.shard import ShardOptions
-from autopar.runtime.checkpoint import save_load as checkpoint
 from autopar.schedule.action_costs import Costs
 from autopar.schedule.simulator import simulate
-from autopar.solver.sharding.cost import TrainingSetup
 
 
 def main() -> None:
@@ -64,7 +62,7 @@ def main() -> None:
         microbatches=args.microbatches,
         schedule=args.schedule,
         schedule_options=opts,
-        options=ShardOptions(setup=TrainingSetup(zero=args.zero)),
+        zero=args.zero,
         seed=0,
     )
     pipe.make_optimizer(torch.optim.AdamW, lr=1e-3)

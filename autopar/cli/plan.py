@@ -7,16 +7,16 @@ import json
 import sys
 
 from autopar.api import parse_mesh
+from autopar.config import TrainConfig
 from autopar.errors import AutoparError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.models.resolve import list_presets
-from autopar.passes.shard import ShardOptions, planning_options
+from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
-from autopar.schedule.generators import SCHEDULES
+from autopar.schedule.generators import SCHEDULES, schedule_kind
 from autopar.search import run_cli
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.baselines import BASELINES
-from autopar.solver.sharding.cost import TrainingSetup
 
 GiB = 2**30
 
@@ -36,18 +36,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", metavar="MODEL", nargs="?", help="preset[:overrides] or file.py:fn (see --list-models)")
     p.add_argument("--mesh", help="mesh axes, e.g. dp=2,tp=4 (axes named dp* are data parallel for ZeRO)")
     p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TrainConfig as YAML or JSON (its fields: objective, budget, zero, schedule, microbatches, precision, "
+        "...); the flags below override it, and the plan file keeps the result",
+    )
+    p.add_argument(
         "--cluster",
-        default="dgx-a100",
+        default=None,
         help="cluster spec: a preset (default dgx-a100; merak-3090, ...) or a file",
     )
     p.add_argument(
         "--objective",
         choices=["time", "memory", "comm"],
-        default="time",
+        default=None,
         help="time (default): the fastest plan within the memory budget; memory: least redundant memory "
         "(+ alpha x communication bytes); comm: time under Alpa's name",
     )
-    p.add_argument("--alpha", type=float, default=1.0, help="weight of communication bytes (memory objective)")
+    p.add_argument("--alpha", type=float, default=None, help="weight of communication bytes (memory objective)")
     p.add_argument(
         "--budget-gb",
         type=float,
@@ -63,9 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="training precision: bf16/fp16 capture the model in that dtype with fp32 master weights "
         "(compile applies the plan's precision)",
     )
-    p.add_argument("--time-limit", type=float, default=60.0, help="ILP time limit in seconds (default 60)")
-    p.add_argument("--solver", choices=["cbc", "highs"], default="cbc", help="ILP back end (default CBC)")
-    p.add_argument("--chunks", type=int, default=1, help="virtual pipeline chunks per rank (interleaved schedule)")
+    p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds (default 60)")
+    p.add_argument("--solver", choices=["cbc", "highs"], default=None, help="ILP back end (default CBC)")
+    p.add_argument("--chunks", type=int, default=None, help="virtual pipeline chunks per rank (interleaved schedule)")
     p.add_argument("--waves", type=int, default=None, help="Hanayo waves per rank (wave schedule)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (pipeline meshes)")
     p.add_argument(
@@ -86,8 +92,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     batch_help = "global batch per step: search the whole plan for --cluster"
     g.add_argument("--global-batch", type=int, default=None, metavar="B", help=batch_help)
     g.add_argument("--top", type=int, default=1, metavar="K", help="list the K best plans (search)")
-    p.set_defaults(precision=None, zero=None)  # given values restrict the search; run() restores the defaults
+    p.set_defaults(precision=None, zero=None)  # given values restrict the search; plan_config() sets the rest
     # -- end search hook --------------------------------------------------------------------------------
+
+
+def plan_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig an ``autopar plan`` call plans with: ``--config``'s file (default: TrainConfig's
+    defaults), each flag given overriding its field."""
+    cfg = TrainConfig.load(args.config) if args.config else TrainConfig()
+    changes = {
+        "objective": args.objective,
+        "alpha": args.alpha,
+        "budget": args.budget_gb * GiB if args.budget_gb is not None else None,
+        "time_limit": args.time_limit,
+        "solver": args.solver,
+        "zero": args.zero,
+        "mics_group": args.mics_group,
+        "precision": args.precision,
+        "microbatches": args.microbatches,
+        "cluster": args.cluster,
+    }
+    changes = {k: v for k, v in changes.items() if v is not None}
+    shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
+    schedule = args.schedule or ("wave" if "waves" in shape else "interleaved" if shape.get("chunks", 1) > 1 else None)
+    if schedule is not None and schedule != cfg.schedule:
+        changes["schedule"], changes["schedule_options"] = schedule, {}
+    if shape:
+        kind = schedule_kind(changes.get("schedule", cfg.schedule))
+        opts = dict(changes.get("schedule_options", cfg.schedule_options))
+        changes["schedule_options"] = opts | {k: v for k, v in shape.items() if k in kind.options() and v != 1}
+    return cfg.replace(**changes)
+
+
+def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlanOptions:
+    """The pipeline the stages are balanced for: the flags as given (no ``--schedule``: the shape's own), or
+    with ``--config`` the config's schedule and microbatches."""
+    if args.config is None:
+        return PipelinePlanOptions(args.chunks or 1, args.waves, args.microbatches, args.schedule)
+    o, kind = cfg.schedule_options, schedule_kind(cfg.schedule)
+    chunks = int(o.get("chunks", 2 if cfg.schedule == "interleaved" else 1)) if "chunks" in kind.options() else 1
+    waves = int(o.get("waves", 1)) if "waves" in kind.options() else None
+    return PipelinePlanOptions(chunks, waves, cfg.microbatches, cfg.schedule)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,33 +140,25 @@ def run(args: argparse.Namespace) -> int:
         for name, desc in list_presets().items():
             print(f"{name:18s} {desc}")
         return 0
+    cfg = plan_config(args)
+    cluster_name = cfg.cluster if isinstance(cfg.cluster, str) else None
+    args.cluster = args.cluster or cluster_name or "dgx-a100"
+    args.time_limit, args.solver = cfg.time_limit, cfg.solver
     # -- search hook ------------------------------------------------------------------------------------
     if not args.mesh and args.global_batch is not None:
         return run_cli(args)
-    args.precision = "fp32" if args.precision is None else args.precision
-    args.zero = 0 if args.zero is None else args.zero
     # -- end search hook --------------------------------------------------------------------------------
     if not args.model or not args.mesh:
         raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")
     mesh = parse_mesh(args.mesh)
-    cluster = ClusterSpec.load(args.cluster)
-    opts = ShardOptions(
-        objective=args.objective,
-        alpha=args.alpha,
-        budget_bytes=args.budget_gb * GiB if args.budget_gb is not None else None,
-        time_limit=args.time_limit,
-        backend=args.solver,
-        cluster=cluster,
-        setup=TrainingSetup(precision=args.precision, zero=args.zero, mics_group=args.mics_group),
-    )
-    opts = planning_options(opts, cluster)  # the time objective's budget: the cluster's device memory
-
-    if (args.chunks > 1 or args.waves or args.schedule) and PIPELINE_AXIS not in mesh.names:
+    cluster = cfg.cluster_spec(ClusterSpec.load(args.cluster))
+    opts = planning_options(cfg.shard_options(cluster), cluster)  # the time objective's budget: the device memory
+    if ((args.chunks or 1) > 1 or args.waves or args.schedule) and PIPELINE_AXIS not in mesh.names:
         raise AutoparError("--chunks, --waves and --schedule need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
-    pipe = PipelinePlanOptions(
-        chunks=args.chunks, waves=args.waves, microbatches=args.microbatches, schedule=args.schedule
+    pipe = pipeline_options(cfg, args)
+    report = plan_model(
+        args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe, config=cfg.to_dict()
     )
-    report = plan_model(args.model, mesh, opts, baselines=() if args.no_baselines else BASELINES, pipeline=pipe)
     plan = report.plan
     if args.output:
         plan.save(args.output)
