@@ -10,7 +10,7 @@ LOCK := requirements.lock
 PIP := pip==26.3
 PIP_TOOLS := pip-tools==7.6.2
 
-.PHONY: demo test lint venv lock clean
+.PHONY: demo test golden lint venv lock clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=15
+
+# Rewrite tests/golden/ (the IR after every pass, checked by tests/test_golden_ir.py) after a change in what a
+# pass emits; review `git diff tests/golden` and commit it with the change (tests/golden/README.md).
+golden: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m tests.test_golden_ir --refresh
 
 # ruff, and import-linter's lint-imports on the layering contracts in pyproject.toml (through
 # tests/lint_imports.py: a bare lint-imports cannot see ir/, passes/, solver/ and runtime/, which live
