@@ -9,12 +9,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.api import parse_mesh
+from autopar.cli import main as cli_main
+from autopar.config import TrainConfig
 from autopar.errors import ScheduleError
+from autopar.models.resolve import build
+from autopar.passes.capture import capture
+from autopar.passes.flow import FlowOptions, plan_program
 from autopar.schedule.action_costs import Costs
 from autopar.schedule.actions import P2P_KINDS, Action, Kind, Schedule
 from autopar.schedule.generators import (
     SCHEDULES,
     gpipe,
+    inflight_per_rank,
     make_schedule,
     register,
     stage_aware_ratios,
@@ -158,6 +165,9 @@ def test_scp_recompute_flags() -> None:
 
 
 def test_a_new_schedule_is_one_registered_function() -> None:
+    """Adding a schedule is one decorated function: generation, simulation, the planner's pricing, the config
+    and the command lines all read the one registry."""
+
     @register("gpipe-test-only")
     def reversed_backwards(num_ranks: int, num_microbatches: int) -> Schedule:
         base = gpipe(num_ranks, num_microbatches)
@@ -169,5 +179,14 @@ def test_a_new_schedule_is_one_registered_function() -> None:
         assert simulate(s, Costs.uniform(3)).bubble_ratio == Fraction(2, 4)
         with pytest.raises(ValueError, match="twice"):
             register("gpipe-test-only")(reversed_backwards)
+        # the planner prices it from the registry: in-flight counts off its own lists (no formula given),
+        # the stage balance of a pp mesh, TrainConfig and the command lines
+        assert inflight_per_rank("gpipe-test-only", 3, 4) == [4.0, 4.0, 4.0]
+        spec = build("tiny-gpt2:n_layer=4", device="meta")
+        captured = capture(spec.model, spec.args, spec.kwargs)
+        flow = FlowOptions(microbatches=4, stage_to_rank=s.stage_to_rank, schedule="gpipe-test-only", cache=False)
+        assert [st.inflight for st in plan_program(captured, parse_mesh("pp=3"), flow).stage_plan.stages] == [4] * 3
+        assert TrainConfig(schedule="gpipe-test-only").schedule == "gpipe-test-only"
+        assert cli_main(["simulate", "--schedule", "gpipe-test-only", "--stages", "3", "--microbatches", "4"]) == 0
     finally:
         del SCHEDULES["gpipe-test-only"]
