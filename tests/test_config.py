@@ -8,6 +8,7 @@ import importlib
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,13 +16,16 @@ import torch.distributed as dist
 
 import autopar
 from autopar.cli import main as cli_main
-from autopar.config import TrainConfig
+from autopar.config import TrainConfig, field_names
 from autopar.errors import BatchError, ConfigError, PrecisionError, ScheduleError
 from autopar.ir.printer import print_program
 from autopar.passes.shard import ShardOptions
 from autopar.plan import Plan
 from autopar.runtime.build.precision import MixedPrecisionPolicy
 from autopar.solver.sharding.cost import TrainingSetup
+
+ROOT = Path(__file__).resolve().parent.parent
+jsonschema = pytest.importorskip("jsonschema")
 
 
 class TwoLinear(torch.nn.Module):
@@ -194,6 +198,9 @@ def test_a_plan_file_keeps_its_config_and_compile_starts_from_it(one_rank_mesh, 
     assert cli_main([*argv, "--microbatches", "4", "-o", str(plan_path)]) == 0
     plan = Plan.load(plan_path)
     assert plan.config["zero"] == 1 and plan.config["microbatches"] == 4  # the flag over the file
+    schema = json.loads((ROOT / "docs" / "plan.schema.json").read_text())
+    assert set(schema["$defs"]["config"]["properties"]) == set(field_names())  # the schema knows every field
+    jsonschema.validate(json.loads(plan_path.read_text()), schema)
     assert plan.options["objective"] == "memory" and plan.options["setup"]["zero"] == 1
     torch.manual_seed(0)
     with warnings.catch_warnings():
