@@ -79,7 +79,7 @@ class TrainConfig:
     loss_weight: str | Callable | None = "auto"
     seed: int = 0  # a model built on the meta device is initialized shard by shard from this seed
     timeout: float = 600.0  # seconds any transfer may take before the step fails
-    record: bool = True  # time every action of a train_step (a barrier opens each step)
+    record: bool = True  # record the start and end of every action of a train_step (model.trace)
     check: bool = False  # check one float64 step of the plan on simulated ranks before training
 
     def __post_init__(self) -> None:

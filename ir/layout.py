@@ -104,7 +104,7 @@ def valid(placements: tuple[Placement, ...], shape: tuple[int, ...], sizes: tupl
 
 def deals_rows(placements: tuple[Placement, ...], on: tuple[int, ...]) -> bool:
     """Whether ``placements`` split dim 0 over the mesh axes at the indices ``on`` as a local batch deals
-    its rows (``runtime/batch.DataLayout``: each of those axes in mesh order, the first outermost):
+    its rows (``runtime/call/batch.DataLayout``: each of those axes in mesh order, the first outermost):
     ``S(0)`` on each, and no other axis splitting dim 0 outside the last of them."""
     if any(placements[i] != Shard(0) for i in on):
         return False

@@ -7,7 +7,7 @@ microbatches lie (``-1``: the value holds no batch rows, e.g. a dropout of a par
 found, which only matters when the program runs as several microbatches). Codegen turns each keyed
 dropout into ``autopar.runtime.build.rng.keyed_dropout``.
 
-The batch dim is found with the sharding rules (``solver/rules_*.py``): a pipeline cuts dim 0 of
+The batch dim is found with the sharding rules (``solver/sharding/rules/``): a pipeline cuts dim 0 of
 every user input into microbatches, which is the placement ``S(0)`` of each input on a virtual mesh
 axis of microbatches. The rules propagate it: for each op, the one-axis strategy whose inputs are
 the placements arriving (``S(d)`` for a batch-carrying input, ``R`` for the rest) gives the result's

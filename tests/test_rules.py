@@ -1,4 +1,4 @@
-"""Every sharding rule (solver/rules_*.py), checked on simulated ranks against the unsharded op.
+"""Every sharding rule (solver/sharding/rules/), checked on simulated ranks against the unsharded op.
 
 For each op target with a rule, hypothesis draws shapes and arguments (``CASES``) and a mesh of one,
 two or three axes; every strategy the rule offers on that mesh (on meshes with more than

@@ -532,7 +532,7 @@ def test_the_stage_balancer_prices_the_schedule_that_runs() -> None:
 
 @pytest.mark.parametrize("name", ["zb-h1", "zbv"])
 def test_the_flows_stage_balancer_predicts_each_ranks_peak_as_the_simulator(name: str) -> None:
-    """Given the schedule's stash points (``runtime/actions.stage_stash_points``, as ``autopar/build.py`` passes
+    """Given the schedule's stash points (``schedule/actions.stage_stash_points``, as ``autopar/build.py`` passes
     them), the flow's balancer prices each rank's activations at its worst point: the stages' stashes plus
     the output gradients a split B keeps until W, a V rank's two stages together. Equal to the simulator's
     peak for the plan's own per-stage bytes; the W-kept gradients are not zero there (the in-flight count

@@ -7,7 +7,7 @@
 The op becomes a one-op program whose inputs carry the strategy's input placements and whose
 result carries its output placements; codegen emits the rank program exactly as for a model (local
 shape arguments, vocab-parallel lookups and losses), each simulated rank runs it forward and
-backward on its local values (``runtime/placement_values.distribute``), and the ranks' outputs and
+backward on its local values (``runtime/sim/placement_values.distribute``), and the ranks' outputs and
 input gradients are assembled and compared with the whole op's. Gradient conventions are
 Megatron's: the gradient of a sharded value is its shard, of a partial value whole on every rank,
 of a replicated value whole and equal on every rank of an axis where the op computes the same

@@ -27,9 +27,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="solve a sharding strategy for a model on a mesh (no GPU needed) and write a plan file",
         description=(
             "Capture MODEL on the meta device, enumerate sharding candidates for every op on the mesh, and solve "
-            "the strategy ILP (minimal redundant memory plus alpha x communication, or least communication within "
-            "a memory budget). Prints the predicted memory and communication beside the Megatron, data-parallel, "
-            "ZeRO-2/3 and Alpa (comm) baselines priced by the same cost model."
+            "the strategy ILP (by default the least predicted step time within the memory budget; --objective "
+            "memory: minimal redundant memory plus alpha x communication). Prints the predicted memory and "
+            "communication beside the Megatron, data-parallel, ZeRO-2/3 and Alpa (comm) baselines priced by the "
+            "same cost model. Without --mesh, --global-batch searches the whole plan (mesh, schedule, micro-batch, "
+            "ZeRO, recomputation) for --cluster. --config FILE takes a TrainConfig (YAML/JSON); flags override it."
         ),
         epilog="example: autopar plan gpt2 --mesh dp=2,tp=4 --cluster dgx-a100 -o plan.json",
     )
@@ -87,7 +89,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true", help="also list every parameter's placement and unruled ops")
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     p.set_defaults(func=run)
-    # -- search hook (autopar/search.py): without --mesh, --global-batch searches the whole plan --------
+    # -- search hook (autopar/search/): without --mesh, --global-batch searches the whole plan --------
     g = p.add_argument_group("search (no --mesh): mesh, schedule, micro-batch, ZeRO/MiCS and recomputation")
     batch_help = "global batch per step: search the whole plan for --cluster"
     g.add_argument("--global-batch", type=int, default=None, metavar="B", help=batch_help)

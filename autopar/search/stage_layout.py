@@ -1,7 +1,7 @@
 """Stage layouts of the search: the profile's units [pre, layer 0..L-1, post] cut into S contiguous stages.
 
 ``balanced_layout`` minimizes the largest stage's forward FLOPs, the bottleneck found exactly by the stage
-balancer's own partition (``solver/partition.min_max_partition``); among the layouts that reach it, it takes
+balancer's own partition (``solver/stages/partition.min_max_partition``); among the layouts that reach it, it takes
 the one that fills later stages first, since the first stages hold more microbatches in flight (the
 partition's own choice fills the earlier ones). ``even_layout`` is Megatron's, L / S layers per stage.
 

@@ -1,6 +1,6 @@
 """What a sharding rule sees and returns on one mesh axis, and the helpers every rule shares.
 
-A rule (``solver/rules_*.py``) gives an op's *one-axis* strategies: placements of each tensor input and
+A rule (``solver/sharding/rules/``) gives an op's *one-axis* strategies: placements of each tensor input and
 each result on a single mesh axis of size n (``OneD``), from the op and its types (``Ctx``).
 ``solver/sharding/strategies.py`` combines them over the axes of a mesh.
 """

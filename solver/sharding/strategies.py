@@ -1,7 +1,7 @@
 """Sharding candidates: for each IR op, every valid assignment of placements on an N-D mesh.
 
 A rule gives the op's *one-axis* strategies (``solver/sharding/one_axis.py``): placements of each tensor input
-and each result on a single mesh axis of size n. The rules live by kind of op in ``solver/rules_*.py``
+and each result on a single mesh axis of size n. The rules live by kind of op in ``solver/sharding/rules/``
 and are collected in ``RULES``. Strategies on the whole mesh are the product over axes, keeping those
 that shard no tensor dim on two axes. An op without a rule is replicated (and listed by
 ``autopar plan --verbose``).

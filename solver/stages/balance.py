@@ -1,7 +1,7 @@
 """Stage balance: contiguous runs of a pipeline split's subgraphs onto stages, min-max stage time in a budget.
 
 Input: the subgraph sequence of ``autopar.passes.pipeline_split`` (anything shaped like it, see
-``solver/stage_cost.OpRun``) and a pipeline shape (``schedule/placement.py``: pp ranks holding
+``solver/stages/cost.OpRun``) and a pipeline shape (``schedule/placement.py``: pp ranks holding
 ``pp * chunks`` or ``2 * pp * waves`` stages). The cost of each subgraph is ``solver/stages/cost.py``;
 a stage on rank r stashes ``inflight_per_stage`` microbatches' activations.
 
@@ -13,7 +13,7 @@ slowest rank instead (``solver/stages/v_layout.py``, the search's V layout) when
 nothing fits, ``StageMemoryError`` says the smallest budget that fits and the smallest deeper
 pipeline that would.
 
-Given the schedule's stash points (a split-backward schedule's: ``runtime/actions.stage_stash_points`` of
+Given the schedule's stash points (a split-backward schedule's: ``schedule/actions.stage_stash_points`` of
 each rank's own list), a stage's activations are its worst point's stashes plus the output gradients
 its split B keeps until W (``stages.cost.SubgraphCost.wkept_bytes``), and a rank's are its worst point
 over its stages together: the simulator's peak (``tests/test_zero_bubble.py``).
@@ -91,7 +91,7 @@ def balance_stages(
     ``microbatches=None``: as many as the schedule can keep in flight; ``schedule``: the one that runs
     (its in-flight counts, ``schedule.generators.inflight_per_rank``; default the shape's own);
     ``stash_points``: per rank, the (stashed, awaiting W) counts of each of its stages at its candidate
-    peaks (``runtime/actions.stage_stash_points`` of the schedule's lists; they replace the in-flight
+    peaks (``schedule/actions.stage_stash_points`` of the schedule's lists; they replace the in-flight
     counts, and price the W-kept gradients of a split backward)."""
     t0 = time.perf_counter()
     check_shape(pp, chunks, waves)
