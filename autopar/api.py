@@ -306,28 +306,26 @@ def _check_before_training(
 
 
 def _dump_module(dump_dir: str | os.PathLike, rank: int, module: ParallelModule) -> None:
-    """The flow's last pass, ``codegen``, dumped beside the others (``passes/flow.py``): each of rank N's
-    generated modules as Python (``09-codegen.rankN.LABEL.py``, LABEL being ``forward{s}``, ``stage{s}``
-    or a recompute part) and its training stages' IR with local shapes (``.local.ir``); rank 0 also
-    writes the schedule (``schedule.txt``)."""
+    """The flow's last pass, ``codegen``, dumped beside the others (``passes/flow.py``): the PassManager that
+    generated rank N's modules writes each as Python (``09-codegen.rankN.LABEL.py``, LABEL being ``forward{s}``,
+    ``stage{s}``, a recompute part or ``loss_weight``); beside them its training stages' IR with local shapes
+    (``.local.ir``) and, from rank 0, the schedule (``schedule.txt``)."""
+    module.passes.dump_into(dump_dir)
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
     n = flow_index("codegen")
     if rank == 0:
         (d / "schedule.txt").write_text(module.schedule.to_text())
-    for label, gm in module.stage_modules.items():
-        (d / f"{n:02d}-codegen.rank{rank}.{label}.py").write_text(gm.code)
     for s, sp in module.stages.items():
         (d / f"{n:02d}-codegen.rank{rank}.stage{s}.local.ir").write_text(print_program(sp.program, local=True))
 
 
-def dump_rank_code(dump_dir: str | os.PathLike, rank: int, gm: torch.fx.GraphModule, program: Program) -> None:
-    """Write rank N's generated Python (``rankN.py``) and its IR with local shapes (``rankN.local.ir``)
-    (``autopar ir --dump-dir``)."""
+def dump_rank_code(dump_dir: str | os.PathLike, rank: int, program: Program) -> None:
+    """Beside rank N's generated Python (``09-codegen.rankN.py``, the codegen pass's dump), its IR with local
+    shapes (``09-codegen.rankN.local.ir``) (``autopar ir --dump-dir``)."""
     d = Path(dump_dir)
     d.mkdir(parents=True, exist_ok=True)
-    (d / f"rank{rank}.py").write_text(gm.code)
-    (d / f"rank{rank}.local.ir").write_text(print_program(program, local=True))
+    (d / f"{flow_index('codegen'):02d}-codegen.rank{rank}.local.ir").write_text(print_program(program, local=True))
 
 
 def _default_device(mesh) -> torch.device:

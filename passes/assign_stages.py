@@ -92,23 +92,29 @@ _STAGE_OPTIONS = (
 def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:
     """The ``assign-stages`` pass: ``stage=s`` on every op, and its report ``(StagePlan, split seconds)``.
     ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``, ``microbatches``, ``cluster``,
-    ``budget_bytes``, ``efficiency``, ``precision``, ``schedule``, ``stash_points`` and SplitOptions fields.
-    With ``pp=1`` every op is stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no
-    stage plan."""
+    ``budget_bytes``, ``efficiency``, ``precision``, ``schedule``, ``stash_points`` and SplitOptions fields,
+    and ``stage_to_rank``: the schedule's placement, which the stage plan must have. With ``pp=1`` every op
+    is stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no stage plan."""
     opts = dict(options or {})
     if "pp" not in opts:
         raise PipelineError(f"the assign-stages pass needs pp (options: {', '.join(_STAGE_OPTIONS)})")
+    stage_to_rank = opts.pop("stage_to_rank", None)
     stage = {k: opts.pop(k) for k in _STAGE_OPTIONS if k in opts}
     split_fields = {f.name for f in dataclasses.fields(SplitOptions)}
     unknown = sorted(set(opts) - split_fields)
     if unknown:
-        known = sorted(_STAGE_OPTIONS + tuple(split_fields))
+        known = sorted((*_STAGE_OPTIONS, "stage_to_rank", *split_fields))
         raise PipelineError(f"unknown assign-stages option(s) {unknown}; known: {known}")
     pp = stage.pop("pp")
     if pp == 1:
         ops = tuple(op.with_(attrs=dict(op.attrs, stage=0)) for op in prog.ops)
         return prog.with_(ops=ops, attrs=dict(prog.attrs, pipeline_stages=1)), (None, 0.0)
     annotated, plan, split = assign_stages(prog, pp, split_options=split_options(opts), **stage)
+    if stage_to_rank is not None and tuple(plan.stage_to_rank) != tuple(stage_to_rank):
+        raise PipelineError(
+            f"the schedule places stages on ranks {list(stage_to_rank)} but the stage plan on "
+            f"{list(plan.stage_to_rank)}"
+        )
     annotated = annotated.with_(attrs=dict(annotated.attrs, pipeline_stages=plan.num_stages))
     return annotated, (plan, split.seconds)
 

@@ -3,39 +3,52 @@
     capture -> lower -> shard -> insert-collectives -> split -> assign-stages -> prune-outputs
             -> insert-transfers -> codegen
 
-``autopar.compile``, ``autopar plan``, the search's materialization and the pipeline runtime all run it
-through ``plan_program``; only ``codegen`` (one GraphModule per stage of a rank) runs in the runtime, on
-the rank. A mesh without the pipeline axis is a one-stage pipeline: ``split`` does nothing, every op
+``FLOW`` is the program that runs: ``plan_program`` gives it to one ``PassManager`` (``passes/manager.py``)
+and runs it from ``lower`` (capture made the flow's input) through ``insert-transfers``. ``autopar.compile``,
+``autopar plan``, the search's materialization and the pipeline runtime all plan through ``plan_program``
+(``autopar ir`` runs the same list up to ``insert-collectives``); only ``codegen`` (one GraphModule per stage
+of a rank, registered by the runtime) runs in the runtime, on the rank, through a PassManager over the same
+list. A plan file's program takes the flow up at ``split``, or at ``prune-outputs`` when it brings as many
+stages as the pipeline needs. Adding a pass is one ``register_pass`` (below, beside the others) and its
+name in ``FLOW``; the manager numbers its dump by its place.
+
+A mesh without the pipeline axis is a one-stage pipeline: ``split`` does nothing, every op
 gets ``stage=0`` and ``insert-transfers`` adds no send/recv. Stages are assigned before the outputs are
 pruned, so the forward program (every model output) and the training program (the loss) are cut at the
-same places and share every parameter placement. The memory budget is per device: ``shard`` solves the
-whole program, of which a device holds 1/pp, within pp budgets; ``assign-stages`` holds each rank's stages to one
-(``FlowOptions.stage_budget_bytes`` may set its own).
+same places and share every parameter placement: ``prune-outputs`` forks the flow into the training program
+and the forward one (variant ``forward``), and ``insert-transfers`` runs on both. The memory budget is per
+device: ``shard`` solves the whole program, of which a device holds 1/pp, within pp budgets;
+``assign-stages`` holds each rank's stages to one (``FlowOptions.stage_budget_bytes`` may set its own).
 
-With ``dump_dir`` (or ``AUTOPAR_DUMP_DIR``) every pass writes its output, numbered in flow order:
-``01-capture.py`` (the exported graph), ``02-lower.ir`` ... ``08-insert-transfers.ir`` (the training
+With ``dump_dir`` (or ``AUTOPAR_DUMP_DIR``) every pass writes its output, numbered in flow order by the
+manager: ``01-capture.py`` (the exported graph), ``02-lower.ir`` ... ``08-insert-transfers.ir`` (the training
 program; ``08-insert-transfers.forward.ir`` the forward one) and, from the runtime,
-``09-codegen.rank{r}.stage{s}.py``. The IR is verified after every pass.
+``09-codegen.rank{r}.{label}.py`` (label: ``forward{s}``, ``stage{s}``, a recompute part, ``loss_weight``).
+The IR is verified after every pass. Without a dump, the shard pass's output is kept on disk by content
+(``FlowOptions.cache``).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from dataclasses import dataclass, field, replace
-from pathlib import Path
+from typing import Any
+
+import torch
 
 from autopar.errors import PipelineError, PlanError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec, Program
-from autopar.ir.parser import parse
-from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
-from autopar.passes.capture import Captured
+from autopar.passes.assign_stages import assign_stages_pass
+from autopar.passes.capture import Captured, capture
+from autopar.passes.collectives import insert_collectives
 from autopar.passes.lower import lower
-from autopar.passes.manager import PassManager
-from autopar.passes.shard import ShardOptions, ShardResult
-from autopar.passes.split_cache import cache_dir, code_fingerprint, write_atomic
+from autopar.passes.manager import MAIN, PassManager, Variants, register_pass
+from autopar.passes.pipeline_split import pipeline_split
+from autopar.passes.prune import first_output_type, has_scalar_loss, prune_outputs
+from autopar.passes.shard import ShardOptions, ShardResult, shard
+from autopar.passes.transfers import insert_transfers
 from autopar.schedule.generators import SCHEDULES
 from autopar.schedule.placement import num_stages
 from autopar.solver.stages.plan import StagePlan
@@ -58,6 +71,50 @@ def flow_index(name: str) -> int:
     return FLOW.index(name) + 1
 
 
+# -- what each name of FLOW runs (codegen: registered by the runtime, runtime/build/codegen.py) ---------------
+ModelCall = tuple[torch.nn.Module, tuple, dict]  # capture's input: the model and one call's inputs
+
+
+def _capture(call: ModelCall, options: Any) -> Captured:
+    model, args, kwargs = call
+    return capture(model, args, kwargs)
+
+
+def exported_code(captured: Captured) -> str:
+    """``capture``'s dump: the exported graph's Python."""
+    return captured.exported.graph_module.code
+
+
+def _shard(prog: Program, opts: ShardOptions | None) -> tuple[Program, ShardResult]:
+    result = shard(prog, opts)
+    return result.program, result
+
+
+def _insert_collectives(prog: Program, options: Any) -> Program:
+    return insert_collectives(prog)
+
+
+def _insert_transfers(prog: Program, options: dict | None) -> Program:
+    return insert_transfers(prog, **(options or {}))
+
+
+def _prune(prog: Program, options: Any) -> Variants:
+    """The fork: the training program (pruned to the loss, the main variant) and the forward one (every output,
+    ``forward``); without a scalar loss first, the forward one alone."""
+    train = {MAIN: prune_outputs(prog)} if has_scalar_loss(prog) else {}
+    return Variants({**train, "forward": prog})
+
+
+register_pass("capture", _capture, dump=exported_code, suffix=".py")
+register_pass("lower", lower)  # options: the mesh (without the pipeline axis)
+register_pass("shard", _shard, cached=True)
+register_pass("insert-collectives", _insert_collectives)
+register_pass("split", pipeline_split)
+register_pass("assign-stages", assign_stages_pass)
+register_pass("prune-outputs", _prune)
+register_pass("insert-transfers", _insert_transfers)
+
+
 @dataclass(frozen=True)
 class FlowOptions:
     """How the flow plans, besides the mesh: the sharding options and the pipeline's shape."""
@@ -69,7 +126,7 @@ class FlowOptions:
     # the stage balancer's memory budget per device; None: the shard budget (ShardOptions.budget_bytes), math.inf:
     # balance time alone (the search, whose own model, with recomputation and ZeRO, decided what fits)
     stage_budget_bytes: float | None = None
-    stage_to_rank: tuple[int, ...] | None = None  # the schedule's placement, checked against the stage plan
+    stage_to_rank: tuple[int, ...] | None = None  # the schedule's placement, checked by assign-stages
     # the schedule that runs: the stage balancer prices its in-flight activations (ZB-H1/H2 have 1F1B's
     # shape, ZB-V/DualPipeV a wave's, but keep more); None or a schedule without its own count: the shape's
     schedule: str | None = None
@@ -77,7 +134,7 @@ class FlowOptions:
     # balancer prices each rank's worst point, the output gradients a split backward keeps until W included
     stash_points: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] | None = None
     scatter_gather: bool = False  # Megatron: send 1/t of tp-replicated boundary tensors
-    cache: bool = True  # reuse a sharded program solved before (on disk, keyed by content)
+    cache: bool = True  # reuse the shard pass's output solved before (on disk, keyed by content; not when dumping)
 
 
 @dataclass(frozen=True)
@@ -92,7 +149,7 @@ class Planned:
     shard_result: ShardResult | None  # the solver's report; None from the cache or a plan file
     stage_plan: StagePlan | None  # None with one stage or stages given by a plan file
     split_seconds: float = 0.0
-    timings: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per pass over the IR (shard ... insert-transfers)
 
     @property
     def num_stages(self) -> int:
@@ -103,7 +160,7 @@ class Planned:
         if self.train is None:
             raise PipelineError(
                 "training needs the model's first output to be the scalar training loss (a Hugging Face model "
-                f"returns it first when given labels); the first output here is {_first_output_type(self.sharded)}"
+                f"returns it first when given labels); the first output here is {first_output_type(self.sharded)}"
             )
         return self.train
 
@@ -116,81 +173,42 @@ def plan_program(
     dump_dir: str | os.PathLike | None = None,
     sharded: Program | None = None,
 ) -> Planned:
-    """Run the flow up to codegen on ``mesh`` (the whole mesh, with its pipeline axis if any).
+    """Run the flow up to codegen on ``mesh`` (the whole mesh, with its pipeline axis if any): one
+    ``PassManager`` over ``FLOW``, from ``lower`` on ``captured``.
 
-    ``sharded``: a planned program (a plan file's) to start from instead of lowering and solving; its
-    stages are kept when it has as many as the pipeline needs.
+    ``sharded``: a planned program (a plan file's) to start from instead of lowering and solving: the flow
+    is taken up at ``split``, or at ``prune-outputs`` with the plan's own stages when it has as many as the
+    pipeline needs.
     """
     opts = options or FlowOptions()
-    shard_opts = opts.shard or ShardOptions()
     pp = mesh.pipeline_size  # the stages are spread over the pp axis; a mesh without it has one stage
+    pm = PassManager(FLOW, dump_dir, options=_pass_options(mesh, opts), cache=opts.cache)
+    pm.dump("capture", captured)  # capture made the flow's input
+    start, value = ("lower", captured) if sharded is None else _resume(sharded, mesh, pp, opts)
+    out = pm.run(value, start=start, stop="insert-transfers")
+    stage_plan, split_seconds = pm.info.get("assign-stages", (None, 0.0))
+    return Planned(
+        lowered=pm.outputs.get("lower"),
+        sharded=pm.outputs.get("insert-collectives", sharded),
+        staged=pm.outputs.get("assign-stages", value),
+        forward=out["forward"],
+        train=out.get(MAIN),
+        shard_result=pm.info.get("shard"),
+        stage_plan=stage_plan,
+        split_seconds=split_seconds,
+        timings={name: t for name, t in pm.timings.items() if name != "lower"},  # the passes over the IR
+    )
+
+
+def _pass_options(mesh: MeshSpec, opts: FlowOptions) -> dict[str, Any]:
+    """Each pass's options: ``lower``'s mesh without the pipeline axis, the sharding options, the stages'."""
+    shard_opts = opts.shard or ShardOptions()
+    pp = mesh.pipeline_size
     whole = shard_opts
     if pp > 1 and shard_opts.budget_bytes is not None:
         # the budget is per device, and a device holds 1/pp of the program: the shard pass, which solves the
         # whole program before it is split, gets pp budgets; assign-stages holds each stage to the budget
         whole = replace(shard_opts, budget_bytes=shard_opts.budget_bytes * pp)
-    inner = mesh.without_pipeline()
-    dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR") or None
-    if dump_dir:
-        _write(dump_dir, f"{flow_index('capture'):02d}-capture.py", captured.exported.graph_module.code)
-    timings: dict[str, float] = {}
-    lowered = None
-    result = None
-    if sharded is None:
-        lowered = lower(captured, inner)
-        verify(lowered)
-        if dump_dir:
-            _write(dump_dir, f"{flow_index('lower'):02d}-lower.ir", print_program(lowered))
-        sharded, result = _shard(lowered, whole, opts.cache and not dump_dir, dump_dir, timings)
-    elif sharded.mesh != inner:
-        raise PlanError(
-            f"the planned program is for the mesh {sharded.mesh}, not {inner} ({mesh} without {PIPELINE_AXIS})"
-        )
-    staged, stage_plan, split_seconds = _stage(sharded, pp, opts, shard_opts, dump_dir, timings)
-    pm = PassManager(["prune-outputs"], dump_dir=dump_dir, timings=timings)
-    train = pm.run(staged, flow_index("prune-outputs") - 1) if _is_loss(staged) else None
-    transfers = {"scatter_gather": opts.scatter_gather}
-    n = flow_index("insert-transfers") - 1
-    forward = PassManager(["insert-transfers"], None, options={"insert-transfers": transfers}).run(staged, n)
-    if dump_dir:
-        _write(dump_dir, f"{n + 1:02d}-insert-transfers.forward.ir", print_program(forward))
-    if train is not None:
-        pm = PassManager(["insert-transfers"], dump_dir, options={"insert-transfers": transfers}, timings=timings)
-        train = pm.run(train, n)
-    return Planned(lowered, sharded, staged, forward, train, result, stage_plan, split_seconds, timings)
-
-
-def _shard(
-    lowered: Program, opts: ShardOptions, cache: bool, dump_dir, timings: dict[str, float]
-) -> tuple[Program, ShardResult | None]:
-    """``shard`` and ``insert-collectives``; the result is kept on disk by content (lowered IR, options,
-    the planning code's fingerprint)."""
-    names = ["shard", "insert-collectives"]
-    text = print_program(lowered) + repr(opts) + ",".join(names) + code_fingerprint()
-    key = hashlib.sha256(text.encode()).hexdigest()[:24]
-    folder = cache_dir() if cache else None
-    path = folder / f"{key}.ir" if folder else None
-    if path is not None and path.exists():
-        return parse(path.read_text()), None
-    pm = PassManager(names, dump_dir, options={"shard": opts}, timings=timings)
-    out = pm.run(lowered, flow_index("shard") - 1)
-    if path is not None:
-        write_atomic(path, print_program(out))
-    return out, pm.info.get("shard")
-
-
-def _stage(
-    sharded: Program, pp: int, opts: FlowOptions, shard_opts: ShardOptions, dump_dir, timings: dict[str, float]
-) -> tuple[Program, StagePlan | None, float]:
-    """``split`` and ``assign-stages``: a plan's own stages when it has the right number, else Merak's split
-    balanced over ``pp`` ranks (one stage without a pipeline)."""
-    stages = 1 if pp == 1 else num_stages(pp, opts.chunks, opts.waves)
-    planned = _planned_stages(sharded)
-    if planned is not None and planned == stages:
-        staged = _complete_stages(sharded)
-        verify(staged)
-        return staged, None, 0.0
-    precision = "fp32" if shard_opts.setup.precision == "fp32" else "bf16"
     stage_opts = {
         "pp": pp,
         "chunks": opts.chunks,
@@ -198,34 +216,37 @@ def _stage(
         "microbatches": opts.microbatches,
         "cluster": shard_opts.cluster,
         "budget_bytes": shard_opts.budget_bytes if opts.stage_budget_bytes is None else opts.stage_budget_bytes,
-        "precision": precision,
+        "precision": "fp32" if shard_opts.setup.precision == "fp32" else "bf16",
     }
     if opts.schedule in SCHEDULES and opts.schedule != "none":
         stage_opts["schedule"] = opts.schedule
     if opts.stash_points is not None:
         stage_opts["stash_points"] = opts.stash_points
-    pass_opts = {"split": {"pp": pp}, "assign-stages": stage_opts}
-    pm = PassManager(["split", "assign-stages"], dump_dir, options=pass_opts, timings=timings)
-    staged = pm.run(_without_stages(sharded), flow_index("split") - 1)
-    stage_plan, split_seconds = pm.info.get("assign-stages", (None, 0.0))
-    if stage_plan is not None and opts.stage_to_rank is not None:
-        if tuple(stage_plan.stage_to_rank) != tuple(opts.stage_to_rank):
-            raise PipelineError(
-                f"the schedule places stages on ranks {list(opts.stage_to_rank)} but the stage plan on "
-                f"{list(stage_plan.stage_to_rank)}"
-            )
-    return staged, stage_plan, split_seconds
+    if opts.stage_to_rank is not None:
+        stage_opts["stage_to_rank"] = opts.stage_to_rank
+    return {
+        "lower": mesh.without_pipeline(),
+        "shard": whole,
+        "split": {"pp": pp},
+        "assign-stages": stage_opts,
+        "insert-transfers": {"scatter_gather": opts.scatter_gather},
+    }
 
 
-def _is_loss(prog: Program) -> bool:
-    t = _first_output_type(prog)
-    return t is not None and t.shape == () and t.is_float
-
-
-def _first_output_type(prog: Program):
-    if not prog.outputs:
-        return None
-    return prog.types().get(getattr(prog.outputs[0], "name", ""))
+def _resume(sharded: Program, mesh: MeshSpec, pp: int, opts: FlowOptions) -> tuple[str, Program]:
+    """Where the flow takes up a plan's program, and with what: its own stages when it has the right number
+    (``prune-outputs``), else the program without them, split and balanced over ``pp`` ranks (``split``)."""
+    inner = mesh.without_pipeline()
+    if sharded.mesh != inner:
+        raise PlanError(
+            f"the planned program is for the mesh {sharded.mesh}, not {inner} ({mesh} without {PIPELINE_AXIS})"
+        )
+    stages = 1 if pp == 1 else num_stages(pp, opts.chunks, opts.waves)
+    if _planned_stages(sharded) == stages:
+        staged = _complete_stages(sharded)
+        verify(staged)
+        return "prune-outputs", staged
+    return "split", _without_stages(sharded)
 
 
 def _planned_stages(prog: Program) -> int | None:
@@ -261,12 +282,6 @@ def _without_stages(prog: Program) -> Program:
     )
     attrs = {k: v for k, v in prog.attrs.items() if k != "pipeline_stages"}
     return prog.with_(ops=ops, attrs=attrs)
-
-
-def _write(dump_dir: str | os.PathLike, name: str, text: str) -> None:
-    d = Path(dump_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / name).write_text(text)
 
 
 __all__ = ["FLOW", "FlowOptions", "Planned", "flow_index", "plan_program"]

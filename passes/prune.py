@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autopar.ir.core import Op, Program, bound_args, iter_refs, resolve_target
+from autopar.ir.core import Op, Program, TensorType, bound_args, iter_refs, resolve_target
 
 
 def writes_in_place(op: Op) -> bool:
@@ -22,6 +22,19 @@ def updates_state(op: Op) -> bool:
         return True
     bound = bound_args(op) or {}
     return bound.get("running_mean") is not None and bool(bound.get("training", bound.get("use_input_stats")))
+
+
+def first_output_type(prog: Program) -> TensorType | None:
+    """The type of the program's first output (the training loss, when it is a scalar float), if it has one."""
+    if not prog.outputs:
+        return None
+    return prog.types().get(getattr(prog.outputs[0], "name", ""))
+
+
+def has_scalar_loss(prog: Program) -> bool:
+    """Whether the first output is a scalar float: a training loss, which ``prune_outputs`` keeps."""
+    t = first_output_type(prog)
+    return t is not None and t.shape == () and t.is_float
 
 
 def prune_outputs(prog: Program, keep: int = 1) -> Program:

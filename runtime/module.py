@@ -138,7 +138,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
-        builder = StageBuilder(comm.coords, self._local, self.device, rng)
+        builder = StageBuilder(comm.coords, self._local, self.device, rng, comm.rank)
         # f fused with its matmuls (runtime/comm/column_linear.py) needs one backward through them, not cut or
         # split: the forward programs run whole (never sub-pipelined, backward by the user's own call)
         self.forward_runners, _ = builder.runners(forward, mine, {}, "forward")

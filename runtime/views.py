@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from autopar.ir.core import Program
+from autopar.passes.manager import PassManager
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime.build.params import LocalTensors
 from autopar.runtime.build.stages import StageBuilder
@@ -109,6 +110,12 @@ class ModuleViews:
         """Generated GraphModules of this rank: ``forward{s}`` (every output), ``stage{s}`` (training)
         and recompute parts ``stage{s}.head{x}`` / ``stage{s}.rest{x}``."""
         return dict(self._builder.modules)
+
+    @property
+    def passes(self) -> PassManager:
+        """The PassManager that generated this rank's modules (the flow's ``codegen``): its timings, and its
+        dumps ``09-codegen.rank{r}.{label}.py`` (``passes.dump_into(dir)`` writes them)."""
+        return self._builder.passes
 
     @property
     def trace(self) -> list[TraceEvent]:

@@ -96,3 +96,93 @@ def test_training_needs_a_scalar_loss_first():
     assert planned.train is None
     with pytest.raises(PipelineError, match="first output to be the scalar training loss"):
         planned.require_train()
+
+
+def test_the_flow_is_one_pass_manager_over_flow(captured, tmp_path, monkeypatch):
+    """plan_program makes one PassManager, over FLOW itself, and every dump of the flow is numbered by it."""
+    from autopar.passes import flow
+
+    made: list[flow.PassManager] = []
+
+    class Counted(flow.PassManager):
+        def __post_init__(self):
+            super().__post_init__()
+            made.append(self)
+
+    monkeypatch.setattr(flow, "PassManager", Counted)
+    plan_program(captured, parse_mesh("dp=2"), FlowOptions(shard=ShardOptions()), dump_dir=tmp_path)
+    assert len(made) == 1 and made[0].pipeline == list(FLOW)
+    assert set(made[0].outputs) == set(FLOW[FLOW.index("lower") : FLOW.index("codegen")])
+    stems = {re.sub(r"(\.forward)?\.(ir|py)$", "", p.name) for p in tmp_path.iterdir()}
+    assert stems == {f"{made[0].number(n):02d}-{n}" for n in FLOW[:-1]}, stems
+
+
+def test_a_pass_added_to_flow_runs_in_its_place_and_renumbers_the_dumps(captured, tmp_path, monkeypatch):
+    """Adding a pass to the flow is one registration and one entry in FLOW: plan_program runs it after the pass
+    before it, its dump carries its place and the passes after it move one number on. Without the entry the
+    registered pass does not run."""
+    from autopar.passes import flow
+    from autopar.passes.manager import register_pass
+
+    seen: list[str] = []
+
+    @register_pass("mark-for-test")
+    def _mark(prog, opts):
+        seen.append(prog.attrs.get("ilp_status", "unsolved"))
+        return prog
+
+    try:
+        plan_program(captured, parse_mesh("dp=2"), dump_dir=tmp_path / "without")
+        assert seen == [] and not any("mark" in p.name for p in (tmp_path / "without").iterdir())
+        monkeypatch.setattr(flow, "FLOW", (*FLOW[:3], "mark-for-test", *FLOW[3:]))
+        planned = plan_program(captured, parse_mesh("dp=2"), dump_dir=tmp_path / "with")
+    finally:
+        PASSES.pop("mark-for-test")
+    assert seen == ["optimal"]  # on the shard pass's output
+    stems = sorted(re.sub(r"\.(ir|py)$", "", p.name) for p in (tmp_path / "with").iterdir())
+    assert stems[2:5] == ["03-shard", "04-mark-for-test", "05-insert-collectives"], stems
+    assert stems[-2:] == ["09-insert-transfers", "09-insert-transfers.forward"], stems
+    assert "mark-for-test" in planned.timings
+
+
+def test_a_plan_file_takes_the_flow_up_at_a_later_pass(captured, tmp_path):
+    """A plan's program enters the same flow later: with its own stages at prune-outputs, without them at split;
+    the dumps keep the flow's numbers and only the passes that ran are dumped (and the capture)."""
+    mesh = parse_mesh("pp=2,tp=2")
+    first = plan_program(captured, mesh)
+    for name, sharded, ran in (("own", first.staged, FLOW[6:8]), ("none", first.sharded, FLOW[4:8])):
+        planned = plan_program(captured, mesh, dump_dir=tmp_path / name, sharded=sharded)
+        stems = {re.sub(r"(\.forward)?\.(ir|py)$", "", p.name) for p in (tmp_path / name).iterdir()}
+        assert stems == {"01-capture"} | {f"{flow_index(n):02d}-{n}" for n in ran}, (name, stems)
+        assert planned.lowered is None and planned.shard_result is None and set(planned.timings) == set(ran)
+        assert planned.forward == first.forward and planned.train == first.train
+    assert (tmp_path / "own" / "08-insert-transfers.ir").read_text() == (
+        tmp_path / "none" / "08-insert-transfers.ir"
+    ).read_text()
+
+
+def test_compile_dumps_each_ranks_codegen_by_the_manager(tmp_path):
+    """autopar.compile with dump_dir on one process: every pass of the flow dumped, numbered, codegen's by the
+    PassManager that generated the rank's modules (``09-codegen.rank0.LABEL.py``, each its module's code),
+    beside the training stage's local IR and the schedule."""
+    import torch.distributed as dist
+
+    import autopar
+
+    spec = build("tiny-mlp", device="cpu", seed=0)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        module = autopar.compile(
+            spec.model, autopar.init_mesh("cpu", dp=1), args=spec.args, kwargs=spec.kwargs, dump_dir=str(tmp_path)
+        )
+    finally:
+        dist.destroy_process_group()
+    names = sorted(p.name for p in tmp_path.iterdir())
+    stems = {re.sub(r"(\.forward)?\.(ir|py)$", "", n).split(".rank")[0] for n in names if n != "schedule.txt"}
+    assert stems == {f"{flow_index(n):02d}-{n}" for n in FLOW}, names
+    codegen = [n for n in names if n.startswith("09-codegen") and n.endswith(".py")]
+    assert codegen == [f"09-codegen.rank0.{label}.py" for label in sorted(module.stage_modules)] and codegen
+    for label, gm in module.stage_modules.items():
+        assert (tmp_path / f"09-codegen.rank0.{label}.py").read_text() == gm.code
+    assert set(module.passes.timings) == {"codegen"} and module.passes.pipeline == list(FLOW)
+    assert {"09-codegen.rank0.stage0.local.ir", "schedule.txt"} <= set(names)

@@ -6,15 +6,17 @@ import argparse
 import itertools
 import sys
 
+import torch
+
 from autopar.api import DEFAULT_PIPELINE, dump_rank_code, parse_mesh
 from autopar.errors import AutoparError
+from autopar.ir.core import Program
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
-from autopar.passes.capture import capture
-from autopar.passes.lower import lower
-from autopar.passes.manager import PassManager
+from autopar.passes.flow import FLOW
+from autopar.passes.manager import PassManager, Variants
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.build.codegen import codegen
+from autopar.runtime.build.codegen import CodegenOptions
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -42,20 +44,22 @@ def run(args: argparse.Namespace) -> int:
     if upto not in stages:
         raise AutoparError(f"--upto {upto!r} is not a pass; choose one of {', '.join(stages)}")
     spec = build(args.model, device="meta")
-    prog = lower(capture(spec.model, spec.args, spec.kwargs), parse_mesh(args.mesh))
-    pipeline = DEFAULT_PIPELINE[: stages.index(upto)]
-    pm = PassManager(pipeline, dump_dir=args.dump_dir, options={"shard": ShardOptions(alpha=args.alpha)})
-    prog = pm.run(prog)
+    options = {"lower": parse_mesh(args.mesh), "shard": ShardOptions(alpha=args.alpha)}
+    pm = PassManager(FLOW, dump_dir=args.dump_dir, options=options)  # the flow's passes, dumped by its numbers
+    call = (spec.model, spec.args, spec.kwargs)
+    prog = pm.run(call, stop="lower" if upto == "capture" else upto)  # --upto capture: the IR as lowered
     if pm.dump_dir and upto == stages[-1]:
-        _dump_ranks(prog, spec.model, pm.dump_dir)
+        _dump_ranks(pm, prog, spec.model)
     sys.stdout.write(print_program(prog, local=args.local))
     return 0
 
 
-def _dump_ranks(prog, model, dump_dir) -> None:
-    """Each rank's generated code, built from the meta model (shapes only, no weights)."""
+def _dump_ranks(pm: PassManager, prog: Program, model: torch.nn.Module) -> None:
+    """Each rank's generated code by the flow's codegen (``09-codegen.rankN.py``), built from the meta model
+    (shapes only, no weights), and its IR with local shapes."""
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     names, sizes = prog.mesh.names, prog.mesh.sizes
     for rank, coord in enumerate(itertools.product(*(range(n) for n in sizes))):
-        gm = codegen(prog, dict(zip(names, coord)), named.__getitem__, device="meta")
-        dump_rank_code(dump_dir, rank, gm, prog)
+        codegen = CodegenOptions(dict(zip(names, coord)), named.__getitem__, device="meta")
+        pm.run(Variants({f"rank{rank}": prog}), start="codegen", options={"codegen": codegen})
+        dump_rank_code(pm.dump_dir, rank, prog)

@@ -8,11 +8,15 @@ The module's parameters are named as in the user's model (``transformer.h.0.attn
 so state dicts line up with the original. A parameter held in another dtype than the program's (fp32
 master weights of a program captured in bf16, ``runtime/build/precision.py``) is cast where it is read, and
 so are half-typed float inputs.
+
+``codegen`` is the flow's last pass (``passes/flow.py``), registered here with the PassManager: each rank runs
+it on every stage part it holds (``runtime/build/stages.py``), its dumps ``09-codegen.rank{r}.{label}.py``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -20,6 +24,7 @@ import torch.fx as fx
 from autopar.errors import PlanError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.passes.dropout import is_keyed
+from autopar.passes.manager import register_pass
 from autopar.runtime.build import rng as keyed
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
@@ -323,6 +328,32 @@ def _class_axes(op: Op, types, prog: Program) -> list[str]:
     return [name for p, name in zip(logits.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 1]
 
 
+@dataclass(frozen=True)
+class CodegenOptions:
+    """The ``codegen`` pass's options: ``codegen``'s arguments besides the program."""
+
+    coords: dict[str, int]
+    get_tensor: Callable[[str], torch.Tensor]
+    device: torch.device | str = "cpu"
+    local_tensor: Callable[[Value], torch.Tensor] | None = None
+    rng: keyed.DropoutRng | None = None
+    overlap_tp: bool = True
+
+
+def codegen_pass(prog: Program, options: CodegenOptions) -> fx.GraphModule:
+    """The ``codegen`` pass: the GraphModule of ``prog`` on the rank ``options`` describe."""
+    o = options
+    return codegen(prog, o.coords, o.get_tensor, o.device, o.local_tensor, o.rng, o.overlap_tp)
+
+
+def module_code(gm: fx.GraphModule) -> str:
+    """``codegen``'s dump: the generated Python."""
+    return gm.code
+
+
+register_pass("codegen", codegen_pass, dump=module_code, suffix=".py")
+
+
 def _getitem(xs, i):
     return xs[i]
 
@@ -337,4 +368,4 @@ def _owner(root: torch.nn.Module, qualname: str) -> tuple[torch.nn.Module, str]:
     return mod, attr
 
 
-__all__ = ["codegen", "local_args", "shard_param", "Ref"]
+__all__ = ["CodegenOptions", "codegen", "codegen_pass", "local_args", "shard_param", "Ref"]

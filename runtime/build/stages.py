@@ -21,10 +21,12 @@ import torch
 from autopar.errors import PlanError, ScheduleError
 from autopar.ir.core import MeshSpec, Op, Program, Ref, Replicate, Value
 from autopar.passes.assign_stages import assign_stages_pass
+from autopar.passes.flow import FLOW
+from autopar.passes.manager import PassManager, Variants
 from autopar.passes.prune import updates_state, writes_in_place
 from autopar.passes.stage_program import StageProgram, recompute_cut, split_for_recompute, stage_program
 from autopar.passes.transfers import insert_transfers
-from autopar.runtime.build.codegen import codegen
+from autopar.runtime.build.codegen import CodegenOptions
 from autopar.runtime.build.rng import DropoutRng
 from autopar.runtime.execute.stage_runner import Buffer, Part, StageRunner
 from autopar.schedule.actions import F, Kind, Schedule
@@ -32,7 +34,9 @@ from autopar.schedule.comm_actions import insert_comm_actions
 
 
 class StageBuilder:
-    """Generates the GraphModules of one rank's stages; ``modules`` keeps them by label."""
+    """Generates the GraphModules of one rank's stages by the flow's ``codegen`` pass; ``modules`` keeps them
+    by label, ``passes`` is the PassManager that ran it (variant ``rank{r}.{label}`` of each part: its dumps
+    ``09-codegen.rank{r}.{label}.py``, written where the facade says, ``ParallelModule.passes.dump_into``)."""
 
     def __init__(
         self,
@@ -40,16 +44,17 @@ class StageBuilder:
         local_tensor: Callable[[Value], torch.Tensor],
         device: torch.device,
         rng: DropoutRng | None,
+        rank: int = 0,
     ):
-        self.coords, self.local_tensor, self.device, self.rng = coords, local_tensor, device, rng
+        self.coords, self.local_tensor, self.device, self.rng, self.rank = coords, local_tensor, device, rng, rank
         self.modules: dict[str, torch.fx.GraphModule] = {}
+        self.passes = PassManager(FLOW, dump_env=False)  # AUTOPAR_DUMP_DIR is the facade's to apply
 
     def part(self, prog: Program, label: str, overlap_tp: bool = True) -> Part:
-        gm = codegen(
-            prog, self.coords, _no_whole, self.device, local_tensor=self.local_tensor, rng=self.rng,
-            overlap_tp=overlap_tp,
-        )  # fmt: skip
-        self.modules[label] = gm
+        options = CodegenOptions(self.coords, _no_whole, self.device, self.local_tensor, self.rng, overlap_tp)
+        variant = f"rank{self.rank}.{label}"
+        out = self.passes.run(Variants({variant: prog}), start="codegen", stop="codegen", options={"codegen": options})
+        gm = self.modules[label] = out[variant]
         return Part.of(gm, prog)
 
     def runners(

@@ -60,6 +60,14 @@ class Comm:
     peers: object = field(default_factory=TorchPeers)
     grad_dtype: torch.dtype | None = None  # gradient reductions' dtype (mixed precision's reduce_dtype)
 
+    @property
+    def rank(self) -> int:
+        """This rank's place in the mesh, row-major (its global rank as ``init_device_mesh`` lays ranks out)."""
+        rank = 0
+        for name, n in self.sizes.items():
+            rank = rank * n + self.coords[name]
+        return rank
+
     @classmethod
     def from_device_mesh(cls, mesh) -> Comm:
         """The mesh's axes; the process's groups are then destroyed and freed at exit (runtime/comm/teardown.py)."""
