@@ -130,7 +130,7 @@ class FlowOptions:
     # the schedule that runs: the stage balancer prices its in-flight activations (ZB-H1/H2 have 1F1B's
     # shape, ZB-V/DualPipeV a wave's, but keep more); None or a schedule without its own count: the shape's
     schedule: str | None = None
-    # with it, the schedule's stash points per rank (runtime/actions.stage_stash_points of its lists): the
+    # with it, the schedule's stash points per rank (schedule/actions.stage_stash_points of its lists): the
     # balancer prices each rank's worst point, the output gradients a split backward keeps until W included
     stash_points: tuple[tuple[tuple[tuple[int, int], ...], ...], ...] | None = None
     scatter_gather: bool = False  # Megatron: send 1/t of tp-replicated boundary tensors

@@ -110,7 +110,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         stages); ``get_value(name)``: a parameter or buffer's whole value (only this rank's shard is
         kept); ``mesh``: the DeviceMesh, needed on a pipeline with parameters tied across its ranks;
         ``rng``: the keyed dropouts' state; ``state``: the user's state-dict keys -> program values and
-        the whole values of keys no program reads (``runtime/params.state_keys``; default: the
+        the whole values of keys no program reads (``runtime/build/params.state_keys``; default: the
         programs' own names); ``leaves``: where each input of the programs is among the call's
         flattened inputs (needed for local batches)."""
         super().__init__()
