@@ -24,17 +24,16 @@ from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
 from autopar.check.step import check_before_training
-from autopar.config import NOT_SHARDING, TrainConfig, resolve
+from autopar.config import TrainConfig, resolve
 from autopar.errors import CheckError, MeshError, PlanError, PrecisionError, SubPipelineError
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import flow_index
-from autopar.passes.shard import ShardOptions, planning_options
+from autopar.passes.shard import planning_options
 from autopar.passes.split_cache import cache_dir
 from autopar.plan import Plan
-from autopar.planner import options_from_dict
 from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, compute_copy
 from autopar.runtime.build.rng import rng_for
 from autopar.runtime.call.batch import sub_microbatch
@@ -177,7 +176,7 @@ def compile(  # noqa: A001
     spec = mesh_spec(mesh)
     pp = spec.pipeline_size
     loaded = Plan.load(plan) if plan is not None else None
-    cfg, legacy = resolve(config, choices, plan_config(loaded) if loaded is not None else None)
+    cfg, legacy = resolve(config, choices, TrainConfig.from_plan(loaded) if loaded is not None else None)
     policy = cfg.policy()
     if loaded is not None:
         _check_plan_precision(loaded, policy)
@@ -224,28 +223,15 @@ def compile(  # noqa: A001
     return module
 
 
-def plan_config(plan: Plan) -> TrainConfig:
-    """The config ``compile(plan=...)`` starts from: what the plan's sharding was solved with (its objective,
-    budget, ZeRO, precision, read from the plan's options as before TrainConfig) and the rest of the config
-    it was made with (its schedule and microbatches), when the plan keeps one. The cluster is not re-read:
-    nothing is priced again."""
-    options = options_from_dict(plan.options) if plan.options else ShardOptions()
-    rest = {}
-    if plan.config:
-        made = TrainConfig.from_dict(plan.config, source="the plan's config")
-        rest = {name: getattr(made, name) for name in NOT_SHARDING}
-    return TrainConfig.from_shard_options(options, **rest)
-
-
 def _check_plan_precision(plan: Plan, policy: MixedPrecisionPolicy | None) -> None:
     """Refuse computing a plan in another dtype than it was planned (captured) in."""
     planned = plan.options.get("setup", {}).get("precision", "fp32")
     wanted = policy.name if policy is not None else "fp32"
     if planned != wanted:
         raise PrecisionError(
-            f"the plan was made for {planned} compute, but mixed_precision asks for {wanted}: its program is "
+            f"the plan was made for {planned} compute, but precision asks for {wanted}: its program is "
             f"typed {planned}; plan again with `autopar plan ... --precision {wanted}`, or compile without "
-            "mixed_precision (the plan's precision applies)"
+            "precision (the plan's applies)"
         )
 
 

@@ -28,10 +28,20 @@ import yaml
 
 from autopar.errors import AutoparError, BatchError, ConfigError, ScheduleError
 from autopar.passes.shard import ShardOptions
-from autopar.runtime.build.precision import MixedPrecisionPolicy, dtype_name, dtype_of, policy_of
+from autopar.plan import Plan
+from autopar.planner import options_from_dict
+from autopar.runtime.build.precision import (
+    LossScaling,
+    MixedPrecisionPolicy,
+    dtype_name,
+    dtype_of,
+    policy_of,
+    policy_of_setup,
+    setup_dtypes,
+)
 from autopar.runtime.call.batch import token_count
 from autopar.runtime.module import RuntimeOptions
-from autopar.schedule.generators import schedule_kind
+from autopar.schedule.generators import SCHEDULES, schedule_kind
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.cluster.units import parse_bytes
 from autopar.solver.sharding.cost import TrainingSetup
@@ -104,7 +114,7 @@ class TrainConfig:
                 f"{', '.join(kind.options()) or 'none'}"
             )
         if self.recompute and "recompute" not in kind.options():
-            takes = sorted(k.name for k in _schedules() if "recompute" in k.options())
+            takes = sorted(k.name for k in SCHEDULES.values() if "recompute" in k.options())
             raise ScheduleError(
                 f"recompute=True needs a schedule that recomputes ({', '.join(takes)}; scp recomputes by its alpha1), "
                 f"not {self.schedule}"
@@ -140,20 +150,12 @@ class TrainConfig:
         """The mixed-precision policy the runtime applies (None: fp32); PrecisionError for one it cannot."""
         return policy_of(self.precision)
 
-    @property
-    def precision_name(self) -> str:
-        policy = self.policy()
-        return policy.name if policy is not None else "fp32"
-
     def training_setup(self, overlap_tp: bool = True) -> TrainingSetup:
         """What the cost model assumes about training (``solver/sharding/cost.py``)."""
-        policy = self.policy()
-        reduce = "fp32"
-        if policy is not None:
-            reduce = policy.name if policy.reduce_dtype is None else dtype_name(policy.reduce_dtype)
+        precision, reduce = setup_dtypes(self.policy())
         return TrainingSetup(
             optimizer=self.optimizer,
-            precision=self.precision_name,
+            precision=precision,
             reduce_dtype=reduce,
             zero=self.zero,
             zero_axes=self.zero_axes,
@@ -215,7 +217,7 @@ class TrainConfig:
         """A config from JSON/YAML data; unknown fields are refused by name."""
         if not isinstance(data, Mapping):
             raise ConfigError(f"{source} must be a mapping of TrainConfig fields, not {type(data).__name__}")
-        names = [f.name for f in dataclasses.fields(cls)]
+        names = field_names()
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ConfigError(f"{source} has unknown fields {unknown}; TrainConfig's fields: {', '.join(names)}")
@@ -252,19 +254,29 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with ``changes`` (TrainConfig fields), each checked as in the constructor."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        unknown = sorted(set(changes) - set(field_names()))
         if unknown:
             raise ConfigError(f"unknown TrainConfig fields {unknown}; its fields: {', '.join(field_names())}")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_plan(cls, plan: Plan) -> TrainConfig:
+        """The config ``compile(plan=...)`` starts from: what the plan's sharding was solved with (its objective,
+        budget, ZeRO, precision, read from the plan's options as before TrainConfig) and the rest of the config
+        it was made with (its schedule and microbatches), when the plan keeps one. The cluster is not re-read:
+        nothing is priced again."""
+        options = options_from_dict(plan.options) if plan.options else ShardOptions()
+        rest = {}
+        if plan.config:
+            made = cls.from_dict(plan.config, source="the plan's config")
+            rest = {name: getattr(made, name) for name in NOT_SHARDING}
+        return cls.from_shard_options(options, **rest)
 
     # -- the spellings before it -------------------------------------------------------------------------------
     @classmethod
     def from_shard_options(cls, options: ShardOptions, **fields: Any) -> TrainConfig:
         """The config a ``ShardOptions`` (and its ``TrainingSetup``) describes, with ``fields`` besides."""
         s = options.setup
-        precision: Any = "fp32"
-        if s.precision != "fp32":
-            precision = MixedPrecisionPolicy(param_dtype=dtype_of(s.precision), reduce_dtype=dtype_of(s.reduce_dtype))
         return cls(
             objective=options.objective,
             alpha=options.alpha,
@@ -277,7 +289,7 @@ class TrainConfig:
             zero_axes=s.zero_axes,
             mics_group=s.mics_group,
             bucket_cap_mb=s.bucket_cap_mb,
-            precision=precision,
+            precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
             **fields,
@@ -320,7 +332,7 @@ _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
     "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision",
 }  # fmt: skip
-NOT_SHARDING = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name not in _SHARD_FIELDS)
+NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 
 
 def _deprecated(old: str, new: str) -> None:
@@ -330,12 +342,6 @@ def _deprecated(old: str, new: str) -> None:
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed or isinstance(value, bool) != isinstance(allowed[-1], bool):
         raise ConfigError(f"TrainConfig.{name} must be one of {', '.join(map(repr, allowed))}, not {value!r}")
-
-
-def _schedules():
-    from autopar.schedule.generators import SCHEDULES
-
-    return SCHEDULES.values()
 
 
 def _precision_dict(value: Any) -> str | dict[str, Any]:
@@ -356,8 +362,6 @@ def _precision_dict(value: Any) -> str | dict[str, Any]:
 
 
 def _precision_of_dict(data: Mapping[str, Any]) -> MixedPrecisionPolicy:
-    from autopar.runtime.build.precision import LossScaling
-
     values = dict(data)
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if isinstance(values.get(name), str):

@@ -218,7 +218,7 @@ def _pass_options(mesh: MeshSpec, opts: FlowOptions) -> dict[str, Any]:
         "budget_bytes": shard_opts.budget_bytes if opts.stage_budget_bytes is None else opts.stage_budget_bytes,
         "precision": "fp32" if shard_opts.setup.precision == "fp32" else "bf16",
     }
-    if opts.schedule in SCHEDULES and opts.schedule != "none":
+    if opts.schedule in SCHEDULES:  # a registered schedule prices its own in-flight counts
         stage_opts["schedule"] = opts.schedule
     if opts.stash_points is not None:
         stage_opts["stash_points"] = opts.stash_points

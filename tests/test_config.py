@@ -4,10 +4,12 @@ types derived from it; the spellings before it deprecated but working; the modul
 
 from __future__ import annotations
 
+import copy
 import importlib
 import json
 import sys
 import warnings
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -97,7 +99,7 @@ def test_every_layer_reads_its_options_from_the_one_config():
 def test_the_config_round_trips_through_yaml_and_json(tmp_path):
     cfg = TrainConfig(
         zero=3, zero_axes=("dp",), precision=MixedPrecisionPolicy(torch.bfloat16, reduce_dtype=torch.bfloat16),
-        schedule="scp", schedule_options={"alpha1": __import__("fractions").Fraction(1, 4)}, microbatches=8,
+        schedule="scp", schedule_options={"alpha1": Fraction(1, 4)}, microbatches=8,
         loss_weight=None, cluster="dgx-a100",
     )  # fmt: skip
     for name in ("train.yaml", "train.json"):
@@ -155,7 +157,7 @@ def test_compile_takes_the_config_its_fields_and_the_old_spellings_alike(one_ran
     kw = {"kwargs": batch(), "seed": 0}
 
     def compiled(**how):
-        return autopar.compile(__import__("copy").deepcopy(reference), one_rank_mesh, **kw, **how)
+        return autopar.compile(copy.deepcopy(reference), one_rank_mesh, **kw, **how)
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)  # the new spellings warn of nothing

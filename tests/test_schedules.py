@@ -182,7 +182,7 @@ def test_a_new_schedule_is_one_registered_function() -> None:
         # the planner prices it from the registry: in-flight counts off its own lists (no formula given),
         # the stage balance of a pp mesh, TrainConfig and the command lines
         assert inflight_per_rank("gpipe-test-only", 3, 4) == [4.0, 4.0, 4.0]
-        spec = build("tiny-gpt2:n_layer=4", device="meta")
+        spec = build("tiny-gpt2", device="meta")
         captured = capture(spec.model, spec.args, spec.kwargs)
         flow = FlowOptions(microbatches=4, stage_to_rank=s.stage_to_rank, schedule="gpipe-test-only", cache=False)
         assert [st.inflight for st in plan_program(captured, parse_mesh("pp=3"), flow).stage_plan.stages] == [4] * 3

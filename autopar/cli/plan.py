@@ -14,11 +14,12 @@ from autopar.models.resolve import list_presets
 from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
 from autopar.schedule.generators import SCHEDULES, schedule_kind
+from autopar.schedule.placement import schedule_of
 from autopar.search import run_cli
-from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.baselines import BASELINES
 
 GiB = 2**30
+DEFAULT_CLUSTER = "dgx-a100"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -100,7 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def plan_config(args: argparse.Namespace) -> TrainConfig:
     """The TrainConfig an ``autopar plan`` call plans with: ``--config``'s file (default: TrainConfig's
-    defaults), each flag given overriding its field."""
+    defaults), each flag given overriding its field; priced on dgx-a100 when neither names a cluster."""
     cfg = TrainConfig.load(args.config) if args.config else TrainConfig()
     changes = {
         "objective": args.objective,
@@ -116,14 +117,16 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
-    schedule = args.schedule or ("wave" if "waves" in shape else "interleaved" if shape.get("chunks", 1) > 1 else None)
+    chunks, waves = shape.get("chunks", 1), shape.get("waves")
+    schedule = args.schedule or (schedule_of(2, chunks, waves) if waves or chunks > 1 else None)  # the shape's own
     if schedule is not None and schedule != cfg.schedule:
         changes["schedule"], changes["schedule_options"] = schedule, {}
     if shape:
         kind = schedule_kind(changes.get("schedule", cfg.schedule))
         opts = dict(changes.get("schedule_options", cfg.schedule_options))
         changes["schedule_options"] = opts | {k: v for k, v in shape.items() if k in kind.options() and v != 1}
-    return cfg.replace(**changes)
+    cfg = cfg.replace(**changes)
+    return cfg if cfg.cluster is not None else cfg.replace(cluster=DEFAULT_CLUSTER)
 
 
 def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlanOptions:
@@ -143,9 +146,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:18s} {desc}")
         return 0
     cfg = plan_config(args)
-    cluster_name = cfg.cluster if isinstance(cfg.cluster, str) else None
-    args.cluster = args.cluster or cluster_name or "dgx-a100"
-    args.time_limit, args.solver = cfg.time_limit, cfg.solver
+    args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
     # -- search hook ------------------------------------------------------------------------------------
     if not args.mesh and args.global_batch is not None:
         return run_cli(args)
@@ -153,8 +154,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.model or not args.mesh:
         raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")
     mesh = parse_mesh(args.mesh)
-    cluster = cfg.cluster_spec(ClusterSpec.load(args.cluster))
-    opts = planning_options(cfg.shard_options(cluster), cluster)  # the time objective's budget: the device memory
+    opts = cfg.shard_options()
+    opts = planning_options(opts, opts.cluster)  # the time objective's budget: the device memory
     if ((args.chunks or 1) > 1 or args.waves or args.schedule) and PIPELINE_AXIS not in mesh.names:
         raise AutoparError("--chunks, --waves and --schedule need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
     pipe = pipeline_options(cfg, args)

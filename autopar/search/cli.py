@@ -22,7 +22,7 @@ def run_cli(args: argparse.Namespace) -> int:
         raise AutoparError("give MODEL, e.g. autopar plan gpt2-xl --cluster dgx-a100 --global-batch 64")
     if args.global_batch < 1 or args.top < 1:
         raise AutoparError("--global-batch and --top must be positive")
-    cluster = ClusterSpec.load(args.cluster)
+    cluster = args.cluster if isinstance(args.cluster, ClusterSpec) else ClusterSpec.load(args.cluster)
     precision = args.precision or ("bf16" if cluster.backend == "nccl" else "fp32")
     space = SearchSpace() if args.zero is None else SearchSpace(zero=(args.zero,), mics=args.mics_group is not None)
     budget = args.budget_gb * GiB if args.budget_gb is not None else None

@@ -116,22 +116,28 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}.get(dtype, "fp32")
 
 
+def policy_of_setup(setup: TrainingSetup) -> MixedPrecisionPolicy | None:
+    """The policy a training setup prices: its precision, gradients reduced in its ``reduce_dtype``."""
+    policy = policy_of(setup.precision)
+    return None if policy is None else dataclasses.replace(policy, reduce_dtype=dtype_of(setup.reduce_dtype))
+
+
+def setup_dtypes(policy: MixedPrecisionPolicy | None) -> tuple[str, str]:
+    """(``TrainingSetup.precision``, ``TrainingSetup.reduce_dtype``) of ``policy`` (None: fp32); FSDP2's
+    ``reduce_dtype=None`` reduces in ``param_dtype``."""
+    if policy is None:
+        return "fp32", "fp32"
+    return policy.name, policy.name if policy.reduce_dtype is None else dtype_name(policy.reduce_dtype)
+
+
 def precision_setup(
     spec: MixedPrecisionPolicy | str | torch.dtype | None, options: ShardOptions | None
 ) -> tuple[MixedPrecisionPolicy | None, ShardOptions | None]:
     """(the policy ``compile`` runs, ``options`` whose training setup prices it): ``spec`` when given, else
     the precision and reduce dtype of ``options``' setup (a plan file's, or the caller's)."""
     setup = options.setup if options is not None else TrainingSetup()
-    if spec is None:
-        policy = policy_of(setup.precision)
-        if policy is not None:
-            policy = dataclasses.replace(policy, reduce_dtype=dtype_of(setup.reduce_dtype))
-    else:
-        policy = policy_of(spec)
-    name = policy.name if policy is not None else "fp32"
-    reduce = dtype_name(policy.reduce_dtype) if policy is not None and policy.reduce_dtype is not None else "fp32"
-    if policy is not None and policy.reduce_dtype is None:  # FSDP2's None: reduce in param_dtype
-        reduce = name
+    policy = policy_of_setup(setup) if spec is None else policy_of(spec)
+    name, reduce = setup_dtypes(policy)
     if (setup.precision, setup.reduce_dtype) == (name, reduce):
         return policy, options
     setup = dataclasses.replace(setup, precision=name, reduce_dtype=reduce)
@@ -260,5 +266,7 @@ __all__ = [
     "dtype_of",
     "for_capture",
     "policy_of",
+    "policy_of_setup",
     "precision_setup",
+    "setup_dtypes",
 ]
