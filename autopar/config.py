@@ -40,7 +40,7 @@ from autopar.runtime.build.precision import (
     setup_dtypes,
 )
 from autopar.runtime.call.batch import token_count
-from autopar.runtime.module import RuntimeOptions
+from autopar.runtime.module import MICROBATCH_SEMANTICS, RuntimeOptions
 from autopar.schedule.generators import SCHEDULES, schedule_kind
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.cluster.units import parse_bytes
@@ -91,6 +91,10 @@ class TrainConfig:
     timeout: float = 600.0  # seconds any transfer may take before the step fails
     record: bool = True  # record the start and end of every action of a train_step (model.trace)
     check: bool = False  # check one float64 step of the plan on simulated ranks before training
+    # a model whose loss couples the batch (contrastive logits, MoE load-balancing statistics, batch norm:
+    # passes/batch_coupling.py) is refused more than one microbatch ("exact"), or runs each microbatch as its
+    # own batch ("per_microbatch", what Megatron's and torch's pipelines do silently)
+    microbatch_semantics: str = "exact"
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -124,6 +128,7 @@ class TrainConfig:
                 "loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, "
                 f"not {self.loss_weight!r}"
             )
+        _check_choice("microbatch_semantics", self.microbatch_semantics, MICROBATCH_SEMANTICS)
         self.policy()  # a precision that names no dtype fails here
         if self.zero_axes is not None:
             object.__setattr__(self, "zero_axes", tuple(self.zero_axes))
@@ -188,7 +193,8 @@ class TrainConfig:
         """How the compiled module runs (``runtime/module.py``)."""
         weight = token_count() if self.loss_weight == "tokens" else self.loss_weight
         return RuntimeOptions(
-            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy()
+            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy(),
+            microbatch_semantics=self.microbatch_semantics,
         )
 
     # -- files ---------------------------------------------------------------------------------------------

@@ -141,3 +141,8 @@ class ConfigError(AutoparError):
 
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""
+
+
+class BatchCouplingError(BatchError):
+    """A model whose loss couples its batch (contrastive logits over the batch, batch-level statistics, batch
+    norm) run as several microbatches, which would train another model (``passes/batch_coupling.py``)."""

@@ -37,9 +37,10 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import OptimizerError, PipelineError
+from autopar.errors import BatchCouplingError, OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
+from autopar.passes.batch_coupling import microbatching_refusal
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime.build.params import LocalTensors, register
 from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
@@ -63,6 +64,8 @@ from autopar.runtime.views import ModuleViews
 from autopar.schedule.actions import Schedule, split_backwards
 from autopar.solver.sharding.cost import TrainingSetup
 
+MICROBATCH_SEMANTICS = ("exact", "per_microbatch")  # RuntimeOptions.microbatch_semantics
+
 
 @dataclass(frozen=True)
 class RuntimeOptions:
@@ -79,6 +82,9 @@ class RuntimeOptions:
     # data (runtime/call/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
     loss_weight: LossWeight | str | None = "auto"
     precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/build/precision.py); None: as captured
+    # "exact": a loss that couples the batch (passes/batch_coupling.py) is refused more than one piece;
+    # "per_microbatch": each piece is trained as its own batch
+    microbatch_semantics: str = "exact"
 
     @property
     def sub_microbatches(self) -> int:
@@ -258,6 +264,10 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         pieces, weight = opts.microbatches * opts.sub_microbatches, opts.loss_weight
         if weight == "auto":  # the loss's own divisor when it is a mean over the data's items
             weight = program_weight(self.program, self._builder.part, self.comm, pieces)
+        if opts.microbatch_semantics == "exact" and self.train_program is not None:
+            refusal = microbatching_refusal(self.train_program, pieces)
+            if refusal is not None:  # the same program on every rank: every rank raises it
+                raise BatchCouplingError(refusal)
         self._call = CallInputs.of(
             self._in_spec, self.program, self.comm, self.device, pieces,
             leaves=leaves, local=opts.batch == "local", loss_weight=weight,

@@ -1,0 +1,380 @@
+"""Batch coupling: the ops whose value over the whole batch is not what microbatches make of it.
+
+A pipeline, and gradient accumulation, run the program once per microbatch and combine the pieces' losses
+by their mean (weighted by the loss's own divisor, ``runtime/call/loss_weight.py``). That is the whole
+batch's loss, and gradient, only when every value on the way to the loss is either a per-sample value (it
+keeps the batch rows apart) or an affine function of means over the batch (a mean of the microbatches' means
+is the batch's mean). Anything else couples the batch, and microbatching changes the model, silently:
+
+- an op that mixes samples: CLIP's contrastive logits ``image_embeds @ text_embeds.T`` (every image against
+  every text of the batch: a microbatch sees 1/M of the negatives), batch norm's normalization in training;
+- a nonlinear function of batch statistics: the MoE load-balancing loss ``N * sum_e f_e * P_e`` is a
+  product of two means over the batch's tokens (the token fraction per expert and the mean router
+  probability); the mean of per-microbatch products is not the product of the means;
+- per-sample values computed from a batch statistic (``x - x.mean(0)``);
+- a value divided by a batch-level quantity other than the loss's own divisor, and a loss that is a sum over
+  the batch (averaging pieces divides it by their count).
+
+The analysis is a dataflow over the IR, with no list of models. The batch rows are found as the dropout
+keying finds them (``passes/dropout.py``): every user input carries its rows on dim 0, and the sharding rules
+(``solver/sharding/rules/``) propagate ``S(d)`` on a virtual axis of microbatches. An op whose batch-carrying
+inputs match a strategy with its result ``S(d)`` keeps the rows apart; one whose result comes out ``P(avg)``
+or ``P(sum)`` reduces over the batch (a mean or a sum over it); one no strategy matches mixes the samples.
+Each value gets a state: ``data`` (no batch data reaches it), ``rows`` (per sample), ``mean`` (affine in
+means over the batch), ``sum`` (linear in sums over the batch) or ``coupled``; the first op that makes a
+value coupled is a ``Coupling``. Collectives and pipeline transfers leave the global value as it is, so the
+analysis reads any program of the flow: lowered, sharded, or split with its send/recv.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from autopar.ir.core import COLLECTIVES, VIEW_OPS, Op, Partial, Program, R, Ref, Shard, TensorType, bound_args
+from autopar.solver.sharding.one_axis import Ctx
+from autopar.solver.sharding.strategies import RULES
+
+DATA, ROWS, MEAN, SUM, COUPLED = "data", "rows", "mean", "sum", "coupled"
+_VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
+
+# ops linear in each of their float tensor inputs (a value affine in batch means stays so through them)
+_LINEAR_ONE = VIEW_OPS | {
+    "aten.clone", "aten._to_copy", "aten.neg", "aten.sum", "aten.sum.dim_IntList", "aten.mean", "aten.mean.dim",
+    "aten.cat", "aten.stack", "aten.squeeze.dims", "aten.contiguous", "aten.copy", "aten.index_select",
+    "aten.select_scatter", "aten.slice_scatter", "aten.lift_fresh_copy",
+}  # fmt: skip
+_ADDITIVE = {"aten.add.Tensor", "aten.sub.Tensor", "aten.add", "aten.sub"}
+_SCALING = {"aten.mul.Tensor", "aten.mul", "aten.mul.Scalar", "aten.div.Tensor", "aten.div", "aten.div.Scalar"}
+_DIVISION = {"aten.div.Tensor", "aten.div", "aten.div.Scalar"}
+# ops whose result carries no data dependence on their inputs' values (only their shapes)
+_SHAPE_ONLY = {"aten.zeros_like", "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.sym_size.int"}
+# ops whose result, reduced over the batch, is no statistic the training sees: no gradient flows through it
+# and it changes no value; counted as the data they are computed from
+_IDENTITY = COLLECTIVES - {"recv"}
+
+
+@dataclass(frozen=True)
+class Coupling:
+    """One op that couples the batch: where it is, what kind of coupling and why microbatching changes it."""
+
+    result: str  # the op's first result
+    target: str
+    path: str  # the module it came from ("" when the capture does not say)
+    kind: str  # "mixes samples", "nonlinear in batch statistics", "uses a batch statistic", "batch divisor", "sum"
+    why: str
+
+    def describe(self) -> str:
+        where = f" in {self.path}" if self.path else ""
+        return f"%{self.result} = {self.target}{where} ({self.kind}: {self.why})"
+
+
+@dataclass(frozen=True)
+class Analysis:
+    """Every value's state and the couplings found, in program order."""
+
+    states: dict[str, str]
+    couplings: tuple[Coupling, ...]
+    loss_state: str | None  # the first output's state; None when it is no value
+
+    def reaching(self, program: Program) -> tuple[Coupling, ...]:
+        """The couplings whose values reach an output of ``program`` (what the user sees or trains on)."""
+        origin = _origins(program, self)
+        seen: set[str] = set()
+        for out in program.outputs:
+            if isinstance(out, Ref):
+                seen |= origin.get(out.name, set())
+        return tuple(c for c in self.couplings if c.result in seen)
+
+
+def analyze(program: Program) -> Analysis:
+    """The batch-coupling dataflow over ``program`` (module docstring)."""
+    types = program.types()
+    divisor = _loss_divisor(program)
+    states: dict[str, str] = {}
+    dims: dict[str, int] = {}  # the batch dim of a ``rows`` value
+    for v in program.inputs:
+        rows = v.kind == "input" and bool(v.type.shape)
+        states[v.name], dims[v.name] = (ROWS, 0) if rows else (DATA, -1)
+    sent: dict[str, str] = {}  # "x.sendK" -> what it sends, for the matching "x.recvK"
+    couplings: list[Coupling] = []
+    for op in program.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target == "send":
+            sent[op.result] = refs[0]
+        if op.target == "recv":
+            src = sent.get(_sent_name(op.result))
+            got, d = (states[src], dims.get(src, -1)) if src is not None else (DATA, -1)
+            _set(op, states, dims, [got], [d])
+            continue
+        ins = [states[r] for r in refs]
+        if not refs or all(s == DATA for s in ins) or op.target in _SHAPE_ONLY:
+            _set(op, states, dims, [DATA] * len(op.results), [-1] * len(op.results))
+            continue
+        if COUPLED in ins:
+            _set(op, states, dims, [COUPLED] * len(op.results), [-1] * len(op.results))
+            continue
+        if op.target in _IDENTITY:
+            _set(op, states, dims, [ins[0]] * len(op.results), [dims.get(refs[0], -1)] * len(op.results))
+            continue
+        if ROWS in ins:
+            got_states, got_dims, coupling = _with_rows(op, refs, ins, types, dims)
+        else:
+            got_states, got_dims, coupling = _of_statistics(op, refs, ins, states, divisor)
+        if coupling is not None:
+            couplings.append(coupling)
+        _set(op, states, dims, got_states, got_dims)
+    first = program.outputs[0] if program.outputs else None
+    loss_state = states.get(first.name) if isinstance(first, Ref) else None
+    if loss_state == SUM:
+        producer = program.producers()[first.name]
+        where = producer if isinstance(producer, Op) else None
+        couplings.append(
+            Coupling(
+                first.name, where.target if where else "input", where.path if where else "", "sum",
+                "the loss is a sum over the batch; the step averages its pieces' losses, dividing the loss and its "
+                "gradients by their count (use a mean)",
+            )
+        )  # fmt: skip
+        states[first.name] = COUPLED
+    return Analysis(states, tuple(couplings), loss_state)
+
+
+def batch_couplings(program: Program) -> tuple[Coupling, ...]:
+    """The ops that couple the batch on the way to ``program``'s outputs (empty: microbatching is exact)."""
+    found = analyze(program)
+    return found.reaching(program)
+
+
+# -- the transfer functions ---------------------------------------------------------------------------------
+
+
+def _set(op: Op, states: dict, dims: dict, got: list[str], got_dims: list[int]) -> None:
+    for r, s, d in zip(op.results, got, got_dims):
+        states[r], dims[r] = s, d
+
+
+def _sent_name(recv: str) -> str:
+    """``x.recvK`` (passes/transfers.py) -> the send's result ``x.sendK``."""
+    base, _, k = recv.rpartition(".recv")
+    return f"{base}.send{k}"
+
+
+def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict):
+    """An op some of whose inputs carry the batch rows: it keeps them apart (``rows``), reduces over them
+    (``mean`` or ``sum``), or mixes them; and per-sample values computed from a batch statistic couple."""
+    n = len(op.results)
+    stats = [r for r, s in zip(refs, ins) if s in (MEAN, SUM)]
+    if stats:
+        why = (
+            f"the per-sample values are computed from %{stats[0]}, a statistic over the batch: a microbatch's "
+            "statistic is not the batch's"
+        )
+        return [COUPLED] * n, [-1] * n, _coupling(op, "uses a batch statistic", why)
+    got = [dims[r] if s == ROWS else None for r, s in zip(refs, ins)]
+    if _trains_batch_norm(op):
+        why = "batch norm in training normalizes every sample by the statistics of the batch it is given"
+        return [COUPLED] * n, [-1] * n, _coupling(op, "mixes samples", why)
+    found = _propagate(op, [types[r] for r in refs], got) if op.target in RULES else _rowwise(op, refs, got, types)
+    if found is None:
+        why = (
+            "it combines different samples of the batch (no sharding of its batch rows computes it apart): a "
+            "microbatch sees only its own samples"
+        )
+        if RULES.get(op.target) is None:
+            why = "the analysis has no rule for it, so it cannot tell that it keeps the samples apart"
+        return [COUPLED] * n, [-1] * n, _coupling(op, "mixes samples", why)
+    kind, out_dims = found
+    if kind == ROWS:
+        return [ROWS if d >= 0 else DATA for d in out_dims], out_dims, None
+    return [kind] * n, [-1] * n, None
+
+
+def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, divisor: str | None):
+    """An op of batch statistics (``mean``/``sum``) and data-free values: affine ops keep a mean a mean and a
+    sum a sum; a product of two statistics, a nonlinear function of one, or a division by one couples."""
+    n = len(op.results)
+    live = [(r, s) for r, s in zip(refs, ins) if s != DATA]
+    kinds = {s for _, s in live}
+    if op.target in _LINEAR_ONE or (op.target in _ADDITIVE and len(kinds) == 1):
+        if len(kinds) == 1 and not (op.target in _ADDITIVE and SUM in kinds and len(live) < len(refs)):
+            return [kinds.pop()] * n, [-1] * n, None
+    if op.target in _SCALING and len(live) == 1:
+        scaled = not (op.target in _DIVISION and len(refs) > 1 and refs[1] == live[0][0])
+        if scaled:  # a statistic times or over a data-free value
+            return [live[0][1]] * n, [-1] * n, None
+    if op.target in _DIVISION and op.result == divisor and ins[:2] == [SUM, SUM]:
+        return [MEAN] * n, [-1] * n, None  # the loss's own ratio, weighed per piece (runtime/call/loss_weight.py)
+    names = ", ".join(f"%{r} ({s} over the batch)" for r, s in live)
+    if op.target in _DIVISION and len(refs) > 1 and states.get(refs[1]) in (MEAN, SUM):
+        kind = "batch divisor"
+        why = (
+            f"it divides by %{refs[1]}, a quantity over the batch: each microbatch would divide by its own "
+            "(only the loss's last division by a count of the data is weighed per microbatch)"
+        )
+    else:
+        kind = "nonlinear in batch statistics"
+        why = (
+            f"it is a nonlinear function of {names}: the mean over microbatches of a function of their statistics "
+            "is not the function of the batch's"
+        )
+    return [COUPLED] * n, [-1] * n, _coupling(op, kind, why)
+
+
+_BATCH_NORMS = {"aten.batch_norm", "aten.native_batch_norm", "aten._native_batch_norm_legit_functional"}
+_ALONG_DIM = {"aten.topk": -1, "aten.sort": -1, "aten.argsort": -1, "aten.sort.stable": -1, "aten.chunk": 0}
+
+
+def _trains_batch_norm(op: Op) -> bool:
+    bound = bound_args(op) if op.target in _BATCH_NORMS else None
+    return bound is not None and bool(bound.get("training", False))
+
+
+def _rowwise(op: Op, refs: list[str], got: list[int | None], types: dict) -> tuple[str, list[int]] | None:
+    """The result dims of an op the sharding rules do not cover but whose meaning keeps rows apart along its
+    batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim, repeat_interleave and broadcast_to,
+    an index with data-free indices away from the batch dim, or a data-free table gathered by per-sample
+    indices, and baddbmm over the batch (bmm's rows). ``None``: not one of these (the caller counts it as mixing)."""
+    bound = bound_args(op) or {}
+    rows = [d for d in got if d is not None]
+    first = got[0] if got else None
+    rank = len(types[refs[0]].shape) if refs else 0
+    n = len(op.results)
+    if op.target in _ALONG_DIM and first is not None and len(rows) == 1:
+        dim = bound.get("dim", _ALONG_DIM[op.target]) % rank
+        return (ROWS, [first] * n) if dim != first else None
+    if op.target == "aten.repeat_interleave.self_int" and first is not None and len(rows) == 1:
+        dim = bound.get("dim")
+        if dim is None:  # flattened: the rows stay in order only when they lead
+            return (ROWS, [0]) if first == 0 else None
+        return ROWS, [first]  # each element repeated in place: a sample's rows stay its own, in order
+    if op.target == "aten.broadcast_to" and first is not None:
+        return ROWS, [first + len(op.types[0].shape) - rank]  # expand's: new dims lead
+    if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:
+        return ROWS, [0]
+    if op.target == "aten.index.Tensor":
+        indices = bound.get("indices", ())
+        positions = [i for i, x in enumerate(indices) if x is not None]
+        if first is not None and got[1:] and all(d is None for d in got[1:]) and positions and first < positions[0]:
+            return ROWS, [first]  # data-free indices into dims after the batch's: each sample's own elements
+        if first is None and len(indices) == 1 and positions == [0] and got[1] is not None:
+            return ROWS, [got[1]]  # a data-free table looked up by per-sample indices
+    return None
+
+
+def _coupling(op: Op, kind: str, why: str) -> Coupling:
+    return Coupling(op.result, op.target, op.path, kind, why)
+
+
+def _whole(t: TensorType, d: int) -> TensorType:
+    if d < 0:
+        return replace(t, placements=(R,))
+    shape = list(t.shape)
+    shape[d] *= _VIRTUAL
+    return replace(t, shape=tuple(shape), placements=(R,))
+
+
+def _propagate(op: Op, in_types: list[TensorType], got: list[int | None]) -> tuple[str, list[int]] | None:
+    """``(ROWS, result dims)`` for an op that keeps the batch rows apart, ``(MEAN | SUM, [])`` for one that
+    reduces over them, ``None`` for one no strategy of its rule computes with the rows split (it mixes them).
+    ``got``: each input's batch dim, ``None`` for a data-free input: the same for every sample, it may be
+    placed any way (a microbatch's program computes its own slice of it, captured at the microbatch's shape)."""
+    rule = RULES.get(op.target)
+    if rule is None:
+        return None
+    ins = [_whole(t, -1 if d is None else d) for t, d in zip(in_types, got)]
+    want = tuple(None if d is None else Shard(d) for d in got)
+    reduced: str | None = None
+    for d in [-1, *range(len(op.types[0].shape))]:
+        outs = [_whole(t, d) if d < len(t.shape) else t for t in op.types]
+        try:
+            strategies = rule(Ctx(op, ins, outs, _VIRTUAL, (1,)))
+        except (IndexError, ValueError, ZeroDivisionError, TypeError):  # a batch dim the op's shapes refute
+            continue
+        for s_in, s_out in strategies:
+            if not all(a is None or b is None or a == b for a, b in zip(s_in, want)):
+                continue
+            first = s_out[0]
+            if d >= 0 and first == Shard(d):
+                if all(isinstance(p, Shard) for p in s_out):
+                    return ROWS, [p.dim for p in s_out]
+            if d < 0 and isinstance(first, Partial) and reduced is None:
+                reduced = MEAN if first.op == "avg" else SUM
+    if reduced is not None:
+        return reduced, [-1] * len(op.results)
+    return None
+
+
+def _loss_divisor(program: Program) -> str | None:
+    """The division that makes the loss (the first output, through copies) a ratio, when it is one: the
+    runtime weighs each piece by its divisor when that is computed from the data alone."""
+    if not program.outputs or not isinstance(program.outputs[0], Ref):
+        return None
+    producers = program.producers()
+    op = producers.get(program.outputs[0].name)
+    while isinstance(op, Op) and (op.target in _IDENTITY or op.target in VIEW_OPS | {"aten.clone", "aten._to_copy"}):
+        refs = op.input_refs()
+        if len(refs) != 1:
+            return None
+        op = producers.get(refs[0].name)
+    if not isinstance(op, Op) or op.target not in _DIVISION or len(op.args) < 2 or not isinstance(op.args[1], Ref):
+        return None
+    return op.result if _from_inputs(program, op.args[1].name, producers) else None
+
+
+def _from_inputs(program: Program, name: str, producers: dict) -> bool:
+    """Whether ``name`` is computed from user inputs alone (no parameter, buffer or transfer reaches it)."""
+    stack, seen = [name], set()
+    while stack:
+        x = producers[stack.pop()]
+        if not isinstance(x, Op):
+            if x.kind != "input":
+                return False
+            continue
+        if x.target in ("send", "recv"):
+            return False
+        if x.result not in seen:
+            seen.add(x.result)
+            stack.extend(r.name for r in x.input_refs())
+    return True
+
+
+def _origins(program: Program, analysis: Analysis) -> dict[str, set[str]]:
+    """Value -> the couplings (by result) its value depends on."""
+    found = {c.result for c in analysis.couplings}
+    origin: dict[str, set[str]] = {}
+    sent: dict[str, str] = {}
+    for op in program.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target == "send":
+            sent[op.result] = refs[0]
+        if op.target == "recv":
+            refs = [s] if (s := sent.get(_sent_name(op.result))) is not None else []
+        got: set[str] = set()
+        for r in refs:
+            got |= origin.get(r, set())
+        if op.result in found:
+            got = got | {op.result}
+        for r in op.results:
+            origin[r] = got
+    return origin
+
+
+def microbatching_refusal(program: Program, pieces: int) -> str | None:
+    """The message refusing to run ``program`` as ``pieces`` microbatches, naming every coupling; ``None``
+    when it runs exactly so (one piece, or no coupling)."""
+    if pieces <= 1:
+        return None
+    found = batch_couplings(program)
+    if not found:
+        return None
+    ops = "; ".join(c.describe() for c in found)
+    return (
+        f"the step runs as {pieces} microbatches, but the model couples its batch, so each microbatch would "
+        f"compute a different model than the whole batch does: {ops}. Train with one microbatch per step "
+        "(microbatches=1), put the parallelism on a data-parallel axis instead of pp (data parallelism keeps "
+        "batch-level values over the whole batch), or accept the per-microbatch semantics explicitly with "
+        "microbatch_semantics='per_microbatch' (what Megatron's and torch's pipelines do silently)"
+    )
+
+
+__all__ = ["Analysis", "Coupling", "analyze", "batch_couplings", "microbatching_refusal"]
