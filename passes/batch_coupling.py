@@ -35,6 +35,8 @@ from autopar.solver.sharding.one_axis import Ctx
 from autopar.solver.sharding.strategies import RULES
 
 DATA, ROWS, MEAN, SUM, COUPLED = "data", "rows", "mean", "sum", "coupled"
+UNKNOWN = "unknown"  # computed from an op the analysis cannot read: not followed further
+UNPROVEN = "unproven"  # a coupling's kind when the op is one the analysis cannot read (no sharding rule)
 _VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
 
 # ops linear in each of their float tensor inputs (a value affine in batch means stays so through them)
@@ -48,9 +50,8 @@ _SCALING = {"aten.mul.Tensor", "aten.mul", "aten.mul.Scalar", "aten.div.Tensor",
 _DIVISION = {"aten.div.Tensor", "aten.div", "aten.div.Scalar"}
 # ops whose result carries no data dependence on their inputs' values (only their shapes)
 _SHAPE_ONLY = {"aten.zeros_like", "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.sym_size.int"}
-# ops whose result, reduced over the batch, is no statistic the training sees: no gradient flows through it
-# and it changes no value; counted as the data they are computed from
-_IDENTITY = COLLECTIVES - {"recv"}
+# ops that leave their first input's global value as it is: collectives, pipeline sends, device moves
+_IDENTITY = (COLLECTIVES - {"recv"}) | {"aten.to.device", "aten.to", "aten.to.dtype_layout"}
 
 
 @dataclass(frozen=True)
@@ -60,8 +61,14 @@ class Coupling:
     result: str  # the op's first result
     target: str
     path: str  # the module it came from ("" when the capture does not say)
-    kind: str  # "mixes samples", "nonlinear in batch statistics", "uses a batch statistic", "batch divisor", "sum"
+    kind: str  # "mixes samples", "nonlinear in batch statistics", "uses a batch statistic", "batch divisor", "sum",
+    # or UNPROVEN
     why: str
+
+    @property
+    def certain(self) -> bool:
+        """Whether the op is known to couple the batch (not only beyond what the analysis can read)."""
+        return self.kind != UNPROVEN
 
     def describe(self) -> str:
         where = f" in {self.path}" if self.path else ""
@@ -96,6 +103,8 @@ def analyze(program: Program) -> Analysis:
         rows = v.kind == "input" and bool(v.type.shape)
         states[v.name], dims[v.name] = (ROWS, 0) if rows else (DATA, -1)
     sent: dict[str, str] = {}  # "x.sendK" -> what it sends, for the matching "x.recvK"
+    zeros = {op.result for op in program.ops if _is_zeros(op)}
+    aranges = {op.result for op in program.ops if op.target in ("aten.arange", "aten.arange.start")}
     couplings: list[Coupling] = []
     for op in program.ops:
         refs = [r.name for r in op.input_refs()]
@@ -110,16 +119,21 @@ def analyze(program: Program) -> Analysis:
         if not refs or all(s == DATA for s in ins) or op.target in _SHAPE_ONLY:
             _set(op, states, dims, [DATA] * len(op.results), [-1] * len(op.results))
             continue
-        if COUPLED in ins:
-            _set(op, states, dims, [COUPLED] * len(op.results), [-1] * len(op.results))
+        for worst in (COUPLED, UNKNOWN):
+            if worst in ins:
+                _set(op, states, dims, [worst] * len(op.results), [-1] * len(op.results))
+                break
+        else:
+            worst = None
+        if worst is not None:
             continue
         if op.target in _IDENTITY:
             _set(op, states, dims, [ins[0]] * len(op.results), [dims.get(refs[0], -1)] * len(op.results))
             continue
         if ROWS in ins:
-            got_states, got_dims, coupling = _with_rows(op, refs, ins, types, dims)
+            got_states, got_dims, coupling = _with_rows(op, refs, ins, types, dims, aranges)
         else:
-            got_states, got_dims, coupling = _of_statistics(op, refs, ins, states, divisor)
+            got_states, got_dims, coupling = _of_statistics(op, refs, ins, states, divisor, zeros)
         if coupling is not None:
             couplings.append(coupling)
         _set(op, states, dims, got_states, got_dims)
@@ -159,7 +173,7 @@ def _sent_name(recv: str) -> str:
     return f"{base}.send{k}"
 
 
-def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict):
+def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict, aranges: set[str]):
     """An op some of whose inputs carry the batch rows: it keeps them apart (``rows``), reduces over them
     (``mean`` or ``sum``), or mixes them; and per-sample values computed from a batch statistic couple."""
     n = len(op.results)
@@ -174,14 +188,16 @@ def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict)
     if _trains_batch_norm(op):
         why = "batch norm in training normalizes every sample by the statistics of the batch it is given"
         return [COUPLED] * n, [-1] * n, _coupling(op, "mixes samples", why)
-    found = _propagate(op, [types[r] for r in refs], got) if op.target in RULES else _rowwise(op, refs, got, types)
+    in_types = [types[r] for r in refs]
+    found = _propagate(op, in_types, got) if op.target in RULES else _rowwise(op, refs, got, types, aranges)
     if found is None:
         why = (
             "it combines different samples of the batch (no sharding of its batch rows computes it apart): a "
             "microbatch sees only its own samples"
         )
         if RULES.get(op.target) is None:
-            why = "the analysis has no rule for it, so it cannot tell that it keeps the samples apart"
+            why = "the analysis has no rule for it, so it cannot tell whether it keeps the samples apart"
+            return [UNKNOWN] * n, [-1] * n, _coupling(op, UNPROVEN, why)
         return [COUPLED] * n, [-1] * n, _coupling(op, "mixes samples", why)
     kind, out_dims = found
     if kind == ROWS:
@@ -189,10 +205,13 @@ def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict)
     return [kind] * n, [-1] * n, None
 
 
-def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, divisor: str | None):
+def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, divisor: str | None, zeros: set[str]):
     """An op of batch statistics (``mean``/``sum``) and data-free values: affine ops keep a mean a mean and a
-    sum a sum; a product of two statistics, a nonlinear function of one, or a division by one couples."""
+    sum a sum (a sum over a data-free count is a mean: the microbatch's program divides by its own, constant,
+    count); a product of two statistics, a nonlinear function of one, or a division by one couples."""
     n = len(op.results)
+    if op.target in _ADDITIVE:  # adding a zeros tensor (an accumulator's start) changes nothing
+        refs, ins = [r for r in refs if r not in zeros], [s for r, s in zip(refs, ins) if r not in zeros]
     live = [(r, s) for r, s in zip(refs, ins) if s != DATA]
     kinds = {s for _, s in live}
     if op.target in _LINEAR_ONE or (op.target in _ADDITIVE and len(kinds) == 1):
@@ -201,7 +220,8 @@ def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, diviso
     if op.target in _SCALING and len(live) == 1:
         scaled = not (op.target in _DIVISION and len(refs) > 1 and refs[1] == live[0][0])
         if scaled:  # a statistic times or over a data-free value
-            return [live[0][1]] * n, [-1] * n, None
+            averaged = op.target in _DIVISION and live[0][1] == SUM
+            return [MEAN if averaged else live[0][1]] * n, [-1] * n, None
     if op.target in _DIVISION and op.result == divisor and ins[:2] == [SUM, SUM]:
         return [MEAN] * n, [-1] * n, None  # the loss's own ratio, weighed per piece (runtime/call/loss_weight.py)
     names = ", ".join(f"%{r} ({s} over the batch)" for r, s in live)
@@ -221,7 +241,14 @@ def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, diviso
 
 
 _BATCH_NORMS = {"aten.batch_norm", "aten.native_batch_norm", "aten._native_batch_norm_legit_functional"}
-_ALONG_DIM = {"aten.topk": -1, "aten.sort": -1, "aten.argsort": -1, "aten.sort.stable": -1, "aten.chunk": 0}
+_ALONG_DIM = {"aten.topk": -1, "aten.sort": -1, "aten.argsort": -1, "aten.sort.stable": -1, "aten.chunk": 0,
+              "aten.argmax": None, "aten.argmin": None}  # fmt: skip
+
+
+def _is_zeros(op: Op) -> bool:
+    if op.target in ("aten.zeros", "aten.zeros_like", "aten.new_zeros"):
+        return True
+    return op.target in ("aten.full", "aten.full_like", "aten.new_full") and len(op.args) > 1 and op.args[1] == 0
 
 
 def _trains_batch_norm(op: Op) -> bool:
@@ -229,19 +256,27 @@ def _trains_batch_norm(op: Op) -> bool:
     return bound is not None and bool(bound.get("training", False))
 
 
-def _rowwise(op: Op, refs: list[str], got: list[int | None], types: dict) -> tuple[str, list[int]] | None:
+def _rowwise(
+    op: Op, refs: list[str], got: list[int | None], types: dict, aranges: set[str]
+) -> tuple[str, list[int]] | None:
     """The result dims of an op the sharding rules do not cover but whose meaning keeps rows apart along its
     batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim, repeat_interleave and broadcast_to,
     an index with data-free indices away from the batch dim, or a data-free table gathered by per-sample
-    indices, and baddbmm over the batch (bmm's rows). ``None``: not one of these (the caller counts it as mixing)."""
+    indices, or each sample's own elements picked by ``arange`` over the batch, and baddbmm over the batch.
+    Histograms (histc, bincount) count over the batch: a sum. ``None``: none of these (the caller then
+    reports the op as unproven)."""
     bound = bound_args(op) or {}
     rows = [d for d in got if d is not None]
     first = got[0] if got else None
     rank = len(types[refs[0]].shape) if refs else 0
     n = len(op.results)
     if op.target in _ALONG_DIM and first is not None and len(rows) == 1:
-        dim = bound.get("dim", _ALONG_DIM[op.target]) % rank
-        return (ROWS, [first] * n) if dim != first else None
+        dim = bound.get("dim", _ALONG_DIM[op.target])
+        if dim is None:  # over the flattened tensor
+            return None
+        keep = bound.get("keepdim", True)
+        out = first if keep or dim % rank > first else first - 1
+        return (ROWS, [out] * n) if dim % rank != first else None
     if op.target == "aten.repeat_interleave.self_int" and first is not None and len(rows) == 1:
         dim = bound.get("dim")
         if dim is None:  # flattened: the rows stay in order only when they lead
@@ -249,6 +284,8 @@ def _rowwise(op: Op, refs: list[str], got: list[int | None], types: dict) -> tup
         return ROWS, [first]  # each element repeated in place: a sample's rows stay its own, in order
     if op.target == "aten.broadcast_to" and first is not None:
         return ROWS, [first + len(op.types[0].shape) - rank]  # expand's: new dims lead
+    if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1:
+        return SUM, [-1]  # counts over every element: the batch's are the sum of its microbatches'
     if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:
         return ROWS, [0]
     if op.target == "aten.index.Tensor":
@@ -258,6 +295,9 @@ def _rowwise(op: Op, refs: list[str], got: list[int | None], types: dict) -> tup
             return ROWS, [first]  # data-free indices into dims after the batch's: each sample's own elements
         if first is None and len(indices) == 1 and positions == [0] and got[1] is not None:
             return ROWS, [got[1]]  # a data-free table looked up by per-sample indices
+        at = indices[first] if first is not None and first < len(indices) else None
+        if isinstance(at, Ref) and at.name in aranges and positions == list(range(first, len(indices))):
+            return ROWS, [first]  # x[..., arange(B), idx]: sample b's own elements, picked by its own index
     return None
 
 
@@ -361,10 +401,14 @@ def _origins(program: Program, analysis: Analysis) -> dict[str, set[str]]:
 
 def microbatching_refusal(program: Program, pieces: int) -> str | None:
     """The message refusing to run ``program`` as ``pieces`` microbatches, naming every coupling; ``None``
-    when it runs exactly so (one piece, or no coupling)."""
+    when it runs exactly so (one piece, or no coupling). Only certain couplings refuse: an op the analysis
+    cannot read (``UNPROVEN``: the sort of a grouped-GEMM MoE kernel, which permutes the batch's tokens and
+    puts them back) is reported by ``autopar check``, not refused, so a model that microbatches exactly is not
+    stopped for what the analysis does not know; a coupling computed only from such an op's results is not
+    seen (documented in docs/architecture.md)."""
     if pieces <= 1:
         return None
-    found = batch_couplings(program)
+    found = [c for c in batch_couplings(program) if c.certain]
     if not found:
         return None
     ops = "; ".join(c.describe() for c in found)

@@ -57,6 +57,9 @@ class CheckReport:
     finding: Finding | None
     program: Program | None = None  # the checked program (float64), when the ranks ran
     note: str = ""  # what the reference was, when not the model itself
+    # on a pipeline: the ops that couple the batch (passes/batch_coupling.py), which the checked microbatch
+    # cannot show but more than one microbatch per step would change
+    couplings: tuple[str, ...] = ()
 
     @property
     def agrees(self) -> bool:
@@ -90,7 +93,15 @@ class CheckReport:
         )
 
     def _note(self) -> str:
-        return f"\n  note: {self.note}" if self.note else ""
+        note = f"\n  note: {self.note}" if self.note else ""
+        if self.couplings:
+            ops = "\n".join(f"    {c}" for c in self.couplings)
+            note += (
+                "\n  warning: the model couples its batch, so a pipeline's microbatches would train another model "
+                "(one microbatch is exact; compile refuses more unless microbatch_semantics='per_microbatch'):\n"
+                + ops
+            )
+        return note
 
 
 def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs) -> CheckReport:

@@ -41,6 +41,7 @@ from autopar.check.scale import scaled_copy
 from autopar.errors import CheckError
 from autopar.ir.core import COLLECTIVES, MeshSpec, Op, Program, Ref, Shard
 from autopar.ir.parser import parse
+from autopar.passes.batch_coupling import batch_couplings
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.dropout import has_keyed, is_keyed
 from autopar.passes.flow import FlowOptions, plan_program
@@ -312,7 +313,9 @@ def check_model(
     if mesh.pipeline_size > 1:
         sched = make_schedule("1f1b", mesh.pipeline_size, 1)
         forward, train = plan_programs(captured, mesh, sched, options, sharded)
-        return check_planned(train, model, args, kwargs, Pipeline(forward, mesh, sched.stage_to_rank))
+        report = check_planned(train, model, args, kwargs, Pipeline(forward, mesh, sched.stage_to_rank))
+        report.couplings = tuple(c.describe() for c in batch_couplings(train) if c.certain)
+        return report
     if sharded is None:
         sharded = plan_program(captured, mesh, FlowOptions(shard=options)).sharded
     return check_planned(sharded, model, args, kwargs)

@@ -36,6 +36,7 @@ from autopar.errors import PresetError
 from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
 from autopar.models.presets import PRESETS
 from autopar.models.resolve import build
+from autopar.passes.batch_coupling import batch_couplings
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
@@ -51,7 +52,7 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 6  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 7  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
 # 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
@@ -105,6 +106,8 @@ class Profile:
     units: tuple[UnitCost, ...]  # pre, the layers in order, post
     total_params: int  # distinct parameter elements (a tied weight once)
     tp_divides: tuple[int, ...]  # sizes tp must divide (attention heads, split feature dims)
+    # the ops that couple the batch (passes/batch_coupling.py): such a model runs exactly only as one microbatch
+    coupled: tuple[str, ...] = ()
     version: int = PROFILE_VERSION
 
     @property
@@ -128,6 +131,7 @@ class Profile:
         units = [dict(u, ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ()))) for u in d["units"]]
         d["units"] = tuple(UnitCost(**u) for u in units)
         d["tp_divides"] = tuple(d["tp_divides"])
+        d["coupled"] = tuple(d.get("coupled", ()))
         return cls(**d)
 
 
@@ -281,6 +285,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         units=tuple(out),
         total_params=sum(v.type.numel for v in params.values()),
         tp_divides=tuple(sorted(tp_divides)),
+        coupled=tuple(c.describe() for c in batch_couplings(prog) if c.certain),
     )
 
 

@@ -212,6 +212,8 @@ def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
     for pp, dp, tp in meshes(world, analytic.p, analytic.B, space):
         per_replica = analytic.B // dp
         for b in divisors(per_replica):
+            if analytic.p.coupled and b != per_replica:
+                continue  # a model coupling its batch runs exactly only as one microbatch per step
             if not space.micro_batch or b in space.micro_batch:
                 out.append(Family(pp, dp, tp, b, per_replica // b))
     return out
