@@ -49,7 +49,10 @@ _ADDITIVE = {"aten.add.Tensor", "aten.sub.Tensor", "aten.add", "aten.sub"}
 _SCALING = {"aten.mul.Tensor", "aten.mul", "aten.mul.Scalar", "aten.div.Tensor", "aten.div", "aten.div.Scalar"}
 _DIVISION = {"aten.div.Tensor", "aten.div", "aten.div.Scalar"}
 # ops whose result carries no data dependence on their inputs' values (only their shapes)
-_SHAPE_ONLY = {"aten.zeros_like", "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.sym_size.int"}
+_SHAPE_ONLY = {
+    "aten.zeros_like", "aten.ones_like", "aten.empty_like", "aten.full_like", "aten.sym_size.int", "aten.new_empty",
+    "aten.new_zeros", "aten.new_ones", "aten.new_full", "aten.new_empty_strided", "aten.empty_strided",
+}  # fmt: skip
 # ops that leave their first input's global value as it is: collectives, pipeline sends, device moves
 _IDENTITY = (COLLECTIVES - {"recv"}) | {"aten.to.device", "aten.to", "aten.to.dtype_layout"}
 
