@@ -26,6 +26,7 @@ from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value,
 from autopar.passes.dropout import is_keyed
 from autopar.passes.manager import register_pass
 from autopar.runtime.build import rng as keyed
+from autopar.runtime.build.differentiable import DIFFERENTIABLE
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
@@ -175,7 +176,7 @@ def codegen(
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
-            node = graph.call_function(resolve_target(op.target), args, kwargs)
+            node = graph.call_function(DIFFERENTIABLE.get(op.target) or resolve_target(op.target), args, kwargs)
         if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
             env[op.result] = node
             node.meta["autopar_value"] = op.result  # the IR value it computes (autopar check records it)
