@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 
+from autopar.check.float64 import Float64Mode
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
 from autopar.config import TrainConfig
@@ -22,7 +23,7 @@ from autopar.models.small_families import FAMILIES
 from autopar.passes.batch_coupling import analyze, batch_couplings
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from tests.exactness import TOL, loss_error, make_optimizer, state_error, train
+from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 PP = MeshSpec((("pp", 2),))
 PP_TP = MeshSpec((("pp", 2), ("tp", 2)))
@@ -156,3 +157,35 @@ def test_microbatch_semantics_option() -> None:
     assert TrainConfig().runtime_options().microbatch_semantics == "exact"
     with pytest.raises(ConfigError):
         TrainConfig(microbatch_semantics="approximate")
+
+
+def test_deepseek_v3_trains_exactly_on_pp_tp() -> None:
+    """Tiny DeepSeek-V3 on pp=2 x tp=2, two microbatches: it failed in its first backward ("derivative for
+    aten::copy is not implemented": its attention writes the query and key heads into ``new_empty`` tensors,
+    functionalized to ``aten.copy``), one rank stopping while the others waited for gradients. Two SGD steps
+    now equal one process (float64). Its routing has no auxiliary loss: nothing couples the batch."""
+    import transformers
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+        qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=32, use_cache=False,
+        experts_implementation="batched_mm",
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = float64_model(transformers.DeepseekV3ForCausalLM(config))
+    ids = torch.randint(3, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    reference = copy.deepcopy(model)
+    sim = SimCompiled.of(model, PP_TP, (), batch, microbatches=2, float64=True)
+    assert sim.modules[0].program.attrs["pipeline_stages"] == 2
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():  # its RMS norms and rotary tables compute in float32 in the model: float64 here, as the plan
+        ref = train(reference, [batch, batch])
+    assert (losses == losses[:, :1]).all(), losses
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where)
