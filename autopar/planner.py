@@ -7,10 +7,12 @@ import time
 from dataclasses import dataclass
 
 from autopar.build import pricing_options, stash_points_of
+from autopar.errors import BatchCouplingError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
+from autopar.passes.batch_coupling import microbatching_refusal
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
@@ -100,6 +102,11 @@ def plan_captured(
         cache=False,
     )
     planned = plan_program(captured, mesh, flow_opts)
+    semantics = (config or {}).get("microbatch_semantics", "exact")
+    if planned.train is not None and semantics == "exact":  # compile would refuse the plan's microbatches
+        refusal = microbatching_refusal(planned.train, po.microbatches or 1)
+        if refusal is not None:
+            raise BatchCouplingError(refusal)
     pipeline_info = None
     if pp:
         stage_plan = planned.stage_plan

@@ -17,12 +17,14 @@ from autopar.check.float64 import Float64Mode
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
 from autopar.config import TrainConfig
-from autopar.errors import ConfigError, SimulationError
+from autopar.errors import BatchCouplingError, ConfigError, SimulationError
 from autopar.ir.core import MeshSpec
 from autopar.models.small_families import FAMILIES
 from autopar.passes.batch_coupling import analyze, batch_couplings
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions
+from autopar.planner import PipelinePlanOptions, plan_captured
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 PP = MeshSpec((("pp", 2),))
@@ -189,3 +191,17 @@ def test_deepseek_v3_trains_exactly_on_pp_tp() -> None:
     assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where)
+
+
+def test_autopar_plan_refuses_clips_microbatches_and_plans_one() -> None:
+    """``autopar plan`` (``plan_captured``) on pp=2 x tp=2: 2 microbatches refused by name, as compile would
+    refuse the plan; one microbatch, or the per-microbatch semantics accepted in the config, is planned."""
+    model, kwargs = _clip(torch.Generator().manual_seed(0))
+    half = {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}  # one microbatch's inputs
+    captured = capture(model, (), half)
+    two = PipelinePlanOptions(microbatches=2)
+    with pytest.raises(BatchCouplingError, match=r"runs as 2 microbatches.*aten.matmul"):
+        plan_captured(captured, PP_TP, ShardOptions(), pipeline=two)
+    accepted = {"microbatch_semantics": "per_microbatch"}
+    report = plan_captured(captured, PP_TP, ShardOptions(), pipeline=two, config=accepted)
+    assert report.plan.pipeline["microbatches"] == 2
