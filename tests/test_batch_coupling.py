@@ -15,7 +15,7 @@ import torch
 
 from autopar.check.float64 import Float64Mode
 from autopar.check.simtrain import SimCompiled
-from autopar.check.step import check_model
+from autopar.cli import main as cli_main
 from autopar.config import TrainConfig
 from autopar.errors import BatchCouplingError, ConfigError, SimulationError
 from autopar.ir.core import MeshSpec
@@ -143,14 +143,18 @@ def test_batch_norm_on_pp_is_refused_and_one_microbatch_is_exact() -> None:
     assert not missing and err < TOL, (err, where)
 
 
-def test_autopar_check_names_clips_coupled_op() -> None:
-    """``autopar check`` on pp=2 x tp=2 checks one microbatch (exact) and warns that CLIP's matmul couples the
-    batch, which more microbatches would change."""
+def clip_model() -> tuple[torch.nn.Module, tuple, dict]:
+    """The CLIP above as ``autopar check``'s ``MODEL`` (``tests.test_batch_coupling:clip_model``)."""
     model, kwargs = _clip(torch.Generator().manual_seed(0))
-    report = check_model(model, (), kwargs, PP_TP)
-    summary = report.summary()
-    assert report.agrees, summary
-    assert "couples its batch" in summary and "aten.matmul" in summary, summary
+    return model, (), kwargs
+
+
+def test_autopar_check_names_clips_coupled_op(capsys: pytest.CaptureFixture) -> None:
+    """``autopar check MODEL --mesh pp=2,tp=2`` checks one microbatch (exact) and warns that CLIP's matmul
+    couples the batch, which more microbatches would change."""
+    assert cli_main(["check", "tests.test_batch_coupling:clip_model", "--mesh", "pp=2,tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "agrees on mesh" in out and "couples its batch" in out and "aten.matmul" in out, out
 
 
 def test_microbatch_semantics_option() -> None:
