@@ -104,7 +104,8 @@ def plan_captured(
     planned = plan_program(captured, mesh, flow_opts)
     semantics = (config or {}).get("microbatch_semantics", "exact")
     if planned.train is not None and semantics == "exact":  # compile would refuse the plan's microbatches
-        refusal = microbatching_refusal(planned.train, po.microbatches or 1)
+        weighed = (config or {}).get("loss_weight", "auto") != "auto"
+        refusal = microbatching_refusal(planned.train, po.microbatches or 1, weighed=weighed)
         if refusal is not None:
             raise BatchCouplingError(refusal)
     pipeline_info = None

@@ -36,6 +36,7 @@ from autopar.solver.sharding.strategies import RULES
 
 DATA, ROWS, MEAN, SUM, COUPLED = "data", "rows", "mean", "sum", "coupled"
 UNKNOWN = "unknown"  # computed from an op the analysis cannot read: not followed further
+BATCH_DIVISOR = "batch divisor"
 UNPROVEN = "unproven"  # a coupling's kind when the op is one the analysis cannot read (no sharding rule)
 _VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
 
@@ -229,7 +230,7 @@ def _of_statistics(op: Op, refs: list[str], ins: list[str], states: dict, diviso
         return [MEAN] * n, [-1] * n, None  # the loss's own ratio, weighed per piece (runtime/call/loss_weight.py)
     names = ", ".join(f"%{r} ({s} over the batch)" for r, s in live)
     if op.target in _DIVISION and len(refs) > 1 and states.get(refs[1]) in (MEAN, SUM):
-        kind = "batch divisor"
+        kind = BATCH_DIVISOR
         why = (
             f"it divides by %{refs[1]}, a quantity over the batch: each microbatch would divide by its own "
             "(only the loss's last division by a count of the data is weighed per microbatch)"
@@ -402,16 +403,17 @@ def _origins(program: Program, analysis: Analysis) -> dict[str, set[str]]:
     return origin
 
 
-def microbatching_refusal(program: Program, pieces: int) -> str | None:
+def microbatching_refusal(program: Program, pieces: int, weighed: bool = False) -> str | None:
     """The message refusing to run ``program`` as ``pieces`` microbatches, naming every coupling; ``None``
     when it runs exactly so (one piece, or no coupling). Only certain couplings refuse: an op the analysis
     cannot read (``UNPROVEN``: the sort of a grouped-GEMM MoE kernel, which permutes the batch's tokens and
     puts them back) is reported by ``autopar check``, not refused, so a model that microbatches exactly is not
     stopped for what the analysis does not know; a coupling computed only from such an op's results is not
-    seen (documented in docs/architecture.md)."""
+    seen (documented in docs/architecture.md). ``weighed``: the caller said how the pieces weigh (a
+    ``loss_weight`` of its own), which decides a division by a count over the batch, so that is no refusal."""
     if pieces <= 1:
         return None
-    found = [c for c in batch_couplings(program) if c.certain]
+    found = [c for c in batch_couplings(program) if c.certain and not (weighed and c.kind == BATCH_DIVISOR)]
     if not found:
         return None
     ops = "; ".join(c.describe() for c in found)
@@ -419,7 +421,8 @@ def microbatching_refusal(program: Program, pieces: int) -> str | None:
         f"the step runs as {pieces} microbatches, but the model couples its batch, so each microbatch would "
         f"compute a different model than the whole batch does: {ops}. Train with one microbatch per step "
         "(microbatches=1), put the parallelism on a data-parallel axis instead of pp (data parallelism keeps "
-        "batch-level values over the whole batch), or accept the per-microbatch semantics explicitly with "
+        "batch-level values over the whole batch), say how the pieces weigh with loss_weight= (which settles a "
+        "division by a count over the batch, not the other couplings), or accept the per-microbatch semantics with "
         "microbatch_semantics='per_microbatch' (what Megatron's and torch's pipelines do silently)"
     )
 

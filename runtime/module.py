@@ -265,7 +265,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if weight == "auto":  # the loss's own divisor when it is a mean over the data's items
             weight = program_weight(self.program, self._builder.part, self.comm, pieces)
         if opts.microbatch_semantics == "exact" and self.train_program is not None:
-            refusal = microbatching_refusal(self.train_program, pieces)
+            refusal = microbatching_refusal(self.train_program, pieces, weighed=opts.loss_weight != "auto")
             if refusal is not None:  # the same program on every rank: every rank raises it
                 raise BatchCouplingError(refusal)
         self._call = CallInputs.of(
