@@ -9,6 +9,7 @@ Every family of ``autopar/models/small_families.py`` is analyzed too: only the b
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,6 +26,8 @@ from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions
 from autopar.planner import PipelinePlanOptions, plan_captured
+from autopar.search.profile import profile_program
+from autopar.search.space import SearchSpace, families
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 PP = MeshSpec((("pp", 2),))
@@ -209,3 +212,16 @@ def test_autopar_plan_refuses_clips_microbatches_and_plans_one() -> None:
     accepted = {"microbatch_semantics": "per_microbatch"}
     report = plan_captured(captured, PP_TP, ShardOptions(), pipeline=two, config=accepted)
     assert report.plan.pipeline["microbatches"] == 2
+
+
+def test_the_search_offers_a_coupled_model_one_microbatch_per_step() -> None:
+    """The search's profile keeps the coupled ops; its families (mesh, micro-batch) of such a model all run the
+    step as one microbatch, while a plain causal LM keeps its several-microbatch families."""
+    clip, kwargs = _clip(torch.Generator().manual_seed(0))
+    coupled = profile_program(lower(capture(clip, (), kwargs), MeshSpec()), batch=4)
+    assert any("aten.matmul" in c for c in coupled.coupled)
+    gpt2, kwargs = FAMILIES["gpt2"](torch.Generator().manual_seed(0))
+    plain = profile_program(lower(capture(gpt2, (), kwargs), MeshSpec()), batch=4)
+    assert plain.coupled == ()
+    assert {f.microbatches for f in families(SimpleNamespace(p=coupled, B=8), SearchSpace(), 4)} == {1}
+    assert max(f.microbatches for f in families(SimpleNamespace(p=plain, B=8), SearchSpace(), 4)) > 1
