@@ -123,13 +123,9 @@ def analyze(program: Program) -> Analysis:
         if not refs or all(s == DATA for s in ins) or op.target in _SHAPE_ONLY:
             _set(op, states, dims, [DATA] * len(op.results), [-1] * len(op.results))
             continue
-        for worst in (COUPLED, UNKNOWN):
-            if worst in ins:
-                _set(op, states, dims, [worst] * len(op.results), [-1] * len(op.results))
-                break
-        else:
-            worst = None
-        if worst is not None:
+        worst = next((s for s in (COUPLED, UNKNOWN) if s in ins), None)
+        if worst is not None:  # already coupled, or past what the analysis reads: no new coupling here
+            _set(op, states, dims, [worst] * len(op.results), [-1] * len(op.results))
             continue
         if op.target in _IDENTITY:
             _set(op, states, dims, [ins[0]] * len(op.results), [dims.get(refs[0], -1)] * len(op.results))
