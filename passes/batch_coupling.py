@@ -260,7 +260,7 @@ def _rowwise(
     op: Op, refs: list[str], got: list[int | None], types: dict, aranges: set[str]
 ) -> tuple[str, list[int]] | None:
     """The result dims of an op the sharding rules do not cover but whose meaning keeps rows apart along its
-    batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim, repeat_interleave and broadcast_to,
+    batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim, repeat_interleave, broadcast_to and stack,
     an index with data-free indices away from the batch dim, or a data-free table gathered by per-sample
     indices, or each sample's own elements picked by ``arange`` over the batch, and baddbmm over the batch.
     Histograms (histc, bincount) count over the batch: a sum. ``None``: none of these (the caller then
@@ -284,6 +284,9 @@ def _rowwise(
         return ROWS, [first]  # each element repeated in place: a sample's rows stay its own, in order
     if op.target == "aten.broadcast_to" and first is not None:
         return ROWS, [first + len(op.types[0].shape) - rank]  # expand's: new dims lead
+    if op.target == "aten.stack" and len(set(rows)) == 1:  # a new dim among the inputs' own
+        dim = bound.get("dim", 0) % (rank + 1)
+        return ROWS, [rows[0] if rows[0] < dim else rows[0] + 1]
     if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1:
         return SUM, [-1]  # counts over every element: the batch's are the sum of its microbatches'
     if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:
