@@ -260,11 +260,11 @@ def _rowwise(
     op: Op, refs: list[str], got: list[int | None], types: dict, aranges: set[str]
 ) -> tuple[str, list[int]] | None:
     """The result dims of an op the sharding rules do not cover but whose meaning keeps rows apart along its
-    batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim, repeat_interleave, broadcast_to and stack,
-    an index with data-free indices away from the batch dim, or a data-free table gathered by per-sample
-    indices, or each sample's own elements picked by ``arange`` over the batch, and baddbmm over the batch.
-    Histograms (histc, bincount) count over the batch: a sum. ``None``: none of these (the caller then
-    reports the op as unproven)."""
+    batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim; repeat_interleave, broadcast_to
+    and stack; an index or gather with data-free indices away from the batch dim, a data-free table looked
+    up by per-sample indices, each sample's own elements picked by ``arange`` over the batch; baddbmm over
+    the batch. Histograms (histc, bincount) count over the batch: a sum. ``None``: none of these (the
+    caller then reports the op as unproven)."""
     bound = bound_args(op) or {}
     rows = [d for d in got if d is not None]
     first = got[0] if got else None
@@ -287,6 +287,12 @@ def _rowwise(
     if op.target == "aten.stack" and len(set(rows)) == 1:  # a new dim among the inputs' own
         dim = bound.get("dim", 0) % (rank + 1)
         return ROWS, [rows[0] if rows[0] < dim else rows[0] + 1]
+    if op.target == "aten.gather" and len(got) == 2:  # out = input gathered along dim by index (index's shape)
+        dim = bound.get("dim", 0) % rank
+        if first is None and got[1] is not None:
+            return ROWS, [got[1]]  # a data-free table looked up by per-sample indices
+        if first is not None and first != dim and got[1] in (None, first):
+            return ROWS, [first]  # each sample's own elements
     if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1:
         return SUM, [-1]  # counts over every element: the batch's are the sum of its microbatches'
     if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:
