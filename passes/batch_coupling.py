@@ -263,8 +263,8 @@ def _rowwise(
     batch dim: along-a-dim ops (topk, sort, chunk) away from the batch dim; repeat_interleave, broadcast_to
     and stack; an index or gather with data-free indices away from the batch dim, a data-free table looked
     up by per-sample indices, each sample's own elements picked by ``arange`` over the batch; baddbmm over
-    the batch. Histograms (histc, bincount) count over the batch: a sum. ``None``: none of these (the
-    caller then reports the op as unproven)."""
+    the batch; batch norm in evaluation. Histograms (histc, bincount) count over the batch: a sum.
+    ``None``: none of these (the caller then reports the op as unproven)."""
     bound = bound_args(op) or {}
     rows = [d for d in got if d is not None]
     first = got[0] if got else None
@@ -293,6 +293,8 @@ def _rowwise(
             return ROWS, [got[1]]  # a data-free table looked up by per-sample indices
         if first is not None and first != dim and got[1] in (None, first):
             return ROWS, [first]  # each sample's own elements
+    if op.target in _BATCH_NORMS and first == 0:  # in evaluation: the running statistics, per sample
+        return ROWS, [0] + [-1] * (n - 1)
     if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1:
         return SUM, [-1]  # counts over every element: the batch's are the sum of its microbatches'
     if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:

@@ -130,7 +130,8 @@ def test_moe_aux_loss_on_pp_is_refused_by_name() -> None:
 
 def test_batch_norm_on_pp_is_refused_and_one_microbatch_is_exact() -> None:
     """Batch norm in training on pp=2: two microbatches would normalize by each half's statistics (refused);
-    one microbatch per step trains as one process (float64, losses and every state, running statistics too)."""
+    one microbatch per step trains as one process (float64, losses and every state, running statistics too).
+    In evaluation it normalizes by its running statistics, per sample: nothing couples."""
     torch.manual_seed(0)
     model = _BatchNormRegression().double()
     batch = {"x": torch.randn(8, 8, dtype=torch.float64), "t": torch.randn(8, 4, dtype=torch.float64)}
@@ -144,6 +145,7 @@ def test_batch_norm_on_pp_is_refused_and_one_microbatch_is_exact() -> None:
     assert loss_error(losses, train(reference, [batch, batch])) < TOL
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where)
+    assert batch_couplings(_lowered(copy.deepcopy(model).eval(), batch)) == ()  # evaluation: running statistics
 
 
 def clip_model() -> tuple[torch.nn.Module, tuple, dict]:
