@@ -12,12 +12,13 @@ combine into the program, ``runtime/comm/all_to_all.py`` runs them). The rule of
 The price is an estimate made before the router has seen a token:
 
 - **what moves.** Each expert-parallel gather is priced as the all-to-all of its rows at the table's last
-  width (``W.shape[-1]``: the vector the gathered matrix multiplies) sent to the experts and the same bytes
-  sent back, forward and again in the backward (the gradient of each all-to-all is the inverse one): four
-  all-to-alls of ``rows x width`` per gather. An expert MLP has two tables (gate/up with last width the
-  hidden size h, down with the intermediate size i): the two gathers together are priced 4 x rows x (h + i)
-  where the block moves 4 x rows x h (hidden rows dispatched and combined, forward and backward) plus the
-  router's indices; the estimate is exact when i equals h and over-prices wider experts.
+  width (``W.shape[-1]``: the vector the gathered matrix multiplies), forward and again in the backward
+  (the gradient of an all-to-all is the inverse one). An expert MLP has two tables, gate/up with last width
+  the hidden size h and down with the intermediate size i, gathered by one routing: their prices sum to
+  2 x rows x (h + i) where the block moves 4 x rows x h (hidden rows dispatched and combined, forward and
+  backward) plus the router's indices and weights. The estimate is exact when i equals h, over-prices
+  wider experts and under-prices narrower ones; pricing each gather a dispatch and a combine of its own
+  would count the block's one dispatch and one combine twice.
 - **the busiest rank, not the mean.** A rank's send buffer is its own rows; what it receives depends on
   the router. Priced is the busiest rank's receive under uniform routing: rows arriving at a rank are
   Binomial(N, 1/n) over the N rows of the whole axis, whose maximum over n ranks is about
@@ -36,8 +37,8 @@ from autopar.ir.core import MeshSpec, Placement, Shard, TensorType
 INF = float("inf")
 
 EXPERT_GATHER = "aten.index.Tensor"
-# how many all-to-alls of the gather's rows a step runs: dispatch and combine, forward and backward
-ALL_TO_ALLS_PER_GATHER = 4
+# all-to-alls of the gather's rows priced per step: forward and backward (the module docstring)
+ALL_TO_ALLS_PER_GATHER = 2
 
 
 def expert_axes(in_types: list[TensorType], in_placements) -> list[int]:
