@@ -17,6 +17,7 @@ process, two SGD steps, every loss and parameter to ``TOL``; one spawned gloo ru
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from autopar.ir.core import MeshSpec, Shard
 from autopar.models.small_families import FAMILIES, _lm
 from autopar.passes.experts import COMBINE, DISPATCH
 from autopar.passes.shard import ShardOptions
+from autopar.runtime.comm import all_to_all as a2a
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 EP = MeshSpec((("ep", 2),))
@@ -82,3 +84,76 @@ def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSp
     assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where, missing)
+
+
+class _Recorder:
+    """Stands in for ``torch.distributed`` in ``runtime/comm/all_to_all.py``: records every
+    ``all_to_all_single`` (global rank, bytes sent, bytes received, the split lists) and runs it."""
+
+    def __init__(self, real):
+        self.real, self.calls, self.lock = real, {}, threading.Lock()
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        rank = group.rv.ranks[group.member]  # a simulated group: its member's global rank
+        with self.lock:
+            self.calls.setdefault(rank, []).append((input.nbytes, output.nbytes, input_split_sizes))
+        return self.real.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+
+def test_each_ranks_all_to_alls_are_the_programs(monkeypatch) -> None:
+    """One training step of Mixtral on ep=2: each rank runs one exchange of counts per routing (n integers),
+    one all-to-all per dispatch and combine of its program forward and one per float one backward, in the
+    same order on every rank; each moves the rows its op holds: every call's bytes sent over the ranks sum
+    to the op's global bytes (dispatched rows are a permutation of all rows), as do its bytes received, and
+    each rank's side of the call in its own order is the op's local bytes."""
+    model, kwargs = _model("mixtral")
+    sim = _sim(model, kwargs, EP)
+    prog = sim.modules[0].train_program
+    recorder = _Recorder(a2a.dist)
+    monkeypatch.setattr(a2a, "dist", recorder)
+    make_optimizer("sgd", sim)
+    sim.train_step(**kwargs)
+
+    ops = [op for op in prog.ops if op.target in (DISPATCH, COMBINE)]
+    routings = {(op.args[1].name, op.kwargs["axis"]) for op in ops}
+    forward = [op.types[0] for op in ops]
+    backward = [op.types[0] for op in reversed(ops) if op.types[0].is_float]
+    n = EP.size
+    assert set(recorder.calls) == set(range(n))
+    for rank, calls in recorder.calls.items():
+        counts = [c for c in calls if c[0] == n * 8 and c[1] == n * 8 and c[2] is None]
+        data = [c for c in calls if c not in counts]
+        assert len(counts) == len(routings), (rank, len(counts), routings)
+        assert len(data) == len(forward) + len(backward), (rank, len(data), len(forward), len(backward))
+    steps = [forward, backward]
+    data = {r: [c for c in calls if c[2] is not None] for r, calls in recorder.calls.items()}
+    k = 0
+    for phase, types in enumerate(steps):
+        for i, t in enumerate(types):
+            op = ops[i] if phase == 0 else [op for op in reversed(ops) if op.types[0].is_float][i]
+            sent = sum(data[r][k][0] for r in range(n))
+            received = sum(data[r][k][1] for r in range(n))
+            assert sent == received == t.nbytes, (op, sent, received, t.nbytes)
+            nominal_side = 0 if (op.target == DISPATCH) == (phase == 0) else 1  # the side in the rank's order
+            for r in range(n):
+                assert data[r][k][nominal_side] == t.local_nbytes(EP), (op, r, data[r][k], t.local_nbytes(EP))
+            k += 1
+
+
+def test_combining_rows_out_of_order_breaks_training(monkeypatch) -> None:
+    """The exactness check can fail: with the combine sending each row back but not putting it at its place
+    (the rows left sorted by expert rank), Mixtral on ep=2 no longer trains as one process."""
+
+    def unsorted_back(c, y, route, axis):
+        return a2a._send(c, y, axis, sum(route.send), route.send, route.recv)
+
+    monkeypatch.setattr(a2a, "_back", unsorted_back)
+    model, kwargs = _model("mixtral")
+    reference = copy.deepcopy(model)
+    sim = _sim(model, kwargs, EP)
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(losses[:, 0], ref) > 1e3 * TOL, (losses[:, 0], ref)
+    assert state_error(sim.full_state_dict(), reference)[0] > 1e3 * TOL
