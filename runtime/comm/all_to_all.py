@@ -67,9 +67,10 @@ def routing(c: Comm, idx: torch.Tensor, axis: str, experts: int) -> Routing:
     dist.all_to_all_single(recv, send, group=c.groups[axis])  # the counts first: the data's split sizes
     route = Routing(order, send.tolist(), recv.tolist(), me * per)
     with _LOCK:
-        entry = _ROUTES.get(id(idx))
+        key = id(idx)
+        entry = _ROUTES.get(key)
         if entry is None or entry[0]() is not idx:
-            entry = _ROUTES[id(idx)] = (weakref.ref(idx, lambda _, key=id(idx): _forget(key)), {})
+            entry = _ROUTES[key] = (weakref.ref(idx, lambda _: _forget(key)), {})
         entry[1][(axis, experts)] = route
     return route
 
