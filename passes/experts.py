@@ -185,10 +185,20 @@ class _Rewrite:
         return name
 
 
+def routed_values(prog: Program) -> set[str]:
+    """The values of ``prog`` that hold dispatched rows (a rank holds a data-dependent permutation of them, not
+    its slice): the dispatches' results and what is computed from them up to their combine."""
+    routed: set[str] = set()
+    for op in prog.ops:
+        if op.target == DISPATCH or (op.target != COMBINE and any(r.name in routed for r in op.input_refs())):
+            routed.update(op.results)
+    return routed
+
+
 def _is_rows(t: TensorType, axis: int, n_rows: int) -> bool:
     """Whether ``t`` holds the routing's rows: dim 0 as long, split by rows on the axis."""
     p = t.placements[axis] if t.placements else None
     return bool(t.shape) and t.shape[0] == n_rows and isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
 
 
-__all__ = ["COMBINE", "DISPATCH", "EXPERT_OPS", "insert_expert_dispatch"]
+__all__ = ["COMBINE", "DISPATCH", "EXPERT_OPS", "insert_expert_dispatch", "routed_values"]
