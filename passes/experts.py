@@ -24,7 +24,7 @@ what it computes on them in order, so the program's values and gradients are unc
 
 from __future__ import annotations
 
-from autopar.errors import PlanError
+from autopar.errors import PipelineError, PlanError
 from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, map_refs
 from autopar.solver.sharding.experts import EXPERT_GATHER, expert_axes
 from autopar.solver.sharding.rules.elementwise import POINTWISE
@@ -195,10 +195,34 @@ def routed_values(prog: Program) -> set[str]:
     return routed
 
 
+def require_whole_dispatch_regions(prog: Program) -> None:
+    """Refuse a pipeline stage boundary between a dispatch and its combine (``PipelineError``): the rows in
+    between are a data-dependent number on each rank, which a stage boundary's buffers (sized from the IR)
+    cannot carry, and each stage's experts are those of its own pipeline rank group."""
+    routed = routed_values(prog)
+    stage_of = {r: op.attrs.get("stage") for op in prog.ops for r in op.results}
+    for op in prog.ops:
+        for r in op.input_refs():
+            if r.name in routed and stage_of.get(r.name) != op.attrs.get("stage"):
+                raise PipelineError(
+                    f"a pipeline stage boundary falls inside a mixture of experts' dispatched rows: %{r.name} "
+                    f"(stage {stage_of.get(r.name)}) is read by %{op.result} = {op.target} (stage "
+                    f"{op.attrs.get('stage')}); cut the pipeline at another place (fewer stages, or stages of "
+                    "whole layers) or plan without the ep axis"
+                )
+
+
 def _is_rows(t: TensorType, axis: int, n_rows: int) -> bool:
     """Whether ``t`` holds the routing's rows: dim 0 as long, split by rows on the axis."""
     p = t.placements[axis] if t.placements else None
     return bool(t.shape) and t.shape[0] == n_rows and isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
 
 
-__all__ = ["COMBINE", "DISPATCH", "EXPERT_OPS", "insert_expert_dispatch", "routed_values"]
+__all__ = [
+    "COMBINE",
+    "DISPATCH",
+    "EXPERT_OPS",
+    "insert_expert_dispatch",
+    "require_whole_dispatch_regions",
+    "routed_values",
+]

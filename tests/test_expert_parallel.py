@@ -25,6 +25,7 @@ import torch
 from autopar.check.float64 import Float64Mode
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
+from autopar.errors import PipelineError
 from autopar.ir.core import MeshSpec, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
@@ -34,6 +35,7 @@ from autopar.passes.collectives import insert_collectives
 from autopar.passes.experts import COMBINE, DISPATCH, routed_values
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
+from autopar.passes.transfers import insert_transfers
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import CostModel
@@ -42,6 +44,7 @@ from tests.exactness import TOL, float64_model, loss_error, make_optimizer, stat
 
 EP = MeshSpec((("ep", 2),))
 EP_TP = MeshSpec((("ep", 2), ("tp", 2)))
+PP_EP = MeshSpec((("pp", 2), ("ep", 2)))
 MEMORY = ShardOptions(objective="memory")
 
 FAMILY = {
@@ -236,3 +239,31 @@ def test_the_ilp_prices_what_the_program_emits_and_it_round_trips() -> None:
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx(cost, rel=1e-9)
     assert sharding.comm_bytes > 0
     assert parse(print_program(program)) == program
+
+
+@pytest.mark.parametrize("cut", ["between layers", "inside the dispatched rows"])
+def test_pipeline_stages_hold_whole_dispatch_regions(cut: str) -> None:
+    """pp=2 x ep=2: each stage's experts on its own pipeline rank group, cut between Qwen3-MoE's layers, trains
+    exactly (two 1F1B steps of two microbatches); a stage boundary inside a dispatch's rows is refused by
+    ``insert-transfers`` with a ``PipelineError`` instead of sending a data-dependent number of rows."""
+    model, kwargs = _model("qwen3_moe")
+    if cut == "inside the dispatched rows":
+        program = insert_collectives(shard(lower(capture(model, (), kwargs), EP), MEMORY).program)
+        first = next(i for i, op in enumerate(program.ops) if op.target == "aten.bmm")
+        ops = tuple(op.with_(attrs={**op.attrs, "stage": int(i >= first)}) for i, op in enumerate(program.ops))
+        with pytest.raises(PipelineError, match="stage boundary falls inside"):
+            insert_transfers(program.with_(ops=ops, attrs={**program.attrs, "pipeline_stages": 2}))
+        return
+    reference = copy.deepcopy(model)
+    sim = SimCompiled.of(model, PP_EP, (), kwargs, options=MEMORY, float64=True, microbatches=2, schedule="1f1b")
+    prog = sim.modules[0].train_program
+    stages = {op.attrs["stage"] for op in prog.ops if op.target in (DISPATCH, COMBINE)}
+    assert stages == {0, 1}, stages  # both stages dispatch their own layer's tokens
+    assert all(t.type.placements[0] == Shard(0) for t in _expert_tables(prog))
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
