@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -38,13 +39,14 @@ from autopar.passes.shard import ShardOptions, shard
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.cost import CostModel
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
 from tests._dist import run_distributed
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 EP = MeshSpec((("ep", 2),))
 EP_TP = MeshSpec((("ep", 2), ("tp", 2)))
 PP_EP = MeshSpec((("pp", 2), ("ep", 2)))
+DP_EP = MeshSpec((("dp", 2), ("ep", 2)))
 MEMORY = ShardOptions(objective="memory")
 
 FAMILY = {
@@ -73,11 +75,18 @@ def _sim(model, kwargs, mesh: MeshSpec) -> SimCompiled:
     return SimCompiled.of(model, mesh, (), kwargs, options=MEMORY, float64=True)
 
 
-@pytest.mark.parametrize(("family", "mesh"), [("mixtral", EP), ("qwen3_moe", EP), ("mixtral", EP_TP)])
-def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSpec) -> None:
+@pytest.mark.parametrize(
+    ("family", "mesh", "zero"),
+    [("mixtral", EP, 0), ("qwen3_moe", EP, 0), ("mixtral", EP_TP, 0), ("mixtral", DP_EP, 2)],
+)
+def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSpec, zero: int) -> None:
+    """Two SGD steps on simulated ranks equal two in one process (float64, every loss and parameter to
+    ``TOL``), the plan splitting every expert table over ``ep`` (each rank holds E/2 experts) and every rank's
+    program dispatching and combining; on dp=2 x ep=2 with ZeRO-2 over dp."""
     model, kwargs = _model(family)
     reference = copy.deepcopy(model)
-    sim = _sim(model, kwargs, mesh)
+    options = replace(MEMORY, setup=TrainingSetup(optimizer="sgd", zero=zero)) if zero else MEMORY
+    sim = SimCompiled.of(model, mesh, (), kwargs, options=options, float64=True)
     prog = sim.modules[0].program
     ep = mesh.index("ep")
     tables = _expert_tables(prog)
@@ -86,8 +95,10 @@ def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSp
         local = dict(module.named_parameters())
         for t in tables:
             assert local[t.name].shape[0] == t.type.shape[0] // 2, (t.name, local[t.name].shape)
-    targets = [op.target for op in prog.ops]
-    assert targets.count(COMBINE) >= 1 and targets.count(DISPATCH) >= 2 * len(tables) // 2
+    layers = len(tables) // 2  # gate/up and down per MoE layer
+    for module in sim.modules:  # every rank's program: per layer the rows and their local experts dispatched
+        targets = [op.target for op in module.train_program.ops]
+        assert targets.count(COMBINE) >= layers and targets.count(DISPATCH) >= 2 * layers, targets
     make_optimizer("sgd", sim)
     losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
     with Float64Mode():
