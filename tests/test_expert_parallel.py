@@ -1,7 +1,7 @@
 """Expert parallelism (``solver/sharding/experts.py``, ``passes/experts.py``, ``runtime/comm/all_to_all.py``):
-tiny Mixtral and Qwen3-MoE planned on an ``ep`` mesh train exactly as one process, with each rank holding
-E/n experts and the token dispatch and combine as all-to-alls in every rank's program, whose calls and
-bytes per step are those the program says.
+tiny Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (a shared expert beside the routed ones) planned on an ``ep``
+mesh train exactly as one process, with each rank holding E/n experts and the token dispatch and combine as
+all-to-alls in every rank's program, whose calls and bytes per step are those the program says.
 
 The models use Hugging Face's ``batched_mm`` experts kernel (``experts_implementation="batched_mm"``, as
 ``autopar/models/small_families.py`` does): it gathers each row's expert matrices with
@@ -57,6 +57,18 @@ FAMILY = {
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
         max_position_embeddings=32, router_aux_loss_coef=0.0, experts_implementation="batched_mm",
     ),
+    "olmoe": _lm(
+        "OlmoeConfig", "OlmoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, router_aux_loss_coef=0.0, experts_implementation="batched_mm",
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    ),
+    "qwen2_moe": _lm(  # a shared expert beside the routed ones
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        router_aux_loss_coef=0.0, experts_implementation="batched_mm",
+    ),
 }  # fmt: skip
 
 
@@ -77,7 +89,10 @@ def _sim(model, kwargs, mesh: MeshSpec) -> SimCompiled:
 
 @pytest.mark.parametrize(
     ("family", "mesh", "zero"),
-    [("mixtral", EP, 0), ("qwen3_moe", EP, 0), ("mixtral", EP_TP, 0), ("mixtral", DP_EP, 2)],
+    [
+        ("mixtral", EP, 0), ("qwen3_moe", EP, 0), ("olmoe", EP, 0), ("qwen2_moe", EP, 0), ("mixtral", EP_TP, 0),
+        ("mixtral", DP_EP, 2),
+    ],  # fmt: skip
 )
 def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSpec, zero: int) -> None:
     """Two SGD steps on simulated ranks equal two in one process (float64, every loss and parameter to
