@@ -11,7 +11,10 @@ A mesh axis is named by the user (``autopar.init_mesh(pp=2, dp=2, tp=2)``) and i
   ``dpr`` holds the replicas of a partition group laid out on ``dp``.
 - an axis whose name starts with ``tp`` is tensor-parallel: the Megatron baseline shards the weights
   over it, and a pipeline's ``scatter_gather`` cuts the tensors sent between stages over the first one.
-- any other name (``a``, ``ep``) has no role of its own: the ILP places tensors on it as on any axis.
+- an axis whose name starts with ``ep`` is an expert axis: the ILP may split a mixture of experts' expert
+  tables over it and send each token to the rank holding its expert (``solver/sharding/experts.py``); on
+  every other axis that split is not offered.
+- any other name (``a``) has no role of its own: the ILP places tensors on it as on any axis.
 
 The ILP itself reads no role: on every axis but ``pp`` it chooses placements by cost. The roles only
 choose what is shared or assumed around it (ZeRO's shards, baselines, search constraints, stage costs).
@@ -24,6 +27,7 @@ from collections.abc import Iterable
 PIPELINE_AXIS = "pp"
 DATA_AXIS_PREFIX = "dp"
 TENSOR_AXIS_PREFIX = "tp"
+EXPERT_AXIS_PREFIX = "ep"
 
 
 def is_pipeline_axis(name: str) -> bool:
@@ -39,6 +43,11 @@ def is_data_axis(name: str) -> bool:
 def is_tensor_axis(name: str) -> bool:
     """Whether the axis named ``name`` is tensor-parallel (its name starts with ``tp``)."""
     return name.startswith(TENSOR_AXIS_PREFIX)
+
+
+def is_expert_axis(name: str) -> bool:
+    """Whether the axis named ``name`` is an expert axis (its name starts with ``ep``)."""
+    return name.startswith(EXPERT_AXIS_PREFIX)
 
 
 def data_axes(names: Iterable[str]) -> tuple[str, ...]:

@@ -10,6 +10,8 @@ Two kinds of ops are inserted:
 
 A parameter whose every use needs f on an axis gets no f at all: its gradient is all-reduced once
 after backward instead (data-parallel gradient sync), recorded as the attribute ``grad_sync``.
+
+Last, expert-parallel gathers get their token dispatch and combine (``passes/experts.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from autopar.ir.core import (
     map_refs,
 )
 from autopar.ir.layout import redistribute_steps
+from autopar.passes.experts import insert_expert_dispatch
 from autopar.passes.shard import required_inputs
 from autopar.solver.sharding.strategies import Strategy, partial_axes
 
@@ -107,7 +110,7 @@ def insert_collectives(prog: Program) -> Program:
     for x in prog.outputs:
         out_refs.append(Ref(b.redistribute(x.name, sink_req, "")) if isinstance(x, Ref) else x)
     result = prog.with_(ops=tuple(b.ops), outputs=tuple(out_refs))
-    return _defer_param_grad_sync(result)
+    return insert_expert_dispatch(_defer_param_grad_sync(result))
 
 
 def _renamer(names):

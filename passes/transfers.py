@@ -30,6 +30,7 @@ from collections import defaultdict
 from autopar.errors import PipelineError
 from autopar.ir.axes import PIPELINE_AXIS, tensor_axes
 from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, iter_refs, map_refs
+from autopar.passes.experts import require_whole_dispatch_regions
 from autopar.passes.pipeline_split import common_nodes
 
 
@@ -60,6 +61,7 @@ def insert_transfers(prog: Program, scatter_gather: bool = False) -> Program:
     local_shard/all_gather over the first tensor-parallel axis (``tp*``, ``ir/axes.py``) around them."""
     if any(op.target in ("send", "recv") for op in prog.ops):
         raise PipelineError("the program already has send/recv ops")
+    require_whole_dispatch_regions(prog)
     num_stages = int(prog.attrs.get("pipeline_stages", 0)) or max((stage_of_op(op) for op in prog.ops), default=0) + 1
     stage_of: dict[str, int] = {}
     by_stage: dict[int, list[Op]] = defaultdict(list)

@@ -211,6 +211,15 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
         if draw(st.booleans()):  # ignored rows (see test_mean_loss_with_ignored_rows)
             target_[torch.rand(n) < 0.4] = -100
         return (_f([n, c], -2.0, 2.0), target_, None, reduction, -100, 0.0), {}
+    if target == "aten.index.Tensor":  # rows of a table (experts: rank 3) by one index tensor
+        table = _f([draw(SIZES), *_shape(draw, 1, 2)])
+        return (table, [torch.randint(0, table.shape[0], _shape(draw, 1, 2))]), {}
+    if target == "aten.topk":
+        return (x, draw(st.integers(1, s[d])), d), {}
+    if target == "aten.repeat_interleave.self_int":
+        return (x, draw(st.integers(1, 3)), d), {}
+    if target == "aten.chunk":
+        return (x, draw(st.integers(1, 3)), d), {}
     if target in ("aten.pad", "aten.constant_pad_nd"):
         pads = [draw(st.integers(0, 2)) for _ in range(2 * draw(st.integers(1, rank)))]
         return ((x, pads, "constant", 0.5) if target == "aten.pad" else (x, pads, 0.5)), {}

@@ -10,6 +10,7 @@ import torch
 from autopar.ir.core import MeshSpec, Op, Program, Replicate, Value, target_name
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured
+from autopar.passes.experts import routed_values
 from autopar.passes.lower import _module_path
 from autopar.runtime.sim.placement_values import assemble, assemble_grad
 
@@ -118,9 +119,12 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
     grad_bad: list[tuple[int, str, float]] = []
     order = {r: i for i, op in enumerate(prog.ops) for r in op.results}
     partial = _partial_grads(prog)
+    routed = routed_values(prog)  # rows dispatched to their experts: a permutation on each rank, not its slice
     for op in prog.ops:
         for r, t in zip(op.results, op.types):
-            if r not in ref or not isinstance(ref[r], torch.Tensor) or any(r not in rec.values for rec, _ in ranks):
+            if r in routed or r not in ref or not isinstance(ref[r], torch.Tensor):
+                continue
+            if any(r not in rec.values for rec, _ in ranks):
                 continue
             got, spread = assemble([rec.values[r].detach() for rec, _ in ranks], t.placements, mesh)
             err = max(relative_difference(got, ref[r].detach()), _rel_spread(spread, ref[r]))

@@ -36,7 +36,9 @@ from autopar.ir.core import (
     resolve_target,
 )
 from autopar.ir.layout import valid
+from autopar.passes.experts import insert_expert_dispatch
 from autopar.runtime.build.codegen import codegen
+from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm import vocab_parallel
 from autopar.runtime.comm.context import use_comm
@@ -135,8 +137,9 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
     diff_outs = [(o, c) for o, c in zip(ref_outs, cots) if c is not None and o.requires_grad]
     if diff_outs:
         torch.autograd.backward([o for o, _ in diff_outs], [c for _, c in diff_outs])
-    gm = codegen(placed, world.coords(0), lambda name: whole[name])
-    communicating = {coll.__name__, vocab_parallel.__name__}  # the modules whose calls communicate
+    # an expert-parallel gather runs with its dispatch and combine, as insert-collectives writes them
+    gm = codegen(insert_expert_dispatch(placed), world.coords(0), lambda name: whole[name])
+    communicating = {coll.__name__, vocab_parallel.__name__, experts.__name__}  # the modules whose calls communicate
     communicates = any(getattr(n.target, "__module__", "") in communicating for n in gm.graph.nodes)
     coords_of = [list(world.coords(r).values()) for r in range(world.size)]
 

@@ -44,6 +44,7 @@ from autopar.ir.parser import parse
 from autopar.passes.batch_coupling import batch_couplings
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.dropout import has_keyed, is_keyed
+from autopar.passes.experts import EXPERT_OPS
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.plan import Plan
 from autopar.runtime.build.rng import DropoutRng, DropoutSite, keyed_dropout
@@ -73,7 +74,7 @@ def _call(op: Op, env: dict[str, Any], rng: DropoutRng, sent: dict[tuple[int, in
         sent[(int(op.attrs["stage"]), int(op.kwargs["peer_stage"]))].append(env[op.args[0].name])
     if op.target == "recv":
         return sent[(int(op.kwargs["peer_stage"]), int(op.attrs["stage"]))].popleft().clone()
-    if op.target in COLLECTIVES:  # on whole values every collective is the identity
+    if op.target in COLLECTIVES or op.target in EXPERT_OPS:  # on whole values every collective is the identity
         # a copy, not a view: its gradient is its own, and an in-place op on it (div_) must not
         # change its input, which on the ranks is another tensor
         return env[op.args[0].name].clone()

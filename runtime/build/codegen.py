@@ -28,6 +28,7 @@ from autopar.passes.manager import register_pass
 from autopar.runtime.build import rng as keyed
 from autopar.runtime.build.differentiable import DIFFERENTIABLE
 from autopar.runtime.build.precision import cast_to
+from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
 from autopar.runtime.comm.shards import shard_tensor
@@ -36,6 +37,7 @@ from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vo
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
 _HALF = (torch.bfloat16, torch.float16)
+_LIST_RESULTS = {"aten.unbind.int", "aten.chunk"}  # a list even of one tensor
 
 
 def local_args(op: Op, mesh_sizes: tuple[int, ...]) -> tuple:
@@ -152,6 +154,8 @@ def codegen(
             if op.result in deferred:
                 kwargs["defer"] = True
             node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), kwargs)
+        elif op.target in experts.FUNCTIONS:  # expert parallelism's dispatch and combine (passes/experts.py)
+            node = graph.call_function(experts.FUNCTIONS[op.target], tuple(arg(op.args)), dict(op.kwargs))
         elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
             w, ids = op.args[0], op.args[1]
             pad = op.args[2] if len(op.args) > 2 else op.kwargs.get("padding_idx", -1)
@@ -177,7 +181,7 @@ def codegen(
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
             node = graph.call_function(DIFFERENTIABLE.get(op.target) or resolve_target(op.target), args, kwargs)
-        if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
+        if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target not in _LIST_RESULTS:
             env[op.result] = node
             node.meta["autopar_value"] = op.result  # the IR value it computes (autopar check records it)
         else:

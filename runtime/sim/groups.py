@@ -212,6 +212,37 @@ class SimGroup(dist.ProcessGroup):
             out.copy_(p[self.member])
         return _Done()
 
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> _Done:
+        """``dist.all_to_all_single``: member i's ``input_split_sizes[j]`` rows (dim 0; equal pieces when the
+        list is empty) go to member j, which receives them as its ``output_split_sizes[i]`` rows. The members'
+        row counts may differ (expert parallelism's dispatch); a member expecting other counts than are sent
+        to it fails with ``SimulationError``."""
+        n = self.size()
+        sends = list(input_split_sizes) or [input.shape[0] // n] * n
+        recvs = list(output_split_sizes) or [output.shape[0] // n] * n
+        call = f"all_to_all_single({str(input.dtype).removeprefix('torch.')}{list(input.shape[1:])})"
+        parts = self.rv.exchange(self.member, call, ([p.clone() for p in input.split(sends)], recvs))
+        got = [pieces[self.member] for pieces, _ in parts]
+        sent = [len(p) for p in got]
+        if sent != recvs:
+            raise SimulationError(
+                f"all_to_all_single on {self.rv.label}: member {self.member} expects {recvs} rows from the members, "
+                f"they send {sent}"
+            )
+        if got:
+            output.copy_(torch.cat(got).view_as(output))
+        return _Done()
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts: Any = None) -> _Done:
+        return self.all_to_all_single(output, input, output_split_sizes, input_split_sizes, opts)
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> _Done:
         root = opts.rootRank if opts is not None else 0
         parts = self.rv.exchange(

@@ -51,6 +51,7 @@ from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding import experts
 from autopar.solver.sharding.strategies import column_weight
 
 INF = math.inf
@@ -297,7 +298,10 @@ class CostModel:
 
     def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
-        vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row."""
+        vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row; an expert-parallel
+        gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``)."""
+        if target == experts.EXPERT_GATHER:
+            return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms)
         if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
             return 0.0, 0.0
         vol = sec = 0.0
@@ -307,6 +311,10 @@ class CostModel:
                 b, x = self._collective("all_reduce", rows, a)
                 vol, sec = vol + 3 * b, sec + 3 * x
         return vol, sec
+
+    def _all_to_all_terms(self, axis: int) -> tuple[float, float]:
+        """(seconds per byte, latency) of an all-to-all on ``axis``."""
+        return self.cluster.collective_terms("all_to_all", self.mesh.sizes[axis], self._intra[axis])
 
     def grad_reduce(
         self, t: TensorType, p: tuple[Placement, ...], axis: int, bucketed: bool = False

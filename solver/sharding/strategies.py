@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 from autopar.ir.core import MeshSpec, Op, Placement, Program, R, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import valid
+from autopar.solver.sharding.experts import EXPERT_GATHER, expert_axes
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
 from autopar.solver.sharding.rules import contractions as rules_contractions
 from autopar.solver.sharding.rules import elementwise as rules_elementwise
+from autopar.solver.sharding.rules import experts as rules_experts
 from autopar.solver.sharding.rules import reductions as rules_reductions
 from autopar.solver.sharding.rules import views as rules_views
 
@@ -33,6 +35,7 @@ RULES: dict[str, Rule] = {
     **rules_views.RULES,
     **rules_contractions.RULES,
     **rules_reductions.RULES,
+    **rules_experts.RULES,
 }
 # Ops whose placement is fixed by their input's (pointwise and view ops): in the ILP they follow their
 # producer instead of making a decision of their own.
@@ -86,7 +89,10 @@ def op_strategies(
     for _, n in mesh.axes:
         c = Ctx(op, ins, list(op.types), n, counts)
         per_axis.append(rule(c) if rule else [replicated(c)])
-    return _combine(per_axis, len(ins), ins, op.types, mesh.sizes), rule is not None
+    found = _combine(per_axis, len(ins), ins, op.types, mesh.sizes)
+    if op.target == EXPERT_GATHER:  # experts split over one axis at a time (passes/experts.py)
+        found = [s for s in found if len(expert_axes(ins, s.inputs)) <= 1]
+    return found, rule is not None
 
 
 def value_strategies(t: TensorType, mesh: MeshSpec, counts: tuple[int, ...], shardable: bool = True) -> list[Strategy]:

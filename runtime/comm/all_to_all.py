@@ -1,0 +1,155 @@
+"""Expert parallelism's token dispatch and combine: dropless all-to-alls with split sizes from the router.
+
+The generated code calls ``expert_dispatch`` and ``expert_combine`` (``passes/experts.py`` writes them into
+the program) with the rows to move and the router's expert index of each row, ``idx``, as this rank holds
+them. Rank r of an expert axis of n ranks holds experts ``[r E/n, (r+1) E/n)``; a row goes to the rank of
+its expert. As in torchtitan's and Megatron-Core's token dispatchers:
+
+1. the rows are ordered by destination (a stable sort, so each destination gets them in order) and counted;
+2. the counts are exchanged first (an ``all_to_all_single`` of n integers), so every rank knows how many
+   rows it receives from each, and the split sizes of the data's ``all_to_all_single`` follow: no row is
+   dropped and no rank pads to a capacity;
+3. ``expert_combine`` sends each row back with the two split lists swapped and puts it at its place.
+
+The routing (order, send and receive counts) is computed once per index tensor and forward: the dispatches
+and the combine of one routing share it (``_ROUTES``). Autograd: the backward of a dispatch is the combine of
+the gradient and the backward of a combine is the dispatch (an all-to-all's adjoint is the inverse
+all-to-all), each reusing the forward's routing.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.comm.context import Comm, current_comm
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where this rank's rows go on one expert axis: ``order`` sorts them by destination rank, ``send[j]`` of
+    them go to rank j, ``recv[j]`` rows come from rank j; ``first``: this rank's first expert."""
+
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+    first: int
+
+
+# id(idx tensor) -> (a weak reference to it, {(axis, experts): Routing}); an entry leaves with its tensor
+# (a tensor compares elementwise, so it cannot key a WeakKeyDictionary)
+_ROUTES: dict[int, tuple[weakref.ref, dict[tuple[str, int], Routing]]] = {}
+_LOCK = threading.Lock()  # the rank simulator's ranks are threads of one process
+
+
+def _forget(key: int) -> None:
+    with _LOCK:
+        _ROUTES.pop(key, None)
+
+
+def routing(c: Comm, idx: torch.Tensor, axis: str, experts: int) -> Routing:
+    """The routing of ``idx`` on ``axis`` (computed, and its counts exchanged, once per index tensor)."""
+    with _LOCK:
+        entry = _ROUTES.get(id(idx))
+        known = entry[1].get((axis, experts)) if entry is not None and entry[0]() is idx else None
+    if known is not None:
+        return known
+    n, me = c.sizes[axis], c.coords[axis]
+    per = experts // n
+    dest = torch.div(idx.reshape(-1), per, rounding_mode="floor")
+    order = torch.argsort(dest, stable=True)
+    send = torch.bincount(dest, minlength=n)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=c.groups[axis])  # the counts first: the data's split sizes
+    route = Routing(order, send.tolist(), recv.tolist(), me * per)
+    with _LOCK:
+        key = id(idx)
+        entry = _ROUTES.get(key)
+        if entry is None or entry[0]() is not idx:
+            entry = _ROUTES[key] = (weakref.ref(idx, lambda _: _forget(key)), {})
+        entry[1][(axis, experts)] = route
+    return route
+
+
+def _send(c: Comm, x: torch.Tensor, axis: str, out_rows: int, out_splits: list[int], in_splits: list[int]):
+    out = x.new_empty((out_rows, *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=c.groups[axis])
+    return out
+
+
+def _forward(c: Comm, x: torch.Tensor, route: Routing, axis: str) -> torch.Tensor:
+    """This rank's rows to their experts' ranks: the received rows, grouped by source rank."""
+    return _send(c, x[route.order], axis, sum(route.recv), route.recv, route.send)
+
+
+def _back(c: Comm, y: torch.Tensor, route: Routing, axis: str) -> torch.Tensor:
+    """Received rows back to the ranks they came from, each at its place there."""
+    back = _send(c, y, axis, sum(route.send), route.send, route.recv)
+    out = torch.empty_like(back)
+    out[route.order] = back
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, idx, axis, experts, local_ids):
+        c = ctx.comm = current_comm()
+        route = ctx.route = routing(c, idx, axis, experts)
+        ctx.axis = axis
+        y = _forward(c, x, route, axis)
+        return y - route.first if local_ids else y
+
+    @staticmethod
+    def backward(ctx, g):
+        return _back(ctx.comm, g, ctx.route, ctx.axis), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, idx, axis, experts):
+        c = ctx.comm = current_comm()
+        route = ctx.route = routing(c, idx, axis, experts)
+        ctx.axis = axis
+        return _back(c, y, route, axis)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _forward(ctx.comm, g, ctx.route, ctx.axis), None, None, None
+
+
+def expert_dispatch(
+    x: torch.Tensor, idx: torch.Tensor, axis: str, experts: int, local_ids: bool = False
+) -> torch.Tensor:
+    """The rows of ``x`` (dim 0, one per entry of ``idx``) sent to the ranks of ``axis`` owning their experts
+    (``idx``: each row's expert among ``experts``); ``local_ids``: ``x`` is ``idx`` itself, returned as
+    each row's expert numbered among the receiving rank's own."""
+    if current_comm().sizes[axis] == 1:
+        return x
+    if not x.is_floating_point():
+        with torch.no_grad():
+            return _Dispatch.forward(_NoCtx(), x, idx, axis, experts, local_ids)
+    return _Dispatch.apply(x, idx, axis, experts, local_ids)
+
+
+def expert_combine(y: torch.Tensor, idx: torch.Tensor, axis: str, experts: int) -> torch.Tensor:
+    """Rows dispatched by ``expert_dispatch`` of ``idx`` (as this rank holds ``idx``) back in their rank's
+    order."""
+    if current_comm().sizes[axis] == 1:
+        return y
+    if not y.is_floating_point():
+        with torch.no_grad():
+            return _Combine.forward(_NoCtx(), y, idx, axis, experts)
+    return _Combine.apply(y, idx, axis, experts)
+
+
+class _NoCtx:
+    """The ctx of an integer tensor's dispatch, which has no backward."""
+
+
+FUNCTIONS = {"expert_dispatch": expert_dispatch, "expert_combine": expert_combine}
+
+__all__ = ["FUNCTIONS", "Routing", "expert_combine", "expert_dispatch", "routing"]

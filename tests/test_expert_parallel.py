@@ -1,0 +1,295 @@
+"""Expert parallelism (``solver/sharding/experts.py``, ``passes/experts.py``, ``runtime/comm/all_to_all.py``):
+tiny Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (a shared expert beside the routed ones) planned on an ``ep``
+mesh train exactly as one process, with each rank holding E/n experts and the token dispatch and combine as
+all-to-alls in every rank's program, whose calls and bytes per step are those the program says.
+
+The models use Hugging Face's ``batched_mm`` experts kernel (``experts_implementation="batched_mm"``, as
+``autopar/models/small_families.py`` does): it gathers each row's expert matrices with
+``aten.index.Tensor``, the op the expert-parallel strategy splits. The default ``grouped_mm`` kernel lowers to
+``torch._grouped_mm`` over tokens sorted by expert, which this strategy does not cover.
+
+Training runs on simulated ranks (``autopar/check/simtrain.py``) in float64 against the model in one
+process, two SGD steps, every loss and parameter to ``TOL``; one spawned gloo run
+(``test_gloo_dispatch_matches_the_simulator``) checks the real ``all_to_all_single`` with uneven splits.
+``test_dropping_the_combine_breaks_training`` shows the exactness check failing on a broken rewrite.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar.check.float64 import Float64Mode
+from autopar.check.simtrain import SimCompiled
+from autopar.check.step import check_model
+from autopar.errors import PipelineError
+from autopar.ir.core import MeshSpec, Shard
+from autopar.ir.parser import parse
+from autopar.ir.printer import print_program
+from autopar.models.small_families import FAMILIES, _lm
+from autopar.passes.capture import capture
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.experts import COMBINE, DISPATCH, routed_values
+from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions, shard
+from autopar.passes.transfers import insert_transfers
+from autopar.runtime.comm import all_to_all as a2a
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
+from tests._dist import run_distributed
+from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
+
+EP = MeshSpec((("ep", 2),))
+EP_TP = MeshSpec((("ep", 2), ("tp", 2)))
+PP_EP = MeshSpec((("pp", 2), ("ep", 2)))
+DP_EP = MeshSpec((("dp", 2), ("ep", 2)))
+MEMORY = ShardOptions(objective="memory")
+
+FAMILY = {
+    "mixtral": FAMILIES["mixtral"],
+    "qwen3_moe": _lm(
+        "Qwen3MoeConfig", "Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=32, router_aux_loss_coef=0.0, experts_implementation="batched_mm",
+    ),
+    "olmoe": _lm(
+        "OlmoeConfig", "OlmoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=4, num_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=32, router_aux_loss_coef=0.0, experts_implementation="batched_mm",
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    ),
+    "qwen2_moe": _lm(  # a shared expert beside the routed ones
+        "Qwen2MoeConfig", "Qwen2MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        router_aux_loss_coef=0.0, experts_implementation="batched_mm",
+    ),
+}  # fmt: skip
+
+
+def _model(family: str):
+    torch.manual_seed(0)
+    model, kwargs = FAMILY[family](torch.Generator().manual_seed(1))
+    model = float64_model(model)
+    return model, {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items()}
+
+
+def _expert_tables(prog) -> list:
+    return [v for v in prog.params if v.name.endswith(("gate_up_proj", "down_proj"))]
+
+
+def _sim(model, kwargs, mesh: MeshSpec) -> SimCompiled:
+    return SimCompiled.of(model, mesh, (), kwargs, options=MEMORY, float64=True)
+
+
+@pytest.mark.parametrize(
+    ("family", "mesh", "zero"),
+    [
+        ("mixtral", EP, 0), ("qwen3_moe", EP, 0), ("olmoe", EP, 0), ("qwen2_moe", EP, 0), ("mixtral", EP_TP, 0),
+        ("mixtral", DP_EP, 2),
+    ],  # fmt: skip
+)
+def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSpec, zero: int) -> None:
+    """Two SGD steps on simulated ranks equal two in one process (float64, every loss and parameter to
+    ``TOL``), the plan splitting every expert table over ``ep`` (each rank holds E/2 experts) and every rank's
+    program dispatching and combining; on dp=2 x ep=2 with ZeRO-2 over dp."""
+    model, kwargs = _model(family)
+    reference = copy.deepcopy(model)
+    options = replace(MEMORY, setup=TrainingSetup(optimizer="sgd", zero=zero)) if zero else MEMORY
+    sim = SimCompiled.of(model, mesh, (), kwargs, options=options, float64=True)
+    prog = sim.modules[0].program
+    ep = mesh.index("ep")
+    tables = _expert_tables(prog)
+    assert tables and all(t.type.placements[ep] == Shard(0) for t in tables), [str(t.type) for t in tables]
+    for module in sim.modules:  # each rank holds E/2 experts of every table
+        local = dict(module.named_parameters())
+        for t in tables:
+            assert local[t.name].shape[0] == t.type.shape[0] // 2, (t.name, local[t.name].shape)
+    layers = len(tables) // 2  # gate/up and down per MoE layer
+    for module in sim.modules:  # every rank's program: per layer the rows and their local experts dispatched
+        targets = [op.target for op in module.train_program.ops]
+        assert targets.count(COMBINE) >= layers and targets.count(DISPATCH) >= 2 * layers, targets
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
+
+
+class _Recorder:
+    """Stands in for ``torch.distributed`` in ``runtime/comm/all_to_all.py``: records every
+    ``all_to_all_single`` (global rank, bytes sent, bytes received, the split lists) and runs it."""
+
+    def __init__(self, real):
+        self.real, self.calls, self.lock = real, {}, threading.Lock()
+
+    def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None):
+        rank = group.rv.ranks[group.member]  # a simulated group: its member's global rank
+        with self.lock:
+            self.calls.setdefault(rank, []).append((input.nbytes, output.nbytes, input_split_sizes))
+        return self.real.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+
+
+def test_each_ranks_all_to_alls_are_the_programs(monkeypatch) -> None:
+    """One training step of Mixtral on ep=2: each rank runs one exchange of counts per routing (n integers),
+    one all-to-all per dispatch and combine of its program forward and one per float one backward, in the
+    same order on every rank; each moves the rows its op holds: every call's bytes sent over the ranks sum
+    to the op's global bytes (dispatched rows are a permutation of all rows), as do its bytes received, and
+    each rank's side of the call in its own order is the op's local bytes."""
+    model, kwargs = _model("mixtral")
+    sim = _sim(model, kwargs, EP)
+    prog = sim.modules[0].train_program
+    recorder = _Recorder(a2a.dist)
+    monkeypatch.setattr(a2a, "dist", recorder)
+    make_optimizer("sgd", sim)
+    sim.train_step(**kwargs)
+
+    ops = [op for op in prog.ops if op.target in (DISPATCH, COMBINE)]
+    routings = {(op.args[1].name, op.kwargs["axis"]) for op in ops}
+    forward = [op.types[0] for op in ops]
+    backward = [op.types[0] for op in reversed(ops) if op.types[0].is_float]
+    n = EP.size
+    assert set(recorder.calls) == set(range(n))
+    for rank, calls in recorder.calls.items():
+        counts = [c for c in calls if c[0] == n * 8 and c[1] == n * 8 and c[2] is None]
+        data = [c for c in calls if c not in counts]
+        assert len(counts) == len(routings), (rank, len(counts), routings)
+        assert len(data) == len(forward) + len(backward), (rank, len(data), len(forward), len(backward))
+    steps = [forward, backward]
+    data = {r: [c for c in calls if c[2] is not None] for r, calls in recorder.calls.items()}
+    k = 0
+    for phase, types in enumerate(steps):
+        for i, t in enumerate(types):
+            op = ops[i] if phase == 0 else [op for op in reversed(ops) if op.types[0].is_float][i]
+            sent = sum(data[r][k][0] for r in range(n))
+            received = sum(data[r][k][1] for r in range(n))
+            assert sent == received == t.nbytes, (op, sent, received, t.nbytes)
+            nominal_side = 0 if (op.target == DISPATCH) == (phase == 0) else 1  # the side in the rank's order
+            for r in range(n):
+                assert data[r][k][nominal_side] == t.local_nbytes(EP), (op, r, data[r][k], t.local_nbytes(EP))
+            k += 1
+
+
+def test_combining_rows_out_of_order_breaks_training(monkeypatch) -> None:
+    """The exactness check can fail: with the combine sending each row back but not putting it at its place
+    (the rows left sorted by expert rank), Mixtral on ep=2 no longer trains as one process."""
+
+    def unsorted_back(c, y, route, axis):
+        return a2a._send(c, y, axis, sum(route.send), route.send, route.recv)
+
+    monkeypatch.setattr(a2a, "_back", unsorted_back)
+    model, kwargs = _model("mixtral")
+    reference = copy.deepcopy(model)
+    sim = _sim(model, kwargs, EP)
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(losses[:, 0], ref) > 1e3 * TOL, (losses[:, 0], ref)
+    assert state_error(sim.full_state_dict(), reference)[0] > 1e3 * TOL
+
+
+GLOO_CLUSTER = "local-cpu"
+
+
+def _gloo_rank(rank: int, world: int) -> dict:
+    """One gloo rank: Mixtral compiled on ep=2 by ``autopar.compile``, two SGD steps; the losses, the local
+    experts' count and the whole state (rank 0)."""
+    import autopar
+
+    model, kwargs = _model("mixtral")
+    compiled = autopar.compile(
+        model, autopar.init_mesh("cpu", ep=world), kwargs=kwargs, objective="memory", cluster=GLOO_CLUSTER
+    )
+    losses = train(compiled, [kwargs, kwargs], "sgd")
+    local = dict(compiled.named_parameters())
+    experts = [local[t.name].shape[0] for t in _expert_tables(compiled.program)]
+    state = compiled.full_state_dict()
+    return {"losses": losses, "experts": torch.tensor(experts), "state": state if rank == 0 else {}}
+
+
+def test_gloo_dispatch_matches_the_simulator() -> None:
+    """The real collective: Mixtral on 2 gloo ranks (``all_to_all_single`` with uneven splits) trains as the
+    same plan on simulated ranks, every loss and parameter to ``TOL`` (both run the model's own float32
+    casts, so they are compared with each other, not with float64 semantics), each rank holding 2 of the 4
+    experts."""
+    results = run_distributed(_gloo_rank, 2)
+    model, kwargs = _model("mixtral")
+    options = ShardOptions(objective="memory", cluster=ClusterSpec.load(GLOO_CLUSTER))
+    sim = SimCompiled.of(model, EP, (), kwargs, options=options)
+    make_optimizer("sgd", sim)
+    sim_losses = torch.tensor([float(sim.train_step(**kwargs)[0]) for _ in range(2)], dtype=torch.float64)
+    for r in results:
+        assert r["experts"].tolist() and all(e == 2 for e in r["experts"].tolist()), r["experts"]
+        assert loss_error(r["losses"], sim_losses) < TOL, (r["losses"], sim_losses)
+    sim_state = sim.full_state_dict()
+    worst = max(
+        float((v - sim_state[k]).abs().max() / sim_state[k].abs().max().clamp_min(1e-30))
+        for k, v in results[0]["state"].items()
+        if v.is_floating_point()
+    )
+    assert set(results[0]["state"]) == set(sim_state) and worst < TOL, worst
+
+
+def test_check_compares_every_value_outside_the_dispatched_rows() -> None:
+    """``autopar check`` (``check_model``: one float64 step of every simulated rank, value by value) agrees on
+    Qwen3-MoE's ep=2 x tp=2 plan; the dispatched values (each rank holds a permutation of the rows) are
+    skipped, everything else, the combined expert outputs and the expert tables' gradients included, is
+    compared."""
+    model, kwargs = _model("qwen3_moe")
+    report = check_model(model, (), kwargs, EP_TP, options=MEMORY)
+    assert report.agrees and report.max_diff < TOL, report.summary()
+    routed = routed_values(report.program)
+    assert routed and report.compared > 200
+    assert any(op.target == COMBINE for op in report.program.ops)
+
+
+def test_the_ilp_prices_what_the_program_emits_and_it_round_trips() -> None:
+    """The plan's predicted communication equals its program's collectives priced one by one (the expert
+    gathers' all-to-alls on the gathers, ``solver/sharding/experts.py``), and the program with its
+    dispatches and combines prints and parses back to itself."""
+    model, kwargs = FAMILY["mixtral"](torch.Generator().manual_seed(1))
+    lowered = lower(capture(model, (), kwargs), EP)
+    sharding = shard(lowered, MEMORY)
+    program = insert_collectives(sharding.program)
+    assert any(op.target == DISPATCH for op in program.ops)
+    cost = CostModel(EP, MEMORY.setup, MEMORY.cluster).program_comm(program)
+    assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx(cost, rel=1e-9)
+    assert sharding.comm_bytes > 0
+    assert parse(print_program(program)) == program
+
+
+@pytest.mark.parametrize("cut", ["between layers", "inside the dispatched rows"])
+def test_pipeline_stages_hold_whole_dispatch_regions(cut: str) -> None:
+    """pp=2 x ep=2: each stage's experts on its own pipeline rank group, cut between Qwen3-MoE's layers, trains
+    exactly (two 1F1B steps of two microbatches); a stage boundary inside a dispatch's rows is refused by
+    ``insert-transfers`` with a ``PipelineError`` instead of sending a data-dependent number of rows."""
+    model, kwargs = _model("qwen3_moe")
+    if cut == "inside the dispatched rows":
+        program = insert_collectives(shard(lower(capture(model, (), kwargs), EP), MEMORY).program)
+        first = next(i for i, op in enumerate(program.ops) if op.target == "aten.bmm")
+        ops = tuple(op.with_(attrs={**op.attrs, "stage": int(i >= first)}) for i, op in enumerate(program.ops))
+        with pytest.raises(PipelineError, match="stage boundary falls inside"):
+            insert_transfers(program.with_(ops=ops, attrs={**program.attrs, "pipeline_stages": 2}))
+        return
+    reference = copy.deepcopy(model)
+    sim = SimCompiled.of(model, PP_EP, (), kwargs, options=MEMORY, float64=True, microbatches=2, schedule="1f1b")
+    prog = sim.modules[0].train_program
+    stages = {op.attrs["stage"] for op in prog.ops if op.target in (DISPATCH, COMBINE)}
+    assert stages == {0, 1}, stages  # both stages dispatch their own layer's tokens
+    assert all(t.type.placements[0] == Shard(0) for t in _expert_tables(prog))
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
