@@ -3,28 +3,34 @@
 A small LLaMA (one layer, hidden 32, a sequence of 64, a batch of one row, so the only token dim a
 tensor-parallel rank can split is the sequence) is planned on tp=2 with Megatron's weight layout fixed
 (``megatron_options``: column/row-parallel projections, vocabulary-parallel embedding and head; every
-activation placed by the ILP, objective ``time``):
+activation placed by the ILP, objective ``time``, priced on the default ``local-cpu`` spec):
 
 - without a budget the plan is plain Megatron: the row-parallel outputs are all-reduced and the RMS
-  norms and residual adds run replicated on both ranks;
-- with a budget of 87% of that plan's predicted memory per device, the row-parallel outputs are
-  reduce-scattered onto a sequence shard (``S(1)`` of ``[batch, seq, hidden]``), every RMS norm and
-  residual add runs on its half of the sequence, and the sequence is all-gathered before the next
-  column-parallel projection: no activation is all-reduced any more (the one all-reduce left is the
-  scalar loss's).
+  norms run replicated on both ranks;
+- with a budget of 87% of that plan's predicted memory per device, the row-parallel outputs (and the
+  vocabulary-parallel embedding's) are reduce-scattered onto a sequence shard (``S(1)`` of
+  ``[batch, seq, hidden]``), every RMS norm runs on its half of the sequence, and the sequence is
+  all-gathered before the next column-parallel projection: no activation is all-reduced any more (the
+  one all-reduce left is the scalar loss's).
+
+In both plans the residual adds sum the row-parallel partial sums before the one collective of their region
+(``Partial`` placements), not on a sequence shard as in Megatron; an add saves nothing for its backward, so
+where it runs costs no activation memory. The planned program has no dropout (LLaMA's is off).
 
 Then the sequence-parallel plan trains two AdamW steps in float64 on simulated ranks
 (``autopar/check/simtrain.py``) against the model in one process, every loss and state-dict entry to
-``TOL``.
+``TOL``. Reducing one of its reduce-scatters by ``avg`` in place of ``sum`` fails the loss check (tried by hand).
 
 Why it does not pay without a budget: autopar's sequence-parallel regions communicate more than
 Megatron's. The all-gather before a column-parallel projection keeps the local shard in its backward,
 and the gradient of the gathered (replicated) input is all-reduced by a separate ``grad_all_reduce``
 (Megatron's f), where Megatron's sequence parallelism reduce-scatters it (half the bytes); so each region
 costs a reduce-scatter, an all-gather and an all-reduce's backward where Megatron's costs two
-all-gather/reduce-scatter pairs, and the ILP only takes it when the memory it saves is needed.
+all-gather/reduce-scatter pairs, and at this size the ILP only takes it when the memory it saves is needed.
+(A larger model priced on ``local-cpu``, hidden 256 and a sequence of 512, takes it without a budget too: the
+step time it saves there outweighs the bytes; BENCHMARKS.md, "Sequence parallelism".)
 
-Cost: three plans (about 10 s each on a loaded 2-core machine) and two simulated steps.
+Cost: about 30 s on a loaded 2-core machine (two plans and two simulated steps).
 """
 
 from __future__ import annotations
@@ -113,8 +119,7 @@ def test_sequence_parallel_when_activation_memory_binds_and_exact():
     assert [op.kwargs["dim"] for op in gathers] == [1, 1, 1], [op.kwargs for op in gathers]
     rows = [op for op in sp.sharded.ops if op.target == "aten.linear" and op.types[0].placements == (Partial(),)]
     assert len(rows) == 2  # the row-parallel projections: Megatron's tensor parallelism is still there
-    # the residual adds sum the row-parallel partial sums before the reduce-scatter, in both plans (one
-    # collective per region either way; an add saves nothing for its backward, so where it runs costs no memory)
+    # the residual adds sum the row-parallel partial sums before the region's collective, in both plans
     assert residual_adds(sp.sharded) == residual_adds(free.sharded) == [Partial()] * 2
     assert sp.shard_result.comm_bytes > free.shard_result.comm_bytes  # why the unbudgeted plan does not take it
 
