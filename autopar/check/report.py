@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.ir.core import MeshSpec, Op, Program, Replicate, Value, target_name
+from autopar.check.rules import UNDEFINED_VALUES
+from autopar.ir.core import COLLECTIVES, VIEW_OPS, MeshSpec, Op, Program, Replicate, Value, target_name
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured
 from autopar.passes.lower import _module_path
@@ -107,7 +108,10 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
     grad_bad: list[tuple[int, str, float]] = []
     order = {r: i for i, op in enumerate(prog.ops) for r in op.results}
     partial = _partial_grads(prog)
+    undefined = _undefined_values(prog)
     for op in prog.ops:
+        if op.result in undefined:
+            continue
         for r, t in zip(op.results, op.types):
             if r not in ref or not isinstance(ref[r], torch.Tensor) or any(r not in rec.values for rec, _ in ranks):
                 continue
@@ -152,6 +156,19 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
         finding = Finding("gradient", r, err, op, line, sources.get(r, ""), cons, ins)
         return CheckReport(mesh, loss, loss_ref, err, compared, finding)
     return CheckReport(mesh, loss, loss_ref, worst, compared, None)
+
+
+def _undefined_values(prog: Program) -> set[str]:
+    """Values of uninitialised memory, whose contents no two runs need share: ``empty_like``'s results and what
+    collectives and views make of them (transformers' MoE kernels fill an ``empty_like`` by an ``index_put``,
+    whose result is compared)."""
+    out: set[str] = set()
+    for op in prog.ops:
+        if op.target in UNDEFINED_VALUES or (
+            (op.target in COLLECTIVES or op.target in VIEW_OPS) and any(r.name in out for r in op.input_refs())
+        ):
+            out.update(op.results)
+    return out
 
 
 def _received(producer: object) -> str:
