@@ -319,6 +319,8 @@ def op_flops(op: Op, types: dict[str, TensorType]) -> int:
         return 2 * out.numel * k
     if t == "aten.linear":
         return 2 * out.numel * ins[1].shape[-1]
+    if t in ("aten._grouped_mm", "transformers.grouped_mm_fallback") and len(ins[0].shape) == 2 == len(out.shape):
+        return 2 * out.numel * ins[0].shape[-1]  # each row by its own expert's [K, N] matrix
     if t == "aten.scaled_dot_product_attention":
         q, k = ins[0], ins[1]
         return 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]

@@ -182,7 +182,8 @@ def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:
     """For each value, the axes on which each rank's gradient of it is a partial sum: a replicated
     value read by an op that computes different things on different ranks there, or by an op that
     does not (all its inputs replicated there) whose result's gradient is partial, except through
-    Megatron's f on that axis (grad_all_reduce, whose backward sums it)."""
+    Megatron's f on that axis (grad_all_reduce, whose backward sums it). Integer values have no gradient: a
+    grouped matmul's offsets, split over no axis, say nothing of the router's top-k that they come from."""
     types = prog.types()
     out: dict[str, set[int]] = {name: set() for name in types}
     for op in reversed(prog.ops):
@@ -193,7 +194,7 @@ def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:
                 continue
             if divergent or any(a in out[r] for r in op.results):
                 for r in ins:
-                    if isinstance(types[r.name].placements[a], Replicate):
+                    if isinstance(types[r.name].placements[a], Replicate) and types[r.name].is_float:
                         out[r.name].add(a)
     return {k: frozenset(v) for k, v in out.items()}
 

@@ -1,4 +1,4 @@
-"""Sharding rules of contractions: mm, bmm, matmul, linear, convolution and embedding lookups.
+"""Sharding rules of contractions: mm, bmm, matmul, linear, grouped matmul, convolution and embedding lookups.
 
 Each offers the batch split, the split of either operand's free dim (column/row parallel) and the
 split of the contracted dim into a partial sum.
@@ -76,6 +76,28 @@ def _linear(c: Ctx) -> list[OneD]:
     return res
 
 
+def _grouped_mm(c: Ctx) -> list[OneD]:
+    """A grouped matmul of rows by expert, ``x[S, K]`` and ``w[E, K, N]`` with ``offs[E]`` the groups' cumulative
+    row ends (rows sorted by expert): transformers' default MoE kernel, captured as ``torch._grouped_mm`` (half
+    types) or as transformers' ``grouped_mm_fallback`` custom op (float32, float64). Each expert's matmul splits
+    like a linear's: its output columns (w and the result by N, Megatron's column parallel), or the contracted
+    dim into a partial sum (row parallel); a partial x gives a partial result. ``offs`` index whole rows, so
+    the rows themselves are not split, nor the experts (that is expert parallelism: tokens move to the
+    experts' ranks). Other forms of ``torch._grouped_mm`` (3-D x, 2-D w, a bias) replicate."""
+    res: list[OneD] = [replicated(c)]
+    if len(c.ins) != 3 or len(c.ins[0].shape) != 2 or len(c.ins[1].shape) != 3 or len(c.ins[2].shape) != 1:
+        return res
+    if c.op.target == "aten._grouped_mm" and (len(c.op.args) > 2 or set(c.op.kwargs) - {"offs", "out_dtype"}):
+        return res
+    k, nn = c.ins[1].shape[1], c.ins[1].shape[2]
+    for ck in shards(nn, c.n, c.chunk_counts):
+        res.append(((R, Shard(2, ck), R), (Shard(1, ck),)))
+    if k % c.n == 0:
+        res.append(((Shard(1), Shard(1), R), (Partial("sum"),)))
+    res.append(((Partial("sum"), R, R), (Partial("sum"),)))
+    return res
+
+
 def _conv(c: Ctx) -> list[OneD]:
     """conv2d/convolution(x[N,C,H,W], w[O,C/g,kh,kw], bias?): batch-split, output channels split
     (bias split with them), or input channels split into a partial sum (groups == 1, no bias)."""
@@ -120,6 +142,8 @@ RULES: dict[str, Rule] = {
     "aten.bmm": _bmm,
     "aten.matmul": _matmul,
     "aten.linear": _linear,
+    "aten._grouped_mm": _grouped_mm,
+    "transformers.grouped_mm_fallback": _grouped_mm,
     "aten.embedding": _embedding,
     "aten.conv2d": _conv,
     "aten.convolution": _conv,
