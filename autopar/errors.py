@@ -141,3 +141,8 @@ class ConfigError(AutoparError):
 
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""
+
+
+class UnsupportedOpError(CaptureError):
+    """An op of the model that the ranks' generated code could not call: its name resolves to no registered torch
+    op (e.g. a custom op whose library is not imported, or a name that lost its namespace)."""

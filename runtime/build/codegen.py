@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.errors import PlanError
+from autopar.errors import PlanError, UnsupportedOpError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.passes.dropout import is_keyed
 from autopar.passes.manager import register_pass
@@ -175,7 +175,7 @@ def codegen(
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
-            node = graph.call_function(resolve_target(op.target), args, kwargs)
+            node = graph.call_function(_callable(op), args, kwargs)
         if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target != "aten.unbind.int":
             env[op.result] = node
             node.meta["autopar_value"] = op.result  # the IR value it computes (autopar check records it)
@@ -192,6 +192,18 @@ def codegen(
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+def _callable(op: Op):
+    """The torch op ``op.target`` names; an UnsupportedOpError naming it where none is registered (a plan's
+    program read from a file whose custom op's library this process has not imported)."""
+    try:
+        return resolve_target(op.target)
+    except KeyError as e:
+        raise UnsupportedOpError(
+            f"%{op.result} = {op.target} ({op.path or 'no module path'}): {e.args[0]}; import the library that "
+            "registers it on every rank before building the model"
+        ) from None
 
 
 def _returned_scalar_sums(prog: Program, types, users) -> set[str]:
