@@ -1,4 +1,5 @@
-"""Sharding rules of contractions: mm, bmm, matmul, linear, grouped matmul, convolution and embedding lookups.
+"""Sharding rules of contractions: mm, bmm, matmul, linear, grouped matmul, convolution, embedding lookups and
+gathers of rows.
 
 Each offers the batch split, the split of either operand's free dim (column/row parallel) and the
 split of the contracted dim into a partial sum.
@@ -6,7 +7,7 @@ split of the contracted dim into a partial sum.
 
 from __future__ import annotations
 
-from autopar.ir.core import Partial, R, Shard
+from autopar.ir.core import Partial, R, Ref, Shard
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
 
 
@@ -98,6 +99,27 @@ def _grouped_mm(c: Ctx) -> list[OneD]:
     return res
 
 
+def _index_rows(c: Ctx) -> list[OneD]:
+    """``src[idx]`` (``aten.index.Tensor`` with one index tensor, on src's first dim): a gather of rows, as
+    transformers' batched_mm experts kernel gathers each token's expert weights. The index split (the result
+    by the index's dims), src split on any other dim (the result on the dim it becomes), or a partial src (a
+    gather is linear in it). Other indexings replicate."""
+    indices = c.op.args[1] if len(c.op.args) == 2 else None
+    if not isinstance(indices, (list, tuple)) or len(indices) != 1 or not isinstance(indices[0], Ref):
+        return [replicated(c)]
+    src, idx = c.ins[0].shape, c.ins[1].shape
+    res: list[OneD] = [replicated(c)]
+    for d, size in enumerate(idx):
+        if size % c.n == 0:
+            res.append(((R, Shard(d)), (Shard(d),)))
+    for d in range(1, len(src)):
+        for ck in shards(src[d], c.n, c.chunk_counts):
+            res.append(((Shard(d, ck), R), (Shard(len(idx) + d - 1, ck),)))
+    if c.ins[0].is_float:
+        res.append(((Partial("sum"), R), (Partial("sum"),)))
+    return res
+
+
 def _conv(c: Ctx) -> list[OneD]:
     """conv2d/convolution(x[N,C,H,W], w[O,C/g,kh,kw], bias?): batch-split, output channels split
     (bias split with them), or input channels split into a partial sum (groups == 1, no bias)."""
@@ -143,6 +165,7 @@ RULES: dict[str, Rule] = {
     "aten.matmul": _matmul,
     "aten.linear": _linear,
     "aten._grouped_mm": _grouped_mm,
+    "aten.index.Tensor": _index_rows,
     "transformers.grouped_mm_fallback": _grouped_mm,
     "aten.embedding": _embedding,
     "aten.conv2d": _conv,
