@@ -7,7 +7,7 @@ split of the contracted dim into a partial sum.
 
 from __future__ import annotations
 
-from autopar.ir.core import Partial, R, Ref, Shard
+from autopar.ir.core import Partial, R, Ref, Shard, bound_args
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
 
 
@@ -88,7 +88,7 @@ def _grouped_mm(c: Ctx) -> list[OneD]:
     res: list[OneD] = [replicated(c)]
     if len(c.ins) != 3 or len(c.ins[0].shape) != 2 or len(c.ins[1].shape) != 3 or len(c.ins[2].shape) != 1:
         return res
-    if c.op.target == "aten._grouped_mm" and (len(c.op.args) > 2 or set(c.op.kwargs) - {"offs", "out_dtype"}):
+    if c.op.target == "aten._grouped_mm" and (bound_args(c.op) or {}).get("bias") is not None:
         return res
     k, nn = c.ins[1].shape[1], c.ins[1].shape[2]
     for ck in shards(nn, c.n, c.chunk_counts):
