@@ -229,7 +229,8 @@ def _check_emittable(target: str, node: torch.fx.Node) -> None:
         found = e
     if found is not node.target:
         raise UnsupportedOpError(
-            f"{node.target} at {_module_path(node) or node.name} is named {target!r} in autopar's IR, and that name "
+            f"the op {node.target._schema.name} at {_module_path(node) or node.name} is named {target!r} in autopar's "
+            "IR, and that name "
             f"gives {'no op' if isinstance(found, KeyError) else found}, so no rank could call it. Import the library "
             "that registers the op before compiling (a custom op must be registered with torch.library on every "
             "rank), or replace it in the model's forward with ATen ops"
