@@ -93,6 +93,14 @@ _MOE_CONFIGS: dict[str, tuple[str, str, dict]] = {
                                                                  norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(**_DEC, num_key_value_heads=4, num_experts=4,
                                                        max_position_embeddings=32, **_NO_SPECIAL)),
+    # MLA attention, a shared expert, grouped top-k routing (top-2 of the experts of the best group)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(**_DEC, num_key_value_heads=4, n_routed_experts=4,
+                                                                       n_shared_experts=1, moe_intermediate_size=32,
+                                                                       n_group=2, topk_group=1, first_k_dense_replace=0,
+                                                                       q_lora_rank=16, kv_lora_rank=16,
+                                                                       qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                                       v_head_dim=8, max_position_embeddings=32,
+                                                                       **_NO_SPECIAL)),
 }  # fmt: skip
 
 
