@@ -20,7 +20,7 @@ Every plan is priced on a cluster whose computation is slow (``SLOW``), where sp
 that the grouped kernel's plans shard expert weights and split grouped matmuls over tp, so the sharding rules
 of the grouped matmul (``solver/sharding/rules/contractions.py``) are what is checked, and that batched_mm's
 split attention weights there.
-Cost: about 40-70 s on a loaded 2-core machine (13 plans of 2-5 s, one process).
+Cost: about 130 s wall on this 2-core machine shared by five sessions, 13 plans (about a minute of CPU).
 """
 
 from __future__ import annotations
