@@ -29,6 +29,7 @@ from autopar.runtime.build import rng as keyed
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
+from autopar.runtime.comm.context import current_comm
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -172,6 +173,10 @@ def codegen(
                 vocab_parallel_cross_entropy,
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
             )
+        elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
+            node = graph.call_function(
+                grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)
+            )
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
@@ -192,6 +197,29 @@ def codegen(
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+# grouped matmuls: x[S, K] rows grouped by expert, w[E, K, N], offs[E] the groups' cumulative row ends
+GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
+
+
+def _row_axes(x, prog: Program) -> list[str]:
+    """Mesh axes over which a grouped matmul's ``x`` is split by rows in contiguous blocks (outer first)."""
+    return [name for p, name in zip(x.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 0]
+
+
+def grouped_rows(fn, axes: list[str], x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, **kwargs):
+    """``fn(x, w, offs)`` on this rank's block of rows (its block over ``axes``, outer axis first, as
+    vocab-parallel lookups find theirs): the whole offsets shifted to the block and clipped to it, so a group
+    before the block or after it is empty here."""
+    if offs is None:
+        offs = kwargs.pop("offs")
+    c = current_comm()
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    local = (offs.to(torch.int64) - block * x.shape[0]).clamp(0, x.shape[0]).to(offs.dtype)
+    return fn(x, w, local, **kwargs)
 
 
 def _callable(op: Op):
@@ -380,4 +408,6 @@ def _owner(root: torch.nn.Module, qualname: str) -> tuple[torch.nn.Module, str]:
     return mod, attr
 
 
-__all__ = ["CodegenOptions", "codegen", "codegen_pass", "local_args", "shard_param", "Ref"]
+__all__ = [
+    "GROUPED_MM", "CodegenOptions", "Ref", "codegen", "codegen_pass", "grouped_rows", "local_args", "shard_param",
+]  # fmt: skip

@@ -82,15 +82,18 @@ def _grouped_mm(c: Ctx) -> list[OneD]:
     row ends (rows sorted by expert): transformers' default MoE kernel, captured as ``torch._grouped_mm`` (half
     types) or as transformers' ``grouped_mm_fallback`` custom op (float32, float64). Each expert's matmul splits
     like a linear's: its output columns (w and the result by N, Megatron's column parallel), or the contracted
-    dim into a partial sum (row parallel); a partial x gives a partial result. ``offs`` index whole rows, so
-    the rows themselves are not split, nor the experts (that is expert parallelism: tokens move to the
-    experts' ranks). Other forms of ``torch._grouped_mm`` (3-D x, 2-D w, a bias) replicate."""
+    dim into a partial sum (row parallel); a partial x gives a partial result. The rows split in contiguous
+    blocks too: ``offs`` stay whole (they index the global rows) and each rank's module shifts them to its
+    block (``runtime/build/codegen.py``). The experts are not split (that is expert parallelism: tokens move
+    to the experts' ranks). Other forms of ``torch._grouped_mm`` (3-D x, 2-D w, a bias) replicate."""
     res: list[OneD] = [replicated(c)]
     if len(c.ins) != 3 or len(c.ins[0].shape) != 2 or len(c.ins[1].shape) != 3 or len(c.ins[2].shape) != 1:
         return res
     if c.op.target == "aten._grouped_mm" and (bound_args(c.op) or {}).get("bias") is not None:
         return res
-    k, nn = c.ins[1].shape[1], c.ins[1].shape[2]
+    rows, k, nn = c.ins[0].shape[0], c.ins[1].shape[1], c.ins[1].shape[2]
+    if rows % c.n == 0:  # each rank its block of rows, its offsets shifted to them by codegen (grouped_rows)
+        res.append(((Shard(0), R, R), (Shard(0),)))
     for ck in shards(nn, c.n, c.chunk_counts):
         res.append(((R, Shard(2, ck), R), (Shard(1, ck),)))
     if k % c.n == 0:
