@@ -146,3 +146,8 @@ class PrecisionError(AutoparError):
 class BatchCouplingError(BatchError):
     """A model whose loss couples its batch (contrastive logits over the batch, batch-level statistics, batch
     norm) run as several microbatches, which would train another model (``passes/batch_coupling.py``)."""
+
+
+class UnsupportedOpError(CaptureError):
+    """An op of the model that the ranks' generated code could not call: its name resolves to no registered torch
+    op (e.g. a custom op whose library is not imported, or a name that lost its namespace)."""

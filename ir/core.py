@@ -386,12 +386,18 @@ class Program:
 
 
 def resolve_target(target: str):
-    """'aten.view' -> torch.ops.aten.view.default, 'aten.add.Tensor' -> torch.ops.aten.add.Tensor."""
+    """'aten.view' -> torch.ops.aten.view.default, 'aten.add.Tensor' -> torch.ops.aten.add.Tensor; an op of
+    another namespace keeps it: 'transformers.grouped_mm_fallback' -> torch.ops.transformers.grouped_mm_fallback
+    .default (a custom op, registered by the library that defines it, which must be imported). KeyError for a
+    target no registered op has."""
     parts = target.split(".")
-    if parts[0] != "aten" or len(parts) not in (2, 3):
-        raise KeyError(f"{target!r} is not an aten op")
-    packet = getattr(torch.ops.aten, parts[1])
-    return getattr(packet, parts[2] if len(parts) == 3 else "default")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise KeyError(f"{target!r} is not an op name (namespace.op[.overload])")
+    try:
+        packet = getattr(getattr(torch.ops, parts[0]), parts[1])
+        return getattr(packet, parts[2] if len(parts) == 3 else "default")
+    except (AttributeError, RuntimeError) as e:
+        raise KeyError(f"no op {target!r} is registered with torch ({e})") from None
 
 
 def bound_args(op: Op) -> dict[str, Any] | None:
@@ -405,7 +411,7 @@ def bound_args(op: Op) -> dict[str, Any] | None:
 
 
 def target_name(op_overload) -> str:
-    """Inverse of resolve_target."""
-    packet = op_overload._schema.name.split("::")[1]
+    """Inverse of resolve_target: the op's namespace, name and overload ('default' left out)."""
+    namespace, packet = op_overload._schema.name.split("::")
     overload = op_overload._overloadname
-    return f"aten.{packet}" if overload == "default" else f"aten.{packet}.{overload}"
+    return f"{namespace}.{packet}" if overload == "default" else f"{namespace}.{packet}.{overload}"

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 import traceback
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +46,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         kwargs = torch.utils._pytree.tree_map(_to_meta, kwargs)
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _static_experts(model):
             # torch's RNN modules re-assign their weight list in forward: export warns, and nothing is wrong
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)
@@ -59,6 +61,29 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
     spec = ep.module_call_graph[0].signature
     names = [s.arg.name for s in ep.graph_signature.input_specs if s.kind.name == "USER_INPUT"]
     return Captured(ep, spec.in_spec, spec.out_spec, seconds, names)
+
+
+@contextlib.contextmanager
+def _static_experts(model: torch.nn.Module) -> Iterator[None]:
+    """Hugging Face MoE experts set to transformers' eager loop over experts (``experts_implementation="eager"``)
+    traced through its ``grouped_mm`` kernel instead. The loop's shapes depend on the routing (``nonzero``, a
+    Python loop over the experts hit, a gather of each one's tokens), which torch.export cannot capture; the
+    grouped kernel computes the same sum of each token's experts, weighted by the router, with static shapes.
+    Found by duck typing: a module with transformers' experts attributes (``use_experts_implementation``)."""
+    configs = {
+        id(m.config): m.config
+        for m in model.modules()
+        if hasattr(m, "_is_expert_parallel") and hasattr(m, "has_gate") and hasattr(m, "config")
+    }
+    eager = {k: c for k, c in configs.items() if getattr(c, "_experts_implementation", None) in ("eager", None)}
+    was = {k: c._experts_implementation for k, c in eager.items()}
+    for c in eager.values():
+        c._experts_implementation = "grouped_mm"
+    try:
+        yield
+    finally:
+        for k, c in eager.items():
+            c._experts_implementation = was[k]
 
 
 # Exceptions that mean torch.export itself cannot trace the code (as opposed to the model raising

@@ -252,7 +252,7 @@ def _resume(sharded: Program, mesh: MeshSpec, pp: int, opts: FlowOptions) -> tup
 def _planned_stages(prog: Program) -> int | None:
     """The number of stages a program was already cut into (``stage=`` on its computing ops), if any."""
     staged = [op.attrs["stage"] for op in prog.ops if "stage" in op.attrs]
-    computing = [op for op in prog.ops if op.target.startswith("aten.")]
+    computing = [op for op in prog.ops if "." in op.target]  # torch ops of any namespace, not collectives
     if not staged or any("stage" not in op.attrs for op in computing):
         return None
     return int(prog.attrs.get("pipeline_stages", max(staged) + 1))

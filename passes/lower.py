@@ -10,7 +10,7 @@ import torch
 from torch.export.graph_signature import ConstantArgument, InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, UnsupportedOpError
 from autopar.ir.core import (
     DEVICE,
     DTYPE_SHORT,
@@ -186,6 +186,7 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         target = target_name(node.target)
         if target in _DROPPED:
             continue
+        _check_emittable(target, node)
         if _draws_random(node) and target not in _KEYED_RANDOM:
             raise CaptureError(
                 f"{target} at {_module_path(node) or node.name} draws random numbers from torch's generator, "
@@ -217,6 +218,23 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         results = emit(target, args, kwargs, vals, node)
         names[node.name] = tuple(Ref(r) for r in results) if isinstance(val, (list, tuple)) else Ref(results[0])
     return None
+
+
+def _check_emittable(target: str, node: torch.fx.Node) -> None:
+    """Refuse, here rather than on the ranks, an op the generated code could not call: each rank's module calls
+    ``resolve_target(target)`` (``runtime/build/codegen.py``), which must give back the op torch.export traced."""
+    try:
+        found = resolve_target(target)
+    except KeyError as e:
+        found = e
+    if found is not node.target:
+        raise UnsupportedOpError(
+            f"the op {node.target._schema.name} at {_module_path(node) or node.name} is named {target!r} in autopar's "
+            "IR, and that name "
+            f"gives {'no op' if isinstance(found, KeyError) else found}, so no rank could call it. Import the library "
+            "that registers the op before compiling (a custom op must be registered with torch.library on every "
+            "rank), or replace it in the model's forward with ATen ops"
+        )
 
 
 _CROSS_ENTROPY_ARGS = ("self", "target", "weight", "reduction", "ignore_index", "label_smoothing")
@@ -319,6 +337,8 @@ def op_flops(op: Op, types: dict[str, TensorType]) -> int:
         return 2 * out.numel * k
     if t == "aten.linear":
         return 2 * out.numel * ins[1].shape[-1]
+    if t in ("aten._grouped_mm", "transformers.grouped_mm_fallback") and len(ins[0].shape) == 2 == len(out.shape):
+        return 2 * out.numel * ins[0].shape[-1]  # each row by its own expert's [K, N] matrix
     if t == "aten.scaled_dot_product_attention":
         q, k = ins[0], ins[1]
         return 4 * math.prod(q.shape[:-1]) * k.shape[-2] * q.shape[-1]

@@ -87,3 +87,73 @@ def test_bad_mesh_text_and_unknown_preset():
         build("gtp2")
     with pytest.raises(PresetError):
         build("tiny-gpt2:n_layr=2")
+
+
+# A custom op outside ATen (as transformers' grouped_mm_fallback is): twice its input, with its own backward.
+@torch.library.custom_op("autopar_test::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+_twice.register_fake(lambda x: torch.empty_like(x))
+_twice.register_autograd(lambda ctx, g: g * 2)
+
+
+class CustomOpModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.ops.autopar_test.twice(self.fc(x)).tanh().sum()
+
+
+def test_a_custom_op_keeps_its_namespace_and_trains_exactly():
+    """Issue 31: an op of another namespace was lowered as ``aten.<name>`` (transformers' default MoE kernel as
+    ``aten.grouped_mm_fallback``), an AttributeError on every rank; its IR name is its own now, and a model calling
+    it trains on dp=2 simulated ranks exactly as in one process (float64)."""
+    from autopar.check.simtrain import SimCompiled
+    from autopar.ir.core import MeshSpec
+
+    torch.manual_seed(0)
+    model = CustomOpModel().double()
+    x = torch.randn(4, 8, dtype=torch.float64)
+    prog = lower(capture(model, (x,)))
+    assert "autopar_test.twice" in {op.target for op in prog.ops}
+    sim = SimCompiled.of(model, MeshSpec((("dp", 2),)), (x,))
+    losses = sim(x)
+    model(x).backward()
+    for loss in losses:
+        loss.backward()
+    grads = sim.full_state_dict(grads=True)
+    assert all(torch.allclose(loss, model(x), rtol=1e-12, atol=0) for loss in losses)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=0)
+
+
+def test_an_op_whose_ir_name_resolves_to_no_op_is_refused_at_lowering(monkeypatch):
+    """The general check behind the one above: lowering refuses an op whose IR name does not give back the op
+    torch.export traced (here the namespace is dropped again, as it was), naming it, before any rank runs."""
+    from autopar.errors import UnsupportedOpError
+    from autopar.passes import lower as lowering
+
+    def without_namespace(op):  # autopar's target_name before issue 31
+        return "aten." + op._schema.name.split("::")[1]
+
+    monkeypatch.setattr(lowering, "target_name", without_namespace)
+    with pytest.raises(UnsupportedOpError, match="autopar_test::twice.*'aten.twice'"):
+        lower(capture(CustomOpModel(), (torch.randn(4, 8),)))
+
+
+def test_codegen_refuses_a_program_naming_no_op():
+    """A program read from a plan file naming an op this process has no library for: a named error, not an
+    AttributeError in the middle of building a rank's module."""
+    from autopar.errors import UnsupportedOpError
+    from autopar.runtime.build.codegen import codegen
+
+    model = CustomOpModel()
+    prog = lower(capture(model, (torch.randn(4, 8),)))
+    ops = tuple(op.with_(target="nosuchlib.twice") if op.target == "autopar_test.twice" else op for op in prog.ops)
+    state = dict(model.state_dict())
+    with pytest.raises(UnsupportedOpError, match="nosuchlib.twice"):
+        codegen(prog.with_(ops=ops), {}, state.__getitem__)

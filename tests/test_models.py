@@ -18,6 +18,7 @@ REQUIRED = [
     "mmr-bert-large", "mmr-1.7b", "mmr-3.6b", "mmr-7.5b",
     "merak-gpt-1.4b", "merak-gpt-2.5b", "merak-gpt-8.3b", "merak-gpt-20b",
     "tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-mlp",
+    "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3",
 ]  # fmt: skip
 TINY = ["tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-encoder", "tiny-mlp"]
 
@@ -71,6 +72,10 @@ def test_described_count_equals_built_count(name: str, presets: dict[str, str]) 
         ("mmr-bert-large", 12 * 1024**2 + 13 * 1024),  # one encoder layer: 12h^2 + 13h
         ("merak-gpt-2.5b", 2_488_598_400),
         ("merak-gpt-8.3b", 8_314_143_744),
+        # the mixtures of experts at their published sizes: 141B, 235B, 671B
+        ("mixtral-8x22b", 140_620_634_112),
+        ("qwen3-235b-a22b", 235_093_634_560),
+        ("deepseek-v3", 671_026_404_352),
     ],
 )
 def test_known_parameter_counts(name: str, count: int, presets: dict[str, str]) -> None:

@@ -10,11 +10,15 @@ broken on purpose. Cost: about 20-40 s for the file on a loaded 2-core machine.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+import transformers.integrations.moe  # noqa: F401 (registers transformers::grouped_mm_fallback)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from autopar.check.float64 import Float64Mode
 from autopar.check.rules import check_strategy, one_op_program, strategies_of
 from autopar.ir.core import MeshSpec, Partial, Shard
 from autopar.solver.sharding.rules.elementwise import POINTWISE
@@ -211,6 +215,8 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
         if draw(st.booleans()):  # ignored rows (see test_mean_loss_with_ignored_rows)
             target_[torch.rand(n) < 0.4] = -100
         return (_f([n, c], -2.0, 2.0), target_, None, reduction, -100, 0.0), {}
+    if target in ("aten._grouped_mm", "transformers.grouped_mm_fallback"):
+        return _grouped_mm_case(target, draw)
     if target == "aten.index.Tensor":  # rows of a table (experts: rank 3) by one index tensor
         table = _f([draw(SIZES), *_shape(draw, 1, 2)])
         return (table, [torch.randint(0, table.shape[0], _shape(draw, 1, 2))]), {}
@@ -224,6 +230,15 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
         pads = [draw(st.integers(0, 2)) for _ in range(2 * draw(st.integers(1, rank)))]
         return ((x, pads, "constant", 0.5) if target == "aten.pad" else (x, pads, 0.5)), {}
     raise AssertionError(f"no test case for {target}: add one to tests/test_rules.py")
+
+
+def _grouped_mm_case(target: str, draw) -> tuple[tuple, dict]:
+    """x[S, K] by w[E, K, N] with rows grouped by expert: cumulative ends, some experts given no row, and rows
+    past the last end (zero in the result)."""
+    s, k, n, e = draw(SIZES), draw(SIZES), draw(SIZES), draw(st.integers(1, 4))
+    ends = sorted(draw(st.integers(0, s)) for _ in range(e))
+    offs = torch.tensor(ends, dtype=torch.int32)
+    return (_f([s, k]), _f([e, k, n]), offs), {}
 
 
 def _regroup(draw, s: list[int]) -> list[int]:
@@ -255,12 +270,18 @@ def _conv_case(target: str, draw) -> tuple[tuple, dict]:
     return (x, w, bias, [1, 1], [1, 1], [1, 1], False, [0, 0], groups), {}
 
 
+def _float64(target: str) -> contextlib.AbstractContextManager:
+    """torch._grouped_mm has no float64 kernel: run it under Float64Mode, which computes it group by group."""
+    return Float64Mode() if target == "aten._grouped_mm" else contextlib.nullcontext()
+
+
 @st.composite
 def _example(draw, target: str):
     torch.manual_seed(draw(st.integers(0, 2**31 - 1)))
     mesh = draw(st.sampled_from(MESHES))
     args, kwargs = _case(target, draw)
-    prog, whole = one_op_program(target, args, kwargs, mesh)
+    with _float64(target):
+        prog, whole = one_op_program(target, args, kwargs, mesh)
     found = strategies_of(prog)
     if len(found) > SAMPLE:
         found = [found[i] for i in draw(st.permutations(range(len(found))))[:SAMPLE]]
@@ -282,7 +303,8 @@ def test_rule(target: str) -> None:
     @given(_example(target))
     def check(example) -> None:
         prog, whole, found = example
-        bad = failures(prog, whole, found)
+        with _float64(target):
+            bad = failures(prog, whole, found)
         assert not bad, f"{prog.ops[0]} on mesh {prog.mesh}:\n" + "\n".join(bad[:5])
 
     check()

@@ -49,7 +49,35 @@ class Float64Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = {k: (torch.float64 if v in _TORCH_FLOATS else v) for k, v in (kwargs or {}).items()}
         args = tuple(torch.float64 if isinstance(a, torch.dtype) and a in _TORCH_FLOATS else a for a in args)
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype == torch.float64:
+            return grouped_mm_float64(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def grouped_mm_float64(a, b, offs=None, bias=None, out_dtype=None) -> torch.Tensor:
+    """``torch._grouped_mm`` in float64, which torch's kernels lack (float32 and half types only), group by group
+    with ``mm``: what transformers' default MoE kernel (``experts_implementation="grouped_mm"``) calls, forward and
+    backward, when a model is run in float64 eagerly. ``offs`` are the groups' cumulative ends along a's rows
+    (2-D a, 3-D b), b's columns (3-D a, 2-D b) or the contracted dim (2-D a and b, one product per group); a row
+    past the last offset is zero, as in transformers' fallback kernel."""
+    if bias is not None and not (b.dim() == 3):
+        raise ValueError("grouped_mm_float64: a bias is defined for a 3-D second operand only")
+    if a.dim() == 3 and b.dim() == 3:
+        out = torch.bmm(a, b) + (bias.unsqueeze(1) if bias is not None else 0)
+    else:
+        ends = [int(e) for e in offs.tolist()]
+        starts = [0] + ends[:-1]
+        if a.dim() == 2 and b.dim() == 3:
+            out = a.new_zeros(a.shape[0], b.shape[-1])
+            for g, (s, e) in enumerate(zip(starts, ends)):
+                out[s:e] = a[s:e] @ b[g] + (bias[g] if bias is not None else 0)
+        elif a.dim() == 3 and b.dim() == 2:
+            out = a.new_zeros(a.shape[1], b.shape[-1])
+            for g, (s, e) in enumerate(zip(starts, ends)):
+                out[:, s:e] = a[g] @ b[:, s:e]
+        else:
+            out = torch.stack([a[:, s:e] @ b[s:e] for s, e in zip(starts, ends)])
+    return out if out_dtype is None else out.to(out_dtype)
 
 
 def double(x: Any) -> Any:
@@ -59,4 +87,4 @@ def double(x: Any) -> Any:
     return x
 
 
-__all__ = ["Float64Mode", "double", "to_float64"]
+__all__ = ["Float64Mode", "double", "grouped_mm_float64", "to_float64"]

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.ir.core import MeshSpec, Op, Program, Replicate, Value, target_name
+from autopar.check.rules import UNDEFINED_VALUES
+from autopar.ir.core import COLLECTIVES, VIEW_OPS, MeshSpec, Op, Program, Replicate, Value, target_name
 from autopar.ir.printer import print_program
 from autopar.passes.capture import Captured
 from autopar.passes.experts import routed_values
@@ -120,7 +121,10 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
     order = {r: i for i, op in enumerate(prog.ops) for r in op.results}
     partial = _partial_grads(prog)
     routed = routed_values(prog)  # rows dispatched to their experts: a permutation on each rank, not its slice
+    undefined = _undefined_values(prog)
     for op in prog.ops:
+        if op.result in undefined:
+            continue
         for r, t in zip(op.results, op.types):
             if r in routed or r not in ref or not isinstance(ref[r], torch.Tensor):
                 continue
@@ -169,6 +173,19 @@ def compare_ranks(prog, ref, ranks, captured, worst, ref_out, model_out, outputs
     return CheckReport(mesh, loss, loss_ref, worst, compared, None)
 
 
+def _undefined_values(prog: Program) -> set[str]:
+    """Values of uninitialised memory, whose contents no two runs need share: ``empty_like``'s results and what
+    collectives and views make of them (transformers' MoE kernels fill an ``empty_like`` by an ``index_put``,
+    whose result is compared)."""
+    out: set[str] = set()
+    for op in prog.ops:
+        if op.target in UNDEFINED_VALUES or (
+            (op.target in COLLECTIVES or op.target in VIEW_OPS) and any(r.name in out for r in op.input_refs())
+        ):
+            out.update(op.results)
+    return out
+
+
 def _received(producer: object) -> str:
     """`` (received from stage k)`` for a value a ``recv`` made: the op reading it is a stage's first."""
     if isinstance(producer, Op) and producer.target == "recv":
@@ -180,7 +197,8 @@ def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:
     """For each value, the axes on which each rank's gradient of it is a partial sum: a replicated
     value read by an op that computes different things on different ranks there, or by an op that
     does not (all its inputs replicated there) whose result's gradient is partial, except through
-    Megatron's f on that axis (grad_all_reduce, whose backward sums it)."""
+    Megatron's f on that axis (grad_all_reduce, whose backward sums it). Integer values have no gradient: a
+    grouped matmul's offsets, split over no axis, say nothing of the router's top-k that they come from."""
     types = prog.types()
     out: dict[str, set[int]] = {name: set() for name in types}
     for op in reversed(prog.ops):
@@ -191,7 +209,7 @@ def _partial_grads(prog: Program) -> dict[str, frozenset[int]]:
                 continue
             if divergent or any(a in out[r] for r in op.results):
                 for r in ins:
-                    if isinstance(types[r.name].placements[a], Replicate):
+                    if isinstance(types[r.name].placements[a], Replicate) and types[r.name].is_float:
                         out[r.name].add(a)
     return {k: frozenset(v) for k, v in out.items()}
 

@@ -36,8 +36,9 @@ T = TypeVar("T")
 class SimCompiled:
     """The ``ParallelModule`` of every simulated rank of one compile; each call runs on every rank."""
 
-    def __init__(self, world: SimWorld, modules: list[ParallelModule]):
+    def __init__(self, world: SimWorld, modules: list[ParallelModule], program: Program | None = None):
         self.world, self.modules = world, modules
+        self.program = program  # the planned whole-mesh forward program the modules were built from
 
     @classmethod
     def of(
@@ -79,7 +80,7 @@ class SimCompiled:
             rng = DropoutRng(torch.initial_seed(), microbatches=n) if keyed else None
             return build_module(parts, world.comm(rank), torch.device("cpu"), world.device_mesh(rank), rng)
 
-        return cls(world, world.run(build))
+        return cls(world, world.run(build), forward)
 
     def run(self, fn: Callable[[ParallelModule], T]) -> list[T]:
         """``fn(module)`` on every rank (each in its own thread); the results by rank."""

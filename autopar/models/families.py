@@ -1,6 +1,7 @@
 """The kinds of model the presets build: config class, constructor, inputs and parameter count of each.
 
-Hugging Face families (GPT-2, LLaMA, BERT) are imported lazily; ``TinyMLP`` and ``EncoderLayers`` are
+Hugging Face families (GPT-2, LLaMA, BERT; the mixtures of experts Mixtral, Qwen3-MoE, DeepSeek-V3) are
+imported lazily; ``TinyMLP`` and ``EncoderLayers`` are
 defined here. Every family's defaults turn dropout and the KV cache off, so parallel and single-process
 runs agree exactly.
 """
@@ -125,6 +126,54 @@ def _count_encoder(c: Any) -> int:
     return c.num_hidden_layers * _bert_layer(c)
 
 
+def _gqa_attention(c: Any, qk_norm: bool = False) -> int:
+    """q, k, v, o projections of grouped-query attention without biases (Mixtral's and Qwen3-MoE's), and Qwen3's
+    RMS norms of each query and key head."""
+    h = c.hidden_size
+    hd = getattr(c, "head_dim", None) or h // c.num_attention_heads
+    q, kv = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    return 2 * h * q + 2 * h * kv + (2 * hd if qk_norm else 0)
+
+
+def _moe_total(c: Any, layers: int) -> int:
+    """Embeddings, ``layers`` (the decoder layers' parameters), the final RMS norm and the head."""
+    h, v = c.hidden_size, c.vocab_size
+    return v * h + layers + h + (0 if _vocab_tied(c) else v * h)
+
+
+def _count_mixtral(c: Any) -> int:
+    h, e = c.hidden_size, c.num_local_experts
+    layer = _gqa_attention(c) + e * h + 3 * e * h * c.intermediate_size + 2 * h  # router, experts, two norms
+    return _moe_total(c, c.num_hidden_layers * layer)
+
+
+def _count_qwen3_moe(c: Any) -> int:
+    h, e = c.hidden_size, c.num_experts
+    total = 0
+    for i in range(c.num_hidden_layers):
+        sparse = i not in c.mlp_only_layers and e > 0 and (i + 1) % c.decoder_sparse_step == 0
+        mlp = e * h + 3 * e * h * c.moe_intermediate_size if sparse else 3 * h * c.intermediate_size
+        total += _gqa_attention(c, qk_norm=True) + mlp + 2 * h
+    return _moe_total(c, total)
+
+
+def _count_deepseek_v3(c: Any) -> int:
+    """Multi-head latent attention (low-rank queries and keys/values with their RMS norms), dense MLPs in the first
+    ``first_k_dense_replace`` layers, then routed and shared experts and the router (its score-correction bias is
+    a buffer). The multi-token-prediction module is not part of Hugging Face's model."""
+    h, heads = c.hidden_size, c.num_attention_heads
+    qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+    q = h * heads * qk if c.q_lora_rank is None else h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * heads * qk
+    kv = h * (c.kv_lora_rank + c.qk_rope_head_dim) + c.kv_lora_rank
+    kv += c.kv_lora_rank * heads * (c.qk_nope_head_dim + c.v_head_dim)
+    attn = q + kv + heads * c.v_head_dim * h
+    e, inter = c.n_routed_experts, c.moe_intermediate_size
+    moe = e * h + 3 * e * h * inter + 3 * h * inter * c.n_shared_experts
+    dense = 3 * h * c.intermediate_size
+    k = c.first_k_dense_replace
+    return _moe_total(c, c.num_hidden_layers * (attn + 2 * h) + k * dense + (c.num_hidden_layers - k) * moe)
+
+
 def _count_mlp(c: TinyMLPConfig) -> int:
     d, h = c.dim, c.hidden
     return d * h + h + 2 * (h * h + h) + 2 * h + h * d + d
@@ -159,6 +208,27 @@ FAMILIES: dict[str, Family] = {
         "tokens",
         _count_bert_mlm,
     ),
+    "mixtral": Family(
+        "mixtral",
+        _hf("transformers", "MixtralConfig"),
+        _make_hf("MixtralForCausalLM", "transformers.models.mixtral.modeling_mixtral"),
+        "tokens",
+        _count_mixtral,
+    ),
+    "qwen3_moe": Family(
+        "qwen3_moe",
+        _hf("transformers", "Qwen3MoeConfig"),
+        _make_hf("Qwen3MoeForCausalLM", "transformers.models.qwen3_moe.modeling_qwen3_moe"),
+        "tokens",
+        _count_qwen3_moe,
+    ),
+    "deepseek_v3": Family(
+        "deepseek_v3",
+        _hf("transformers", "DeepseekV3Config"),
+        _make_hf("DeepseekV3ForCausalLM", "transformers.models.deepseek_v3.modeling_deepseek_v3"),
+        "tokens",
+        _count_deepseek_v3,
+    ),
     "encoder": Family("encoder", _hf("transformers", "BertConfig"), EncoderLayers, "hidden", _count_encoder),
     "mlp": Family("mlp", lambda: TinyMLPConfig, TinyMLP, "hidden", _count_mlp, hf=False),
 }
@@ -180,6 +250,10 @@ FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "bert": dict(
         use_cache=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa"
     ),
+    # mixtures of experts: transformers' default experts kernel (grouped_mm), no router-logit outputs
+    "mixtral": dict(use_cache=False, attention_dropout=0.0, loss_type="ForCausalLM", attn_implementation="sdpa"),
+    "qwen3_moe": dict(use_cache=False, attention_dropout=0.0, loss_type="ForCausalLM", attn_implementation="sdpa"),
+    "deepseek_v3": dict(use_cache=False, attention_dropout=0.0, loss_type="ForCausalLM", attn_implementation="sdpa"),
     # the ILP paper's PyTorch 1.11 had no fused attention: eager keeps the [b, heads, s, s] scores
     "encoder": dict(
         use_cache=False,

@@ -97,6 +97,90 @@ PRESET_LIST: list[Preset] = [
         batch=8,
         seq=2048,
     ),
+    # Mixtures of experts, from the config.json each model's authors published on the Hugging Face Hub
+    Preset(
+        "mixtral-8x22b",
+        "mixtral",
+        "Mixtral 8x22B (8 experts, top-2; GQA, 8 kv heads)",
+        # huggingface.co/mistralai/Mixtral-8x22B-v0.1/blob/main/config.json
+        dict(
+            num_hidden_layers=56,
+            hidden_size=6144,
+            intermediate_size=16384,
+            num_attention_heads=48,
+            num_key_value_heads=8,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            vocab_size=32000,
+            max_position_embeddings=65536,
+            rms_norm_eps=1e-5,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        ),
+        batch=4,
+        seq=4096,
+    ),
+    Preset(
+        "qwen3-235b-a22b",
+        "qwen3_moe",
+        "Qwen3-235B-A22B (128 experts, top-8; GQA, 4 kv heads)",
+        # huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json
+        dict(
+            num_hidden_layers=94,
+            hidden_size=4096,
+            intermediate_size=12288,
+            moe_intermediate_size=1536,
+            num_attention_heads=64,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            tie_word_embeddings=False,
+        ),
+        batch=4,
+        seq=4096,
+    ),
+    Preset(
+        "deepseek-v3",
+        "deepseek_v3",
+        "DeepSeek-V3 671B (MLA; 256 routed experts, top-8 in 4 of 8 groups, 1 shared; 3 dense layers)",
+        # huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json (its multi-token-prediction layer is not
+        # part of transformers' model); the 671B of the DeepSeek-V3 technical report, arXiv:2412.19437, Sec. 4.2
+        dict(
+            num_hidden_layers=61,
+            hidden_size=7168,
+            intermediate_size=18432,
+            moe_intermediate_size=2048,
+            num_attention_heads=128,
+            num_key_value_heads=128,
+            n_shared_experts=1,
+            n_routed_experts=256,
+            num_experts_per_tok=8,
+            n_group=8,
+            topk_group=4,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=3,
+            norm_topk_prob=True,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            vocab_size=129280,
+            max_position_embeddings=163840,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+        batch=4,
+        seq=4096,
+    ),
     Preset("mmr-bert-large", "encoder", _MMR.format("BERT-Large"), _encoder(1024, 16), batch=2, seq=512),
     Preset("mmr-1.7b", "encoder", _MMR.format("1.7B"), _encoder(2304, 24), batch=16, seq=2048),
     Preset("mmr-3.6b", "encoder", _MMR.format("3.6B"), _encoder(3072, 24), batch=16, seq=2048),
@@ -264,6 +348,10 @@ def describe(preset: Preset, cfg: Any, batch: int, seq: int) -> str:
         shape = f"{layers} layer{plural}, hidden {cfg.hidden_size}, {cfg.num_attention_heads} heads"
         if preset.family == "llama":
             shape += f" ({cfg.num_key_value_heads} kv), intermediate {cfg.intermediate_size}"
+        experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+        experts = experts or getattr(cfg, "n_routed_experts", None)
+        if experts:
+            shape += f", {experts} experts (top-{cfg.num_experts_per_tok})"
     else:
         shape = f"dim {cfg.dim}, hidden {cfg.hidden}"
     return f"{preset.title}: {n:,} params ({human_count(n)}), {shape}; batch {batch} x seq {seq}"

@@ -4,6 +4,7 @@
 cross-entropy of its logits; Hugging Face's own loss casts to float32) and the keyword inputs of one global
 batch of ``B`` rows. Decoders with learned, rotary and ALiBi positions, grouped-query attention, a
 mixture of experts; encoders; an encoder-decoder; a vision transformer and two convolutional networks.
+``moe(family, kernel)`` builds the mixtures of experts with each of transformers' experts kernels.
 Dropout is off in every config (``tests/test_dropout.py`` covers autopar's keyed dropout). Several compute
 parts in float32 whatever the model's dtype (RMS norms, rotary tables): compare them in float64 with
 ``autopar/check/float64.py``. Used by
@@ -66,8 +67,56 @@ def _vision(config: str, model: str, **cfg) -> Callable[[torch.Generator], tuple
 
 
 _DEC = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-_MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0, experts_implementation="batched_mm")
+_MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)  # transformers' default experts kernel (grouped_mm)
 _NO_SPECIAL = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
+
+class MoeLogitsCE(LogitsCE):
+    """``LogitsCE`` plus the router's auxiliary load-balancing loss, weighted as the model's config says (Hugging
+    Face adds it to its own loss only with labels, which would cast the logits to float32)."""
+
+    def forward(self, labels: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        out = self.model(**inputs)
+        logits = out.logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        return loss + self.model.config.router_aux_loss_coef * out.aux_loss
+
+
+# Mixtures of experts, each buildable with any of transformers' experts kernels: ``grouped_mm`` (the default,
+# through torch._grouped_mm or transformers' grouped_mm_fallback op), ``batched_mm`` and ``eager`` (a loop over
+# the experts hit, which autopar captures through the grouped kernel: its shapes depend on the routing).
+KERNELS = ("grouped_mm", "batched_mm", "eager")
+_MOE_CONFIGS: dict[str, tuple[str, str, dict]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(**_DEC, num_key_value_heads=2, num_local_experts=4,
+                                                             max_position_embeddings=32)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(**_DEC, num_key_value_heads=2, num_experts=4,
+                                                                 moe_intermediate_size=32, max_position_embeddings=32,
+                                                                 norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(**_DEC, num_key_value_heads=4, num_experts=4,
+                                                       max_position_embeddings=32, **_NO_SPECIAL)),
+    # MLA attention, a shared expert, grouped top-k routing (top-2 of the experts of the best group)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", dict(**_DEC, num_key_value_heads=4, n_routed_experts=4,
+                                                                       n_shared_experts=1, moe_intermediate_size=32,
+                                                                       n_group=2, topk_group=1, first_k_dense_replace=0,
+                                                                       q_lora_rank=16, kv_lora_rank=16,
+                                                                       qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                                                       v_head_dim=8, max_position_embeddings=32,
+                                                                       **_NO_SPECIAL)),
+}  # fmt: skip
+
+
+def moe(
+    family: str, kernel: str | None = None, aux_loss: float = 0.0
+) -> Callable[[torch.Generator], tuple[torch.nn.Module, dict]]:
+    """The MoE ``family`` (``_MOE_CONFIGS``) with top-2 routing over 4 experts, its experts computed by
+    ``kernel`` (None: transformers' default); ``aux_loss``: the router's load-balancing loss weighted by it
+    (``output_router_logits``) is part of the loss."""
+    config, model, cfg = _MOE_CONFIGS[family]
+    cfg = dict(cfg, num_experts_per_tok=2, router_aux_loss_coef=aux_loss, output_router_logits=bool(aux_loss))
+    if kernel is not None:
+        cfg["experts_implementation"] = kernel
+    wrap = MoeLogitsCE if aux_loss else LogitsCE
+    return lambda g: (wrap(_hf(config, model, **cfg)), _tokens(g, "input_ids", "labels"))
+
 
 FAMILIES: dict[str, Callable[[torch.Generator], tuple[torch.nn.Module, dict]]] = {
     # decoders: learned positions (GPT-2's fused Conv1D QKV; OPT's tied head), rotary, ALiBi, GQA, MoE
@@ -107,4 +156,4 @@ FAMILIES: dict[str, Callable[[torch.Generator], tuple[torch.nn.Module, dict]]] =
 }  # fmt: skip
 
 
-__all__ = ["B", "CLASSES", "FAMILIES", "IMAGE", "S", "V", "LogitsCE"]
+__all__ = ["B", "CLASSES", "FAMILIES", "IMAGE", "KERNELS", "S", "V", "LogitsCE", "MoeLogitsCE", "moe"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from autopar.errors import PlanError
+from autopar.errors import PlanError, UnsupportedOpError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.passes.dropout import is_keyed
 from autopar.passes.manager import register_pass
@@ -31,6 +31,7 @@ from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
+from autopar.runtime.comm.context import current_comm
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -177,10 +178,14 @@ def codegen(
                 vocab_parallel_cross_entropy,
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
             )
+        elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
+            node = graph.call_function(
+                grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)
+            )
         else:
             args = dev(arg(local_args(op, sizes)))
             kwargs = {k: dev(v) for k, v in arg(op.kwargs).items()}
-            node = graph.call_function(DIFFERENTIABLE.get(op.target) or resolve_target(op.target), args, kwargs)
+            node = graph.call_function(DIFFERENTIABLE.get(op.target) or _callable(op), args, kwargs)
         if len(op.results) == 1 and not op.target.startswith("aten.split") and op.target not in _LIST_RESULTS:
             env[op.result] = node
             node.meta["autopar_value"] = op.result  # the IR value it computes (autopar check records it)
@@ -197,6 +202,41 @@ def codegen(
     gm = fx.GraphModule(root, graph, class_name="RankModule")
     gm.autopar_rng = root.autopar_rng  # read by no node (the sites hold it): GraphModule would not copy it
     return gm
+
+
+# grouped matmuls: x[S, K] rows grouped by expert, w[E, K, N], offs[E] the groups' cumulative row ends
+GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
+
+
+def _row_axes(x, prog: Program) -> list[str]:
+    """Mesh axes over which a grouped matmul's ``x`` is split by rows in contiguous blocks (outer first)."""
+    return [name for p, name in zip(x.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == 0]
+
+
+def grouped_rows(fn, axes: list[str], x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None = None, **kwargs):
+    """``fn(x, w, offs)`` on this rank's block of rows (its block over ``axes``, outer axis first, as
+    vocab-parallel lookups find theirs): the whole offsets shifted to the block and clipped to it, so a group
+    before the block or after it is empty here."""
+    if offs is None:
+        offs = kwargs.pop("offs")
+    c = current_comm()
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    local = (offs.to(torch.int64) - block * x.shape[0]).clamp(0, x.shape[0]).to(offs.dtype)
+    return fn(x, w, local, **kwargs)
+
+
+def _callable(op: Op):
+    """The torch op ``op.target`` names; an UnsupportedOpError naming it where none is registered (a plan's
+    program read from a file whose custom op's library this process has not imported)."""
+    try:
+        return resolve_target(op.target)
+    except KeyError as e:
+        raise UnsupportedOpError(
+            f"%{op.result} = {op.target} ({op.path or 'no module path'}): {e.args[0]}; import the library that "
+            "registers it on every rank before building the model"
+        ) from None
 
 
 def _returned_scalar_sums(prog: Program, types, users) -> set[str]:
@@ -373,4 +413,6 @@ def _owner(root: torch.nn.Module, qualname: str) -> tuple[torch.nn.Module, str]:
     return mod, attr
 
 
-__all__ = ["CodegenOptions", "codegen", "codegen_pass", "local_args", "shard_param", "Ref"]
+__all__ = [
+    "GROUPED_MM", "CodegenOptions", "Ref", "codegen", "codegen_pass", "grouped_rows", "local_args", "shard_param",
+]  # fmt: skip

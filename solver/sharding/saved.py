@@ -85,7 +85,7 @@ def op_saved(op, types: dict[str, TensorType], grad: set[str]) -> OpSaved:
     """What ``op`` keeps for backward when the values in ``grad`` need a gradient (nothing when none of its
     inputs does). An op that cannot run on fake tensors keeps every float output (the old upper bound)."""
     refs = op.input_refs()
-    if not op.target.startswith("aten.") or not any(r.name in grad for r in refs):
+    if "." not in op.target or not any(r.name in grad for r in refs):  # a collective, or nothing to differentiate
         return NOTHING
     try:
         fn = resolve_target(op.target)

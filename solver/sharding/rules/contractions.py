@@ -1,4 +1,5 @@
-"""Sharding rules of contractions: mm, bmm, matmul, linear, convolution and embedding lookups.
+"""Sharding rules of contractions: mm, bmm, matmul, linear, grouped matmul, convolution, embedding lookups and
+gathers of rows.
 
 Each offers the batch split, the split of either operand's free dim (column/row parallel) and the
 split of the contracted dim into a partial sum.
@@ -6,7 +7,7 @@ split of the contracted dim into a partial sum.
 
 from __future__ import annotations
 
-from autopar.ir.core import Partial, R, Shard
+from autopar.ir.core import Partial, R, Shard, bound_args
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
 
 
@@ -76,6 +77,31 @@ def _linear(c: Ctx) -> list[OneD]:
     return res
 
 
+def _grouped_mm(c: Ctx) -> list[OneD]:
+    """A grouped matmul of rows by expert, ``x[S, K]`` and ``w[E, K, N]`` with ``offs[E]`` the groups' cumulative
+    row ends (rows sorted by expert): transformers' default MoE kernel, captured as ``torch._grouped_mm`` (half
+    types) or as transformers' ``grouped_mm_fallback`` custom op (float32, float64). Each expert's matmul splits
+    like a linear's: its output columns (w and the result by N, Megatron's column parallel), or the contracted
+    dim into a partial sum (row parallel); a partial x gives a partial result. The rows split in contiguous
+    blocks too: ``offs`` stay whole (they index the global rows) and each rank's module shifts them to its
+    block (``runtime/build/codegen.py``). The experts are not split (that is expert parallelism: tokens move
+    to the experts' ranks). Other forms of ``torch._grouped_mm`` (3-D x, 2-D w, a bias) replicate."""
+    res: list[OneD] = [replicated(c)]
+    if len(c.ins) != 3 or len(c.ins[0].shape) != 2 or len(c.ins[1].shape) != 3 or len(c.ins[2].shape) != 1:
+        return res
+    if c.op.target == "aten._grouped_mm" and (bound_args(c.op) or {}).get("bias") is not None:
+        return res
+    rows, k, nn = c.ins[0].shape[0], c.ins[1].shape[1], c.ins[1].shape[2]
+    if rows % c.n == 0:  # each rank its block of rows, its offsets shifted to them by codegen (grouped_rows)
+        res.append(((Shard(0), R, R), (Shard(0),)))
+    for ck in shards(nn, c.n, c.chunk_counts):
+        res.append(((R, Shard(2, ck), R), (Shard(1, ck),)))
+    if k % c.n == 0:
+        res.append(((Shard(1), Shard(1), R), (Partial("sum"),)))
+    res.append(((Partial("sum"), R, R), (Partial("sum"),)))
+    return res
+
+
 def _conv(c: Ctx) -> list[OneD]:
     """conv2d/convolution(x[N,C,H,W], w[O,C/g,kh,kw], bias?): batch-split, output channels split
     (bias split with them), or input channels split into a partial sum (groups == 1, no bias)."""
@@ -120,6 +146,8 @@ RULES: dict[str, Rule] = {
     "aten.bmm": _bmm,
     "aten.matmul": _matmul,
     "aten.linear": _linear,
+    "aten._grouped_mm": _grouped_mm,
+    "transformers.grouped_mm_fallback": _grouped_mm,
     "aten.embedding": _embedding,
     "aten.conv2d": _conv,
     "aten.convolution": _conv,
