@@ -3,8 +3,8 @@ tiny Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (a shared expert beside the routed 
 mesh train exactly as one process, with each rank holding E/n experts and the token dispatch and combine as
 all-to-alls in every rank's program, whose calls and bytes per step are those the program says.
 
-The models use Hugging Face's ``batched_mm`` experts kernel (``experts_implementation="batched_mm"``, as
-``autopar/models/small_families.py`` does): it gathers each row's expert matrices with
+The models use Hugging Face's ``batched_mm`` experts kernel (``experts_implementation="batched_mm"``; ``small_families.moe(family,
+"batched_mm")``): it gathers each row's expert matrices with
 ``aten.index.Tensor``, the op the expert-parallel strategy splits. The default ``grouped_mm`` kernel lowers to
 ``torch._grouped_mm`` over tokens sorted by expert, which this strategy does not cover.
 
@@ -30,7 +30,7 @@ from autopar.errors import PipelineError
 from autopar.ir.core import MeshSpec, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.models.small_families import FAMILIES, _lm
+from autopar.models.small_families import _lm, moe
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
 from autopar.passes.experts import COMBINE, DISPATCH, routed_values
@@ -50,7 +50,7 @@ DP_EP = MeshSpec((("dp", 2), ("ep", 2)))
 MEMORY = ShardOptions(objective="memory")
 
 FAMILY = {
-    "mixtral": FAMILIES["mixtral"],
+    "mixtral": moe("mixtral", "batched_mm"),
     "qwen3_moe": _lm(
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM", vocab_size=64, hidden_size=32, intermediate_size=64,
         moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
