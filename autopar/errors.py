@@ -141,3 +141,8 @@ class ConfigError(AutoparError):
 
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""
+
+
+class NotOptimalPlanWarning(UserWarning):
+    """The strategy ILP hit its time limit: the plan is valid (the solver's best, or autopar's own feasible one)
+    but not proven optimal; the message gives its status and gap and what to do."""
