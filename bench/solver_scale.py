@@ -25,15 +25,16 @@ import sys
 import time
 
 
-def deepseek_v3_tiny():
-    """(model, args, kwargs): the tiny DeepSeek-V3 of the module docstring, with a cross-entropy loss."""
+def deepseek_v3_tiny(layers: int = 2):
+    """(model, args, kwargs): the tiny DeepSeek-V3 of the module docstring, with a cross-entropy loss; ``layers``:
+    its decoder layers (the first dense, the others mixtures of experts)."""
     import torch
     import transformers
 
     from autopar.models.small_families import LogitsCE
 
     cfg = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2,
         n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=32,

@@ -1,5 +1,6 @@
 """The strategy ILP never gives up on a problem that has a plan: a time limit returns the solver's best plan (or
-autopar's own feasible one) with its status and gap, checked, never a SolverError (solver/sharding/ilp.py).
+autopar's own feasible one) with its status and gap, checked, never a SolverError (solver/sharding/ilp.py); and
+the problem of a mixture-of-experts stack folds its alike layers (solver/sharding/solve.py:repeated_layers).
 
 Before the warm start and the fallback, each problem here ended in ``SolverError: the ILP solver ended with
 status 'Not Solved'`` (CBC stops on its time limit before it has an integer solution)."""
@@ -16,6 +17,7 @@ import pytest
 
 from autopar.api import parse_mesh
 from autopar.errors import NotOptimalPlanWarning
+from autopar.ir.core import Op
 from autopar.ir.verify import verify
 from autopar.models.resolve import build
 from autopar.passes.capture import capture
@@ -24,8 +26,10 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding import ilp
+from autopar.solver.sharding.blocks import layer_key
 from autopar.solver.sharding.ilp import feasible_start, solve
-from autopar.solver.sharding.problem import Edge, Node, objective_of
+from autopar.solver.sharding.problem import Edge, Node, fold_repeated, objective_of
+from autopar.solver.sharding.solve import build_problem, repeated_layers
 
 TINY_LIMIT = 0.01  # seconds: far less than either solver needs for the root LP of these problems
 
@@ -126,3 +130,19 @@ def test_tiny_deepseek_v3_gets_a_valid_plan_within_its_time_limit():
     assert res.program.attrs["ilp_status"] == sol.status
     verify(res.program)
     verify(insert_collectives(res.program))
+
+
+def test_a_stack_of_two_kinds_of_layers_folds_each_kind_onto_its_first():
+    """DeepSeek-V3's first layer is dense and the others mixtures of experts: the identical MoE layers are solved
+    once (before, one layer unlike the others left the whole stack unfolded: 61 layers at full size)."""
+    from bench.solver_scale import deepseek_v3_tiny
+
+    prog = lower(capture(*deepseek_v3_tiny(layers=3)), parse_mesh("dp=2,tp=2"))
+    _, groups, nodes, edges = build_problem(prog, ShardOptions(cluster=ClusterSpec.load("dgx-a100")))
+    rep, folded = repeated_layers(groups)
+    assert folded == 2  # the two MoE layers; the dense one stands alone
+    layer = {i: layer_key(g.head.path if isinstance(g.head, Op) else g.head.name) for i, g in enumerate(groups)}
+    moved = {(layer[i][1], layer[r][1]) for i, r in enumerate(rep) if r != i and layer.get(i) and layer.get(r)}
+    assert moved == {(2, 1)}  # layer 2's groups stand for layer 1's, nothing else is folded
+    rnodes, redges, _ = fold_repeated(nodes, edges, rep)
+    assert len(rnodes) < len(nodes)
