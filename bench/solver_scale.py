@@ -46,7 +46,24 @@ def deepseek_v3_tiny(layers: int = 2):
     return LogitsCE(transformers.DeepseekV3ForCausalLM(cfg)), (), {"input_ids": ids, "labels": ids}
 
 
-INLINE = {"deepseek-v3-tiny": deepseek_v3_tiny}  # models built here rather than from a preset
+def deepseek_v3():
+    """(model, args, kwargs): DeepSeek-V3 671B as transformers' ``DeepseekV3Config()`` defaults build it (61 layers,
+    the first 3 dense; 256 routed experts, top-8, one shared; MLA), on meta, batch 1 x 4096 tokens, with the
+    ``batched_mm`` expert kernel (no preset here: autopar/models/presets.py is another change's)."""
+    import torch
+    import transformers
+
+    from autopar.models.small_families import LogitsCE
+
+    cfg = transformers.DeepseekV3Config(experts_implementation="batched_mm")
+    cfg._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = LogitsCE(transformers.DeepseekV3ForCausalLM(cfg))
+        ids = torch.zeros((1, 4096), dtype=torch.long)
+    return model, (), {"input_ids": ids, "labels": ids}
+
+
+INLINE = {"deepseek-v3-tiny": deepseek_v3_tiny, "deepseek-v3": deepseek_v3}  # built here, not from a preset
 
 
 def measure(model: str, mesh: str, time_limit: float = 60.0, backend: str = "cbc") -> dict:
