@@ -7,6 +7,7 @@ status 'Not Solved'`` (CBC stops on its time limit before it has an integer solu
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import warnings
@@ -146,3 +147,21 @@ def test_a_stack_of_two_kinds_of_layers_folds_each_kind_onto_its_first():
     assert moved == {(2, 1)}  # layer 2's groups stand for layer 1's, nothing else is folded
     rnodes, redges, _ = fold_repeated(nodes, edges, rep)
     assert len(rnodes) < len(nodes)
+
+
+@pytest.mark.slow
+def test_autopar_plan_prints_a_time_limited_plans_status_and_gap(monkeypatch, capsys, tmp_path):
+    """Elimination switched off (its step budget 0), the small model's full ILP under a tiny limit: the report
+    says the plan is not proven optimal, with its gap and what to do; the plan file records both."""
+    from autopar.cli import main
+    from autopar.solver.sharding.eliminate import eliminate
+
+    monkeypatch.setattr(ilp, "reduce_problem", lambda nodes, edges: eliminate(nodes, edges, max_work=0))
+    args = ["plan", "tiny-mlp:batch=2,seq=2", "--mesh", "a0=2,a1=2,a2=2", "--objective", "memory", "--no-baselines"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NotOptimalPlanWarning)
+        assert main([*args, "--time-limit", str(TINY_LIMIT), "-o", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "not proven optimal (gap to the solver's bound:" in out and "--time-limit" in out
+    stats = json.loads((tmp_path / "p.json").read_text())["stats"]
+    assert stats["status"] in ("feasible", "heuristic") and "ilp_gap" in stats
