@@ -187,13 +187,13 @@ def _ilp(nodes: list[Node], edges: list[Edge], budget: float | None, time_limit:
     status = pulp.LpStatus[prob.status]
     found = prob.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     choice = _checked(nodes, edges, s, budget) if found else None
-    if status == "Infeasible" or (choice is None and start is None and prob.sol_status == pulp.LpSolutionInfeasible):
-        if budget is not None:
-            raise InfeasibleError("no strategy fits the per-device memory budget")
-        raise InfeasibleError("the strategy ILP has no solution; this is a bug in autopar, please report it")
     if choice is not None and prob.sol_status == pulp.LpSolutionOptimal:
         return _Result(choice, "optimal", 0.0, size)
     if choice is None and start is None:
+        if status == "Infeasible" or prob.sol_status == pulp.LpSolutionInfeasible:
+            if budget is not None:
+                raise InfeasibleError("no strategy fits the per-device memory budget")
+            raise InfeasibleError("the strategy ILP has no solution; this is a bug in autopar, please report it")
         raise SolverError(
             f"the ILP solver ({backend}) ended with status {status!r} and no plan after its time limit of "
             f"{time_limit} s, and autopar found no feasible plan of its own: raise the time limit "
@@ -238,7 +238,7 @@ def _forest_optimum(nodes: list[Node], edges: list[Edge]) -> list[int]:
         return i
 
     def weight(e: Edge) -> tuple[bool, float]:
-        pairs = {(a, b) for a in e.u_group for b in e.v_group}
+        pairs = {(a, b) for a in set(e.u_group) for b in set(e.v_group)}
         finite = list(e.cost.values())
         return (not pairs <= e.cost.keys(), max(finite) - min(finite) if finite else 0.0)
 
