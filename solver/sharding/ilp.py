@@ -48,8 +48,6 @@ from autopar.solver.sharding.eliminate import Elimination
 from autopar.solver.sharding.eliminate import eliminate as reduce_problem
 from autopar.solver.sharding.problem import Edge, Node, objective_of
 
-STATUSES = ("optimal", "feasible", "heuristic")
-
 
 @dataclass
 class Solution:
@@ -69,6 +67,8 @@ class Solution:
 
     def explained(self) -> str:
         """What a plan that is not proven optimal is, and what to do: for warnings and reports."""
+        if self.status == "optimal":
+            return "the strategy ILP was solved to optimality"
         gap = "an unknown gap" if self.gap is None else f"a gap of {100 * self.gap:.2f}% to the solver's bound"
         what = {
             "feasible": "the solver's best plan",
@@ -116,7 +116,7 @@ def _solve(
 @dataclass
 class _Result:
     choice: list[int]
-    status: str  # one of STATUSES
+    status: str  # "optimal" | "feasible" | "heuristic" (Solution.status)
     gap: float | None
     size: tuple[int, int]  # (variables, constraints)
 
