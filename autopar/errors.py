@@ -151,3 +151,8 @@ class BatchCouplingError(BatchError):
 class UnsupportedOpError(CaptureError):
     """An op of the model that the ranks' generated code could not call: its name resolves to no registered torch
     op (e.g. a custom op whose library is not imported, or a name that lost its namespace)."""
+
+
+class NotOptimalPlanWarning(UserWarning):
+    """The strategy ILP hit its time limit: the plan is valid (the solver's best, or autopar's own feasible one)
+    but not proven optimal; the message gives its status and gap and what to do."""

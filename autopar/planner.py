@@ -155,6 +155,7 @@ def shard_stats(result: ShardResult, opts: ShardOptions, ops: int) -> dict:
         "how": result.how,
         "step_seconds": result.step_seconds,
         "status": sol.status,
+        "ilp_gap": sol.gap,  # relative gap to the solver's bound (0: optimal; None: unknown)
         "solve_seconds": sol.seconds,
         "ilp_variables": sol.variables,
         "ilp_constraints": sol.constraints,

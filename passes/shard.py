@@ -15,9 +15,10 @@ solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field, fields, replace
 
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, NotOptimalPlanWarning
 from autopar.ir.axes import data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
 from autopar.solver.sharding.baselines import data_parallel_constraints, local_batch_constraints
@@ -68,7 +69,9 @@ def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
 
 def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
     """``prog`` with the placements of the strategy solved under ``opts`` (see the module docstring); when
-    no attempt finds one, the first attempt's InfeasibleError."""
+    no attempt finds one, the first attempt's InfeasibleError. A plan the ILP did not prove optimal (its time
+    limit passed) is returned with a NotOptimalPlanWarning naming its status and gap, which the program's
+    attributes also record (``ilp_status``, ``ilp_gap``)."""
     first: InfeasibleError | None = None
     for how, attempt in attempts(opts or ShardOptions()):
         try:
@@ -76,6 +79,8 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
         except InfeasibleError as e:
             first = first or _explained(e, attempt)
             continue
+        if solved.solution.status != "optimal":
+            warnings.warn(solved.solution.explained(), NotOptimalPlanWarning, stacklevel=2)
         return _written(prog, solved, how)
     assert first is not None  # attempts() lists the options as given first
     raise first
@@ -127,7 +132,10 @@ def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
         ops.append(op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})))
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     sol = solved.solution
-    out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
+    attrs = dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3))
+    if sol.status != "optimal":
+        attrs["ilp_gap"] = "unknown" if sol.gap is None else round(sol.gap, 6)
+    out = out.with_(attrs=attrs)
     return ShardResult(**{f.name: getattr(solved, f.name) for f in fields(solved)}, program=out, how=how)
 
 

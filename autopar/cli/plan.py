@@ -211,6 +211,9 @@ def _print_report(args, report) -> None:
         f"ILP: {s['status']} in {s['solve_seconds']:.2f} s, {s['ilp_variables']:,} variables, "
         f"{s['ilp_constraints']:,} constraints, {s['ilp_groups']} decisions{eliminated}{folded}"
     )
+    if s["status"] != "optimal":  # the time limit passed: the plan is valid, not proven optimal
+        gap = "unknown" if s.get("ilp_gap") is None else f"{100 * s['ilp_gap']:.2f}%"
+        print(f"  not proven optimal (gap to the solver's bound: {gap}): raise --time-limit or try --solver highs")
     mem = s["memory_per_device_bytes"]
     print(f"\n{'strategy':10s} {'memory/device':>14s} {'vs autopar':>11s} {'comm/step':>12s} {'comm time':>11s}")
     rows = [

@@ -512,8 +512,10 @@ def _group_ids(keys):
 
 
 def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
-    """For each group its representative: the same group of the first layer when every layer of the
-    model's main layer stack (``transformer.h.N``, ``model.layers.N``) has identical groups.
+    """For each group its representative: the same group of the first layer alike (in every group) in the model's
+    main layer stack (``transformer.h.N``, ``model.layers.N``), and how many layers share a representative layer
+    with another; None when no two layers are alike. A stack of two kinds of layers (DeepSeek-V3's dense
+    first layers and mixture-of-experts others, Qwen3-MoE's ``mlp_only_layers``) folds each kind onto its first.
 
     A SharedReads node goes with its producer: it stands for the node of its producer's representative when that
     has one with the same signature, else for itself. (The last layer's output may have one reader where the
@@ -530,20 +532,22 @@ def repeated_layers(groups: list[Group]) -> tuple[list[int], int] | None:
         return None
     stack = max(stacks.values(), key=len)
     layers = [stack[k] for k in sorted(stack)]
-    if len(layers) < 2:
-        return None
-    sig = [[groups[i].signature for i in layer] for layer in layers]
-    if any(s != sig[0] for s in sig[1:]):
+    kinds: dict[tuple, list[list[int]]] = {}  # the signatures of a layer's groups -> the layers with them
+    for layer in layers:
+        kinds.setdefault(tuple(groups[i].signature for i in layer), []).append(layer)
+    folded = sum(len(alike) for alike in kinds.values() if len(alike) > 1)
+    if not folded:
         return None
     rep = list(range(len(groups)))
-    for layer in layers[1:]:
-        for i, first in zip(layer, layers[0]):
-            rep[i] = first
+    for alike in kinds.values():
+        for layer in alike[1:]:
+            for i, r in zip(layer, alike[0]):
+                rep[i] = r
     shared = {(g.producer, g.signature): i for i, g in enumerate(groups) if isinstance(g, SharedReads)}
     for i, g in enumerate(groups):
         if isinstance(g, SharedReads):
             rep[i] = shared.get((rep[g.producer], g.signature), i)
-    return rep, len(layers)
+    return rep, folded
 
 
 def _rename(src: Group, dst: Group) -> list[dict[str, Strategy]]:
