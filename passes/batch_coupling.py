@@ -189,7 +189,10 @@ def _with_rows(op: Op, refs: list[str], ins: list[str], types: dict, dims: dict,
         why = "batch norm in training normalizes every sample by the statistics of the batch it is given"
         return [COUPLED] * n, [-1] * n, _coupling(op, "mixes samples", why)
     in_types = [types[r] for r in refs]
-    found = _propagate(op, in_types, got) if op.target in RULES else _rowwise(op, refs, got, types, aranges)
+    # an op's rule first; then its meaning (a rule may leave out splits that keep rows apart, e.g. an index
+    # with data-free indices after the batch dim, which the gather-of-rows rule replicates)
+    found = _propagate(op, in_types, got) if op.target in RULES else None
+    found = found or _rowwise(op, refs, got, types, aranges)
     if found is None:
         why = (
             "it combines different samples of the batch (no sharding of its batch rows computes it apart): a "

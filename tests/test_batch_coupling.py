@@ -21,7 +21,7 @@ from autopar.config import TrainConfig
 from autopar.errors import BatchCouplingError, ConfigError, SimulationError
 from autopar.ir.core import MeshSpec
 from autopar.models.small_families import FAMILIES
-from autopar.passes.batch_coupling import analyze, batch_couplings
+from autopar.passes.batch_coupling import UNPROVEN, analyze, batch_couplings
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions
@@ -84,15 +84,17 @@ def _lowered(model: torch.nn.Module, kwargs: dict):
 
 def test_only_the_batch_norm_family_couples_its_batch() -> None:
     """No false positive: of every small family (causal LMs, MoE, encoders, T5, ViT, ConvNeXt) only ResNet,
-    whose batch norm trains on the batch's statistics, couples; the others microbatch exactly."""
-    coupled = {}
+    whose batch norm trains on the batch's statistics, couples; the others microbatch exactly. Mixtral on
+    transformers' default ``grouped_mm`` kernel sorts its tokens by expert over the whole flattened batch (and
+    scatters them back), which the analysis cannot read: reported as unproven (``autopar check``), not refused."""
+    coupled, unproven = {}, {}
     for name, make in FAMILIES.items():
         model, kwargs = make(torch.Generator().manual_seed(0))
-        found = batch_couplings(_lowered(model, kwargs))
-        if found:
-            coupled[name] = [c.describe() for c in found]
+        for c in batch_couplings(_lowered(model, kwargs)):
+            (unproven if c.kind == UNPROVEN else coupled).setdefault(name, []).append(c.describe())
     assert set(coupled) == {"resnet"}, coupled
     assert all("aten.batch_norm" in c for c in coupled["resnet"]), coupled
+    assert set(unproven) <= {"mixtral"}, unproven
 
 
 def test_the_analysis_names_each_kind_of_coupling() -> None:
