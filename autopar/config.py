@@ -91,6 +91,7 @@ class TrainConfig:
     timeout: float = 600.0  # seconds any transfer may take before the step fails
     record: bool = True  # record the start and end of every action of a train_step (model.trace)
     check: bool = False  # check one float64 step of the plan on simulated ranks before training
+    torch_compile: bool = False  # compile each rank's programs with torch.compile (Inductor), collectives included
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -188,8 +189,9 @@ class TrainConfig:
         """How the compiled module runs (``runtime/module.py``)."""
         weight = token_count() if self.loss_weight == "tokens" else self.loss_weight
         return RuntimeOptions(
-            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy()
-        )
+            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy(),
+            torch_compile=self.torch_compile,
+        )  # fmt: skip
 
     # -- files ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

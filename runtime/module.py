@@ -41,6 +41,7 @@ from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.stage_program import StageProgram
+from autopar.runtime.build.compiled import compile_rank
 from autopar.runtime.build.params import LocalTensors, register
 from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
 from autopar.runtime.build.rng import DropoutRng
@@ -79,6 +80,7 @@ class RuntimeOptions:
     # data (runtime/call/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
     loss_weight: LossWeight | str | None = "auto"
     precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/build/precision.py); None: as captured
+    torch_compile: bool = False  # each program through torch.compile / Inductor (runtime/build/compiled.py)
 
     @property
     def sub_microbatches(self) -> int:
@@ -159,6 +161,9 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             params[n] = self.zero3.slice_of(n)
             register(self, n, params[n])
         self._params = params
+        self.compile_log = None  # what torch_compile compiled and ran eagerly (runtime/build/compiled.py)
+        if options.torch_compile:
+            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, options.sub_pipeline_tp)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(
