@@ -373,6 +373,7 @@ def compare_train_step(
     out: dict[str, Any] = {}
     for schedule, opts, *more in runs:
         extra = dict(more[0]) if more else {}  # this run's own compile keywords (microbatches= too)
+        graphs_before = _dynamo_graphs()
         pipe = autopar.compile(  # the model is only read (and captured once per microbatch shape)
             model,
             mesh,
@@ -416,8 +417,28 @@ def compare_train_step(
                 [sum(e.action.kind in COMPUTE_KINDS for e in events) for events in sim.timeline]
             ),
             "stages": torch.tensor(sorted(pipe.stages)),
+            "losses": torch.tensor(losses, dtype=torch.float64),
+            # torch_compile: the graphs dynamo compiled for this run, and what the module's log says
+            "graphs": torch.tensor(_dynamo_graphs() - graphs_before),
+            "compile_log": _compile_log(pipe),
         }
     return out
+
+
+def _dynamo_graphs() -> int:
+    """The graphs torch.compile has compiled in this process (0 before dynamo is imported)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
+
+
+def _compile_log(pipe) -> dict | None:
+    """A torch_compile module's log as plain data (the programs run compiled, eager calls, failures)."""
+    log = getattr(pipe, "compile_log", None)
+    if log is None:
+        return None
+    return {"compiled": sorted(log.first_s), "eager": dict(log.eager), "failed": list(log.failed)}
 
 
 def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int], microbatches: int):

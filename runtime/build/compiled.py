@@ -335,12 +335,15 @@ def _eager(fn: Callable) -> Callable:
 # -- compiling, with a fallback ---------------------------------------------------------------------------
 def _inductor(label: str, log_: CompileLog) -> Callable:
     """A dynamo back end: Inductor, or on an error the captured graph as it is (eager), with a warning."""
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph: fx.GraphModule, example_inputs):
         try:  # the backward is lowered now, not at its first run, so its failure is caught here too
             with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
                 return compile_fx(graph, example_inputs)
+        except (RestartAnalysis, SkipFrame):
+            raise  # dynamo's own control flow (trace again with other choices), not a failure
         except Exception as e:  # noqa: BLE001 - any compiler error: never a wrong result, eager instead
             where = _culprit(e, graph)
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -353,17 +356,57 @@ def _inductor(label: str, log_: CompileLog) -> Callable:
 
 
 def _culprit(e: Exception, graph: fx.GraphModule) -> str:
-    """The op or kernel a compile error names: Inductor's lowering target, a C++ kernel's name (Inductor
-    names its kernels after the ops they fuse), else the graph's ops."""
+    """The op a compile error is about: Inductor's lowering target when the error names one, else the first op
+    of the graph that fails to compile alone (``_fails_alone``: a C++ or Triton error names only its kernel's
+    file), else the graph's ops."""
     target = getattr(e, "target", None) or getattr(getattr(e, "inner_exception", None), "target", None)
     if target is not None:
         return f"op {target}"
-    text = str(e)
-    kernels = sorted(set(re.findall(r"cpp_fused_\w+|triton_\w+", text)))
-    if kernels:
-        return f"kernel {', '.join(kernels[:3])}"
+    seen: set = set()
+    for n in graph.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target not in seen:
+            seen.add(n.target)
+            if len(seen) > _MAX_ISOLATED:
+                break
+            if _fails_alone(n):
+                return f"op {n.target}"
     ops = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"})
     return f"a graph of {', '.join(ops[:8])}{' ...' if len(ops) > 8 else ''}"
+
+
+_MAX_ISOLATED = 32  # distinct ops tried alone after a failure (each a small compile)
+
+
+def _fails_alone(node: fx.Node) -> bool:
+    """Whether Inductor fails to compile ``node``'s op alone, on zeros shaped like its inputs (no autograd)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    g = fx.Graph()
+    inputs: list[torch.Tensor] = []
+
+    def place(a):
+        v = a.meta.get("example_value")
+        if not isinstance(v, torch.Tensor):
+            raise _NotIsolable
+        inputs.append(torch.zeros(v.shape, dtype=v.dtype, device=v.device))
+        return g.placeholder(f"x{len(inputs)}")
+
+    try:
+        args = fx.map_arg(node.args, place)
+        kwargs = fx.map_arg(node.kwargs, place)
+    except _NotIsolable:
+        return False
+    g.output(g.call_function(node.target, args, kwargs))
+    try:
+        with torch.no_grad():
+            compile_fx(fx.GraphModule(torch.nn.Module(), g), inputs)
+    except Exception:  # noqa: BLE001 - what is asked is whether it fails
+        return True
+    return False
+
+
+class _NotIsolable(Exception):
+    """An input of the op is no tensor with a known shape."""
 
 
 class CompiledCall:
