@@ -163,7 +163,9 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._params = params
         self.compile_log = None  # what torch_compile compiled and ran eagerly (runtime/build/compiled.py)
         if options.torch_compile:
-            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, options.sub_pipeline_tp)
+            split = any(split_backwards(actions) for actions in schedule.actions)
+            sub = options.sub_pipeline_tp
+            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, sub, split)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import operator
-import re
 import time
 import warnings
 from collections.abc import Callable
@@ -333,14 +332,19 @@ def _eager(fn: Callable) -> Callable:
 
 
 # -- compiling, with a fallback ---------------------------------------------------------------------------
-def _inductor(label: str, log_: CompileLog) -> Callable:
-    """A dynamo back end: Inductor, or on an error the captured graph as it is (eager), with a warning."""
+def _inductor(label: str, log_: CompileLog, retains_graph: bool) -> Callable:
+    """A dynamo back end: Inductor, or on an error the captured graph as it is (eager), with a warning.
+    ``retains_graph``: the backward runs with ``retain_graph=True`` (a split backward's B), which AOTAutograd's
+    donated buffers (a backward reusing its saved tensors' memory) forbid: they are off for its compile, and
+    (AOTAutograd checks the flag again when the backward runs) in the whole process from then on."""
     from torch._dynamo.exc import RestartAnalysis, SkipFrame
     from torch._inductor.compile_fx import compile_fx
 
     def backend(graph: fx.GraphModule, example_inputs):
+        if retains_graph:
+            torch._functorch.config.donated_buffer = False
         try:  # the backward is lowered now, not at its first run, so its failure is caught here too
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, donated_buffer=not retains_graph):
                 return compile_fx(graph, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # dynamo's own control flow (trace again with other choices), not a failure
@@ -349,6 +353,7 @@ def _inductor(label: str, log_: CompileLog) -> Callable:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             note = f"{label}: {where}: {type(e).__name__}: {first[:300]}"
             log_.failed.append(note)
+            log.warning("autopar.compile: %s", note, exc_info=e)  # the whole error, for a bug report
             warnings.warn(f"torch.compile failed on {note}; that graph runs eagerly", RuntimeWarning, stacklevel=2)
             return graph.forward
 
@@ -427,23 +432,24 @@ class CompiledCall:
         return out
 
 
-def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog) -> None:
-    """Run ``part`` through torch.compile (Inductor) from its next call on."""
+def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_graph: bool = False) -> None:
+    """Run ``part`` through torch.compile (Inductor) from its next call on (``retains_graph``: ``_inductor``'s)."""
     gm = compilable(part.module, comm, label, log_)
     for why in log_.eager.get(label, ()):
         log.info("autopar.compile: %s: %s", label, why)
-    fn = torch.compile(gm, backend=_inductor(label, log_), dynamic=False)
+    fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
     part.call = CompiledCall(fn, label, log_)
 
 
-def compile_parts(parts: dict[str, Part], comm: Comm) -> CompileLog:
-    """Compile every part of a rank (label -> part; a part listed twice is compiled once), with one log."""
+def compile_parts(parts: dict[str, Part], comm: Comm, retains_graph: set[str] = frozenset()) -> CompileLog:
+    """Compile every part of a rank (label -> part; a part listed twice is compiled once), with one log;
+    ``retains_graph``: the labels whose backward is split (``_inductor``)."""
     log_ = CompileLog()
     done: set[int] = set()
     for label, part in parts.items():
         if id(part) not in done:
             done.add(id(part))
-            compile_part(part, comm, label, log_)
+            compile_part(part, comm, label, log_, label in retains_graph)
     return log_
 
 
@@ -459,14 +465,17 @@ def runner_parts(runners: dict, label: str) -> dict[str, Part]:
     return out
 
 
-def compile_rank(forward_runners: dict, train_runners: dict, comm: Comm, sub_pipelined: bool) -> CompileLog:
+def compile_rank(
+    forward_runners: dict, train_runners: dict, comm: Comm, sub_pipelined: bool, split_backward: bool
+) -> CompileLog:
     """Compile a rank's forward and training programs; the log says what runs eagerly. Sub-pipelined
     tensor parallelism interprets its training programs node by node (``runtime/execute/subpipeline.py``),
-    so those stay eager there."""
+    so those stay eager there; ``split_backward``: the schedule runs B and W apart (retaining the graph)."""
     parts = runner_parts(forward_runners, "forward")
+    train = runner_parts(train_runners, "stage")
     if not sub_pipelined:
-        parts |= runner_parts(train_runners, "stage")
-    log_ = compile_parts(parts, comm)
+        parts |= train
+    log_ = compile_parts(parts, comm, set(train) if split_backward else set())
     if sub_pipelined:
         for label in runner_parts(train_runners, "stage"):
             log_.eager[label] = ["the whole program (sub_pipeline_tp interprets it at its collectives)"]
