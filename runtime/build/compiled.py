@@ -14,10 +14,11 @@ Triton on GPU); forward and backward are compiled together (AOTAutograd), so the
   emitted as f and its matmuls again: Inductor fuses those itself.
 - **keyed dropout**: the mask is ``autopar::dropout_mask``, an op reading the site's current step and
   microbatch when it runs (``runtime/build/rng.py``), so no step recompiles the program; the multiply fuses.
-- **vocab-parallel embedding**: its block's first row is a constant of the rank; the rest is plain ATen.
-- anything else the rewrite does not know (ZeRO-3's unit gathers and releases, the vocab-parallel
-  cross-entropy's own autograd) is called through ``torch.compiler.disable``: a graph break there, the
-  compute between compiled; ``CompileLog.eager`` lists each such call and why, and it is logged.
+- **vocab-parallel embedding and cross-entropy**: the rank's block of the vocabulary is a constant; the
+  cross-entropy's three reductions are ``autopar::reduce`` and its backward is autograd's (``vocab_cross_entropy``).
+- anything else the rewrite does not know (ZeRO-3's unit gathers and releases) is called through
+  ``torch.compiler.disable``: a graph break there, the compute between compiled; ``CompileLog.eager`` lists
+  each such call and why, and it is logged.
 
 What the runtime's overlap becomes: a collective in a compiled program waits where it stands (the eager
 program does too, but for three overlaps that the compiled form gives up and the log states: Megatron f's
@@ -51,7 +52,7 @@ from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import MM, column_linears
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
-from autopar.runtime.comm.vocab_parallel import vocab_parallel_embedding
+from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from autopar.runtime.execute.stage_runner import Part
 
 log = logging.getLogger("autopar.compile")
@@ -233,6 +234,35 @@ def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
+def vocab_cross_entropy(logits, target, comm: int, axes: list[str], reduction: int = 1, ignore_index: int = -100):
+    """``vocab_parallel_cross_entropy`` in traceable ops: the row max, the softmax denominator and the target's
+    logit all-reduced over ``axes`` (the max without a gradient: the loss does not depend on it; the sums as
+    Megatron's g, whose backward is the identity), so autograd derives softmax minus the one-hot target."""
+    c = _COMMS[comm]
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    local = logits.shape[1]
+    start = block * local
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    row_max = logits.detach().max(dim=1).values
+    for a in axes:
+        row_max = _reduce(row_max, comm, a, "max")
+    shifted = logits - row_max.unsqueeze(1)
+    denom = shifted.exp().sum(dim=1)
+    ignored = target == ignore_index
+    outside = (target < start) | (target >= start + local) | ignored
+    idx = (target - start).masked_fill(outside, 0)
+    picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+    for a in axes:
+        denom = all_reduce(denom, comm, a, "sum")
+        picked = all_reduce(picked, comm, a, "sum")
+    loss = (denom.log() - picked).masked_fill(ignored, 0.0)
+    if reduction == 1:  # mean over the rows that are not ignored
+        return loss.sum() / (~ignored).sum()
+    return loss.sum() if reduction == 2 else loss
+
+
 def _column_matmul(kind: str, x, w, b):
     if kind == MM:
         return torch.ops.aten.mm.default(x, w) if b is None else torch.ops.aten.addmm.default(b, x, w)
@@ -300,6 +330,8 @@ def compilable(gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog) -> 
             for a in kwargs["axes"]:
                 block = block * comm.sizes[a] + comm.coords[a]
             new = graph.call_function(embedding_block, (args[0], args[1], block, kwargs["padding_idx"]))
+        elif t is vocab_parallel_cross_entropy:
+            new = graph.call_function(vocab_cross_entropy, (args[0], args[1], cid, *args[2:]), kwargs)
         elif t is column_linears:
             x, weights, biases, kinds, axis = args
             f = graph.call_function(grad_all_reduce, (x, cid, axis))
