@@ -3,7 +3,7 @@ numbers as one process and as autopar eager (float64, 1e-10 relative) on dp x tp
 (the split backward) and ZeRO-3, with dropout's keyed masks and in bf16; and dynamo really compiled them.
 
 One spawn of 4 gloo ranks runs every mesh (compiling is the expensive part: Inductor's cache is a temporary
-folder the ranks share). Each compiled run is checked to have compiled graphs (dynamo's counters) and to
+folder the ranks share, or ``TORCHINDUCTOR_CACHE_DIR`` when set, which a second run then reads). Each compiled run is checked to have compiled graphs (dynamo's counters) and to
 have run every training program through its compiled call with no compile failure, so a silent fallback to
 eager fails the test.
 """
@@ -64,7 +64,8 @@ def _ranks(rank: int, world: int, cache: str) -> dict:
 @pytest.mark.multiproc
 @pytest.mark.timeout(1800)  # Inductor compiles about 20 programs on every rank: minutes on 2 shared cores
 def test_compiled_programs_equal_one_process_and_eager_on_dp_tp_pp_zbv_zero3(tmp_path):
-    results = run_distributed(_ranks, 4, str(tmp_path / "inductor"), timeout=900)
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")  # one folder for every rank
+    results = run_distributed(_ranks, 4, cache, timeout=1700)
     for rank, res in enumerate(results):
         for job in JOBS:
             name = job["name"]
