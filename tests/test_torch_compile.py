@@ -3,9 +3,10 @@ numbers as one process and as autopar eager (float64, 1e-10 relative) on dp x tp
 (the split backward) and ZeRO-3, with dropout's keyed masks and in bf16; and dynamo really compiled them.
 
 One spawn of 4 gloo ranks runs every mesh (compiling is the expensive part: Inductor's cache is a temporary
-folder the ranks share, or ``TORCHINDUCTOR_CACHE_DIR`` when set, which a second run then reads). Each compiled run is checked to have compiled graphs (dynamo's counters) and to
-have run every training program through its compiled call with no compile failure, so a silent fallback to
-eager fails the test.
+folder the ranks share, or ``TORCHINDUCTOR_CACHE_DIR`` when set, which a second run then reads). Each
+compiled run is checked to have compiled graphs (dynamo's counters) and to have run every training program
+through its compiled call with no compile failure and no call left eager but ZeRO-3's gathers, so a silent
+fallback to eager fails the test.
 """
 
 from __future__ import annotations
