@@ -94,8 +94,11 @@ def _(x, comm, axis, dim, chunks):
 
 @torch.library.custom_op("autopar::dropout_mask", mutates_args=())
 def _dropout_mask(x: torch.Tensor, site: int) -> torch.Tensor:
-    """Dropout site ``site``'s keep mask at its current step and microbatch, scaled by 1/(1-p), in x's dtype."""
+    """Dropout site ``site``'s keep mask at its current step and microbatch, scaled by 1/(1-p), in x's dtype
+    (zeros for p >= 1)."""
     s = _SITES[site]
+    if s.p >= 1.0:
+        return torch.zeros_like(x)
     return s.keep().to(x.dtype).mul_(1.0 / (1.0 - s.p))
 
 
@@ -215,12 +218,10 @@ _TRACEABLE_COLLECTIVES = {
 
 
 def keyed_dropout(x: torch.Tensor, site: int) -> torch.Tensor:
-    """``runtime/build/rng.keyed_dropout`` with the mask from ``autopar::dropout_mask``."""
-    s = _SITES[site]
-    if not s.rng.training:
+    """``runtime/build/rng.keyed_dropout`` with the mask from ``autopar::dropout_mask`` (which reads p itself:
+    a Python float read here would be traced as a symbolic scalar)."""
+    if not _SITES[site].rng.training:
         return x
-    if s.p >= 1.0:
-        return x * 0.0
     return x * _dropout_mask(x, site)
 
 
