@@ -209,3 +209,26 @@ def test_a_compile_failure_names_the_kernel_warns_and_runs_eagerly(one_process):
         fine, m = _train_relu_mlp(True)  # without the bug: compiled, no warning, the same numbers to rounding
     assert not m.compile_log.failed and "stage0" in m.compile_log.first_s
     assert ((fine - eager).abs() / eager.abs()).max() < TOL
+
+
+def test_a_split_backward_runs_a_compiled_regions_backward_once_and_equals_the_whole():
+    """B of a compiled region (one autograd node) keeps what it gave its weights; W starts below it."""
+    import torch._functorch.config as functorch_config
+
+    from autopar.runtime.execute.split_backward import input_gradients
+
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+    region = torch.compile(lambda x: torch.tanh(x @ w).sum(0), backend="aot_eager")
+    x0 = torch.randn(3, 4, dtype=torch.float64)
+    ones = torch.ones(4, dtype=torch.float64)
+    gw, gx = torch.autograd.grad(torch.tanh(x0.requires_grad_() @ w).sum(0), (w, x0), ones)
+    with functorch_config.patch(donated_buffer=False):  # B retains the graph
+        x = x0.detach().requires_grad_()
+        y = region(x)
+        runs = []
+        y.grad_fn.register_prehook(lambda grads: runs.append(1))
+        assert type(y.grad_fn).__name__ == "CompiledFunctionBackward"
+        weights = input_gradients([(y, torch.ones_like(y))])
+        assert w.grad is None and torch.allclose(x.grad, gx)  # B: the input's gradient only
+        weights.run()
+    assert torch.allclose(w.grad, gw) and len(runs) == 1  # W: the weight's, without running the region again

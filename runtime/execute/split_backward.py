@@ -78,8 +78,12 @@ class WeightGrads:
                     if grad is not None:
                         edges.append(GradientEdge(node, i))
                         grads.append(grad)
-            for node in [*g.roots, *g.captures]:
-                for edge, grad in self._roots.get(node, ()) if node in g.roots else self._below.get(node, ()):
+            for node in g.roots:  # an output no input depends on: W starts there with its given gradient
+                for edge, grad in self._roots.get(node, ()):
+                    edges.append(edge)
+                    grads.append(grad)
+            for node in g.captures:  # a compiled region: W starts below it, from what it gave its weights in B
+                for edge, grad in self._below.get(node, ()):
                     edges.append(edge)
                     grads.append(grad)
             if not edges:
