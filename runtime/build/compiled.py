@@ -222,7 +222,7 @@ def keyed_dropout(x: torch.Tensor, site: int) -> torch.Tensor:
     a Python float read here would be traced as a symbolic scalar)."""
     if not _SITES[site].rng.training:
         return x
-    return x * _dropout_mask(x, site)
+    return x * _dropout_mask(x.detach(), site)  # the mask carries no gradient
 
 
 def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding_idx: int) -> torch.Tensor:
@@ -402,7 +402,8 @@ def _culprit(e: Exception, graph: fx.GraphModule) -> str:
         return f"op {target}"
     seen: set = set()
     for n in graph.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target not in seen:
+        one_tensor = isinstance(n.meta.get("example_value"), torch.Tensor)  # an op alone returns one tensor
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and one_tensor and n.target not in seen:
             seen.add(n.target)
             if len(seen) > _MAX_ISOLATED:
                 break
