@@ -403,7 +403,8 @@ def _culprit(e: Exception, graph: fx.GraphModule) -> str:
     seen: set = set()
     for n in graph.graph.nodes:
         one_tensor = isinstance(n.meta.get("example_value"), torch.Tensor)  # an op alone returns one tensor
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and one_tensor and n.target not in seen:
+        op = n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        if op and one_tensor and n.target not in seen:
             seen.add(n.target)
             if len(seen) > _MAX_ISOLATED:
                 break
