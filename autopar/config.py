@@ -95,6 +95,7 @@ class TrainConfig:
     # passes/batch_coupling.py) is refused more than one microbatch ("exact"), or runs each microbatch as its
     # own batch ("per_microbatch", what Megatron's and torch's pipelines do silently)
     microbatch_semantics: str = "exact"
+    torch_compile: bool = False  # compile each rank's programs with torch.compile (Inductor), collectives included
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -195,7 +196,8 @@ class TrainConfig:
         return RuntimeOptions(
             self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy(),
             microbatch_semantics=self.microbatch_semantics,
-        )
+            torch_compile=self.torch_compile,
+        )  # fmt: skip
 
     # -- files ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

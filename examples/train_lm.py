@@ -6,6 +6,7 @@ evaluation, checkpoints and a progress bar.
     torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,dp=2 --microbatches 4 --zero 2
     torchrun --nproc-per-node 8 examples/train_lm.py --mesh pp=2,dp=2,tp=2 --ckpt-dir out/lm/ckpt --ckpt-every 50
     torchrun --nproc-per-node 8 examples/train_lm.py --mesh pp=2,dp=2,tp=2 --ckpt-dir out/lm/ckpt --resume
+    torchrun --nproc-per-node 4 examples/train_lm.py --mesh pp=2,tp=2 --schedule zbv --microbatches 4 --compile
     python examples/train_lm.py --reference      # the same training in one process, plain PyTorch
 
 The corpus is the bytes of the Python standard library's source files (``autopar.data.text_corpus``: on
@@ -149,6 +150,8 @@ def run(args) -> dict:
     groups = lambda name: {"weight_decay": 0.0} if no_decay(name) else {}  # noqa: E731
     adamw = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": args.weight_decay}
     if args.reference:
+        if args.compile:  # the same comparison compiled: the plain model through torch.compile
+            model.compile()
         named = list(model.named_parameters())
         opt = torch.optim.AdamW(
             [{"params": [p for n, p in named if not no_decay(n)]},
@@ -165,7 +168,7 @@ def run(args) -> dict:
         example = torch.utils.data.default_collate([train_set[i] for i in range(args.batch)])
         model = autopar.compile(
             model, mesh, kwargs=example, microbatches=args.microbatches, schedule=args.schedule,
-            zero=args.zero, batch="local", seed=args.seed,
+            zero=args.zero, batch="local", seed=args.seed, torch_compile=args.compile,
         )  # fmt: skip
         # two groups by the model's own parameter names (ZeRO shards each group's states as the plan says)
         opt = model.make_optimizer(torch.optim.AdamW, groups, max_grad_norm=args.clip, **adamw)
@@ -268,6 +271,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (gpipe, 1f1b, interleaved, wave, scp)")
     p.add_argument("--zero", type=int, default=0, help="ZeRO stage over the dp axes (0-3)")
     p.add_argument("--reference", action="store_true", help="train the plain model in this one process")
+    p.add_argument("--compile", action="store_true", help="compile each rank's programs with torch.compile (Inductor)")
     p.add_argument("--steps", type=int, default=200, help="steps of the learning-rate schedule")
     p.add_argument("--until", type=int, default=0, help="stop after this step (0: --steps); --resume goes on")
     p.add_argument("--batch", type=int, default=16, help="global batch (windows per step, all ranks together)")

@@ -42,6 +42,7 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.batch_coupling import microbatching_refusal
 from autopar.passes.stage_program import StageProgram
+from autopar.runtime.build.compiled import compile_rank
 from autopar.runtime.build.params import LocalTensors, register
 from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
 from autopar.runtime.build.rng import DropoutRng
@@ -85,6 +86,7 @@ class RuntimeOptions:
     # "exact": a loss that couples the batch (passes/batch_coupling.py) is refused more than one piece;
     # "per_microbatch": each piece is trained as its own batch
     microbatch_semantics: str = "exact"
+    torch_compile: bool = False  # each program through torch.compile / Inductor (runtime/build/compiled.py)
 
     @property
     def sub_microbatches(self) -> int:
@@ -165,6 +167,11 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             params[n] = self.zero3.slice_of(n)
             register(self, n, params[n])
         self._params = params
+        self.compile_log = None  # what torch_compile compiled and ran eagerly (runtime/build/compiled.py)
+        if options.torch_compile:
+            split = any(split_backwards(actions) for actions in schedule.actions)
+            sub = options.sub_pipeline_tp
+            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, sub, split)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(

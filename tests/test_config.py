@@ -69,6 +69,7 @@ def test_every_layer_reads_its_options_from_the_one_config():
         objective="memory", alpha=2.0, budget="3GiB", zero=2, mics_group=2, bucket_cap_mb=4, precision="bf16",
         schedule="interleaved", schedule_options={"chunks": 2}, microbatches=4, batch="local", data_parallel="inputs",
         sub_pipeline_tp=True, timeout=30.0, record=False, optimizer="sgd", solver="highs", time_limit=5.0,
+        torch_compile=True,
     )  # fmt: skip
     setup = cfg.training_setup()
     assert setup == TrainingSetup(
@@ -88,6 +89,7 @@ def test_every_layer_reads_its_options_from_the_one_config():
         "local",
     )
     assert run.precision == MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    assert run.torch_compile and not TrainConfig().runtime_options().torch_compile
     assert cfg.schedule_kwargs() == {"chunks": 2}
     assert TrainConfig(recompute=True).schedule_kwargs() == {"recompute": 1}
     # a ShardOptions given as the base keeps its internal fields (the baselines' constraints)

@@ -22,6 +22,9 @@ twice:
 - A weight reached from two such nodes, one of which lies on the other's input path (a parameter
   used twice), would have the engine run the path between them again; a pre-hook clamps the lower
   node's gradient to the captured one, so nothing is counted twice (only that path's work repeats).
+- A compiled region (``torch_compile=True``, runtime/build/compiled.py) is one node whose backward computes
+  every input's gradient at once: there B keeps, by a post-hook, the gradients the node gave its weight-side
+  inputs, and W starts below the node from those, so the region's backward runs once (in B).
 
 Memory kept from B to W: the graph below the highest capture point, i.e. what the forward saved for
 backward (B cannot free it: W reads the same saved inputs), plus the captured gradients, about one
@@ -48,6 +51,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 # process, and a rank's B must never file its W with another rank's step
 _LOCAL = threading.local()
 Starts = dict[Node, list[tuple[GradientEdge, torch.Tensor]]]  # an output node no input depends on -> (edge, grad)
+_COMPILED_REGION = "CompiledFunctionBackward"  # AOTAutograd's node: one backward for every input of the region
 
 
 class _Group:
@@ -62,8 +66,8 @@ class _Group:
 class WeightGrads:
     """What a B kept for its W: per group, the starting gradient edges and the weights they reach."""
 
-    def __init__(self, groups: list[_Group], captured: dict[Node, tuple], roots: Starts):
-        self._groups, self._captured, self._roots = groups, captured, roots
+    def __init__(self, groups: list[_Group], captured: dict[Node, tuple], roots: Starts, below: Starts):
+        self._groups, self._captured, self._roots, self._below = groups, captured, roots, below
 
     def run(self) -> None:
         """W: accumulate every weight's gradient into its ``.grad`` (call once)."""
@@ -74,24 +78,28 @@ class WeightGrads:
                     if grad is not None:
                         edges.append(GradientEdge(node, i))
                         grads.append(grad)
-            for node in g.roots:
+            for node in g.roots:  # an output no input depends on: W starts there with its given gradient
                 for edge, grad in self._roots.get(node, ()):
+                    edges.append(edge)
+                    grads.append(grad)
+            for node in g.captures:  # a compiled region: W starts below it, from what it gave its weights in B
+                for edge, grad in self._below.get(node, ()):
                     edges.append(edge)
                     grads.append(grad)
             if not edges:
                 continue  # no gradient reached this group's weights: they get none, as in a whole backward
             clamps = []
-            if len(g.captures) > 1:  # one capture point may lie on another's path: keep each at its B value
-                for node in g.captures:
-                    saved = self._captured.get(node)
-                    if saved is not None:
-                        clamps.append(node.register_prehook(lambda _grads, saved=saved: saved))
+            pre = [node for node in g.captures if node in self._captured]
+            if len(pre) > 1:  # one capture point may lie on another's path: keep each at its B value
+                for node in pre:
+                    saved = self._captured[node]
+                    clamps.append(node.register_prehook(lambda _grads, saved=saved: saved))
             try:
                 torch.autograd.backward(edges, grads, retain_graph=True, inputs=g.weights)
             finally:
                 for handle in clamps:
                     handle.remove()
-        self._groups, self._captured, self._roots = [], {}, {}  # the graph is freed with them
+        self._groups, self._captured, self._roots, self._below = [], {}, {}, {}  # the graph is freed with them
 
 
 def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> WeightGrads:
@@ -123,10 +131,22 @@ def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -
     on_path = _ancestors(inputs, parents)  # nodes whose gradient reaches an input
     groups = _groups([n for n in leaves if n not in on_path], parents, on_path, {node for node, _ in roots})
     captured: dict[Node, tuple] = {}
+    below: Starts = {}  # a compiled region -> (edge to a weight-side input, the gradient the region gave it)
+
+    def keep_below(node: Node, grad_inputs) -> None:
+        below[node] = [
+            (GradientEdge(child, nr), grad)
+            for (child, nr), grad in zip(node.next_functions, grad_inputs)
+            if child is not None and child not in on_path and grad is not None
+        ]
+
     hooks = []
     for g in groups:
         for node in g.captures:
-            hooks.append(node.register_prehook(lambda grads, node=node: captured.__setitem__(node, tuple(grads))))
+            if type(node).__name__ == _COMPILED_REGION:
+                hooks.append(node.register_hook(lambda grad_inputs, _grads, node=node: keep_below(node, grad_inputs)))
+            else:
+                hooks.append(node.register_prehook(lambda grads, node=node: captured.__setitem__(node, tuple(grads))))
     try:
         if inputs:
             starts = [(edge, g) for (node, _), (edge, g) in roots.items() if node in on_path]
@@ -143,7 +163,7 @@ def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -
     for (node, _), pair in roots.items():
         if node not in on_path:
             starts[node].append(pair)
-    return WeightGrads(groups, captured, starts)
+    return WeightGrads(groups, captured, starts, below)
 
 
 def _ancestors(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:

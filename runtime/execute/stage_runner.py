@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
@@ -13,11 +14,13 @@ from autopar.ir.core import Program
 
 @dataclass
 class Part:
-    """A GraphModule and the names of its placeholders (the program's ``input`` values, in order)."""
+    """A GraphModule and the names of its placeholders (the program's ``input`` values, in order); ``call``,
+    when set, runs the module in its place (its compiled form, ``runtime/build/compiled.py``)."""
 
     module: fx.GraphModule
     inputs: tuple[str, ...]
     grad: tuple[bool, ...]  # whether a gradient flows through each input
+    call: Callable[..., tuple] | None = None
 
     @classmethod
     def of(cls, module: fx.GraphModule, prog: Program) -> Part:
@@ -25,7 +28,7 @@ class Part:
         return cls(module, tuple(v.name for v in values), tuple(bool(v.attrs.get("grad")) for v in values))
 
     def __call__(self, env: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple(self.module(*(env[n] for n in self.inputs)))
+        return tuple((self.call or self.module)(*(env[n] for n in self.inputs)))
 
 
 @dataclass

@@ -1,0 +1,179 @@
+"""autopar with ``torch_compile=True`` beside torch's peers compiled too, and beside itself eager: step-time ratios.
+
+    .venv/bin/python bench/torch_compile_vs_peers.py                       # the three pairs, LLaMA, 2 ranks
+    .venv/bin/python bench/torch_compile_vs_peers.py --pairs dp --repeats 2 --steps 3 --layers 2 --hidden 64
+
+Pairs (A / B; < 1: autopar faster), each system in fresh gloo processes (one thread per rank), the pair's two
+systems alternating A B A B for --repeats rounds (shared/BENCHMARKING.md); every process shares one Inductor
+cache folder (``TORCHINDUCTOR_CACHE_DIR``, a temporary one unless set), so a round after the first loads its
+kernels:
+
+- ``dp``: autopar compiled on dp=ranks (the default plan) / ``torch.compile(DistributedDataParallel(model))``;
+- ``zero3``: autopar compiled with ZeRO-3 on dp=ranks / FSDP2 (``fully_shard`` per decoder layer, then the root)
+  under ``torch.compile``;
+- ``self``: autopar compiled / autopar eager, the same dp plan.
+
+Each run does two warm-up steps (the first compiles), then times --steps steps (forward, backward, AdamW) and
+reports their median, the slowest rank's; a pair's line is the median of its per-round ratios with their
+min-max. The model returns its loss only (bench/vs_torch_systems.py: ``LossOnly``, the same presets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _launch import add_model_args, free_port, init_worker  # noqa: E402
+from vs_torch_systems import LossOnly, model_spec  # noqa: E402
+
+PAIRS = {
+    "dp": ("autopar-dp-compiled", "ddp-compiled"),
+    "zero3": ("autopar-zero3-compiled", "fsdp2-compiled"),
+    "self": ("autopar-dp-compiled", "autopar-dp-eager"),
+}
+
+
+def build(system: str, a, rank: int):
+    """(the step function, a note): ``step()`` runs one forward, backward and optimizer step."""
+    import autopar
+    from autopar.models.resolve import build as build_model
+
+    m = build_model(model_spec("llama", a), device="cpu", seed=0)
+    model, batch = LossOnly(m.model), m.kwargs
+    world = dist.get_world_size()
+    if system.startswith("autopar"):
+        zero = 3 if "zero3" in system else 0
+        compiled = system.endswith("-compiled")
+        cm = autopar.compile(model, autopar.init_mesh("cpu", dp=world), kwargs=batch, zero=zero, torch_compile=compiled)
+        opt = cm.make_optimizer(torch.optim.AdamW, lr=1e-4)
+
+        def step():
+            cm(**batch).backward()
+            opt.step()
+            opt.zero_grad()
+
+        return step, cm
+    local = {k: v.chunk(world)[rank] for k, v in batch.items()}
+    if system == "ddp-compiled":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
+        fn = torch.compile(wrapped)
+    elif system == "fsdp2-compiled":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.m.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        fn = torch.compile(model)
+    else:
+        raise ValueError(f"unknown system {system!r}")
+
+    def step():
+        fn(**local).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, None
+
+
+def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
+    init_worker(rank, world, port, a.timeout)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
+    torch.manual_seed(0)
+    step, cm = build(system, a, rank)
+    t0 = time.perf_counter()
+    step()  # the first step traces and compiles
+    first = time.perf_counter() - t0
+    step()
+    times = []
+    for _ in range(a.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    med = torch.tensor([statistics.median(times), first])
+    dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
+    if rank == 0:
+        eager = {k: v for k, v in (cm.compile_log.eager.items() if cm is not None and cm.compile_log else ())}
+        failed = list(cm.compile_log.failed) if cm is not None and cm.compile_log else []
+        with open(out, "w") as f:
+            json.dump({"median_s": med[0].item(), "first_s": med[1].item(), "eager": eager, "failed": failed}, f)
+
+
+def spawn(system: str, a) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        mp.spawn(run_one, args=(a.ranks, free_port(), system, a, out), nprocs=a.ranks, join=True)
+        with open(out) as f:
+            return json.load(f)
+
+
+def run_pair(pair: str, a) -> dict:
+    ours, peer = PAIRS[pair]
+    runs: dict[str, list[dict]] = {ours: [], peer: []}
+    for r in range(a.repeats):
+        for system in (ours, peer):  # A B A B
+            res = spawn(system, a)
+            runs[system].append(res)
+            print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {res['median_s']:.3f} s/step, first step "
+                  f"{res['first_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    ratios = [x["median_s"] / y["median_s"] for x, y in zip(runs[ours], runs[peer])]
+    return {
+        "pair": pair,
+        "ours": ours,
+        "peer": peer,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "median_s": {s: statistics.median(x["median_s"] for x in v) for s, v in runs.items()},
+        "first_s": {s: statistics.median(x["first_s"] for x in v) for s, v in runs.items()},
+        "eager_parts": runs[ours][0]["eager"],
+        "failed": runs[ours][0]["failed"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p)
+    p.add_argument("--pairs", default="dp,zero3,self")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    a.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.mkdtemp(prefix="autopar-inductor-")
+    results = [run_pair(pair, a) for pair in a.pairs.split(",")]
+    load = os.getloadavg()[0]
+    print(f"ranks {a.ranks}, load {load:.1f}, LLaMA {a.layers} layers hidden {a.hidden} batch {a.batch} x {a.seq}")
+    for r in results:
+        ms = r["median_s"]
+        print(
+            f"{r['pair']:6s} {r['ours']} / {r['peer']}: {r['ratio_median']:.2f} "
+            f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            f"  [{ms[r['ours']]:.3f} vs {ms[r['peer']]:.3f} s/step; first step {r['first_s'][r['ours']]:.1f} vs "
+            f"{r['first_s'][r['peer']]:.1f} s]"
+        )
+        for label, calls in r["eager_parts"].items():
+            print(f"        eager in {label}: {'; '.join(calls)}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"load": load, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,521 @@
+"""torch.compile over a rank's generated programs (``TrainConfig.torch_compile``): Inductor sees the collectives.
+
+Each generated GraphModule (a stage, a recomputation head or rest, the forward program) is rewritten into a
+copy whose every call dynamo can trace, and that copy is compiled with Inductor (its C++ back end on CPU,
+Triton on GPU); forward and backward are compiled together (AOTAutograd), so the backward the executor runs
+(``B``, and ``W`` of a split backward) is compiled code too. The rewrite:
+
+- **collectives** become autograd functions over two autopar ops registered with ``torch.library``
+  (``autopar::reduce``: the all-reduce; ``autopar::gather``: the all-gather and its reassembly), each with a
+  fake kernel giving its output's shape, so dynamo traces through them and Inductor schedules and fuses the
+  compute around them as nodes of its graph; a shard is plain slicing (the rank's coordinates are constants
+  of its program). The process groups are named by a number into this module's table (``_COMMS``), so a
+  compiled backward needs no ``use_comm`` in force when it runs. Megatron's fused f (``column_linears``) is
+  emitted as f and its matmuls again: Inductor fuses those itself.
+- **keyed dropout**: the mask is ``autopar::dropout_mask``, an op reading the site's current step and
+  microbatch when it runs (``runtime/build/rng.py``), so no step recompiles the program; the multiply fuses.
+- **vocab-parallel embedding and cross-entropy**: the rank's block of the vocabulary is a constant; the
+  cross-entropy's three reductions are ``autopar::reduce`` and its backward is autograd's (``vocab_cross_entropy``).
+- anything else the rewrite does not know (ZeRO-3's unit gathers and releases) is called through
+  ``torch.compiler.disable``: a graph break there, the compute between compiled; ``CompileLog.eager`` lists
+  each such call and why, and it is logged.
+
+What the runtime's overlap becomes: a collective in a compiled program waits where it stands (the eager
+program does too, but for three overlaps that the compiled form gives up and the log states: Megatron f's
+gradient all-reduce behind its weight gradients, the deferred wait of a returned loss, and ZeRO-3's
+prefetch, which the graph breaks at its gathers keep). Gradient buckets are filled by the parameters'
+accumulation hooks as before; a compiled backward delivers a region's gradients together at its end.
+
+A compile failure never gives a wrong result: the failing graph runs eagerly (the graph dynamo captured, op
+for op), with a warning naming its first kernel or op and the error. The first call of each program is
+timed apart from the later ones (``CompileLog``; logger ``autopar.compile``). Inductor's FX graph cache and
+AOTAutograd's cache are on (torch's defaults, kept on here), in ``TORCHINDUCTOR_CACHE_DIR``
+(default ``/tmp/torchinductor_<user>``): a second run of the same plan loads its kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from autopar.runtime.build import rng as keyed
+from autopar.runtime.build.precision import cast_to
+from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.column_linear import MM, column_linears
+from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
+from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from autopar.runtime.execute.stage_runner import Part
+
+log = logging.getLogger("autopar.compile")
+
+_COMMS: list[Comm] = []  # the process groups the compiled programs of this process name by number
+_SITES: list[keyed.DropoutSite] = []  # the keyed dropout sites, likewise
+
+
+# -- the ops the compiler sees ----------------------------------------------------------------------------
+@torch.library.custom_op("autopar::reduce", mutates_args=())
+def _reduce(x: torch.Tensor, comm: int, axis: str, op: str) -> torch.Tensor:
+    """All-reduce of ``x`` over ``axis`` of communicator ``comm``: ``sum``, ``avg`` or ``max``."""
+    c = _COMMS[comm]
+    y = x.contiguous().clone()
+    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=c.groups[axis])
+    return y / c.sizes[axis] if op == "avg" else y
+
+
+@_reduce.register_fake
+def _(x, comm, axis, op):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("autopar::gather", mutates_args=())
+def _gather(x: torch.Tensor, comm: int, axis: str, dim: int, chunks: int) -> torch.Tensor:
+    """All-gather of ``x`` over ``axis``, reassembled as ``Shard(dim, chunks)`` lays the shards out."""
+    c = _COMMS[comm]
+    parts = [torch.empty_like(x) for _ in range(c.sizes[axis])]
+    dist.all_gather(parts, x.contiguous(), group=c.groups[axis])
+    return unshard_tensor(parts, dim, chunks)
+
+
+@_gather.register_fake
+def _(x, comm, axis, dim, chunks):
+    shape = list(x.shape)
+    shape[dim] *= _COMMS[comm].sizes[axis]
+    return torch.empty(shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("autopar::dropout_mask", mutates_args=())
+def _dropout_mask(x: torch.Tensor, site: int) -> torch.Tensor:
+    """Dropout site ``site``'s keep mask at its current step and microbatch, scaled by 1/(1-p), in x's dtype
+    (zeros for p >= 1)."""
+    s = _SITES[site]
+    if s.p >= 1.0:
+        return torch.zeros_like(x)
+    return s.keep().to(x.dtype).mul_(1.0 / (1.0 - s.p))
+
+
+@_dropout_mask.register_fake
+def _(x, site):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+# -- the collectives over them (the conventions of runtime/comm/collectives.py) -----------------------------
+def _shard(x: torch.Tensor, c: Comm, axis: str, dim: int, chunks: int) -> torch.Tensor:
+    return shard_tensor(x, dim, chunks, c.sizes[axis], c.coords[axis]).contiguous()
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, op):
+        ctx.scale = 1.0 / _COMMS[comm].sizes[axis] if op == "avg" else 1.0
+        return _reduce(x, comm, axis, op)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g * ctx.scale if ctx.scale != 1.0 else g), None, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis):
+        ctx.comm, ctx.axis = comm, axis
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _reduce(g, ctx.comm, ctx.axis, "sum"), None, None
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim, chunks):
+        ctx.args = (comm, axis, dim, chunks)
+        return _gather(x, comm, axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, axis, dim, chunks = ctx.args
+        return _shard(g, _COMMS[comm], axis, dim, chunks), None, None, None, None
+
+
+class _LocalShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, dim, chunks):
+        ctx.args = (comm, axis, dim, chunks)
+        return _shard(x, _COMMS[comm], axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _gather(g, *ctx.args), None, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, op, dim, chunks):
+        ctx.args = (comm, axis, dim, chunks)
+        ctx.scale = 1.0 / _COMMS[comm].sizes[axis] if op == "avg" else 1.0
+        return _shard(_reduce(x, comm, axis, op), _COMMS[comm], axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        y = _gather(g, *ctx.args)
+        return (y * ctx.scale if ctx.scale != 1.0 else y), None, None, None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, axis, src_dim, src_chunks, dim, chunks):
+        ctx.args = (comm, axis, src_dim, src_chunks, dim, chunks)
+        return _shard(_gather(x, comm, axis, src_dim, src_chunks), _COMMS[comm], axis, dim, chunks)
+
+    @staticmethod
+    def backward(ctx, g):
+        comm, axis, src_dim, src_chunks, dim, chunks = ctx.args
+        y = _shard(_gather(g, comm, axis, dim, chunks), _COMMS[comm], axis, src_dim, src_chunks)
+        return y, None, None, None, None, None, None
+
+
+def all_reduce(x, comm: int, axis: str, op: str = "sum", defer: bool = False):
+    return _AllReduce.apply(x, comm, axis, op)  # defer: waited here (the compiled form's one sync point)
+
+
+def grad_all_reduce(x, comm: int, axis: str):
+    return _GradAllReduce.apply(x, comm, axis)
+
+
+def all_gather(x, comm: int, axis: str, dim: int, chunks: int = 1):
+    return _AllGather.apply(x, comm, axis, dim, chunks)
+
+
+def local_shard(x, comm: int, axis: str, dim: int, chunks: int = 1):
+    return _LocalShard.apply(x, comm, axis, dim, chunks)
+
+
+def reduce_scatter(x, comm: int, axis: str, op: str, dim: int, chunks: int = 1):
+    return _ReduceScatter.apply(x, comm, axis, op, dim, chunks)
+
+
+def all_to_all(x, comm: int, axis: str, src_dim: int, src_chunks: int, dim: int, chunks: int):
+    return _AllToAll.apply(x, comm, axis, src_dim, src_chunks, dim, chunks)
+
+
+_TRACEABLE_COLLECTIVES = {
+    coll.all_reduce: all_reduce,
+    coll.grad_all_reduce: grad_all_reduce,
+    coll.all_gather: all_gather,
+    coll.local_shard: local_shard,
+    coll.reduce_scatter: reduce_scatter,
+    coll.all_to_all: all_to_all,
+}
+
+
+def keyed_dropout(x: torch.Tensor, site: int) -> torch.Tensor:
+    """``runtime/build/rng.keyed_dropout`` with the mask from ``autopar::dropout_mask`` (which reads p itself:
+    a Python float read here would be traced as a symbolic scalar)."""
+    if not _SITES[site].rng.training:
+        return x
+    return x * _dropout_mask(x.detach(), site)  # the mask carries no gradient
+
+
+def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding_idx: int) -> torch.Tensor:
+    """``vocab_parallel_embedding`` of the rank holding block ``block`` of the table (its rows)."""
+    rows = weight.shape[0]
+    start = block * rows
+    outside = (ids < start) | (ids >= start + rows)
+    local_pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
+    out = torch.ops.aten.embedding(weight, (ids - start).masked_fill(outside, 0), local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+def vocab_cross_entropy(logits, target, comm: int, axes: list[str], reduction: int = 1, ignore_index: int = -100):
+    """``vocab_parallel_cross_entropy`` in traceable ops: the row max, the softmax denominator and the target's
+    logit all-reduced over ``axes`` (the max without a gradient: the loss does not depend on it; the sums as
+    Megatron's g, whose backward is the identity), so autograd derives softmax minus the one-hot target."""
+    c = _COMMS[comm]
+    block = 0
+    for a in axes:
+        block = block * c.sizes[a] + c.coords[a]
+    local = logits.shape[1]
+    start = block * local
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    row_max = logits.detach().max(dim=1).values
+    for a in axes:
+        row_max = _reduce(row_max, comm, a, "max")
+    shifted = logits - row_max.unsqueeze(1)
+    denom = shifted.exp().sum(dim=1)
+    ignored = target == ignore_index
+    outside = (target < start) | (target >= start + local) | ignored
+    idx = (target - start).masked_fill(outside, 0)
+    picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
+    for a in axes:
+        denom = all_reduce(denom, comm, a, "sum")
+        picked = all_reduce(picked, comm, a, "sum")
+    loss = (denom.log() - picked).masked_fill(ignored, 0.0)
+    if reduction == 1:  # mean over the rows that are not ignored
+        return loss.sum() / (~ignored).sum()
+    return loss.sum() if reduction == 2 else loss
+
+
+def _column_matmul(kind: str, x, w, b):
+    if kind == MM:
+        return torch.ops.aten.mm.default(x, w) if b is None else torch.ops.aten.addmm.default(b, x, w)
+    return torch.ops.aten.linear.default(x, w, b)
+
+
+# -- the rewrite ------------------------------------------------------------------------------------------
+@dataclass
+class CompileLog:
+    """What compiling a rank's programs did: per program, the calls run eagerly (and why), the seconds of its
+    first call (tracing and compiling included) and of each later one, and graphs that failed to compile."""
+
+    eager: dict[str, list[str]] = field(default_factory=dict)  # program label -> "call: why"
+    first_s: dict[str, float] = field(default_factory=dict)
+    later_s: dict[str, list[float]] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)  # "label: the op or kernel: the error"
+
+    def summary(self) -> str:
+        first = sum(self.first_s.values())
+        later = [sum(v) / len(v) for v in self.later_s.values() if v]
+        lines = [
+            f"torch.compile: {len(self.first_s)} programs, first calls {first:.2f} s in all"
+            + (f", later calls {sum(later) * 1e3:.1f} ms per round" if later else "")
+        ]
+        for label, calls in self.eager.items():
+            lines.append(f"  {label} runs eagerly: {'; '.join(calls)}")
+        lines += [f"  compile failed, ran eagerly: {f}" for f in self.failed]
+        return "\n".join(lines)
+
+
+_PASS_THROUGH = {cast_to, operator.getitem}
+
+
+def _traceable(target) -> bool:
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    name = getattr(target, "__name__", "")
+    return target in _PASS_THROUGH or name in ("_getitem", "_item")
+
+
+def compilable(gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog) -> fx.GraphModule:
+    """A copy of ``gm`` (sharing its parameters and buffers) whose calls dynamo can trace, as the module
+    docstring says; the calls it leaves eager are noted in ``log_.eager[label]``."""
+    if comm not in _COMMS:
+        _COMMS.append(comm)
+    cid = next(i for i, c in enumerate(_COMMS) if c is comm)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    eager: list[str] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            env[n] = graph.node_copy(n, lambda a: env[a])
+            continue
+        args = fx.map_arg(n.args, lambda a: env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        t = n.target
+        if t in _TRACEABLE_COLLECTIVES:
+            new = graph.call_function(_TRACEABLE_COLLECTIVES[t], (args[0], cid, *args[1:]), kwargs)
+        elif t is keyed.keyed_dropout:
+            site = getattr(gm, n.args[1].target)
+            _SITES.append(site)
+            new = graph.call_function(keyed_dropout, (args[0], len(_SITES) - 1))
+        elif t is vocab_parallel_embedding:
+            block = 0
+            for a in kwargs["axes"]:
+                block = block * comm.sizes[a] + comm.coords[a]
+            new = graph.call_function(embedding_block, (args[0], args[1], block, kwargs["padding_idx"]))
+        elif t is vocab_parallel_cross_entropy:
+            new = graph.call_function(vocab_cross_entropy, (args[0], args[1], cid, *args[2:]), kwargs)
+        elif t is column_linears:
+            x, weights, biases, kinds, axis = args
+            f = graph.call_function(grad_all_reduce, (x, cid, axis))
+            outs = [graph.call_function(_column_matmul, (k, f, w, b)) for k, w, b in zip(kinds, weights, biases)]
+            new = graph.call_function(tuple, (outs,))
+        elif _traceable(t):
+            new = graph.call_function(t, args, kwargs)
+        else:
+            name = getattr(t, "__qualname__", repr(t))
+            eager.append(f"{name} (not traceable by dynamo: a graph break there)")
+            new = graph.call_function(_eager(t), args, kwargs)
+        new.meta = dict(n.meta)
+        env[n] = new
+    graph.lint()
+    graph.eliminate_dead_code()  # the dropout sites' get_attr nodes
+    out = fx.GraphModule(gm, graph, class_name="CompiledRankModule")
+    if eager:
+        log_.eager[label] = sorted(set(eager))
+    return out
+
+
+_EAGER: dict[Callable, Callable] = {}
+
+
+def _eager(fn: Callable) -> Callable:
+    """``fn`` behind ``torch.compiler.disable`` (one wrapper per function, so dynamo's caches stay small)."""
+    if fn not in _EAGER:
+        _EAGER[fn] = torch.compiler.disable(fn, recursive=True)
+    return _EAGER[fn]
+
+
+# -- compiling, with a fallback ---------------------------------------------------------------------------
+def _inductor(label: str, log_: CompileLog, retains_graph: bool) -> Callable:
+    """A dynamo back end: Inductor, or on an error the captured graph as it is (eager), with a warning.
+    ``retains_graph``: the backward runs with ``retain_graph=True`` (a split backward's B), which AOTAutograd's
+    donated buffers (a backward reusing its saved tensors' memory) forbid: they are off for its compile, and
+    (AOTAutograd checks the flag again when the backward runs) in the whole process from then on."""
+    from torch._dynamo.exc import RestartAnalysis, SkipFrame
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(graph: fx.GraphModule, example_inputs):
+        if retains_graph:
+            torch._functorch.config.donated_buffer = False
+        try:  # the backward is lowered now, not at its first run, so its failure is caught here too
+            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, donated_buffer=not retains_graph):
+                return compile_fx(graph, example_inputs)
+        except (RestartAnalysis, SkipFrame):
+            raise  # dynamo's own control flow (trace again with other choices), not a failure
+        except Exception as e:  # noqa: BLE001 - any compiler error: never a wrong result, eager instead
+            where = _culprit(e, graph)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            note = f"{label}: {where}: {type(e).__name__}: {first[:300]}"
+            log_.failed.append(note)
+            log.warning("autopar.compile: %s", note, exc_info=e)  # the whole error, for a bug report
+            warnings.warn(f"torch.compile failed on {note}; that graph runs eagerly", RuntimeWarning, stacklevel=2)
+            return graph.forward
+
+    return backend
+
+
+def _culprit(e: Exception, graph: fx.GraphModule) -> str:
+    """The op a compile error is about: Inductor's lowering target when the error names one, else the first op
+    of the graph that fails to compile alone (``_fails_alone``: a C++ or Triton error names only its kernel's
+    file), else the graph's ops."""
+    target = getattr(e, "target", None) or getattr(getattr(e, "inner_exception", None), "target", None)
+    if target is not None:
+        return f"op {target}"
+    seen: set = set()
+    for n in graph.graph.nodes:
+        one_tensor = isinstance(n.meta.get("example_value"), torch.Tensor)  # an op alone returns one tensor
+        op = n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload)
+        if op and one_tensor and n.target not in seen:
+            seen.add(n.target)
+            if len(seen) > _MAX_ISOLATED:
+                break
+            if _fails_alone(n):
+                return f"op {n.target}"
+    ops = sorted({str(n.target) for n in graph.graph.nodes if n.op == "call_function"})
+    return f"a graph of {', '.join(ops[:8])}{' ...' if len(ops) > 8 else ''}"
+
+
+_MAX_ISOLATED = 32  # distinct ops tried alone after a failure (each a small compile)
+
+
+def _fails_alone(node: fx.Node) -> bool:
+    """Whether Inductor fails to compile ``node``'s op alone, on zeros shaped like its inputs (no autograd)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    g = fx.Graph()
+    inputs: list[torch.Tensor] = []
+
+    def place(a):
+        v = a.meta.get("example_value")
+        if not isinstance(v, torch.Tensor):
+            raise _NotIsolable
+        inputs.append(torch.zeros(v.shape, dtype=v.dtype, device=v.device))
+        return g.placeholder(f"x{len(inputs)}")
+
+    try:
+        args = fx.map_arg(node.args, place)
+        kwargs = fx.map_arg(node.kwargs, place)
+    except _NotIsolable:
+        return False
+    g.output(g.call_function(node.target, args, kwargs))
+    try:
+        with torch.no_grad():
+            compile_fx(fx.GraphModule(torch.nn.Module(), g), inputs)
+    except Exception:  # noqa: BLE001 - what is asked is whether it fails
+        return True
+    return False
+
+
+class _NotIsolable(Exception):
+    """An input of the op is no tensor with a known shape."""
+
+
+class CompiledCall:
+    """A part's compiled program: times its first call apart from the later ones (``CompileLog``)."""
+
+    def __init__(self, fn: Callable, label: str, log_: CompileLog):
+        self.fn, self.label, self.log = fn, label, log_
+
+    def __call__(self, *args):
+        t0 = time.perf_counter()
+        out = self.fn(*args)
+        dt = time.perf_counter() - t0
+        if self.label not in self.log.first_s:
+            self.log.first_s[self.label] = dt
+            log.info("autopar.compile: %s first call (traced and compiled) %.2f s", self.label, dt)
+        else:
+            self.log.later_s.setdefault(self.label, []).append(dt)
+        return out
+
+
+def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_graph: bool = False) -> None:
+    """Run ``part`` through torch.compile (Inductor) from its next call on (``retains_graph``: ``_inductor``'s)."""
+    gm = compilable(part.module, comm, label, log_)
+    for why in log_.eager.get(label, ()):
+        log.info("autopar.compile: %s: %s", label, why)
+    fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
+    part.call = CompiledCall(fn, label, log_)
+
+
+def compile_parts(parts: dict[str, Part], comm: Comm, retains_graph: set[str] = frozenset()) -> CompileLog:
+    """Compile every part of a rank (label -> part; a part listed twice is compiled once), with one log;
+    ``retains_graph``: the labels whose backward is split (``_inductor``)."""
+    log_ = CompileLog()
+    done: set[int] = set()
+    for label, part in parts.items():
+        if id(part) not in done:
+            done.add(id(part))
+            compile_part(part, comm, label, log_, label in retains_graph)
+    return log_
+
+
+def runner_parts(runners: dict, label: str) -> dict[str, Part]:
+    """The parts of a rank's stage runners by label (``{label}{stage}``, its recomputation head and rest)."""
+    out: dict[str, Part] = {}
+    for s, r in runners.items():
+        out[f"{label}{s}"] = r.whole
+        for x, (head, rest) in r.variants.items():
+            out[f"{label}{s}.head{x}"] = head
+            if rest is not None:
+                out[f"{label}{s}.rest{x}"] = rest
+    return out
+
+
+def compile_rank(
+    forward_runners: dict, train_runners: dict, comm: Comm, sub_pipelined: bool, split_backward: bool
+) -> CompileLog:
+    """Compile a rank's forward and training programs; the log says what runs eagerly. Sub-pipelined
+    tensor parallelism interprets its training programs node by node (``runtime/execute/subpipeline.py``),
+    so those stay eager there; ``split_backward``: the schedule runs B and W apart (retaining the graph)."""
+    parts = runner_parts(forward_runners, "forward")
+    train = runner_parts(train_runners, "stage")
+    if not sub_pipelined:
+        parts |= train
+    log_ = compile_parts(parts, comm, set(train) if split_backward else set())
+    if sub_pipelined:
+        for label in runner_parts(train_runners, "stage"):
+            log_.eager[label] = ["the whole program (sub_pipeline_tp interprets it at its collectives)"]
+    log.info("%s", log_.summary())
+    return log_
+
+
+__all__ = ["CompileLog", "CompiledCall", "compilable", "compile_part", "compile_parts", "compile_rank", "runner_parts"]
