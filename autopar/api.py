@@ -13,6 +13,7 @@ the planned programs come from), broadcasts the programs and builds this rank's
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from pathlib import Path
@@ -220,6 +221,8 @@ def compile(  # noqa: A001
     module = build_module(parts, Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
+    if dist.get_rank() == 0:
+        logging.getLogger("autopar").info("%s", module.describe())
     return module
 
 

@@ -46,6 +46,7 @@ from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.cluster.units import parse_bytes
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.options import BATCH, DATA_PARALLEL, OBJECTIVES
+from autopar.solver.sharding.roles import ROLES
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class TrainConfig:
     # compute in that dtype with fp32 master weights; fp16 scales the loss dynamically
     precision: str | torch.dtype | MixedPrecisionPolicy = "fp32"
     # -- the mesh ------------------------------------------------------------------------------------------
+    # "name": each axis does what its name says (dp* data parallel: batch split, gradients all-reduced; tp*
+    # tensor parallel as Megatron lays the weights out; pp pipeline; cp, ep placed by the ILP) and an unknown
+    # name is a MeshError; "auto": the ILP chooses every placement on every axis by cost, any name accepted
+    roles: str = "name"
     # None: the ILP places everything by cost; "inputs": weights replicated and inputs split over the dp* axes;
     # "activations": also every activation that carries the batch
     data_parallel: str | None = None
@@ -98,6 +103,7 @@ class TrainConfig:
         _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         _check_choice("zero", self.zero, (0, 1, 2, 3))
         _check_choice("data_parallel", self.data_parallel, DATA_PARALLEL)
+        _check_choice("roles", self.roles, ROLES)
         if self.batch not in BATCH:
             raise BatchError(
                 f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {self.batch!r}"
@@ -177,6 +183,7 @@ class TrainConfig:
             cluster=self.cluster_spec(cluster),
             data_parallel=self.data_parallel,
             batch=self.batch,
+            roles=self.roles,
         )
         return dataclasses.replace(base, **fields) if base is not None else ShardOptions(**fields)
 
@@ -292,6 +299,7 @@ class TrainConfig:
             precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
+            roles=options.roles,
             **fields,
         )
 
@@ -330,7 +338,7 @@ def resolve(
 # the fields a ShardOptions (and its TrainingSetup) holds; NOT_SHARDING the rest
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
-    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision",
+    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "roles",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 

@@ -41,6 +41,7 @@ def options_dict(opts: ShardOptions) -> dict:
         "backend": opts.backend,
         "setup": dataclasses.asdict(opts.setup),
         "batch": opts.batch,
+        "roles": opts.roles,
     }
 
 
@@ -57,6 +58,7 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
         setup=TrainingSetup(**setup),
         cluster=cluster,
         batch=d.get("batch", "global"),
+        roles=d.get("roles", "auto"),  # plans written before roles by name: the ILP's free choice
     )
 
 

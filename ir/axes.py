@@ -11,19 +11,30 @@ A mesh axis is named by the user (``autopar.init_mesh(pp=2, dp=2, tp=2)``) and i
   ``dpr`` holds the replicas of a partition group laid out on ``dp``.
 - an axis whose name starts with ``tp`` is tensor-parallel: the Megatron baseline shards the weights
   over it, and a pipeline's ``scatter_gather`` cuts the tensors sent between stages over the first one.
-- any other name (``a``, ``ep``) has no role of its own: the ILP places tensors on it as on any axis.
+- ``cp`` (context parallel) and ``ep`` (expert parallel) are known names, torchtitan's, with no fixed
+  layout yet: the ILP places tensors on them by cost.
 
-The ILP itself reads no role: on every axis but ``pp`` it chooses placements by cost. The roles only
-choose what is shared or assumed around it (ZeRO's shards, baselines, search constraints, stage costs).
+By default (``TrainConfig.roles="name"``, ``solver/sharding/roles.py``) the plan follows the names: the
+``dp*`` axes split the batch with the weights replicated (gradients all-reduced; ZeRO when asked), the
+``tp*`` axes lay the weights out as Megatron does; a name that is none of the above is a ``MeshError``
+(``check_axis_names``). With ``roles="auto"`` the ILP chooses every placement by cost on every axis but
+``pp``, and any name is accepted: the roles then only choose what is shared or assumed around it (ZeRO's
+shards, baselines, search constraints, stage costs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from autopar.errors import MeshError
+
 PIPELINE_AXIS = "pp"
 DATA_AXIS_PREFIX = "dp"
 TENSOR_AXIS_PREFIX = "tp"
+CONTEXT_AXIS = "cp"
+EXPERT_AXIS = "ep"
+# what check_axis_names accepts, as its error lists them
+KNOWN_AXES = ("dp", "dp_replicate", "dp_shard", "dp*", "tp", "tp*", PIPELINE_AXIS, CONTEXT_AXIS, EXPERT_AXIS)
 
 
 def is_pipeline_axis(name: str) -> bool:
@@ -49,3 +60,21 @@ def data_axes(names: Iterable[str]) -> tuple[str, ...]:
 def tensor_axes(names: Iterable[str]) -> tuple[str, ...]:
     """The tensor-parallel axes among ``names``, in their order."""
     return tuple(n for n in names if is_tensor_axis(n))
+
+
+def is_known_axis(name: str) -> bool:
+    """Whether ``name`` is one of the axis names whose role autopar knows (``KNOWN_AXES``)."""
+    return (
+        is_data_axis(name) or is_tensor_axis(name) or is_pipeline_axis(name) or name in (CONTEXT_AXIS, EXPERT_AXIS)
+    )
+
+
+def check_axis_names(names: Iterable[str]) -> None:
+    """A ``MeshError`` naming the first axis whose name has no known role (roles by name need one)."""
+    for n in names:
+        if not is_known_axis(n):
+            raise MeshError(
+                f"mesh axis {n!r} has no known role; name each axis by its role: {', '.join(KNOWN_AXES)} "
+                "(dp*: data parallel, tp*: tensor parallel, pp: pipeline, cp: context, ep: expert), "
+                "or plan with roles='auto' to let the ILP choose every axis's placements by cost"
+            )

@@ -5,9 +5,11 @@ Every value's type and every op's result types get the chosen placements, and ea
 every mismatch into collectives and drops the attribute. What the solver decides, and how, is in
 solver/sharding/groups.py (decisions and their prices) and solver/sharding/solve.py (the problem and its solution).
 
-Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints on the program it
-solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), so does a local
-``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
+With ``roles="name"`` (TrainConfig's default) each mesh axis does what its name says (solver/sharding/roles.py:
+dp* data parallel, tp* Megatron's layout), also as ``constrain`` entries, and an axis name without a known role is
+a MeshError. Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints
+on the program it solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes,
+ir/axes.py), so does a local ``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
 ``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
 ``how`` names the attempt that solved it.
 """
@@ -18,10 +20,11 @@ import re
 from dataclasses import dataclass, field, fields, replace
 
 from autopar.errors import InfeasibleError
-from autopar.ir.axes import data_axes
+from autopar.ir.axes import check_axis_names, data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
 from autopar.solver.sharding.baselines import data_parallel_constraints, local_batch_constraints
 from autopar.solver.sharding.options import OBJECTIVES, ShardOptions, planning_options
+from autopar.solver.sharding.roles import role_constraints
 from autopar.solver.sharding.solve import Sharding, solve_sharding
 
 AS_ASKED = "as asked"
@@ -50,11 +53,20 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
 
 
 def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
-    """What ``shard`` tries, in order, each named: ``opts``; with ``opts.fallbacks`` then the least memory
+    """What ``shard`` tries, in order, each named: ``opts``; with roles by name then the dp* axes' inputs split
+    only (not every batch-carrying activation), then, where Megatron's layout cannot be laid out on the tp*
+    axes for this model (a CNN's), the tp* axes placed by cost; with ``opts.fallbacks`` then the least memory
     without a budget (when the budget, or the solver's memory model of one microbatch with every activation
     saved, leaves nothing), and when the batch-carrying activations were constrained, the same two with the
     inputs constrained only (an op whose activations cannot all stay split on the batch)."""
     out = [(AS_ASKED, opts)]
+    if opts.roles == "name":  # the roles' layout may be impossible for a model: relaxed in this order
+        if opts.data_parallel is None:  # roles split the batch-carrying activations too
+            out.append(("data parallel inputs only", replace(opts, data_parallel="inputs")))
+        # without a tp axis these are the attempts above again, and fail as they did
+        for dp in ("activations", "inputs") if opts.data_parallel is None else (opts.data_parallel,):
+            how = f"Megatron's layout impossible on the tp axes: placed there by cost (data parallel {dp})"
+            out.append((how, replace(opts, roles="auto", data_parallel=dp)))
     if not opts.fallbacks:
         return out
     least = replace(opts, objective="memory", budget_bytes=None)
@@ -76,13 +88,18 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
         except InfeasibleError as e:
             first = first or _explained(e, attempt)
             continue
-        return _written(prog, solved, how)
+        return _written(prog, solved, how, opts.roles if opts is not None else "auto")
     assert first is not None  # attempts() lists the options as given first
     raise first
 
 
 def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
     """A constraint's error under ``data_parallel`` says where the constraints came from."""
+    if opts.roles == "name" and e.smallest_budget_bytes is None:
+        return InfeasibleError(
+            f"{e} (roles by name keep the dp* axes data parallel and lay the weights out on the tp* axes as "
+            "Megatron does; TrainConfig(roles='auto') lets the ILP choose every placement)"
+        )
     if opts.data_parallel is None or e.smallest_budget_bytes is not None:
         return e
     where = "the inputs and the activations" if opts.data_parallel == "activations" else "the inputs"
@@ -97,7 +114,12 @@ def _constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
     where several constrain)."""
     axes = data_axes(prog.mesh.names)
     added = []
-    if opts.data_parallel is not None:
+    if opts.roles == "name":
+        check_axis_names(prog.mesh.names)
+        entries, pin = role_constraints(prog, activations=opts.data_parallel != "inputs")
+        added.append(entries)
+        opts = replace(opts, pin=opts.pin | pin)
+    elif opts.data_parallel is not None:
         added.append(data_parallel_constraints(prog, axes, activations=opts.data_parallel == "activations"))
     if opts.batch == "local":
         added.append(local_batch_constraints(prog, axes))
@@ -114,8 +136,9 @@ def _all_of(a, b):
     return lambda p: a(p) and b(p)
 
 
-def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
-    """``prog`` with the chosen placements written into its types and each op's ``in`` attribute."""
+def _written(prog: Program, solved: Sharding, how: str, roles: str = "auto") -> ShardResult:
+    """``prog`` with the chosen placements written into its types and each op's ``in`` attribute, and as program
+    attributes how the roles were chosen and what the solve predicts (passes/describe.py reports them)."""
     chosen = solved.chosen
     inputs = tuple(
         Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs)) for v in prog.inputs
@@ -127,7 +150,17 @@ def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
         ops.append(op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})))
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     sol = solved.solution
-    out = out.with_(attrs=dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3)))
+    out = out.with_(
+        attrs=dict(
+            out.attrs,
+            ilp_status=sol.status,
+            ilp_objective=round(sol.objective, 3),
+            roles=roles,
+            **({"plan_how": how} if how != AS_ASKED else {}),
+            predicted_memory_bytes=int(solved.memory_bytes),
+            predicted_step_ms=round(solved.step_seconds * 1e3, 6),
+        )
+    )
     return ShardResult(**{f.name: getattr(solved, f.name) for f in fields(solved)}, program=out, how=how)
 
 

@@ -40,6 +40,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
+from autopar.passes.describe import describe_plan
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime.build.params import LocalTensors, register
 from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
@@ -342,6 +343,17 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
         self._stepped = self._optimizer is not None
         return loss
+
+    def describe(self) -> str:
+        """What the plan does on each mesh axis, with its predicted memory and step (``passes/describe.py``):
+        what ``compile`` logs and this module's ``repr`` shows."""
+        s, setup, prog = self._schedule, self.setup, self.program
+        zero_axes = tuple(prog.mesh.names[i] for i in setup.shard_axes(prog.mesh))
+        pipeline = f"{s.num_stages} stages on {s.num_ranks} ranks, {s.name} schedule, {s.num_microbatches} microbatches"
+        return describe_plan(prog, setup.bucket_bytes, setup.zero, zero_axes, pipeline, s.num_ranks)
+
+    def extra_repr(self) -> str:
+        return self.describe()
 
     def train(self, mode: bool = True) -> ParallelModule:
         """Training mode (dropout draws masks) or, ``mode=False`` / ``eval()``, evaluation (dropout off)."""

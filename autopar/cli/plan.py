@@ -9,8 +9,9 @@ import sys
 from autopar.api import parse_mesh
 from autopar.config import TrainConfig
 from autopar.errors import AutoparError
-from autopar.ir.axes import PIPELINE_AXIS
+from autopar.ir.axes import PIPELINE_AXIS, data_axes
 from autopar.models.resolve import list_presets
+from autopar.passes.describe import describe_plan
 from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
 from autopar.schedule.generators import SCHEDULES, schedule_kind
@@ -63,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="per-device memory budget in GiB (default: the cluster's device memory)",
     )
+    p.add_argument(
+        "--roles", choices=["name", "auto"], default=None,
+        help="name (default): each axis does what its name says (dp* data parallel, tp* tensor parallel as "
+        "Megatron); auto: the ILP chooses every axis's placements by cost",
+    )  # fmt: skip
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
     p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
     p.add_argument(
@@ -114,6 +120,7 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         "precision": args.precision,
         "microbatches": args.microbatches,
         "cluster": args.cluster,
+        "roles": args.roles,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
@@ -205,6 +212,15 @@ def _print_report(args, report) -> None:
     print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {objective[s['objective']]}{budget})")
     print(f"predicted step: {s['step_seconds'] * 1e3:.3f} ms (computation + communication per device)")
     print(f"precision: {precision_line(report.plan.options.get('setup', {}))}")
+    setup = report.plan.options.get("setup", {})
+    zero_axes = tuple(setup.get("zero_axes") or data_axes(report.plan.launch_mesh.names))
+    print(
+        describe_plan(
+            report.plan.parsed(), setup.get("bucket_cap_mb", 25.0) * 2**20, setup.get("zero", 0), zero_axes,
+            report.plan.pipeline.get("schedule") if report.plan.pipeline else None,
+            report.plan.launch_mesh.pipeline_size,
+        )
+    )  # fmt: skip
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
     eliminated = f" ({s['ilp_eliminated']} solved by elimination first)" if s.get("ilp_eliminated") else ""
     print(
