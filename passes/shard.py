@@ -9,9 +9,9 @@ With ``roles="name"`` (TrainConfig's default) each mesh axis does what its name 
 dp* data parallel, tp* Megatron's layout), also as ``constrain`` entries, and an axis name without a known role is
 a MeshError. Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints
 on the program it solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes,
-ir/axes.py), so does a local ``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
-``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
-``how`` names the attempt that solved it.
+ir/axes.py), so does a local ``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt:
+local_batch_constraints), and with ``fallbacks`` a problem that nothing solves is retried in a fixed order
+(``attempts``); the result's ``how`` names the attempt that solved it.
 """
 
 from __future__ import annotations
