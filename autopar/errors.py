@@ -141,3 +141,7 @@ class ConfigError(AutoparError):
 
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""
+
+
+class PipelineBackwardError(PipelineError):
+    """A backward through the outputs of a pipelined module's call: on a pp mesh only ``train_step`` trains."""

@@ -50,6 +50,7 @@ from autopar.runtime.call.batch import LossWeight, loss_scales, merge_outputs, s
 from autopar.runtime.call.inputs import CallInputs, stage_reads
 from autopar.runtime.call.loss_weight import program_weight
 from autopar.runtime.call.outputs import batch_outputs, broadcast_outputs, broadcast_weights
+from autopar.runtime.call.pipeline_guard import refuse_backward
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.lazy import Deferred, settle
 from autopar.runtime.comm.teardown import holds_groups
@@ -297,6 +298,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         if self._one_stage:
             self._grads.watch(merged)  # a backward through them syncs the gradients at its end
+        elif self.training and torch.is_grad_enabled():  # only train_step trains a pipeline: a backward says so
+            merged = refuse_backward(merged)
         self._deferred = [weakref.ref(t) for t in merged if isinstance(t, Deferred)]
         return pytree.tree_unflatten(merged, self._out_spec)
 
