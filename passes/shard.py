@@ -84,7 +84,7 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
     first: InfeasibleError | None = None
     for how, attempt in attempts(opts or ShardOptions()):
         try:
-            solved = solve_sharding(prog, _constrained(prog, attempt))
+            solved = solve_sharding(prog, constrained(prog, attempt))
         except InfeasibleError as e:
             first = first or _explained(e, attempt)
             continue
@@ -109,9 +109,9 @@ def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
     )
 
 
-def _constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
-    """``opts`` with ``data_parallel`` and a local ``batch`` turned into ``constrain`` entries (all must hold
-    where several constrain)."""
+def constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
+    """``opts`` with roles by name, ``data_parallel`` and a local ``batch`` turned into ``constrain`` entries (all
+    must hold where several constrain): the options the solver is given (``autopar explain`` rebuilds with them)."""
     axes = data_axes(prog.mesh.names)
     added = []
     if opts.roles == "name":
@@ -170,6 +170,7 @@ __all__ = [
     "ShardOptions",
     "ShardResult",
     "attempts",
+    "constrained",
     "format_placements",
     "planning_options",
     "required_inputs",

@@ -10,6 +10,7 @@ from autopar.ir.core import Op
 from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
+from autopar.passes.shard import AS_ASKED, attempts, constrained
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
 from autopar.solver.cluster.spec import ClusterSpec
@@ -91,7 +92,11 @@ def rebuild(plan: Plan):
     plan.check(captured, plan.mesh_spec)
     cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
     opts = options_from_dict(plan.options, cluster)
-    return opts, build_problem(lower(captured, plan.mesh_spec), opts)
+    lowered = lower(captured, plan.mesh_spec)
+    # the constraints the attempt that solved it had (roles by name, data_parallel), named by the program
+    how = plan.parsed().attrs.get("plan_how", AS_ASKED)
+    opts = constrained(lowered, dict(attempts(opts)).get(how, opts))
+    return opts, build_problem(lowered, opts)
 
 
 def plan_choice(groups, nodes, edges, types) -> list[int] | None:
