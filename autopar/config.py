@@ -96,6 +96,9 @@ class TrainConfig:
     timeout: float = 600.0  # seconds any transfer may take before the step fails
     record: bool = True  # record the start and end of every action of a train_step (model.trace)
     check: bool = False  # check one float64 step of the plan on simulated ranks before training
+    # called with each train_step's StepMetrics (runtime/measure/metrics.py) on every rank; not written to files
+    on_metrics: Callable | None = None
+    log_every: int = 1  # rank 0 logs a train_step's metrics on logger "autopar" every this many steps (0: never)
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -125,6 +128,10 @@ class TrainConfig:
                 f"recompute=True needs a schedule that recomputes ({', '.join(takes)}; scp recomputes by its alpha1), "
                 f"not {self.schedule}"
             )
+        if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 0:
+            raise ConfigError(f"TrainConfig.log_every must be a non-negative integer, not {self.log_every!r}")
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise ConfigError(f"TrainConfig.on_metrics must be a function of StepMetrics, not {self.on_metrics!r}")
         if not (self.loss_weight in (None, "auto", "tokens") or callable(self.loss_weight)):
             raise BatchError(
                 "loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, "
@@ -208,6 +215,8 @@ class TrainConfig:
                 raise ConfigError(
                     "a loss_weight function cannot be written to a file: give it to compile(loss_weight=...)"
                 )
+            if f.name == "on_metrics":  # a function of the run, not file data
+                value = None
             if f.name == "cluster" and isinstance(value, ClusterSpec):
                 value = value.to_dict()
             if f.name == "precision":

@@ -61,6 +61,7 @@ from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolv
 from autopar.runtime.grads.sync import GradSync
 from autopar.runtime.grads.zero import ZeroOptimizer
 from autopar.runtime.grads.zero3 import shard_zero3
+from autopar.runtime.measure.metrics import StepMeter
 from autopar.runtime.views import ModuleViews
 from autopar.schedule.actions import Schedule, split_backwards
 from autopar.solver.sharding.cost import TrainingSetup
@@ -138,6 +139,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
         self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/comm/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
+        self.metrics: StepMeter | None = None  # times each train_step (runtime/measure/metrics.py); compile sets it
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng, comm.rank)
@@ -248,6 +250,11 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self._optimizer is not None:
             if self._clip is not None:
                 self.clip_grad_norm_(*self._clip)
+            elif self.metrics is not None and self.metrics.wants_grad_norm:  # measured, not clipped
+                pieces = clip.grad_pieces(
+                    self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied
+                )
+                self.grad_norm = clip.global_norm(pieces, 2.0, self.comm)
             self._optimizer.step()
             self._optimizer.zero_grad()
 
@@ -325,6 +332,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
                 "model returns it first when given labels); call the module for its outputs instead"
             )
+        if self.metrics is not None:
+            self.metrics.start()
         pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
         self._stepped = False
         sub = self.options.sub_microbatches
@@ -345,6 +354,9 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self._schedule.num_ranks > 1:
             dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
         self._stepped = self._optimizer is not None
+        if self.metrics is not None:
+            norm = self.grad_norm if self._optimizer is not None else None
+            self.metrics.finish(loss, norm, pytree.tree_leaves((args, kwargs)))
         return loss
 
     def describe(self) -> str:
