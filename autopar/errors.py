@@ -145,3 +145,7 @@ class PrecisionError(AutoparError):
 
 class PipelineBackwardError(PipelineError):
     """A backward through the outputs of a pipelined module's call: on a pp mesh only ``train_step`` trains."""
+
+
+class MetricsWriterError(AutoparError):
+    """A metrics writer (TensorBoard, W&B) whose package is not installed."""

@@ -69,3 +69,18 @@ def test_metrics_config_is_checked_and_not_written_to_files():
     with pytest.raises(ConfigError, match="on_metrics"):
         autopar.TrainConfig(on_metrics="print")
     assert autopar.TrainConfig(on_metrics=print).to_dict()["on_metrics"] is None
+
+
+def test_writers_name_their_extra_when_the_package_is_missing():
+    """The TensorBoard and W&B writers import their package lazily; neither is in the lock (optional extras), so
+    here each says how to install it. A writer over an installed package is used as a plain callback."""
+    import importlib.util
+
+    from autopar.errors import MetricsWriterError
+    from autopar.metrics import tensorboard_writer, wandb_writer
+
+    for make, package, extra in ((tensorboard_writer, "tensorboard", "tensorboard"), (wandb_writer, "wandb", "wandb")):
+        if importlib.util.find_spec(package) is not None:
+            continue
+        with pytest.raises(MetricsWriterError, match=rf"autopar\[{extra}\]"):
+            make("out") if package == "tensorboard" else make()
