@@ -185,4 +185,13 @@ def text_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
     return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
-__all__ = ["BatchSampler", "DataLayout", "checkpointable", "layout", "local_batch", "local_rows", "text_corpus", "token_count"]
+__all__ = [
+    "BatchSampler",
+    "DataLayout",
+    "checkpointable",
+    "layout",
+    "local_batch",
+    "local_rows",
+    "text_corpus",
+    "token_count",
+]
