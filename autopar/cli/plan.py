@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+import yaml
 
 from autopar.api import parse_mesh
 from autopar.config import TrainConfig
@@ -62,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--budget-gb",
         type=float,
         default=None,
-        help="per-device memory budget in GiB (default: the cluster's device memory)",
+        help="per-device memory budget in GiB (default: the cluster's device memory less its reserve, "
+        "memory_reserve: 1 GiB + 5%% of the device unless the spec sets it)",
     )
     p.add_argument(
         "--roles", choices=["name", "auto"], default=None,
@@ -74,9 +78,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
-        default="fp32",
+        default=None,
         help="training precision: bf16/fp16 capture the model in that dtype with fp32 master weights "
-        "(compile applies the plan's precision)",
+        "(compile applies the plan's precision); default, with --mesh and in the search alike: bf16 on a GPU "
+        "(NCCL) cluster, fp32 on a gloo one",
     )
     p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds (default 60)")
     p.add_argument("--solver", choices=["cbc", "highs"], default=None, help="ILP back end (default CBC)")
@@ -133,7 +138,20 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         opts = dict(changes.get("schedule_options", cfg.schedule_options))
         changes["schedule_options"] = opts | {k: v for k, v in shape.items() if k in kind.options() and v != 1}
     cfg = cfg.replace(**changes)
-    return cfg if cfg.cluster is not None else cfg.replace(cluster=DEFAULT_CLUSTER)
+    cfg = cfg if cfg.cluster is not None else cfg.replace(cluster=DEFAULT_CLUSTER)
+    if args.precision is None and not _config_sets(args.config, "precision"):
+        # one default with the search: the cluster's (bf16 on a GPU cluster, fp32 on gloo)
+        cfg = cfg.replace(precision=cfg.cluster_spec().default_precision())
+    return cfg
+
+
+def _config_sets(path, name: str) -> bool:
+    """Whether the ``--config`` file at ``path`` (None: no file) sets the field ``name``."""
+    if path is None:
+        return False
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    return isinstance(data, dict) and name in data
 
 
 def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlanOptions:

@@ -66,7 +66,8 @@ def search(
     scorer: Scorer | None = None,
     spec: str | None = None,
 ) -> SearchResult:
-    """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: device memory).
+    """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: the device memory less
+    its reserve, ``ClusterSpec.plan_memory``).
 
     Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
     priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
@@ -79,7 +80,7 @@ def search(
     """
     t0 = time.perf_counter()
     space = dataclasses.replace(space or SearchSpace(), devices_per_node=cluster.devices_per_node)
-    budget = float(budget_bytes if budget_bytes is not None else cluster.device_memory)
+    budget = float(budget_bytes if budget_bytes is not None else cluster.plan_memory)
     an = Analytic(profile, cluster, global_batch, precision=precision)
     keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
             "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip

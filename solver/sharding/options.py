@@ -3,7 +3,8 @@ and the options a user-facing entry point plans with.
 
 Objectives: ``time`` (the default) is the least predicted step time, communication plus computation
 seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
-cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
+cluster's device memory less its reserve, ``ClusterSpec.plan_memory``); ``comm`` is the same objective under
+Alpa's name, kept for old plan files;
 ``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
 
 ``data_parallel``, ``batch`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
@@ -86,10 +87,10 @@ class ShardOptions:
 def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:
     """What a user-facing entry point plans with: ``opts`` (default: the fastest plan) priced on
     ``cluster`` when they name none, and for the time objective a budget of the cluster's device
-    memory when they set none."""
+    memory less its reserve (``ClusterSpec.plan_memory``) when they set none."""
     opts = opts or ShardOptions()
     if opts.cluster is None:
         opts = replace(opts, cluster=cluster)
     if opts.objective != "memory" and opts.budget_bytes is None:
-        opts = replace(opts, budget_bytes=float(opts.cluster.device_memory))
+        opts = replace(opts, budget_bytes=opts.cluster.plan_memory)
     return opts
