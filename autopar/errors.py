@@ -149,3 +149,7 @@ class PipelineBackwardError(PipelineError):
 
 class MetricsWriterError(AutoparError):
     """A metrics writer (TensorBoard, W&B) whose package is not installed."""
+
+
+class SearchError(AutoparError):
+    """A whole-plan search result asked for what the search did not keep (more plans than its ``top``)."""

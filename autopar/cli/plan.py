@@ -10,10 +10,10 @@ from pathlib import Path
 import yaml
 
 from autopar.api import parse_mesh
+from autopar.cli.listing import print_models
 from autopar.config import TrainConfig
 from autopar.errors import AutoparError
 from autopar.ir.axes import PIPELINE_AXIS, data_axes
-from autopar.models.resolve import list_presets
 from autopar.passes.describe import describe_plan
 from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
@@ -167,9 +167,7 @@ def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlan
 
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
-        for name, desc in list_presets().items():
-            print(f"{name:18s} {desc}")
-        return 0
+        return print_models()
     cfg = plan_config(args)
     args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
     # -- search hook ------------------------------------------------------------------------------------

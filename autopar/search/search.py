@@ -1,8 +1,8 @@
 """The search: the ``top`` fastest whole plans of a model for a cluster within a memory budget, by branch and bound.
 
     from autopar.search import search_model
-    result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536)
-    print(result.format(top=5))           # step time, MFU, peak memory per rank of the best plans
+    result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536, top=5)
+    print(result.format())                # step time, MFU, peak memory per rank of the five best plans
     plan = result.materialize()           # the flow (passes/flow.py) at the best candidate -> an autopar Plan
     plan.save("plan.json")
 
@@ -85,6 +85,7 @@ def search(
     keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
             "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip
     stats: dict[str, Any] = dict.fromkeys(keys, 0)
+    stats["top"] = top  # how many plans were asked for (SearchResult.format refuses more)
     fams = families(an, space, cluster.world_size)
     stats["families"] = len(fams)
     bounds = {f: an.family_bounds(f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f)) for f in fams}
