@@ -308,7 +308,6 @@ class TrainConfig:
             precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
-            roles=options.roles,
             **fields,
         )
 
@@ -347,7 +346,7 @@ def resolve(
 # the fields a ShardOptions (and its TrainingSetup) holds; NOT_SHARDING the rest
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
-    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "roles",
+    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 
