@@ -13,6 +13,7 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import AS_ASKED, attempts, constrained
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
+from autopar.runtime.build.precision import for_capture
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.problem import switch_costs
 from autopar.solver.sharding.solve import SharedReads, build_problem
@@ -88,7 +89,8 @@ def rebuild(plan: Plan):
     if not plan.model:
         raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
     spec = build(plan.model, device="meta")
-    captured = capture(spec.model, spec.args, spec.kwargs)
+    precision = plan.options.get("setup", {}).get("precision", "fp32")  # captured as the plan was (bf16: its copy)
+    captured = capture(*for_capture(spec.model, spec.args, spec.kwargs, precision))
     plan.check(captured, plan.mesh_spec)
     cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
     opts = options_from_dict(plan.options, cluster)
