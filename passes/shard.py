@@ -55,7 +55,9 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
 def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
     """What ``shard`` tries, in order, each named: ``opts``; with roles by name then the dp* axes' inputs split
     only (not every batch-carrying activation), then, where Megatron's layout cannot be laid out on the tp*
-    axes for this model (a CNN's), the tp* axes placed by cost; with ``opts.fallbacks`` then the least memory
+    axes for this model (a CNN's), the tp* axes placed by cost, and where the batch does not divide over the
+    dp* axes every axis by cost (``how`` and the plan's description say which); with ``opts.fallbacks`` then the
+    least memory
     without a budget (when the budget, or the solver's memory model of one microbatch with every activation
     saved, leaves nothing), and when the batch-carrying activations were constrained, the same two with the
     inputs constrained only (an op whose activations cannot all stay split on the batch)."""
@@ -67,6 +69,9 @@ def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
         for dp in ("activations", "inputs") if opts.data_parallel is None else (opts.data_parallel,):
             how = f"Megatron's layout impossible on the tp axes: placed there by cost (data parallel {dp})"
             out.append((how, replace(opts, roles="auto", data_parallel=dp)))
+        # last, a batch that does not divide over the dp axes (2 rows on dp=4): every axis by cost, as roles="auto"
+        free = "the roles' layout impossible for this model and batch: every axis placed by cost"
+        out.append((free, replace(opts, roles="auto", data_parallel=None)))
     if not opts.fallbacks:
         return out
     least = replace(opts, objective="memory", budget_bytes=None)
