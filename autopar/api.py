@@ -13,6 +13,7 @@ the planned programs come from), broadcasts the programs and builds this rank's
 
 from __future__ import annotations
 
+import logging
 import os
 import weakref
 from pathlib import Path
@@ -29,6 +30,7 @@ from autopar.errors import CheckError, MeshError, PlanError, PrecisionError, Sub
 from autopar.ir.core import MeshSpec, Program
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
+from autopar.metrics import step_meter
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import flow_index
 from autopar.passes.shard import planning_options
@@ -220,6 +222,9 @@ def compile(  # noqa: A001
     module = build_module(parts, Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
+    module.metrics = step_meter(module, model, cfg, options.cluster, dist.get_rank(), dist.get_world_size())
+    if dist.get_rank() == 0:
+        logging.getLogger("autopar").info("%s", module.describe())
     return module
 
 

@@ -46,6 +46,7 @@ from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.cluster.units import parse_bytes
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.options import BATCH, DATA_PARALLEL, OBJECTIVES
+from autopar.solver.sharding.roles import ROLES
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,10 @@ class TrainConfig:
     # compute in that dtype with fp32 master weights; fp16 scales the loss dynamically
     precision: str | torch.dtype | MixedPrecisionPolicy = "fp32"
     # -- the mesh ------------------------------------------------------------------------------------------
+    # "name": each axis does what its name says (dp* data parallel: batch split, gradients all-reduced; tp*
+    # tensor parallel as Megatron lays the weights out; pp pipeline; cp, ep placed by the ILP) and an unknown
+    # name is a MeshError; "auto": the ILP chooses every placement on every axis by cost, any name accepted
+    roles: str = "name"
     # None: the ILP places everything by cost; "inputs": weights replicated and inputs split over the dp* axes;
     # "activations": also every activation that carries the batch
     data_parallel: str | None = None
@@ -96,6 +101,9 @@ class TrainConfig:
     # own batch ("per_microbatch", what Megatron's and torch's pipelines do silently)
     microbatch_semantics: str = "exact"
     torch_compile: bool = False  # compile each rank's programs with torch.compile (Inductor), collectives included
+    # called with each train_step's StepMetrics (runtime/measure/metrics.py) on every rank; not written to files
+    on_metrics: Callable | None = None
+    log_every: int = 1  # rank 0 logs a train_step's metrics on logger "autopar" every this many steps (0: never)
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -103,6 +111,7 @@ class TrainConfig:
         _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         _check_choice("zero", self.zero, (0, 1, 2, 3))
         _check_choice("data_parallel", self.data_parallel, DATA_PARALLEL)
+        _check_choice("roles", self.roles, ROLES)
         if self.batch not in BATCH:
             raise BatchError(
                 f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {self.batch!r}"
@@ -124,6 +133,10 @@ class TrainConfig:
                 f"recompute=True needs a schedule that recomputes ({', '.join(takes)}; scp recomputes by its alpha1), "
                 f"not {self.schedule}"
             )
+        if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 0:
+            raise ConfigError(f"TrainConfig.log_every must be a non-negative integer, not {self.log_every!r}")
+        if self.on_metrics is not None and not callable(self.on_metrics):
+            raise ConfigError(f"TrainConfig.on_metrics must be a function of StepMetrics, not {self.on_metrics!r}")
         if not (self.loss_weight in (None, "auto", "tokens") or callable(self.loss_weight)):
             raise BatchError(
                 "loss_weight must be 'auto', 'tokens', None or a function of a piece's inputs, "
@@ -183,6 +196,7 @@ class TrainConfig:
             cluster=self.cluster_spec(cluster),
             data_parallel=self.data_parallel,
             batch=self.batch,
+            roles=self.roles,
         )
         return dataclasses.replace(base, **fields) if base is not None else ShardOptions(**fields)
 
@@ -209,6 +223,8 @@ class TrainConfig:
                 raise ConfigError(
                     "a loss_weight function cannot be written to a file: give it to compile(loss_weight=...)"
                 )
+            if f.name == "on_metrics":  # a function of the run, not file data
+                value = None
             if f.name == "cluster" and isinstance(value, ClusterSpec):
                 value = value.to_dict()
             if f.name == "precision":

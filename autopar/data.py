@@ -17,6 +17,18 @@ tensor- or pipeline-parallel axes take the same rows, and a pipeline rank whose 
 
 Every rank draws the same global batches (one seed), so the rows of all ranks together are the
 global batch a single process would draw, and the run computes the same numbers.
+
+The data position is checkpointed with the model: ``checkpoint.save(path, model, objects={"data": loader})``
+takes the ``BatchSampler`` (its ``state_dict``: the epoch and the global batches drawn in it), a torch
+``DataLoader`` over one (``num_workers=0``, whose sampler is drawn exactly as batches are consumed), or
+anything with ``state_dict``/``load_state_dict`` such as torchdata's ``StatefulDataLoader``. The position
+is counted in global batches, so a run resumed on another mesh (another dp size) continues with the next
+global batch, each rank taking its new rows of it: every sample of the epoch is seen once::
+
+    checkpoint.load(path, model, objects={"data": loader})     # model compiled on the new mesh
+    for epoch in range(sampler.epoch, epochs):
+        sampler.set_epoch(epoch)                               # the resumed epoch continues where it stopped
+        for batch in loader: ...
 """
 
 from __future__ import annotations
@@ -31,6 +43,7 @@ from torch.utils.data import Sampler
 
 from autopar.errors import BatchError
 from autopar.runtime.call.batch import DataLayout, take_rows, token_count
+from autopar.runtime.checkpoint.objects import checkpointable
 from autopar.runtime.module import ParallelModule
 
 
@@ -63,6 +76,8 @@ class BatchSampler(Sampler[list[int]]):
             raise BatchError(f"a dataset of {size} items has no batch of {batch_size}")
         self.size, self.batch_size, self.shuffle, self.seed = size, batch_size, shuffle, seed
         self.epoch, self.start = 0, 0
+        self.position = 0  # global batches of this epoch drawn so far (the checkpointed position)
+        self._resume: tuple[int, int] | None = None  # (epoch, position) loaded, until set_epoch takes it
         self.rows: list[int] | None = None
         if model is not None:
             lay = model.data_layout
@@ -74,10 +89,36 @@ class BatchSampler(Sampler[list[int]]):
             if model.options.batch == "local":
                 self.rows = lay.data_rows()
 
-    def set_epoch(self, epoch: int, start: int = 0) -> None:
+    def set_epoch(self, epoch: int, start: int | None = None) -> None:
         """Draw epoch ``epoch``'s order (call on every rank alike); skip its first ``start`` batches
-        (resuming mid-epoch)."""
-        self.epoch, self.start = epoch, start
+        (resuming mid-epoch; default: where a loaded checkpoint stopped in this epoch, else 0)."""
+        if start is None:
+            start = self._resume[1] if self._resume is not None and self._resume[0] == epoch else 0
+        self._resume = None
+        self.epoch, self.start, self.position = epoch, start, start
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position: the epoch and the global batches drawn in it (and what checks a resume draws the
+        same batches: the dataset size, global batch size, shuffle and seed)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "size": self.size,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at a saved position: the next iteration (and ``set_epoch`` of the saved epoch) starts at
+        the next global batch. Refuses a position of other batches (another dataset size, batch size, order)."""
+        mine = self.state_dict()
+        differ = [k for k in ("size", "batch_size", "shuffle", "seed") if state.get(k) != mine[k]]
+        if differ:
+            saved = ", ".join(f"{k} {state.get(k)!r} (here {mine[k]!r})" for k in differ)
+            raise BatchError(f"the saved data position is for other batches: {saved}; build the sampler as saved")
+        self._resume = (state["epoch"], state["position"])
+        self.epoch, self.start, self.position = state["epoch"], state["position"], state["position"]
 
     def __len__(self) -> int:
         return self.size // self.batch_size - self.start
@@ -89,6 +130,7 @@ class BatchSampler(Sampler[list[int]]):
             order = torch.arange(self.size)
         for b in range(self.start, self.size // self.batch_size):
             batch = order[b * self.batch_size : (b + 1) * self.batch_size]
+            self.position = b + 1
             yield (batch[self.rows] if self.rows is not None else batch).tolist()
 
 
@@ -104,4 +146,13 @@ def text_corpus(max_bytes: int = 4_000_000) -> torch.Tensor:
     return torch.frombuffer(data[:max_bytes], dtype=torch.uint8).long()
 
 
-__all__ = ["BatchSampler", "DataLayout", "layout", "local_batch", "local_rows", "text_corpus", "token_count"]
+__all__ = [
+    "BatchSampler",
+    "DataLayout",
+    "checkpointable",
+    "layout",
+    "local_batch",
+    "local_rows",
+    "text_corpus",
+    "token_count",
+]

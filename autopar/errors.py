@@ -156,3 +156,15 @@ class UnsupportedOpError(CaptureError):
 class NotOptimalPlanWarning(UserWarning):
     """The strategy ILP hit its time limit: the plan is valid (the solver's best, or autopar's own feasible one)
     but not proven optimal; the message gives its status and gap and what to do."""
+
+
+class PipelineBackwardError(PipelineError):
+    """A backward through the outputs of a pipelined module's call: on a pp mesh only ``train_step`` trains."""
+
+
+class MetricsWriterError(AutoparError):
+    """A metrics writer (TensorBoard, W&B) whose package is not installed."""
+
+
+class SearchError(AutoparError):
+    """A whole-plan search result asked for what the search did not keep (more plans than its ``top``)."""

@@ -43,6 +43,8 @@ def options_dict(opts: ShardOptions) -> dict:
         "backend": opts.backend,
         "setup": dataclasses.asdict(opts.setup),
         "batch": opts.batch,
+        "roles": opts.roles,
+        "data_parallel": opts.data_parallel,
     }
 
 
@@ -59,6 +61,8 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
         setup=TrainingSetup(**setup),
         cluster=cluster,
         batch=d.get("batch", "global"),
+        roles=d.get("roles", "auto"),  # plans written before roles by name: the ILP's free choice
+        data_parallel=d.get("data_parallel"),
     )
 
 

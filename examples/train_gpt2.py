@@ -4,6 +4,9 @@
     python examples/train_gpt2.py --steps 60 --mesh dp=4
     python examples/train_gpt2.py --dump-dir out/demo/ir   # IR after each pass + each rank's code
 
+On rank 0 ``autopar.compile`` logs what its plan does on each mesh axis: by default each axis does what its
+name says (tp: Megatron's column/row-parallel layout, dp: batch split and gradients all-reduced).
+
 The corpus is byte-level text made of the Python standard library's own source files (already on
 every machine with Python; nothing is downloaded). The script runs the single-process reference
 first, then launches the parallel run with torchrun and prints both losses side by side.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import subprocess
@@ -78,6 +82,9 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    # compile logs what the plan does on each mesh axis (rank 0, logger "autopar"): show it
+    logging.basicConfig(format="[rank 0] %(message)s")
+    logging.getLogger("autopar").setLevel(logging.INFO)
     axes = dict(parse_mesh(args.mesh).axes)
     mesh = autopar.init_mesh("cpu", **axes)
     model = build_model(args)

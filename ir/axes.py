@@ -14,20 +14,33 @@ A mesh axis is named by the user (``autopar.init_mesh(pp=2, dp=2, tp=2)``) and i
 - an axis whose name starts with ``ep`` is an expert axis: the ILP may split a mixture of experts' expert
   tables over it and send each token to the rank holding its expert (``solver/sharding/experts.py``); on
   every other axis that split is not offered.
-- any other name (``a``) has no role of its own: the ILP places tensors on it as on any axis.
+- ``cp`` (context parallel) is a known name, torchtitan's, with no fixed layout yet: the ILP places
+  tensors on it by cost.
+- any other name (``a``) has no role of its own: accepted only with ``roles="auto"``, where the ILP places
+  tensors on it as on any axis.
 
-The ILP itself reads no role: on every axis but ``pp`` it chooses placements by cost. The roles only
-choose what is shared or assumed around it (ZeRO's shards, baselines, search constraints, stage costs).
+By default (``TrainConfig.roles="name"``, ``solver/sharding/roles.py``) the plan follows the names: the
+``dp*`` axes split the batch with the weights replicated (gradients all-reduced; ZeRO when asked), the
+``tp*`` axes lay the weights out as Megatron does; a name that is none of the above is a ``MeshError``
+(``check_axis_names``). With ``roles="auto"`` the ILP chooses every placement by cost on every axis but
+``pp``, and any name is accepted: the roles then only choose what is shared or assumed around it (ZeRO's
+shards, baselines, search constraints, stage costs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from autopar.errors import MeshError
+
 PIPELINE_AXIS = "pp"
 DATA_AXIS_PREFIX = "dp"
 TENSOR_AXIS_PREFIX = "tp"
 EXPERT_AXIS_PREFIX = "ep"
+CONTEXT_AXIS = "cp"
+EXPERT_AXIS = "ep"
+# what check_axis_names accepts, as its error lists them
+KNOWN_AXES = ("dp", "dp_replicate", "dp_shard", "dp*", "tp", "tp*", PIPELINE_AXIS, CONTEXT_AXIS, EXPERT_AXIS, "ep*")
 
 
 def is_pipeline_axis(name: str) -> bool:
@@ -58,3 +71,21 @@ def data_axes(names: Iterable[str]) -> tuple[str, ...]:
 def tensor_axes(names: Iterable[str]) -> tuple[str, ...]:
     """The tensor-parallel axes among ``names``, in their order."""
     return tuple(n for n in names if is_tensor_axis(n))
+
+
+def is_known_axis(name: str) -> bool:
+    """Whether ``name`` is one of the axis names whose role autopar knows (``KNOWN_AXES``)."""
+    return (
+        is_data_axis(name) or is_tensor_axis(name) or is_pipeline_axis(name) or is_expert_axis(name) or name == CONTEXT_AXIS
+    )
+
+
+def check_axis_names(names: Iterable[str]) -> None:
+    """A ``MeshError`` naming the first axis whose name has no known role (roles by name need one)."""
+    for n in names:
+        if not is_known_axis(n):
+            raise MeshError(
+                f"mesh axis {n!r} has no known role; name each axis by its role: {', '.join(KNOWN_AXES)} "
+                "(dp*: data parallel, tp*: tensor parallel, pp: pipeline, cp: context, ep*: expert), "
+                "or plan with roles='auto' to let the ILP choose every axis's placements by cost"
+            )

@@ -5,11 +5,13 @@ Every value's type and every op's result types get the chosen placements, and ea
 every mismatch into collectives and drops the attribute. What the solver decides, and how, is in
 solver/sharding/groups.py (decisions and their prices) and solver/sharding/solve.py (the problem and its solution).
 
-Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints on the program it
-solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes, ir/axes.py), so does a local
-``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt: local_batch_constraints), and with
-``fallbacks`` a problem that nothing solves is retried in a fixed order (``attempts``); the result's
-``how`` names the attempt that solved it.
+With ``roles="name"`` (TrainConfig's default) each mesh axis does what its name says (solver/sharding/roles.py:
+dp* data parallel, tp* Megatron's layout), also as ``constrain`` entries, and an axis name without a known role is
+a MeshError. Three options are the pass's own (solver/sharding/options.py): ``data_parallel`` becomes constraints
+on the program it solves (solver/sharding/baselines.py:data_parallel_constraints over the ``dp*`` axes,
+ir/axes.py), so does a local ``batch`` (its inputs split over the ``dp*`` axes as their rows are dealt:
+local_batch_constraints), and with ``fallbacks`` a problem that nothing solves is retried in a fixed order
+(``attempts``); the result's ``how`` names the attempt that solved it.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import warnings
 from dataclasses import dataclass, field, fields, replace
 
 from autopar.errors import InfeasibleError, NotOptimalPlanWarning
-from autopar.ir.axes import data_axes
+from autopar.ir.axes import check_axis_names, data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
 from autopar.solver.sharding.baselines import data_parallel_constraints, local_batch_constraints
 from autopar.solver.sharding.options import OBJECTIVES, ShardOptions, planning_options
+from autopar.solver.sharding.roles import role_constraints
 from autopar.solver.sharding.solve import Sharding, solve_sharding
 
 AS_ASKED = "as asked"
@@ -51,11 +54,25 @@ def required_inputs(op: Op) -> list[tuple[Placement, ...] | None]:
 
 
 def attempts(opts: ShardOptions) -> list[tuple[str, ShardOptions]]:
-    """What ``shard`` tries, in order, each named: ``opts``; with ``opts.fallbacks`` then the least memory
+    """What ``shard`` tries, in order, each named: ``opts``; with roles by name then the dp* axes' inputs split
+    only (not every batch-carrying activation), then, where Megatron's layout cannot be laid out on the tp*
+    axes for this model (a CNN's), the tp* axes placed by cost, and where the batch does not divide over the
+    dp* axes every axis by cost (``how`` and the plan's description say which); with ``opts.fallbacks`` then the
+    least memory
     without a budget (when the budget, or the solver's memory model of one microbatch with every activation
     saved, leaves nothing), and when the batch-carrying activations were constrained, the same two with the
     inputs constrained only (an op whose activations cannot all stay split on the batch)."""
     out = [(AS_ASKED, opts)]
+    if opts.roles == "name":  # the roles' layout may be impossible for a model: relaxed in this order
+        if opts.data_parallel is None:  # roles split the batch-carrying activations too
+            out.append(("data parallel inputs only", replace(opts, data_parallel="inputs")))
+        # without a tp axis these are the attempts above again, and fail as they did
+        for dp in ("activations", "inputs") if opts.data_parallel is None else (opts.data_parallel,):
+            how = f"Megatron's layout impossible on the tp axes: placed there by cost (data parallel {dp})"
+            out.append((how, replace(opts, roles="auto", data_parallel=dp)))
+        # last, a batch that does not divide over the dp axes (2 rows on dp=4): every axis by cost, as roles="auto"
+        free = "the roles' layout impossible for this model and batch: every axis placed by cost"
+        out.append((free, replace(opts, roles="auto", data_parallel=None)))
     if not opts.fallbacks:
         return out
     least = replace(opts, objective="memory", budget_bytes=None)
@@ -75,19 +92,24 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
     first: InfeasibleError | None = None
     for how, attempt in attempts(opts or ShardOptions()):
         try:
-            solved = solve_sharding(prog, _constrained(prog, attempt))
+            solved = solve_sharding(prog, constrained(prog, attempt))
         except InfeasibleError as e:
             first = first or _explained(e, attempt)
             continue
         if solved.solution.status != "optimal":
             warnings.warn(solved.solution.explained(), NotOptimalPlanWarning, stacklevel=2)
-        return _written(prog, solved, how)
+        return _written(prog, solved, how, opts.roles if opts is not None else "auto")
     assert first is not None  # attempts() lists the options as given first
     raise first
 
 
 def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
     """A constraint's error under ``data_parallel`` says where the constraints came from."""
+    if opts.roles == "name" and e.smallest_budget_bytes is None:
+        return InfeasibleError(
+            f"{e} (roles by name keep the dp* axes data parallel and lay the weights out on the tp* axes as "
+            "Megatron does; TrainConfig(roles='auto') lets the ILP choose every placement)"
+        )
     if opts.data_parallel is None or e.smallest_budget_bytes is not None:
         return e
     where = "the inputs and the activations" if opts.data_parallel == "activations" else "the inputs"
@@ -97,12 +119,17 @@ def _explained(e: InfeasibleError, opts: ShardOptions) -> InfeasibleError:
     )
 
 
-def _constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
-    """``opts`` with ``data_parallel`` and a local ``batch`` turned into ``constrain`` entries (all must hold
-    where several constrain)."""
+def constrained(prog: Program, opts: ShardOptions) -> ShardOptions:
+    """``opts`` with roles by name, ``data_parallel`` and a local ``batch`` turned into ``constrain`` entries (all
+    must hold where several constrain): the options the solver is given (``autopar explain`` rebuilds with them)."""
     axes = data_axes(prog.mesh.names)
     added = []
-    if opts.data_parallel is not None:
+    if opts.roles == "name":
+        check_axis_names(prog.mesh.names)
+        entries, pin = role_constraints(prog, activations=opts.data_parallel != "inputs")
+        added.append(entries)
+        opts = replace(opts, pin=opts.pin | pin)
+    elif opts.data_parallel is not None:
         added.append(data_parallel_constraints(prog, axes, activations=opts.data_parallel == "activations"))
     if opts.batch == "local":
         added.append(local_batch_constraints(prog, axes))
@@ -119,8 +146,9 @@ def _all_of(a, b):
     return lambda p: a(p) and b(p)
 
 
-def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
-    """``prog`` with the chosen placements written into its types and each op's ``in`` attribute."""
+def _written(prog: Program, solved: Sharding, how: str, roles: str = "auto") -> ShardResult:
+    """``prog`` with the chosen placements written into its types and each op's ``in`` attribute, and as program
+    attributes how the roles were chosen and what the solve predicts (passes/describe.py reports them)."""
     chosen = solved.chosen
     inputs = tuple(
         Value(v.name, v.kind, v.type.with_placements(chosen[v.name].outputs[0]), dict(v.attrs)) for v in prog.inputs
@@ -132,10 +160,19 @@ def _written(prog: Program, solved: Sharding, how: str) -> ShardResult:
         ops.append(op.with_(types=types, attrs=dict(op.attrs, **{"in": [format_placements(p) for p in s.inputs]})))
     out = prog.with_(inputs=inputs, ops=tuple(ops))
     sol = solved.solution
-    attrs = dict(out.attrs, ilp_status=sol.status, ilp_objective=round(sol.objective, 3))
+    out = out.with_(
+        attrs=dict(
+            out.attrs,
+            ilp_status=sol.status,
+            ilp_objective=round(sol.objective, 3),
+            roles=roles,
+            **({"plan_how": how} if how != AS_ASKED else {}),
+            predicted_memory_bytes=int(solved.memory_bytes),
+            predicted_step_ms=round(solved.step_seconds * 1e3, 6),
+        )
+    )
     if sol.status != "optimal":
-        attrs["ilp_gap"] = "unknown" if sol.gap is None else round(sol.gap, 6)
-    out = out.with_(attrs=attrs)
+        out = out.with_(attrs=dict(out.attrs, ilp_gap="unknown" if sol.gap is None else round(sol.gap, 6)))
     return ShardResult(**{f.name: getattr(solved, f.name) for f in fields(solved)}, program=out, how=how)
 
 
@@ -145,6 +182,7 @@ __all__ = [
     "ShardOptions",
     "ShardResult",
     "attempts",
+    "constrained",
     "format_placements",
     "planning_options",
     "required_inputs",

@@ -41,6 +41,7 @@ from autopar.errors import BatchCouplingError, OptimizerError, PipelineError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program
 from autopar.passes.batch_coupling import microbatching_refusal
+from autopar.passes.describe import describe_plan
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime.build.compiled import compile_rank
 from autopar.runtime.build.params import LocalTensors, register
@@ -51,6 +52,7 @@ from autopar.runtime.call.batch import LossWeight, loss_scales, merge_outputs, s
 from autopar.runtime.call.inputs import CallInputs, stage_reads
 from autopar.runtime.call.loss_weight import program_weight
 from autopar.runtime.call.outputs import batch_outputs, broadcast_outputs, broadcast_weights
+from autopar.runtime.call.pipeline_guard import refuse_backward
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.lazy import Deferred, settle
 from autopar.runtime.comm.teardown import holds_groups
@@ -61,6 +63,7 @@ from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolv
 from autopar.runtime.grads.sync import GradSync
 from autopar.runtime.grads.zero import ZeroOptimizer
 from autopar.runtime.grads.zero3 import shard_zero3
+from autopar.runtime.measure.metrics import StepMeter
 from autopar.runtime.views import ModuleViews
 from autopar.schedule.actions import Schedule, split_backwards
 from autopar.solver.sharding.cost import TrainingSetup
@@ -144,6 +147,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
         self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/comm/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
+        self.metrics: StepMeter | None = None  # times each train_step (runtime/measure/metrics.py); compile sets it
         mine = schedule.stages_of_rank(self._pp_rank)
         self._local = LocalTensors(self, get_value, forward.mesh, comm.coords, self.device)
         builder = StageBuilder(comm.coords, self._local, self.device, rng, comm.rank)
@@ -259,6 +263,11 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self._optimizer is not None:
             if self._clip is not None:
                 self.clip_grad_norm_(*self._clip)
+            elif self.metrics is not None and self.metrics.wants_grad_norm:  # measured, not clipped
+                pieces = clip.grad_pieces(
+                    self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied
+                )
+                self.grad_norm = clip.global_norm(pieces, 2.0, self.comm)
             self._optimizer.step()
             self._optimizer.zero_grad()
 
@@ -313,6 +322,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             merged = take_rows(merged, self.data_layout.data_rows(), self._row_outputs)
         if self._one_stage:
             self._grads.watch(merged)  # a backward through them syncs the gradients at its end
+        elif self.training and torch.is_grad_enabled():  # only train_step trains a pipeline: a backward says so
+            merged = refuse_backward(merged)
         self._deferred = [weakref.ref(t) for t in merged if isinstance(t, Deferred)]
         return pytree.tree_unflatten(merged, self._out_spec)
 
@@ -338,6 +349,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
                 "train_step needs the model's first output to be the scalar training loss (a Hugging Face "
                 "model returns it first when given labels); call the module for its outputs instead"
             )
+        if self.metrics is not None:
+            self.metrics.start()
         pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
         self._stepped = False
         sub = self.options.sub_microbatches
@@ -358,7 +371,21 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self._schedule.num_ranks > 1:
             dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
         self._stepped = self._optimizer is not None
+        if self.metrics is not None:
+            norm = self.grad_norm if self._optimizer is not None else None
+            self.metrics.finish(loss, norm, pytree.tree_leaves((args, kwargs)))
         return loss
+
+    def describe(self) -> str:
+        """What the plan does on each mesh axis, with its predicted memory and step (``passes/describe.py``):
+        what ``compile`` logs and this module's ``repr`` shows."""
+        s, setup, prog = self._schedule, self.setup, self.program
+        zero_axes = tuple(prog.mesh.names[i] for i in setup.shard_axes(prog.mesh))
+        pipeline = f"{s.num_stages} stages on {s.num_ranks} ranks, {s.name} schedule, {s.num_microbatches} microbatches"
+        return describe_plan(prog, setup.bucket_bytes, setup.zero, zero_axes, pipeline, s.num_ranks)
+
+    def extra_repr(self) -> str:
+        return self.describe()
 
     def train(self, mode: bool = True) -> ParallelModule:
         """Training mode (dropout draws masks) or, ``mode=False`` / ``eval()``, evaluation (dropout off)."""

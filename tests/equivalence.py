@@ -198,7 +198,22 @@ def compare(rank: int, world: int, model_name: str, axes: dict[str, int], strate
         "grads_in_buckets": torch.tensor(in_buckets),
         "unsynced_rel": torch.tensor(unsynced_rel, dtype=torch.float64),
         "fused_f": torch.tensor(fused_column_linears(compiled)),
+        **axis_use(compiled.program),
     }
+
+
+def axis_use(prog) -> dict[str, torch.Tensor]:
+    """What the plan does with each mesh axis: how many parameters it shards there (``sharded_on_<axis>``) and
+    how many user inputs it splits on the batch there (``batch_on_<axis>``), and how many inputs there are."""
+    from autopar.ir.core import Shard
+
+    out = {"inputs": torch.tensor(sum(v.kind == "input" for v in prog.inputs))}
+    for i, name in enumerate(prog.mesh.names):
+        params = [v for v in prog.inputs if v.kind == "param"]
+        inputs = [v for v in prog.inputs if v.kind == "input"]
+        out[f"sharded_on_{name}"] = torch.tensor(sum(isinstance(v.type.placements[i], Shard) for v in params))
+        out[f"batch_on_{name}"] = torch.tensor(sum(v.type.placements[i] == Shard(0) for v in inputs))
+    return out
 
 
 def fused_column_linears(compiled) -> int:

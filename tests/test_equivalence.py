@@ -52,6 +52,11 @@ def test_models_train_exactly(axes, models):
             if model.endswith("keepgrads"):  # the gradients are the buckets' slices: synced without a copy back
                 assert 0 < r["grads_in_buckets"] == r["synced_params"], where
             assert param_rel < TOL, f"{where}: {r['worst_param']} differs by {param_rel:.2e} relative"
+            if "@" not in model and "dp" in axes:  # roles by name (the default): dp splits the batch, weights whole
+                assert r["batch_on_dp"] == r["inputs"] and r["sharded_on_dp"] == 0, where
+            # and tp lays the weights out as Megatron (a CNN's convolutions have no such layout: placed by cost)
+            if "@" not in model and "tp" in axes and model != "cnn":
+                assert r["sharded_on_tp"] > 0 and r["batch_on_tp"] == 0, where
     largest = {m: max(res[m]["loss_rel"].item() for res in results) for m in models}
     largest_p = {m: max(res[m]["param_rel"].item() for res in results) for m in models}
     print(f"{axes}: largest relative differences (loss, parameters):", {m: (largest[m], largest_p[m]) for m in models})

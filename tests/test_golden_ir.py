@@ -84,6 +84,8 @@ CASES = (
     Case("gpt2-tp2-budget", "gpt2", "tp=2", {"budget_bytes": 400_000.0}),
     Case("gpt2-dp2-tp2-memory", "gpt2", "dp=2,tp=2", {"objective": "memory"}),  # gathers, local shards on two axes
     Case("gpt2-pp2-tp2", "gpt2", "pp=2,tp=2"),  # two stages, send/recv, the default options
+    # roles by name (TrainConfig's default): dp splits the batch, tp lays the weights out as Megatron
+    Case("gpt2-dp2-tp2-roles", "gpt2", "dp=2,tp=2", {"roles": "name"}),
 )
 
 

@@ -502,8 +502,9 @@ def test_cli_plan_json_has_the_documented_fields(tmp_path, capsys):
 
 
 def test_cli_explain_marks_the_chosen_candidate(tmp_path, capsys):
+    """The ILP's free choice (roles="auto"; by name the weight's placement on tp is fixed: one candidate)."""
     plan = tmp_path / "p.json"
-    assert main(["plan", "tiny-gpt2", "--mesh", "tp=2", "--no-baselines", "-o", str(plan)]) == 0
+    assert main(["plan", "tiny-gpt2", "--mesh", "tp=2", "--roles", "auto", "--no-baselines", "-o", str(plan)]) == 0
     capsys.readouterr()
     assert main(["explain", str(plan), "transformer.h.0.attn.c_attn.weight"]) == 0
     out = capsys.readouterr().out

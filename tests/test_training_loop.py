@@ -357,7 +357,9 @@ def test_training_loop_on_four_ranks(tmp_path):
         t = res["tokens"]
         for mode in ("global", "local"):
             _check_run(t[mode], f"rank {rank} pp2 x dp2 tokens {mode}")
-        assert torch.equal(t["local"]["loss"], t["global"]["loss"]), f"rank {rank}: local and global losses differ"
+        # the same numbers to float64 rounding (bitwise before roles by name, when both batches got one plan; with
+        # roles the global and the local batch's constraints differ and the reductions may run in another order)
+        assert _rel(t["local"]["loss"], t["global"]["loss"]) < TOL, f"rank {rank}: local and global losses differ"
         assert t["unweighted"]["loss_rel"] > 1e-6, "microbatch means must differ from the token mean here"
         assert t["local"]["inputs"] == (["input_ids"] if rank < 2 else ["labels"]), t["local"]["inputs"]
         e = res["eval"]

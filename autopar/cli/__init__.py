@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from autopar.cli.listing import print_models, wants_models
 from autopar.errors import AutoparError
 
 # Subcommand name -> module under autopar.cli. Adding a subcommand is one line here plus its module.
@@ -45,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if wants_models(argv):  # answered without importing the stack (torch, transformers)
+        return print_models()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
             "compared with autopar's keyed dropout on one device. Scale a large preset down with overrides "
             "(gpt3-175b:n_layer=2,n_embd=256)."
         ),
-        epilog="example: autopar check gpt2:n_layer=2,n_embd=64 --mesh dp=2,tp=2",
+        epilog="example: autopar check gpt2:n_layer=2,n_embd=64,n_head=4,vocab_size=256,batch=4,seq=32 "
+        "--mesh dp=2,tp=2",
     )
     p.add_argument("model", metavar="MODEL", help="preset[:overrides] or file.py:fn (see autopar plan --list-models)")
     p.add_argument("--mesh", required=True, help="mesh axes, e.g. dp=2,tp=2 or pp=2,tp=2")

@@ -10,8 +10,10 @@ from autopar.ir.core import Op
 from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
+from autopar.passes.shard import AS_ASKED, attempts, constrained
 from autopar.plan import Plan
 from autopar.planner import options_from_dict
+from autopar.runtime.build.precision import for_capture
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.problem import switch_costs
 from autopar.solver.sharding.solve import SharedReads, build_problem
@@ -87,11 +89,16 @@ def rebuild(plan: Plan):
     if not plan.model:
         raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
     spec = build(plan.model, device="meta")
-    captured = capture(spec.model, spec.args, spec.kwargs)
+    precision = plan.options.get("setup", {}).get("precision", "fp32")  # captured as the plan was (bf16: its copy)
+    captured = capture(*for_capture(spec.model, spec.args, spec.kwargs, precision))
     plan.check(captured, plan.mesh_spec)
     cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
     opts = options_from_dict(plan.options, cluster)
-    return opts, build_problem(lower(captured, plan.mesh_spec), opts)
+    lowered = lower(captured, plan.mesh_spec)
+    # the constraints the attempt that solved it had (roles by name, data_parallel), named by the program
+    how = plan.parsed().attrs.get("plan_how", AS_ASKED)
+    opts = constrained(lowered, dict(attempts(opts)).get(how, opts))
+    return opts, build_problem(lowered, opts)
 
 
 def plan_choice(groups, nodes, edges, types) -> list[int] | None:

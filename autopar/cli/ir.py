@@ -34,6 +34,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--upto", default=None, help=f"stop after this pass: capture, {', '.join(DEFAULT_PIPELINE)}")
     p.add_argument("--dump-dir", default=None, help="write NN-pass.ir after every pass into this directory")
     p.add_argument("--local", action="store_true", help="show each rank's local shapes instead of global ones")
+    p.add_argument(
+        "--roles", choices=("name", "auto"), default="name",
+        help="name (default): each axis does what its name says (dp* data parallel, tp* tensor parallel); "
+        "auto: the ILP chooses every placement by cost",
+    )  # fmt: skip
     p.add_argument("--alpha", type=float, default=1.0, help="weight of communication bytes in the ILP (default 1)")
     p.set_defaults(func=run)
 
@@ -44,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if upto not in stages:
         raise AutoparError(f"--upto {upto!r} is not a pass; choose one of {', '.join(stages)}")
     spec = build(args.model, device="meta")
-    options = {"lower": parse_mesh(args.mesh), "shard": ShardOptions(alpha=args.alpha)}
+    options = {"lower": parse_mesh(args.mesh), "shard": ShardOptions(alpha=args.alpha, roles=args.roles)}
     pm = PassManager(FLOW, dump_dir=args.dump_dir, options=options)  # the flow's passes, dumped by its numbers
     call = (spec.model, spec.args, spec.kwargs)
     prog = pm.run(call, stop="lower" if upto == "capture" else upto)  # --upto capture: the IR as lowered

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
+
+import yaml
 
 from autopar.api import parse_mesh
+from autopar.cli.listing import print_models
 from autopar.config import TrainConfig
 from autopar.errors import AutoparError
-from autopar.ir.axes import PIPELINE_AXIS
-from autopar.models.resolve import list_presets
+from autopar.ir.axes import PIPELINE_AXIS, data_axes
+from autopar.passes.describe import describe_plan
 from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
 from autopar.schedule.generators import SCHEDULES, schedule_kind
@@ -61,16 +65,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--budget-gb",
         type=float,
         default=None,
-        help="per-device memory budget in GiB (default: the cluster's device memory)",
+        help="per-device memory budget in GiB (default: the cluster's device memory less its reserve, "
+        "memory_reserve: 1 GiB + 5%% of the device unless the spec sets it)",
     )
+    p.add_argument(
+        "--roles", choices=["name", "auto"], default=None,
+        help="name (default): each axis does what its name says (dp* data parallel, tp* tensor parallel as "
+        "Megatron); auto: the ILP chooses every axis's placements by cost",
+    )  # fmt: skip
     p.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage over the dp axes")
     p.add_argument("--mics-group", type=int, default=None, help="MiCS partition group size over the dp axes")
     p.add_argument(
         "--precision",
         choices=["fp32", "bf16", "fp16"],
-        default="fp32",
+        default=None,
         help="training precision: bf16/fp16 capture the model in that dtype with fp32 master weights "
-        "(compile applies the plan's precision)",
+        "(compile applies the plan's precision); default, with --mesh and in the search alike: bf16 on a GPU "
+        "(NCCL) cluster, fp32 on a gloo one",
     )
     p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds (default 60)")
     p.add_argument("--solver", choices=["cbc", "highs"], default=None, help="ILP back end (default CBC)")
@@ -114,6 +125,7 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         "precision": args.precision,
         "microbatches": args.microbatches,
         "cluster": args.cluster,
+        "roles": args.roles,
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
@@ -126,7 +138,20 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         opts = dict(changes.get("schedule_options", cfg.schedule_options))
         changes["schedule_options"] = opts | {k: v for k, v in shape.items() if k in kind.options() and v != 1}
     cfg = cfg.replace(**changes)
-    return cfg if cfg.cluster is not None else cfg.replace(cluster=DEFAULT_CLUSTER)
+    cfg = cfg if cfg.cluster is not None else cfg.replace(cluster=DEFAULT_CLUSTER)
+    if args.precision is None and not _config_sets(args.config, "precision"):
+        # one default with the search: the cluster's (bf16 on a GPU cluster, fp32 on gloo)
+        cfg = cfg.replace(precision=cfg.cluster_spec().default_precision())
+    return cfg
+
+
+def _config_sets(path, name: str) -> bool:
+    """Whether the ``--config`` file at ``path`` (None: no file) sets the field ``name``."""
+    if path is None:
+        return False
+    text = Path(path).read_text()
+    data = json.loads(text) if str(path).endswith(".json") else yaml.safe_load(text)
+    return isinstance(data, dict) and name in data
 
 
 def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlanOptions:
@@ -142,9 +167,7 @@ def pipeline_options(cfg: TrainConfig, args: argparse.Namespace) -> PipelinePlan
 
 def run(args: argparse.Namespace) -> int:
     if args.list_models:
-        for name, desc in list_presets().items():
-            print(f"{name:18s} {desc}")
-        return 0
+        return print_models()
     cfg = plan_config(args)
     args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
     # -- search hook ------------------------------------------------------------------------------------
@@ -205,6 +228,15 @@ def _print_report(args, report) -> None:
     print(f"{args.model} on mesh {args.mesh}  ({s['ops']} ops, objective {objective[s['objective']]}{budget})")
     print(f"predicted step: {s['step_seconds'] * 1e3:.3f} ms (computation + communication per device)")
     print(f"precision: {precision_line(report.plan.options.get('setup', {}))}")
+    setup = report.plan.options.get("setup", {})
+    zero_axes = tuple(setup.get("zero_axes") or data_axes(report.plan.launch_mesh.names))
+    print(
+        describe_plan(
+            report.plan.parsed(), setup.get("bucket_cap_mb", 25.0) * 2**20, setup.get("zero", 0), zero_axes,
+            report.plan.pipeline.get("schedule") if report.plan.pipeline else None,
+            report.plan.launch_mesh.pipeline_size,
+        )
+    )  # fmt: skip
     folded = f", {s['layers_solved_once']} identical layers solved once" if s["layers_solved_once"] else ""
     eliminated = f" ({s['ilp_eliminated']} solved by elimination first)" if s.get("ilp_eliminated") else ""
     print(

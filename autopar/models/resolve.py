@@ -79,6 +79,25 @@ def _example_inputs(
     return (x.to(device, dtype),), {"target": t.to(device, dtype)}
 
 
+# (hidden size, attention heads) as each config family names them
+_HEAD_FIELDS = (("n_embd", "n_head"), ("hidden_size", "num_attention_heads"), ("d_model", "num_heads"))
+
+
+def _check_heads(preset: str, cfg: Any, overrides: dict[str, Any]) -> None:
+    """A hidden size the attention heads do not divide (``gpt2:n_embd=64`` keeps GPT-2's 12 heads) is refused
+    with the override that fixes it: the largest head count up to the preset's that divides it."""
+    for hidden_name, heads_name in _HEAD_FIELDS:
+        hidden, heads = getattr(cfg, hidden_name, None), getattr(cfg, heads_name, None)
+        if not (isinstance(hidden, int) and isinstance(heads, int)) or heads < 1 or hidden % heads == 0:
+            continue
+        fit = max(h for h in range(1, heads + 1) if hidden % h == 0)
+        given = ",".join(f"{k}={v}" for k, v in overrides.items())
+        raise PresetError(
+            f"{preset}:{given}: {hidden_name}={hidden} is not a multiple of the {heads} attention heads "
+            f"({heads_name}); also override {heads_name}, e.g. {preset}:{given},{heads_name}={fit}"
+        )
+
+
 def _build_preset(
     spec: str, preset: Preset, overrides: dict[str, Any], device: torch.device, seed: int | None
 ) -> ModelSpec:
@@ -92,6 +111,7 @@ def _build_preset(
             f"seq={seq} exceeds the {limit} positions of preset {preset.name!r}; "
             f"also override {'n_positions' if preset.family == 'gpt2' else 'max_position_embeddings'}."
         )
+    _check_heads(preset.name, cfg, overrides)
     dtype = _config_dtype(preset.name, cfg) if fam.hf else torch.float32
     if device.type != "meta" and seed is not None:
         torch.manual_seed(seed)

@@ -23,7 +23,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.global_batch < 1 or args.top < 1:
         raise AutoparError("--global-batch and --top must be positive")
     cluster = args.cluster if isinstance(args.cluster, ClusterSpec) else ClusterSpec.load(args.cluster)
-    precision = args.precision or ("bf16" if cluster.backend == "nccl" else "fp32")
+    precision = args.precision or cluster.default_precision()  # as autopar plan --mesh (cli/plan.py:plan_config)
     space = SearchSpace() if args.zero is None else SearchSpace(zero=(args.zero,), mics=args.mics_group is not None)
     budget = args.budget_gb * GiB if args.budget_gb is not None else None
     result = search_model(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from autopar.errors import SearchError
 from autopar.plan import Plan
 from autopar.schedule.simulator import simulate
 from autopar.schedule.timeline import SimResult
@@ -62,6 +63,13 @@ class SearchResult:
         }
 
     def format(self, top: int | None = None) -> str:
+        """The table of the ``top`` best plans the search kept (default: all of them). The search keeps as many
+        as ``search_model(..., top=K)`` asked: asking here for more is refused, saying so."""
+        if top is not None and top > self.stats.get("top", len(self.best)):
+            raise SearchError(
+                f"the search kept its {self.stats['top']} best plans, not {top}: ask the "
+                f"search for them, search_model(..., top={top}) (autopar plan --top {top}), then format()"
+            )
         s = self.stats
         cl = self.cluster
         head = (

@@ -1,8 +1,8 @@
 """The search: the ``top`` fastest whole plans of a model for a cluster within a memory budget, by branch and bound.
 
     from autopar.search import search_model
-    result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536)
-    print(result.format(top=5))           # step time, MFU, peak memory per rank of the best plans
+    result = search_model("gpt3-175b", "dgx-a100:nodes=128", global_batch=1536, top=5)
+    print(result.format())                # step time, MFU, peak memory per rank of the five best plans
     plan = result.materialize()           # the flow (passes/flow.py) at the best candidate -> an autopar Plan
     plan.save("plan.json")
 
@@ -66,7 +66,8 @@ def search(
     scorer: Scorer | None = None,
     spec: str | None = None,
 ) -> SearchResult:
-    """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: device memory).
+    """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: the device memory less
+    its reserve, ``ClusterSpec.plan_memory``).
 
     Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
     priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
@@ -79,11 +80,12 @@ def search(
     """
     t0 = time.perf_counter()
     space = dataclasses.replace(space or SearchSpace(), devices_per_node=cluster.devices_per_node)
-    budget = float(budget_bytes if budget_bytes is not None else cluster.device_memory)
+    budget = float(budget_bytes if budget_bytes is not None else cluster.plan_memory)
     an = Analytic(profile, cluster, global_batch, precision=precision)
     keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
             "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip
     stats: dict[str, Any] = dict.fromkeys(keys, 0)
+    stats["top"] = top  # how many plans were asked for (SearchResult.format refuses more)
     fams = families(an, space, cluster.world_size)
     stats["families"] = len(fams)
     bounds = {f: an.family_bounds(f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f)) for f in fams}

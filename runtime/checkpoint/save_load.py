@@ -36,6 +36,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from autopar.errors import CheckpointMismatchError
 from autopar.runtime.checkpoint.files import SafeReader, commit, latest, read_manifest, uncommit, verify
 from autopar.runtime.checkpoint.jsonstate import decode, encode
+from autopar.runtime.checkpoint.objects import checkpointable
 from autopar.runtime.checkpoint.pieces import Pieces
 from autopar.runtime.checkpoint.state_pieces import (
     Held,
@@ -176,7 +177,8 @@ def _manifest(pipe, optimizer, held: dict[str, Held], lr_scheduler, objects, ext
         out["optimizer"] = encode({"param_groups": groups, "scalars": scalars}, "optimizer")
     if lr_scheduler is not None:
         out["lr_scheduler"] = encode(lr_scheduler.state_dict(), "lr_scheduler")
-    out["objects"] = {name: encode(obj.state_dict(), name) for name, obj in (objects or {}).items()}
+    objects = {name: checkpointable(obj, name) for name, obj in (objects or {}).items()}  # a DataLoader: its sampler's
+    out["objects"] = {name: encode(obj.state_dict(), name) for name, obj in objects.items()}
     out["extra"] = encode(extra, "extra")
     return out
 
@@ -218,7 +220,7 @@ def load(
         saved = manifest.get("objects", {})
         if name not in saved:
             raise CheckpointMismatchError(f"the checkpoint at {path} holds no object {name!r} (it has {sorted(saved)})")
-        obj.load_state_dict(decode(saved[name]))
+        checkpointable(obj, name).load_state_dict(decode(saved[name]))
     rng = manifest.get("dropout_rng")
     if rng is not None and pipe.dropout_rng is not None:
         pipe.dropout_rng.seed, pipe.dropout_rng.step = rng["seed"], rng["step"]

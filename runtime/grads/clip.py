@@ -85,15 +85,11 @@ def grad_pieces(
 
 
 @torch.no_grad()
-def clip_grad_norm_(
-    pieces: Sequence[tuple[torch.Tensor, torch.Tensor | bool]],
-    max_norm: float,
-    norm_type: float,
-    comm: Comm,
+def global_norm(
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor | bool]], norm_type: float, comm: Comm
 ) -> torch.Tensor:
-    """Scale every gradient of ``pieces`` (from ``grad_pieces`` on every rank) so that their global
-    ``norm_type``-norm is at most ``max_norm``; returns that norm (before scaling) in the gradients'
-    dtype, the same on every rank. A collective over every mesh axis."""
+    """The global ``norm_type``-norm of the gradients of ``pieces`` (from ``grad_pieces`` on every rank), in the
+    gradients' dtype, the same on every rank; nothing is scaled. A collective over every mesh axis."""
     p = float(norm_type)
     if not (p > 0):
         raise OptimizerError(f"norm_type must be positive or inf, not {norm_type}")
@@ -114,11 +110,23 @@ def clip_grad_norm_(
         if comm.sizes[a] > 1:
             dist.all_reduce(acc, op=op, group=group)
     total = acc if math.isinf(p) else acc.pow(1.0 / p)
-    total = total.to(dtype)
+    return total.to(dtype)
+
+
+def clip_grad_norm_(
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor | bool]],
+    max_norm: float,
+    norm_type: float,
+    comm: Comm,
+) -> torch.Tensor:
+    """Scale every gradient of ``pieces`` (from ``grad_pieces`` on every rank) so that their global
+    ``norm_type``-norm is at most ``max_norm``; returns that norm (before scaling) in the gradients'
+    dtype, the same on every rank. A collective over every mesh axis."""
+    total = global_norm(pieces, norm_type, comm)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g, _ in pieces:
         g.mul_(coef.to(g.dtype))
     return total
 
 
-__all__ = ["clip_grad_norm_", "grad_pieces", "owned"]
+__all__ = ["clip_grad_norm_", "global_norm", "grad_pieces", "owned"]

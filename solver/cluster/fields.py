@@ -49,6 +49,7 @@ _FIELD_HELP = {
     "nodes": "number of nodes, a positive integer",
     "devices_per_node": "accelerators (or processes) per node, a positive integer",
     "device_memory": "bytes per device, e.g. 80GiB",
+    "memory_reserve": "bytes per device the plan leaves free (CUDA context, NCCL buffers, fragmentation), e.g. 4GiB",
     "peak_flops": "a mapping dtype -> FLOP/s per device with fp32 and bf16 or fp16, e.g. {bf16: 312e12}",
     "intra_node_bandwidth": "bytes/s per device inside a node, e.g. 230GB/s",
     "intra_node_latency": "seconds per step inside a node, e.g. 3us",
@@ -84,6 +85,9 @@ def check_fields(data: Mapping[str, Any], known: Sequence[str]) -> dict[str, Any
         "backend": str(data.get("backend", "nccl")),
         "collectives": _collectives(name, data.get("collectives") or {}),
         "memory_bandwidth": _optional(name, "memory_bandwidth", data, parse_rate),
+        "memory_reserve": (
+            None if data.get("memory_reserve") is None else _field(name, "memory_reserve", data, parse_bytes, False)
+        ),
         "efficiency": _optional(name, "efficiency", data, float),
         "description": str(data.get("description", "")),
         "notes": {str(k): str(v) for k, v in (data.get("notes") or {}).items()},

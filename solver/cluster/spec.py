@@ -27,6 +27,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,23 @@ from autopar.solver.cluster.fields import COLLECTIVES, DTYPES, check_fields, par
 __all__ = ["ClusterSpec", "COLLECTIVES", "calibration_file", "list_clusters", "local_cluster"]
 
 PRESET_DIR = Path(__file__).parent / "presets"
+RESERVE_FIXED = 2**30  # the CUDA context and NCCL's buffers: about 1 GiB per device
+RESERVE_FRACTION = 0.05  # the caching allocator's fragmentation: about 5% of the device
+
+
+def default_memory_reserve(device_memory: int) -> int:
+    """The bytes per device a plan leaves free by default: 1 GiB (the CUDA context, ~0.5 GiB, and NCCL's
+    communicator buffers, ~0.5 GiB) plus 5% of the device memory (fragmentation of the caching allocator),
+    at most half the device: 5 GiB of an 80 GiB A100 or H100. A spec's ``memory_reserve`` replaces it."""
+    return int(min(RESERVE_FIXED + RESERVE_FRACTION * device_memory, device_memory / 2))
+
+
+def _file_and_overrides(text: str) -> tuple[Path | None, str]:
+    """A spec file and its ``:field=value,...`` overrides (``my.yaml:nodes=128``), or (None, "") for a preset."""
+    match = re.fullmatch(r"(.+?\.(?:ya?ml|json))(?::(.*))?", text, flags=re.IGNORECASE)
+    if match is not None:
+        return Path(match.group(1)), match.group(2) or ""
+    return (Path(text), "") if Path(text).is_file() else (None, "")
 
 
 @dataclass(frozen=True)
@@ -61,6 +79,9 @@ class ClusterSpec:
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
     memory_bandwidth: float | None = None  # bytes/s an elementwise kernel streams (None: not priced)
     efficiency: float | None = None  # fraction of peak_flops a step sustains (None: the cost model's default)
+    # bytes per device a plan leaves free: the CUDA context, NCCL's buffers, the allocator's fragmentation
+    # (None: the default reserve, ``default_memory_reserve``; 0: plan to the last byte)
+    memory_reserve: int | None = None
     description: str = ""
     notes: dict[str, str] = field(default_factory=dict)  # where each number comes from
 
@@ -81,13 +102,17 @@ class ClusterSpec:
 
     @classmethod
     def load(cls, source: str | os.PathLike[str]) -> ClusterSpec:
-        """Load a YAML/JSON file, or a preset name with optional overrides (``dgx-a100:nodes=128``)."""
+        """Load a YAML/JSON file or a preset name, either with optional overrides (``dgx-a100:nodes=128``,
+        ``my.yaml:nodes=128``)."""
         text = os.fspath(source)
-        path = Path(text)
-        if path.suffix.lower() in (".yaml", ".yml", ".json") or path.is_file():
-            if not path.is_file():
-                raise ClusterSpecError(f"cluster spec file {text!r} does not exist")
-            return cls.from_dict(read_file(path))
+        file, overrides = _file_and_overrides(text)
+        if file is not None:
+            if not file.is_file():
+                raise ClusterSpecError(f"cluster spec file {os.fspath(file)!r} does not exist")
+            data = read_file(file)
+            if overrides:  # my.yaml:nodes=128, as a preset takes them
+                data.update(parse_overrides(os.fspath(file), overrides, data))
+            return cls.from_dict(data)
         name, _, rest = text.partition(":")
         preset = PRESET_DIR / f"{name}.yaml"
         if not preset.is_file():
@@ -116,6 +141,8 @@ class ClusterSpec:
         for key in ("collectives", "memory_bandwidth", "efficiency", "notes"):
             if not out[key]:
                 del out[key]
+        if out["memory_reserve"] is None:  # the default reserve
+            del out["memory_reserve"]
         return out
 
     def to_yaml(self) -> str:
@@ -134,6 +161,21 @@ class ClusterSpec:
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def reserve_bytes(self) -> int:
+        """The bytes per device a plan leaves free: ``memory_reserve``, else ``default_memory_reserve``."""
+        return self.memory_reserve if self.memory_reserve is not None else default_memory_reserve(self.device_memory)
+
+    @property
+    def plan_memory(self) -> float:
+        """The bytes per device a plan may fill by default: the device memory less the reserve."""
+        return float(self.device_memory - self.reserve_bytes)
+
+    def default_precision(self) -> str:
+        """The compute precision plans are priced in when none is asked: bf16 on a GPU (NCCL) cluster, where
+        training runs in it, fp32 on CPUs (gloo). ``autopar plan --mesh`` and the search both use it."""
+        return "bf16" if self.backend == "nccl" else "fp32"
 
     def peak(self, dtype: Any = "bf16") -> float:
         """Peak FLOP/s per device for a dtype name (``bf16``, ``bfloat16``) or a ``torch.dtype``."""

@@ -367,7 +367,7 @@ class GroupBuilder:
         vol, sec = self.cost.redistribute_matrix(t, srcs, dsts, name in self.grad if name else None)
         cost = self.objective(0.0, vol, sec, 0.0)
         possible = np.isfinite(vol)
-        if name and self.opts.pin_constrained and name in (self.opts.constrain or {}):
+        if name and self.opts.pinned(name):
             possible &= vol == 0  # used where it is stored
         if name in self.recomputable:  # never moved; but a partial sum (a count over split rows) is reduced
             reduced = np.array([has_partial(s) for s in srcs], dtype=bool)[:, None]

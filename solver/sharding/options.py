@@ -3,7 +3,8 @@ and the options a user-facing entry point plans with.
 
 Objectives: ``time`` (the default) is the least predicted step time, communication plus computation
 seconds on the cluster spec, within the memory budget (``planning_options`` sets the budget to the
-cluster's device memory); ``comm`` is the same objective under Alpa's name, kept for old plan files;
+cluster's device memory less its reserve, ``ClusterSpec.plan_memory``); ``comm`` is the same objective under
+Alpa's name, kept for old plan files;
 ``memory`` is the minimal-memory-redundancy paper's: redundant bytes + alpha * communication bytes.
 
 ``data_parallel``, ``batch`` and ``fallbacks`` are read by the `shard` pass (passes/shard.py), which turns them into
@@ -43,6 +44,12 @@ class ShardOptions:
     # such as Megatron's computes with each weight shard in place (without this the cheapest execution of
     # Megatron's storage may gather the weights, ZeRO-3 style)
     pin_constrained: bool = False
+    # these values too are read where they are stored (roles by name pin the parameters: passes/shard.py)
+    pin: frozenset[str] = frozenset()
+    # "auto": the ILP chooses every axis's placements by cost; "name": each axis does what its name says
+    # (dp* data parallel, tp* Megatron's tensor parallelism: solver/sharding/roles.py), which the `shard`
+    # pass turns into ``constrain`` entries. TrainConfig's default is "name"; this type's is the ILP's freedom
+    roles: str = "auto"
     # the mesh axes named dp* are data parallel (the search's meaning of its dp): "inputs": parameters and
     # buffers replicated on them, user inputs split on the batch (dim 0); "activations": also every
     # activation that carries the batch (without it a model too small for its compute to matter is computed
@@ -64,19 +71,26 @@ class ShardOptions:
         if self.batch not in BATCH:
             raise SolverError(f"unknown batch {self.batch!r}; choose global (every rank is given the whole batch) "
                               "or local (each data-parallel rank its rows)")  # fmt: skip
+        if self.roles not in ("name", "auto"):
+            raise SolverError(f"unknown roles {self.roles!r}; choose name (each mesh axis does what its name says: "
+                              "dp* data parallel, tp* tensor parallel) or auto (the ILP chooses by cost)")  # fmt: skip
         if self.data_parallel not in DATA_PARALLEL:
             raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
                               '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '
                               "(also every batch-carrying activation split)")  # fmt: skip
 
+    def pinned(self, name: str) -> bool:
+        """Whether value ``name`` is read where it is stored, never moved by a collective."""
+        return name in self.pin or (self.pin_constrained and name in (self.constrain or {}))
+
 
 def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOptions:
     """What a user-facing entry point plans with: ``opts`` (default: the fastest plan) priced on
     ``cluster`` when they name none, and for the time objective a budget of the cluster's device
-    memory when they set none."""
+    memory less its reserve (``ClusterSpec.plan_memory``) when they set none."""
     opts = opts or ShardOptions()
     if opts.cluster is None:
         opts = replace(opts, cluster=cluster)
     if opts.objective != "memory" and opts.budget_bytes is None:
-        opts = replace(opts, budget_bytes=float(opts.cluster.device_memory))
+        opts = replace(opts, budget_bytes=opts.cluster.plan_memory)
     return opts

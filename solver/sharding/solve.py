@@ -321,7 +321,7 @@ def _shared_reads(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -
             for k in mine:
                 if k[1]:
                     partial[k] = partial.get(k, 0) + 1
-        pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
+        pinned = b.opts.pinned(name)
         # the gathers more reads can share first; past MAX_SHARED_KEYS the rest are priced per reader
         shared = sorted((q for q, n in wanted.items() if n >= 2 and not pinned), key=lambda q: -wanted[q])
         fs = {q: [(), *(k[1] for k, n in partial.items() if k[0] == q and n >= 2)] for q in [*stored, *shared]}
@@ -369,7 +369,7 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
     e = Edge(hi, fi, ug, vg, {(i, j): 0.0 for i, p in enumerate(uids) for j, q in enumerate(vids) if p == q})
     e.keys = ("same", list(uids), list(vids))
     edges.append(e)
-    pinned = b.opts.pin_constrained and name in (b.opts.constrain or {})
+    pinned = b.opts.pinned(name)
     ug, uids = _group_ids(list(keys))
     fusable = [(op, pos) for _, op, pos in reads if column_weight(op, pos, b.types) is not None]
     alike = tuple(sorted((op.flops, op.bytes, column_weight(op, pos, b.types) in b.grad) for op, pos in fusable))

@@ -1,0 +1,80 @@
+"""Axis roles by name (``ShardOptions.roles="name"``, the default of ``TrainConfig``): the constraints that make
+each mesh axis do what its name says (``ir/axes.py``), as torchtitan names them.
+
+- ``dp*`` axes are data parallel: parameters and buffers replicated there, the batch split on dim 0 in the
+  inputs and in every batch-carrying activation (``baselines.data_parallel_constraints``), so gradients are
+  all-reduced over them (ZeRO shards what the config asks on top: memory accounting, not placement);
+- ``tp*`` axes are tensor parallel as Megatron-LM lays the weights out (``megatron_roles.megatron_layout``):
+  column-parallel weights split on their output features, row-parallel ones on their input features,
+  embedding tables by vocabulary, the rest (norms, a weight too small to split) replicated; the user inputs
+  replicated there. Every parameter is computed with where it is stored (pinned), so a tp-sharded weight is
+  never all-gathered: the activations move instead, as in Megatron;
+- ``pp`` is cut into stages before the ILP; ``cp`` and ``ep`` are left to the ILP, which places tensors on
+  them by cost.
+
+The ILP chooses everything the roles leave open: the placements of the activations on the tp axes (where
+Megatron's f and g fall), and everything on cp and ep. ``roles="auto"`` adds none of these constraints.
+"""
+
+from __future__ import annotations
+
+from autopar.ir.axes import data_axes, is_tensor_axis
+from autopar.ir.core import Placement, Program, R, Shard
+from autopar.ir.layout import valid
+from autopar.solver.sharding.baselines import Exactly, data_parallel_constraints
+from autopar.solver.sharding.megatron_roles import megatron_layout
+
+ROLES = ("name", "auto")
+
+
+def tensor_parallel_constraints(prog: Program) -> dict:
+    """``ShardOptions.constrain`` entries fixing Megatron's layout on the ``tp*`` axes of ``prog``'s mesh (the
+    other axes left open): each parameter's placement there, and the user inputs replicated there."""
+    names = prog.mesh.names
+    tp = [i for i, (n, s) in enumerate(prog.mesh.axes) if is_tensor_axis(n) and s > 1]
+    if not tp:
+        return {}
+    layout = megatron_layout(prog)
+    out: dict = {}
+    for v in prog.inputs:
+        want: list[Placement | None] = [None] * len(names)
+        if v.kind in ("param", "buffer"):
+            split = v.kind == "param" and v.name in layout
+            for i in tp:
+                want[i] = Shard(layout[v.name][1], layout[v.name][2]) if split else R
+            strictest = tuple(R if w is None else w for w in want)
+            if split and not valid(strictest, v.type.shape, prog.mesh.sizes):  # too small to split: replicated
+                want = [R if i in tp else None for i in range(len(names))]
+        elif v.kind == "input":
+            for i in tp:
+                want[i] = R
+        else:
+            continue
+        out[v.name] = Exactly(tuple(want))
+    return out
+
+
+def merged(a: Exactly, b: Exactly) -> Exactly:
+    """One ``Exactly`` admitting what both admit (each fixes the axes the other leaves open, or agrees there)."""
+    want = []
+    for x, y in zip(a.want, b.want):
+        if x is not None and y is not None and x != y:
+            raise ValueError(f"conflicting placements {x} and {y} for one axis")
+        want.append(x if x is not None else y)
+    return Exactly(tuple(want))
+
+
+def role_constraints(prog: Program, activations: bool = True) -> tuple[dict, frozenset[str]]:
+    """The constraints of roles by name on ``prog`` (see the module docstring), and the values to pin (read where
+    they are stored: the parameters, when there is a tp axis). ``activations``: also split the batch-carrying
+    activations on the dp axes (without it a model too small for its compute to matter would be computed whole
+    on every dp rank, which communicates least)."""
+    out = dict(data_parallel_constraints(prog, data_axes(prog.mesh.names), activations=activations))
+    tp = tensor_parallel_constraints(prog)
+    for name, pred in tp.items():
+        out[name] = merged(out[name], pred) if name in out else pred
+    pinned = frozenset(v.name for v in prog.inputs if v.kind == "param") if tp else frozenset()
+    return out, pinned
+
+
+__all__ = ["ROLES", "merged", "role_constraints", "tensor_parallel_constraints"]
