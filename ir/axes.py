@@ -38,9 +38,8 @@ DATA_AXIS_PREFIX = "dp"
 TENSOR_AXIS_PREFIX = "tp"
 EXPERT_AXIS_PREFIX = "ep"
 CONTEXT_AXIS = "cp"
-EXPERT_AXIS = "ep"
 # what check_axis_names accepts, as its error lists them
-KNOWN_AXES = ("dp", "dp_replicate", "dp_shard", "dp*", "tp", "tp*", PIPELINE_AXIS, CONTEXT_AXIS, EXPERT_AXIS, "ep*")
+KNOWN_AXES = ("dp", "dp_replicate", "dp_shard", "dp*", "tp", "tp*", PIPELINE_AXIS, CONTEXT_AXIS, "ep", "ep*")
 
 
 def is_pipeline_axis(name: str) -> bool:
@@ -75,9 +74,8 @@ def tensor_axes(names: Iterable[str]) -> tuple[str, ...]:
 
 def is_known_axis(name: str) -> bool:
     """Whether ``name`` is one of the axis names whose role autopar knows (``KNOWN_AXES``)."""
-    return (
-        is_data_axis(name) or is_tensor_axis(name) or is_pipeline_axis(name) or is_expert_axis(name) or name == CONTEXT_AXIS
-    )
+    roles = (is_data_axis, is_tensor_axis, is_pipeline_axis, is_expert_axis)
+    return name == CONTEXT_AXIS or any(role(name) for role in roles)
 
 
 def check_axis_names(names: Iterable[str]) -> None:
