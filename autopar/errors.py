@@ -141,3 +141,8 @@ class ConfigError(AutoparError):
 
 class PrecisionError(AutoparError):
     """A mixed-precision policy autopar cannot run (an unknown dtype, a plan's precision it cannot apply)."""
+
+
+class InputRangeError(BatchError, IndexError):
+    """A token id or a class label outside the table or the classes it indexes (what eager raises as an
+    ``IndexError``; also one, so code catching that still does)."""

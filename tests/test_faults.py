@@ -145,3 +145,81 @@ def test_latest_passes_over_a_damaged_checkpoint_and_load_of_none_is_named(tmp_p
         with pytest.raises(CheckpointError, match="not a checkpoint's"):
             checkpoint.save(tmp_path / "notes", pipe, opt, step=3)
         assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+
+
+# -- out-of-range token ids and labels raise at the lookup on every plan -------------------------------------
+
+
+def _ranks_raise(sim, kwargs) -> list[str]:
+    """Each simulated rank's train_step on ``kwargs``: the name and message of what it raised."""
+
+    def step(module):
+        try:
+            module.train_step(**kwargs)
+        except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    return sim.run(step)
+
+
+def test_out_of_vocabulary_ids_and_labels_raise_on_a_vocabulary_split_plan():
+    """Megatron's plan on tp=2 splits the embedding and the logits by vocabulary: an id >= vocab or negative,
+    and a label >= vocab, raise ``InputRangeError`` (an ``IndexError``, as eager) on every rank, and an ignored
+    label (-100) does not. Before: each rank read the id as a zero row and the step returned a normal loss.
+    Cost: one plan of tiny-gpt2 on two simulated ranks."""
+    from autopar.check.simtrain import SimCompiled
+    from autopar.ir.core import MeshSpec
+    from autopar.models.resolve import build
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.solver.sharding.baselines import megatron_options
+
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    mesh = MeshSpec((("tp", 2),))
+    opts = megatron_options(lower(capture(spec.model, spec.args, spec.kwargs), mesh))
+    sim = SimCompiled.of(spec.model, mesh, spec.args, spec.kwargs, options=opts)
+    targets = {t for m in sim.modules for gm in m.stage_modules.values() for t in _targets(gm)}
+    assert "vocab_parallel_embedding" in targets, targets  # the plan splits the table by vocabulary
+    sim.make_optimizer(torch.optim.SGD, lr=0.1)
+    vocab = spec.model.config.vocab_size
+    ignored = spec.kwargs["labels"].clone()
+    ignored[0, :3] = -100
+    assert _ranks_raise(sim, {**spec.kwargs, "labels": ignored}) == ["no error"] * 2
+    for name, bad in (("input_ids", vocab), ("input_ids", -1)):
+        kwargs = {k: v.clone() for k, v in spec.kwargs.items()}
+        kwargs[name][1, 5] = bad
+        outcomes = _ranks_raise(sim, kwargs)
+        assert all(o.startswith(f"InputRangeError: 1 token ids are outside [0, {vocab})") for o in outcomes), outcomes
+    labels = spec.kwargs["labels"].clone()
+    labels[1, 5] = vocab + 3  # this plan gathers the logits: eager's loss raises its IndexError
+    assert all(o.startswith("IndexError") for o in _ranks_raise(sim, {**spec.kwargs, "labels": labels}))
+
+    # the vocabulary-parallel loss (logits split by class) checks its labels the same way, ignore_index aside
+    from autopar.errors import InputRangeError
+    from autopar.runtime.comm.context import use_comm
+    from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy
+    from autopar.runtime.sim.ranksim import SimWorld
+
+    world = SimWorld(mesh)
+    logits = torch.randn(6, 10, generator=torch.Generator().manual_seed(0))
+
+    def loss(rank: int, target: torch.Tensor) -> str:
+        c = world.comm(rank)
+        with use_comm(c):
+            try:
+                local = logits[:, 5 * c.coords["tp"] : 5 * (c.coords["tp"] + 1)]
+                return f"{float(vocab_parallel_cross_entropy(local, target, ['tp'], classes=10)):.12f}"
+            except InputRangeError as e:
+                return str(e)
+
+    good = torch.tensor([0, 9, -100, 3, 4, 5])
+    assert world.run(lambda r: loss(r, good)) == [f"{float(torch.nn.functional.cross_entropy(logits, good)):.12f}"] * 2
+    for bad in (10, -2):
+        outcomes = world.run(lambda r, bad=bad: loss(r, torch.tensor([0, 9, bad, 3, 4, 5])))
+        assert all(o.startswith("1 labels are outside [0, 10)") for o in outcomes), outcomes
+    assert issubclass(InputRangeError, IndexError)
+
+
+def _targets(gm) -> list[str]:
+    return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]

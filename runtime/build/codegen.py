@@ -157,7 +157,7 @@ def codegen(
             node = graph.call_function(
                 vocab_parallel_embedding,
                 (env[w.name], env[ids.name]),
-                {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
+                {"axes": _vocab_axes(op, types, prog), "padding_idx": pad, "vocab": types[w.name].shape[0]},
             )
         elif is_keyed(op.target, op.args):
             site = _dropout_site(op, prog, coords, device, root.autopar_rng)
@@ -171,6 +171,7 @@ def codegen(
             node = graph.call_function(
                 vocab_parallel_cross_entropy,
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
+                {"classes": types[logits.name].shape[1]},
             )
         else:
             args = dev(arg(local_args(op, sizes)))
