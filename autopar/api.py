@@ -190,7 +190,7 @@ def compile(  # noqa: A001
     sharded = None
     if loaded is not None:  # every rank reads and checks it, so a refused plan stops all of them
         try:
-            loaded.check(captured, spec)
+            sharded = loaded.program_for(captured, spec)  # refuses ops the model's lowering never emits
         except PlanError as e:
             if not cfg.sub_pipeline_tp:
                 raise
@@ -198,7 +198,6 @@ def compile(  # noqa: A001
                 f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
                 "for that half, or compile without sub_pipeline_tp)"
             ) from None
-        sharded = parse(loaded.program)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
     text: list[str | None] = [None, None]
     if dist.get_rank() == 0:

@@ -26,10 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import PlanError
+from autopar.errors import IRError, PlanError
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.ir.core import MeshSpec, Program, Ref, map_refs
+from autopar.ir.core import COLLECTIVES, MeshSpec, Program, Ref, map_refs
 from autopar.ir.parser import parse
+from autopar.ir.verify import side_effect
 from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 
@@ -43,10 +44,11 @@ VERSION = 1
 _LAYOUT_ONLY = {"aten.contiguous", "aten.alias"}
 
 
-def fingerprint(captured: Captured) -> str:
+def fingerprint(captured: Captured, lowered: Program | None = None) -> str:
     """SHA-256 of the captured graph's IR without a mesh and without layout-only ops: the same model
-    and inputs give the same fingerprint whether they were traced on meta or with real weights."""
-    prog = lower(captured, MeshSpec())
+    and inputs give the same fingerprint whether they were traced on meta or with real weights.
+    ``lowered``: ``lower(captured, MeshSpec())`` when the caller has it."""
+    prog = lowered if lowered is not None else lower(captured, MeshSpec())
     alias: dict[str, str] = {}
     ops = []
     for op in prog.ops:
@@ -144,10 +146,10 @@ class Plan:
             raise PlanError(f"{source} has unknown fields {unknown}")
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def check(self, captured: Captured, mesh: MeshSpec) -> None:
+    def check(self, captured: Captured, mesh: MeshSpec, lowered: Program | None = None) -> None:
         """Refuse a plan made for another graph or another mesh, saying which. ``mesh`` is the launch
         mesh (with ``pp`` for a pipeline) or the mesh of the sharded program (without it)."""
-        fp = fingerprint(captured)
+        fp = fingerprint(captured, lowered)
         if fp != self.fingerprint:
             raise PlanError(
                 f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
@@ -159,3 +161,33 @@ class Plan:
             want, got = self.mesh_spec, mesh.without_pipeline()
         if want != got:
             raise PlanError(f"the plan is for mesh {want}, not {got}: launch that mesh or plan again")
+
+    def program_for(self, captured: Captured, mesh: MeshSpec) -> Program:
+        """The plan's program for ``captured`` on ``mesh`` (as ``check``), checked as data before anything
+        runs it: a plan file is data, and its program text can name any ATen op. Its mesh must be the plan's
+        (``autopar check`` reported an edited program's mesh as agreeing), and every op must be one this
+        model's own lowering emits or one of autopar's collectives and transfers (the only ops the passes
+        after lowering insert): an edited op (``aten.from_file``, a random op the model has not, a write
+        in place) is refused with what it would do (``ir/verify.py:side_effect``)."""
+        lowered = lower(captured, MeshSpec())
+        self.check(captured, mesh, lowered)
+        try:
+            prog = parse(self.program)
+        except IRError as e:
+            raise PlanError(f"the plan's program is not valid autopar IR ({e}); plan again") from None
+        if prog.mesh.without_pipeline() != self.mesh_spec:
+            raise PlanError(
+                f"the plan's program is over mesh {prog.mesh.without_pipeline()} but the plan says {self.mesh_spec}: "
+                "the file was edited; plan again for the mesh you launch"
+            )
+        own = {op.target for op in lowered.ops} | COLLECTIVES
+        for op in prog.ops:
+            if op.target not in own:
+                effect = side_effect(op.target)
+                raise PlanError(
+                    f"the plan's program has %{op.result} = {op.target}"
+                    + (f", which {effect}," if effect else "")
+                    + " an op this model's lowering never emits: a plan's program may hold only the model's own "
+                    "ops and autopar's collectives, so this one was added by hand; plan again"
+                )
+        return prog

@@ -223,3 +223,74 @@ def test_out_of_vocabulary_ids_and_labels_raise_on_a_vocabulary_split_plan():
 
 def _targets(gm) -> list[str]:
     return [getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op == "call_function"]
+
+
+# -- plan files are data: edited programs are refused before anything runs them ------------------------------
+
+
+def _plan_file(tmp_path, preset: str, mesh: str) -> Path:
+    from autopar.cli import main
+
+    path = tmp_path / f"{preset}-{mesh.replace(',', '-').replace('=', '')}.json"
+    assert main(["plan", preset, "--mesh", mesh, "--no-baselines", "-o", str(path)]) == 0
+    return path
+
+
+def _edit_program(path: Path, old: str, new: str) -> Path:
+    data = json.loads(path.read_text())
+    assert old in data["program"], old
+    data["program"] = data["program"].replace(old, new, 1)
+    edited = path.with_name("edited-" + path.name)
+    edited.write_text(json.dumps(data))
+    return edited
+
+
+FROM_FILE = "%ev : f32[4] {{{rep}}} = aten.from_file('{marker}', False, 4) {{dtype=torch.float32}}\n"
+
+
+def test_an_edited_plan_program_is_refused_and_never_run(tmp_path, capsys):
+    """A plan whose program gains ``aten.from_file`` (fingerprint kept) is refused by ``compile(plan=...)`` and by
+    ``autopar check --plan``, and the verifier refuses to run it; an added random op or in-place write too; a
+    program over another mesh than the plan's is refused by ``check`` (it printed "agrees on mesh [dp=4, tp=1]"
+    and exited 0) and ``compile``. Cost: two plans of tiny-mlp, one compile attempt per edit (refused early)."""
+    import autopar
+    from autopar.cli import main
+    from autopar.errors import PlanError, VerifyError
+    from autopar.ir.parser import parse
+    from autopar.ir.verify import verify
+    from autopar.models.resolve import build
+
+    marker = tmp_path / "secret.bin"
+    marker.write_bytes(b"\0" * 16)
+    one = _plan_file(tmp_path, "tiny-mlp", "dp=1")
+    loss = "%18 : f32[] {R} = aten.mse_loss(%16, %17)"
+    edits = {
+        "from_file": (loss, FROM_FILE.format(marker=marker, rep="R") + loss, "reads or writes memory outside"),
+        "random": (loss, "%ev : f32[4,8,16] {R} = aten.rand_like(%16)\n" + loss, "draws random numbers"),
+        "in place": (loss, "%ev : f32[4,8,16] {R} = aten.add_.Tensor(%x, %16)\n" + loss, "writes one of its"),
+    }
+    spec = build("tiny-mlp", device="cpu", seed=0)
+    with _one_process():
+        mesh = autopar.init_mesh("cpu", dp=1)
+        for name, (old, new, effect) in edits.items():
+            edited = _edit_program(one, old, new)
+            with pytest.raises(PlanError, match=f"{effect}.*never emits"):
+                autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, plan=str(edited))
+            if name == "from_file":
+                with pytest.raises(VerifyError, match="not run to check its shape"):
+                    verify(parse(json.loads(edited.read_text())["program"]), shapes=True)
+        with pytest.raises(PlanError, match=r"program is over mesh \[dp=2\] but the plan says \[dp=1\]"):
+            wider = _edit_program(one, "mesh @m = [dp=1]", "mesh @m = [dp=2]")
+            autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, plan=str(wider))
+        autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, plan=str(one))  # the plan as written
+
+    four = _plan_file(tmp_path, "tiny-mlp", "dp=2,tp=2")
+    other_mesh = _edit_program(four, "mesh @m = [dp=2, tp=2]", "mesh @m = [dp=4, tp=1]")
+    capsys.readouterr()
+    assert main(["check", "tiny-mlp", "--mesh", "dp=2,tp=2", "--plan", str(other_mesh)]) == 2
+    err = capsys.readouterr().err
+    assert "program is over mesh [dp=4, tp=1] but the plan says [dp=2, tp=2]" in err, err
+    loss4 = loss.replace("{R}", "{R,R}")
+    evil = _edit_program(four, loss4, FROM_FILE.format(marker=marker, rep="R,R") + loss4)
+    assert main(["check", "tiny-mlp", "--mesh", "dp=2,tp=2", "--plan", str(evil)]) == 2
+    assert "aten.from_file" in capsys.readouterr().err
