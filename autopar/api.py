@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
@@ -40,6 +40,7 @@ from autopar.runtime.call.batch import sub_microbatch
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.teardown import shutdown_at_exit
+from autopar.runtime.comm.watch import device_mesh
 from autopar.runtime.module import ParallelModule
 from autopar.schedule.generators import make_schedule
 from autopar.solver.cluster.spec import ClusterSpec, local_cluster
@@ -60,10 +61,13 @@ def check_restartable() -> None:
         )
 
 
-def init_mesh(device_type: str | None = None, **axes: int):
+def init_mesh(device_type: str | None = None, *, timeout: float | None = None, **axes: int):
     """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size (and, under
     torchrun restarts, against a store its restarts cannot use: ``check_restartable``). Its process groups
-    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.comm.teardown``)."""
+    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.comm.teardown``).
+    ``timeout``: the seconds any collective on the mesh's axes may wait (default: the world group's, from
+    ``init_process_group(timeout=)``); a stuck peer then raises ``RuntimeCommError`` on every rank waiting
+    for it, naming the axis, the op and the ranks that did not arrive (``runtime/comm/watch.py``)."""
     check_restartable()
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
@@ -78,7 +82,7 @@ def init_mesh(device_type: str | None = None, **axes: int):
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shutdown_at_exit()  # the groups destroyed and freed before the interpreter finalizes (runtime/comm/teardown.py)
-    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+    return device_mesh(device_type, axes, timeout)  # every sub-group with the job's timeout
 
 
 def parse_mesh(text: str) -> MeshSpec:

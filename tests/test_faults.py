@@ -294,3 +294,82 @@ def test_an_edited_plan_program_is_refused_and_never_run(tmp_path, capsys):
     evil = _edit_program(four, loss4, FROM_FILE.format(marker=marker, rep="R,R") + loss4)
     assert main(["check", "tiny-mlp", "--mesh", "dp=2,tp=2", "--plan", str(evil)]) == 2
     assert "aten.from_file" in capsys.readouterr().err
+
+
+# -- every wait bounded: a stuck peer is named on every rank that waited for it ------------------------------
+
+STUCK = 3  # the rank that stops itself (not rank 0: it serves the job's store)
+
+
+def _ranks_of_a_stuck_peer(rank: int, world: int, port: int, out: str, timeout: float) -> None:
+    """One rank of dp=2 x tp=2 (tiny-gpt2, gloo): a step, then rank ``STUCK`` stops itself (SIGSTOP: alive,
+    stuck) and the others take a second step; each writes what it raised."""
+    import datetime
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    result = Path(out) / f"{rank}.json"
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
+        import autopar
+        from autopar.models.resolve import build
+
+        spec = build("tiny-gpt2", device="cpu", seed=0)
+        mesh = autopar.init_mesh("cpu", dp=2, tp=2, timeout=timeout)
+        # least redundant memory: the weights split over tp, the batch over dp (the fastest plan of so tiny a
+        # model computes everything on every rank and never communicates)
+        pipe = autopar.compile(spec.model, mesh, kwargs=spec.kwargs, objective="memory")
+        pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+        pipe.train_step(**spec.kwargs)
+        dist.barrier()
+        if rank == STUCK:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        t0 = time.perf_counter()
+        try:
+            for _ in range(3):  # the gradients' all-reduce of a step may be waited for at the next
+                pipe.train_step(**spec.kwargs)
+            outcome = "no error"
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            outcome = f"{type(e).__name__}: {e}"
+        result.write_text(json.dumps({"seconds": time.perf_counter() - t0, "outcome": outcome}))
+    except BaseException as e:  # noqa: BLE001 - reported to the test
+        import traceback
+
+        result.write_text(json.dumps({"seconds": -1, "outcome": f"setup failed: {e}\n{traceback.format_exc()}"}))
+    os._exit(0)
+
+
+@pytest.mark.multiproc
+def test_a_stuck_rank_on_dp_tp_stops_every_other_rank_with_a_named_error(tmp_path):
+    """dp=2 x tp=2 on four gloo ranks, ``init_mesh(timeout=5)``: rank 3 is SIGSTOPped before a step; ranks 0, 1
+    and 2 each raise ``RuntimeCommError`` naming the axis, the op and who did not arrive (rank 3 for the ranks
+    sharing a group with it), bounded by the timeout (plus the grace to agree on who arrived) instead of
+    waiting forever. Before: DeviceMesh's sub-groups had the 30-minute default and every rank waited.
+    Cost: one spawn of four processes, one compile of tiny-gpt2."""
+    from tests._dist import _free_port
+
+    ctx, port, timeout = forkserver(), _free_port(), 5.0
+    procs = [ctx.Process(target=_ranks_of_a_stuck_peer, args=(r, 4, port, str(tmp_path), timeout)) for r in range(4)]
+    for p in procs:
+        p.start()
+    try:
+        for r, p in enumerate(procs):
+            if r != STUCK:
+                p.join(240)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+    results = {}
+    for r in range(4):
+        if r != STUCK:
+            assert (tmp_path / f"{r}.json").exists(), f"rank {r} neither finished nor failed: it hung"
+            results[r] = json.loads((tmp_path / f"{r}.json").read_text())
+    for r, res in results.items():
+        outcome = res["outcome"]
+        assert outcome.startswith("RuntimeCommError: "), results
+        assert f"rank {r}: the " in outcome and "over mesh axis '" in outcome, (r, outcome)
+        assert "did not arrive" in outcome or "every member arrived" in outcome, (r, outcome)
+    # the ranks sharing a group with the stuck one name it (tp: rank 2, dp: rank 1)
+    assert any(f"rank {STUCK} did not arrive" in res["outcome"] for res in results.values()), results
+    print(json.dumps(results, indent=1))

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from autopar.errors import InputRangeError
 from autopar.runtime.comm.context import current_comm
+from autopar.runtime.comm.watch import guarded
 
 
 def check_range(index: torch.Tensor, size: int, what: str, ignore: int | None = None) -> None:
@@ -70,12 +71,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start *= local
         check_range(target, classes if classes is not None else local * math.prod(c.sizes[a] for a in axes),
                     "labels", ignore_index)  # fmt: skip
-        groups = [c.groups[a] for a in axes]
+        groups = [(a, c.groups[a]) for a in axes]
         # half types are upcast for the exponentials and sums; float32 and float64 keep their precision
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         row_max = logits.max(dim=1).values
-        for g in groups:
-            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=g)
+        for a, g in groups:
+            guarded(g, a, "all_reduce (loss max)", dist.all_reduce, row_max, op=dist.ReduceOp.MAX, group=g)
         shifted = logits - row_max.unsqueeze(1)
         exp = shifted.exp()
         denom = exp.sum(dim=1)
@@ -83,9 +84,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         outside = (target < start) | (target >= start + local) | ignored
         idx = (target - start).masked_fill(outside, 0)
         picked = shifted.gather(1, idx.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0)
-        for g in groups:
-            dist.all_reduce(denom, op=dist.ReduceOp.SUM, group=g)
-            dist.all_reduce(picked, op=dist.ReduceOp.SUM, group=g)
+        for a, g in groups:
+            guarded(g, a, "all_reduce (loss sum)", dist.all_reduce, denom, op=dist.ReduceOp.SUM, group=g)
+            guarded(g, a, "all_reduce (loss target)", dist.all_reduce, picked, op=dist.ReduceOp.SUM, group=g)
         loss = (denom.log() - picked).masked_fill(ignored, 0.0)
         count = (~ignored).sum()
         ctx.save_for_backward(exp / denom.unsqueeze(1), idx, outside, ignored, count)
