@@ -35,6 +35,17 @@ T = TypeVar("T")
 _COUNT: dict[str, int] = {}  # group name -> collectives started on it by this rank
 
 
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether an error comes from the transport (a dead or stuck peer), not from the computation."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in _COMM_WORDS)
+
+
 def world_timeout() -> float | None:
     """The world group's timeout in seconds (what ``init_process_group(timeout=)`` got); None before it."""
     if not dist.is_initialized():
@@ -72,16 +83,16 @@ def started(group) -> int:
     return _COUNT[name]
 
 
-def guarded(group, axis: str | None, op: str, fn: Callable[..., T], *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` (the collective ``op`` on ``group``, waited for), its transport failure a
-    ``RuntimeCommError``."""
-    n = started(group)
+def guarded(on, axis: str | None, op: str, fn: Callable[..., T], /, *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` (the collective ``op`` on the group ``on``, waited for), its transport failure
+    a ``RuntimeCommError``."""
+    n = started(on)
     try:
         return fn(*args, **kwargs)
     except RuntimeCommError:
         raise
     except RuntimeError as e:
-        err = failure(e, group, axis, op, n)
+        err = failure(e, on, axis, op, n)
         if err is e:
             raise
         raise err from e
@@ -90,8 +101,6 @@ def guarded(group, axis: str | None, op: str, fn: Callable[..., T], *args, **kwa
 def failure(error: BaseException, group, axis: str | None, op: str, n: int) -> BaseException:
     """The ``RuntimeCommError`` for ``error`` of the ``n``-th collective ``op`` on ``group`` (``axis``), naming
     the members that did not arrive; ``error`` itself when it is no transport failure (a bad argument)."""
-    from autopar.runtime.execute.state import is_comm_failure
-
     if not is_comm_failure(error):
         return error
     me = dist.get_rank() if dist.is_initialized() else 0
@@ -162,4 +171,4 @@ def _timeout_of(group) -> float | None:
     return None
 
 
-__all__ = ["device_mesh", "failure", "guarded", "started", "world_timeout"]
+__all__ = ["device_mesh", "failure", "guarded", "is_comm_failure", "started", "world_timeout"]
