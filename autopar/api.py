@@ -38,6 +38,7 @@ from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, c
 from autopar.runtime.build.rng import rng_for
 from autopar.runtime.call.batch import sub_microbatch
 from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.agree import from_rank0
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.teardown import shutdown_at_exit
 from autopar.runtime.comm.watch import device_mesh
@@ -203,13 +204,14 @@ def compile(  # noqa: A001
                 "for that half, or compile without sub_pipeline_tp)"
             ) from None
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
-    text: list[str | None] = [None, None]
-    if dist.get_rank() == 0:
+    def plan() -> list[str | None]:
         fwd, train = plan_programs(
             captured, spec, sched, options, sharded, scatter_gather=cfg.scatter_gather, dump_dir=dump_dir,
             sub_pipeline_tp=cfg.sub_pipeline_tp,
         )  # fmt: skip
-        text = [print_program(fwd), print_program(train) if train is not None else None]
+        return [print_program(fwd), print_program(train) if train is not None else None]
+
+    text: list[str | None] = from_rank0(plan) or [None, None]  # a planning error is raised on every rank
     dist.broadcast_object_list(text, src=0)
     forward = parse(text[0])
     train = parse(text[1]) if text[1] is not None else None

@@ -373,3 +373,64 @@ def test_a_stuck_rank_on_dp_tp_stops_every_other_rank_with_a_named_error(tmp_pat
     # the ranks sharing a group with the stuck one name it (tp: rank 2, dp: rank 1)
     assert any(f"rank {STUCK} did not arrive" in res["outcome"] for res in results.values()), results
     print(json.dumps(results, indent=1))
+
+
+# -- one failure, every rank told ------------------------------------------------------------------------------
+
+
+def _every_rank_told(rank: int, world: int) -> dict:
+    """dp=2, tiny-gpt2, local batches: a planning failure on rank 0 only, then a label out of range in rank
+    0's rows only; what each rank raised, and the loss of a good step after (no collective left mismatched)."""
+    import autopar
+    import autopar.api
+    from autopar.data import local_batch
+    from autopar.errors import SolverError
+    from autopar.models.resolve import build
+
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    mesh = autopar.init_mesh("cpu", dp=2)
+    out = {}
+    real = autopar.api.plan_programs
+    if rank == 0:  # only rank 0 plans: only its planning can fail
+
+        def failing(*_args, **_kwargs):
+            raise SolverError("the ILP found no strategy (made to fail by the test)")
+
+        autopar.api.plan_programs = failing
+    try:
+        autopar.compile(spec.model, mesh, kwargs=spec.kwargs, batch="local")
+        out["planning"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the test compares what each rank raised
+        out["planning"] = f"{type(e).__name__}: {e}"
+    autopar.api.plan_programs = real
+    pipe = autopar.compile(spec.model, mesh, kwargs=spec.kwargs, batch="local")
+    pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+    mine = local_batch(pipe, spec.kwargs)
+    bad = {k: v.clone() for k, v in mine.items()}
+    if rank == 0:
+        bad["labels"][0, 3] = spec.model.config.vocab_size + 5
+    try:
+        pipe.train_step(**bad)
+        out["label"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        out["label"] = f"{type(e).__name__}: {e}"
+    out["after"] = float(pipe.train_step(**mine))
+    return out
+
+
+@pytest.mark.multiproc
+def test_a_failure_on_one_rank_is_raised_on_every_rank():
+    """Planning fails on rank 0 only (compile plans there and broadcasts): every rank raises the same
+    ``SolverError`` (before: the others died of gloo's "Connection closed by peer" or waited in the broadcast).
+    A label out of range in rank 0's local rows only: every rank raises the same ``InputRangeError`` before the
+    step communicates, and the next good step trains on both (before: rank 0 raised, rank 1 entered the step's
+    collectives alone). Cost: one spawn of two processes, three compiles of tiny-gpt2 (one refused)."""
+    from tests._dist import run_distributed
+
+    results = run_distributed(_every_rank_told, 2, timeout=300)
+    planning = [r["planning"] for r in results]
+    assert all(p.startswith("SolverError: the ILP found no strategy (made to fail by") for p in planning), planning
+    label = [r["label"] for r in results]
+    assert all(x.startswith("InputRangeError: input 'labels': 1 labels outside [0, 128)") for x in label), label
+    assert "found on rank 0" in label[1], label
+    assert results[0]["after"] == results[1]["after"] and results[0]["after"] == results[0]["after"]  # finite, equal
