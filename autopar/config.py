@@ -91,9 +91,13 @@ class TrainConfig:
     timeout: float = 600.0  # seconds any transfer may take before the step fails
     record: bool = True  # record the start and end of every action of a train_step (model.trace)
     check: bool = False  # check one float64 step of the plan on simulated ranks before training
+    # a step whose gradients are NaN or infinite (agreed by every rank): "warn_skip" (skipped, with a warning),
+    # "skip" (silently), "raise" (NonFiniteError); with max_grad_norm, a NaN norm (runtime/grads/nonfinite.py)
+    on_nonfinite: str = "warn_skip"
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
+        _check_choice("on_nonfinite", self.on_nonfinite, ("warn_skip", "skip", "raise"))
         _check_choice("solver", self.solver, ("cbc", "highs"))
         _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         _check_choice("zero", self.zero, (0, 1, 2, 3))
@@ -188,8 +192,9 @@ class TrainConfig:
         """How the compiled module runs (``runtime/module.py``)."""
         weight = token_count() if self.loss_weight == "tokens" else self.loss_weight
         return RuntimeOptions(
-            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy()
-        )
+            self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy(),
+            on_nonfinite=self.on_nonfinite,
+        )  # fmt: skip
 
     # -- files ---------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

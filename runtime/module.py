@@ -55,6 +55,7 @@ from autopar.runtime.comm.teardown import holds_groups
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.execute.stage_runner import StageRunner
 from autopar.runtime.grads import clip
+from autopar.runtime.grads.nonfinite import NonFinite
 from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.grads.sync import GradSync
 from autopar.runtime.grads.zero import ZeroOptimizer
@@ -79,6 +80,7 @@ class RuntimeOptions:
     # data (runtime/call/loss_weight.py), a function of the piece's inputs, or None (equal pieces)
     loss_weight: LossWeight | str | None = "auto"
     precision: MixedPrecisionPolicy | None = None  # mixed precision (runtime/build/precision.py); None: as captured
+    on_nonfinite: str = "warn_skip"  # a step with NaN/inf gradients: "warn_skip", "skip", "raise" (grads/nonfinite.py)
 
     @property
     def sub_microbatches(self) -> int:
@@ -120,6 +122,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if policy is not None:  # gradients reduced in reduce_dtype; fp16's loss scaling in train_step
             comm = dataclasses.replace(comm, grad_dtype=policy.reduce_dtype)
         self.loss_scaler = LossScaler(policy.scaling) if policy is not None and policy.scaling else None
+        self.nonfinite = NonFinite(options.on_nonfinite)  # a NaN step never applied (runtime/grads/nonfinite.py)
         self.comm = comm
         self.device = torch.device(device)
         self.program, self.train_program = forward, train
@@ -244,8 +247,9 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self.loss_scaler is not None and not self.loss_scaler.step_ok(self._params, self._optimizer, self.comm):
             return
         if self._optimizer is not None:
-            if self._clip is not None:
-                self.clip_grad_norm_(*self._clip)
+            norm = self.clip_grad_norm_(*self._clip) if self._clip is not None else None
+            if not self.nonfinite.step_ok(self._params, self._optimizer, norm):  # agreed by every rank
+                return
             self._optimizer.step()
             self._optimizer.zero_grad()
 

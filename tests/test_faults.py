@@ -415,6 +415,45 @@ def _every_rank_told(rank: int, world: int) -> dict:
     except Exception as e:  # noqa: BLE001
         out["label"] = f"{type(e).__name__}: {e}"
     out["after"] = float(pipe.train_step(**mine))
+    out.update(_nan_rows(rank))
+    return out
+
+
+def _nan_rows(rank: int) -> dict:
+    """tiny-mlp on dp=2 with local batches, a NaN in rank 0's rows only, under each ``on_nonfinite``: whether
+    every parameter is unchanged by the step (both ranks), what was raised or warned."""
+    import warnings as w
+
+    import autopar
+    from autopar.data import local_batch
+    from autopar.models.resolve import build
+
+    spec = build("tiny-mlp", device="cpu", seed=0)
+    mesh = autopar.init_mesh("cpu", dp=2)
+    out = {}
+    for policy, clip in (("warn_skip", None), ("skip", 1.0), ("raise", None)):
+        pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, batch="local", on_nonfinite=policy)
+        pipe.make_optimizer(torch.optim.SGD, lr=0.1, max_grad_norm=clip)
+        args = [a.clone() for a in local_batch(pipe, spec.args)]
+        pipe.train_step(*args, **local_batch(pipe, spec.kwargs))  # a good step first
+        before = pipe.full_state_dict()
+        if rank == 0:
+            args[0][1, 2, 3] = float("nan")
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            try:
+                pipe.train_step(*args, **local_batch(pipe, spec.kwargs))
+                raised = "no error"
+            except Exception as e:  # noqa: BLE001
+                raised = f"{type(e).__name__}: {e}"
+        after = pipe.full_state_dict()
+        out[policy] = {
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "finite": all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point()),
+            "raised": raised,
+            "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)],
+            "skipped": pipe.nonfinite.skipped,
+        }
     return out
 
 
@@ -424,7 +463,9 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
     ``SolverError`` (before: the others died of gloo's "Connection closed by peer" or waited in the broadcast).
     A label out of range in rank 0's local rows only: every rank raises the same ``InputRangeError`` before the
     step communicates, and the next good step trains on both (before: rank 0 raised, rank 1 entered the step's
-    collectives alone). Cost: one spawn of two processes, three compiles of tiny-gpt2 (one refused)."""
+    collectives alone). A NaN in rank 0's input rows: under on_nonfinite "warn_skip" (default), "skip" (with
+    max_grad_norm: the norm is NaN) and "raise" no parameter changes on either rank (before: NaN everywhere).
+    Cost: one spawn of two processes, three compiles of tiny-gpt2 (one refused), three of tiny-mlp."""
     from tests._dist import run_distributed
 
     results = run_distributed(_every_rank_told, 2, timeout=300)
@@ -434,3 +475,12 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
     assert all(x.startswith("InputRangeError: input 'labels': 1 labels outside [0, 128)") for x in label), label
     assert "found on rank 0" in label[1], label
     assert results[0]["after"] == results[1]["after"] and results[0]["after"] == results[0]["after"]  # finite, equal
+
+    # a NaN in one rank's input rows: the step is never applied, on every rank alike
+    for rank, r in enumerate(results):
+        for policy in ("warn_skip", "skip", "raise"):
+            assert r[policy]["unchanged"] and r[policy]["finite"], (rank, policy, r[policy])
+        assert r["warn_skip"]["raised"] == "no error" and r["warn_skip"]["skipped"] == 1, r["warn_skip"]
+        assert any("skipped on every rank" in m for m in r["warn_skip"]["warned"]), r["warn_skip"]
+        assert r["skip"]["raised"] == "no error" and not r["skip"]["warned"] and r["skip"]["skipped"] == 1
+        assert r["raise"]["raised"].startswith("NonFiniteError: some gradients are NaN"), r["raise"]
