@@ -33,6 +33,7 @@ from autopar.ir.parser import parse
 from autopar.ir.verify import side_effect
 from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
+from autopar.solver.sharding.cost import TrainingSetup
 
 FORMAT = "autopar-plan"
 VERSION = 1
@@ -74,6 +75,37 @@ def _strip_names(prog: Program) -> list[str]:
             number[r] = str(len(number))
     lines.append(repr(map_refs(list(prog.outputs), lambda r: f"%{number[r.name]}")))
     return lines
+
+
+# each field a plan file holds: the JSON types it may have
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "fingerprint": (str,), "mesh": (dict,), "program": (str,), "model": (str, type(None)),
+    "cluster": (dict, type(None)), "options": (dict,), "config": (dict, type(None)), "stats": (dict,),
+    "baselines": (dict,), "pipeline": (dict, type(None)),
+}  # fmt: skip
+
+
+def _check_fields(data: dict[str, Any], source: str) -> None:
+    """Each field of the right JSON type, the mesh axis names to positive integer sizes, the options' setup
+    keys the training setup's: a hand-edited plan gets a ``PlanError`` naming the field, not a traceback."""
+    for name, types in _FIELD_TYPES.items():
+        if name in data and not isinstance(data[name], types):
+            want = " or ".join({"NoneType": "null", "dict": "an object", "str": "a string"}[t.__name__] for t in types)
+            raise PlanError(f"{source}: {name!r} must be {want}, not {type(data[name]).__name__} {data[name]!r:.60}")
+    for axis, size in data["mesh"].items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise PlanError(f"{source}: mesh axis {axis!r} has size {size!r}; sizes are positive integers")
+    setup = (data.get("options") or {}).get("setup", {})
+    if not isinstance(setup, dict):
+        raise PlanError(f"{source}: options.setup must be an object, not {type(setup).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainingSetup)}
+    unknown = sorted(set(setup) - known)
+    if unknown:
+        raise PlanError(f"{source}: options.setup has unknown keys {unknown} (known: {sorted(known)}); plan again")
+    if data.get("pipeline") is not None and "stage_plan" not in data["pipeline"]:
+        raise PlanError(
+            f"{source}: its pipeline lacks stage_plan (the stages and their costs); plan again with a pp axis"
+        )
 
 
 @dataclass
@@ -126,15 +158,23 @@ class Plan:
             ) from None
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not JSON ({e}); plan files are written by `autopar plan -o`") from None
+        except RecursionError:
+            raise PlanError(
+                f"{path} nests its JSON too deeply to be a plan; plan files are written by `autopar plan -o`"
+            ) from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> Plan:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise PlanError(f'{source} is not an autopar plan (no "format": "{FORMAT}")')
-        if data.get("version") != VERSION:
+        version = data.get("version")
+        if version != VERSION or isinstance(version, bool):
+            what = repr(version)
+            if version == str(VERSION):
+                what += f" (a {type(version).__name__}, not the number {VERSION})"
             raise PlanError(
-                f"{source} is plan format version {data.get('version')}, this autopar reads version {VERSION}; "
+                f"{source} is plan format version {what}, this autopar reads version {VERSION}; "
                 "plan the model again with this version"
             )
         names = {f.name for f in dataclasses.fields(cls)}
@@ -144,6 +184,7 @@ class Plan:
         unknown = sorted(set(data) - names - {"format"})
         if unknown:
             raise PlanError(f"{source} has unknown fields {unknown}")
+        _check_fields(data, source)
         return cls(**{k: v for k, v in data.items() if k in names})
 
     def check(self, captured: Captured, mesh: MeshSpec, lowered: Program | None = None) -> None:

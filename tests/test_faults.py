@@ -484,3 +484,123 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
         assert any("skipped on every rank" in m for m in r["warn_skip"]["warned"]), r["warn_skip"]
         assert r["skip"]["raised"] == "no error" and not r["skip"]["warned"] and r["skip"]["skipped"] == 1
         assert r["raise"]["raised"].startswith("NonFiniteError: some gradients are NaN"), r["raise"]
+
+
+# -- internal tracebacks turned into named errors ---------------------------------------------------------------
+
+
+def _plan_dict() -> dict:
+    return {
+        "format": "autopar-plan", "version": 1, "fingerprint": "0" * 64, "mesh": {"dp": 1}, "program": "",
+        "model": "tiny-mlp", "cluster": None, "options": {"setup": {}}, "config": None, "stats": {},
+        "baselines": {}, "pipeline": None,
+    }  # fmt: skip
+
+
+def _edited_plan(tmp_path, **changes) -> str:
+    data = _plan_dict() | changes
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def _deep(tmp_path) -> str:
+    path = tmp_path / "deep.json"
+    path.write_text('{"format": ' + "[" * 100000 + "]" * 100000 + "}")
+    return str(path)
+
+
+def _load(path: str):
+    from autopar.plan import Plan
+
+    return Plan.load(path)
+
+
+CHEAP_CASES = {  # name -> (what to run, given tmp_path; the error class; a part of its message)
+    "deep plan JSON": (lambda t: _load(_deep(t)), "PlanError", "nests its JSON too deeply"),
+    "plan mesh a list": (lambda t: _load(_edited_plan(t, mesh=["dp", 1])), "PlanError", "'mesh' must be an object"),
+    "plan program an int": (lambda t: _load(_edited_plan(t, program=7)), "PlanError", "'program' must be a string"),
+    "plan mesh size 0": (lambda t: _load(_edited_plan(t, mesh={"dp": 0})), "PlanError", "positive integers"),
+    "unknown setup keys": (
+        lambda t: _load(_edited_plan(t, options={"setup": {"zerro": 2}})), "PlanError", "unknown keys ['zerro']",
+    ),
+    "plan version '1'": (lambda t: _load(_edited_plan(t, version="1")), "PlanError", "a str, not the number 1"),
+    "pipeline without stage_plan": (
+        lambda t: _load(_edited_plan(t, pipeline={"pp": 2, "schedule": "1f1b"})),
+        "PlanError", "lacks stage_plan",
+    ),  # fmt: skip
+    "n_layer=-2": (lambda t: _build("tiny-gpt2:n_layer=-2"), "PresetError", "must be a positive integer"),
+    "NaN bandwidth": (lambda t: _cluster(intra_node_bandwidth=float("nan")), "ClusterSpecError", "finite number"),
+    "simulate -P 100000 -M 100000000": (
+        lambda t: _simulate_flags(), "ScheduleError", "at most 1,000,000 stage-microbatches",
+    ),
+}
+
+
+def _build(spec: str):
+    from autopar.models.resolve import build
+
+    return build(spec, device="meta")
+
+
+def _cluster(**changes):
+    import dataclasses
+
+    from autopar.solver.cluster.spec import ClusterSpec
+
+    return dataclasses.replace(ClusterSpec.load("dgx-a100"), **changes)
+
+
+def _simulate_flags():
+    import argparse
+
+    from autopar.cli import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["simulate", "-P", "100000", "-M", "100000000"])
+    return simulate._from_flags(args)
+
+
+@pytest.mark.parametrize("case", list(CHEAP_CASES))
+def test_bad_input_gets_a_named_error_not_a_traceback(case, tmp_path):
+    """Each case raised an internal error (RecursionError, AttributeError, TypeError, KeyError, a 0-layer model,
+    a NaN priced as optimal, a refusal of version "1" as "reads version 1", a simulation growing without bound):
+    now an AutoparError naming the problem. Cost: no model is compiled."""
+    import autopar.errors as errors
+
+    fn, cls, message = CHEAP_CASES[case]
+    with pytest.raises(getattr(errors, cls)) as info:
+        fn(tmp_path)
+    assert message in str(info.value), str(info.value)
+
+
+def test_float_ids_float_labels_and_a_missing_input_are_named_at_the_call():
+    """On a compiled tiny-gpt2 (one process): float ``input_ids`` or float ``labels`` (once silently truncated)
+    raise ``InputRangeError``; a missing or an extra input names them instead of dumping two TreeSpecs. Cost:
+    one compile of tiny-gpt2."""
+    import autopar
+    from autopar.errors import CaptureError, InputRangeError
+    from autopar.models.resolve import build
+
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    with _one_process():
+        pipe = autopar.compile(spec.model, autopar.init_mesh("cpu", dp=1), kwargs=spec.kwargs)
+        with pytest.raises(InputRangeError, match="'input_ids' holds token ids but is torch.float32"):
+            pipe.train_step(**(spec.kwargs | {"input_ids": spec.kwargs["input_ids"].float()}))
+        with pytest.raises(InputRangeError, match="'labels' holds labels but is torch.float32"):
+            pipe.train_step(**(spec.kwargs | {"labels": spec.kwargs["labels"].float() + 0.5}))
+        with pytest.raises(CaptureError, match=r"missing \['labels'\]"):
+            pipe.train_step(input_ids=spec.kwargs["input_ids"])
+        with pytest.raises(CaptureError, match=r"not compiled for \['mask'\]"):
+            pipe.train_step(**spec.kwargs, mask=spec.kwargs["labels"])
+        assert "TreeSpec" not in _raised(lambda: pipe.train_step(input_ids=spec.kwargs["input_ids"]))
+        pipe.train_step(**spec.kwargs)
+
+
+def _raised(fn) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return ""

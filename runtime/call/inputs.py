@@ -141,9 +141,13 @@ class CallInputs:
         full = (tuple(args) + tuple(t_args[len(args) :]), {k: kwargs.get(k, t_kwargs[k]) for k in t_kwargs})
         flat, spec = pytree.tree_flatten(full)
         if spec != self.in_spec:
+            want, got = leaf_labels(self.in_spec), leaf_labels(spec)
+            missing, extra = [x for x in want if x not in got], [x for x in got if x not in want]
             raise CaptureError(
-                f"the inputs do not match the example inputs the model was compiled with: expected {self.in_spec}, "
-                f"got {spec}"
+                f"the inputs do not match the example inputs the model was compiled with (inputs {want})"
+                + (f": missing {missing}" if missing else "")
+                + (f"{';' if missing else ':'} not compiled for {extra}" if extra else "")
+                + "; pass the same inputs, nested the same way, or compile again with these"
             )
         self._check_constants(flat)
         return [flat[j] for j in self.leaves]
