@@ -190,10 +190,12 @@ def test_out_of_vocabulary_ids_and_labels_raise_on_a_vocabulary_split_plan():
         kwargs = {k: v.clone() for k, v in spec.kwargs.items()}
         kwargs[name][1, 5] = bad
         outcomes = _ranks_raise(sim, kwargs)
-        assert all(o.startswith(f"InputRangeError: 1 token ids are outside [0, {vocab})") for o in outcomes), outcomes
+        # the batch's own check (runtime/call/validate.py) finds it first; the lookup's is checked below
+        assert all(o.startswith("InputRangeError: input 'input_ids': 1 token ids outside [0, 128)") for o in outcomes)
     labels = spec.kwargs["labels"].clone()
-    labels[1, 5] = vocab + 3  # this plan gathers the logits: eager's loss raises its IndexError
-    assert all(o.startswith("IndexError") for o in _ranks_raise(sim, {**spec.kwargs, "labels": labels}))
+    labels[1, 5] = vocab + 3  # the batch's check; this plan gathers the logits (eager's loss would raise too)
+    outcomes = _ranks_raise(sim, {**spec.kwargs, "labels": labels})
+    assert all(o.startswith("InputRangeError: input 'labels': 1 labels outside [0, 128)") for o in outcomes), outcomes
 
     # the vocabulary-parallel loss (logits split by class) checks its labels the same way, ignore_index aside
     from autopar.errors import InputRangeError
@@ -212,6 +214,24 @@ def test_out_of_vocabulary_ids_and_labels_raise_on_a_vocabulary_split_plan():
                 return f"{float(vocab_parallel_cross_entropy(local, target, ['tp'], classes=10)):.12f}"
             except InputRangeError as e:
                 return str(e)
+
+    from autopar.runtime.comm.vocab_parallel import vocab_parallel_embedding
+
+    table = torch.randn(10, 3, generator=torch.Generator().manual_seed(1))
+
+    def lookup(rank: int, ids: torch.Tensor) -> str:
+        c = world.comm(rank)
+        with use_comm(c):
+            try:
+                local = table[5 * c.coords["tp"] : 5 * (c.coords["tp"] + 1)]
+                return str(vocab_parallel_embedding(local, ids, ["tp"], vocab=10).sum().item() is not None)
+            except InputRangeError as e:
+                return str(e)
+
+    assert world.run(lambda r: lookup(r, torch.tensor([0, 9, 4]))) == ["True"] * 2
+    for bad in (10, -1):
+        outcomes = world.run(lambda r, bad=bad: lookup(r, torch.tensor([0, bad, 4])))
+        assert all(o.startswith("1 token ids are outside [0, 10)") for o in outcomes), outcomes
 
     good = torch.tensor([0, 9, -100, 3, 4, 5])
     assert world.run(lambda r: loss(r, good)) == [f"{float(torch.nn.functional.cross_entropy(logits, good)):.12f}"] * 2
