@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.build import ModuleParts, build_module, plan_programs
@@ -40,8 +40,10 @@ from autopar.runtime.build.precision import MixedPrecisionPolicy, cast_floats, c
 from autopar.runtime.build.rng import rng_for
 from autopar.runtime.call.batch import sub_microbatch
 from autopar.runtime.comm import collectives as coll
+from autopar.runtime.comm.agree import from_rank0
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.teardown import shutdown_at_exit
+from autopar.runtime.comm.watch import device_mesh
 from autopar.runtime.module import ParallelModule
 from autopar.schedule.generators import make_schedule
 from autopar.solver.cluster.spec import ClusterSpec, local_cluster
@@ -62,10 +64,13 @@ def check_restartable() -> None:
         )
 
 
-def init_mesh(device_type: str | None = None, **axes: int):
+def init_mesh(device_type: str | None = None, *, timeout: float | None = None, **axes: int):
     """A DeviceMesh with named axes (``init_mesh(dp=2, tp=2)``), checked against the world size (and, under
     torchrun restarts, against a store its restarts cannot use: ``check_restartable``). Its process groups
-    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.comm.teardown``)."""
+    are destroyed and freed at exit, before the interpreter finalizes (``autopar.runtime.comm.teardown``).
+    ``timeout``: the seconds any collective on the mesh's axes may wait (default: the world group's, from
+    ``init_process_group(timeout=)``); a stuck peer then raises ``RuntimeCommError`` on every rank waiting
+    for it, naming the axis, the op and the ranks that did not arrive (``runtime/comm/watch.py``)."""
     check_restartable()
     if not axes:
         raise MeshError("give the mesh axes and sizes, e.g. init_mesh(dp=2, tp=2)")
@@ -80,7 +85,7 @@ def init_mesh(device_type: str | None = None, **axes: int):
         )
     device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     shutdown_at_exit()  # the groups destroyed and freed before the interpreter finalizes (runtime/comm/teardown.py)
-    return init_device_mesh(device_type, tuple(axes.values()), mesh_dim_names=tuple(axes))
+    return device_mesh(device_type, axes, timeout)  # every sub-group with the job's timeout
 
 
 def parse_mesh(text: str) -> MeshSpec:
@@ -192,7 +197,7 @@ def compile(  # noqa: A001
     sharded = None
     if loaded is not None:  # every rank reads and checks it, so a refused plan stops all of them
         try:
-            loaded.check(captured, spec)
+            sharded = loaded.program_for(captured, spec)  # refuses ops the model's lowering never emits
         except PlanError as e:
             if not cfg.sub_pipeline_tp:
                 raise
@@ -200,15 +205,15 @@ def compile(  # noqa: A001
                 f"{e} (with sub_pipeline_tp=True the stages run half a microbatch: the plan must be made "
                 "for that half, or compile without sub_pipeline_tp)"
             ) from None
-        sharded = parse(loaded.program)
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
-    text: list[str | None] = [None, None]
-    if dist.get_rank() == 0:
+    def plan() -> list[str | None]:
         fwd, train = plan_programs(
             captured, spec, sched, options, sharded, scatter_gather=cfg.scatter_gather, dump_dir=dump_dir,
             sub_pipeline_tp=cfg.sub_pipeline_tp,
         )  # fmt: skip
-        text = [print_program(fwd), print_program(train) if train is not None else None]
+        return [print_program(fwd), print_program(train) if train is not None else None]
+
+    text: list[str | None] = from_rank0(plan) or [None, None]  # a planning error is raised on every rank
     dist.broadcast_object_list(text, src=0)
     forward = parse(text[0])
     train = parse(text[1]) if text[1] is not None else None

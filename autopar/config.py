@@ -104,9 +104,13 @@ class TrainConfig:
     # called with each train_step's StepMetrics (runtime/measure/metrics.py) on every rank; not written to files
     on_metrics: Callable | None = None
     log_every: int = 1  # rank 0 logs a train_step's metrics on logger "autopar" every this many steps (0: never)
+    # a step whose gradients are NaN or infinite (agreed by every rank): "warn_skip" (skipped, with a warning),
+    # "skip" (silently), "raise" (NonFiniteError); with max_grad_norm, a NaN norm (runtime/grads/nonfinite.py)
+    on_nonfinite: str = "warn_skip"
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
+        _check_choice("on_nonfinite", self.on_nonfinite, ("warn_skip", "skip", "raise"))
         _check_choice("solver", self.solver, ("cbc", "highs"))
         _check_choice("optimizer", self.optimizer, ("adam", "sgd"))
         _check_choice("zero", self.zero, (0, 1, 2, 3))
@@ -211,6 +215,7 @@ class TrainConfig:
             self.microbatches, self.timeout, self.record, self.sub_pipeline_tp, self.batch, weight, self.policy(),
             microbatch_semantics=self.microbatch_semantics,
             torch_compile=self.torch_compile,
+            on_nonfinite=self.on_nonfinite,
         )  # fmt: skip
 
     # -- files ---------------------------------------------------------------------------------------------

@@ -168,3 +168,12 @@ class MetricsWriterError(AutoparError):
 
 class SearchError(AutoparError):
     """A whole-plan search result asked for what the search did not keep (more plans than its ``top``)."""
+
+
+class InputRangeError(BatchError, IndexError):
+    """A token id or a class label outside the table or the classes it indexes (what eager raises as an
+    ``IndexError``; also one, so code catching that still does)."""
+
+
+class NonFiniteError(AutoparError):
+    """A training step whose loss or gradients are NaN or infinite, with ``on_nonfinite="raise"``."""

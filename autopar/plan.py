@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import PlanError
+from autopar.errors import IRError, PlanError
 from autopar.ir.axes import PIPELINE_AXIS
-from autopar.ir.core import MeshSpec, Program, Ref, map_refs
+from autopar.ir.core import COLLECTIVES, MeshSpec, Program, Ref, map_refs
 from autopar.ir.parser import parse
+from autopar.ir.verify import side_effect
 from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
+from autopar.solver.sharding.cost import TrainingSetup
 
 FORMAT = "autopar-plan"
 VERSION = 1
@@ -43,10 +45,11 @@ VERSION = 1
 _LAYOUT_ONLY = {"aten.contiguous", "aten.alias"}
 
 
-def fingerprint(captured: Captured) -> str:
+def fingerprint(captured: Captured, lowered: Program | None = None) -> str:
     """SHA-256 of the captured graph's IR without a mesh and without layout-only ops: the same model
-    and inputs give the same fingerprint whether they were traced on meta or with real weights."""
-    prog = lower(captured, MeshSpec())
+    and inputs give the same fingerprint whether they were traced on meta or with real weights.
+    ``lowered``: ``lower(captured, MeshSpec())`` when the caller has it."""
+    prog = lowered if lowered is not None else lower(captured, MeshSpec())
     alias: dict[str, str] = {}
     ops = []
     for op in prog.ops:
@@ -72,6 +75,37 @@ def _strip_names(prog: Program) -> list[str]:
             number[r] = str(len(number))
     lines.append(repr(map_refs(list(prog.outputs), lambda r: f"%{number[r.name]}")))
     return lines
+
+
+# each field a plan file holds: the JSON types it may have
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "fingerprint": (str,), "mesh": (dict,), "program": (str,), "model": (str, type(None)),
+    "cluster": (dict, type(None)), "options": (dict,), "config": (dict, type(None)), "stats": (dict,),
+    "baselines": (dict,), "pipeline": (dict, type(None)),
+}  # fmt: skip
+
+
+def _check_fields(data: dict[str, Any], source: str) -> None:
+    """Each field of the right JSON type, the mesh axis names to positive integer sizes, the options' setup
+    keys the training setup's: a hand-edited plan gets a ``PlanError`` naming the field, not a traceback."""
+    for name, types in _FIELD_TYPES.items():
+        if name in data and not isinstance(data[name], types):
+            want = " or ".join({"NoneType": "null", "dict": "an object", "str": "a string"}[t.__name__] for t in types)
+            raise PlanError(f"{source}: {name!r} must be {want}, not {type(data[name]).__name__} {data[name]!r:.60}")
+    for axis, size in data["mesh"].items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise PlanError(f"{source}: mesh axis {axis!r} has size {size!r}; sizes are positive integers")
+    setup = (data.get("options") or {}).get("setup", {})
+    if not isinstance(setup, dict):
+        raise PlanError(f"{source}: options.setup must be an object, not {type(setup).__name__}")
+    known = {f.name for f in dataclasses.fields(TrainingSetup)}
+    unknown = sorted(set(setup) - known)
+    if unknown:
+        raise PlanError(f"{source}: options.setup has unknown keys {unknown} (known: {sorted(known)}); plan again")
+    if data.get("pipeline") is not None and "stage_plan" not in data["pipeline"]:
+        raise PlanError(
+            f"{source}: its pipeline lacks stage_plan (the stages and their costs); plan again with a pp axis"
+        )
 
 
 @dataclass
@@ -124,15 +158,23 @@ class Plan:
             ) from None
         except json.JSONDecodeError as e:
             raise PlanError(f"{path} is not JSON ({e}); plan files are written by `autopar plan -o`") from None
+        except RecursionError:
+            raise PlanError(
+                f"{path} nests its JSON too deeply to be a plan; plan files are written by `autopar plan -o`"
+            ) from None
         return cls.from_dict(data, source=str(path))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "the plan") -> Plan:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise PlanError(f'{source} is not an autopar plan (no "format": "{FORMAT}")')
-        if data.get("version") != VERSION:
+        version = data.get("version")
+        if version != VERSION or isinstance(version, bool):
+            what = repr(version)
+            if version == str(VERSION):
+                what += f" (a {type(version).__name__}, not the number {VERSION})"
             raise PlanError(
-                f"{source} is plan format version {data.get('version')}, this autopar reads version {VERSION}; "
+                f"{source} is plan format version {what}, this autopar reads version {VERSION}; "
                 "plan the model again with this version"
             )
         names = {f.name for f in dataclasses.fields(cls)}
@@ -142,12 +184,13 @@ class Plan:
         unknown = sorted(set(data) - names - {"format"})
         if unknown:
             raise PlanError(f"{source} has unknown fields {unknown}")
+        _check_fields(data, source)
         return cls(**{k: v for k, v in data.items() if k in names})
 
-    def check(self, captured: Captured, mesh: MeshSpec) -> None:
+    def check(self, captured: Captured, mesh: MeshSpec, lowered: Program | None = None) -> None:
         """Refuse a plan made for another graph or another mesh, saying which. ``mesh`` is the launch
         mesh (with ``pp`` for a pipeline) or the mesh of the sharded program (without it)."""
-        fp = fingerprint(captured)
+        fp = fingerprint(captured, lowered)
         if fp != self.fingerprint:
             raise PlanError(
                 f"the plan was made for another graph (fingerprint {self.fingerprint[:12]}, this model and "
@@ -159,3 +202,33 @@ class Plan:
             want, got = self.mesh_spec, mesh.without_pipeline()
         if want != got:
             raise PlanError(f"the plan is for mesh {want}, not {got}: launch that mesh or plan again")
+
+    def program_for(self, captured: Captured, mesh: MeshSpec) -> Program:
+        """The plan's program for ``captured`` on ``mesh`` (as ``check``), checked as data before anything
+        runs it: a plan file is data, and its program text can name any ATen op. Its mesh must be the plan's
+        (``autopar check`` reported an edited program's mesh as agreeing), and every op must be one this
+        model's own lowering emits or one of autopar's collectives and transfers (the only ops the passes
+        after lowering insert): an edited op (``aten.from_file``, a random op the model has not, a write
+        in place) is refused with what it would do (``ir/verify.py:side_effect``)."""
+        lowered = lower(captured, MeshSpec())
+        self.check(captured, mesh, lowered)
+        try:
+            prog = parse(self.program)
+        except IRError as e:
+            raise PlanError(f"the plan's program is not valid autopar IR ({e}); plan again") from None
+        if prog.mesh.without_pipeline() != self.mesh_spec:
+            raise PlanError(
+                f"the plan's program is over mesh {prog.mesh.without_pipeline()} but the plan says {self.mesh_spec}: "
+                "the file was edited; plan again for the mesh you launch"
+            )
+        own = {op.target for op in lowered.ops} | COLLECTIVES
+        for op in prog.ops:
+            if op.target not in own:
+                effect = side_effect(op.target)
+                raise PlanError(
+                    f"the plan's program has %{op.result} = {op.target}"
+                    + (f", which {effect}," if effect else "")
+                    + " an op this model's lowering never emits: a plan's program may hold only the model's own "
+                    "ops and autopar's collectives, so this one was added by hand; plan again"
+                )
+        return prog

@@ -116,7 +116,8 @@ def _check_collective(op: Op, types: dict[str, TensorType], prog: Program) -> No
 
 def verify(prog: Program, shapes: bool = False) -> None:
     """Raise VerifyError on the first broken invariant. ``shapes=True`` also re-infers every aten
-    op's result shape and dtype on the meta device and compares it with the IR's type."""
+    op's result shape and dtype on the meta device and compares it with the IR's type (an op that reads a
+    file or writes its arguments is refused, never run: ``side_effect``)."""
     defined: dict[str, TensorType] = {}
     for v in prog.inputs:
         if v.name in defined:
@@ -144,7 +145,35 @@ def verify(prog: Program, shapes: bool = False) -> None:
     _check_channels(prog)
 
 
+# ATen ops that reach outside the program (files) or ops of autopar's vocabulary never hold: never run here
+_IO_OPS = frozenset({"aten.from_file", "aten._nested_tensor_from_mask", "aten.set_"})
+
+
+def side_effect(target: str) -> str | None:
+    """What ``target`` does besides computing its results from its arguments: reads a file, writes an
+    argument in place (functionalized lowering never emits such) or draws random numbers; ``None`` when
+    nothing (or it is not an ATen op)."""
+    if target in _IO_OPS:
+        return "reads or writes memory outside the program (a file)"
+    try:
+        fn = resolve_target(target)
+    except (KeyError, AttributeError):
+        return None
+    if fn._schema.is_mutable:
+        return "writes one of its arguments in place"
+    if torch.Tag.nondeterministic_seeded in fn.tags:
+        return "draws random numbers"
+    return None
+
+
 def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
+    effect = side_effect(op.target)
+    if effect is not None and effect != "draws random numbers":  # a random op on meta tensors draws nothing
+        raise VerifyError(
+            f"%{op.result} = {op.target} {effect}: autopar's programs never hold such an op, so it is not run to "
+            "check its shape; the program was edited or is not autopar's"
+        )
+
     def meta(ref):
         t = types[ref.name]
         return torch.empty(t.shape, dtype=t.torch_dtype, device="meta")

@@ -140,7 +140,23 @@ def flatten_inputs(in_spec: Any, args: tuple, kwargs: dict) -> list[Any]:
         kwargs = {k: kwargs[k] for k in keys}
     flat, spec = torch.utils._pytree.tree_flatten((tuple(args), kwargs))
     if spec != in_spec:
+        want, got = _names(in_spec), _names(spec)
+        missing, extra = [x for x in want if x not in got], [x for x in got if x not in want]
+        detail = (f"; missing {missing}" if missing else "") + (f"; not compiled for {extra}" if extra else "")
+        detail = detail or "; the same names nested another way"
         raise CaptureError(
-            f"the inputs do not match the example inputs the model was compiled with: expected {in_spec}, got {spec}"
+            f"the inputs do not match the example inputs the model was compiled with ({', '.join(want)}){detail}: "
+            "pass the same inputs, or compile again with these"
         )
     return flat
+
+
+def _names(spec: Any) -> list[str]:
+    """Each input leaf of a call's ``(args, kwargs)`` spec by the user's name: ``args[i]`` or the keyword, then
+    the path inside it."""
+    template = torch.utils._pytree.tree_unflatten(list(range(spec.num_leaves)), spec)
+    out = [""] * spec.num_leaves
+    for path, i in torch.utils._pytree.tree_flatten_with_path(template)[0]:
+        head = f"args[{path[1].idx}]" if path[0].idx == 0 else str(path[1].key)
+        out[i] = head + torch.utils._pytree.keystr(path[2:])
+    return out

@@ -59,6 +59,7 @@ from autopar.runtime.comm.teardown import holds_groups
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.execute.stage_runner import StageRunner
 from autopar.runtime.grads import clip
+from autopar.runtime.grads.nonfinite import NonFinite
 from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.grads.sync import GradSync
 from autopar.runtime.grads.zero import ZeroOptimizer
@@ -90,6 +91,7 @@ class RuntimeOptions:
     # "per_microbatch": each piece is trained as its own batch
     microbatch_semantics: str = "exact"
     torch_compile: bool = False  # each program through torch.compile / Inductor (runtime/build/compiled.py)
+    on_nonfinite: str = "warn_skip"  # a step with NaN/inf gradients: "warn_skip", "skip", "raise" (grads/nonfinite.py)
 
     @property
     def sub_microbatches(self) -> int:
@@ -131,6 +133,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if policy is not None:  # gradients reduced in reduce_dtype; fp16's loss scaling in train_step
             comm = dataclasses.replace(comm, grad_dtype=policy.reduce_dtype)
         self.loss_scaler = LossScaler(policy.scaling) if policy is not None and policy.scaling else None
+        self.nonfinite = NonFinite(options.on_nonfinite)  # a NaN step never applied (runtime/grads/nonfinite.py)
         self.comm = comm
         self.device = torch.device(device)
         self.program, self.train_program = forward, train
@@ -261,13 +264,14 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self.loss_scaler is not None and not self.loss_scaler.step_ok(self._params, self._optimizer, self.comm):
             return
         if self._optimizer is not None:
-            if self._clip is not None:
-                self.clip_grad_norm_(*self._clip)
-            elif self.metrics is not None and self.metrics.wants_grad_norm:  # measured, not clipped
+            norm = self.clip_grad_norm_(*self._clip) if self._clip is not None else None
+            if norm is None and self.metrics is not None and self.metrics.wants_grad_norm:  # measured, not clipped
                 pieces = clip.grad_pieces(
                     self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied
                 )
-                self.grad_norm = clip.global_norm(pieces, 2.0, self.comm)
+                self.grad_norm = norm = clip.global_norm(pieces, 2.0, self.comm)
+            if not self.nonfinite.step_ok(self._params, self._optimizer, norm):  # agreed by every rank
+                return
             self._optimizer.step()
             self._optimizer.zero_grad()
 

@@ -436,10 +436,15 @@ def test_bad_checkpoints_get_named_errors(tmp_path, monkeypatch):
             for where in (tmp_path / "3", second):  # a new directory, and over the latest checkpoint
                 with pytest.raises(KeyboardInterrupt):
                     checkpoint.save(where, pipe, opt, step=3)
-                assert (where / ".metadata").exists()
-                with pytest.raises(IncompleteCheckpointError, match="never committed"):
-                    checkpoint.load(where, pipe, opt)
-        assert checkpoint.latest(tmp_path) == first  # the overwritten one is no checkpoint any more
+                assert (checkpoint_files.staging(where) / ".metadata").exists()  # written aside, uncommitted
+        with pytest.raises(IncompleteCheckpointError, match="no checkpoint at"):
+            checkpoint.load(tmp_path / "3", pipe, opt)
+        assert checkpoint.latest(tmp_path) == second  # the save over it lost nothing (tests/test_faults.py)
+        checkpoint.load(second, pipe, opt)
+        (first / checkpoint_files.MANIFEST).rename(first / "saved.json")
+        with pytest.raises(IncompleteCheckpointError, match="never committed"):
+            checkpoint.load(first, pipe, opt)
+        (first / "saved.json").rename(first / checkpoint_files.MANIFEST)
 
         # no plain unpickling on load: DCP's metadata goes through the allow-list, tensors weights_only
         with monkeypatch.context() as m:

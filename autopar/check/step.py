@@ -40,7 +40,6 @@ from autopar.check.rules import call_op
 from autopar.check.scale import scaled_copy
 from autopar.errors import CheckError
 from autopar.ir.core import COLLECTIVES, MeshSpec, Op, Program, Ref, Shard
-from autopar.ir.parser import parse
 from autopar.passes.batch_coupling import batch_couplings
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.dropout import has_keyed, is_keyed
@@ -308,9 +307,7 @@ def check_model(
     captured = capture(model, args, kwargs)
     sharded = None
     if plan is not None:
-        loaded = Plan.load(plan)
-        loaded.check(captured, mesh)
-        sharded = parse(loaded.program)
+        sharded = Plan.load(plan).program_for(captured, mesh)
     if mesh.pipeline_size > 1:
         sched = make_schedule("1f1b", mesh.pipeline_size, 1)
         forward, train = plan_programs(captured, mesh, sched, options, sharded)

@@ -67,6 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return parser
 
 
+MAX_ACTIONS = 1_000_000  # P x M simulated at most: the simulator holds every action (-P 1e5 -M 1e8 grew unbounded)
+
+
 def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
     """The (Schedule, Costs) pair the flags describe."""
     generator = SCHEDULES[args.schedule].generator
@@ -79,6 +82,11 @@ def _from_flags(args: argparse.Namespace) -> tuple[Schedule, Costs]:
         if keyword not in accepted:
             raise ScheduleError(f"--{flag} does not apply to the {args.schedule} schedule")
         options[keyword] = value
+    if args.stages < 1 or args.microbatches < 1 or args.stages * args.microbatches > MAX_ACTIONS:
+        raise ScheduleError(
+            f"-P {args.stages} -M {args.microbatches}: give at least one stage and microbatch, and at most "
+            f"{MAX_ACTIONS:,} stage-microbatches (P x M) to simulate; the schedule's actions grow as P x M"
+        )
     schedule = make_schedule(args.schedule, args.stages, args.microbatches, **options)
     costs = Costs.from_rank_share(
         schedule, tf=args.tf, tb=args.tb, tr=args.tr, tc=args.tc, act_bytes=args.act_bytes, tw=args.tw

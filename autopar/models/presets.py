@@ -250,6 +250,13 @@ def _config_keys(fam: Family, cfg: Any) -> set[str]:
     return keys | set(getattr(type(cfg), "attribute_map", {}))
 
 
+def _is_size(key: str) -> bool:
+    """Whether a config key is a count or a size (layers, heads, widths, vocabulary), which must be >= 1."""
+    return key.startswith(("n_", "num_")) or key.endswith(("_size", "_dim", "_layers", "_heads", "_embd")) or key in (
+        "hidden_size", "intermediate_size", "vocab_size", "n_positions", "max_position_embeddings",
+    )  # fmt: skip
+
+
 def make_config(preset: Preset, overrides: dict[str, Any]) -> Any:
     fam = FAMILIES[preset.family]
     cls = fam.config_cls()
@@ -274,6 +281,12 @@ def make_config(preset: Preset, overrides: dict[str, Any]) -> Any:
             )
         canonical = aliases.get(key, key)
         values[canonical] = _coerce(preset.name, key, value, getattr(default, key, None))
+        current = getattr(default, key, None)
+        if _is_size(key) and isinstance(current, int) and not isinstance(current, bool) and values[canonical] < 1:
+            raise PresetError(
+                f"override {key}={value!r} for preset {preset.name!r} must be a positive integer (a count or size: "
+                f"{key}={values[canonical]} would build an empty or invalid model)."
+            )
     try:
         return cls(**values)
     except (TypeError, ValueError) as e:

@@ -163,7 +163,7 @@ def codegen(
             node = graph.call_function(
                 vocab_parallel_embedding,
                 (env[w.name], env[ids.name]),
-                {"axes": _vocab_axes(op, types, prog), "padding_idx": pad},
+                {"axes": _vocab_axes(op, types, prog), "padding_idx": pad, "vocab": types[w.name].shape[0]},
             )
         elif is_keyed(op.target, op.args):
             site = _dropout_site(op, prog, coords, device, root.autopar_rng)
@@ -177,6 +177,7 @@ def codegen(
             node = graph.call_function(
                 vocab_parallel_cross_entropy,
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
+                {"classes": types[logits.name].shape[1]},
             )
         elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
             node = graph.call_function(

@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from autopar.errors import BatchError, CaptureError
+from autopar.errors import AutoparError, BatchError, CaptureError
 from autopar.ir.core import MeshSpec, Program, Shard, Value
 from autopar.ir.layout import deals_rows
 from autopar.passes.capture import flatten_inputs
 from autopar.runtime.call.batch import DataLayout, LossWeight
 from autopar.runtime.call.loss_weight import ProgramWeight
+from autopar.runtime.call.validate import Bound, index_bounds, problem
+from autopar.runtime.comm.agree import agree
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.shards import local_inputs, shard_tensor
 from autopar.runtime.execute.stage_runner import StageRunner
@@ -74,8 +76,10 @@ class CallInputs:
         local: bool = False,
         loss_weight: LossWeight | ProgramWeight | None = None,
         constants: Sequence[tuple[int, object]] = (),
+        bounds: Mapping[str, Bound] | None = None,
     ):
         self.constants = tuple(constants)
+        self.bounds = dict(bounds or {})  # inputs that index a table or classes (runtime/call/validate.py)
         self.in_spec, self.values, self.comm, self.mesh, self.device = in_spec, list(values), comm, mesh, device
         self.layout, self.local, self.loss_weight = layout, local, loss_weight
         self.leaves = list(leaves) if leaves is not None else None
@@ -106,7 +110,8 @@ class CallInputs:
         piece_rows = max(set(rows), key=rows.count) if rows else 0
         layout = DataLayout.of(mesh.names, mesh.sizes, comm.coords, pieces, piece_rows)
         constants = program.attrs.get("constant_inputs", ())
-        return cls(in_spec, values, comm, mesh, device, layout, constants=constants, **kw)
+        bounds = index_bounds(program)
+        return cls(in_spec, values, comm, mesh, device, layout, constants=constants, bounds=bounds, **kw)
 
     def layout_reading(self, reads: set[str]) -> DataLayout:
         """The layout, with the user's names of the inputs in ``reads`` (in call order) as its ``inputs``."""
@@ -136,9 +141,13 @@ class CallInputs:
         full = (tuple(args) + tuple(t_args[len(args) :]), {k: kwargs.get(k, t_kwargs[k]) for k in t_kwargs})
         flat, spec = pytree.tree_flatten(full)
         if spec != self.in_spec:
+            want, got = leaf_labels(self.in_spec), leaf_labels(spec)
+            missing, extra = [x for x in want if x not in got], [x for x in got if x not in want]
             raise CaptureError(
-                f"the inputs do not match the example inputs the model was compiled with: expected {self.in_spec}, "
-                f"got {spec}"
+                f"the inputs do not match the example inputs the model was compiled with (inputs {want})"
+                + (f": missing {missing}" if missing else "")
+                + (f"{';' if missing else ':'} not compiled for {extra}" if extra else "")
+                + "; pass the same inputs, nested the same way, or compile again with these"
             )
         self._check_constants(flat)
         return [flat[j] for j in self.leaves]
@@ -184,6 +193,23 @@ class CallInputs:
                 f"({lay.pieces} piece(s) of {lay.piece_rows}){hint}"
             )
 
+    def _validate(self, given: list[torch.Tensor | None], reads: set[str]) -> None:
+        """Rows, token ids and labels checked before any collective of the step. With local batches every
+        rank holds other rows: the ranks agree (one all-reduce), so all raise the error any one found and
+        none enters a collective the others do not."""
+        found = None
+        try:
+            self._check_rows(given, reads)
+            for v, label, x in zip(self.values, self.labels, given):
+                if v.name in self.bounds and isinstance(x, torch.Tensor):
+                    found = found or problem(label, x, self.bounds[v.name])
+        except AutoparError as e:
+            found = e
+        if self.local and dist.is_initialized() and dist.get_world_size() > 1:
+            agree(found)
+        elif found is not None:
+            raise found
+
     # -- the pieces -------------------------------------------------------------------------------
     def pieces(
         self, args: tuple, kwargs: dict, reads: set[str], weigh: bool = False, what: str = "shape"
@@ -194,7 +220,7 @@ class CallInputs:
         program_weight = self.loss_weight if weigh and isinstance(self.loss_weight, ProgramWeight) else None
         if program_weight is not None:  # the divisor's inputs, placed as the stages get them
             reads = reads | set(program_weight.inputs)
-        self._check_rows(given, reads)
+        self._validate(given, reads)
         n = self.layout.pieces
         per_value = [x.chunk(n, 0) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * n for x in given]
         pieces: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]

@@ -1,11 +1,14 @@
 """A checkpoint directory on disk: its manifest, the atomic commit, checksums, and reading DCP's metadata safely.
 
-A directory is a checkpoint once ``autopar.json`` (the manifest) is in it. The manifest is written
-last, by rank 0, after every rank's data and DCP's ``.metadata`` are on disk, to a temporary name
-renamed over the final one (``os.replace`` is atomic): a save killed at any point before leaves no
-manifest, so the directory is not a checkpoint and ``latest`` passes over it. The manifest records
-each file's size and SHA-256 (each rank hashes a share of the files), so a truncated, missing or
-altered file is found before anything is loaded.
+A directory is a checkpoint once ``autopar.json`` (the manifest) is in it. A save never writes into the
+folder it saves to: every rank writes into a hidden staging sibling (``.<name>.saving``); the manifest
+is written last, by rank 0, after every rank's data and DCP's ``.metadata`` are on disk, to a temporary
+name renamed over the final one (``os.replace`` is atomic); then rank 0 moves the checkpoint that was at
+``<name>`` aside (``.<name>.previous``), renames the staging folder to ``<name>`` and deletes the old one.
+A save killed at any point leaves a whole checkpoint for ``<name>``: the old one in place, or moved aside
+(``resolve``, ``latest`` and the next save find it there), or the new one. The manifest records each
+file's size and SHA-256 (each rank hashes a share of the files), so a truncated, missing or altered file
+is found before anything is loaded, and ``latest`` passes over such a checkpoint to the one before.
 
 DCP stores its metadata with ``pickle``; ``SafeReader`` reads it with an unpickler that builds only
 DCP's metadata classes, paths, sizes and dtypes, so a checkpoint someone handed you cannot run code
@@ -19,6 +22,8 @@ import io
 import json
 import os
 import pickle
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
-from autopar.errors import CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
+from autopar.errors import CheckpointError, CorruptCheckpointError, IncompleteCheckpointError, UnsafeCheckpointError
 
 MANIFEST = "autopar.json"
 FORMAT = "autopar-checkpoint"
@@ -113,16 +118,92 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
-def uncommit(path: Path) -> None:
-    """Before writing into ``path``: rank 0 removes its manifest first (from then on it is no
-    checkpoint, whatever happens next), then the old data; collective."""
+def staging(path: Path) -> Path:
+    """Where a save to ``path`` writes before it is committed: a hidden sibling, renamed to ``path`` once
+    complete (``publish``), so the checkpoint that was at ``path`` stays whole until then."""
+    return path.parent / f".{path.name}.saving"
+
+
+def previous(path: Path) -> Path:
+    """Where ``publish`` moves the checkpoint that was at ``path`` for the moment between its two renames."""
+    return path.parent / f".{path.name}.previous"
+
+
+# what a directory may hold for a save to replace it: autopar's and DCP's files (an old checkpoint, an old save)
+_CHECKPOINT_FILES = (MANIFEST, f".{MANIFEST}.tmp", ".metadata")
+
+
+def _replaceable(path: Path) -> bool:
+    return all(f.is_file() and (f.name in _CHECKPOINT_FILES or f.suffix == ".distcp") for f in path.iterdir())
+
+
+def begin(path: Path) -> Path:
+    """Before a save to ``path``: rank 0 recovers a checkpoint an earlier save left between its renames,
+    refuses a ``path`` holding anything but a checkpoint (replacing it would delete the user's files) and
+    makes an empty staging directory; returns it. Collective."""
+    stage = staging(path)
+    problem = None
     if _rank_world()[0] == 0:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / MANIFEST).unlink(missing_ok=True)
-        for f in path.iterdir():
-            if f.suffix == ".distcp" or f.name.startswith(".metadata"):
-                f.unlink()
+        _recover(path)
+        if path.exists() and not (path.is_dir() and _replaceable(path)):
+            problem = (
+                f"{path} exists and holds files that are not a checkpoint's: a save replaces the whole folder, "
+                "so it would delete them; save to another folder (or move them away)"
+            )
+        else:
+            if stage.exists():  # an earlier save to this path was interrupted: its files are no checkpoint
+                shutil.rmtree(stage)
+            stage.mkdir(parents=True)
+    found = [p for p in _gather(problem) if p is not None]
+    if found:
+        raise CheckpointError(found[0])
+    return stage
+
+
+def _recover(path: Path) -> None:
+    """A save killed between ``publish``'s renames left the old checkpoint at ``previous(path)``, nothing
+    at ``path``: it goes back."""
+    old = previous(path)
+    if not path.exists() and (old / MANIFEST).is_file():
+        os.rename(old, path)
+
+
+def publish(stage: Path, path: Path) -> None:
+    """After the staged save committed: rank 0 puts it at ``path`` (the checkpoint there moved aside first,
+    deleted last), so a crash at any point leaves one whole checkpoint for ``path`` (``resolve``); collective."""
+    if _rank_world()[0] == 0:
+        old = previous(path)
+        if old.exists():
+            shutil.rmtree(old)
+        if path.exists():
+            os.rename(path, old)
+        os.rename(stage, path)
+        _sync_dir(path.parent)
+        if old.exists():
+            shutil.rmtree(old)
     _barrier()
+
+
+def _sync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # renames in the directory reach the disk
+    finally:
+        os.close(fd)
+
+
+def resolve(path: Path) -> Path:
+    """The checkpoint saved to ``path``: ``path`` itself, or, when a save to it was killed between its
+    renames, the previous one it moved aside (with a warning)."""
+    old = previous(path)
+    if not (path / MANIFEST).is_file() and (old / MANIFEST).is_file():
+        warnings.warn(
+            f"{path} is missing: a save to it was interrupted while replacing it; loading the checkpoint it "
+            f"replaced ({old})",
+            stacklevel=3,
+        )
+        return old
+    return path
 
 
 def _digest(path: Path) -> dict[str, Any]:
@@ -147,11 +228,7 @@ def commit(path: Path, metadata: Metadata, manifest: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path / MANIFEST)
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename itself reaches the disk
-        finally:
-            os.close(fd)
+        _sync_dir(path)
     _barrier()
 
 
@@ -177,13 +254,10 @@ def read_manifest(path: Path) -> dict[str, Any]:
     return manifest
 
 
-def verify(path: Path, manifest: dict[str, Any]) -> None:
-    """Every file the manifest lists is there with its size and checksum (each rank checks a share;
-    every rank raises the first problem found); collective."""
-    files = sorted(manifest["files"])
-    rank, world = _rank_world()
+def _problems(path: Path, manifest: dict[str, Any], names: list[str]) -> list[tuple[str, str]]:
+    """What is wrong with the files ``names`` of the checkpoint at ``path``: (kind, message) for each."""
     problems = []
-    for name in files[rank::world]:
+    for name in names:
         want, f = manifest["files"][name], path / name
         if not f.exists():
             problems.append(("missing", f"{f} is missing: a shard of the checkpoint was lost"))
@@ -193,7 +267,15 @@ def verify(path: Path, manifest: dict[str, Any]) -> None:
             problems.append(("corrupt", f"{f} has {got['bytes']} bytes, the save wrote {want['bytes']}: truncated"))
         elif got["sha256"] != want["sha256"]:
             problems.append(("corrupt", f"{f} differs from what the save wrote (SHA-256 mismatch): it was altered"))
-    found = [p for part in _gather(problems) for p in part]
+    return problems
+
+
+def verify(path: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest lists is there with its size and checksum (each rank checks a share;
+    every rank raises the first problem found); collective."""
+    files = sorted(manifest["files"])
+    rank, world = _rank_world()
+    found = [p for part in _gather(_problems(path, manifest, files[rank::world])) for p in part]
     if found:
         kind, message = found[0]
         more = f" (and {len(found) - 1} more problems)" if len(found) > 1 else ""
@@ -201,22 +283,49 @@ def verify(path: Path, manifest: dict[str, Any]) -> None:
         raise cls(message + more)
 
 
-def latest(root: str | os.PathLike) -> Path | None:
-    """The committed checkpoint under ``root`` (its subdirectories) with the highest step (ties: the
-    newest manifest); ``None`` when there is none. Interrupted saves have no manifest and are passed over."""
-    best: tuple | None = None
+def latest(root: str | os.PathLike, *, checksums: bool = True) -> Path | None:
+    """The newest whole checkpoint under ``root`` (its subdirectories): the highest step (ties: the newest
+    manifest) whose files all have the size and SHA-256 the save recorded; ``None`` when there is none.
+    Interrupted saves (no manifest, or still in their hidden staging folder) are passed over; a damaged
+    checkpoint (a file missing, truncated or altered) is passed over with a warning, so a restart resumes
+    from the one before instead of failing on it again. Not collective: each caller reads the files it
+    checks (every file of the checkpoint it returns; ``checksums=False``: their sizes only, for huge ones)."""
     root = Path(root)
     if not root.is_dir():
         return None
+    found = []
     for d in root.iterdir():
+        if d.name.startswith("."):
+            # a checkpoint moved aside by a save killed mid-replace is the one for its path; staging is none
+            if not (d.name.endswith(".previous") and not (root / d.name[1 : -len(".previous")] / MANIFEST).exists()):
+                continue
         try:
             manifest = read_manifest(d)
         except (IncompleteCheckpointError, CorruptCheckpointError):
             continue
-        rank = (manifest.get("step") if isinstance(manifest.get("step"), int) else -1, (d / MANIFEST).stat().st_mtime)
-        if best is None or rank > best[0]:
-            best = (rank, d)
-    return best[1] if best is not None else None
+        step = manifest.get("step") if isinstance(manifest.get("step"), int) else -1
+        found.append(((step, (d / MANIFEST).stat().st_mtime), d, manifest))
+    for _, d, manifest in sorted(found, key=lambda f: f[0], reverse=True):
+        problems = _problems(d, manifest, sorted(manifest.get("files", {}))) if checksums else _sizes(d, manifest)
+        if not problems:
+            return d
+        warnings.warn(
+            f"checkpoint.latest: passing over the damaged checkpoint {d} ({problems[0][1]}); trying the one before",
+            stacklevel=2,
+        )
+    return None
 
 
-__all__ = ["MANIFEST", "SafeReader", "commit", "latest", "read_manifest", "uncommit", "verify"]
+def _sizes(path: Path, manifest: dict[str, Any]) -> list[tuple[str, str]]:
+    """The files of the checkpoint at ``path`` that are missing or not of their recorded size."""
+    out = []
+    for name, want in sorted(manifest.get("files", {}).items()):
+        f = path / name
+        if not f.exists():
+            out.append(("missing", f"{f} is missing"))
+        elif f.stat().st_size != want["bytes"]:
+            out.append(("corrupt", f"{f} has {f.stat().st_size} bytes, the save wrote {want['bytes']}: truncated"))
+    return out
+
+
+__all__ = ["MANIFEST", "SafeReader", "begin", "commit", "latest", "publish", "read_manifest", "resolve", "verify"]

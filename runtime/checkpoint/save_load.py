@@ -11,10 +11,11 @@ once), and on load reads exactly the saved chunks that overlap what it holds on 
 Everything else is JSON in the manifest ``autopar.json`` (``runtime/checkpoint/jsonstate.py``; nothing is
 pickled): the optimizer's hyper-parameters, the learning-rate scheduler's state, the caller's
 ``Stateful`` objects (a data loader's position), a JSON ``extra``, the keyed dropouts' step, the
-model's keys and shapes, and each file's size and SHA-256. Writing the manifest commits the save
-(``runtime/checkpoint/files.py``): an interrupted save is no checkpoint, ``latest(root)`` returns the
-last committed one, and ``load`` refuses a checkpoint of another model, a missing, truncated or
-altered file, or pickled objects, each with its own ``CheckpointError``.
+model's keys and shapes, and each file's size and SHA-256. A save writes to a staging folder, commits
+it by writing the manifest and only then replaces the checkpoint at its path (``runtime/checkpoint/files.py``):
+an interrupted save is no checkpoint and loses none, ``latest(root)`` returns the last whole one, and
+``load`` refuses a checkpoint of another model, a missing, truncated or altered file, or pickled
+objects, each with its own ``CheckpointError``.
 
     checkpoint.save(f"ckpt/step-{step}", pipe, opt, lr_scheduler=sched, objects={"data": loader}, step=step)
     ...  # any mesh, any plan of the same model, any number of processes
@@ -33,8 +34,17 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from autopar.errors import CheckpointMismatchError
-from autopar.runtime.checkpoint.files import SafeReader, commit, latest, read_manifest, uncommit, verify
+from autopar.errors import CheckpointError, CheckpointMismatchError
+from autopar.runtime.checkpoint.files import (
+    SafeReader,
+    begin,
+    commit,
+    latest,
+    publish,
+    read_manifest,
+    resolve,
+    verify,
+)
 from autopar.runtime.checkpoint.jsonstate import decode, encode
 from autopar.runtime.checkpoint.objects import checkpointable
 from autopar.runtime.checkpoint.pieces import Pieces
@@ -82,30 +92,46 @@ def save(
     ``asynchronous``: the tensors are copied to host memory here and written by a background thread
     (DCP's ``async_save``, over a process group of its own) while training goes on; call ``wait()`` on
     the returned ``PendingSave`` on every rank before the next save (it commits the checkpoint)."""
-    path = Path(path)
-    state, manifest = _prepare(path, pipe, optimizer, lr_scheduler, objects, extra, step)
+    path = Path(_path(path, "save"))
+    state, manifest = _prepare(pipe, optimizer, lr_scheduler, objects, extra, step)
+    stage = begin(path)  # the files go to a staging folder: the checkpoint at path stays whole until publish
     if not asynchronous:
-        commit(path, dcp.save(state, storage_writer=FileSystemWriter(path), no_dist=_no_dist()), manifest)
+        commit(stage, dcp.save(state, storage_writer=FileSystemWriter(stage), no_dist=_no_dist()), manifest)
+        publish(stage, path)
         return path
     future = dcp.async_save(
         state,
-        storage_writer=FileSystemWriter(path),
+        storage_writer=FileSystemWriter(stage),
         process_group=None if _no_dist() else _checkpoint_group(),
         async_stager=_HostStager(),
         no_dist=_no_dist(),
     )
-    return PendingSave(path, future, manifest)
+    return PendingSave(path, stage, future, manifest)
+
+
+def _path(path: Any, verb: str) -> str | os.PathLike:
+    """``path`` when it names a folder; a ``CheckpointError`` for ``None`` (what ``latest`` returns when
+    there is no checkpoint yet) or another type, instead of a ``TypeError`` from deep inside."""
+    if path is None:
+        raise CheckpointError(
+            f"checkpoint.{verb} got None for the checkpoint's folder: checkpoint.latest(root) returns None when "
+            "root holds no whole checkpoint yet; start from scratch then (`if path is not None: load(...)`)"
+        )
+    if not isinstance(path, (str, os.PathLike)):
+        raise CheckpointError(f"checkpoint.{verb} takes a folder (str or os.PathLike), not {type(path).__name__}")
+    return path
 
 
 class PendingSave:
     """An asynchronous save in flight: ``wait()`` (collective, on every rank) waits for its files and
     commits the checkpoint."""
 
-    def __init__(self, path: Path, future: Future, manifest: dict[str, Any]):
-        self.path, self._future, self._manifest = path, future, manifest
+    def __init__(self, path: Path, stage: Path, future: Future, manifest: dict[str, Any]):
+        self.path, self._stage, self._future, self._manifest = path, stage, future, manifest
 
     def wait(self) -> Path:
-        commit(self.path, self._future.result(), self._manifest)
+        commit(self._stage, self._future.result(), self._manifest)
+        publish(self._stage, self.path)
         return self.path
 
 
@@ -140,8 +166,8 @@ def _checkpoint_group():
 caches_groups(_GROUPS.clear)
 
 
-def _prepare(path: Path, pipe, optimizer, lr_scheduler, objects, extra, step) -> tuple[dict[str, Any], dict]:
-    """What a save writes: the pieces of every tensor by key, and the manifest; ``path`` uncommitted."""
+def _prepare(pipe, optimizer, lr_scheduler, objects, extra, step) -> tuple[dict[str, Any], dict]:
+    """What a save writes: the pieces of every tensor by key, and the manifest."""
     held = held_tensors(pipe)
     manifest = _manifest(pipe, optimizer, held, lr_scheduler, objects, extra, step)  # refuses bad objects first
     state: dict[str, Any] = model_pieces(pipe, held)
@@ -150,7 +176,6 @@ def _prepare(path: Path, pipe, optimizer, lr_scheduler, objects, extra, step) ->
         inner = inner_optimizer(optimizer)
         for p, parts in optimizer_params(pipe, optimizer, held):
             state.update(state_pieces(parts, inner.state.get(p, {})))
-    uncommit(path)
     return state, manifest
 
 
@@ -195,8 +220,9 @@ def load(
 ) -> Any:
     """Restore ``pipe`` (and ``optimizer``, ``lr_scheduler``, the caller's ``objects``) in place from
     the checkpoint at ``path``, saved on any mesh; returns the saved ``extra``. ``check_files``: compare
-    every file's size and SHA-256 with the manifest first. Collective over every rank."""
-    path = Path(path)
+    every file's size and SHA-256 with the manifest first. Collective over every rank. ``path`` is
+    ``None`` (``latest`` found no checkpoint): a ``CheckpointError``."""
+    path = resolve(Path(_path(path, "load")))
     manifest = read_manifest(path)
     if check_files:
         verify(path, manifest)

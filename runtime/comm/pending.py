@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from autopar.runtime.comm import watch
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
 
@@ -22,8 +23,10 @@ class Pending:
     """A collective in flight: ``wait()`` waits for it once and returns its result (``finish`` turns
     the received buffers into the result)."""
 
-    def __init__(self, work, finish: Callable[[], torch.Tensor]):
+    def __init__(self, work, finish: Callable[[], torch.Tensor], group=None, axis: str | None = None, op: str = ""):
         self.work, self.finish = work, finish
+        # what a failed wait names (runtime/comm/watch.py): the group, its axis, the op, its number on the group
+        self.where = (group, axis, op, watch.started(group)) if group is not None else None
 
     def wait(self) -> torch.Tensor:
         self.wait_only()
@@ -33,7 +36,13 @@ class Pending:
         """Wait for the collective (once) without turning its buffers into the result."""
         if self.work is not None:
             with record_function("autopar::wait"):  # the profiler's "waiting" (bench/profile_step.py)
-                self.work.wait()
+                try:
+                    self.work.wait()
+                except RuntimeError as e:
+                    err = watch.failure(e, *self.where) if self.where is not None else e
+                    if err is e:
+                        raise
+                    raise err from e
             self.work = None
 
 
@@ -41,8 +50,8 @@ def start_gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int, the
     parts = [torch.empty_like(x) for _ in range(c.sizes[axis])]
     work = dist.all_gather(parts, x.contiguous(), group=c.groups[axis], async_op=True)
     if then is None:
-        return Pending(work, lambda: unshard_tensor(parts, dim, chunks))
-    return Pending(work, lambda: then(unshard_tensor(parts, dim, chunks)))
+        return Pending(work, lambda: unshard_tensor(parts, dim, chunks), c.groups[axis], axis, "all_gather")
+    return Pending(work, lambda: then(unshard_tensor(parts, dim, chunks)), c.groups[axis], axis, "all_gather")
 
 
 def start_reduce(c: Comm, x: torch.Tensor, axis: str, op: str, then=None) -> Pending:
@@ -54,7 +63,7 @@ def start_reduce(c: Comm, x: torch.Tensor, axis: str, op: str, then=None) -> Pen
         z = y / n if op == "avg" else y
         return then(z) if then is not None else z
 
-    return Pending(work, finish)
+    return Pending(work, finish, c.groups[axis], axis, "all_reduce")
 
 
 def gather(c: Comm, x: torch.Tensor, axis: str, dim: int, chunks: int) -> torch.Tensor:
@@ -134,4 +143,4 @@ def start_grad_bucket(params: list[torch.nn.Parameter], group, flat: torch.Tenso
                 p.grad.copy_(s)
         return flat
 
-    return Pending(work, finish)
+    return Pending(work, finish, group, None, "gradient all_reduce")

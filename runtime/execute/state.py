@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 
 import torch
-import torch.distributed as dist
 
+from autopar.runtime.comm.watch import is_comm_failure
 from autopar.runtime.execute.split_backward import run_backward
 from autopar.runtime.execute.subpipeline import Tape
 from autopar.schedule.actions import Action
@@ -45,17 +45,6 @@ class Stash:
     head_outputs: list[tuple[torch.Tensor, ...]] | None = None  # prefix outputs with autograd (RECOMPUTE)
     head_tape: Tape | None = None
     rng: tuple | None = None
-
-
-_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
-
-
-def is_comm_failure(e: BaseException) -> bool:
-    """Whether an error comes from the transport (a dead or stuck peer), not from the computation."""
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    text = f"{type(e).__name__} {e}".lower()
-    return any(w in text for w in _COMM_WORDS)
 
 
 def wire_view(b: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ from autopar.errors import OptimizerError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import Program, Shard, Value
 from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.watch import guarded
 from autopar.runtime.grads.zero import ZeroOptimizer, local_slice
 
 
@@ -108,7 +109,7 @@ def global_norm(
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     for a, group in comm.groups.items():
         if comm.sizes[a] > 1:
-            dist.all_reduce(acc, op=op, group=group)
+            guarded(group, a, "all_reduce (gradient norm)", dist.all_reduce, acc, op=op, group=group)
     total = acc if math.isinf(p) else acc.pow(1.0 / p)
     return total.to(dtype)
 

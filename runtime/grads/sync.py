@@ -44,6 +44,7 @@ from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.pending import Pending, start_grad_bucket
 from autopar.runtime.comm.teardown import holds_groups
+from autopar.runtime.comm.watch import guarded
 from autopar.schedule.actions import Action, Kind, Schedule
 from autopar.solver.sharding.buckets import Bucket, backward_order, grad_buckets
 from autopar.solver.sharding.cost import BUCKET_BYTES
@@ -250,7 +251,8 @@ class GradSync:
             params = [self.params[n] for n in tied if self.tied[n] == holders]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = cast_to(torch.cat([g.reshape(-1) for g in grads]), self.comm.grad_dtype)
-            dist.all_reduce(flat, group=self.tie_groups[holders])
+            group = self.tie_groups[holders]
+            guarded(group, "pp", "all_reduce (tied gradients)", dist.all_reduce, flat, group=group)
             for p, chunk in zip(params, flat.split([g.numel() for g in grads])):
                 p.grad = chunk.view_as(p).to(p.dtype, copy=True)
         if tied:

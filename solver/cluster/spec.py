@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -89,6 +90,16 @@ class ClusterSpec:
         object.__setattr__(self, "peak_flops", dict(self.peak_flops))
         object.__setattr__(self, "notes", dict(self.notes))
         object.__setattr__(self, "collectives", {k: tuple(v) for k, v in self.collectives.items()})
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth", "intra_node_latency", "inter_node_latency"):
+            value = getattr(self, name, None)
+            if isinstance(value, (int, float)) and not (math.isfinite(value) and value >= 0):
+                raise ClusterSpecError(f"cluster {self.name!r}: {name} is {value!r}; give a finite number >= 0")
+        for kind, (latency, bandwidth) in self.collectives.items():
+            if not (math.isfinite(latency) and math.isfinite(bandwidth) and latency >= 0 and bandwidth > 0):
+                raise ClusterSpecError(
+                    f"cluster {self.name!r}: collectives.{kind} is (latency {latency!r}, bandwidth {bandwidth!r}); "
+                    "give finite numbers (bandwidth > 0)"
+                )
 
     def __hash__(self) -> int:
         return hash(json.dumps(self.to_dict(), sort_keys=True))

@@ -1,0 +1,174 @@
+"""Every collective bounded by the job's timeout, and a stuck peer named on every rank that waited for it.
+
+torch's ``DeviceMesh`` creates its sub-groups (``dp``, ``tp``, ...) with the backend's default timeout
+(30 minutes), not the one ``init_process_group(timeout=)`` got, so a rank that is alive but stuck
+(SIGSTOP, a hung data loader) stalled a ``tp`` or ``dp`` all-reduce of every other rank for that long.
+``device_mesh`` gives every sub-group one timeout (``autopar.init_mesh(..., timeout=)``; by default the
+world group's), and each collective of the runtime waits through ``Pending`` (``runtime/comm/pending.py``)
+or ``guarded``, which turn gloo's timeout or lost connection into a ``RuntimeCommError`` naming the axis,
+the op and the ranks of the group that did not arrive.
+
+Who did not arrive is agreed through the job's store (``TCPStore``), only after a failure: each rank
+whose collective failed writes ``autopar/arrived/<group>/<n>/<rank>`` (``n``: the how-many-th collective
+on that group, the same on every member since they issue them in the same order), waits up to
+``grace`` seconds for the other members' keys, and names those missing. A stuck rank writes none; a
+rank that serves the store (rank 0) being the stuck one leaves the names undetermined, said so. NCCL
+aborts a timed-out communicator in its watchdog instead of raising (``TORCH_NCCL_ASYNC_ERROR_HANDLING``):
+there the timeout bounds the wait and the process ends, as torchrun then reports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.errors import RuntimeCommError
+
+T = TypeVar("T")
+
+_COUNT: dict[str, int] = {}  # group name -> collectives started on it by this rank
+
+
+_COMM_WORDS = ("gloo", "nccl", "connection", "timed out", "timeout", "monitoredbarrier", "peer")
+
+
+def is_comm_failure(e: BaseException) -> bool:
+    """Whether an error comes from the transport (a dead or stuck peer), not from the computation."""
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    text = f"{type(e).__name__} {e}".lower()
+    return any(w in text for w in _COMM_WORDS)
+
+
+def world_timeout() -> float | None:
+    """The world group's timeout in seconds (what ``init_process_group(timeout=)`` got); None before it."""
+    if not dist.is_initialized():
+        return None
+    pg = dist.distributed_c10d._get_default_group()
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return pg._get_backend(device).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+def device_mesh(device_type: str, axes: dict[str, int], timeout: float | None):
+    """``init_device_mesh`` whose every sub-group has ``timeout`` seconds (None: the world group's)."""
+    if timeout is not None and not timeout > 0:
+        from autopar.errors import MeshError
+
+        raise MeshError(f"init_mesh(timeout={timeout!r}): give the seconds any collective may wait, e.g. 600")
+    names, sizes = tuple(axes), tuple(axes.values())
+    seconds = timeout if timeout is not None else world_timeout()
+    if seconds is None or (timeout is None and len(names) == 1):  # one axis: the world group, its own timeout
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    options = dist.ProcessGroupNCCL.Options() if backend == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=seconds)
+    override = {n: (backend, options) for n in names}
+    return init_device_mesh(device_type, sizes, mesh_dim_names=names, backend_override=override)
+
+
+def started(group) -> int:
+    """Count a collective started on ``group``; its number there (``failure`` keys on it)."""
+    name = _group_name(group)
+    _COUNT[name] = _COUNT.get(name, 0) + 1
+    return _COUNT[name]
+
+
+def guarded(on, axis: str | None, op: str, fn: Callable[..., T], /, *args, **kwargs) -> T:
+    """``fn(*args, **kwargs)`` (the collective ``op`` on the group ``on``, waited for), its transport failure
+    a ``RuntimeCommError``."""
+    n = started(on)
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeCommError:
+        raise
+    except RuntimeError as e:
+        err = failure(e, on, axis, op, n)
+        if err is e:
+            raise
+        raise err from e
+
+
+def failure(error: BaseException, group, axis: str | None, op: str, n: int) -> BaseException:
+    """The ``RuntimeCommError`` for ``error`` of the ``n``-th collective ``op`` on ``group`` (``axis``), naming
+    the members that did not arrive; ``error`` itself when it is no transport failure (a bad argument)."""
+    if not is_comm_failure(error):
+        return error
+    me = dist.get_rank() if dist.is_initialized() else 0
+    ranks = _ranks(group)
+    axis = axis or _axis_of(group)
+    seconds = _timeout_of(group)
+    absent = _absent(group, ranks, me, n, min(max(seconds or 5.0, 1.0), 10.0))
+    if absent is None:
+        who = "which did not arrive could not be told (the store did not answer: rank 0 serves it)"
+    elif absent:
+        who = f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not arrive"
+    else:
+        who = "every member arrived (a peer failed during the transfer)"
+    within = f" within {seconds:g}s" if seconds else ""
+    first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    return RuntimeCommError(
+        f"rank {me}: the {op} over mesh axis {axis!r} (ranks {ranks}) did not complete{within}: {who}. A peer rank "
+        f"stopped or died ({first}); every rank stops here instead of waiting. Raise init_mesh(timeout=) if a "
+        "step legitimately waits longer (a slow first step, a checkpoint on one rank)."
+    )
+
+
+def _absent(group, ranks: list[int], me: int, n: int, grace: float) -> list[int] | None:
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+    prefix = f"autopar/arrived/{_group_name(group)}/{n}"
+    try:
+        store.set_timeout(datetime.timedelta(seconds=grace))
+        store.set(f"{prefix}/{me}", "1")
+        others = [r for r in ranks if r != me]
+        deadline = time.monotonic() + grace
+        while True:
+            missing = [r for r in others if not store.check([f"{prefix}/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except (RuntimeError, dist.DistError):
+        return None
+
+
+def _ranks(group) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return []
+
+
+def _group_name(group) -> str:
+    try:
+        return group.group_name
+    except (RuntimeError, AttributeError, ValueError):  # a simulated group (runtime/sim) has no registered name
+        return str(id(group))
+
+
+def _axis_of(group) -> str:
+    desc = getattr(group, "group_desc", "") or ""
+    return desc[len("mesh_") :] if desc.startswith("mesh_") else desc or "?"
+
+
+def _timeout_of(group) -> float | None:
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        try:
+            return group._get_backend(device).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):
+            continue
+    return None
+
+
+__all__ = ["device_mesh", "failure", "guarded", "is_comm_failure", "started", "world_timeout"]
