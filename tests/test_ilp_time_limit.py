@@ -157,7 +157,8 @@ def test_autopar_plan_prints_a_time_limited_plans_status_and_gap(monkeypatch, ca
     from autopar.solver.sharding.eliminate import eliminate
 
     monkeypatch.setattr(ilp, "reduce_problem", lambda nodes, edges: eliminate(nodes, edges, max_work=0))
-    args = ["plan", "tiny-mlp:batch=2,seq=2", "--mesh", "a0=2,a1=2,a2=2", "--objective", "memory", "--no-baselines"]
+    args = ["plan", "tiny-mlp:batch=2,seq=2", "--mesh", "a0=2,a1=2,a2=2", "--roles", "auto"]  # the paper's free axes
+    args += ["--objective", "memory", "--no-baselines"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NotOptimalPlanWarning)
         assert main([*args, "--time-limit", str(TINY_LIMIT), "-o", str(tmp_path / "p.json")]) == 0

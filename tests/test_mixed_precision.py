@@ -180,7 +180,8 @@ def ranks() -> list[dict]:
 
 
 def simulated(
-    model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] | None = None, objective: str = "time"
+    model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] | None = None, objective: str = "time",
+    microbatch_semantics: str = "exact",
 ) -> list[dict]:
     """Every rank's ``train`` of the plan ``programs`` (forward, training; default: planned here for
     ``mesh``) built as ``autopar.compile`` builds it, each rank a thread of this process."""
@@ -195,7 +196,7 @@ def simulated(
     get_value = value_source(model, captured, 0)
     state = state_keys(model, {v.name for v in forward.inputs if v.kind != "input"}, get_value)
     world = SimWorld(forward.mesh)
-    run = RuntimeOptions(MICROBATCHES, precision=policy)
+    run = RuntimeOptions(MICROBATCHES, precision=policy, microbatch_semantics=microbatch_semantics)
 
     def rank(r: int) -> dict:
         comm: Comm = world.comm(r)
@@ -352,13 +353,18 @@ def test_a_batch_norm_trains_in_bf16_with_fp32_weights_and_statistics() -> None:
     """bf16 batch norms keep fp32 weights, as FSDP's MixedPrecision does: bf16 weights beside the fp32 running
     statistics were an error ("expected scalar type BFloat16 but found Float") in the capture and on the ranks.
     On dp=2 the bf16 step's losses are the fp32 model's to bf16's rounding (5 u: a handful of roundings on the
-    way), and the running statistics moved as the model's do."""
+    way), and the running statistics moved as the model's do. Its batch norm couples the batch, so the
+    step's microbatches are each their own batch by request (``microbatch_semantics="per_microbatch"``), as
+    the reference computes them."""
     torch.manual_seed(0)
     model = _ConvNet()
     batches = [{"x": torch.randn(8, 3, 6, 6), "t": torch.randn(8, 4)} for _ in range(STEPS)]
     kept = compute_copy(model, torch.bfloat16)
     assert kept.bn.weight.dtype == torch.float32 and kept.conv.weight.dtype == torch.bfloat16
-    run = simulated(copy.deepcopy(model), batches, policy_of("bf16"), MeshSpec((("dp", 2),)), objective="memory")[0]
+    dp2 = MeshSpec((("dp", 2),))
+    run = simulated(
+        copy.deepcopy(model), batches, policy_of("bf16"), dp2, objective="memory", microbatch_semantics="per_microbatch"
+    )[0]
     reference = copy.deepcopy(model)
     opt = torch.optim.SGD(reference.parameters(), lr=LR)
     want = []

@@ -215,7 +215,7 @@ def test_tiny_mlp_has_branches_and_residuals() -> None:
         ("tiny-gpt2:activation_function=a;b", ["cannot parse value"]),
         ("tiny-gpt2:batch=0", ["batch", "positive integer"]),
         ("tiny-gpt2:seq=65", ["exceeds", "n_positions"]),
-        ("tiny-gpt2:n_embd=65", ["divisible", "Change the overrides"]),
+        ("tiny-gpt2:n_embd=65", ["not a multiple of the 4 attention heads", "also override n_head"]),
         ("tiny-gpt2:attn_implementation=flash", ["sdpa or eager"]),
         ("tiny-gpt2:dtype=int8", ["floating dtype"]),
         ("no_such_module_xyz:fn", ["neither a preset nor an importable module"]),
