@@ -63,6 +63,7 @@ def _ranks(rank: int, world: int, cache: str) -> dict:
 
 
 @pytest.mark.multiproc
+@pytest.mark.heavy  # `make test-heavy`: a cold Inductor cache costs 5-15 minutes here, more than `make test` may
 @pytest.mark.timeout(1800)  # Inductor compiles about 20 programs on every rank: minutes on 2 shared cores
 def test_compiled_programs_equal_one_process_and_eager_on_dp_tp_pp_zbv_zero3(tmp_path):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")  # one folder for every rank
