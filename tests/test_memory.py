@@ -101,8 +101,9 @@ def _measure(rank: int, world: int, axes: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    step()  # the first step allocates the Adam states
-    live = tensor_bytes(list(compiled.parameters()) + optimizer_state_tensors(opt))
+    step()  # the first step allocates the Adam states and the gradient-sync buckets (kept from step to step)
+    buckets = list(compiled._grads._buffers.values())  # on the dp mesh: roles by name make dp data parallel
+    live = tensor_bytes(list(compiled.parameters()) + optimizer_state_tensors(opt) + buckets)
     measured = peak_step_bytes(step, live)
     predicted = program_memory(compiled.program)
     out = {"measured": torch.tensor(float(measured)), "predicted": torch.tensor(predicted)}

@@ -46,6 +46,7 @@ from autopar.passes.dropout import has_keyed, is_keyed
 from autopar.passes.experts import EXPERT_OPS
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.plan import Plan
+from autopar.runtime.build.precision import cast_floats, compute_copy, policy_of
 from autopar.runtime.build.rng import DropoutRng, DropoutSite, keyed_dropout
 from autopar.runtime.module import RuntimeOptions
 from autopar.runtime.sim.one_stage import one_stage_module
@@ -304,10 +305,13 @@ def check_model(
     one microbatch through the 1F1B stages, boundaries included)."""
 
     _require_weights(model)
-    captured = capture(model, args, kwargs)
     sharded = None
     if plan is not None:
-        sharded = Plan.load(plan).program_for(captured, mesh)
+        loaded = Plan.load(plan)
+        captured = _plan_capture(model, args, kwargs, loaded)
+        sharded = loaded.program_for(captured, mesh)
+    else:
+        captured = capture(model, args, kwargs)
     if mesh.pipeline_size > 1:
         sched = make_schedule("1f1b", mesh.pipeline_size, 1)
         forward, train = plan_programs(captured, mesh, sched, options, sharded)
@@ -361,6 +365,18 @@ def check_before_training(
     if not report.agrees:
         raise CheckError(f"the plan does not train this model exactly (check=True{scaled}):\n{report.summary()}")
     return report
+
+
+def _plan_capture(model: torch.nn.Module, args: tuple, kwargs: dict, plan: Plan) -> Captured:
+    """``model`` captured as ``compile(plan=...)`` captures it: in the plan's compute dtype (its options' setup
+    precision; ``autopar plan``'s default is the cluster's, bf16 on a GPU cluster), from a compute-dtype copy
+    with the float inputs cast (``api._capture``), so the graph is the one the plan was made for and its
+    fingerprint agrees. The check itself runs in float64 whatever the plan's dtype (``to_float64``)."""
+    policy = policy_of(plan.options.get("setup", {}).get("precision", "fp32"))
+    if policy is None:
+        return capture(model, args, kwargs)
+    inputs = cast_floats((args, kwargs), policy.param_dtype) if policy.cast_forward_inputs else (args, kwargs)
+    return capture(compute_copy(model, policy.param_dtype), *inputs)
 
 
 def _require_weights(model: torch.nn.Module) -> None:
