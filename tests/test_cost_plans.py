@@ -195,8 +195,12 @@ def planned_collectives(
     return sorted(fwd) * microbatches + sorted(bwd) * microbatches + [("all_reduce", b.axis, b.nbytes) for b in buckets]
 
 
-def _record(comm, calls: list):
-    """Patch torch.distributed's collectives to append (kind, axis, bytes) to ``calls``."""
+def _record(comm, calls: list, early: list | None = None):
+    """Patch torch.distributed's collectives to append (kind, axis, bytes) to ``calls`` (and to ``early``
+    whether each was started inside a backward by a gradient's hook, before the backward's end callback
+    waits on what is left: ``GradSync.wait``)."""
+    import traceback
+
     import torch.distributed as dist
 
     axis_of = {id(g): a for a, g in comm.groups.items()}
@@ -209,6 +213,9 @@ def _record(comm, calls: list):
         def call(*args, **kwargs):
             group = kwargs.get("group")
             calls.append((kind, axis_of.get(id(group), str(group)), nbytes(*args)))
+            if early is not None:
+                waiting = any(f.name == "wait" and f.filename.endswith("sync.py") for f in traceback.extract_stack())
+                early.append(torch._C._current_graph_task_id() != -1 and not waiting)
             return fn(*args, **kwargs)
 
         setattr(dist, name, call)
@@ -236,16 +243,21 @@ def _collectives_worker(rank: int, world: int, spec: str, cache: str) -> dict:
         ("dp-buckets", {"dp": 2}, ShardOptions(cluster=local, setup=small), 2),  # train_step, 2 microbatches
         ("calibrated", {"dp": 2}, None, 1),  # priced on the calibration saved in the cache directory
     ):
+        choices = {}
         if name == "calibrated":
             os.environ["AUTOPAR_CACHE_DIR"] = cache
+            choices["roles"] = "auto"  # every axis placed by cost (by name, dp splits the batch at any price)
         m = build(spec, device="cpu", seed=0)
         model = LossOnly(m.model)
         cm = compile_model(
-            model, autopar.init_mesh(**mesh_axes), kwargs=m.kwargs, options=opts, microbatches=microbatches
+            model, autopar.init_mesh(**mesh_axes), kwargs=m.kwargs, options=opts, microbatches=microbatches, **choices
         )
         opt = cm.make_optimizer(torch.optim.AdamW, lr=1e-3)
-        planned = planned_collectives(cm.program, cm.setup.bucket_bytes, microbatches)
-        out[name] = {"issued": _one_step(cm, opt, m.kwargs, microbatches), "planned": planned}
+        control = _control_collectives(cm, microbatches)
+        planned = planned_collectives(cm.program, cm.setup.bucket_bytes, microbatches) + control
+        early: list = []
+        issued = _one_step(cm, opt, m.kwargs, microbatches, early)
+        out[name] = {"issued": issued, "planned": planned, "control": control, "early": early}
         if name == "dp-buckets":
             out[name].update(_bucket_facts(cm.program, microbatches))
             # broken input: the runtime cutting its buckets at another size
@@ -256,20 +268,34 @@ def _collectives_worker(rank: int, world: int, spec: str, cache: str) -> dict:
     return out
 
 
+def _control_collectives(cm, microbatches: int) -> list:
+    """What train_step issues beside the plan's ops and gradient buckets, each by design: the loss weight's
+    divisor program (runtime/call/loss_weight.py: with more than one piece and a loss that is a mean over a
+    count, the divisor's ops with the plan's collectives among them, run once per piece before the step) and
+    on_nonfinite's agreed flag (runtime/grads/nonfinite.py: one all-reduce of a float32 flag over the world,
+    group=None, which ``_record`` names 'None', at STEP where no clipped norm says it). A step of one
+    microbatch here is forward, backward and the optimizer's own step: none of them."""
+    from autopar.runtime.call.loss_weight import divisor_program
+
+    if microbatches == 1:
+        return []
+    divisor = divisor_program(cm.program)
+    weight = planned_collectives(divisor, 0, 1, sync=False) * microbatches if divisor is not None else []
+    return weight + [("all_reduce", "None", 4)]
+
+
 def _bucket_facts(program, microbatches: int) -> dict:
-    """The 0.05 MiB buckets, the collectives of the program's ops, and its backward gradient all-reduces."""
-    local = lambda t: t.local_nbytes(program.mesh)  # noqa: E731
+    """The 0.05 MiB buckets and the collectives of the program's ops."""
     return {
         "buckets": [("all_reduce", b.axis, b.nbytes) for b in grad_buckets(program, 0.05 * 2**20)],
         "graph": planned_collectives(program, 0, microbatches, sync=False),
-        "backward": [("all_reduce", "dp", local(op.types[0])) for op in program.ops if op.target == "grad_all_reduce"],
     }
 
 
-def _one_step(cm, opt, batch: dict, microbatches: int) -> list:
+def _one_step(cm, opt, batch: dict, microbatches: int, early: list | None = None) -> list:
     """The collectives one training step issues: forward, backward and AdamW (train_step with microbatches)."""
     calls: list = []
-    undo = _record(cm.comm, calls)
+    undo = _record(cm.comm, calls, early)
     try:
         if microbatches > 1:
             cm.train_step(**batch)
@@ -287,8 +313,10 @@ def test_each_rank_issues_exactly_the_planned_collectives(tmp_path):
     """One training step per mesh; a hook on torch.distributed records every collective a rank
     issues (kind, mesh axis, bytes): the list equals what the plan lists, so an unplanned
     collective fails (that the dp plan of a realistic model is DDP's is checked on the plan above).
-    With a saved calibration that makes communication ruinous, autopar.compile (no options) picks it
-    up and plans no collective at all. With buckets of 0.05 MiB and train_step over 2 microbatches,
+    With a saved calibration that makes communication ruinous, autopar.compile (no options; roles="auto",
+    since by name a dp axis splits the batch at any price) picks it up and plans no collective at all.
+    train_step also issues its documented control collectives (``_control_collectives``), asserted exactly.
+    With buckets of 0.05 MiB and train_step over 2 microbatches,
     each bucket is all-reduced once (the first microbatch's backward only accumulates), and some start
     before the backward ends; the same runtime cutting its buckets at another size fails the
     comparison (checked here). Shown failing once: with the gradient bucket left out of
@@ -308,16 +336,18 @@ def test_each_rank_issues_exactly_the_planned_collectives(tmp_path):
                 continue
             extra, missing = Counter(issued) - Counter(planned), Counter(planned) - Counter(issued)
             assert sorted(issued) == sorted(planned), (rank, name, extra, missing)
-        # buckets start in the backward: a bucket's all-reduce is issued before the backward's last
-        # collective (the position embedding's gradient all-reduce, made at the end of the backward)
+        # buckets start in the backward: some bucket's all-reduce is started by a gradient's hook while the
+        # backward runs, before its end callback waits on the rest (roles by name make dp plain data
+        # parallel: every gradient is bucketed, none is all-reduced by an op of the backward to compare with)
         r = res["dp-buckets"]
-        issued, buckets, graph, backward = (
-            [tuple(x) for x in r[k]] for k in ("issued", "buckets", "graph", "backward")
-        )
-        assert len(buckets) >= 3 and backward
-        first_bucket = min(i for i, x in enumerate(issued) if x in buckets and x not in graph)
-        assert first_bucket < max(i for i, x in enumerate(issued) if x in backward), issued
+        issued, buckets, graph = ([tuple(x) for x in r[k]] for k in ("issued", "buckets", "graph"))
+        assert len(buckets) >= 3
+        assert any(e and x in buckets and x not in graph for x, e in zip(issued, r["early"])), (issued, r["early"])
         assert ("all_reduce", "dp", 4) in [tuple(x) for x in res["dp"]["issued"]]  # the loss's mean
+        # train_step's control collectives, exactly: the loss weight's label count (an int64 over dp) once
+        # per microbatch, on_nonfinite's flag once per step; the other steps issue none
+        assert [tuple(x) for x in r["control"]] == [("all_reduce", "dp", 8)] * 2 + [("all_reduce", "None", 4)]
+        assert all(res[n]["control"] == [] for n in ("dp", "tp", "calibrated"))
         assert res["calibrated"]["issued"] == []
         assert res["tp"]["issued"]  # tensor parallelism communicates
 

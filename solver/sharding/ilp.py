@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -47,6 +48,29 @@ from autopar.errors import InfeasibleError, SolverError
 from autopar.solver.sharding.eliminate import Elimination
 from autopar.solver.sharding.eliminate import eliminate as reduce_problem
 from autopar.solver.sharding.problem import Edge, Node, objective_of
+
+
+def _drop_pulp_import_tracebacks() -> None:
+    """pulp keeps the error of each solver it could not load as a class attribute (``COPT_DLL.err``,
+    ``CPLEX_PY.err``: the exception of ``import cplex`` or of loading COPT's library), traceback and all.
+    That traceback's frames lead back (``f_back``) through the import to the frame that first imported
+    autopar's stack: since ``import autopar`` is lazy (PEP 562), the user's function that called
+    ``autopar.init_mesh``, whose locals (its process groups, a model) then live until the interpreter's
+    teardown, after ``runtime/comm/teardown.py`` freed the groups, so their gloo threads outlive it
+    (tests/test_teardown.py). The message, all pulp uses of it (``actualSolve`` raises it), stays."""
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "pulp" or name.startswith("pulp.")):
+            continue
+        for value in list(vars(module).values()):
+            errors = list(vars(value).values()) if isinstance(value, type) else [value]
+            while errors:
+                err = errors.pop()
+                if isinstance(err, BaseException) and err.__traceback__ is not None:
+                    err.__traceback__ = None
+                    errors += [err.__cause__, err.__context__]
+
+
+_drop_pulp_import_tracebacks()
 
 
 @dataclass
