@@ -149,11 +149,14 @@ def _check_dropout_and_bf16(out: dict, rank: int) -> None:
     fp32, eager, compiled = out["fp32False"], out["bf16False"], out["bf16True"]
     eager_err = ((eager - fp32).abs() / fp32.abs()).max().item()
     compiled_err = ((compiled - fp32).abs() / fp32.abs()).max().item()
+    print(f"{at}: bf16 losses' largest relative distance from fp32: eager {eager_err:.2e}, compiled {compiled_err:.2e}")
     assert eager_err > 0, f"{at}: bf16 did not change the losses (not computed in bf16?)"
     assert compiled_err <= BF16_NOISE * max(eager_err, 2**-8), (at, compiled_err, eager_err)
 
 
-BF16_NOISE = 4.0  # measured: see the module's tests' report (compiled within a few times eager bf16's own error)
+# compiled bf16 may be at most this many times as far from fp32 as eager bf16 is (with a floor of 2^-8 relative):
+# both round to bf16, at different places (Inductor keeps a fused kernel's inside in fp32); the test prints both
+BF16_NOISE = 4.0
 
 
 # -- one process: a compile failure names the op and runs that graph eagerly ----------------------------------
