@@ -34,7 +34,7 @@ class NonFinite:
         if norm is not None:
             bad = not math.isfinite(float(norm))
         else:
-            local = any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in params.values())
+            local = any(p.grad is not None and not _finite(p.grad) for p in params.values())
             flag = torch.tensor([1.0 if local else 0.0])
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -60,6 +60,13 @@ class NonFinite:
                 stacklevel=2,
             )
         return False
+
+
+def _finite(grad: torch.Tensor) -> bool:
+    """Whether every element of ``grad`` is finite (a sparse gradient, a sparse embedding's: its values)."""
+    if grad.is_sparse:
+        grad = grad.coalesce().values()
+    return bool(torch.isfinite(grad).all())
 
 
 __all__ = ["POLICIES", "NonFinite"]
