@@ -102,7 +102,9 @@ def _check_fields(data: dict[str, Any], source: str) -> None:
     unknown = sorted(set(setup) - known)
     if unknown:
         raise PlanError(f"{source}: options.setup has unknown keys {unknown} (known: {sorted(known)}); plan again")
-    if data.get("pipeline") is not None and "stage_plan" not in data["pipeline"]:
+    pipeline = data.get("pipeline")
+    # a pipelined plan (a schedule over pp > 1 stages) needs its stages; a searched one-stage plan has none
+    if isinstance(pipeline, dict) and pipeline.get("schedule") is not None and "stage_plan" not in pipeline:
         raise PlanError(
             f"{source}: its pipeline lacks stage_plan (the stages and their costs); plan again with a pp axis"
         )

@@ -123,7 +123,7 @@ def _from_plan(args: argparse.Namespace) -> tuple[Schedule, Costs]:
     forward / backward times from the stage assignment (backward = 2 x forward, TP communication
     split the same way); --microbatches overrides the plan's microbatch count."""
     plan = Plan.load(args.plan)
-    if not plan.pipeline:
+    if not plan.pipeline or "stage_plan" not in plan.pipeline:
         raise ScheduleError(f"{args.plan} has no pipeline: plan it with a pp axis (autopar plan MODEL --mesh pp=4,...)")
     pipe = plan.pipeline
     stages = pipe["stage_plan"]["stages"]
