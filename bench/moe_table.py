@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 
@@ -31,6 +33,9 @@ from autopar.models.small_families import KERNELS, moe
 from autopar.passes.shard import ShardOptions
 from autopar.solver.cluster.spec import ClusterSpec
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script: the repository's bench package
+from bench.families_table import _float64, _rel  # noqa: E402 (the same float64 model and relative difference)
+
 FAMILIES = ["mixtral", "qwen3_moe", "olmoe"]
 AUX_LOSS = 0.01
 # as bench/families_table.py
@@ -39,23 +44,6 @@ SLOW = ClusterSpec.load("local-cpu:peak_flops.fp32=1MFLOP/s,memory_bandwidth=1MB
     nodes=1, devices_per_node=4
 )
 OBJECTIVES = {"time": ShardOptions(objective="time", cluster=SLOW), "memory": ShardOptions(objective="memory")}
-
-
-def _float64(model: torch.nn.Module, seed: int = 7) -> torch.nn.Module:
-    """The model in float64, all-zero parameters given small random values (as ``tests/exactness.py``)."""
-    model = model.double()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.any():
-                p.copy_(0.02 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return model
-
-
-def _rel(x: torch.Tensor, ref: torch.Tensor) -> float:
-    if not ref.is_floating_point() or not ref.abs().max() > 0:
-        return 0.0 if torch.equal(x.to(ref.dtype), ref) else float("inf")
-    return float((x.to(ref.dtype) - ref).abs().max() / ref.abs().max())
 
 
 def run(family: str, kernel: str, mesh, objective: str, steps: int) -> tuple[float, float]:
