@@ -102,10 +102,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--list-models", action="store_true", help="list the model presets and exit")
     p.set_defaults(func=run)
     # -- search hook (autopar/search/): without --mesh, --global-batch searches the whole plan --------
-    g = p.add_argument_group("search (no --mesh): mesh, schedule, micro-batch, ZeRO/MiCS and recomputation")
-    batch_help = "global batch per step: search the whole plan for --cluster"
+    g = p.add_argument_group(
+        "search (--global-batch): mesh, schedule, micro-batch, ZeRO/MiCS and recomputation; with --mesh and the "
+        "flags below, a published configuration pinned and priced as given"
+    )
+    batch_help = "global batch per step: search the whole plan for --cluster (with --mesh: price the mesh pinned)"
     g.add_argument("--global-batch", type=int, default=None, metavar="B", help=batch_help)
     g.add_argument("--top", type=int, default=1, metavar="K", help="list the K best plans (search)")
+    g.add_argument(
+        "--recompute", choices=["none", "full", "stage-aware"], default=None,
+        help="with --global-batch: pin the activation recomputation (full: every transformer layer keeps only "
+        "its input, Megatron's --recompute-granularity full)",
+    )  # fmt: skip
+    g.add_argument(
+        "--microbatch-size", type=int, default=None, metavar="b",
+        help="with --global-batch: pin the micro-batch size b (samples per microbatch per data-parallel replica; "
+        "B / (dp b) microbatches, accumulated without a pp axis)",
+    )  # fmt: skip
+    g.add_argument(
+        "--layout",
+        choices=["even", "balanced"],
+        default=None,
+        help="with --global-batch: pin the stage layout (even: Megatron's L / S layers per stage)",
+    )
+    g.add_argument(
+        "--explain-step",
+        action="store_true",
+        help="with --global-batch: break each plan's predicted step into compute per stage, exposed communication "
+        "per axis, bubble, recomputation and optimizer",
+    )
     p.set_defaults(precision=None, zero=None)  # given values restrict the search; plan_config() sets the rest
     # -- end search hook --------------------------------------------------------------------------------
 
@@ -171,8 +196,14 @@ def run(args: argparse.Namespace) -> int:
     cfg = plan_config(args)
     args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
     # -- search hook ------------------------------------------------------------------------------------
-    if not args.mesh and args.global_batch is not None:
+    if args.global_batch is not None:
+        # --mesh with --global-batch pins the mesh (and whatever else is given) and prices it with the search's model
+        args.pin_mesh = dict(parse_mesh(args.mesh).axes) if args.mesh else None
         return run_cli(args)
+    pinned = [f for f in ("recompute", "microbatch_size", "layout", "explain_step") if getattr(args, f)]
+    if pinned:
+        flags = ", ".join("--" + f.replace("_", "-") for f in pinned)
+        raise AutoparError(f"{flags} price a whole step: give --global-batch B (e.g. --mesh dp=32 --global-batch 512)")
     # -- end search hook --------------------------------------------------------------------------------
     if not args.model or not args.mesh:
         raise AutoparError("give MODEL and --mesh (e.g. autopar plan gpt2 --mesh dp=2,tp=4); see --help")

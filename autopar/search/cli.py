@@ -6,10 +6,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 
 from autopar.errors import AutoparError
+from autopar.search.pin import Pin
 from autopar.search.result import GiB
 from autopar.search.search import search_model
 from autopar.search.space import SearchSpace
@@ -24,8 +27,18 @@ def run_cli(args: argparse.Namespace) -> int:
         raise AutoparError("--global-batch and --top must be positive")
     cluster = args.cluster if isinstance(args.cluster, ClusterSpec) else ClusterSpec.load(args.cluster)
     precision = args.precision or cluster.default_precision()  # as autopar plan --mesh (cli/plan.py:plan_config)
-    space = SearchSpace() if args.zero is None else SearchSpace(zero=(args.zero,), mics=args.mics_group is not None)
-    budget = args.budget_gb * GiB if args.budget_gb is not None else None
+    pin = _pin(args)
+    if pin is not None:
+        pin.check(cluster.world_size, args.global_batch)
+        space = pin.space()
+        # a pinned configuration is priced as published, fitting or not (its memory is printed beside the budget)
+        budget = args.budget_gb * GiB if args.budget_gb is not None else math.inf
+    else:
+        space = SearchSpace() if args.zero is None else SearchSpace(zero=(args.zero,), mics=args.mics_group is not None)
+        if getattr(args, "recompute", None) or getattr(args, "microbatch_size", None) or getattr(args, "layout", None):
+            space = Pin({}, args.microbatch_size, args.recompute, layout=args.layout).space(space)
+            space = dataclasses.replace(space, pp=None, dp=None, tp=None, schedules=SearchSpace().schedules)
+        budget = args.budget_gb * GiB if args.budget_gb is not None else None
     result = search_model(
         args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True
     )
@@ -33,8 +46,14 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.output:
         plan = result.materialize(time_limit=args.time_limit, backend=args.solver)
         plan.save(args.output)
+    explain = getattr(args, "explain_step", False)
     if args.json:
         out = result.to_dict(args.top)
+        if pin is not None:
+            out["pinned"] = _pinned_fit(result)
+        if explain:
+            for row, ev in zip(out["best"], result.best):
+                row["explain_step"] = result.explain_step(ev)
         if plan is not None:
             out["plan_file"] = args.output
             out["shard"] = plan.stats["shard"]
@@ -42,6 +61,16 @@ def run_cli(args: argparse.Namespace) -> int:
         print()
         return 0
     print(result.format(args.top))
+    if pin is not None:
+        fit = _pinned_fit(result)
+        verdict = "fits" if fit["fits"] else "does NOT fit (the search would reject it)"
+        print(
+            f"\npinned configuration priced as given: {fit['memory_bytes'] / GiB:.2f} GiB on the busiest rank, "
+            f"device budget {fit['device_budget_bytes'] / GiB:.2f} GiB: {verdict}"
+        )
+    if explain:
+        for i, ev in enumerate(result.best[: args.top], 1):
+            print(f"\n#{i} step explained:\n" + result.format_explain(ev))
     if plan is not None:
         sh = plan.stats["shard"]
         print(
@@ -51,6 +80,30 @@ def run_cli(args: argparse.Namespace) -> int:
     else:
         print("\n(add -o plan.json to write the best plan: the flow then plans it as autopar plan --mesh does)")
     return 0
+
+
+def _pin(args: argparse.Namespace) -> Pin | None:
+    mesh = getattr(args, "pin_mesh", None)
+    if not mesh:
+        return None
+    sched = args.schedule
+    return Pin(
+        mesh,
+        micro_batch=args.microbatch_size,
+        recompute=args.recompute,
+        schedule=sched,
+        chunks=args.chunks,
+        waves=args.waves,
+        zero=args.zero,
+        mics_group=args.mics_group,
+        layout=args.layout,
+    )
+
+
+def _pinned_fit(result) -> dict:
+    ev = result.best[0]
+    device = result.cluster.plan_memory
+    return {"memory_bytes": ev.memory, "device_budget_bytes": device, "fits": ev.memory <= device}
 
 
 __all__ = ["run_cli"]

@@ -10,6 +10,7 @@ from autopar.plan import Plan
 from autopar.schedule.simulator import simulate
 from autopar.schedule.timeline import SimResult
 from autopar.search.evaluation import Evaluation
+from autopar.search.explain import explain_step, format_explain
 from autopar.search.materialize import build_plan
 from autopar.search.price import Analytic
 from autopar.search.score import Scorer
@@ -61,6 +62,14 @@ class SearchResult:
             "lower_bound_seconds": ev.lower_bound,
             "simulated": ev.simulated,
         }
+
+    def explain_step(self, ev: Evaluation) -> dict[str, Any]:
+        """``ev``'s predicted step in parts: compute per stage, recompute, exposed communication per axis,
+        bubble, optimizer (``explain.py``; they sum to the step)."""
+        return explain_step(self.analytic, ev, self.scorer)
+
+    def format_explain(self, ev: Evaluation) -> str:
+        return format_explain(self.explain_step(ev))
 
     def format(self, top: int | None = None) -> str:
         """The table of the ``top`` best plans the search kept (default: all of them). The search keeps as many

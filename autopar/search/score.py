@@ -84,26 +84,29 @@ class Scorer:
     def score(self, ev: Evaluation) -> Evaluation:
         """Set ``ev.step_time`` (simulated, or closed form without a pipeline) and ``ev.bubble``."""
         c = ev.candidate
-        m = c.microbatches
         if c.pp == 1:
-            busy = m * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
+            busy = c.microbatches * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
             ev.step_time, ev.bubble, ev.simulated = busy + ev.reduce[0], 0.0, "closed form"
             return ev
-        P = c.pp
-        line = None
-        if ev.candidate.num_stages * m > self.full_limit and m >= 3 * P:
-            line = self.steady_line(ev, m)
-        if line is None:
-            finish, busy = self.finish_times(ev, m)
-            ev.simulated = "exact"
-        else:
-            finish, busy = line
-            ev.simulated = "extrapolated"
+        finish, busy, ev.simulated = self.finish_busy(ev)
         step = max(f + r for f, r in zip(finish, ev.reduce))
         ev.step_time = max(step, ev.lower_bound)
         top = max(busy)
         ev.bubble = (max(finish) - top) / top if top else 0.0
         return ev
+
+    def finish_busy(self, ev: Evaluation) -> tuple[list[float], list[float], str]:
+        """(per-rank end of the last compute action, per-rank busy seconds, "exact" or "extrapolated") of a
+        pipelined candidate at its own microbatch count."""
+        c = ev.candidate
+        m, P = c.microbatches, c.pp
+        line = None
+        if c.num_stages * m > self.full_limit and m >= 3 * P:
+            line = self.steady_line(ev, m)
+        if line is None:
+            finish, busy = self.finish_times(ev, m)
+            return finish, busy, "exact"
+        return line[0], line[1], "extrapolated"
 
     def steady_line(self, ev: Evaluation, m: int) -> tuple[list[float], list[float]] | None:
         """(finish, busy) at ``m`` microbatches extended along the schedule's steady state, or None.

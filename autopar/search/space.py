@@ -132,6 +132,8 @@ class SearchSpace:
     zero: tuple[int, ...] = (0, 1, 2, 3)
     mics: bool = True  # also MiCS partition groups: divisors g of dp, node-aligned (see _node_aligned)
     mics_max_nodes: int = 8  # the largest MiCS group spans this many nodes
+    # pinned partition groups (0: ZeRO over the whole dp group), node-aligned or not; None: every node-aligned one
+    mics_groups: tuple[int, ...] | None = None
     devices_per_node: int = 8  # set from the cluster by the search
     # ZeRO-3 / MiCS-3 also with pp > 1: the runtime gathers a stage's weights one unit (layer, embedding, head)
     # at a time in each forward, recomputation and backward (runtime/grads/zero3.py), as price.py prices it; False
@@ -233,11 +235,14 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
         if not levels:
             continue
         stages = num_stages(fam.pp, v, w)
-        for layout in _layouts(space, sched):
+        layouts = _layouts(space, sched)
+        for layout in layouts:
             if layout == "even" and (
-                L % stages or stages == 1 or analytic.even_layout(stages) == analytic.balanced_layout(stages)
+                L % stages
+                or stages == 1
+                or ("balanced" in layouts and analytic.even_layout(stages) == analytic.balanced_layout(stages))
             ):
-                continue  # no even layout, or the same stages as the balanced one
+                continue  # no even layout, or the same stages as the balanced one (offered as balanced)
             if layout == "balanced" and stages > analytic.n:
                 continue
             for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
@@ -298,8 +303,11 @@ def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Ite
     if fam.dp == 1:
         yield 0, (0,), 0, 0
         return
-    groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
-                    if space.mics else [])  # fmt: skip
+    if space.mics_groups is not None:
+        groups = [g for g in space.mics_groups if g == 0 or (1 < g < fam.dp and fam.dp % g == 0)]
+    else:
+        groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
+                        if space.mics else [])  # fmt: skip
     for g in groups:
         zs = sorted(z for z in space.zero if z > 0 or (g == 0 and (1 not in space.zero or not zero0_dominated)))
         dominated = int(g == 0 and 0 in space.zero and 1 in space.zero and zero0_dominated)

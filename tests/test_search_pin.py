@@ -1,0 +1,142 @@
+"""Pinned configurations (autopar/search/pin.py) and the step explained (autopar/search/explain.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.search import Scorer, profile_model, search
+from autopar.search.explain import explain_step, parts_sum
+from autopar.search.price import Analytic
+from autopar.search.space import Candidate
+from autopar.solver.cluster.spec import ClusterSpec
+from tests.test_search import LOCAL4, gpt_profile
+
+# a GPT small enough to capture in a second, with Megatron's shape of knobs to pin
+SPEC = "gpt2:n_layer=8,n_embd=64,n_head=4,n_positions=64,vocab_size=256,seq=64,batch=1"
+CLUSTER = "dgx-a100:nodes=2"
+
+
+def _plan_json(capsys, *extra: str) -> dict:
+    from autopar.cli import main
+
+    assert main(["plan", SPEC, "--cluster", CLUSTER, "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_pinned_megatron_configuration_round_trips_through_plan_mesh(capsys, tmp_path):
+    """Megatron's knobs (t, p, d, b, v, full recomputation, L / S layers per stage, its DDP: no ZeRO) given to
+    ``autopar plan --mesh`` come back as the plan priced, at the step the price model gives that candidate
+    directly, and the plan file written holds them."""
+    out = tmp_path / "plan.json"
+    pins = ["--mesh", "pp=2,dp=2,tp=4", "--global-batch", "16", "--microbatch-size", "2", "--chunks", "2"]
+    pins += ["--recompute", "full", "--layout", "even", "--zero", "0", "--explain-step", "-o", str(out)]
+    report = _plan_json(capsys, *pins)
+    best = report["best"][0]
+    want = Candidate(2, 2, 4, 2, 4, "interleaved", 2, recompute="full", zero=0, layout="even")
+    assert best["candidate"] == want.to_dict()
+    an = Analytic(profile_model(SPEC), ClusterSpec.load(CLUSTER), 16)
+    direct = Scorer().score(an.evaluate(want))
+    assert best["step_seconds"] == pytest.approx(direct.step_time, rel=1e-12)
+    assert report["pinned"]["memory_bytes"] == pytest.approx(direct.memory, rel=1e-12)
+    assert parts_sum(best["explain_step"]) == pytest.approx(best["step_seconds"], rel=1e-9)
+    plan = json.loads(out.read_text())
+    pipe = plan["pipeline"]
+    assert (pipe["pp"], pipe["schedule"], pipe["micro_batch"], pipe["recompute"]) == (2, "interleaved", 2, "full")
+    assert pipe["schedule_options"]["chunks"] == 2 and pipe["microbatches"] == 4
+    assert pipe["mesh"] == {"pp": 2, "dp": 2, "tp": 4}
+    # the search left free may choose otherwise; the pinned plan is the one asked for, not the search's best
+    free = _plan_json(capsys, "--global-batch", "16")["best"][0]
+    assert free["step_seconds"] <= best["step_seconds"]
+
+
+def test_gradient_accumulation_without_a_pipeline_axis_is_pinned(capsys):
+    """``--mesh dp=4`` with b = 1: B / (dp b) = 4 microbatches accumulated (schedule none); full recomputation
+    costs one more forward of the layers than none."""
+    args = ["--mesh", "dp=4,tp=4", "--global-batch", "16", "--microbatch-size", "1", "--zero", "1"]
+    full = _plan_json(capsys, *args, "--recompute", "full", "--explain-step")["best"][0]
+    none = _plan_json(capsys, *args, "--recompute", "none", "--explain-step")["best"][0]
+    for row, rc in ((full, "full"), (none, "none")):
+        c = row["candidate"]
+        assert (c["pp"], c["dp"], c["tp"], c["micro_batch"], c["microbatches"], c["schedule"]) == (
+            1,
+            4,
+            4,
+            1,
+            4,
+            "none",
+        )
+        assert c["recompute"] == rc
+    x = full["explain_step"]
+    assert x["recompute"] > 0 and none["explain_step"]["recompute"] == 0
+    assert full["step_seconds"] - none["step_seconds"] == pytest.approx(
+        x["recompute"] + x["exposed_comm"]["tp"] - none["explain_step"]["exposed_comm"]["tp"], rel=1e-9
+    )
+
+
+@pytest.mark.parametrize(
+    "mesh, extra, match",
+    [
+        ("pp=2,ep=8", [], "names the axes"),
+        ("pp=2,dp=2,tp=2", [], "has 8 ranks but the cluster has 16"),
+        ("dp=16", ["--microbatch-size", "3"], "does not divide"),
+        ("dp=16", ["--schedule", "1f1b"], "needs a pipeline axis"),
+        ("dp=16", ["--mics-group", "16"], "less than dp"),
+    ],
+)
+def test_a_pin_that_cannot_exist_says_why(mesh, extra, match, capsys):
+    from autopar.cli import main
+
+    assert main(["plan", SPEC, "--cluster", CLUSTER, "--global-batch", "16", "--mesh", mesh, *extra]) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_a_pin_without_a_global_batch_says_to_give_one(capsys):
+    from autopar.cli import main
+
+    assert main(["plan", SPEC, "--mesh", "dp=2", "--recompute", "full"]) == 2
+    assert "--global-batch" in capsys.readouterr().err
+
+
+CASES = [
+    Candidate(1, 8, 2, 1, 4, "none", zero=1),
+    Candidate(1, 16, 1, 2, 1, "none", recompute="full", zero=3),
+    Candidate(2, 2, 4, 1, 16, "1f1b", recompute="full"),
+    Candidate(4, 2, 2, 1, 16, "interleaved", 2, recompute="full", layout="even"),
+    Candidate(2, 4, 2, 1, 8, "1f1b", zero=3),
+    Candidate(4, 2, 2, 1, 8, "zb-h1"),
+    Candidate(4, 4, 1, 1, 8, "zbv", waves=1),
+    Candidate(4, 2, 2, 1, 8, "scp", recompute="stage-aware", alpha1=10),
+]
+
+
+@pytest.mark.parametrize("cand", CASES, ids=lambda c: c.describe())
+def test_the_explained_parts_sum_to_the_step(cand):
+    """compute + recompute + exposed tp / dp / pp + bubble + optimizer = the predicted step, on each kind of
+    plan; every part is non-negative, the simulator's busy time equals compute + recompute + tp + in-stage dp
+    to rounding, and without a pipeline the dp part is exactly the gradient sync priced by comm_time."""
+    prof, cluster = gpt_profile(layers=8), ClusterSpec.load(CLUSTER)
+    an = Analytic(prof, cluster, 64)
+    scorer = Scorer()
+    ev = scorer.score(an.evaluate(cand))
+    x = explain_step(an, ev, scorer)
+    assert parts_sum(x) == pytest.approx(ev.step_time, rel=1e-12)
+    assert abs(x["rounding"]) <= 1e-9 * ev.step_time
+    assert min(x["compute"], x["recompute"], x["bubble"], *x["exposed_comm"].values()) >= -1e-12 * ev.step_time
+    assert x["compute"] > 0 and (x["recompute"] > 0) == (cand.recompute != "none")
+    assert (x["exposed_comm"]["tp"] > 0) == (cand.tp > 1)
+    if cand.pp == 1:
+        assert x["bubble"] == 0 and x["exposed_comm"]["pp"] == 0
+        if cand.zero < 3:
+            params = sum(u.params_tp / cand.tp + u.params_rep for u in prof.units)
+            assert x["exposed_comm"]["dp"] == pytest.approx(an.comm.dp_sync(cand, params), rel=1e-9)
+    else:
+        assert x["bubble"] > 0 and x["exposed_comm"]["pp"] > 0
+
+
+def test_search_results_explain_their_plans():
+    res = search(gpt_profile(layers=8), ClusterSpec.load(LOCAL4), 16, top=3)
+    for ev in res.best:
+        assert parts_sum(res.explain_step(ev)) == pytest.approx(ev.step_time, rel=1e-12)
+        assert "bubble" in res.format_explain(ev)
