@@ -140,3 +140,35 @@ def test_search_results_explain_their_plans():
     for ev in res.best:
         assert parts_sum(res.explain_step(ev)) == pytest.approx(ev.step_time, rel=1e-12)
         assert "bubble" in res.format_explain(ev)
+
+
+def test_near_equal_plans_are_ordered_by_memory_not_float_noise():
+    """Two plans 4 parts per million apart (the Llama-2-70B case of issue 35): the one with less memory first;
+    plans further apart than NEAR_EQUAL stay fastest first."""
+    import dataclasses
+
+    from autopar.search.evaluation import NEAR_EQUAL, order_near_equal
+
+    an = Analytic(gpt_profile(layers=8), ClusterSpec.load(CLUSTER), 64)
+    base = an.evaluate(Candidate(1, 8, 2, 1, 4, "none", zero=1))
+
+    def ev(step: float, mem: float, dp: int) -> object:
+        e = dataclasses.replace(base, candidate=dataclasses.replace(base.candidate, dp=dp), rank_memory=(mem,))
+        e.step_time = step
+        return e
+
+    a, b = ev(1.0, 79.04, 8), ev(1.000004, 74.49, 4)
+    assert [e.memory for e in order_near_equal([a, b])] == [74.49, 79.04]
+    c = ev(1.0 + 3 * NEAR_EQUAL, 10.0, 2)
+    assert [e.memory for e in order_near_equal([c, a, b])] == [74.49, 79.04, 10.0]
+    # without the tolerance the float noise decides
+    assert [e.memory for e in order_near_equal([a, b], tol=0.0)] == [79.04, 74.49]
+
+
+def test_the_search_keeps_the_leaner_of_near_equal_plans():
+    res = search(gpt_profile(layers=8), ClusterSpec.load(CLUSTER), 64, top=4)
+    steps = [e.step_time for e in res.best]
+    for i, e in enumerate(res.best):  # nothing after it is both near-equal and leaner
+        for f in res.best[i + 1 :]:
+            assert not (f.step_time <= steps[i] * (1 + 1e-3) and f.memory < e.memory)
+        assert all(e.step_time <= f.step_time * (1 + 1e-3) ** 4 for f in res.best[i + 1 :])

@@ -42,4 +42,22 @@ class Evaluation:
         return (self.step_time if self.step_time is not None else math.inf, self.memory, self.candidate)
 
 
-__all__ = ["Evaluation"]
+NEAR_EQUAL = 1e-3  # relative: step times this close are one step time to the search (the model is not this exact)
+
+
+def order_near_equal(evaluations: list[Evaluation], tol: float = NEAR_EQUAL) -> list[Evaluation]:
+    """Fastest first, but among plans within ``tol`` of the fastest left the least memory first: repeatedly,
+    of the plans whose step is within ``tol`` of the fastest remaining one, the one with the least memory
+    (then the faster, then the candidate's field order). Ties on float noise are broken by memory."""
+    rest = sorted(evaluations, key=lambda e: e.sort_key)
+    out = []
+    while rest:
+        limit = rest[0].step_time * (1 + tol)
+        near = [e for e in rest if e.step_time <= limit]
+        pick = min(near, key=lambda e: (e.memory, e.step_time, e.candidate))
+        out.append(pick)
+        rest.remove(pick)
+    return out
+
+
+__all__ = ["NEAR_EQUAL", "Evaluation", "order_near_equal"]

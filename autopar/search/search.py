@@ -41,7 +41,7 @@ from typing import Any
 from tqdm import tqdm
 
 from autopar.errors import InfeasibleError
-from autopar.search.evaluation import Evaluation
+from autopar.search.evaluation import NEAR_EQUAL, Evaluation, order_near_equal
 from autopar.search.price import Analytic
 from autopar.search.profile import Profile, profile_model
 from autopar.search.result import GiB, SearchResult
@@ -74,8 +74,9 @@ def search(
     increasing bound and priced candidates are scored best first, each only once nothing cheaper is
     left; "shuffle" visits families and their candidates in a random order drawn from ``seed``,
     "given" in enumeration order. A family or candidate whose bound exceeds the K-th best step time
-    found so far is skipped. The answer does not depend on the order. Equal step times are broken by
-    memory, then by the candidate's fields. Raises ``InfeasibleError`` (with
+    found so far (plus ``NEAR_EQUAL``) is skipped. The answer does not depend on the order. Step times
+    within ``NEAR_EQUAL`` (0.1%) of each other count as equal: the least memory first
+    (``evaluation.order_near_equal``), then the faster, then the candidate's fields. Raises ``InfeasibleError`` (with
     ``smallest_budget_bytes``) when nothing fits.
     """
     t0 = time.perf_counter()
@@ -104,12 +105,15 @@ def search(
     def kth() -> float:
         return -heap[0][0] if len(heap) >= top else math.inf
 
+    near: list[Evaluation] = []  # every scored plan; at the end those within NEAR_EQUAL of the K-th best
+
     def consider(ev: Evaluation) -> None:
-        if ev.lower_bound > kth() * (1 + _BOUND_SLACK):
+        if ev.lower_bound > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK):
             stats["pruned_by_bound"] += 1
             return
         scorer.score(ev)
         stats["scored"] += 1
+        near.append(ev)
         item = (-ev.step_time, -ev.memory, _Inverted(ev.candidate), ev)
         if len(heap) < top:
             heapq.heappush(heap, item)
@@ -125,7 +129,7 @@ def search(
     for i, f in enumerate(fams):
         if best_first:
             drain(bounds[f][0])  # everything queued that could beat this family goes first
-        if bounds[f][0] > kth() * (1 + _BOUND_SLACK):
+        if bounds[f][0] > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK):
             rest = fams[i:] if best_first else [f]  # families come by increasing bound: all later ones too
             stats["families_pruned_by_bound"] += len(rest)
             stats["pruned_by_bound"] += sum(ch.size for g in rest for ch in chains(an, space, g))
@@ -160,7 +164,9 @@ def search(
     bar.close()
     if not heap:
         _no_fit(an, space, fams, cluster, global_batch, budget, stats)
-    best = sorted((e for *_, e in heap), key=lambda e: e.sort_key)
+    # near-equal plans (within NEAR_EQUAL of the K-th best, all scored whatever the visiting order) by memory
+    limit = kth() * (1 + NEAR_EQUAL)
+    best = order_near_equal([e for e in near if e.step_time <= limit])[:top]
     stats["simulations"] = scorer.simulations
     stats["schedules_built"] = len(scorer.schedules)
     stats["search_seconds"] = time.perf_counter() - t0
