@@ -172,3 +172,25 @@ def test_the_search_keeps_the_leaner_of_near_equal_plans():
         for f in res.best[i + 1 :]:
             assert not (f.step_time <= steps[i] * (1 + 1e-3) and f.memory < e.memory)
         assert all(e.step_time <= f.step_time * (1 + 1e-3) ** 4 for f in res.best[i + 1 :])
+
+
+def test_a_ring_leaving_a_node_crosses_the_network_once_per_node_per_channel():
+    """NCCL's hierarchical rings: a group with k ranks in each node gets k rails (k x the per-device inter-node
+    bandwidth, capped by NVLink); one rank per node (a dp group beside tp = 8) keeps the per-device link."""
+    cl = ClusterSpec.load("dgx-a100:nodes=4")
+    S = 1e9
+    ar = cl.collective_seconds("all_reduce", S, 32, False, per_node=8)
+    assert ar == pytest.approx(2 * 31 / 32 * S / min(230e9, 8 * 23e9) + 2 * 31 * 6e-6, rel=1e-12)
+    one = cl.collective_seconds("all_reduce", S, 4, False)
+    assert one == pytest.approx(2 * 3 / 4 * S / 23e9 + 2 * 3 * 6e-6, rel=1e-12)
+    assert cl.collective_seconds("all_reduce", S, 32, False, per_node=2) == pytest.approx(
+        2 * 31 / 32 * S / 46e9 + 2 * 31 * 6e-6, rel=1e-12
+    )
+    assert cl.collective_seconds("send", S, 1, False, per_node=8) == pytest.approx(S / 23e9 + 6e-6, rel=1e-12)
+    # the search's dp sync: dp = 32 over 4 nodes with tp = 1 has 8 rails, with tp = 8 (dp = 4) one
+    an = Analytic(gpt_profile(layers=8), cl, 64)
+    grads = 1e8 * an.grad_b
+    flat = Candidate(1, 32, 1, 1, 2, "none", zero=1)
+    assert an.comm.dp_sync(flat, 1e8) == pytest.approx(2 * 31 / 32 * grads / 184e9 + 2 * 31 * 6e-6, rel=1e-12)
+    tp8 = Candidate(1, 4, 8, 1, 16, "none", zero=1)
+    assert an.comm.dp_sync(tp8, 1e8) == pytest.approx(2 * 3 / 4 * grads / 23e9 + 2 * 3 * 6e-6, rel=1e-12)

@@ -1,10 +1,12 @@
 """Seconds of the collectives a candidate runs: tensor-parallel all-reduces, pipeline transfers, data-parallel sync.
 
-With the cluster's alpha-beta links (intra-node when a group of consecutive ranks stays inside one node):
+With the cluster's alpha-beta links (intra-node when a group of consecutive ranks stays inside one node;
+a group spanning nodes as NCCL runs it, one channel per rank of the group in a node, each leaving the node
+once on its own rail: ``ClusterSpec.alpha_beta(per_node=...)``, ``CommTime.per_node``):
 
-- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else the
-  inter-node link prices the whole ring); a backward one (Megatron's f) is charged only where it outlasts the
-  weight gradients of the matmuls reading it, which the runtime computes while it is in flight
+- tensor parallel: ring all-reduces over tp (intra-node when tp divides the devices per node, else
+  hierarchical rings with min(tp, devices per node) rails); a backward one (Megatron's f) is charged only
+  where it outlasts the weight gradients of the matmuls reading it, which the runtime computes while it is in flight
   (``StageTerms.hidden_ar_bwd``, ``runtime/comm/column_linear.py``; not under a zero-bubble schedule, whose
   split backward computes them later, nor on gloo, whose reduction waits for the compute);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
@@ -41,20 +43,27 @@ class CommTime:
         """Whether a group of ``devices`` consecutive ranks (aligned to its size) stays inside one node."""
         return 0 < devices <= self.dpn and self.dpn % devices == 0
 
-    def allreduce(self, nbytes: float, count: int, n: int, intra: bool) -> float:
-        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks."""
+    def per_node(self, n: int, stride: int) -> int:
+        """Ranks of a group of ``n`` ranks ``stride`` apart (Megatron's layout: tp 1, dp tp) inside one node."""
+        if stride >= self.dpn:
+            return 1
+        return max(1, min(n, self.dpn // stride))
+
+    def allreduce(self, nbytes: float, count: int, n: int, intra: bool, per_node: int = 1) -> float:
+        """Seconds of ``count`` ring all-reduces totalling ``nbytes`` over ``n`` ranks (``per_node`` of them in
+        each node when the group spans nodes)."""
         if n <= 1 or nbytes <= 0:
             return 0.0
-        lat, bw = self.cluster.alpha_beta(intra)
+        lat, bw = self.cluster.alpha_beta(intra, per_node)
         return 2 * (n - 1) / n * nbytes / bw + count * 2 * (n - 1) * lat
 
-    def gather(self, nbytes: float, n: int, intra: bool) -> float:
+    def gather(self, nbytes: float, n: int, intra: bool, per_node: int = 1) -> float:
         """Seconds of one all-gather of ``nbytes`` (the whole tensor) over n ranks."""
-        return self.cluster.collective_seconds("all_gather", nbytes, n, intra) if n > 1 else 0.0
+        return self.cluster.collective_seconds("all_gather", nbytes, n, intra, per_node) if n > 1 else 0.0
 
-    def scatter(self, nbytes: float, n: int, intra: bool) -> float:
+    def scatter(self, nbytes: float, n: int, intra: bool, per_node: int = 1) -> float:
         """Seconds of one reduce-scatter of ``nbytes`` over n ranks (an all-reduce on gloo: ``ClusterSpec.runs_as``)."""
-        return self.cluster.collective_seconds("reduce_scatter", nbytes, n, intra) if n > 1 else 0.0
+        return self.cluster.collective_seconds("reduce_scatter", nbytes, n, intra, per_node) if n > 1 else 0.0
 
     def p2p(self, c: Candidate, r0: int, r1: int, nbytes: float) -> float:
         """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
@@ -64,7 +73,7 @@ class CommTime:
         intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
         if self.scatter_gather and c.tp > 1:
             send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
-            return send + self.gather(nbytes, c.tp, self.intra(c.tp))
+            return send + self.gather(nbytes, c.tp, self.intra(c.tp), self.per_node(c.tp, 1))
         return self.cluster.collective_seconds("send", nbytes, 1, intra)
 
     def dp_sync(self, c: Candidate, params: float) -> float:
@@ -73,22 +82,24 @@ class CommTime:
             return 0.0
         g = c.shard_group
         grads, weights = params * self.grad_b, params * self.weight_b
-        intra_g = self.intra(c.tp * g)
-        intra_all = self.intra(c.tp * c.dp)
+        intra_g, k_g = self.intra(c.tp * g), self.per_node(g, c.tp)
+        intra_all, k = self.intra(c.tp * c.dp), self.per_node(c.dp, c.tp)
         if g == c.dp:
             if c.zero == 0 or (c.zero == 1 and self.cluster.runs_as("reduce_scatter") == "reduce_scatter"):
                 buckets = math.ceil(grads / BUCKET_BYTES) if c.zero == 0 else 1  # ZeRO-1: reduce-scatter + all-gather
-                return self.allreduce(grads, buckets, c.dp, intra_all)
+                return self.allreduce(grads, buckets, c.dp, intra_all, k)
             if c.zero <= 2:  # (ZeRO-1 on gloo: an all-reduce for the reduce-scatter, then the all-gather)
                 scatters = 1 if c.zero == 1 else c.microbatches
-                return scatters * self.scatter(grads, c.dp, intra_all) + self.gather(weights, c.dp, intra_all)
+                return scatters * self.scatter(grads, c.dp, intra_all, k) + self.gather(weights, c.dp, intra_all, k)
             return 0.0  # ZeRO-3: every backward scatters its gradients (priced in tb)
         # MiCS: reduce-scatter inside the group, all-reduce of the shard across groups, all-gather in the group
         across = self.mics_hop(grads, c)
         if c.zero <= 1:
-            return self.scatter(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+            return self.scatter(grads, g, intra_g, k_g) + across + self.gather(weights, g, intra_g, k_g)
         if c.zero == 2:
-            return c.microbatches * self.scatter(grads, g, intra_g) + across + self.gather(weights, g, intra_g)
+            return (
+                c.microbatches * self.scatter(grads, g, intra_g, k_g) + across + self.gather(weights, g, intra_g, k_g)
+            )
         return 0.0  # ZeRO-3: every backward scatters its gradients and all-reduces the shard (priced in tb)
 
     def mics_hop(self, grad_bytes: float, c: Candidate) -> float:
@@ -97,7 +108,7 @@ class CommTime:
         g = c.shard_group
         if g >= c.dp:
             return 0.0
-        return self.allreduce(grad_bytes / g, 1, c.dp // g, self.intra(c.tp * c.dp))
+        return self.allreduce(grad_bytes / g, 1, c.dp // g, self.intra(c.tp * c.dp), self.per_node(c.dp // g, c.tp * g))
 
 
 __all__ = ["CommTime"]

@@ -52,7 +52,7 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 7  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 8  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
 # 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})

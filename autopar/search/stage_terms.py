@@ -104,7 +104,7 @@ class StageTerms:
 
     def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
-        return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp))
+        return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp), self.comm.per_node(tp, 1))
 
     def hidden_ar_bwd(self, a: int, e: int, b: int, tp: int) -> float:
         """Seconds of units ``a..e``'s backward tensor-parallel all-reduces (Megatron's f) that run while the
@@ -117,8 +117,10 @@ class StageTerms:
     def _unit_hidden(self, groups: tuple[tuple[float, float], ...], b: int, tp: int) -> float:
         if tp <= 1 or not self.cluster.overlaps_compute:
             return 0.0
-        sa, intra = self.act_scale * b, self.comm.intra(tp)
-        return sum(min(self.comm.allreduce(nb * sa, 1, tp, intra), b * fl / tp / self.flop_rate) for nb, fl in groups)
+        sa, intra, k = self.act_scale * b, self.comm.intra(tp), self.comm.per_node(tp, 1)
+        return sum(
+            min(self.comm.allreduce(nb * sa, 1, tp, intra, k), b * fl / tp / self.flop_rate) for nb, fl in groups
+        )
 
     def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
         return tuple(stage_ranks(c.pp, c.chunks, c.waves))
@@ -213,15 +215,15 @@ class StageTerms:
         stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
         DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
         stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
-        intra_g = self.comm.intra(c.tp * z3)
+        intra_g, k = self.comm.intra(c.tp * z3), self.comm.per_node(z3, c.tp)
         split = c.schedule in ZERO_BUBBLE
         gather, scatter, gathered = [], [], []
         for a, e in stages:
             units = [(u.kind == "layer", u.params_tp / c.tp + u.params_rep) for u in self.p.units[a:e]]
-            gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g) for _, p in units))
+            gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g, k) for _, p in units))
             scatter.append(
                 sum(
-                    self.comm.gather(p * self.grad_b, z3, intra_g) + self.comm.mics_hop(p * self.grad_b, c)
+                    self.comm.gather(p * self.grad_b, z3, intra_g, k) + self.comm.mics_hop(p * self.grad_b, c)
                     for _, p in units
                 )
             )

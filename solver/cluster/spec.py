@@ -18,7 +18,14 @@ ranks, a link with latency a (seconds per step) and bandwidth b (bytes/s), and B
     send / recv               B/b    +          a    the message (point to point, n ignored)
 
 A group of one rank, or zero bytes, costs nothing. ``intra_node`` picks the NVLink/PCIe link or
-the inter-node network; a group that spans nodes is priced on the inter-node link (its bottleneck).
+the inter-node network. A group that spans nodes runs as NCCL runs it, hierarchically: with ``per_node``
+of its ranks in each node, NCCL builds ``per_node`` channels (rings), each leaving a node once through its
+own rail (the NIC of one of those ranks), so the node's share of the network carrying the group is
+``per_node`` x the per-device ``inter_node_bandwidth``, capped by the intra-node link the rings also cross:
+
+    bandwidth = min(intra_node_bandwidth, per_node x inter_node_bandwidth),  latency: the inter-node one
+
+(one rank per node, a tensor-parallel group's dp peers: the per-device inter-node link, as before).
 """
 
 from __future__ import annotations
@@ -198,13 +205,17 @@ class ClusterSpec:
             )
         return self.peak_flops[key]
 
-    def alpha_beta(self, intra: bool) -> tuple[float, float]:
-        """(latency in s, bandwidth in bytes/s) of the intra-node or the inter-node link."""
+    def alpha_beta(self, intra: bool, per_node: int = 1) -> tuple[float, float]:
+        """(latency in s, bandwidth in bytes/s) of the intra-node link, or of the inter-node network seen by a
+        group with ``per_node`` ranks in each node (its rails: module doc)."""
         if intra:
             return self.intra_node_latency, self.intra_node_bandwidth
-        return self.inter_node_latency, self.inter_node_bandwidth
+        rails = max(1, min(per_node, self.devices_per_node))
+        return self.inter_node_latency, min(self.intra_node_bandwidth, rails * self.inter_node_bandwidth)
 
-    def collective_seconds(self, kind: str, nbytes: float, group_size: int, intra_node: bool) -> float:
+    def collective_seconds(
+        self, kind: str, nbytes: float, group_size: int, intra_node: bool, per_node: int = 1
+    ) -> float:
         """Ring alpha-beta seconds of one collective (formulas, meaning of ``nbytes``: module doc)."""
         if kind not in COLLECTIVES:
             close = difflib.get_close_matches(kind, COLLECTIVES, n=2)
@@ -216,7 +227,7 @@ class ClusterSpec:
         if nbytes == 0 or (n == 1 and kind not in ("send", "recv")):
             return 0.0
         kind = self.runs_as(kind)
-        lat, bw = self._link(kind, intra_node)
+        lat, bw = self._link(kind, intra_node, per_node)
         if kind in ("send", "recv"):
             return nbytes / bw + lat
         steps = _ring_steps(kind, n)
@@ -235,24 +246,24 @@ class ClusterSpec:
         backward": fused and unfused at parity on 2 ranks of 2 cores)."""
         return self.backend != "gloo"
 
-    def collective_terms(self, kind: str, group_size: int, intra_node: bool) -> tuple[float, float]:
+    def collective_terms(self, kind: str, group_size: int, intra_node: bool, per_node: int = 1) -> tuple[float, float]:
         """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
         ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them."""
         n = group_size
         if n == 1:
             return 0.0, 0.0
         kind = self.runs_as(kind)
-        lat, bw = self._link(kind, intra_node)
+        lat, bw = self._link(kind, intra_node, per_node)
         steps = _ring_steps(kind, n)
         return steps / n / bw, steps * lat
 
-    def _link(self, kind: str, intra_node: bool) -> tuple[float, float]:
+    def _link(self, kind: str, intra_node: bool, per_node: int = 1) -> tuple[float, float]:
         """(latency, bandwidth) a collective of this kind sees: measured for it when calibrated (inside a
-        node; ``recv`` as ``send``), else the link's."""
+        node; ``recv`` as ``send``), else the link's (across nodes: with ``per_node`` rails)."""
         measured = self.collectives.get("send" if kind == "recv" else kind)
         if intra_node and measured is not None:
             return measured
-        return self.alpha_beta(intra_node)
+        return self.alpha_beta(intra_node, 1 if kind in ("send", "recv") else per_node)
 
 
 def _ring_steps(kind: str, n: int) -> int:

@@ -166,11 +166,12 @@ def megatron_tp_comm_seconds(ctx: StageContext, sub: OpRun) -> float:
     if ctx.tp <= 1:
         return 0.0
     intra = ctx.tp <= ctx.cluster.devices_per_node
+    per_node = min(ctx.tp, ctx.cluster.devices_per_node)  # a tp group leaving a node: one rail per rank in it
     seconds = 0.0
     for i in range(sub.start, sub.stop):
         if ctx.roles[i] == ROW:
             nbytes = ctx.act_bytes(ctx.prog.ops[i].types[0]) * ctx.tp  # the full (unsharded) activation
-            seconds += 2 * ctx.cluster.collective_seconds("all_reduce", nbytes, ctx.tp, intra)
+            seconds += 2 * ctx.cluster.collective_seconds("all_reduce", nbytes, ctx.tp, intra, per_node)
     return seconds
 
 
