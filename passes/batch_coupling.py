@@ -24,6 +24,18 @@ Each value gets a state: ``data`` (no batch data reaches it), ``rows`` (per samp
 means over the batch), ``sum`` (linear in sums over the batch) or ``coupled``; the first op that makes a
 value coupled is a ``Coupling``. Collectives and pipeline transfers leave the global value as it is, so the
 analysis reads any program of the flow: lowered, sharded, or split with its send/recv.
+
+The grouped-GEMM experts kernel (transformers' default ``grouped_mm``: ``transformers::grouped_mm_fallback`` or
+``aten._grouped_mm``) sorts the flattened (token, slot) expert ids over the whole batch, gathers the tokens in
+that order (``hidden[perm // top_k]``), multiplies each group of rows by its expert (``offsets =
+cumsum(histc(sorted ids))``) and puts the rows back (``out[inverse(perm)]``). Each row's result is its own
+token's, whatever the other rows are, so the whole is per sample; the analysis follows it with four states
+tied to the sort: ``sorted`` (per-row values in the sort's order), ``permutation`` (the sort's indices, or
+them floor-divided by the slots per token), ``inverse permutation`` and ``offsets`` (the cumulative counts of
+the sorted keys over a fixed range of bins). A gather of batch rows by the permutation is ``sorted``; row-wise
+ops keep it ``sorted``; a reduction over it is the batch's (a sum does not see the order); a gather of it by
+the inverse permutation (or a scatter by the permutation) is per-sample ``rows`` again. Any other use of these
+values is unproven.
 """
 
 from __future__ import annotations
@@ -38,6 +50,12 @@ DATA, ROWS, MEAN, SUM, COUPLED = "data", "rows", "mean", "sum", "coupled"
 UNKNOWN = "unknown"  # computed from an op the analysis cannot read: not followed further
 BATCH_DIVISOR = "batch divisor"
 UNPROVEN = "unproven"  # a coupling's kind when the op is one the analysis cannot read (no sharding rule)
+# the states of a grouped-GEMM kernel's sort of the batch's rows (module docstring)
+SORTED, PERM, INVERSE, OFFSETS = "sorted", "permutation", "inverse permutation", "offsets"
+_ORDERED = {SORTED, PERM, INVERSE, OFFSETS}
+_SORTS = {"aten.sort", "aten.sort.stable", "aten.argsort", "aten.argsort.stable"}
+_GROUPED_MM = {"transformers.grouped_mm_fallback", "aten._grouped_mm"}
+_CASTS = {"aten.to.dtype", "aten._to_copy", "aten.to", "aten.clone", "aten.contiguous", "aten.to.dtype_layout"}
 _VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
 
 # ops linear in each of their float tensor inputs (a value affine in batch means stays so through them)
@@ -97,6 +115,25 @@ class Analysis:
         return tuple(c for c in self.couplings if c.result in seen)
 
 
+@dataclass
+class _Orders:
+    """What ties the ``sorted``/``permutation``/``inverse permutation``/``offsets`` values to their sort."""
+
+    of: dict[str, str]  # such a value -> the sort it is ordered by (named by the sort's indices)
+    step: dict[str, int]  # a permutation -> c: the sort's indices floor-divided by c (the slots per token)
+    length: dict[str, int]  # a sort -> how many elements it sorts
+    keys: set[str]  # the sorted values themselves (ascending or descending), and their casts
+    counts: dict[str, str]  # histc of a sort's keys over fixed bins (a sum over the batch) -> the sort
+
+    def carry(self, src: str, dst: str) -> None:
+        """``dst`` is ``src`` moved (a collective, a send/recv): the same ties."""
+        for table in (self.of, self.step, self.counts):
+            if src in table:
+                table[dst] = table[src]
+        if src in self.keys:
+            self.keys.add(dst)
+
+
 def analyze(program: Program) -> Analysis:
     """The batch-coupling dataflow over ``program`` (module docstring)."""
     types = program.types()
@@ -110,6 +147,7 @@ def analyze(program: Program) -> Analysis:
     zeros = {op.result for op in program.ops if _is_zeros(op)}
     aranges = {op.result for op in program.ops if op.target in ("aten.arange", "aten.arange.start")}
     couplings: list[Coupling] = []
+    orders = _Orders({}, {}, {}, set(), {})
     for op in program.ops:
         refs = [r.name for r in op.input_refs()]
         if op.target == "send":
@@ -118,6 +156,8 @@ def analyze(program: Program) -> Analysis:
             src = sent.get(_sent_name(op.result))
             got, d = (states[src], dims.get(src, -1)) if src is not None else (DATA, -1)
             _set(op, states, dims, [got], [d])
+            if src is not None:
+                orders.carry(src, op.result)
             continue
         ins = [states[r] for r in refs]
         if not refs or all(s == DATA for s in ins) or op.target in _SHAPE_ONLY:
@@ -129,6 +169,15 @@ def analyze(program: Program) -> Analysis:
             continue
         if op.target in _IDENTITY:
             _set(op, states, dims, [ins[0]] * len(op.results), [dims.get(refs[0], -1)] * len(op.results))
+            for r in op.results:
+                orders.carry(refs[0], r)
+            continue
+        ordered = _ordered(op, refs, ins, states, dims, types, aranges, orders)
+        if ordered is not None:
+            got_states, got_dims, coupling = ordered
+            if coupling is not None:
+                couplings.append(coupling)
+            _set(op, states, dims, got_states, got_dims)
             continue
         if ROWS in ins:
             got_states, got_dims, coupling = _with_rows(op, refs, ins, types, dims, aranges)
@@ -298,7 +347,8 @@ def _rowwise(
             return ROWS, [first]  # each sample's own elements
     if op.target in _BATCH_NORMS and first == 0:  # in evaluation: the running statistics, per sample
         return ROWS, [0] + [-1] * (n - 1)
-    if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1:
+    fixed = op.target != "aten.histc" or bound.get("min", 0) < bound.get("max", 0)  # not over the data's range
+    if op.target in ("aten.histc", "aten.bincount") and first is not None and len(rows) == 1 and fixed:
         return SUM, [-1]  # counts over every element: the batch's are the sum of its microbatches'
     if op.target == "aten.baddbmm" and all(d in (None, 0) for d in got) and got[1:] != [None, None]:
         return ROWS, [0]
@@ -313,6 +363,120 @@ def _rowwise(
         if isinstance(at, Ref) and at.name in aranges and positions == list(range(first, len(indices))):
             return ROWS, [first]  # x[..., arange(B), idx]: sample b's own elements, picked by its own index
     return None
+
+
+# -- a grouped-GEMM kernel's sort of the batch's rows (module docstring) ------------------------------------
+
+
+def _ordered(
+    op: Op, refs: list[str], ins: list[str], states: dict, dims: dict, types: dict, aranges: set[str], orders: _Orders
+):
+    """The states of an op that sorts batch rows, or reads values tied to such a sort; ``None`` for any other op
+    (the caller's transfer functions then apply)."""
+    n = len(op.results)
+    if op.target in _SORTS and ins == [ROWS] and dims[refs[0]] == 0 and len(types[refs[0]].shape) == 1:
+        p = op.results[-1]  # the sort's indices name it
+        orders.of[p], orders.step[p], orders.length[p] = p, 1, types[refs[0]].shape[0]
+        if n == 1:
+            return [PERM], [-1], None
+        orders.of[op.results[0]] = p
+        orders.keys.add(op.results[0])
+        return [SORTED, PERM], [-1, -1], None
+    counted = [r for r in refs if r in orders.counts]
+    if counted and op.target == "aten.cumsum" and refs == counted and (bound_args(op) or {}).get("dim") in (0, -1):
+        orders.of[op.result] = orders.counts[counted[0]]
+        return [OFFSETS], [-1], None
+    if not any(s in _ORDERED for s in ins):
+        return None
+
+    def unproven(why: str):
+        return [UNKNOWN] * n, [-1] * n, _coupling(op, UNPROVEN, why)
+
+    sorts = {orders.of[r] for r, s in zip(refs, ins) if s in _ORDERED}
+    if len(sorts) != 1:
+        return unproven("it combines values put in the orders of different sorts of the batch's rows")
+    p = sorts.pop()
+    state = dict(zip(refs, ins))
+    bound = bound_args(op) or {}
+
+    def is_(x, kind: str, step: int | None = None) -> bool:
+        ok = isinstance(x, Ref) and state.get(x.name) == kind and orders.of.get(x.name) == p
+        return ok and (step is None or orders.step.get(x.name) == step)
+
+    def batch_rows(x, per: int) -> bool:  # batch rows on dim 0, ``per`` of the sort's elements each
+        return (
+            isinstance(x, Ref)
+            and state.get(x.name) == ROWS
+            and dims[x.name] == 0
+            and (types[x.name].shape[0] * per == orders.length[p])
+        )
+
+    t, a = op.target, op.args
+    if t == "aten.floor_divide" and len(a) == 2 and is_(a[0], PERM) and isinstance(a[1], int) and a[1] > 0:
+        orders.of[op.result], orders.step[op.result] = p, orders.step[a[0].name] * a[1]
+        return [PERM], [-1], None
+    if t in ("aten.argsort", "aten.argsort.stable") and is_(a[0], PERM, 1):  # the inverse permutation
+        orders.of[op.result] = p
+        return [INVERSE], [-1], None
+    if t == "aten.index.Tensor" and len(bound.get("indices", ())) == 1:
+        src, (index,) = a[0], bound["indices"]
+        if is_(index, PERM) and batch_rows(src, orders.step[index.name]):  # the tokens gathered in sorted order
+            orders.of[op.result] = p
+            return [SORTED], [-1], None
+        if is_(index, INVERSE) and is_(src, SORTED):  # sorted rows put back in the batch's order
+            return [ROWS], [0], None
+    if t == "aten.index_select" and bound.get("dim") == 0 and is_(bound.get("index"), INVERSE):
+        if is_(bound.get("self"), SORTED):
+            return [ROWS], [0], None
+    if t == "aten.index_put" and len(bound.get("indices", ())) == 1 and is_(bound["indices"][0], PERM, 1):
+        dst, values = bound.get("self"), bound.get("values")
+        whole = (
+            isinstance(dst, Ref) and state.get(dst.name) == DATA and types[dst.name].shape[:1] == (orders.length[p],)
+        )  # every row of a data-free tensor overwritten (the permutation is one)
+        if whole and not bound.get("accumulate", False):
+            if isinstance(values, Ref) and values.name in aranges and types[values.name].shape == (orders.length[p],):
+                orders.of[op.result] = p
+                return [INVERSE], [-1], None  # inv[perm] = arange(n)
+            if is_(values, SORTED):
+                return [ROWS], [0], None  # out[perm] = sorted rows: the batch's order again
+    if t == "aten.index_add" and bound.get("dim") == 0 and is_(bound.get("index"), PERM):
+        dst = bound.get("self")
+        per = orders.step[bound["index"].name]
+        fits = (
+            isinstance(dst, Ref)
+            and state.get(dst.name) == DATA
+            and types[dst.name].shape[0] * per == (orders.length[p])
+        )
+        if fits and is_(bound.get("source"), SORTED):
+            return [ROWS], [0], None  # each token's slots summed back into its row
+    if t == "aten.histc" and isinstance(a[0], Ref) and a[0].name in orders.keys:
+        low, high = bound.get("min", 0), bound.get("max", 0)
+        if low < high:  # fixed bins: the counts are a sum over the batch, and split the sorted rows in groups
+            orders.counts[op.result] = p
+            return [SUM], [-1], None
+        return unproven("a histogram over the data's own range: its bins depend on the batch")
+    if t in _GROUPED_MM:
+        x, weight = a[0], a[1]
+        offs = a[2] if len(a) > 2 else op.kwargs.get("offs")
+        plain_weight = isinstance(weight, Ref) and state.get(weight.name, DATA) == DATA
+        if is_(x, SORTED) and plain_weight and is_(offs, OFFSETS):
+            orders.of[op.result] = p  # each sorted row times its own group's expert: a row-wise product
+            return [SORTED], [-1], None
+        return unproven("a grouped matmul whose rows or offsets are not the sort's")
+    if any(s in (PERM, INVERSE, OFFSETS) for s in ins) or ROWS in ins:
+        return unproven("it uses a sort of the batch's rows other than to gather the rows and put them back")
+    # row-wise ops of sorted values (and data-free ones): read as the batch rows on dim 0
+    as_rows = [ROWS if s == SORTED else s for s in ins]
+    got, got_dims, coupling = _with_rows(op, refs, as_rows, types, dims | dict.fromkeys(refs, 0), aranges)
+    if coupling is not None or got[0] in (MEAN, SUM):
+        return got, got_dims, coupling  # a reduction over the sorted rows is one over the batch's: order-free
+    if all(s == ROWS and d == 0 for s, d in zip(got, got_dims)):
+        for r in op.results:
+            orders.of[r] = p
+            if t in _CASTS and refs[0] in orders.keys:
+                orders.keys.add(r)
+        return [SORTED] * n, [-1] * n, None
+    return unproven("a row-wise reading of the sorted rows does not keep them on dim 0")
 
 
 def _coupling(op: Op, kind: str, why: str) -> Coupling:
@@ -416,10 +580,11 @@ def _origins(program: Program, analysis: Analysis) -> dict[str, set[str]]:
 def microbatching_refusal(program: Program, pieces: int, weighed: bool = False) -> str | None:
     """The message refusing to run ``program`` as ``pieces`` microbatches, naming every coupling; ``None``
     when it runs exactly so (one piece, or no coupling). Only certain couplings refuse: an op the analysis
-    cannot read (``UNPROVEN``: the sort of a grouped-GEMM MoE kernel, which permutes the batch's tokens and
-    puts them back) is reported by ``autopar check``, not refused, so a model that microbatches exactly is not
-    stopped for what the analysis does not know; a coupling computed only from such an op's results is not
-    seen (documented in docs/architecture.md). ``weighed``: the caller said how the pieces weigh (a
+    cannot read (``UNPROVEN``: an op with no sharding rule whose meaning is not read here, or a sort of the
+    batch's rows used otherwise than a grouped-GEMM kernel does) is reported by ``autopar check``, not
+    refused, so a model that microbatches exactly is not stopped for what the analysis does not know; a
+    coupling computed only from such an op's results is not seen (documented in docs/architecture.md).
+    ``weighed``: the caller said how the pieces weigh (a
     ``loss_weight`` of its own), which decides a division by a count over the batch, so that is no refusal."""
     if pieces <= 1:
         return None

@@ -39,7 +39,7 @@ def _clip(g: torch.Generator) -> tuple[torch.nn.Module, dict]:
     import transformers
 
     text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                max_position_embeddings=16, bos_token_id=0, eos_token_id=2, pad_token_id=1)
+                max_position_embeddings=16, bos_token_id=0, eos_token_id=2, pad_token_id=1)  # fmt: skip
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16,
                   patch_size=4)  # fmt: skip
     config = transformers.CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
@@ -50,16 +50,14 @@ def _clip(g: torch.Generator) -> tuple[torch.nn.Module, dict]:
 
 
 def _qwen3_moe(g: torch.Generator, **cfg) -> tuple[torch.nn.Module, dict]:
-    """Qwen3-MoE with its load-balancing loss (``output_router_logits``, a nonzero coefficient). The experts run
-    ``batched_mm``: the default grouped-GEMM kernel sorts the batch's tokens by expert, which the analysis
-    cannot read (an unproven op; docs/architecture.md)."""
+    """Qwen3-MoE with its load-balancing loss (``output_router_logits``, a nonzero coefficient), on transformers'
+    default experts kernel (``grouped_mm``: it sorts the batch's tokens by expert and puts them back)."""
     import transformers
 
     config = transformers.Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
-        use_cache=False, experts_implementation="batched_mm",
-        **{"output_router_logits": True, "router_aux_loss_coef": 0.1, **cfg},
+        use_cache=False, **{"output_router_logits": True, "router_aux_loss_coef": 0.1, **cfg},
     )  # fmt: skip
     config._attn_implementation = "eager"
     ids = torch.randint(3, 64, (4, 8), generator=g)
@@ -84,9 +82,9 @@ def _lowered(model: torch.nn.Module, kwargs: dict):
 
 def test_only_the_batch_norm_family_couples_its_batch() -> None:
     """No false positive: of every small family (causal LMs, MoE, encoders, T5, ViT, ConvNeXt) only ResNet,
-    whose batch norm trains on the batch's statistics, couples; the others microbatch exactly. Mixtral on
-    transformers' default ``grouped_mm`` kernel sorts its tokens by expert over the whole flattened batch (and
-    scatters them back), which the analysis cannot read: reported as unproven (``autopar check``), not refused."""
+    whose batch norm trains on the batch's statistics, couples; the others microbatch exactly, and none is
+    unproven: Mixtral on transformers' default ``grouped_mm`` kernel sorts its tokens by expert over the whole
+    flattened batch and puts them back, which the analysis reads as per sample (before, it was unproven)."""
     coupled, unproven = {}, {}
     for name, make in FAMILIES.items():
         model, kwargs = make(torch.Generator().manual_seed(0))
@@ -94,7 +92,49 @@ def test_only_the_batch_norm_family_couples_its_batch() -> None:
             (unproven if c.kind == UNPROVEN else coupled).setdefault(name, []).append(c.describe())
     assert set(coupled) == {"resnet"}, coupled
     assert all("aten.batch_norm" in c for c in coupled["resnet"]), coupled
-    assert set(unproven) <= {"mixtral"}, unproven
+    assert not unproven, unproven
+
+
+class _SortedExperts(torch.nn.Module):
+    """The grouped-GEMM experts pattern of transformers' ``grouped_mm`` kernel, written out: sort the (token,
+    slot) expert ids, gather the tokens by ``perm // k``, grouped matmul by ``cumsum(histc(ids))`` offsets, put
+    the rows back. ``broken`` spoils one step (what a variant that is not per sample would do)."""
+
+    def __init__(self, broken: str = "") -> None:
+        super().__init__()
+        import transformers.integrations.moe  # noqa: F401  (registers transformers::grouped_mm_fallback)
+
+        self.router, self.broken = torch.nn.Linear(8, 4), broken
+        self.w = torch.nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, 8)
+        weights, ids = torch.topk(self.router(h).softmax(-1), 2)
+        sorted_ids, perm = torch.sort(ids.reshape(-1))
+        rows = h[perm // 2]
+        low, high = (0, 0) if self.broken == "histc range" else (0, 3)
+        offsets = torch.cumsum(torch.histc(sorted_ids.float(), bins=4, min=low, max=high), 0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.w, offs=offsets) * weights.reshape(-1)[perm, None]
+        if self.broken == "no restore":
+            back = out  # the sorted order kept: row i is no longer token i // 2's
+        else:
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.size(0))
+            back = out[inverse]
+        y = back.view(-1, 2, 8).sum(1).reshape(x.shape)
+        return torch.nn.functional.mse_loss(y, t)
+
+
+def test_the_grouped_mm_sort_is_read_as_per_sample() -> None:
+    """The sort of ``grouped_mm`` followed through: the written-out kernel microbatches exactly (no coupling,
+    the loss a mean); kept in its sorted order, or grouped by a histogram over the data's own range, it does not
+    (unproven: the analysis says so instead of calling it per sample)."""
+    x, t = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    good = analyze(_lowered(_SortedExperts(), {"x": x, "t": t}))
+    assert good.couplings == () and good.loss_state == "mean", good.couplings
+    for broken in ("no restore", "histc range"):
+        found = batch_couplings(_lowered(_SortedExperts(broken), {"x": x, "t": t}))
+        assert [c.kind for c in found] == [UNPROVEN], (broken, found)
 
 
 def test_the_analysis_names_each_kind_of_coupling() -> None:
@@ -104,6 +144,7 @@ def test_the_analysis_names_each_kind_of_coupling() -> None:
     clip = batch_couplings(_lowered(*_clip(torch.Generator().manual_seed(0))))
     assert [(c.target, c.kind) for c in clip] == [("aten.matmul", "mixes samples")], clip
     moe = batch_couplings(_lowered(*_qwen3_moe(torch.Generator().manual_seed(0))))
+    assert all(c.certain for c in moe), moe  # past its first grouped_mm layer too: the sort is read
     kinds = {(c.target, c.kind) for c in moe}
     assert ("aten.mul.Tensor", "nonlinear in batch statistics") in kinds, moe
     assert ("aten.div.Tensor", "batch divisor") in kinds, moe
