@@ -194,3 +194,35 @@ def test_a_ring_leaving_a_node_crosses_the_network_once_per_node_per_channel():
     assert an.comm.dp_sync(flat, 1e8) == pytest.approx(2 * 31 / 32 * grads / 184e9 + 2 * 31 * 6e-6, rel=1e-12)
     tp8 = Candidate(1, 4, 8, 1, 16, "none", zero=1)
     assert an.comm.dp_sync(tp8, 1e8) == pytest.approx(2 * 3 / 4 * grads / 23e9 + 2 * 3 * 6e-6, rel=1e-12)
+
+
+def test_the_family_bound_with_dp_sync_stays_below_every_member_and_prunes_more():
+    """The family bound now counts the least data-parallel sync of the family's ZeRO / MiCS options: it never
+    exceeds the simulated step of any candidate of the family (every chain, every level, every ZeRO stage), it
+    is strictly larger than the compute-only bound for dp > 1, and the search's answer is the same with it."""
+    from autopar.search.space import SearchSpace as Space
+    from autopar.search.space import chains, families, max_shard, sync_options
+
+    prof, cluster = gpt_profile(layers=8), ClusterSpec.load("dgx-a100:nodes=4")
+    space = Space(chunks=(2,), waves=(1,), devices_per_node=8)
+    an = Analytic(prof, cluster, 64)
+    scorer = Scorer()
+    grew = 0
+    fams = [f for f in families(an, space, 32) if f.microbatches <= 8]
+    for f in fams:
+        args = (f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f))
+        tight = an.family_bounds(*args, sync_options(space, f, an.zero0_dominated))[0]
+        loose = an.family_bounds(*args)[0]
+        assert tight >= loose
+        grew += tight > loose * (1 + 1e-9)
+        for ch in chains(an, space, f):
+            for z in ch.zeros:
+                for level in range(len(ch.levels)):
+                    ev = an.evaluate(ch.candidate(z, level))
+                    if ev is not None:
+                        assert tight <= scorer.score(ev).step_time * (1 + 1e-9), ev.candidate.describe()
+    assert grew >= len([f for f in fams if f.dp > 1]) > 0
+    a = search(prof, cluster, 64, space=space, top=3, scorer=scorer)
+    b = search(prof, cluster, 64, space=space, top=3, scorer=scorer, tight_bound=False)
+    assert [e.candidate for e in a.best] == [e.candidate for e in b.best]
+    assert a.stats["families_pruned_by_bound"] >= b.stats["families_pruned_by_bound"]

@@ -169,12 +169,19 @@ class Analytic(StageTerms):
         self._parts[key] = part
         return part
 
-    def family_bounds(self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int) -> tuple[float, float]:
+    def family_bounds(
+        self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int, sync_options: tuple = ()
+    ) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
 
-        Time: the busiest rank does at least the mean compute and tensor-parallel all-reduces of a
-        microbatch without recomputation, m times. Memory: the busiest rank holds at least the mean
-        model states under the strongest sharding allowed (ZeRO stage ``max_shard`` over dp)."""
+        Time: every rank r takes at least ``m busy_r + reduce_r`` (``evaluate``'s bound), so the busiest at
+        least their mean: the mean compute and tensor-parallel all-reduces of a microbatch without
+        recomputation, m times, plus the least data-parallel synchronization any of ``sync_options``
+        ((ZeRO stage, MiCS group) pairs the family's chains take, ``space.sync_options``) costs a rank holding
+        the mean parameters: its gradient sync after the last backward (bandwidth term: the reduce is
+        affine in the parameters), or under ZeRO-3 its gathers and scatters in every microbatch.
+        Memory: the busiest rank holds at least the mean model states under the strongest sharding
+        allowed (ZeRO stage ``max_shard`` over dp)."""
         n = self.n
         sa = self.act_scale * b
         f_tp, f_all = self._sum("flops_tp", 0, n), self._sum("flops", 0, n)
@@ -182,7 +189,28 @@ class Analytic(StageTerms):
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         work -= self.hidden_ar_bwd(0, n, b, tp)  # at most hidden beside the weight gradients
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
-        return m * work / pp, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
+        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params) for z, g in sync_options), default=0.0)
+        return m * work / pp + sync, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
+
+    def _sync_floor(self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float) -> float:
+        """The least data-parallel synchronization of a rank holding ``params`` parameter elements under ZeRO
+        ``zero`` (MiCS group ``group``, 0: the whole dp group): the bandwidth terms only (latencies left out)."""
+        if dp <= 1:
+            return 0.0
+        c = Candidate(pp, dp, tp, 1, m, "none", zero=zero, mics_group=group)
+        if zero < 3:
+            return self._sync_coefficients(c)[1] * params
+        z3 = c.shard_group
+        intra, k = self.comm.intra(tp * z3), self.comm.per_node(z3, tp)
+
+        def slope(f) -> float:  # seconds per parameter element of an affine collective time
+            return f(2e6) - f(1e6)
+
+        gather = slope(lambda p: self.comm.gather(p * self.weight_b, z3, intra, k)) / 1e6
+        scatter = slope(
+            lambda p: self.comm.gather(p * self.grad_b, z3, intra, k) + self.comm.mics_hop(p * self.grad_b, c)
+        )
+        return m * (2 * gather + scatter / 1e6) * params
 
     # -- FLOP counts for throughput --------------------------------------------------------------------
     def eq3_flops(self) -> float:

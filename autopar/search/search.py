@@ -46,7 +46,7 @@ from autopar.search.price import Analytic
 from autopar.search.profile import Profile, profile_model
 from autopar.search.result import GiB, SearchResult
 from autopar.search.score import Scorer
-from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, families, max_shard
+from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, families, max_shard, sync_options
 from autopar.solver.cluster.spec import ClusterSpec
 
 _BOUND_SLACK = 1e-9  # relative: float sums of the bound and the simulator differ in the last bits
@@ -65,6 +65,7 @@ def search(
     progress: bool = False,
     scorer: Scorer | None = None,
     spec: str | None = None,
+    tight_bound: bool = True,
 ) -> SearchResult:
     """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: the device memory less
     its reserve, ``ClusterSpec.plan_memory``).
@@ -89,7 +90,13 @@ def search(
     stats["top"] = top  # how many plans were asked for (SearchResult.format refuses more)
     fams = families(an, space, cluster.world_size)
     stats["families"] = len(fams)
-    bounds = {f: an.family_bounds(f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f)) for f in fams}
+    bounds = {
+        f: an.family_bounds(
+            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f),
+            sync_options(space, f, an.zero0_dominated) if tight_bound else (),
+        )
+        for f in fams
+    }  # fmt: skip
     rng = random.Random(seed)
     if order == "bound":
         fams.sort(key=lambda f: (bounds[f][0], f))

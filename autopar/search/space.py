@@ -227,6 +227,11 @@ def max_shard(space: SearchSpace, fam: Family) -> int:
     return max(zs, default=0) if fam.dp > 1 else 0
 
 
+def sync_options(space: SearchSpace, fam: Family, zero0_dominated: bool = True) -> tuple[tuple[int, int], ...]:
+    """The (ZeRO stage, MiCS group) pairs the family's chains take (for its step-time lower bound)."""
+    return tuple((z, g) for g, zs, _, _ in _zeros(fam, space, zero0_dominated) for z in zs)
+
+
 def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]:
     """Every chain of a family: schedule x chunks/waves x stage layout x MiCS group."""
     L = analytic.p.num_layers
@@ -331,5 +336,6 @@ __all__ = [
     "divisors",
     "families",
     "max_shard",
+    "sync_options",
     "meshes",
 ]

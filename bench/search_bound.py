@@ -1,0 +1,73 @@
+"""Search time with the family lower bound that counts data-parallel sync, beside the compute-only bound.
+
+    OMP_NUM_THREADS=1 .venv/bin/python bench/search_bound.py [--repeats 2] [--skip-1t] [--old-1t]
+
+Runs ``search_model`` on GPT-3 175B (dgx-a100, 128 nodes = 1,024 GPUs, global batch 1536) and on Megatron's
+1T model (128 layers, hidden 25600, 160 heads; 384 nodes = 3,072 GPUs, global batch 3072), alternating the
+two bounds (A B A B: ``tight_bound=True`` then ``False``) with a fresh simulator cache each run (the schedule
+text cache on disk stays warm after the first run, as in use). Prints wall seconds, families pruned before
+pricing, candidates priced and scored, and the plan found (it must be the same with either bound). The 1T
+search with the compute-only bound took 1,326 s in issue 35's measurement; ``--old-1t`` measures it again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from autopar.search import Scorer, profile_model, search_model
+
+GPT3 = ("gpt3-175b", "dgx-a100:nodes=128", 1536)
+ONE_T = (
+    "gpt2:n_layer=128,n_embd=25600,n_head=160,n_positions=2048,vocab_size=51200,seq=2048,batch=1",
+    "dgx-a100:nodes=384",
+    3072,
+)
+
+
+def run(case: tuple[str, str, int], tight: bool) -> dict:
+    spec, cluster, B = case
+    t0 = time.perf_counter()
+    res = search_model(spec, cluster, B, top=1, scorer=Scorer(), tight_bound=tight)
+    s = res.stats
+    return {
+        "bound": "compute + dp sync" if tight else "compute only",
+        "seconds": time.perf_counter() - t0,
+        "families": s["families"],
+        "families_pruned": s["families_pruned_by_bound"],
+        "priced": s["priced"],
+        "scored": s["scored"],
+        "simulations": s["simulations"],
+        "best": res.best[0].candidate.describe(),
+        "step": res.best[0].step_time,
+    }
+
+
+def show(name: str, row: dict) -> None:
+    print(
+        f"{name:<10} {row['bound']:<18} {row['seconds']:>8.1f} s  families {row['families']:>4} "
+        f"(pruned {row['families_pruned']:>4})  priced {row['priced']:>7,}  scored {row['scored']:>4}  "
+        f"sims {row['simulations']:>4}  best {row['best']} ({row['step']:.4g} s)",
+        flush=True,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--skip-1t", action="store_true")
+    ap.add_argument("--old-1t", action="store_true", help="also time the 1T search with the compute-only bound")
+    args = ap.parse_args()
+    for spec, *_ in (GPT3, ONE_T):
+        profile_model(spec)  # cached profiles: the search is what is timed
+    for _ in range(args.repeats):
+        for tight in (True, False):
+            show("GPT-3", run(GPT3, tight))
+    if not args.skip_1t:
+        show("1T", run(ONE_T, True))
+        if args.old_1t:
+            show("1T", run(ONE_T, False))
+
+
+if __name__ == "__main__":
+    main()
