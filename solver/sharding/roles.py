@@ -9,11 +9,12 @@ each mesh axis do what its name says (``ir/axes.py``), as torchtitan names them.
   embedding tables by vocabulary, the rest (norms, a weight too small to split) replicated; the user inputs
   replicated there. Every parameter is computed with where it is stored (pinned), so a tp-sharded weight is
   never all-gathered: the activations move instead, as in Megatron;
-- ``pp`` is cut into stages before the ILP; ``cp`` and ``ep`` are left to the ILP, which places tensors on
-  them by cost.
+- ``cp`` axes are context parallel (``context_roles.py``): the user inputs split on the sequence (dim 1),
+  parameters and buffers replicated; the ILP places every activation there by cost;
+- ``pp`` is cut into stages before the ILP; ``ep`` is left to the ILP, which places tensors on it by cost.
 
 The ILP chooses everything the roles leave open: the placements of the activations on the tp axes (where
-Megatron's f and g fall), and everything on cp and ep. ``roles="auto"`` adds none of these constraints.
+Megatron's f and g fall), the activations on cp, and everything on ep. ``roles="auto"`` adds none of these constraints.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from autopar.ir.axes import data_axes, is_tensor_axis
 from autopar.ir.core import Placement, Program, R, Shard
 from autopar.ir.layout import valid
 from autopar.solver.sharding.baselines import Exactly, data_parallel_constraints
+from autopar.solver.sharding.context_roles import context_parallel_constraints
 from autopar.solver.sharding.megatron_roles import megatron_layout
 
 ROLES = ("name", "auto")
@@ -71,8 +73,9 @@ def role_constraints(prog: Program, activations: bool = True) -> tuple[dict, fro
     on every dp rank, which communicates least)."""
     out = dict(data_parallel_constraints(prog, data_axes(prog.mesh.names), activations=activations))
     tp = tensor_parallel_constraints(prog)
-    for name, pred in tp.items():
-        out[name] = merged(out[name], pred) if name in out else pred
+    for extra in (tp, context_parallel_constraints(prog)):
+        for name, pred in extra.items():
+            out[name] = merged(out[name], pred) if name in out else pred
     pinned = frozenset(v.name for v in prog.inputs if v.kind == "param") if tp else frozenset()
     return out, pinned
 

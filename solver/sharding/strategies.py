@@ -23,6 +23,7 @@ from autopar.ir.core import MeshSpec, Op, Placement, Program, R, Ref, Replicate,
 from autopar.ir.layout import valid
 from autopar.solver.sharding.experts import EXPERT_GATHER, expert_axes
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
+from autopar.solver.sharding.rules import context as rules_context
 from autopar.solver.sharding.rules import contractions as rules_contractions
 from autopar.solver.sharding.rules import elementwise as rules_elementwise
 from autopar.solver.sharding.rules import experts as rules_experts
@@ -36,6 +37,7 @@ RULES: dict[str, Rule] = {
     **rules_contractions.RULES,
     **rules_reductions.RULES,
     **rules_experts.RULES,
+    **rules_context.RULES,  # after reductions: adds the query-sequence split to its attention rule
 }
 # Ops whose placement is fixed by their input's (pointwise and view ops): in the ILP they follow their
 # producer instead of making a decision of their own.

@@ -1,0 +1,54 @@
+"""Sharding rules of context parallelism: attention with the query sequence split over a mesh axis.
+
+``scaled_dot_product_attention(q[..., Lq, E], k[..., Lk, E], v[..., Lk, Ev], mask[..., Lq, Lk])`` computes each
+query row from the whole key/value sequence, so its rows split over ranks when every rank holds the whole
+keys and values: the query (and the mask's query dim, when the mask has one) split on the sequence, the keys
+and values replicated. The ILP reaches the replicated keys and values from sequence-split ones through an
+all-gather (its resharding edge, priced per axis by the cost model; backward, each rank's partial gradient
+of the keys and values is all-reduced, Megatron's f, and sliced): the
+all-gather form of context parallelism (Megatron-Core's ``all_gather`` CP, torchtitan's ``allgather``
+rotation). Ring attention and Ulysses are not candidates yet: the resharding edges have no point-to-point or
+all-to-all step (a sequence-to-heads reshard is an all-gather then a local slice), so neither form exists to
+price. The eager ``softmax(q @ k^T + mask) @ v`` pattern (Gemma2's) splits the same way through the matmul,
+softmax and pointwise rules: the scores' query rows split, the keys and values all-gathered.
+
+A causal ``is_causal=True`` call has no query split here: its mask would be aligned to each rank's local
+rows, not to their global positions (transformers' default attention passes an explicit mask, which splits
+with the query). An attention dropout (``dropout_p > 0``) neither: its draws would differ from one process's.
+"""
+
+from __future__ import annotations
+
+from autopar.ir.core import R, Shard
+from autopar.solver.sharding.one_axis import Ctx, OneD, Rule
+from autopar.solver.sharding.rules import reductions
+
+
+def _dropout_p(c: Ctx) -> float:
+    args = c.op.args
+    return float(args[4] if len(args) > 4 else c.op.kwargs.get("dropout_p", 0.0) or 0.0)
+
+
+def _is_causal(c: Ctx) -> bool:
+    args = c.op.args
+    return bool(args[5] if len(args) > 5 else c.op.kwargs.get("is_causal", False))
+
+
+def query_sequence(c: Ctx) -> list[OneD]:
+    """The candidates splitting the query sequence of an attention (the module docstring)."""
+    q = c.ins[0].shape
+    seq = len(q) - 2
+    if len(c.ins) < 3 or q[seq] % c.n or q[seq] < c.n or _is_causal(c) or _dropout_p(c):
+        return []
+    ins = [Shard(seq), R, R]
+    for t in c.ins[3:]:  # the mask: split on its query dim where it has one, else read whole
+        md = len(t.shape) - 2
+        ins.append(Shard(md) if md >= 0 and t.shape[md] == q[seq] else R)
+    return [(tuple(ins), (Shard(seq),))]
+
+
+def _sdpa(c: Ctx) -> list[OneD]:
+    return reductions.RULES["aten.scaled_dot_product_attention"](c) + query_sequence(c)
+
+
+RULES: dict[str, Rule] = {"aten.scaled_dot_product_attention": _sdpa}
