@@ -32,6 +32,7 @@ from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
 from autopar.runtime.comm.context import current_comm
+from autopar.runtime.comm.context_attention import query_block_sdpa
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
@@ -179,6 +180,11 @@ def codegen(
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
                 {"classes": types[logits.name].shape[1]},
             )
+        elif op.target == "aten.scaled_dot_product_attention" and _causal_query_axes(op, types, prog):
+            q, k, v, *rest = arg(op.args)
+            kwargs = dict(zip(_SDPA_ARGS, rest), **arg(op.kwargs))
+            axes = _causal_query_axes(op, types, prog)
+            node = graph.call_function(query_block_sdpa, (q, k, v, axes), kwargs)
         elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
             node = graph.call_function(
                 grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)
@@ -360,6 +366,20 @@ def _dropout_site(op: Op, prog: Program, coords, device, rng: keyed.DropoutRng) 
         coords,
         device,
     )
+
+
+_SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
+
+
+def _causal_query_axes(op: Op, types, prog: Program) -> list[str]:
+    """Mesh axes over which a causal attention's query sequence is split (context parallelism's query blocks:
+    each rank's mask on its global rows, ``runtime/comm/context_attention.py``)."""
+    kwargs = dict(zip(_SDPA_ARGS, op.args[3:]), **op.kwargs)
+    if not kwargs.get("is_causal"):
+        return []
+    q = types[op.args[0].name]
+    seq = len(q.shape) - 2
+    return [name for p, name in zip(q.placements, prog.mesh.names) if isinstance(p, Shard) and p.dim == seq]
 
 
 def _vocab_axes(op: Op, types, prog: Program) -> list[str]:

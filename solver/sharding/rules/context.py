@@ -12,9 +12,10 @@ all-to-all step (a sequence-to-heads reshard is an all-gather then a local slice
 price. The eager ``softmax(q @ k^T + mask) @ v`` pattern (Gemma2's) splits the same way through the matmul,
 softmax and pointwise rules: the scores' query rows split, the keys and values all-gathered.
 
-A causal ``is_causal=True`` call has no query split here: its mask would be aligned to each rank's local
-rows, not to their global positions (transformers' default attention passes an explicit mask, which splits
-with the query). An attention dropout (``dropout_p > 0``) neither: its draws would differ from one process's.
+A causal ``is_causal=True`` call (queries and keys of one length) splits too: codegen emits it as
+``runtime/comm/context_attention.query_block_sdpa``, which builds each rank's mask on its global query rows
+(SDPA's own would align to the local block). An attention dropout (``dropout_p > 0``) does not split: its
+draws would differ from one process's.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ def query_sequence(c: Ctx) -> list[OneD]:
     """The candidates splitting the query sequence of an attention (the module docstring)."""
     q = c.ins[0].shape
     seq = len(q) - 2
-    if len(c.ins) < 3 or q[seq] % c.n or q[seq] < c.n or _is_causal(c) or _dropout_p(c):
+    if len(c.ins) < 3 or q[seq] % c.n or q[seq] < c.n or _dropout_p(c):
+        return []
+    if _is_causal(c) and c.ins[1].shape[-2] != q[seq]:  # a causal mask of queries and keys unequal in length
         return []
     ins = [Shard(seq), R, R]
     for t in c.ins[3:]:  # the mask: split on its query dim where it has one, else read whole
