@@ -11,7 +11,8 @@ once on its own rail: ``ClusterSpec.alpha_beta(per_node=...)``, ``CommTime.per_n
   split backward computes them later, nor on gloo, whose reduction waits for the compute);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
   plus an all-gather over tp; intra-node when consecutive stages share a node;
-- data parallel, after each rank's last backward (Megatron 2021 does not overlap it): ZeRO-0/1 one
+- data parallel, after each rank's last backward (ZeRO-0's buckets overlap that backward on NCCL, as the
+  runtime and DDP run them: ``Analytic._overlapped``; Megatron 2021's local DDP did not): ZeRO-0/1 one
   all-reduce (= reduce-scatter + all-gather) of the rank's gradients, ZeRO-0's per bucket of ``BUCKET_BYTES``
   (one latency each, ``solver/sharding/buckets.py``; on gloo, whose reduce-scatter is an all-reduce, ZeRO-1 pays the
   all-reduce and the all-gather); ZeRO-2 one reduce-scatter per

@@ -36,6 +36,7 @@ from autopar.schedule.generators import zero_bubble_orders
 from autopar.search.evaluation import Evaluation
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_terms import StageTerms
+from autopar.solver.sharding.cost import BUCKET_BYTES
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,8 @@ class Analytic(StageTerms):
             held = [k * kept for k, kept in zip(counts, part.rank_kept)]
         mem = tuple(w + h + tr for w, h, tr in zip(weights, held, part.rank_trans))
         reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
+        if c.zero == 0 and c.dp > 1 and self.cluster.overlaps_compute:
+            reduce = self._overlapped(c, part, reduce)
         if c.pp == 1:
             lb = c.microbatches * part.rank_busy[0] + reduce[0]
         else:
@@ -112,13 +115,31 @@ class Analytic(StageTerms):
             info={"act_kept": part.act_kept, "transient": part.trans, "inflight": counts},
         )
 
+    def _overlapped(self, c: Candidate, part: _Part, reduce: tuple[float, ...]) -> tuple[float, ...]:
+        """ZeRO-0's bucketed all-reduce as the runtime runs it on NCCL (``runtime/grads/sync.py``, DDP's way): each
+        bucket starts once the rank's last backward finished its gradients, beside the rest of that backward, so
+        what is exposed is the larger of the last bucket's all-reduce and the sync less that last backward (the
+        backward of the rank's first stage, which runs last; the other stages' buckets start earlier)."""
+        first = {}
+        for s, r in enumerate(part.ranks):
+            first.setdefault(r, s)
+        intra, k = self.comm.intra(c.tp * c.dp), self.comm.per_node(c.dp, c.tp)
+        out = []
+        for r, (full, params) in enumerate(zip(reduce, part.rank_params)):
+            last = self.comm.allreduce(min(BUCKET_BYTES, params * self.grad_b), 1, c.dp, intra, k)
+            out.append(min(full, max(last, full - part.tb[first[r]])))
+        return tuple(out)
+
     def _sync_coefficients(self, c: Candidate) -> tuple[float, float]:
         """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
         key = (c.dp, c.tp, c.shard_group, c.zero, c.microbatches)
         if key not in self._sync:
-            one, two = self.comm.dp_sync(c, 1e6), self.comm.dp_sync(c, 2e6)
-            slope = (two - one) / 1e6
-            self._sync[key] = (one - slope * 1e6, slope)
+            # through one and two full buckets of gradients: ZeRO-0's per-bucket latency stays in the slope (it
+            # was lost below one bucket, where both points have one), and the line meets the step at whole buckets
+            unit = BUCKET_BYTES / self.grad_b
+            one, two = self.comm.dp_sync(c, unit), self.comm.dp_sync(c, 2 * unit)
+            slope = (two - one) / unit
+            self._sync[key] = (one - slope * unit, slope)
         return self._sync[key]
 
     def bytes_per_param(self, c: Candidate) -> float:
@@ -189,15 +210,21 @@ class Analytic(StageTerms):
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         work -= self.hidden_ar_bwd(0, n, b, tp)  # at most hidden beside the weight gradients
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
-        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params) for z, g in sync_options), default=0.0)
+        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params, work / pp) for z, g in sync_options), default=0.0)
         return m * work / pp + sync, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
 
-    def _sync_floor(self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float) -> float:
+    def _sync_floor(
+        self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float, busy: float
+    ) -> float:
         """The least data-parallel synchronization of a rank holding ``params`` parameter elements under ZeRO
-        ``zero`` (MiCS group ``group``, 0: the whole dp group): the bandwidth terms only (latencies left out)."""
+        ``zero`` (MiCS group ``group``, 0: the whole dp group): the bandwidth terms only (latencies left out).
+        ZeRO-0's overlapped sync (``_overlapped``) hides at most one microbatch's backward, at most ``busy``:
+        m busy + max(0, sync - busy) is what a rank takes at least."""
         if dp <= 1:
             return 0.0
         c = Candidate(pp, dp, tp, 1, m, "none", zero=zero, mics_group=group)
+        if zero == 0 and self.cluster.overlaps_compute:
+            return max(0.0, self._sync_coefficients(c)[1] * params - busy)
         if zero < 3:
             return self._sync_coefficients(c)[1] * params
         z3 = c.shard_group

@@ -58,7 +58,10 @@ class StageTerms:
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
         self.copy_b = TrainingSetup(optimizer, precision).copy_bytes
         self.comm = CommTime(cluster, self.weight_b, self.grad_b, scatter_gather)
-        self.zero0_dominated = cluster.runs_as("reduce_scatter") == "reduce_scatter"
+        # ZeRO-0's bucketed all-reduce overlaps the last backward where collectives run beside compute (NCCL),
+        # ZeRO-1's reduce-scatter waits for the optimizer step: ZeRO-1 dominates ZeRO-0 only where neither overlaps
+        # and its reduce-scatter is one (not gloo's all-reduce)
+        self.zero0_dominated = cluster.runs_as("reduce_scatter") == "reduce_scatter" and not cluster.overlaps_compute
         units = profile.units
         self.n = len(units)
         rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
