@@ -548,17 +548,22 @@ CHEAP_CASES = {  # name -> (what to run, given tmp_path; the error class; a part
     "plan program an int": (lambda t: _load(_edited_plan(t, program=7)), "PlanError", "'program' must be a string"),
     "plan mesh size 0": (lambda t: _load(_edited_plan(t, mesh={"dp": 0})), "PlanError", "positive integers"),
     "unknown setup keys": (
-        lambda t: _load(_edited_plan(t, options={"setup": {"zerro": 2}})), "PlanError", "unknown keys ['zerro']",
+        lambda t: _load(_edited_plan(t, options={"setup": {"zerro": 2}})),
+        "PlanError",
+        "unknown keys ['zerro']",
     ),
     "plan version '1'": (lambda t: _load(_edited_plan(t, version="1")), "PlanError", "a str, not the number 1"),
     "pipeline without stage_plan": (
         lambda t: _load(_edited_plan(t, pipeline={"pp": 2, "schedule": "1f1b"})),
-        "PlanError", "lacks stage_plan",
+        "PlanError",
+        "lacks stage_plan",
     ),  # fmt: skip
     "n_layer=-2": (lambda t: _build("tiny-gpt2:n_layer=-2"), "PresetError", "must be a positive integer"),
     "NaN bandwidth": (lambda t: _cluster(intra_node_bandwidth=float("nan")), "ClusterSpecError", "finite number"),
     "simulate -P 100000 -M 100000000": (
-        lambda t: _simulate_flags(), "ScheduleError", "at most 1,000,000 stage-microbatches",
+        lambda t: _simulate_flags(),
+        "ScheduleError",
+        "at most 1,000,000 stage-microbatches",
     ),
 }
 
@@ -606,7 +611,7 @@ def test_float_ids_float_labels_and_a_missing_input_are_named_at_the_call():
     raise ``InputRangeError``; a missing or an extra input names them instead of dumping two TreeSpecs. Cost:
     one compile of tiny-gpt2."""
     import autopar
-    from autopar.errors import CaptureError, InputRangeError
+    from autopar.errors import BatchError, CaptureError, InputRangeError
     from autopar.models.resolve import build
 
     spec = build("tiny-gpt2", device="cpu", seed=0)
@@ -621,6 +626,10 @@ def test_float_ids_float_labels_and_a_missing_input_are_named_at_the_call():
         with pytest.raises(CaptureError, match=r"not compiled for \['mask'\]"):
             pipe.train_step(**spec.kwargs, mask=spec.kwargs["labels"])
         assert "TreeSpec" not in _raised(lambda: pipe.train_step(input_ids=spec.kwargs["input_ids"]))
+        # inputs on another device holding no data (meta): named, not "Tensor.item() cannot be called"
+        for name in ("labels", "input_ids"):
+            with pytest.raises(BatchError, match=f"input '{name}' is on the meta device"):
+                pipe.train_step(**(spec.kwargs | {name: spec.kwargs[name].to("meta")}))
         pipe.train_step(**spec.kwargs)
 
 
@@ -630,3 +639,27 @@ def _raised(fn) -> str:
     except Exception as e:  # noqa: BLE001
         return str(e)
     return ""
+
+
+def test_a_stuck_store_host_is_named_as_the_likely_stuck_rank(monkeypatch):
+    """When rank 0, which serves the job's store, is the stuck one, the survivors cannot agree who arrived (the
+    store does not answer): their ``RuntimeCommError`` names rank 0 as the likely stuck rank. Here rank 1 of a
+    two-rank world over a store that times out. Before: "could not be told", no rank named. Cost: no spawn."""
+    from autopar.errors import RuntimeCommError
+    from runtime.comm import watch
+
+    class Silent:  # the store of a SIGSTOPped rank 0: every request times out
+        def set_timeout(self, _):
+            pass
+
+        def set(self, *_):
+            raise dist.DistStoreError("wait timeout after 1000ms, keys: autopar/arrived/0/1/1")
+
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: Silent())
+    monkeypatch.setattr(dist, "get_rank", lambda *_: 1)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(watch, "_ranks", lambda _: [0, 1])
+    monkeypatch.setattr(watch, "_timeout_of", lambda _: 5.0)
+    err = watch.failure(RuntimeError("[gloo] Timed out waiting 5000ms for recv"), object(), "pp", "recv", 1)
+    assert isinstance(err, RuntimeCommError), err
+    assert "rank 0 is likely the stuck one" in str(err) and "within 5s" in str(err), str(err)

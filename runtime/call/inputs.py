@@ -199,6 +199,12 @@ class CallInputs:
         none enters a collective the others do not."""
         found = None
         try:
+            for label, x in zip(self.labels, given):
+                if isinstance(x, torch.Tensor) and x.device.type == "meta":
+                    raise BatchError(
+                        f"input {label!r} is on the meta device: it has a shape but no values to train on; pass "
+                        f"it on {self.device} (or any device holding its data: it is moved to {self.device})"
+                    )
             self._check_rows(given, reads)
             for v, label, x in zip(self.values, self.labels, given):
                 if v.name in self.bounds and isinstance(x, torch.Tensor):

@@ -12,7 +12,8 @@ Who did not arrive is agreed through the job's store (``TCPStore``), only after 
 whose collective failed writes ``autopar/arrived/<group>/<n>/<rank>`` (``n``: the how-many-th collective
 on that group, the same on every member since they issue them in the same order), waits up to
 ``grace`` seconds for the other members' keys, and names those missing. A stuck rank writes none; a
-rank that serves the store (rank 0) being the stuck one leaves the names undetermined, said so. NCCL
+rank that serves the store (rank 0) being the stuck one leaves the names undetermined: the others then name
+rank 0 as the likely stuck one. NCCL
 aborts a timed-out communicator in its watchdog instead of raising (``TORCH_NCCL_ASYNC_ERROR_HANDLING``):
 there the timeout bounds the wait and the process ends, as torchrun then reports.
 """
@@ -107,9 +108,14 @@ def failure(error: BaseException, group, axis: str | None, op: str, n: int) -> B
     ranks = _ranks(group)
     axis = axis or _axis_of(group)
     seconds = _timeout_of(group)
-    absent = _absent(group, ranks, me, n, min(max(seconds or 5.0, 1.0), 10.0))
+    grace = min(max(seconds or 5.0, 1.0), 10.0)
+    absent = _absent(group, ranks, me, n, grace)
     if absent is None:
-        who = "which did not arrive could not be told (the store did not answer: rank 0 serves it)"
+        host = "" if me == 0 else " rank 0 is likely the stuck one:"
+        who = (
+            f"which did not arrive could not be told:{host} the job's store, which rank 0 serves, did not answer "
+            f"within {grace:g}s"
+        )
     elif absent:
         who = f"rank{'s' if len(absent) > 1 else ''} {', '.join(map(str, absent))} did not arrive"
     else:
