@@ -42,7 +42,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.ir.core import COLLECTIVES, VIEW_OPS, Op, Partial, Program, R, Ref, Shard, TensorType, bound_args
+from autopar.ir.core import (
+    COLLECTIVES,
+    VIEW_OPS,
+    Op,
+    Partial,
+    Program,
+    R,
+    Ref,
+    Shard,
+    TensorType,
+    Value,
+    bound_args,
+)
 from autopar.solver.sharding.one_axis import Ctx
 from autopar.solver.sharding.strategies import RULES
 
@@ -56,6 +68,7 @@ _ORDERED = {SORTED, PERM, INVERSE, OFFSETS}
 _SORTS = {"aten.sort", "aten.sort.stable", "aten.argsort", "aten.argsort.stable"}
 _GROUPED_MM = {"transformers.grouped_mm_fallback", "aten._grouped_mm"}
 _CASTS = {"aten.to.dtype", "aten._to_copy", "aten.to", "aten.clone", "aten.contiguous", "aten.to.dtype_layout"}
+TAIL_INPUT = "batch_tail"  # an input's attr: the step's value of a batch statistic (``Tail``), no batch rows
 _VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
 
 # ops linear in each of their float tensor inputs (a value affine in batch means stays so through them)
@@ -141,7 +154,7 @@ def analyze(program: Program) -> Analysis:
     states: dict[str, str] = {}
     dims: dict[str, int] = {}  # the batch dim of a ``rows`` value
     for v in program.inputs:
-        rows = v.kind == "input" and bool(v.type.shape)
+        rows = v.kind == "input" and bool(v.type.shape) and not v.attrs.get(TAIL_INPUT)
         states[v.name], dims[v.name] = (ROWS, 0) if rows else (DATA, -1)
     sent: dict[str, str] = {}  # "x.sendK" -> what it sends, for the matching "x.recvK"
     zeros = {op.result for op in program.ops if _is_zeros(op)}
@@ -577,7 +590,105 @@ def _origins(program: Program, analysis: Analysis) -> dict[str, set[str]]:
     return origin
 
 
-def microbatching_refusal(program: Program, pieces: int, weighed: bool = False) -> str | None:
+# -- exact under microbatching: the batch tail ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tail:
+    """How a coupled loss is made exact over the microbatches of a step: a gradient-free batch statistic each
+    coupling op reads (``operands``: the MoE load-balancing loss's per-expert token fractions, from top-k
+    indices, in its product with the mean router probabilities; the count of targets a loss divides by
+    before it adds another term) is taken once over the whole step, as the mean of the microbatches' values
+    (equal shares of the batch), and fed back into every microbatch's program in its place (``inputs``).
+    ``f_step * P_m`` averaged over the microbatches is ``f * P`` of the batch, ``x_m / mean(d)`` averaged is
+    ``sum(x) / sum(d)``; the rest is affine in means over the batch (the analysis checks the rewritten
+    program), so the microbatches' mean loss is the batch's, and so is its gradient (the statistics carry
+    none). ``ops``: the coupling ops it makes exact."""
+
+    operands: tuple[str, ...]
+    inputs: tuple[str, ...]
+    ops: tuple[str, ...]
+    stages: tuple[int, ...]  # the stages of the coupling ops (a planned program's; () before planning)
+
+
+def _gradients(program: Program) -> set[str]:
+    """The values a gradient can reach: floating values computed from parameters, received values or inputs
+    that take one; integer results (top-k indices, one-hot masks) and ``detach`` stop it."""
+    types = program.types()
+    got = {v.name for v in program.inputs if v.kind == "param" or v.attrs.get("grad")}
+    for op in program.ops:
+        if op.target in ("aten.detach", "aten.alias_detach") or op.target in _SHAPE_ONLY:
+            continue
+        if op.target == "recv" or any(r.name in got for r in op.input_refs()):
+            got |= {r for r in op.results if types[r].torch_dtype.is_floating_point}
+    return got
+
+
+def batch_tail(program: Program) -> Tail | None:
+    """The ``Tail`` that makes every certain coupling of ``program`` exact, or ``None`` where none does (a
+    coupling that is no product of batch statistics, or whose statistics all carry gradients: CLIP's logits,
+    batch norm)."""
+    found = [c for c in batch_couplings(program) if c.certain]
+    if not found:
+        return None
+    states, grads, producers = analyze(program).states, _gradients(program), program.producers()
+    operands: list[str] = []
+    for c in found:
+        op = producers[c.result]
+        if not isinstance(op, Op):
+            return None
+        if c.kind == BATCH_DIVISOR:  # x / d, both sums or both means: x_m / mean_m(d_m), averaged, is X / D
+            x, d = op.args[0], op.args[1]
+            same = isinstance(x, Ref) and states.get(x.name) == states[d.name]
+            if not same or d.name in grads:
+                return None
+            free = [d.name]
+        elif c.kind == "nonlinear in batch statistics":  # a product of means, one of them gradient-free
+            live = [r.name for r in op.input_refs() if states.get(r.name) not in (DATA, None)]
+            if op.target not in ("aten.mul.Tensor", "aten.mul") or any(states[r] != MEAN for r in live):
+                return None
+            free = [r for r in live if r not in grads][:1]
+            if not free:
+                return None
+        else:
+            return None
+        operands += [r for r in free if r not in operands]
+    tail = Tail(
+        tuple(operands),
+        tuple(f"{r}.step" for r in operands),
+        tuple(c.result for c in found),
+        tuple(sorted({producers[c.result].attrs["stage"] for c in found if "stage" in producers[c.result].attrs})),
+    )
+    if any(c.certain for c in batch_couplings(tail_program(program, tail))):
+        return None
+    return tail
+
+
+def tail_program(program: Program, tail: Tail) -> Program:
+    """``program`` with the tail's statistics read from its inputs at the coupling ops (only there) and
+    appended to its outputs (each microbatch's own value, which the step's is the mean of). The ops and
+    statistics not in ``program`` (another stage's) are left out."""
+    here = {op.result for op in program.ops} | {v.name for v in program.inputs}
+    pairs = {a: b for a, b in zip(tail.operands, tail.inputs) if a in here}
+    types = program.types()
+    ops = []
+    for op in program.ops:
+        if op.result in tail.ops:
+            op = replace(op, args=tuple(Ref(pairs[a.name]) if isinstance(a, Ref) and a.name in pairs else a
+                                        for a in op.args))  # fmt: skip
+        ops.append(op)
+    users = {a: next(op for op in program.ops if op.result in tail.ops and Ref(a) in op.args) for a in pairs}
+    # a count (an integer sum) averaged over the microbatches is no integer: in the dtype the op computes in
+    typed = {a: types[a] if types[a].is_float else replace(types[a], dtype=users[a].types[0].dtype) for a in pairs}
+    inputs = tuple(Value(b, "input", typed[a], {TAIL_INPUT: True}) for a, b in pairs.items())
+    return replace(
+        program, inputs=program.inputs + inputs, ops=tuple(ops), outputs=program.outputs + tuple(Ref(a) for a in pairs)
+    )
+
+
+def microbatching_refusal(
+    program: Program, pieces: int, weighed: bool = False, tail: bool = False, schedule: str = ""
+) -> str | None:
     """The message refusing to run ``program`` as ``pieces`` microbatches, naming every coupling; ``None``
     when it runs exactly so (one piece, or no coupling). Only certain couplings refuse: an op the analysis
     cannot read (``UNPROVEN``: an op with no sharding rule whose meaning is not read here, or a sort of the
@@ -585,8 +696,12 @@ def microbatching_refusal(program: Program, pieces: int, weighed: bool = False) 
     refused, so a model that microbatches exactly is not stopped for what the analysis does not know; a
     coupling computed only from such an op's results is not seen (documented in docs/architecture.md).
     ``weighed``: the caller said how the pieces weigh (a
-    ``loss_weight`` of its own), which decides a division by a count over the batch, so that is no refusal."""
+    ``loss_weight`` of its own), which decides a division by a count over the batch, so that is no refusal.
+    ``tail``: the step can run a ``Tail`` (every forward of its stage before the first backward: GPipe), so a
+    coupling it makes exact is no refusal either; ``schedule``: the schedule's name, for the message."""
     if pieces <= 1:
+        return None
+    if tail and batch_tail(program) is not None:
         return None
     found = [c for c in batch_couplings(program) if c.certain and not (weighed and c.kind == BATCH_DIVISOR)]
     if not found:
@@ -599,7 +714,20 @@ def microbatching_refusal(program: Program, pieces: int, weighed: bool = False) 
         "batch-level values over the whole batch), say how the pieces weigh with loss_weight= (which settles a "
         "division by a count over the batch, not the other couplings), or accept the per-microbatch semantics with "
         "microbatch_semantics='per_microbatch' (what Megatron's and torch's pipelines do silently)"
+        + (_tail_hint(program, schedule) if not tail else "")
     )
 
 
-__all__ = ["Analysis", "Coupling", "analyze", "batch_couplings", "microbatching_refusal"]
+def _tail_hint(program: Program, schedule: str) -> str:
+    if batch_tail(program) is None:
+        return ""
+    return (
+        f". The load-balancing statistics could be taken over the whole step (exact), but only on a schedule that "
+        f"runs every forward of their stage before its first backward (gpipe), not on {schedule or 'this one'}"
+    )
+
+
+__all__ = [
+    "TAIL_INPUT", "Analysis", "Coupling", "Tail", "analyze", "batch_couplings", "batch_tail", "microbatching_refusal",
+    "tail_program",
+]  # fmt: skip

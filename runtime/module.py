@@ -56,6 +56,7 @@ from autopar.runtime.call.pipeline_guard import refuse_backward
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.lazy import Deferred, settle
 from autopar.runtime.comm.teardown import holds_groups
+from autopar.runtime.execute.batch_tail import install_tail
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.execute.stage_runner import StageRunner
 from autopar.runtime.grads import clip
@@ -164,6 +165,10 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             split = any(split_backwards(actions) for actions in schedule.actions)
             overlap_tp = not (options.sub_pipeline_tp or split)
             self.train_runners, self._stages = builder.runners(train, mine, fractions, "stage", overlap_tp)
+        self._tail = None  # a coupled loss made exact over the step (runtime/execute/batch_tail.py)
+        if train is not None and options.microbatch_semantics == "exact":
+            runners, sub = self.train_runners, options.sub_microbatches
+            self._tail = install_tail(builder, train, schedule, self._stages, runners, sub, overlap_tp)
         self._builder = builder
         self._setup_inputs(leaves)
         self._state = state
@@ -285,7 +290,10 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if weight == "auto":  # the loss's own divisor when it is a mean over the data's items
             weight = program_weight(self.program, self._builder.part, self.comm, pieces)
         if opts.microbatch_semantics == "exact" and self.train_program is not None:
-            refusal = microbatching_refusal(self.train_program, pieces, weighed=opts.loss_weight != "auto")
+            tail = self._tail is not None and weight is None  # a batch tail takes equal shares
+            refusal = microbatching_refusal(
+                self.train_program, pieces, weighed=opts.loss_weight != "auto", tail=tail, schedule=self._schedule.name
+            )
             if refusal is not None:  # the same program on every rank: every rank raises it
                 raise BatchCouplingError(refusal)
         self._call = CallInputs.of(

@@ -20,7 +20,7 @@ from autopar.cli import main as cli_main
 from autopar.config import TrainConfig
 from autopar.errors import BatchCouplingError, ConfigError, SimulationError
 from autopar.ir.core import MeshSpec
-from autopar.models.small_families import FAMILIES
+from autopar.models.small_families import FAMILIES, moe
 from autopar.passes.batch_coupling import UNPROVEN, analyze, batch_couplings
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
@@ -162,13 +162,42 @@ def test_clip_on_pp_tp_is_refused_by_name(microbatches: int) -> None:
         SimCompiled.of(model, PP_TP, (), kwargs, microbatches=microbatches)
 
 
-def test_moe_aux_loss_on_pp_is_refused_by_name() -> None:
-    """Qwen3-MoE with its load-balancing loss on pp=2 with 4 microbatches: refused (not made exact: see
-    docs/architecture.md), naming the product of the token fractions and the router means."""
+def test_moe_aux_loss_on_pp_1f1b_is_refused_by_name() -> None:
+    """Qwen3-MoE with its load-balancing loss on pp=2 with 4 microbatches under 1F1B: refused, naming the
+    product of the token fractions and the router means, and saying that GPipe runs it exactly (1F1B's last
+    stage starts a backward before the step's last forward, which the batch tail needs)."""
     model, kwargs = _qwen3_moe(torch.Generator().manual_seed(0))
     kwargs = {k: v.repeat(2, 1) for k, v in kwargs.items()}  # 8 rows: 4 microbatches of 2
-    with pytest.raises(SimulationError, match=r"BatchCouplingError: .*aten.mul.Tensor.*nonlinear in batch statistics"):
+    want = r"BatchCouplingError: .*aten.mul.Tensor.*nonlinear in batch statistics.*exact.*gpipe.*not on 1f1b"
+    with pytest.raises(SimulationError, match=want):
         SimCompiled.of(model, PP, (), kwargs, microbatches=4)
+
+
+def test_moe_aux_loss_on_pp_gpipe_is_exact() -> None:
+    """Qwen3-MoE (transformers' default grouped_mm kernel) with its load-balancing loss weighted by
+    ``router_aux_loss_coef=0.1`` (``MoeLogitsCE``: Hugging Face's own loss would cast to float32) on pp=2 with
+    4 microbatches under GPipe trains as one process (float64, 3 SGD steps, losses and every parameter to
+    1e-10): the batch tail (runtime/execute/batch_tail.py) takes the token fractions and the cross-entropy's
+    count of targets over the whole step. Before it, the plan was refused."""
+    torch.manual_seed(0)
+    model, _ = moe("qwen3_moe", aux_loss=0.1)(torch.Generator().manual_seed(0))
+    model = float64_model(model)
+    ids = torch.randint(3, 64, (8, 8), generator=torch.Generator().manual_seed(1))  # 4 microbatches of 2
+    batch = {"input_ids": ids, "labels": ids}
+    assert {c.kind for c in batch_couplings(_lowered(copy.deepcopy(model), batch))} == {
+        "nonlinear in batch statistics", "batch divisor"
+    }  # fmt: skip
+    reference = copy.deepcopy(model)
+    sim = SimCompiled.of(copy.deepcopy(model), PP, (), batch, microbatches=4, schedule="gpipe", float64=True)
+    assert sim.modules[0].program.attrs["pipeline_stages"] == 2  # the plan really pipelines
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(3)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [batch] * 3)
+    assert (losses == losses[:, :1]).all(), losses
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where)
 
 
 def test_batch_norm_on_pp_is_refused_and_one_microbatch_is_exact() -> None:

@@ -275,6 +275,13 @@ class Executor:
                 leaves[buf.name] = t.requires_grad_(True) if buf.grad and t.is_floating_point() else t
             leaves.update(inputs)
             envs.append(leaves)
+        if st.tail is not None:  # a batch tail (runtime/execute/batch_tail.py): the step's forwards all at once
+            for mb, stash, outs in st.tail.forward(
+                a.mb, envs, lambda e, m: self._call(st.whole, e, m)[0], self._scales
+            ):
+                self._stash[(mb, a.stage)] = stash
+                self._keep_loss(mb, outs)
+            return
         x = a.recompute
         stash = Stash(envs, recompute=x)
         if not x:
@@ -302,12 +309,7 @@ class Executor:
             self.outputs[a.mb] = [tuple(o) for o in outs]
             return
         if st.is_last:
-            losses = [o[0].detach() for o in outs]
-            w = self._scales[a.mb]
-            if len(losses) == 1 or not sum(w):
-                self._losses[a.mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-            else:
-                self._losses[a.mb] = sum(s * x for s, x in zip(w, losses)) / sum(w)
+            self._keep_loss(a.mb, outs)
             return
         flat = [o for out in outs for o in out]
         nxt = a.stage + 1
@@ -315,6 +317,15 @@ class Executor:
             self._acts[(a.mb, nxt)] = [o.detach() for o in flat]
         else:
             self.p2p.to_send[(Kind.SEND_ACT, a.mb, a.stage)] = [to_wire(o) for o in flat]
+
+    def _keep_loss(self, mb: int, outs: list[tuple]) -> None:
+        """Microbatch ``mb``'s loss: its sub-microbatches' first outputs, weighed by their loss scales."""
+        losses = [o[0].detach() for o in outs]
+        w = self._scales[mb]
+        if len(losses) == 1 or not sum(w):
+            self._losses[mb] = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        else:
+            self._losses[mb] = sum(s * x for s, x in zip(w, losses)) / sum(w)
 
     def _recompute(self, a: Action) -> None:
         st = self.stages[a.stage]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -52,6 +53,7 @@ class StageRunner:
     is_last: bool
     # recompute fraction -> (prefix run without autograd in F, rest or None when all is recomputed)
     variants: dict[Fraction, tuple[Part, Part | None]] = field(default_factory=dict)
+    tail: Any = None  # a batch tail's StageTail (runtime/execute/batch_tail.py): the step's forwards at once
 
 
 __all__ = ["Buffer", "Part", "StageRunner"]
