@@ -60,6 +60,14 @@ class ModuleViews:
             out.update({k: v.clone() for k, v in unread.items()})
         return out
 
+    def as_dtensors(self):
+        """This rank's parameters and buffers as DTensors with the plan's placements, under the user's
+        keys, sharing storage with the shards the program runs on (``runtime/checkpoint/dtensors.py``): torch's
+        ``get_state_dict``/``set_state_dict``, DCP and ``clip_grad_norm_`` work on it."""
+        from autopar.runtime.checkpoint.dtensors import dtensor_view
+
+        return dtensor_view(self)
+
     def _whole(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every value of the programs, whole, by program name, on every rank."""
 
