@@ -43,7 +43,7 @@ from autopar.ir.core import Program
 from autopar.passes.batch_coupling import microbatching_refusal
 from autopar.passes.describe import describe_plan
 from autopar.passes.stage_program import StageProgram
-from autopar.runtime.build.compiled import compile_rank
+from autopar.runtime.build.compiled import compile_rank, mesh_eager_parts
 from autopar.runtime.build.params import LocalTensors, register
 from autopar.runtime.build.precision import LossScaler, MixedPrecisionPolicy, cast_floats
 from autopar.runtime.build.rng import DropoutRng
@@ -184,7 +184,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if options.torch_compile:
             split = any(split_backwards(actions) for actions in schedule.actions)
             sub = options.sub_pipeline_tp
-            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, sub, split)
+            notes = mesh_eager_parts(comm.sizes, self.setup.zero, sub, split)
+            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, sub, split, notes)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(

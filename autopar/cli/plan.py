@@ -17,7 +17,8 @@ from autopar.ir.axes import PIPELINE_AXIS, data_axes
 from autopar.passes.describe import describe_plan
 from autopar.passes.shard import planning_options
 from autopar.planner import PipelinePlanOptions, plan_model
-from autopar.schedule.generators import SCHEDULES, schedule_kind
+from autopar.runtime.build.compiled import mesh_eager_parts
+from autopar.schedule.generators import SCHEDULES, schedule_kind, splits_backward
 from autopar.schedule.placement import schedule_of
 from autopar.search import run_cli
 from autopar.solver.sharding.baselines import BASELINES
@@ -95,6 +96,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="pipeline schedule the stages are balanced for (pipeline meshes; default 1f1b, interleaved with "
         "--chunks, wave with --waves): a zero-bubble one prices the output gradients its split backward keeps",
     )
+    p.add_argument(
+        "--torch-compile", action="store_true", default=None,
+        help="the plan runs with torch_compile=True: also list which parts of it run eagerly or give up an overlap, "
+        "and why",
+    )  # fmt: skip
     p.add_argument("--no-baselines", action="store_true", help="skip the baselines")
     p.add_argument("-o", "--output", default=None, help="write the plan file (JSON) here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -151,6 +157,7 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         "microbatches": args.microbatches,
         "cluster": args.cluster,
         "roles": args.roles,
+        "torch_compile": getattr(args, "torch_compile", None),
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
@@ -219,8 +226,11 @@ def run(args: argparse.Namespace) -> int:
     plan = report.plan
     if args.output:
         plan.save(args.output)
+    eager = compiled_eager_parts(cfg, plan) if cfg.torch_compile else None
     if args.json:
         out = dict(plan.stats)
+        if eager is not None:
+            out["torch_compile_eager"] = eager
         # a baseline that cannot run on this mesh: null here, its reason in baselines_detail[name]["unavailable"]
         out["baselines"] = {k: v.get("memory_per_device_bytes") for k, v in plan.baselines.items()}
         out["baselines_detail"] = plan.baselines
@@ -237,7 +247,19 @@ def run(args: argparse.Namespace) -> int:
         print()
         return 0
     _print_report(args, report)
+    if eager is not None:
+        print("\ntorch_compile=True: every program compiled with Inductor" + (", but:" if eager else ", nothing eager"))
+        for line in eager:
+            print(f"  - {line}")
     return 0
+
+
+def compiled_eager_parts(cfg: TrainConfig, plan) -> list[str]:
+    """What of ``plan`` a ``torch_compile=True`` run leaves eager or unoverlapped, and why
+    (runtime/build/compiled.py ``eager_parts``; the compile log repeats it when the plan runs)."""
+    schedule = plan.pipeline["schedule"] if plan.pipeline else None
+    split = schedule is not None and splits_backward(schedule)
+    return mesh_eager_parts(dict(plan.launch_mesh.axes), cfg.zero, cfg.sub_pipeline_tp, split)
 
 
 def precision_line(setup: dict) -> str:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from autopar.ir.axes import data_axes, tensor_axes
 from autopar.runtime.build import rng as keyed
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
@@ -280,6 +281,7 @@ class CompileLog:
     first_s: dict[str, float] = field(default_factory=dict)
     later_s: dict[str, list[float]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)  # "label: the op or kernel: the error"
+    plan_notes: list[str] = field(default_factory=list)  # eager_parts: what the plan's features leave eager
 
     def summary(self) -> str:
         first = sum(self.first_s.values())
@@ -291,6 +293,7 @@ class CompileLog:
         for label, calls in self.eager.items():
             lines.append(f"  {label} runs eagerly: {'; '.join(calls)}")
         lines += [f"  compile failed, ran eagerly: {f}" for f in self.failed]
+        lines += [f"  eager or not overlapped by the plan: {n}" for n in self.plan_notes]
         return "\n".join(lines)
 
 
@@ -500,8 +503,63 @@ def runner_parts(runners: dict, label: str) -> dict[str, Part]:
     return out
 
 
+def eager_parts(
+    *,
+    zero: int = 0,
+    sub_pipeline_tp: bool = False,
+    split_backward: bool = False,
+    tensor_parallel: bool = False,
+    data_parallel: bool = False,
+) -> list[str]:
+    """What of a ``torch_compile=True`` run stays eager or gives up a planned overlap, and why, from the plan's
+    features alone (``autopar plan`` prints it before anything is compiled; ``compile_rank`` puts it in the
+    compile log): each line ``part: why``. An empty list: every program compiles whole, every overlap kept."""
+    out: list[str] = []
+    if zero == 3:
+        out.append(
+            "ZeRO-3 unit gathers and releases (Zero3Params._gather_unit/_release_unit): eager, a graph break at each "
+            "(their prefetch is kept; the compute between them is compiled)"
+        )
+    if sub_pipeline_tp:
+        out.append(
+            "the training programs: eager whole (sub_pipeline_tp interprets them node by node at their collectives)"
+        )
+    if split_backward and not sub_pipeline_tp:
+        out.append(
+            "the zero-bubble split backward: a compiled region's backward is one graph, run whole in B (its weight "
+            "gradients too); W runs only what lies below the region, so the schedule's W slots gain nothing"
+        )
+    if tensor_parallel and not sub_pipeline_tp:
+        out.append("Megatron f's gradient all-reduce: waited where it stands (not behind the weight gradients)")
+    if tensor_parallel or data_parallel:
+        out.append(
+            "a returned loss's all-reduce, where the plan has one: waited where it stands (the eager program defers "
+            "that wait to the loss's first read)"
+        )
+    if data_parallel and zero < 3:
+        out.append(
+            "gradient buckets: a compiled backward delivers its region's gradients together at its end, so the "
+            "buckets' all-reduces start then (eager: as each bucket fills)"
+        )
+    return out
+
+
+def mesh_eager_parts(sizes: dict[str, int], zero: int, sub_pipeline_tp: bool, split_backward: bool) -> list[str]:
+    """``eager_parts`` of a mesh given as axis name -> size (dp*/tp* axes as their names say)."""
+    used = [n for n, k in sizes.items() if k > 1]
+    return eager_parts(
+        zero=zero, sub_pipeline_tp=sub_pipeline_tp, split_backward=split_backward,
+        tensor_parallel=bool(tensor_axes(used)), data_parallel=bool(data_axes(used)),
+    )  # fmt: skip
+
+
 def compile_rank(
-    forward_runners: dict, train_runners: dict, comm: Comm, sub_pipelined: bool, split_backward: bool
+    forward_runners: dict,
+    train_runners: dict,
+    comm: Comm,
+    sub_pipelined: bool,
+    split_backward: bool,
+    notes: list[str] | tuple[str, ...] = (),
 ) -> CompileLog:
     """Compile a rank's forward and training programs; the log says what runs eagerly. Sub-pipelined
     tensor parallelism interprets its training programs node by node (``runtime/execute/subpipeline.py``),
@@ -511,6 +569,7 @@ def compile_rank(
     if not sub_pipelined:
         parts |= train
     log_ = compile_parts(parts, comm, set(train) if split_backward else set())
+    log_.plan_notes = list(notes)
     if sub_pipelined:
         for label in runner_parts(train_runners, "stage"):
             log_.eager[label] = ["the whole program (sub_pipeline_tp interprets it at its collectives)"]
@@ -518,4 +577,14 @@ def compile_rank(
     return log_
 
 
-__all__ = ["CompileLog", "CompiledCall", "compilable", "compile_part", "compile_parts", "compile_rank", "runner_parts"]
+__all__ = [
+    "CompileLog",
+    "CompiledCall",
+    "compilable",
+    "eager_parts",
+    "mesh_eager_parts",
+    "compile_part",
+    "compile_parts",
+    "compile_rank",
+    "runner_parts",
+]

@@ -1,0 +1,54 @@
+"""What a ``torch_compile=True`` run leaves eager or unoverlapped, said before it runs (``autopar plan
+--torch-compile``) and in its compile log: ``runtime/build/compiled.py`` ``eager_parts`` from the plan's
+features. No compiling here (cheap: a few seconds of planning)."""
+
+from __future__ import annotations
+
+import json
+
+from autopar.cli import main
+from autopar.runtime.build.compiled import CompileLog, eager_parts, mesh_eager_parts
+
+
+def _has(lines: list[str], start: str) -> bool:
+    return any(line.startswith(start) for line in lines)
+
+
+def test_eager_parts_name_each_feature_that_stays_eager_and_why():
+    assert eager_parts() == []  # one process, one stage: everything compiled, nothing to overlap
+    z3 = eager_parts(zero=3, data_parallel=True)
+    assert _has(z3, "ZeRO-3 unit gathers and releases") and "graph break" in z3[0]
+    assert not _has(z3, "gradient buckets")  # ZeRO-3 reduce-scatters per unit, no buckets
+    assert _has(eager_parts(zero=2, data_parallel=True), "gradient buckets")
+    split = eager_parts(split_backward=True)
+    assert _has(split, "the zero-bubble split backward") and "run whole in B" in split[0]
+    sub = eager_parts(sub_pipeline_tp=True, split_backward=True, tensor_parallel=True)
+    assert _has(sub, "the training programs: eager whole") and not _has(sub, "the zero-bubble split backward")
+    assert _has(mesh_eager_parts({"pp": 2, "tp": 2}, 0, False, False), "Megatron f's gradient all-reduce")
+    assert not _has(mesh_eager_parts({"pp": 2, "tp": 1, "dp": 1}, 0, False, False), "Megatron f's")  # size-1 axes
+
+
+def test_the_compile_log_summary_states_the_plans_eager_parts():
+    notes = eager_parts(zero=3, data_parallel=True)
+    text = CompileLog(plan_notes=notes).summary()
+    assert all(f"eager or not overlapped by the plan: {n}" in text for n in notes)
+
+
+def test_autopar_plan_torch_compile_lists_the_eager_parts(capsys):
+    assert main(["plan", "gpt2:n_layer=2", "--mesh", "pp=2,tp=2", "--schedule", "zbv", "--no-baselines", "--json"]) == 0
+    assert "torch_compile_eager" not in json.loads(capsys.readouterr().out)  # not asked: not said
+    argv = ["plan", "gpt2:n_layer=2", "--mesh", "pp=2,tp=2", "--schedule", "zbv", "--no-baselines", "--torch-compile"]
+    assert main([*argv, "--json"]) == 0
+    eager = json.loads(capsys.readouterr().out)["torch_compile_eager"]
+    assert _has(eager, "the zero-bubble split backward") and _has(eager, "Megatron f's gradient all-reduce")
+    assert not _has(eager, "ZeRO-3")
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "torch_compile=True: every program compiled with Inductor, but:" in text
+    assert all(f"  - {line}" in text for line in eager)
+    assert (
+        main(["plan", "gpt2:n_layer=2", "--mesh", "dp=2", "--zero", "3", "--no-baselines", "--torch-compile", "--json"])
+        == 0
+    )
+    eager = json.loads(capsys.readouterr().out)["torch_compile_eager"]
+    assert _has(eager, "ZeRO-3 unit gathers and releases") and not _has(eager, "the zero-bubble")
