@@ -80,6 +80,15 @@ class RuntimeCommError(AutoparError):
     """A collective or point-to-point transfer failed or timed out (e.g. a peer rank died)."""
 
 
+class PeerFailedError(RuntimeCommError):
+    """Another rank raised during the step (published in the job's store): this rank stops waiting for it.
+    ``rank`` and ``error`` name that rank and what it raised."""
+
+    def __init__(self, message: str, rank: int = -1, error: str = ""):
+        super().__init__(message)
+        self.rank, self.error = rank, error
+
+
 class SubPipelineError(PipelineError):
     """Sub-pipelined tensor parallelism asked for where it cannot run (an odd microbatch, no tensor-parallel
     collective to overlap)."""

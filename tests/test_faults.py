@@ -442,7 +442,43 @@ def _every_rank_told(rank: int, world: int) -> dict:
         out["label"] = f"{type(e).__name__}: {e}"
     out["after"] = float(pipe.train_step(**mine))
     out.update(_nan_rows(rank))
+    out["peer_failed"] = _a_stage_raises(rank)  # last: rank 0 leaves a receive from rank 1 unfinished
     return out
+
+
+PEER_TIMEOUT = 60.0  # compile(timeout=) of the pipeline case: a survivor told promptly stops well within it
+
+
+def _a_stage_raises(rank: int) -> dict:
+    """tiny-gpt2 on pp=2: a good step, then rank 1's first backward raises (an injected bug in a stage) and
+    rank 1 stays alive (it caught its error, as a training script's ``except`` or its cleanup does); what each
+    rank raised, and after how many seconds."""
+    import autopar
+    from autopar.models.resolve import build
+    from autopar.runtime.execute.executor import Executor
+
+    spec = build("tiny-gpt2", device="cpu", seed=0)
+    mesh = autopar.init_mesh("cpu", pp=2)
+    pipe = autopar.compile(spec.model, mesh, kwargs=spec.kwargs, microbatches=2, schedule="1f1b", timeout=PEER_TIMEOUT)
+    pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+    pipe.train_step(**spec.kwargs)
+    if rank == 1:
+
+        def broken(self, a, waited):
+            raise ValueError("injected: a bug in stage 1's backward")
+
+        Executor._backward = broken
+    dist.barrier()
+    t0 = time.perf_counter()
+    try:
+        pipe.train_step(**spec.kwargs)
+        raised = "no error"
+    except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+        raised = f"{type(e).__name__}: {e}"
+    seconds = time.perf_counter() - t0
+    if rank == 1:
+        time.sleep(min(PEER_TIMEOUT, 1.5 * seconds + 15.0))  # alive while rank 0 waits: its death would tell it
+    return {"raised": raised, "seconds": seconds}
 
 
 def _nan_rows(rank: int) -> dict:
@@ -491,7 +527,9 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
     step communicates, and the next good step trains on both (before: rank 0 raised, rank 1 entered the step's
     collectives alone). A NaN in rank 0's input rows: under on_nonfinite "warn_skip" (default), "skip" (with
     max_grad_norm: the norm is NaN) and "raise" no parameter changes on either rank (before: NaN everywhere).
-    Cost: one spawn of two processes, three compiles of tiny-gpt2 (one refused), three of tiny-mlp."""
+    On pp=2, a stage of rank 1 raising while rank 1 lives on: rank 0 raises ``PeerFailedError`` naming rank 1
+    and its error within seconds (before: ``RuntimeCommError`` after the 60 s transfer timeout).
+    Cost: one spawn of two processes, four compiles of tiny-gpt2 (one refused), three of tiny-mlp."""
     from tests._dist import run_distributed
 
     results = run_distributed(_every_rank_told, 2, timeout=300)
@@ -510,6 +548,14 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
         assert any("skipped on every rank" in m for m in r["warn_skip"]["warned"]), r["warn_skip"]
         assert r["skip"]["raised"] == "no error" and not r["skip"]["warned"] and r["skip"]["skipped"] == 1
         assert r["raise"]["raised"].startswith("NonFiniteError: some gradients are NaN"), r["raise"]
+
+    # a stage raising on pipeline rank 1 (alive after): rank 0 is told through the store, well within the timeout
+    failed, survivor = results[1]["peer_failed"], results[0]["peer_failed"]
+    assert failed["raised"].startswith("ValueError: injected"), failed
+    assert survivor["raised"].startswith(
+        "PeerFailedError: rank 0: rank 1 raised during this step (ValueError: injected: a bug in stage 1's backward)"
+    ), survivor
+    assert survivor["seconds"] < PEER_TIMEOUT / 4, survivor  # polled every 0.2 s; before: the 60 s timeout
 
 
 # -- internal tracebacks turned into named errors ---------------------------------------------------------------

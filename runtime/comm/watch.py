@@ -21,6 +21,7 @@ there the timeout bounds the wait and the process ends, as torchrun then reports
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.errors import RuntimeCommError
+from autopar.errors import PeerFailedError, RuntimeCommError
 
 T = TypeVar("T")
 
@@ -177,4 +178,100 @@ def _timeout_of(group) -> float | None:
     return None
 
 
-__all__ = ["device_mesh", "failure", "guarded", "is_comm_failure", "started", "world_timeout"]
+# -- one rank's failure told to the others promptly -------------------------------------------------------------
+#
+# A rank that raises during a step (a bug in a stage, an out-of-memory, an injected error) used to reach its
+# peers only through the transfer timeout: they waited for a message it would never send. ``publish`` writes
+# the failure to the job's store under ``autopar/failed/<step>`` (``step``: the how-many-th pipeline step of
+# this process, the same on every rank since all run the same steps); ``wait_watching`` waits for a transfer
+# while polling that key every ``POLL`` seconds, so a survivor raises ``PeerFailedError`` naming the failed
+# rank and its error within about ``POLL`` seconds instead of the timeout. gloo's receive neither reports
+# completion (``is_completed``) nor honours ``wait(timeout=)``, so the wait runs on a helper thread and this
+# thread polls; the helper of an abandoned wait stays blocked until the process ends or the transport times it
+# out (the job is failing by then).
+
+POLL = 0.2
+_STEP = [0]
+
+
+def step_begun() -> int:
+    """Count a pipeline step begun by this process; its number (``publish`` and ``wait_watching`` key on it)."""
+    _STEP[0] += 1
+    return _STEP[0]
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store() if dist.is_initialized() else None
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def publish(error: BaseException, step: int) -> None:
+    """Tell the other ranks that this one raised ``error`` during step ``step`` (best effort: a store that
+    does not answer is left alone)."""
+    if isinstance(error, RuntimeCommError):  # a failure caused by another rank: that rank tells its own
+        return
+    store = _store()
+    if store is None:
+        return
+    first = str(error).splitlines()[0] if str(error) else ""
+    try:
+        store.set(f"autopar/failed/{step}", f"{dist.get_rank()}\n{type(error).__name__}: {first}"[:2000])
+    except (RuntimeError, dist.DistError):
+        pass
+
+
+def peer_failure(step: int) -> PeerFailedError | None:
+    """The ``PeerFailedError`` for a rank that published a failure during step ``step``; None when none did."""
+    store = _store()
+    if store is None:
+        return None
+    key = f"autopar/failed/{step}"
+    try:
+        if not store.check([key]):
+            return None
+        rank, _, what = store.get(key).decode().partition("\n")
+    except (RuntimeError, dist.DistError):
+        return None
+    me = dist.get_rank()
+    return PeerFailedError(
+        f"rank {me}: rank {rank} raised during this step ({what}), so what this rank waits for will not come: "
+        f"stopping now instead of after the timeout. The error to fix is rank {rank}'s (its own traceback).",
+        int(rank),
+        what,
+    )
+
+
+def wait_watching(work, timeout: float, step: int | None) -> None:
+    """``work.wait()``, bounded by ``timeout`` seconds, raising ``PeerFailedError`` as soon as another rank
+    published a failure of step ``step`` (None: a plain bounded wait)."""
+    if step is None or _store() is None:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+        return
+    box: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout))
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+            box.append(e)
+
+    helper = threading.Thread(target=run, name="autopar-wait", daemon=True)
+    helper.start()
+    while True:
+        helper.join(POLL)
+        if box:
+            if box[0] is not None:
+                raise box[0]
+            return
+        err = peer_failure(step)
+        if err is not None:
+            raise err
+
+
+__all__ = [
+    "device_mesh", "failure", "guarded", "is_comm_failure", "peer_failure", "publish", "started", "step_begun",
+    "wait_watching", "world_timeout",
+]  # fmt: skip

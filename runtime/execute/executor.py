@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
+from autopar.runtime.comm import watch
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.execute.p2p import PointToPoint
 from autopar.runtime.execute.split_backward import WeightGrads, deferring_weights
@@ -161,6 +162,14 @@ class Executor:
         self.outputs = [[] for _ in range(m)]
         trace: list[TraceEvent] = []
         t0 = time.perf_counter()
+        self.p2p.step = step = watch.step_begun()
+        try:
+            return self._run(trace, t0)
+        except BaseException as e:  # every other rank told now, not at its transfer timeout (comm/watch.py)
+            watch.publish(e, step)
+            raise
+
+    def _run(self, trace: list[TraceEvent], t0: float) -> list[torch.Tensor]:
         self.p2p.start()
         live = peak = 0
         i, n = 0, len(self.actions)

@@ -34,8 +34,10 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from autopar.errors import RuntimeCommError
+from autopar.runtime.comm import watch
 from autopar.runtime.execute.stage_runner import StageRunner
 from autopar.runtime.execute.state import PendingReceive, wire_view
 from autopar.schedule.actions import RECV_KINDS, Action, Kind
@@ -62,6 +64,7 @@ class PointToPoint:
         self.batch_isend_irecv = batch_isend_irecv
         self.timeout, self.device, self.sub = timeout, device, sub_microbatches
         self.ahead = ahead
+        self.step: int | None = None  # the step being run (``watch.step_begun``): its failures are watched for
         self._channels: dict[int, list[Action]] = defaultdict(list)  # peer rank -> its receives, in list order
         self._kept: dict[Key, list[torch.Tensor]] = {}  # each receive's buffers, for the next step
         for a in actions:
@@ -175,7 +178,10 @@ class PointToPoint:
         """Wait for one work once (a gloo receive waited twice would wait for another message)."""
         if id(work) in self._done:
             return
-        self.guard(lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout)), a, peer)
+        if isinstance(work, dist.Work):  # a rank's failure published in the store stops the wait (comm/watch.py)
+            self.guard(lambda: watch.wait_watching(work, self.timeout, self.step), a, peer)
+        else:  # a simulated rank's transfer (runtime/sim)
+            self.guard(lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout)), a, peer)
         self._done[id(work)] = work  # kept alive until the step ends, so its id is not reused
 
 
