@@ -17,6 +17,7 @@ process, two SGD steps, every loss and parameter to ``TOL``; one spawned gloo ru
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 from dataclasses import replace
 
@@ -30,16 +31,18 @@ from autopar.errors import PipelineError
 from autopar.ir.core import MeshSpec, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
-from autopar.models.small_families import _lm, moe
+from autopar.models.small_families import _MOE_CONFIGS, _lm, moe
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
 from autopar.passes.experts import COMBINE, DISPATCH, routed_values
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.passes.transfers import insert_transfers
+from autopar.runtime.build import codegen as codegen_module
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
+from autopar.solver.sharding.experts import EXPERT_GROUPED_MM, grouped_expert_axes
 from tests._dist import run_distributed
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
@@ -90,7 +93,11 @@ def _sim(model, kwargs, mesh: MeshSpec) -> SimCompiled:
 @pytest.mark.parametrize(
     ("family", "mesh", "zero"),
     [
-        ("mixtral", EP, 0), ("qwen3_moe", EP, 0), ("olmoe", EP, 0), ("qwen2_moe", EP, 0), ("mixtral", EP_TP, 0),
+        ("mixtral", EP, 0),
+        ("qwen3_moe", EP, 0),
+        ("olmoe", EP, 0),
+        ("qwen2_moe", EP, 0),
+        ("mixtral", EP_TP, 0),
         ("mixtral", DP_EP, 2),
     ],  # fmt: skip
 )
@@ -290,6 +297,106 @@ def test_pipeline_stages_hold_whole_dispatch_regions(cut: str) -> None:
     losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
     with Float64Mode():
         ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
+
+
+# -- transformers' default experts kernel (grouped_mm) and the eager loop (captured through it) ---------------
+def _kernel_model(family: str, kernel: str, layers: int = 1):
+    """Tiny ``family`` (``small_families._MOE_CONFIGS``: 4 experts, top-2) with its experts computed by
+    ``kernel``, in float64, and its input."""
+    config, cls, cfg = _MOE_CONFIGS[family]
+    cfg = dict(cfg, num_experts_per_tok=2, router_aux_loss_coef=0.0, num_hidden_layers=layers)
+    torch.manual_seed(0)
+    model, kwargs = _lm(config, cls, **cfg, experts_implementation=kernel)(torch.Generator().manual_seed(1))
+    return float64_model(model), kwargs
+
+
+def _on_ep(model, mesh: MeshSpec) -> dict:
+    """``constrain`` entries holding every expert table split on its experts over ``ep`` (the memory objective
+    finds an expert split and a split of the experts' widths equally small)."""
+    ep = [a for a in mesh.names if a != "pp"].index("ep")  # each pipeline stage's mesh has no pp axis
+    names = [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    return {n: (lambda p, ep=ep: p[ep] == Shard(0)) for n in names}
+
+
+def _counting(real, calls: list):
+    """``real`` (the generated code's ``expert_grouped_mm``), appending to ``calls`` at each call."""
+
+    @functools.wraps(real)
+    def counted(*args, **kwargs):
+        calls.append(kwargs["axis"])
+        return real(*args, **kwargs)
+
+    return counted
+
+
+@pytest.mark.parametrize(
+    ("family", "kernel", "mesh", "zero", "layers"),
+    [
+        ("olmoe", "grouped_mm", EP, 0, 1),
+        ("deepseek_v3", "eager", EP, 0, 1),
+        ("olmoe", "grouped_mm", EP_TP, 0, 1),
+        ("qwen3_moe", "grouped_mm", DP_EP, 2, 1),
+        ("olmoe", "grouped_mm", PP_EP, 0, 2),
+        *(
+            pytest.param(family, kernel, mesh, 0, 2 if mesh is PP_EP else 1, marks=pytest.mark.heavy)
+            for family in ("olmoe", "deepseek_v3")
+            for kernel in ("grouped_mm", "batched_mm", "eager")
+            for mesh in (EP, EP_TP, PP_EP)
+            if (family, kernel, mesh)
+            not in {
+                ("olmoe", "grouped_mm", EP),
+                ("deepseek_v3", "eager", EP),
+                ("olmoe", "grouped_mm", EP_TP),
+                ("olmoe", "grouped_mm", PP_EP),
+            }
+        ),
+    ],  # fmt: skip
+)
+def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
+    family: str, kernel: str, mesh: MeshSpec, zero: int, layers: int, monkeypatch
+) -> None:
+    """transformers' default kernel (``grouped_mm``, captured as ``transformers::grouped_mm_fallback`` in
+    float64) and the eager loop (captured through it): two SGD steps on simulated ranks equal two in one process
+    (float64, every loss and parameter to ``TOL``) with every expert table split on its experts over ``ep``
+    (each rank holding E/2), every grouped matmul read expert-parallel (its rows sent to their experts' ranks
+    and back, ``expert_grouped_mm``), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2 over dp, and pp=2 x ep=2
+    (each stage's experts on its pipeline rank group, 1F1B over two microbatches)."""
+    model, kwargs = _kernel_model(family, kernel, layers)
+    reference = copy.deepcopy(model)
+    setup = TrainingSetup(optimizer="sgd", zero=zero) if zero else MEMORY.setup
+    options = replace(MEMORY, setup=setup, constrain=_on_ep(model, mesh))
+    pipelined = dict(microbatches=2, schedule="1f1b") if "pp" in mesh.names else {}
+    calls: list = []
+    monkeypatch.setattr(codegen_module.experts, "expert_grouped_mm", _counting(a2a.expert_grouped_mm, calls))
+    sim = SimCompiled.of(model, mesh, (), kwargs, options=options, float64=True, **pipelined)
+    prog = sim.modules[0].train_program
+    ep = prog.mesh.index("ep")
+    tables = _expert_tables(prog)
+    assert len(tables) == 2 * layers and all(t.type.placements[ep] == Shard(0) for t in tables), tables
+    held = {t.name: 0 for t in tables}
+    for module in sim.modules:  # every table on 2 ranks of each stage (4 on ep=2 x tp=2), E/2 experts each
+        local = dict(module.named_parameters())
+        for t in tables:
+            if t.name in local:
+                held[t.name] += 1
+                assert local[t.name].shape[0] == t.type.shape[0] // 2, (t.name, local[t.name].shape)
+    assert all(h == mesh.size // layers for h in held.values()), held
+    types = prog.types()
+    grouped = [op for op in prog.ops if op.target in EXPERT_GROUPED_MM]
+    assert len(grouped) == 2 * layers
+    for op in grouped:
+        ins = [types[r.name] for r in op.input_refs()]
+        assert grouped_expert_axes(ins, [t.placements for t in ins]) == [ep], [str(t) for t in ins]
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    micro = 2 if "pp" in mesh.names else 1  # each rank's two grouped matmuls (one layer) per microbatch, 2 steps
+    assert calls == ["ep"] * (2 * micro * 2 * mesh.size), calls
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "sgd")
+    assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
     assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where, missing)

@@ -35,6 +35,7 @@ from autopar.runtime.comm.context import current_comm
 from autopar.runtime.comm.context_attention import query_block_sdpa
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from autopar.solver.sharding.experts import grouped_expert_axes
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
@@ -185,6 +186,10 @@ def codegen(
             kwargs = dict(zip(_SDPA_ARGS, rest), **arg(op.kwargs))
             axes = _causal_query_axes(op, types, prog)
             node = graph.call_function(query_block_sdpa, (q, k, v, axes), kwargs)
+        elif op.target in GROUPED_MM and (ep := _grouped_expert_axis(op, types, prog)):
+            x_axes = _row_axes(types[op.args[0].name], prog)
+            kwargs = {"kernel": _callable(op), "axis": ep, "experts": types[op.args[1].name].shape[0], "rows": x_axes}
+            node = graph.call_function(experts.expert_grouped_mm, tuple(arg(op.args)), {**arg(op.kwargs), **kwargs})
         elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
             node = graph.call_function(
                 grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)
@@ -213,6 +218,15 @@ def codegen(
 
 # grouped matmuls: x[S, K] rows grouped by expert, w[E, K, N], offs[E] the groups' cumulative row ends
 GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
+
+
+def _grouped_expert_axis(op: Op, types, prog: Program) -> str | None:
+    """The expert axis on which a grouped matmul is expert-parallel (``solver/sharding/experts.py``), or None."""
+    refs = op.input_refs()
+    axes = grouped_expert_axes([types[r.name] for r in refs], [types[r.name].placements for r in refs])
+    if len(axes) > 1:
+        raise PlanError(f"%{op.result} = {op.target} is split over its experts on {len(axes)} mesh axes; use one")
+    return prog.mesh.names[axes[0]] if axes else None
 
 
 def _row_axes(x, prog: Program) -> list[str]:

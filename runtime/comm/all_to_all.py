@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -146,10 +147,78 @@ def expert_combine(y: torch.Tensor, idx: torch.Tensor, axis: str, experts: int) 
     return _Combine.apply(y, idx, axis, experts)
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows sent by ``all_to_all_single`` with given split sizes; the backward sends the gradient back."""
+
+    @staticmethod
+    def forward(ctx, x, c, axis, out_splits, in_splits):
+        ctx.c, ctx.axis, ctx.splits = c, axis, (out_splits, in_splits)
+        return _send(c, x, axis, sum(out_splits), out_splits, in_splits)
+
+    @staticmethod
+    def backward(ctx, g):
+        out_splits, in_splits = ctx.splits
+        return _send(ctx.c, g, ctx.axis, sum(in_splits), in_splits, out_splits), None, None, None, None
+
+
+def expert_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    *,
+    kernel: Callable,
+    axis: str,
+    experts: int,
+    rows: tuple[str, ...],
+    **kwargs,
+) -> torch.Tensor:
+    """``kernel(x, w, offs)`` (a grouped matmul, rows sorted by expert) with ``w`` this rank's ``experts / n``
+    experts of ``axis`` and ``x`` this rank's block of the sorted rows (its block over the mesh axes ``rows``,
+    outer first, ``axis`` among them); ``offs``: the groups' cumulative row ends over all the rows, whole.
+
+    Every rank reads from ``offs`` how many rows of each block belong to each group, so the split sizes need
+    no exchange: each rank sends the rows of its block to the ranks owning their experts (one
+    ``all_to_all_single``, dropless, variable splits), orders what it received by expert (each source's rows
+    are sorted already), runs the kernel on its experts with offsets of its own, and sends each result row
+    back to its block (the split sizes swapped). The backward runs the same exchanges the other way (the
+    gradient of an all-to-all is the inverse one), the kernel's own backward in between."""
+    if offs is None:
+        offs = kwargs.pop("offs")
+    c = current_comm()
+    n, me = c.sizes[axis], c.coords[axis]
+    per, size = experts // n, x.shape[0]
+    blocks = []
+    for i in range(n):  # the block index of each rank of the axis (this rank's other coordinates kept)
+        b = 0
+        for a in rows:
+            b = b * c.sizes[a] + (i if a == axis else c.coords[a])
+        blocks.append(b)
+    with torch.no_grad():
+        ends = offs.to(torch.int64)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        lo = torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * size
+        count = (torch.minimum(ends, lo + size) - torch.maximum(starts, lo)).clamp_min(0)  # [rank's block, group]
+        by_rank = count.view(n, n, per)  # [source block, destination rank, its expert]
+        send = by_rank[me].sum(1).tolist()
+        mine = by_rank[:, me]  # [source, my expert]: the rows I receive, source by source, each by expert
+        recv = mine.sum(1).tolist()
+        expert = torch.repeat_interleave(torch.arange(per).repeat(n), mine.reshape(-1))
+        order = torch.argsort(expert, stable=True)  # received rows grouped by my experts, sources in order
+        back = torch.argsort(order)
+        local_offs = torch.cumsum(mine.sum(0), 0).to(offs.dtype)
+    sent = sum(send)
+    arrived = _AllToAll.apply(x[:sent], c, axis, recv, send)
+    y = kernel(arrived[order], w, local_offs, **kwargs)[back]
+    out = _AllToAll.apply(y, c, axis, send, recv)
+    if sent < size:  # rows after the last group: no expert's, zero as the kernel leaves them
+        out = torch.cat([out, out.new_zeros((size - sent, *out.shape[1:]))])
+    return out
+
+
 class _NoCtx:
     """The ctx of an integer tensor's dispatch, which has no backward."""
 
 
 FUNCTIONS = {"expert_dispatch": expert_dispatch, "expert_combine": expert_combine}
 
-__all__ = ["FUNCTIONS", "Routing", "expert_combine", "expert_dispatch", "routing"]
+__all__ = ["FUNCTIONS", "Routing", "expert_combine", "expert_dispatch", "expert_grouped_mm", "routing"]

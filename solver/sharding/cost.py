@@ -302,6 +302,8 @@ class CostModel:
         gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``)."""
         if target == experts.EXPERT_GATHER:
             return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms)
+        if target in experts.EXPERT_GROUPED_MM:
+            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms)
         if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
             return 0.0, 0.0
         vol = sec = 0.0

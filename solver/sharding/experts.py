@@ -37,6 +37,13 @@ from autopar.ir.core import MeshSpec, Placement, Shard, TensorType
 INF = float("inf")
 
 EXPERT_GATHER = "aten.index.Tensor"
+# transformers' default experts kernel (grouped_mm): ``x[S, K]`` rows sorted by expert, ``w[E, K, N]``, ``offs[E]``
+# the groups' cumulative row ends; expert-parallel when ``w`` is split on its experts and ``x`` by rows, the
+# op then sending its rows to their experts' ranks and back inside itself (``runtime/comm/all_to_all.py``,
+# ``expert_grouped_mm``): these are the op names other passes read (batch coupling, codegen)
+EXPERT_GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
+# all-to-alls of an expert-parallel grouped matmul per step: its rows there and back, forward and backward
+ALL_TO_ALLS_PER_GROUPED_MM = 4
 # all-to-alls of the gather's rows priced per step: forward and backward (the module docstring)
 ALL_TO_ALLS_PER_GATHER = 2
 
@@ -50,6 +57,43 @@ def expert_axes(in_types: list[TensorType], in_placements) -> list[int]:
     if len(in_types[1].shape) != 1 or len(in_types[0].shape) < 2:
         return []
     return [a for a, (p, q) in enumerate(zip(table, idx)) if _rows(p) and _rows(q)]
+
+
+def grouped_expert_axes(in_types: list[TensorType], in_placements) -> list[int]:
+    """The mesh axes on which a grouped matmul ``(x[S, K], w[E, K, N], offs[E])`` read at ``in_placements`` is
+    expert-parallel: ``w`` split on its expert dim, ``x`` by rows in contiguous blocks, ``offs`` whole."""
+    if len(in_types) != 3 or in_placements is None or any(p is None for p in in_placements):
+        return []
+    if len(in_types[0].shape) != 2 or len(in_types[1].shape) != 3 or len(in_types[2].shape) != 1:
+        return []
+    x, w, offs = in_placements
+    return [a for a, (p, q, o) in enumerate(zip(x, w, offs)) if _rows(p) and _rows(q) and not isinstance(o, Shard)]
+
+
+def grouped_price(
+    in_types: list[TensorType], in_placements, mesh: MeshSpec, terms: Callable[[int], tuple[float, float]]
+) -> tuple[float, float]:
+    """(bytes, seconds) per device of an expert-parallel grouped matmul's all-to-alls (0 where it is none): its
+    rows sent to their experts' ranks at the local width K and the results back at the local width N, forward,
+    and their gradients the other way in the backward (``ALL_TO_ALLS_PER_GROUPED_MM``), each at the busiest
+    rank's rows (``busiest_rows``); the counts need no exchange (the offsets are whole on every rank).
+    Impossible (``INF``) on an axis that is no expert axis."""
+    axes = grouped_expert_axes(in_types, in_placements)
+    if any(not is_expert_axis(mesh.names[a]) for a in axes):
+        return INF, INF
+    x, w, _ = in_types
+    xp, wp, _ = in_placements
+    sizes = mesh.sizes
+    vol = sec = 0.0
+    for a in axes:
+        n = sizes[a]
+        local_rows = x.shape[0] / _ways(xp, sizes, 0)
+        width = x.shape[1] / _ways(xp, sizes, 1) + w.shape[2] / _ways(wp, sizes, 2)  # there (K) and back (N)
+        nbytes = busiest_rows(round(local_rows * n), n) * width * x.itemsize
+        per_byte, latency = terms(a)
+        vol += 2 * nbytes * (n - 1) / n
+        sec += 2 * nbytes * per_byte + ALL_TO_ALLS_PER_GROUPED_MM * latency
+    return vol, sec
 
 
 def _rows(p: Placement) -> bool:
@@ -66,9 +110,7 @@ def busiest_rows(rows: int, n: int) -> float:
     return min(float(rows), mean + sigma * math.sqrt(2 * math.log(n)))
 
 
-def dispatch_bytes(
-    table: TensorType, idx: TensorType, placements: tuple, sizes: tuple[int, ...], axis: int
-) -> float:
+def dispatch_bytes(table: TensorType, idx: TensorType, placements: tuple, sizes: tuple[int, ...], axis: int) -> float:
     """Bytes of one all-to-all of an expert-parallel gather's rows on ``axis`` at the busiest rank, for the
     table and indices read at ``placements`` (one tuple per mesh axis each): the axis's rows (the indices'
     local length times the axis size) at the table's local last width."""
@@ -106,7 +148,11 @@ def _ways(placements: tuple, sizes: tuple[int, ...], dim: int) -> int:
 
 __all__ = [
     "ALL_TO_ALLS_PER_GATHER",
+    "ALL_TO_ALLS_PER_GROUPED_MM",
     "EXPERT_GATHER",
+    "EXPERT_GROUPED_MM",
+    "grouped_expert_axes",
+    "grouped_price",
     "busiest_rows",
     "dispatch_bytes",
     "expert_axes",

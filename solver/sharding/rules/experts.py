@@ -12,7 +12,9 @@ the result by rows. Computed as it reads that is no local op (a rank's rows need
 from __future__ import annotations
 
 from autopar.ir.core import Partial, R, Ref, Shard
+from autopar.solver.sharding.experts import EXPERT_GROUPED_MM
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, replicated, shards
+from autopar.solver.sharding.rules.contractions import RULES as CONTRACTIONS
 
 
 def _index(c: Ctx) -> list[OneD]:
@@ -74,7 +76,19 @@ def _chunk(c: Ctx) -> list[OneD]:
     return res
 
 
+def _grouped_mm(c: Ctx) -> list[OneD]:
+    """A grouped matmul's splits (``rules/contractions.py``) and the expert-parallel one: ``w[E, K, N]`` split on
+    its experts, ``x[S, K]`` by rows, the offsets whole, the result by rows (the op sends its rows to their
+    experts' ranks and back, ``runtime/comm/all_to_all.py``; priced in ``solver/sharding/experts.py``)."""
+    res = CONTRACTIONS[c.op.target](c)
+    plain = any(len(s[0]) == 3 and s[0][0] == Shard(0) for s in res)  # the same form that splits rows
+    if plain and c.ins[1].shape[0] % c.n == 0:
+        res.append(((Shard(0), Shard(0), R), (Shard(0),)))
+    return res
+
+
 RULES: dict[str, Rule] = {
+    **{t: _grouped_mm for t in EXPERT_GROUPED_MM},
     "aten.index.Tensor": _index,
     "aten.topk": _topk,
     "aten.repeat_interleave.self_int": _repeat_interleave,
