@@ -16,10 +16,13 @@ thing, and a partial sum where it does not (``insert-collectives`` adds f there)
 
 from __future__ import annotations
 
+import contextlib
+import copy
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from autopar.ir.core import (
     DEVICE,
@@ -143,7 +146,15 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
     communicates = any(getattr(n.target, "__module__", "") in communicating for n in gm.graph.nodes)
     coords_of = [list(world.coords(r).values()) for r in range(world.size)]
 
+    modes = _get_current_dispatch_mode_stack()  # the caller's (Float64Mode): thread-local, so re-entered per rank
+
     def rank_step(rank: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
+        with contextlib.ExitStack() as stack:
+            for m in modes:
+                stack.enter_context(copy.copy(m))
+            return _rank_step(rank)
+
+    def _rank_step(rank: int) -> tuple[list[torch.Tensor], dict[str, torch.Tensor | None]]:
         ins = {}
         for v in placed.inputs:
             local = distribute(whole[v.name], v.type.placements, mesh, coords_of[rank], seed)
