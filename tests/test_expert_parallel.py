@@ -42,7 +42,7 @@ from autopar.runtime.build import codegen as codegen_module
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
-from autopar.solver.sharding.experts import EXPERT_GROUPED_MM, grouped_expert_axes
+from autopar.solver.sharding.experts import ALL_TO_ALLS_PER_GROUPED_MM, EXPERT_GROUPED_MM, grouped_expert_axes
 from tests._dist import run_distributed
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
@@ -400,3 +400,36 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
     assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where, missing)
+
+
+def test_each_ranks_grouped_all_to_alls_are_the_programs(monkeypatch) -> None:
+    """One training step of OLMoE (transformers' default grouped_mm kernel) on ep=2: each rank runs per
+    expert-parallel grouped matmul of its program an all-to-all of its rows there and one back forward, and the
+    two inverse ones backward (``ALL_TO_ALLS_PER_GROUPED_MM``), no exchange of counts (the offsets are whole);
+    every call's bytes sent over the ranks sum to the op's global rows there (its input) or back (its result),
+    as do its bytes received, and each rank's own side of a call is the op's local bytes."""
+    model, kwargs = _kernel_model("olmoe", "grouped_mm")
+    sim = SimCompiled.of(model, EP, (), kwargs, options=replace(MEMORY, constrain=_on_ep(model, EP)), float64=True)
+    prog = sim.modules[0].train_program
+    types = prog.types()
+    grouped = [op for op in prog.ops if op.target in EXPERT_GROUPED_MM]
+    assert len(grouped) == 2
+    recorder = _Recorder(a2a.dist)
+    monkeypatch.setattr(a2a, "dist", recorder)
+    make_optimizer("sgd", sim)
+    sim.train_step(**kwargs)
+
+    # (the value whose rows move, whether this rank's side in its own order is the sending one), in call order
+    forward = [(t, side) for op in grouped for t, side in ((types[op.args[0].name], 0), (op.types[0], 1))]
+    backward = [(t, 1 - side) for t, side in reversed(forward)]
+    expected = forward + backward
+    assert len(expected) == ALL_TO_ALLS_PER_GROUPED_MM * len(grouped)
+    assert set(recorder.calls) == set(range(EP.size))
+    for rank, calls in recorder.calls.items():
+        assert len(calls) == len(expected), (rank, len(calls), len(expected))
+    for k, (t, side) in enumerate(expected):
+        sent = sum(recorder.calls[r][k][0] for r in range(EP.size))
+        received = sum(recorder.calls[r][k][1] for r in range(EP.size))
+        assert sent == received == t.nbytes, (k, sent, received, t.nbytes)
+        for r in range(EP.size):
+            assert recorder.calls[r][k][side] == t.local_nbytes(EP), (k, r, recorder.calls[r][k], t.local_nbytes(EP))
