@@ -12,7 +12,7 @@ from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
-from autopar.passes.batch_coupling import microbatching_refusal
+from autopar.passes.batch_coupling import TAIL_SCHEDULES, microbatching_refusal
 from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.passes.shard import ShardOptions, ShardResult
@@ -109,7 +109,9 @@ def plan_captured(
     semantics = (config or {}).get("microbatch_semantics", "exact")
     if planned.train is not None and semantics == "exact":  # compile would refuse the plan's microbatches
         weighed = (config or {}).get("loss_weight", "auto") != "auto"
-        refusal = microbatching_refusal(planned.train, po.microbatches or 1, weighed=weighed)
+        tail = bool(pp) and po.schedule in TAIL_SCHEDULES  # a batch tail runs it exactly (GPipe)
+        schedule = po.schedule or "1f1b"
+        refusal = microbatching_refusal(planned.train, po.microbatches or 1, weighed, tail, schedule)
         if refusal is not None:
             raise BatchCouplingError(refusal)
     pipeline_info = None

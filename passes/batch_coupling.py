@@ -68,6 +68,7 @@ _ORDERED = {SORTED, PERM, INVERSE, OFFSETS}
 _SORTS = {"aten.sort", "aten.sort.stable", "aten.argsort", "aten.argsort.stable"}
 _GROUPED_MM = {"transformers.grouped_mm_fallback", "aten._grouped_mm"}
 _CASTS = {"aten.to.dtype", "aten._to_copy", "aten.to", "aten.clone", "aten.contiguous", "aten.to.dtype_layout"}
+TAIL_SCHEDULES = ("gpipe",)  # the schedules that run every forward of the last stage before its backwards
 TAIL_INPUT = "batch_tail"  # an input's attr: the step's value of a batch statistic (``Tail``), no batch rows
 _VIRTUAL = 2  # microbatches on the virtual axis, as in passes/dropout.py: the shapes only need to divide
 
@@ -701,7 +702,7 @@ def microbatching_refusal(
     coupling it makes exact is no refusal either; ``schedule``: the schedule's name, for the message."""
     if pieces <= 1:
         return None
-    if tail and batch_tail(program) is not None:
+    if tail and _tail_on_last_stage(program):
         return None
     found = [c for c in batch_couplings(program) if c.certain and not (weighed and c.kind == BATCH_DIVISOR)]
     if not found:
@@ -718,8 +719,15 @@ def microbatching_refusal(
     )
 
 
+def _tail_on_last_stage(program: Program) -> bool:
+    """Whether a ``Tail`` makes ``program``'s couplings exact, its ops on the last stage (the executor's)."""
+    found = batch_tail(program)
+    last = program.attrs.get("pipeline_stages", 1) - 1
+    return found is not None and all(s == last for s in found.stages)
+
+
 def _tail_hint(program: Program, schedule: str) -> str:
-    if batch_tail(program) is None:
+    if not _tail_on_last_stage(program):
         return ""
     return (
         f". The load-balancing statistics could be taken over the whole step (exact), but only on a schedule that "
@@ -728,6 +736,14 @@ def _tail_hint(program: Program, schedule: str) -> str:
 
 
 __all__ = [
-    "TAIL_INPUT", "Analysis", "Coupling", "Tail", "analyze", "batch_couplings", "batch_tail", "microbatching_refusal",
+    "TAIL_INPUT",
+    "TAIL_SCHEDULES",
+    "Analysis",
+    "Coupling",
+    "Tail",
+    "analyze",
+    "batch_couplings",
+    "batch_tail",
+    "microbatching_refusal",
     "tail_program",
-]  # fmt: skip
+]

@@ -27,7 +27,7 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions
 from autopar.planner import PipelinePlanOptions, plan_captured
 from autopar.search.profile import profile_program
-from autopar.search.space import SearchSpace, families
+from autopar.search.space import SearchSpace, chains, families
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
 PP = MeshSpec((("pp", 2),))
@@ -299,3 +299,29 @@ def test_the_search_offers_a_coupled_model_one_microbatch_per_step() -> None:
     assert plain.coupled == ()
     assert {f.microbatches for f in families(SimpleNamespace(p=coupled, B=8), SearchSpace(), 4)} == {1}
     assert max(f.microbatches for f in families(SimpleNamespace(p=plain, B=8), SearchSpace(), 4)) > 1
+
+
+def test_plan_and_search_offer_the_moe_aux_loss_gpipe_microbatches() -> None:
+    """The MoE load-balancing loss is exact as a batch tail under GPipe: ``autopar plan`` on pp=2 plans 4
+    microbatches under gpipe and refuses them under 1F1B (naming gpipe); the search's profile says a tail makes
+    it exact, its families keep several microbatches, and each pipelined chain of those is GPipe without
+    recomputation (while CLIP's families stay at one microbatch, above)."""
+    model, _ = moe("qwen3_moe", aux_loss=0.1)(torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 64, (8, 8), generator=torch.Generator().manual_seed(1))
+    captured = capture(model, (), {"input_ids": ids[:2], "labels": ids[:2]})  # one microbatch's inputs
+    gpipe = PipelinePlanOptions(microbatches=4, schedule="gpipe")
+    assert plan_captured(captured, PP, ShardOptions(), pipeline=gpipe).plan.pipeline["microbatches"] == 4
+    with pytest.raises(BatchCouplingError, match=r"aten.mul.Tensor.*exact.*gpipe.*not on 1f1b"):
+        plan_captured(captured, PP, ShardOptions(), pipeline=PipelinePlanOptions(microbatches=4))
+    two_layers, kwargs = _qwen3_moe(torch.Generator().manual_seed(0))  # the search puts whole layers on stages
+    kwargs = {k: v.repeat(2, 1) for k, v in kwargs.items()}
+    profile = profile_program(lower(capture(two_layers, (), kwargs), MeshSpec()), batch=8)
+    assert profile.coupled and profile.tail and profile.num_layers == 2
+    analytic = SimpleNamespace(
+        p=profile, B=8, n=len(profile.units), zero0_dominated=True, even_layout=lambda s: 0, balanced_layout=lambda s: 1
+    )
+    fams = [f for f in families(analytic, SearchSpace(), 4) if f.pp > 1 and f.microbatches > 1]
+    assert fams
+    for fam in fams:
+        got = {(c.base.schedule, c.levels) for c in chains(analytic, SearchSpace(), fam)}
+        assert got == {("gpipe", (("none", 0),))}, got

@@ -36,7 +36,7 @@ from autopar.errors import PresetError
 from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
 from autopar.models.presets import PRESETS
 from autopar.models.resolve import build
-from autopar.passes.batch_coupling import batch_couplings
+from autopar.passes.batch_coupling import batch_couplings, batch_tail
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
@@ -108,6 +108,9 @@ class Profile:
     tp_divides: tuple[int, ...]  # sizes tp must divide (attention heads, split feature dims)
     # the ops that couple the batch (passes/batch_coupling.py): such a model runs exactly only as one microbatch
     coupled: tuple[str, ...] = ()
+    # a batch tail makes them exact under the schedules that run every forward of the last stage before its
+    # backwards (runtime/execute/batch_tail.py: TAIL_SCHEDULES, without recomputation)
+    tail: bool = False
     version: int = PROFILE_VERSION
 
     @property
@@ -286,6 +289,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         total_params=sum(v.type.numel for v in params.values()),
         tp_divides=tuple(sorted(tp_divides)),
         coupled=tuple(c.describe() for c in batch_couplings(prog) if c.certain),
+        tail=batch_tail(prog) is not None,
     )
 
 

@@ -26,6 +26,7 @@ from fractions import Fraction
 from typing import Any, Protocol
 
 from autopar.ir.axes import PIPELINE_AXIS
+from autopar.passes.batch_coupling import TAIL_SCHEDULES
 from autopar.schedule.generators import inflight_per_rank, schedule_kind
 from autopar.schedule.placement import num_stages
 from autopar.search.profile import Profile
@@ -214,7 +215,7 @@ def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
     for pp, dp, tp in meshes(world, analytic.p, analytic.B, space):
         per_replica = analytic.B // dp
         for b in divisors(per_replica):
-            if analytic.p.coupled and b != per_replica:
+            if analytic.p.coupled and not analytic.p.tail and b != per_replica:
                 continue  # a model coupling its batch runs exactly only as one microbatch per step
             if not space.micro_batch or b in space.micro_batch:
                 out.append(Family(pp, dp, tp, b, per_replica // b))
@@ -235,8 +236,13 @@ def sync_options(space: SearchSpace, fam: Family, zero0_dominated: bool = True) 
 def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]:
     """Every chain of a family: schedule x chunks/waves x stage layout x MiCS group."""
     L = analytic.p.num_layers
-    for sched, v, w in _schedules(fam.pp, L, space, fam.microbatches):
-        levels = _levels(sched, space)
+    # a coupled loss over several microbatches runs exactly only as a batch tail: its schedules, no recompute
+    tail = analytic.p.coupled and fam.microbatches > 1
+    scheds = (
+        [(n, 1, 0) for n in TAIL_SCHEDULES if fam.pp > 1] if tail else _schedules(fam.pp, L, space, fam.microbatches)
+    )
+    for sched, v, w in scheds:
+        levels = (("none", 0),) if tail else _levels(sched, space)
         if not levels:
             continue
         stages = num_stages(fam.pp, v, w)

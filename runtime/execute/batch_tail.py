@@ -25,11 +25,9 @@ import torch
 
 from autopar.errors import BatchCouplingError
 from autopar.ir.core import Program
-from autopar.passes.batch_coupling import Tail, batch_tail, tail_program
+from autopar.passes.batch_coupling import TAIL_SCHEDULES, Tail, batch_tail, tail_program
 from autopar.runtime.execute.state import Stash
 from autopar.schedule.actions import Kind, Schedule
-
-TAIL_SCHEDULES = ("gpipe",)  # the generators whose lists run every forward of the last stage before its backwards
 
 
 def runs_tail(schedule: Schedule, stage: int) -> bool:
