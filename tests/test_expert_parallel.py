@@ -3,10 +3,10 @@ tiny Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE (a shared expert beside the routed 
 mesh train exactly as one process, with each rank holding E/n experts and the token dispatch and combine as
 all-to-alls in every rank's program, whose calls and bytes per step are those the program says.
 
-The models use Hugging Face's ``batched_mm`` experts kernel (``small_families.moe(family, "batched_mm")``):
+The first tests use Hugging Face's ``batched_mm`` experts kernel (``small_families.moe(family, "batched_mm")``):
 it gathers each row's expert matrices with ``aten.index.Tensor``, the op the expert-parallel strategy
-splits. The default ``grouped_mm`` kernel lowers to ``torch._grouped_mm`` over tokens sorted by expert,
-which this strategy does not cover.
+splits. The default ``grouped_mm`` kernel (and the eager loop, captured through it) lowers to a grouped matmul
+over tokens sorted by expert, expert-parallel inside the op (``expert_grouped_mm``): tested at the end.
 
 Training runs on simulated ranks (``autopar/check/simtrain.py``) in float64 against the model in one
 process, two SGD steps, every loss and parameter to ``TOL``; one spawned gloo run
