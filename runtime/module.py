@@ -149,6 +149,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._clip: tuple[float, float] | None = None  # make_optimizer's (max_grad_norm, norm_type)
         self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
+        self._in_step = False  # train_step is stepping the attached optimizer (its NaN check already made)
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
         self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/comm/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
@@ -247,6 +248,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
         )
         self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
+        self._optimizer.register_step_pre_hook(self._check_before_step)  # on_nonfinite in the plain loop too
         self._grads.replan()  # ZeRO-1/2 reduce-scatter their gradients themselves
         return self._optimizer
 
@@ -279,8 +281,20 @@ class ParallelModule(ModuleViews, torch.nn.Module):
                 self.grad_norm = norm = clip.global_norm(pieces, 2.0, self.comm)
             if not self.nonfinite.step_ok(self._params, self._optimizer, norm):  # agreed by every rank
                 return
-            self._optimizer.step()
+            self._in_step = True  # checked just above: the optimizer's pre-hook need not agree again
+            try:
+                self._optimizer.step()
+            finally:
+                self._in_step = False
             self._optimizer.zero_grad()
+        else:  # the caller steps an optimizer of their own next: NaN gradients dropped on every rank first
+            self.nonfinite.step_ok(self._params, None, None)
+
+    def _check_before_step(self, optimizer, _args, _kwargs) -> None:
+        """The attached optimizer stepped by the caller (the plain loop: ``loss.backward(); opt.step()``): its
+        gradients checked first, agreed by every rank; non-finite ones dropped, so the step changes nothing."""
+        if not self._in_step:
+            self.nonfinite.step_ok(self._params, optimizer, None)
 
     # -- inputs ----------------------------------------------------------------------------------
     def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:

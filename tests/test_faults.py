@@ -516,6 +516,39 @@ def _nan_rows(rank: int) -> dict:
             "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)],
             "skipped": pipe.nonfinite.skipped,
         }
+    # the caller's own optimizer after train_step, and make_optimizer's stepped by the caller in the plain loop
+    for loop in ("own", "plain"):
+        pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, batch="local")
+        if loop == "own":
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+        else:
+            opt = pipe.make_optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+        args = [a.clone() for a in local_batch(pipe, spec.args)]
+        kwargs = local_batch(pipe, spec.kwargs)
+
+        def step(args=args, kwargs=kwargs, loop=loop, pipe=pipe, opt=opt):
+            if loop == "own":
+                pipe.train_step(*args, **kwargs)
+            else:
+                pipe(*args, **kwargs).backward()
+            opt.step()
+            opt.zero_grad()
+
+        step()  # a good step first
+        before = pipe.full_state_dict()
+        if rank == 0:
+            args[0][1, 2, 3] = float("nan")
+        with w.catch_warnings(record=True) as caught:
+            w.simplefilter("always")
+            step()
+        after = pipe.full_state_dict()
+        out[loop] = {
+            "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+            "finite": all(bool(torch.isfinite(v).all()) for v in after.values() if v.is_floating_point()),
+            "raised": "no error",
+            "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)],
+            "skipped": pipe.nonfinite.skipped,
+        }
     return out
 
 
@@ -548,6 +581,9 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
         assert any("skipped on every rank" in m for m in r["warn_skip"]["warned"]), r["warn_skip"]
         assert r["skip"]["raised"] == "no error" and not r["skip"]["warned"] and r["skip"]["skipped"] == 1
         assert r["raise"]["raised"].startswith("NonFiniteError: some gradients are NaN"), r["raise"]
+        for loop in ("own", "plain"):  # the caller's optimizer (train_step, then the plain loop's backward)
+            assert r[loop]["unchanged"] and r[loop]["finite"] and r[loop]["skipped"] == 1, (rank, loop, r[loop])
+            assert any("skipped on every rank" in m for m in r[loop]["warned"]), (rank, loop, r[loop])
 
     # a stage raising on pipeline rank 1 (alive after): rank 0 is told through the store, well within the timeout
     failed, survivor = results[1]["peer_failed"], results[0]["peer_failed"]
