@@ -248,7 +248,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             optimizer_cls, groups, self._params, self._sync_axes, self.setup, self.program, self.comm, **kwargs
         )
         self._clip = (max_grad_norm, norm_type) if max_grad_norm is not None else None
-        self._optimizer.register_step_pre_hook(self._check_before_step)  # on_nonfinite in the plain loop too
+        if hasattr(self._optimizer, "_optimizer_step_pre_hooks"):  # on_nonfinite in the plain loop (not ZeRO-1/2)
+            self._optimizer.register_step_pre_hook(self._check_before_step)
         self._grads.replan()  # ZeRO-1/2 reduce-scatter their gradients themselves
         return self._optimizer
 
