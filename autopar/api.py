@@ -206,6 +206,7 @@ def compile(  # noqa: A001
                 "for that half, or compile without sub_pipeline_tp)"
             ) from None
     dump_dir = dump_dir or os.environ.get("AUTOPAR_DUMP_DIR")
+
     def plan() -> list[str | None]:
         fwd, train = plan_programs(
             captured, spec, sched, options, sharded, scatter_gather=cfg.scatter_gather, dump_dir=dump_dir,
@@ -227,6 +228,7 @@ def compile(  # noqa: A001
     module = build_module(parts, Comm.from_device_mesh(mesh), device, mesh, rng)
     if dump_dir:
         _dump_module(dump_dir, dist.get_rank(), module)
+    module.model_config = getattr(model, "config", None)  # save_pretrained's config.json (a transformers model's)
     module.metrics = step_meter(module, model, cfg, options.cluster, dist.get_rank(), dist.get_world_size())
     if dist.get_rank() == 0:
         logging.getLogger("autopar").info("%s", module.describe())

@@ -12,7 +12,18 @@ so a model compiled for another mesh (another dp, tp, pp, ZeRO stage) reads the 
 
 from __future__ import annotations
 
+from autopar.runtime.checkpoint.export import save_pretrained
 from autopar.runtime.checkpoint.safetensors_io import load_safetensors, load_weights, save_safetensors
 from autopar.runtime.checkpoint.save_load import PendingSave, Stateful, latest, load, save
 
-__all__ = ["PendingSave", "Stateful", "latest", "load", "load_safetensors", "load_weights", "save", "save_safetensors"]
+__all__ = [
+    "PendingSave",
+    "Stateful",
+    "latest",
+    "load",
+    "load_safetensors",
+    "load_weights",
+    "save",
+    "save_pretrained",
+    "save_safetensors",
+]

@@ -136,6 +136,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self.loss_scaler = LossScaler(policy.scaling) if policy is not None and policy.scaling else None
         self.nonfinite = NonFinite(options.on_nonfinite)  # a NaN step never applied (runtime/grads/nonfinite.py)
         self.comm = comm
+        self.model_config = None  # the model's transformers config, if any (compile sets it): save_pretrained's
         self.device_mesh = mesh  # the DeviceMesh it runs on (None on the rank simulator): as_dtensors' mesh
         self.device = torch.device(device)
         self.program, self.train_program = forward, train

@@ -15,7 +15,7 @@ from autopar.passes.manager import PassManager
 from autopar.passes.stage_program import StageProgram
 from autopar.runtime.build.params import LocalTensors
 from autopar.runtime.build.stages import StageBuilder
-from autopar.runtime.checkpoint.export import share_over_pipeline, whole_values
+from autopar.runtime.checkpoint.export import save_pretrained, share_over_pipeline, whole_values
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.grads.zero3 import Zero3Params
@@ -67,6 +67,12 @@ class ModuleViews:
         from autopar.runtime.checkpoint.dtensors import dtensor_view
 
         return dtensor_view(self)
+
+    def save_pretrained(self, directory, *, max_shard_size: int | str = "5GB", config=None):
+        """The whole model as a Hugging Face directory (sharded safetensors, ``model.safetensors.index.json``,
+        ``config.json``) that transformers' ``from_pretrained`` loads, gathered to rank 0 one tensor at a time
+        (``runtime/checkpoint/export.py``; collective over every rank)."""
+        return save_pretrained(self, directory, max_shard_size=max_shard_size, config=config)
 
     def _whole(self, grads: bool = False) -> dict[str, torch.Tensor]:
         """Every value of the programs, whole, by program name, on every rank."""

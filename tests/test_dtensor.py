@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -58,16 +59,35 @@ def _run(rank: int, world: int, root: str) -> dict:
     # torch's get_model_state_dict + DCP: written on dp2 x tp2 ...
     path = f"{root}/dcp"
     dcp.save(get_model_state_dict(view), checkpoint_id=path)
-    # ... read into a differently initialized autopar model on pp2 x tp2 (each pipeline rank its stages) ...
-    other, _ = _model(seed=3)
+    # ... read into a differently initialized autopar model on pp2 x tp2 (each pipeline rank its stages), the bare
+    # transformers model this time (keys without LogitsLoss's "model." prefix: DCP loads by the renamed keys)
+    other = _model(seed=3)[0].model
     pipe2 = autopar.compile(other, autopar.init_mesh("cpu", pp=2, tp=2), kwargs=batch, microbatches=2)
     view2 = pipe2.as_dtensors()
     sd2 = get_model_state_dict(view2)
     out["pp_keys_held"] = torch.tensor(len(sd2))
-    dcp.load(sd2, checkpoint_id=path)
+    dcp.load({f"model.{k}": v for k, v in sd2.items()}, checkpoint_id=path)  # in place, into sd2's tensors
     set_model_state_dict(view2, sd2)
     full2 = pipe2.full_state_dict()
-    out["other_mesh_err"] = torch.stack([(full2[k] - whole[k]).abs().max() for k in whole]).max()
+    out["other_mesh_err"] = torch.stack([(full2[k] - whole[f"model.{k}"]).abs().max() for k in full2]).max()
+    # export from pp2 x tp2: sharded safetensors + index + config.json, gathered to rank 0 one tensor at a time
+    hf = f"{root}/hf"
+    pipe2.save_pretrained(hf, max_shard_size="40KB")
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float64)
+        out["hf_files"] = torch.tensor(len([f for f in os.listdir(hf) if f.endswith(".safetensors")]))
+        with torch.no_grad():
+            want = ref.model(input_ids=batch["input_ids"]).logits
+            out["logits_err"] = (loaded(input_ids=batch["input_ids"]).logits - want).abs().max()
+    # load_weights reads the sharded directory back, each rank its pieces
+    with torch.no_grad():
+        for t in pipe2.local_tensors().values():
+            t.zero_()
+    autopar.checkpoint.load_weights(pipe2, hf)
+    full3 = pipe2.full_state_dict()
+    out["load_weights_err"] = torch.stack([(full3[k] - whole[f"model.{k}"]).abs().max() for k in full3]).max()
     # ... and into the plain model
     plain, _ = _model(seed=5)
     psd = plain.state_dict()
@@ -84,7 +104,9 @@ def test_dtensor_view_speaks_torch_checkpoint_and_clipping(tmp_path):
     """dp2 x tp2: every key a DTensor whose full_tensor is the plain model's value and whose local tensor is
     the module's shard; torch's clip_grad_norm_ on it gives the plain model's norm and clipped gradients
     (1e-10 relative); a DCP checkpoint of torch's get_model_state_dict loads exactly into pp2 x tp2 and into
-    the plain model. Cost: one spawn of 4 processes, two compiles."""
+    the plain model; pp2 x tp2's save_pretrained (sharded, gathered to rank 0) loads with transformers'
+    from_pretrained giving the plain model's logits exactly, and load_weights reads that directory back.
+    Cost: one spawn of 4 processes, two compiles."""
     results = run_distributed(_run, 4, str(tmp_path))
     for r in results:
         assert r["keys_match"], "the view holds every key of the user's state dict"
@@ -97,3 +119,5 @@ def test_dtensor_view_speaks_torch_checkpoint_and_clipping(tmp_path):
         assert r["pp_keys_held"] > 0
         assert r["other_mesh_err"] == 0
         assert r["plain_differed"] > 0 and r["plain_err"] == 0
+        assert r["load_weights_err"] == 0
+    assert results[0]["hf_files"] > 1 and results[0]["logits_err"] == 0, "the export loads with from_pretrained"

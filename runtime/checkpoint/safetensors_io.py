@@ -63,6 +63,26 @@ def _source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Iterator[
     if isinstance(source, Mapping):
         yield source.get
         return
+    path = Path(source)
+    if path.is_dir() or path.name.endswith(".index.json"):  # a Hugging Face sharded directory (save_pretrained's)
+        index = path / "model.safetensors.index.json" if path.is_dir() else path
+        if not index.exists():
+            single = path / "model.safetensors"
+            if not single.exists():
+                raise CheckpointMismatchError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
+            index = None
+        with contextlib.ExitStack() as stack:
+            if index is None:
+                files = {"model.safetensors": stack.enter_context(safe_open(str(single), framework="pt"))}
+                where = {k: "model.safetensors" for k in files["model.safetensors"].keys()}  # noqa: SIM118
+            else:
+                where = json.loads(index.read_text())["weight_map"]
+                files = {
+                    f: stack.enter_context(safe_open(str(index.parent / f), framework="pt"))
+                    for f in set(where.values())
+                }
+            yield lambda key: files[where[key]].get_slice(key) if key in where else None
+        return
     with safe_open(str(source), framework="pt") as f:
         keys = set(f.keys())  # noqa: SIM118 - safe_open has no iteration
         aliases = json.loads((f.metadata() or {}).get(TIED, "{}"))
@@ -80,7 +100,8 @@ def _shape(x) -> tuple[int, ...]:
 
 @torch.no_grad()
 def load_weights(pipe, source: str | os.PathLike | Mapping[str, torch.Tensor]) -> None:
-    """Set ``pipe``'s parameters and buffers from ``source`` (a safetensors file, or the user's state
+    """Set ``pipe``'s parameters and buffers from ``source`` (a safetensors file, a Hugging Face directory of
+    sharded safetensors with its ``model.safetensors.index.json`` (``save_pretrained``'s), or the user's state
     dict): each rank reads only the pieces it holds. A tied tensor may come under any of its names."""
     keys, unread = pipe.state_keys()
     names: dict[str, list[str]] = {}
