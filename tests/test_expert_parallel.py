@@ -50,6 +50,7 @@ EP = MeshSpec((("ep", 2),))
 EP_TP = MeshSpec((("ep", 2), ("tp", 2)))
 PP_EP = MeshSpec((("pp", 2), ("ep", 2)))
 DP_EP = MeshSpec((("dp", 2), ("ep", 2)))
+EP_DP = MeshSpec((("ep", 2), ("dp", 2)))  # ep the outer axis of the rows' blocks (ep ranks hold blocks 2 apart)
 MEMORY = ShardOptions(objective="memory")
 
 FAMILY = {
@@ -340,6 +341,7 @@ def _counting(real, calls: list):
         ("olmoe", "grouped_mm", EP_TP, 0, 1),
         ("qwen3_moe", "grouped_mm", DP_EP, 2, 1),
         ("olmoe", "grouped_mm", PP_EP, 0, 2),
+        ("olmoe", "grouped_mm", EP_DP, 0, 1),
         *(
             pytest.param(family, kernel, mesh, 0, 2 if mesh is PP_EP else 1, marks=pytest.mark.heavy)
             for family in ("olmoe", "deepseek_v3")
@@ -368,6 +370,8 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
     reference = copy.deepcopy(model)
     setup = TrainingSetup(optimizer="sgd", zero=zero) if zero else MEMORY.setup
     options = replace(MEMORY, setup=setup, constrain=_on_ep(model, mesh))
+    if mesh is EP_DP:  # the rows split on ep and dp, ep outer: an ep group's blocks are not adjacent
+        options = replace(options, data_parallel="activations")
     pipelined = dict(microbatches=2, schedule="1f1b") if "pp" in mesh.names else {}
     calls: list = []
     monkeypatch.setattr(codegen_module.experts, "expert_grouped_mm", _counting(a2a.expert_grouped_mm, calls))
