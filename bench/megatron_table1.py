@@ -112,7 +112,7 @@ class Prediction:
 def predict(row: MegatronRow, profile, scorer=None, budget_bytes: float | None = None) -> Prediction:
     """Megatron's configuration of ``row`` priced by autopar's cost model (best b and v, see module doc)."""
     cluster = ClusterSpec.load(row.cluster)
-    an = Analytic(profile, cluster, row.batch, precision="bf16")
+    an = Analytic(profile, cluster, row.batch, precision="bf16", attention="unfused")  # Megatron of 2021
     scorer = scorer or Scorer()
     budget = budget_bytes if budget_bytes is not None else cluster.device_memory
     best: Evaluation | None = None
@@ -137,7 +137,6 @@ def breakdown(ev: Evaluation, an: Analytic) -> dict[str, float]:
     c = ev.candidate
     m = c.microbatches
     ranks = ev.stage_rank
-    rate = an.flop_rate
     worst = max(
         range(c.pp), key=lambda r: sum(ev.tf[s] + ev.tb[s] + ev.tr[s] for s in range(len(ranks)) if ranks[s] == r)
     )
@@ -145,10 +144,8 @@ def breakdown(ev: Evaluation, an: Analytic) -> dict[str, float]:
     compute = tp = 0.0
     for s in mine:
         a, e = ev.stages[s]
-        f_tp, f_all = an._sum("flops_tp", a, e), an._sum("flops", a, e)
-        fwd = c.micro_batch * (f_tp / c.tp + f_all - f_tp) / rate
-        lf_tp, lf_all = an._sum("lflops_tp", a, e), an._sum("lflops", a, e)
-        rfwd = c.micro_batch * (lf_tp / c.tp + lf_all - lf_tp) / rate
+        fwd = an._sec("fwd", a, e, c.micro_batch, c.tp)
+        rfwd = an._sec("lfwd", a, e, c.micro_batch, c.tp)
         x = ev.recompute_fraction[s]
         compute += m * (3 * fwd + x * rfwd)
         tp += m * (ev.tf[s] + ev.tb[s] + x * ev.tr[s]) - m * (3 * fwd + x * rfwd)

@@ -19,7 +19,6 @@ from autopar.passes.pipeline_split import blockers, common_nodes, split_options,
 from autopar.passes.subgraphs import Split, SplitOptions, annotate
 from autopar.schedule.placement import check_shape, num_stages
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.cost import EFFICIENCY
 from autopar.solver.stages.balance import StashPoints, balance_stages, pipeline_shape_text
 from autopar.solver.stages.cost import CommFn, megatron_tp_comm_seconds
 from autopar.solver.stages.plan import StagePlan
@@ -34,7 +33,7 @@ def assign_stages(
     *,
     cluster: ClusterSpec | str | None = None,
     budget_bytes: float | None = None,
-    efficiency: float = EFFICIENCY,
+    efficiency: float | None = None,
     precision: str = "bf16",
     split_options: SplitOptions | None = None,
     comm_fn: CommFn = megatron_tp_comm_seconds,

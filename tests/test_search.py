@@ -103,7 +103,7 @@ def test_f_all_reduce_is_charged_only_beyond_its_readers_weight_gradients():
     want = 0.0
     for nbytes, flops in prof.units[1].ar_bwd_groups:
         ring = 2 * (tp - 1) / tp * nbytes / 2 * b / bw + 2 * (tp - 1) * lat  # the f's all-reduce, bf16 bytes
-        want += min(ring, b * flops / tp / an.flop_rate)
+        want += min(ring, an.flop_seconds(b * flops / tp))
     assert want > 0 and an.hidden_ar_bwd(1, 2, b, tp) == pytest.approx(want, rel=1e-12)
     assert an.hidden_ar_bwd(0, 3, b, tp) == pytest.approx(2 * want, rel=1e-12)  # two layers; the embedding has none
     assert len(prof.units[3].ar_bwd_groups) == 1 and an.hidden_ar_bwd(3, 4, b, tp) > 0  # the head's f

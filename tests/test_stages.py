@@ -213,6 +213,8 @@ def test_tensor_parallel_comm_is_two_all_reduces_per_attention_and_mlp():
 
 
 def test_stage_compute_memory_and_parameters():
+    from autopar.solver.cluster import compute
+
     prog = gpt2()
     split = ps.split_program(prog)
     plan = balance(prog, split, 3, efficiency=0.4)
@@ -220,11 +222,19 @@ def test_stage_compute_memory_and_parameters():
     tied = next(v.type.numel for v in prog.params if v.name == "lm_head.weight")
     assert sum(s.params for s in plan.stages) == total + tied  # the tied embedding is on two stages
     assert [s.inflight for s in plan.stages] == [3, 2, 1]
+    types, device, matmuls = prog.types(), compute.device_of(A100, 0.4), 0.0
     for s in plan.stages:
-        assert s.compute_seconds == pytest.approx(3 * s.flops / (312e12 * 0.4))
+        ops = [op for sub in split.subgraphs[s.first : s.last + 1] for op in prog.ops[sub.start : sub.stop]]
+        works = [compute.op_work(op, types, "bf16") for op in ops]
+        assert s.compute_seconds == pytest.approx(3 * sum(compute.seconds(w, device) for w in works), rel=1e-12)
+        # the constant efficiency replaces the curves: the matmuls run at 0.4 of the A100's 312 TFLOP/s
+        mm = sum(w.flops for w in works if w.kind != "elementwise")
+        assert 3 * mm / (312e12 * 0.4) <= s.compute_seconds
+        matmuls += mm
         assert s.weight_bytes == 18 * s.params  # bf16: fp32 weight, grad, Adam moments (16) + the per-use bf16 copy
         assert s.memory_bytes == s.weight_bytes + s.inflight * s.activation_bytes
         assert s.activation_bytes > 0
+    assert matmuls > 0
     assert plan.stage_of_subgraph == sorted(plan.stage_of_subgraph)
     assert [(s.first, s.last) for s in plan.stages][0][0] == 0 and plan.stages[-1].last == len(split) - 1
     assert plan.stages[0].modules[0] == "transformer.wte" and plan.stages[-1].modules[-1] == "lm_head"
@@ -341,13 +351,12 @@ def test_a_v_is_balanced_per_rank_as_brute_force(monkeypatch) -> None:
     """On a V (ZB-V's one wave: rank r holds stages r and 2P - 1 - r) the balancer minimizes the slowest rank,
     both its stages together, as brute force over every cut of tiny GPT-2's split into 2P stages; the
     per-stage balance (what it did before, the V layout switched off here) leaves a slower rank."""
-    from autopar.solver.sharding.cost import EFFICIENCY
     from autopar.solver.stages import balance as stages
     from autopar.solver.stages.cost import subgraph_costs
 
     prog, pp = gpt2(), 2
     split = ps.split_program(prog)
-    ctx = StageContext(prog, A100, 1, 1, False, "bf16", EFFICIENCY, frozenset(ps.common_nodes(prog)))
+    ctx = StageContext(prog, A100, 1, 1, False, "bf16", None, frozenset(ps.common_nodes(prog)))
     t = [c.seconds for c in subgraph_costs(ctx, split.subgraphs, megatron_tp_comm_seconds).subgraphs]
 
     def slowest_rank(bounds) -> float:

@@ -205,8 +205,7 @@ class Analytic(StageTerms):
         allowed (ZeRO stage ``max_shard`` over dp)."""
         n = self.n
         sa = self.act_scale * b
-        f_tp, f_all = self._sum("flops_tp", 0, n), self._sum("flops", 0, n)
-        work = 3 * b * (f_tp / tp + f_all - f_tp) / self.flop_rate
+        work = 3 * self._sec("fwd", 0, n, b, tp)
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         work -= self.hidden_ar_bwd(0, n, b, tp)  # at most hidden beside the weight gradients
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp

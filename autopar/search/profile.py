@@ -41,6 +41,7 @@ from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.solver.cluster.compute import op_work
 from autopar.solver.sharding.megatron_roles import (
     COLUMN,
     CONTRACTIONS,
@@ -52,7 +53,8 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 8  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 9  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 9: per-op works (solver/cluster/compute.py) in each unit
 # 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
@@ -88,6 +90,9 @@ class UnitCost:
     # reading it = their weight gradients' FLOPs), per sample: the runtime computes those weight gradients while
     # the all-reduce is in flight (runtime/comm/column_linear.py)
     ar_bwd_groups: tuple[tuple[float, float], ...] = ()
+    # the unit's forward ops as the compute model prices them (solver/cluster/compute.py), per sample:
+    # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp), one per non-view op
+    works: tuple[tuple[str, float, float, float, int, int, int, bool], ...] = ()
 
     def act(self, tp: int) -> float:
         return self.act_tp / tp + self.act_rep
@@ -131,7 +136,14 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         d = dict(d)
-        units = [dict(u, ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ()))) for u in d["units"]]
+        units = [
+            dict(
+                u,
+                ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ())),
+                works=tuple(tuple(w) for w in u.get("works", ())),
+            )
+            for u in d["units"]
+        ]
         d["units"] = tuple(UnitCost(**u) for u in units)
         d["tp_divides"] = tuple(d["tp_divides"])
         d["coupled"] = tuple(d.get("coupled", ()))
@@ -196,6 +208,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         arf = [0.0, 0]
         arb = [0.0, 0]
         f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
+        works: list[tuple] = []
         seen_params: set[str] = set()
         seen_in: set[str] = set()
         for op in ops:
@@ -239,6 +252,8 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
             elif op.target in ATTENTION and kind == "layer":
                 tp_divides.update(types[n].shape[1] for n in refs[:3] if len(types[n].shape) == 4)
             if op.target not in VIEW_OPS:
+                w = op_work(op, types, "fp32")  # bytes at 4 per float: StageTerms scales them to the training dtype
+                works.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
                 c["flops"] += op.flops
                 if r_:
                     c["flops_tp"] += op.flops
@@ -278,6 +293,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 wgrad_tp=c["wtp"] / batch,
                 wgrad_rep=c["wrep"] / batch,
                 ar_bwd_groups=tuple((nbytes / batch, flops / batch) for nbytes, flops in f_inputs.values()),
+                works=tuple(works),
             )
         )
     # activations saved in a unit but produced in an earlier one are the later unit's input: counted there

@@ -4,7 +4,9 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
 
 - stages: the units [pre, layer 0..L-1, post] cut into S = pp * v (or 2 pp W) contiguous stages
   (``stage_layout.py``: balanced FLOPs, per rank for a V of one wave, or Megatron's L / S layers each);
-- compute seconds per microbatch: forward = FLOPs / (peak * ``solver.sharding.cost.EFFICIENCY``), backward
+- compute seconds per microbatch: forward = the unit's ops priced by the one compute model
+  (``solver/cluster/compute.py``: each op's class and shape at micro-batch b, divided over tp where Megatron's
+  layout splits it, ``Profile`` units' ``works``), as the sharding ILP and the stage balancer price them; backward
   twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
   once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
@@ -15,8 +17,8 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
   largest layer's activations, the parameters, and when microbatch 0 reaches the stage and the last
   gradient leaves it (for the step-time bound).
 
-What is estimated rather than exact: efficiency is a constant fraction of peak (no dependence on
-matrix sizes or micro-batch size), and elementwise kernels are priced as FLOPs.
+What is estimated rather than exact: the device table's efficiency curves (their sources are in the
+tables), and a weight gradient's efficiency is its forward matmul's.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ from autopar.search.comm_time import CommTime
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
+from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.cost import EFFICIENCY, TrainingSetup
+from autopar.solver.sharding.cost import TrainingSetup
 
 
 class StageTerms:
@@ -46,14 +49,20 @@ class StageTerms:
         global_batch: int,
         precision: str = "bf16",
         optimizer: str = "adam",
-        efficiency: float = EFFICIENCY,
+        efficiency: float | None = None,
         scatter_gather: bool = True,
+        attention: str = "fused",
     ):
         self.p, self.cluster, self.B = profile, cluster, global_batch
         self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
         self.scatter_gather = scatter_gather
-        dtype = "fp32" if precision == "fp32" else precision
-        self.flop_rate = cluster.peak(dtype) * efficiency
+        self.dtype = precision
+        self.device = compute.device_of(cluster, efficiency)
+        # how attention runs (solver/cluster/compute.py): "fused" (FlashAttention, PyTorch's sdpa on a GPU) or
+        # "unfused" (the scores materialized: Megatron-LM of 2021)
+        self.attention = attention
+        self._unit_secs: dict[tuple, tuple[float, float]] = {}
+        self._secs_pre: dict[tuple[int, int], dict[str, list[float]]] = {}
         self.act_scale = 1.0 if precision == "fp32" else 2.0 / profile.itemsize
         self.weight_b, self.grad_b, self.state_b = TrainingSetup(optimizer, precision).bytes_per_param
         self.copy_b = TrainingSetup(optimizer, precision).copy_bytes
@@ -65,11 +74,62 @@ class StageTerms:
         units = profile.units
         self.n = len(units)
         rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
+        self._rows = rows
         self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
         self._is_layer = [u.kind == "layer" for u in units]
         self._max_layer_act: dict[tuple[int, int, int], float] = {}
         self._bases: dict[tuple, Any] = {}
         self._fractions: dict[tuple, tuple[float, ...]] = {}
+
+    # -- compute (solver/cluster/compute.py) -------------------------------------------------------------
+    def flop_seconds(self, flops: float) -> float:
+        """Forward seconds of ``flops`` of matmul work of unknown shape (the saturated efficiency)."""
+        return compute.flop_seconds(flops, self.device, self.dtype)
+
+    def _works(self, u: UnitCost) -> tuple:
+        if u.works:
+            return u.works
+        # a unit without its ops (a hand-made profile): its FLOPs as matmul work of unknown shape
+        return (
+            ("matmul", u.flops_tp, 0.0, 0.0, 0, 0, 0, True),
+            ("matmul", u.flops - u.flops_tp, 0.0, 0.0, 0, 0, 0, False),
+        )
+
+    def unit_seconds(self, u: UnitCost, b: int, tp: int) -> tuple[float, float]:
+        """(forward seconds, of which the tp-split matmuls') of unit ``u`` at
+        micro-batch ``b`` and tensor-parallel degree ``tp``: each of its works at b samples, divided over tp where
+        Megatron's layout splits it, priced by ``compute.seconds``."""
+        works = self._works(u)
+        key = (works, b, tp)
+        found = self._unit_secs.get(key)
+        if found is None:
+            total = tp_mm = 0.0
+            scale = compute.ITEMSIZE.get(self.dtype, 4) / 4 * b  # the profile's bytes are at 4 per float
+            for kind, fl, nb, m, n, k, ops, split in works:
+                kind = "attention_unfused" if kind == "attention" and self.attention == "unfused" else kind
+                w = compute.Work(kind, fl * b, nb * scale, max(1, round(m * b)) if m else 0, n, k, self.dtype, ops)
+                t = compute.seconds(w.split(tp if split else 1), self.device)
+                total += t
+                if split and kind == "matmul":
+                    tp_mm += t
+            found = self._unit_secs[key] = (total, tp_mm)
+        return found
+
+    def _sec(self, key: str, a: int, e: int, b: int, tp: int) -> float:
+        """Sum over units ``a..e`` of ``unit_seconds`` at (b, tp): ``fwd`` (all), ``lfwd`` (layers only), ``tpmm``
+        (the tp-split matmuls), from prefix sums per (b, tp)."""
+        pre = self._secs_pre.get((b, tp))
+        if pre is None:
+            rows = [self.unit_seconds(u, b, tp) for u in self.p.units]
+            pre = self._secs_pre[(b, tp)] = {
+                "fwd": _prefix([r[0] for r in rows]),
+                "lfwd": _prefix([r[0] if lay else 0.0 for r, lay in zip(rows, self._is_layer)]),
+                "wgrad": _prefix(
+                    [r[1] * (w["wflops"] / w["flops_tp"] if w["flops_tp"] else 0.0) for r, w in zip(rows, self._rows)]
+                ),
+            }
+        p = pre[key]
+        return p[e] - p[a]
 
     # -- layouts (stage_layout.py) ----------------------------------------------------------------
     @functools.cache  # noqa: B019 - one Analytic per search
@@ -122,7 +182,7 @@ class StageTerms:
             return 0.0
         sa, intra, k = self.act_scale * b, self.comm.intra(tp), self.comm.per_node(tp, 1)
         return sum(
-            min(self.comm.allreduce(nb * sa, 1, tp, intra, k), b * fl / tp / self.flop_rate) for nb, fl in groups
+            min(self.comm.allreduce(nb * sa, 1, tp, intra, k), self.flop_seconds(b * fl / tp)) for nb, fl in groups
         )
 
     def stage_ranks(self, c: Candidate) -> tuple[int, ...]:
@@ -158,22 +218,19 @@ class StageTerms:
         b, tp = c.micro_batch, c.tp
         ranks = self.stage_ranks(c)
         sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
-        rate = self.flop_rate
         tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
-            f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
-            fwd = b * (f_tp / tp + f_all - f_tp) / rate
+            fwd = self._sec("fwd", a, e, b, tp)
             # recomputation touches the stage's layers only (embeddings and head keep their activations)
-            lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
-            rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
+            rfwd = self._sec("lfwd", a, e, b, tp)
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
             # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
             hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, b, tp)
             tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
-            tw.append(b * S("wflops", a, e) / tp / rate)
+            tw.append(self._sec("wgrad", a, e, b, tp))
             acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
             wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa

@@ -33,11 +33,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.runtime.comm.teardown import shutdown
+from autopar.solver.cluster.compute import Curve, DeviceTable
 from autopar.solver.cluster.spec import ClusterSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 CPU_SIZES = (1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 23)  # bytes per collective
 GPU_SIZES = (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 28)
+CPU_SWEEP = (32, 128, 512, 1024)  # matmul dimensions m, n, k swept (every combination) for the device table
+GPU_SWEEP = (256, 1024, 4096, 8192)
 
 
 def _free_port() -> int:
@@ -62,6 +65,25 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, n: int, reps: int, sy
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     return 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), reps, sync)
+
+
+def _gemm_sweep(device: torch.device, dtype: torch.dtype, dims: tuple[int, ...], reps: int, sync) -> list[list[float]]:
+    """[m, n, k, seconds] of ``torch.mm`` of [m, k] x [k, n] for every m, n, k in ``dims``."""
+    out = []
+    for m in dims:
+        for n in dims:
+            for k in dims:
+                a = torch.randn(m, k, device=device, dtype=dtype)
+                b = torch.randn(k, n, device=device, dtype=dtype)
+                out.append([m, n, k, _median_seconds(lambda a=a, b=b: torch.mm(a, b), reps, sync)])
+    return out
+
+
+def _launch_seconds(device: torch.device, reps: int, sync) -> float:
+    """Seconds of an elementwise op on 16 elements: the fixed cost of one kernel (dispatch and launch)."""
+    x, y = torch.randn(16, device=device), torch.randn(16, device=device)
+    out = torch.empty_like(x)
+    return _median_seconds(lambda: torch.add(x, y, out=out), max(reps, 20), sync)
 
 
 def _bandwidth(device: torch.device, numel: int, reps: int, sync) -> float:
@@ -140,11 +162,16 @@ def _worker(rank: int, world: int, port: int, backend: str, opts: dict, result_d
         if backend == "nccl":
             say(f"  matmul {n}x{n} bf16 ...", flush=True)
             flops["bf16"] = _matmul_rate(device, low, n, opts["reps"], sync)
+        sweep = {}
+        for name, dt in [("fp32", torch.float32)] + ([("bf16", low)] if backend == "nccl" else []):
+            say(f"  matmul sweep {name}, m, n, k in {opts['sweep']} ...", flush=True)
+            sweep[name] = _gemm_sweep(device, dt, opts["sweep"], opts["reps"], sync)
         say("  elementwise add bandwidth ...", flush=True)
         bandwidth = _bandwidth(device, opts["stream_numel"], opts["reps"], sync)
+        launch = _launch_seconds(device, opts["reps"], sync)
         say(f"  collectives over {world} ranks at {len(opts['sizes'])} sizes ...", flush=True)
         coll = _collective_times(device, opts["sizes"], opts["reps"], sync) if world > 1 else {}
-        result = {"flops": flops, "bandwidth": bandwidth, "collectives": coll}
+        result = {"flops": flops, "bandwidth": bandwidth, "collectives": coll, "sweep": sweep, "launch": launch}
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
     finally:
         shutdown()  # a spawned process finalizes its interpreter: its gloo threads must be joined first
@@ -163,8 +190,11 @@ def fit_alpha_beta(kind: str, n: int, sizes: list[int], seconds: list[float]) ->
     return max(float(intercept), 0.0) / steps, share / slope
 
 
-def calibrate(ranks: int = 2, quick: bool = False, progress: bool = True) -> ClusterSpec:
-    """Measure this machine with ``ranks`` local processes (module docstring) and return its spec."""
+def calibrate(
+    ranks: int = 2, quick: bool = False, progress: bool = True, sweep: tuple[int, ...] | None = None
+) -> tuple[ClusterSpec, DeviceTable | None]:
+    """Measure this machine with ``ranks`` local processes (module docstring): its spec and its device table
+    (the matmul sweep over every m, n, k in ``sweep``, default ``CPU_SWEEP`` / ``GPU_SWEEP``, fitted)."""
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= ranks
     backend = "nccl" if cuda else "gloo"
     sizes = (GPU_SIZES if cuda else CPU_SIZES)[: 3 if quick else None]
@@ -173,6 +203,7 @@ def calibrate(ranks: int = 2, quick: bool = False, progress: bool = True) -> Clu
         "matmul_size": (4096 if cuda else 256) if quick else (8192 if cuda else 1024),
         "stream_numel": (1 << 26 if cuda else 1 << 22) if quick else (1 << 28 if cuda else 1 << 24),
         "sizes": sizes,
+        "sweep": sweep or ((GPU_SWEEP if cuda else CPU_SWEEP)[:2] if quick else (GPU_SWEEP if cuda else CPU_SWEEP)),
         "progress": progress,
     }
     if progress:
@@ -180,7 +211,62 @@ def calibrate(ranks: int = 2, quick: bool = False, progress: bool = True) -> Clu
     with tempfile.TemporaryDirectory() as d:
         mp.spawn(_worker, args=(ranks, _free_port(), backend, opts, d), nprocs=ranks, join=True)
         results = [torch.load(os.path.join(d, f"{r}.pt"), weights_only=True) for r in range(ranks)]
-    return spec_from_measurements(results, backend, ranks, list(sizes))
+    spec = spec_from_measurements(results, backend, ranks, list(sizes))
+    if "sweep" not in results[0]:
+        return spec, None
+    table, peaks = table_from_measurements(results, backend)
+    return spec.replace(peak_flops={**spec.peak_flops, **peaks}, efficiency=None), table
+
+
+def fit_curve(points: list[tuple[int, int, int, float]]) -> Curve:
+    """The ``Curve`` (max_eff, half) closest in relative error to measured efficiencies [(m, n, k, eff)]: half on a
+    log grid, max_eff in closed form for each (least squares of predicted / measured - 1), at most 1."""
+    best = None
+    for half in [0.0] + [float(h) for h in np.geomspace(1, 8192, 79)]:
+        s = np.array([Curve(1.0, half)(m, n, k) / e for m, n, k, e in points])
+        max_eff = min(1.0, float(s.sum() / (s * s).sum()))
+        err = float(((max_eff * s - 1) ** 2).sum())
+        if best is None or err < best[0]:
+            best = (err, Curve(max_eff, half))
+    return best[1]
+
+
+def table_from_measurements(results: list[dict], backend: str) -> tuple[DeviceTable, dict[str, float]]:
+    """(device table, peak FLOP/s per dtype) of per-rank sweeps: per dtype the peak is the fastest rate measured
+    (medians over ranks), the curve fitted to the rates as fractions of it (``fit_curve``)."""
+    curves, peaks, sources = {}, {}, {}
+    for dtype in results[0]["sweep"]:
+        rows = results[0]["sweep"][dtype]
+        secs = [statistics.median(r["sweep"][dtype][i][3] for r in results) for i in range(len(rows))]
+        rates = [2 * m * n * k / t for (m, n, k, _), t in zip(rows, secs)]
+        peaks[dtype] = max(rates + [statistics.median(r["flops"][dtype] for r in results)])
+        curves[dtype] = fit_curve([(int(m), int(n), int(k), r / peaks[dtype]) for (m, n, k, _), r in zip(rows, rates)])
+        sources[f"matmul {dtype}"] = (
+            f"measured: torch.mm sweep over m, n, k in {sorted({int(r[0]) for r in rows})} on every rank at once, "
+            f"fitted (peak {peaks[dtype] / 1e9:.1f} GFLOP/s = the fastest shape)"
+        )
+    if "bf16" not in curves:
+        curves["default"] = curves["fp32"]
+    launch = statistics.median(r["launch"] for r in results)
+    table = DeviceTable(
+        name=f"local-{backend}-calibrated",
+        matmul=curves,
+        attention={"default": curves.get("bf16", curves["fp32"])},
+        vector_eff=1.0 if backend == "gloo" else 0.125,
+        bandwidth_eff=1.0,
+        launch_seconds=launch,
+        memory_bandwidth=statistics.median(r["bandwidth"] for r in results),
+        sources={
+            "source": f"autopar calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}, torch "
+            f"{torch.__version__}",
+            **sources,
+            "attention": "the matmul curve (no fused attention kernel was measured)",
+            "bandwidth_eff": "1: memory_bandwidth is the measured x + y rate itself",
+            "launch_seconds": f"measured: median of x + y on 16 elements, {launch * 1e6:.1f} us",
+            "vector_eff": "estimate: elementwise FLOPs at the matmul peak on CPU (bandwidth-bound), 1/8 on GPU",
+        },
+    )
+    return table, peaks
 
 
 def spec_from_measurements(results: list[dict], backend: str, ranks: int, sizes: list[int]) -> ClusterSpec:
@@ -219,4 +305,4 @@ def spec_from_measurements(results: list[dict], backend: str, ranks: int, sizes:
     return ClusterSpec.from_dict(data)
 
 
-__all__ = ["calibrate", "fit_alpha_beta", "spec_from_measurements"]
+__all__ = ["calibrate", "fit_alpha_beta", "fit_curve", "spec_from_measurements", "table_from_measurements"]

@@ -89,6 +89,7 @@ def check_fields(data: Mapping[str, Any], known: Sequence[str]) -> dict[str, Any
             None if data.get("memory_reserve") is None else _field(name, "memory_reserve", data, parse_bytes, False)
         ),
         "efficiency": _optional(name, "efficiency", data, float),
+        "device": None if data.get("device") is None else str(data["device"]),
         "description": str(data.get("description", "")),
         "notes": {str(k): str(v) for k, v in (data.get("notes") or {}).items()},
     }

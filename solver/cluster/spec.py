@@ -86,7 +86,12 @@ class ClusterSpec:
     # the intra-node link in the ring model, replacing intra_node_latency/bandwidth for that kind
     collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
     memory_bandwidth: float | None = None  # bytes/s an elementwise kernel streams (None: not priced)
-    efficiency: float | None = None  # fraction of peak_flops a step sustains (None: the cost model's default)
+    # a constant fraction of peak_flops every matmul sustains, replacing the device table's curves (None: the
+    # curves of ``device``'s table, solver/cluster/compute.py)
+    efficiency: float | None = None
+    # the device kind whose efficiency table prices compute (solver/cluster/devices/KIND.yaml, or a table file
+    # `autopar calibrate` wrote); None: the ``generic`` table
+    device: str | None = None
     # bytes per device a plan leaves free: the CUDA context, NCCL's buffers, the allocator's fragmentation
     # (None: the default reserve, ``default_memory_reserve``; 0: plan to the last byte)
     memory_reserve: int | None = None
@@ -156,7 +161,7 @@ class ClusterSpec:
         out = dataclasses.asdict(self)
         out["peak_flops"] = dict(self.peak_flops)
         out["collectives"] = {k: {"latency": a, "bandwidth": b} for k, (a, b) in self.collectives.items()}
-        for key in ("collectives", "memory_bandwidth", "efficiency", "notes"):
+        for key in ("collectives", "memory_bandwidth", "efficiency", "device", "notes"):
             if not out[key]:
                 del out[key]
         if out["memory_reserve"] is None:  # the default reserve

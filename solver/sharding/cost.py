@@ -35,9 +35,12 @@ the axis's ranks share a node, else the inter-node network). There is always a c
 the model prices on the ``local-cpu`` preset, never by bytes alone (which would make computing
 everything on every rank free).
 
-Computation: an op's forward plus backward takes three times its forward, the larger of its FLOPs
-at the cluster's sustained rate and its bytes at the cluster's memory bandwidth (a roofline),
-divided over the axes on which its ranks compute different pieces.
+Computation: an op's forward plus backward takes three times its forward, priced by the one compute model
+(``solver/cluster/compute.py``: a roofline with a per-op-class efficiency from the cluster's device table,
+by the op's shape and dtype) on the piece one rank computes, the op divided over the axes on which its
+ranks compute different pieces. ``op_seconds`` prices an IR op, ``flop_seconds`` FLOPs of matmul work of
+a known or unknown shape (what a term that only counts FLOPs calls); the stage balancer and the search
+call the same functions.
 """
 
 from __future__ import annotations
@@ -50,12 +53,12 @@ import numpy as np
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
+from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding import experts
 from autopar.solver.sharding.strategies import column_weight
 
 INF = math.inf
-EFFICIENCY = 0.5  # fraction of peak FLOP/s a training step sustains (Megatron reports ~50% at scale)
 BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets closed at this size (DDP's default)
 
 
@@ -130,6 +133,7 @@ class CostModel:
         self._memo: dict = {}
         self._terms = _shared_terms(self.mesh, self._intra, self.cluster)
         self._blocks: dict = {}
+        self.device = compute.device_of(self.cluster)
 
     # -- memory ---------------------------------------------------------------------------------
     def local_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> float:
@@ -274,19 +278,36 @@ class CostModel:
                 self._memo[key] = (factor, *self.cluster.collective_terms(kind, n, self._intra[axis]))
         return self._memo[key]
 
+    @property
+    def dtype(self) -> str:
+        """The dtype ops compute in: the training precision's."""
+        return self.setup.precision
+
+    def _ways(self, split: list[bool]) -> int:
+        return math.prod(n for n, s in zip(self.mesh.sizes, split) if s)
+
+    def work_seconds(self, work: compute.Work, split: list[bool]) -> float:
+        """Forward plus backward (3x forward) seconds of ``work`` (a global op's) divided over the axes where
+        ``split`` is true, priced by ``solver.cluster.compute.seconds`` on the piece one rank computes."""
+        return 3.0 * compute.seconds(work.split(self._ways(split)), self.device)
+
+    def op_seconds(self, op, types: dict[str, TensorType], split: list[bool]) -> float:
+        """Forward plus backward seconds of the IR op ``op`` (its shape, class and the training dtype,
+        ``solver.cluster.compute.op_work``) divided over the axes where ``split`` is true."""
+        return self.work_seconds(compute.op_work(op, types, self.dtype), split)
+
+    def flop_seconds(
+        self, flops: float, split: list[bool] | None = None, m: int = 0, n: int = 0, k: int = 0, nbytes: float = 0.0
+    ) -> float:
+        """Forward plus backward seconds of ``flops`` forward FLOPs of matmul work of shape [m, k] x [k, n] (0:
+        unknown, priced at the saturated efficiency) moving ``nbytes``, divided over the axes where ``split``
+        is true: what a cost term that counts FLOPs (ring attention's blocks, an expert's GEMMs) calls."""
+        work = compute.Work("matmul", flops, nbytes, m, n, k, self.dtype, ops=0)
+        return self.work_seconds(work, split or [False] * len(self.mesh.sizes))
+
     def compute_seconds(self, flops: float, split: list[bool], nbytes: float = 0.0) -> float:
-        """Forward plus backward (3x forward) time of an op whose work is divided over the axes where
-        ``split`` is true: its FLOPs at the cluster's efficiency (default ``EFFICIENCY``) of its peak
-        (fp32 for fp32 training), or its bytes at the cluster's memory bandwidth when that is slower."""
-        if not flops and not nbytes:
-            return 0.0
-        ways = math.prod(n for n, s in zip(self.mesh.sizes, split) if s)
-        dtype = "fp32" if self.setup.precision == "fp32" else self.setup.precision
-        rate = self.cluster.peak(dtype) * (self.cluster.efficiency or EFFICIENCY)
-        seconds = flops / rate
-        if self.cluster.memory_bandwidth and nbytes:
-            seconds = max(seconds, nbytes / self.cluster.memory_bandwidth)
-        return 3.0 * seconds / ways
+        """``flop_seconds`` of FLOPs of unknown shape (the name callers of autopar before the compute model use)."""
+        return self.flop_seconds(flops, split, nbytes=nbytes)
 
     def f_hidden(self, f_seconds: float, wgrad_seconds: float) -> float:
         """Seconds of an f's all-reduce that run while the weight gradients of the matmuls reading it are
@@ -373,7 +394,7 @@ class CostModel:
         w = column_weight(op, pos, types)
         if w is None or w not in grad:
             return 0.0
-        return self.compute_seconds(op.flops, split, op.bytes) / 3.0
+        return self.op_seconds(op, types, split) / 3.0
 
     def _fused_wgrad(self, readers: list, f: str, types: dict[str, TensorType], grad: set[str]) -> float:
         """Seconds of the weight gradients computed while f's all-reduce is in flight: those of its readers when

@@ -302,10 +302,8 @@ class GroupBuilder:
                 s = cand[op.result]
                 b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs)
                 vol, sec = vol + b, sec + x
-                flop_sec += self.cost.compute_seconds(
-                    op.flops,
-                    [is_divergent(s, a) for a in range(len(self.mesh.axes))],
-                    0.0 if op.target in VIEW_OPS else op.bytes,
+                flop_sec += self.cost.op_seconds(
+                    op, self.types, [is_divergent(s, a) for a in range(len(self.mesh.axes))]
                 )
                 for name, t, p in zip(op.results, op.types, s.outputs):
                     if self.saved.activation(name):

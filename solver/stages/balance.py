@@ -33,7 +33,6 @@ from autopar.ir.core import Program
 from autopar.schedule.generators import inflight_per_stage
 from autopar.schedule.placement import check_shape, num_stages, stage_ranks
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.cost import EFFICIENCY
 from autopar.solver.stages.cost import (
     CommFn,
     OpRun,
@@ -80,7 +79,7 @@ def balance_stages(
     *,
     commons: frozenset[str],
     schedule: str | None = None,
-    efficiency: float = EFFICIENCY,
+    efficiency: float | None = None,
     precision: str = "bf16",
     comm_fn: CommFn = megatron_tp_comm_seconds,
     stash_points: StashPoints | None = None,

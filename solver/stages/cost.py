@@ -2,8 +2,10 @@
 
 Per microbatch (the program's example batch is one microbatch of the global batch):
 
-- compute seconds of a subgraph = 3 x forward FLOPs (forward + backward = 2x forward) / (dp * tp)
-  / (cluster peak FLOP/s for ``precision`` x ``efficiency``; default ``solver.sharding.cost.EFFICIENCY``).
+- compute seconds of a subgraph = 3 x (forward + backward = 2x forward) the forward seconds of each of its
+  ops divided over dp * tp, priced by the one compute model (``solver/cluster/compute.py``: each op's class,
+  shape and ``precision`` on the cluster's device table; a constant ``efficiency``, where given, replaces
+  the matmul curves) as the sharding ILP prices them.
 - plus tensor-parallel communication, ``megatron_tp_comm_seconds``: Megatron's 2 all-reduces
   (forward + backward) of the activation per row-parallel matmul, i.e. 4 per transformer layer;
   pass another ``comm_fn`` to replace it (e.g. by the ILP's cost).
@@ -36,6 +38,7 @@ from typing import Protocol
 
 from autopar.ir.axes import is_pipeline_axis, is_tensor_axis
 from autopar.ir.core import Placement, Program, Replicate, TensorType
+from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.megatron_roles import ROW, megatron_roles, weight_values
@@ -72,7 +75,7 @@ class StageContext:
     tp: int
     sharded: bool  # the program carries placements (local sizes come from them)
     precision: str  # "bf16" (mixed precision) or "fp32"
-    efficiency: float
+    efficiency: float | None  # a constant fraction of peak replacing the device table's curves (None: the curves)
     commons: frozenset[str] = field(default_factory=frozenset)  # common nodes: never stashed
 
     def act_bytes(self, t: TensorType) -> float:
@@ -234,7 +237,8 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
     for s in subgraphs:
         for name in s.graph_inputs:
             readers.setdefault(name, []).append(s.index)
-    peak = ctx.cluster.peak(ctx.precision) * ctx.efficiency
+    device = compute.device_of(ctx.cluster, ctx.efficiency)
+    ways = ctx.dp * ctx.tp
     per_param = ctx.bytes_per_param
     out = []
     params: dict[str, tuple[float, list[int]]] = {}
@@ -259,8 +263,11 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                     act += ctx.act_bytes(t)
             act += ctx.extra_bytes(op)
             wkept += ctx.wkept_bytes(op)
-        compute = 3 * s.flops / (ctx.dp * ctx.tp) / peak
-        out.append(SubgraphCost(compute, comm_fn(ctx, s), weight, act, wkept))
+        seconds = sum(
+            3 * compute.seconds(compute.op_work(op, ctx.types, ctx.precision).split(ways), device)
+            for op in prog.ops[s.start : s.stop]
+        )
+        out.append(SubgraphCost(seconds, comm_fn(ctx, s), weight, act, wkept))
     return SplitCosts(out, tied, params)
 
 

@@ -48,7 +48,7 @@ class StagePlan:
     microbatches: int | None
     cluster: str
     precision: str
-    efficiency: float
+    efficiency: float | None  # a constant fraction of peak (None: the device table's per-op curves)
     budget_bytes: float
     fingerprint: str
     num_subgraphs: int
@@ -125,8 +125,9 @@ class StagePlan:
             + (f" chunks={self.chunks}" if self.chunks > 1 else "")
             + (f" waves={self.waves}" if self.waves else "")
             + f", {self.num_subgraphs} subgraphs -> {self.num_stages} stages on {self.cluster}"
-            f" ({self.precision}, {self.efficiency:.0%} of peak),"
-            f" budget {self.budget_bytes / gib:.1f} GiB/device"
+            f" ({self.precision}, "
+            + (f"{self.efficiency:.0%} of peak)," if self.efficiency is not None else "per-op efficiency),")
+            + f" budget {self.budget_bytes / gib:.1f} GiB/device"
         )
         rows = [
             head,

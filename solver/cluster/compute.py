@@ -1,0 +1,338 @@
+"""Compute time of one op from its shape and dtype: a roofline with a per-op-class efficiency curve.
+
+Every price model of autopar (the sharding ILP's ``CostModel``, the stage balancer's ``SubgraphCost``, the
+search's ``StageTerms`` and, through them, the simulator's actions) prices an op's computation here:
+
+    seconds(work, device) = launch + max(flops / (peak(dtype) * efficiency(work)), bytes / bandwidth)
+
+``Work`` describes one op's forward: its class, FLOPs, bytes moved and, for a matmul, its shape
+[m, k] x [k, n] (batch dimensions folded into m); for attention its kind (fused: one kernel such as
+FlashAttention, scores never stored; unfused attention is lowered to matmuls and a softmax, which are
+priced as such) and its shape (m = query rows b*heads*s_q, n = keys s_kv, k = head dim).
+
+The efficiency curve of a matmul is a product over its three dimensions of a saturating term,
+
+    efficiency(m, n, k) = max_eff(dtype) * s(m) * s(n) * s(k),   s(x) = x / (x + half(dtype)),
+
+so it never decreases as any dimension grows, never exceeds ``max_eff`` (at most 1), and is symmetric in
+m, n, k: the two backward matmuls of [m, k] x [k, n] ([m, n] x [n, k] and [k, m] x [m, n]) have the same
+efficiency as the forward, which is why a backward is priced as twice its forward. Fused attention uses
+the same form on its own (max_eff, half); elementwise ops and reductions are priced by bytes moved at
+``bandwidth_eff`` x the device's memory bandwidth, their FLOPs at the vector efficiency.
+
+A ``DeviceTable`` holds those numbers for one device kind, read from ``solver/cluster/devices/KIND.yaml``
+(each number with its source beside it, estimates marked as such) or from a file ``autopar calibrate``
+wrote; a ``ClusterSpec`` names its kind in ``device`` and gives the peaks (``peak_flops``) and the memory
+bandwidth the table's fractions apply to. A spec's ``efficiency`` (a constant fraction of peak), where
+given, replaces the matmul and attention curves: what a user who measured one number asks for.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autopar.errors import ClusterSpecError
+from autopar.ir.core import VIEW_OPS
+from autopar.solver.cluster.fields import DTYPES
+
+DEVICE_DIR = Path(__file__).parent / "devices"
+KINDS = ("matmul", "attention", "elementwise")  # op classes (a reduction is priced as elementwise: bytes moved)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One op's forward work, global or per rank (``split``): what ``seconds`` prices."""
+
+    # "matmul", "attention" (fused: one kernel), "attention_unfused" (two matmuls and the scores materialized)
+    # or "elementwise" (elementwise ops and reductions)
+    kind: str
+    flops: float
+    bytes: float = 0.0
+    m: int = 0  # matmul: rows (batch folded in); attention: query rows b*heads*s_q
+    n: int = 0  # matmul: columns; attention: keys s_kv
+    k: int = 0  # matmul: the contracted dimension; attention: head dim
+    dtype: str = "fp32"
+    ops: int = 1  # kernels launched (an aggregate of several elementwise ops counts each)
+
+    def split(self, ways: int) -> Work:
+        """The work of one of ``ways`` ranks that divide it: FLOPs and bytes / ways and, for a matmul or
+        attention, the largest of m, n, k divided (a data-parallel split divides the rows, Megatron's column
+        and row splits the output and contracted dimensions: each its largest in a transformer layer)."""
+        if ways <= 1:
+            return self
+        dims = {"m": self.m, "n": self.n, "k": self.k}
+        if self.kind != "elementwise" and max(dims.values()) > 0:
+            big = max(dims, key=lambda d: dims[d])
+            dims[big] = max(1, math.ceil(dims[big] / ways))
+        return replace(self, flops=self.flops / ways, bytes=self.bytes / ways, **dims)
+
+    def scaled(self, factor: float) -> Work:
+        """The work of ``factor`` times as many rows (a micro-batch of ``factor`` samples of a per-sample work)."""
+        if factor == 1:
+            return self
+        m = max(1, round(self.m * factor)) if self.m else 0
+        return replace(self, flops=self.flops * factor, bytes=self.bytes * factor, m=m)
+
+
+@dataclass(frozen=True)
+class Curve:
+    """A saturating efficiency: ``max_eff * prod(x / (x + half))`` over the dimensions given."""
+
+    max_eff: float
+    half: float
+
+    def __call__(self, *dims: int) -> float:
+        e = self.max_eff
+        for x in dims:
+            e *= x / (x + self.half) if x > 0 else 1.0
+        return e
+
+
+@dataclass(frozen=True)
+class DeviceTable:
+    """Efficiencies of one device kind (fractions of the cluster spec's peaks and memory bandwidth)."""
+
+    name: str
+    matmul: dict[str, Curve]  # per dtype ("fp32", "bf16", ...; "default" for any other)
+    attention: dict[str, Curve]  # fused attention, per dtype
+    vector_eff: float  # fraction of peak an elementwise op's FLOPs run at
+    bandwidth_eff: float  # fraction of memory_bandwidth an elementwise op or reduction streams at
+    launch_seconds: float  # fixed time per kernel (launch and framework overhead)
+    memory_bandwidth: float | None = None  # bytes/s, where the table knows it (a spec's own value wins)
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def curve(self, kind: str, dtype: str) -> Curve:
+        table = self.matmul if kind == "matmul" else self.attention
+        found = table.get(dtype) or table.get("default")
+        if found is None:
+            raise ClusterSpecError(
+                f"device table {self.name!r} has no {kind} curve for {dtype}; it has {', '.join(sorted(table))}"
+            )
+        return found
+
+    def efficiency(self, work: Work) -> float:
+        """The fraction of peak ``work``'s FLOPs run at."""
+        if work.kind == "elementwise":
+            return self.vector_eff
+        if work.kind == "attention":
+            return self.curve("attention", work.dtype)(work.n, work.k * 16)  # head dim: 64-128 saturates
+        return self.curve("matmul", work.dtype)(work.m, work.n, work.k)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        for kind in ("matmul", "attention"):
+            out[kind] = {d: {"max_eff": c.max_eff, "half": c.half} for d, c in getattr(self, kind).items()}
+        out.update(vector_eff=self.vector_eff, bandwidth_eff=self.bandwidth_eff, launch_seconds=self.launch_seconds)
+        if self.memory_bandwidth is not None:
+            out["memory_bandwidth"] = self.memory_bandwidth
+        out["sources"] = dict(self.sources)
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+
+def _curves(name: str, data: Any, what: str) -> dict[str, Curve]:
+    if not isinstance(data, dict) or not data:
+        raise ClusterSpecError(f"device table {name!r}: {what} must map dtypes to {{max_eff, half}}")
+    out = {}
+    for dtype, c in data.items():
+        try:
+            curve = Curve(float(c["max_eff"]), float(c["half"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ClusterSpecError(f"device table {name!r}: {what}.{dtype} needs numbers max_eff and half ({e})") from e
+        if not (0 < curve.max_eff <= 1 and curve.half >= 0):
+            raise ClusterSpecError(
+                f"device table {name!r}: {what}.{dtype} has max_eff {curve.max_eff} (give 0 < max_eff <= 1) "
+                f"and half {curve.half} (give half >= 0)"
+            )
+        out[str(dtype)] = curve
+    return out
+
+
+def table_from_dict(data: dict[str, Any]) -> DeviceTable:
+    name = str(data.get("name", "custom"))
+    try:
+        vector, bw, launch = float(data["vector_eff"]), float(data["bandwidth_eff"]), float(data["launch_seconds"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ClusterSpecError(
+            f"device table {name!r} needs numbers vector_eff, bandwidth_eff, launch_seconds ({e})"
+        ) from e
+    if not (0 < vector <= 1 and 0 < bw <= 1 and launch >= 0):
+        raise ClusterSpecError(f"device table {name!r}: vector_eff and bandwidth_eff are fractions in (0, 1]")
+    mbw = data.get("memory_bandwidth")
+    return DeviceTable(
+        name,
+        _curves(name, data.get("matmul"), "matmul"),
+        _curves(name, data.get("attention"), "attention"),
+        vector,
+        bw,
+        launch,
+        None if mbw is None else float(mbw),
+        {str(k): str(v) for k, v in (data.get("sources") or {}).items()},
+    )
+
+
+def load_table(device: str) -> DeviceTable:
+    """The table of a device kind (``a100``: ``solver/cluster/devices/a100.yaml``) or of a YAML file."""
+    path = Path(device) if device.endswith((".yaml", ".yml")) else DEVICE_DIR / f"{device}.yaml"
+    return _read_table(os.fspath(path), path.stat().st_mtime_ns if path.is_file() else 0, device)
+
+
+@functools.cache
+def _read_table(file: str, mtime: int, device: str) -> DeviceTable:
+    path = Path(file)
+    if not mtime:
+        kinds = ", ".join(list_devices())
+        raise ClusterSpecError(
+            f"unknown device kind {device!r}: give one of {kinds}, or a device table file (.yaml) that "
+            "`autopar calibrate` wrote"
+        )
+    data = yaml.safe_load(path.read_text())
+    if not isinstance(data, dict):
+        raise ClusterSpecError(f"device table {os.fspath(path)!r} is not a mapping of fields")
+    return table_from_dict(data)
+
+
+def list_devices() -> list[str]:
+    return sorted(p.stem for p in DEVICE_DIR.glob("*.yaml"))
+
+
+@dataclass(frozen=True)
+class Device:
+    """What ``seconds`` prices on: a cluster spec's peaks and bandwidth with its device kind's table."""
+
+    peak_flops: dict[str, float]
+    memory_bandwidth: float | None
+    table: DeviceTable
+    efficiency: float | None = None  # a spec's constant fraction of peak, replacing the matmul/attention curves
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.table.name, self.efficiency))
+
+    def peak(self, dtype: str) -> float:
+        found = self.peak_flops.get(DTYPES.get(str(dtype).removeprefix("torch."), str(dtype)))
+        if not found:
+            raise ClusterSpecError(
+                f"no peak_flops entry for {dtype}: the cluster spec has {', '.join(sorted(self.peak_flops))}; "
+                "add one (e.g. peak_flops: {bf16: 312 TFLOP/s}) or train in a precision it has"
+            )
+        return found
+
+
+def device_of(cluster: Any, efficiency: float | None = None) -> Device:
+    """The ``Device`` of a ``ClusterSpec``: its ``device`` kind's table (``generic`` when it names none); a
+    constant ``efficiency`` (else the spec's own, if it has one) replaces the matmul and attention curves."""
+    table = load_table(cluster.device or "generic")
+    bandwidth = cluster.memory_bandwidth or table.memory_bandwidth
+    return Device(
+        dict(cluster.peak_flops), bandwidth, table, efficiency if efficiency is not None else cluster.efficiency
+    )
+
+
+def efficiency(work: Work, device: Device) -> float:
+    """The fraction of peak ``work``'s FLOPs run at on ``device``."""
+    if device.efficiency is not None and work.kind != "elementwise":
+        return device.efficiency
+    return device.table.efficiency(work)
+
+
+def seconds(work: Work, device: Device) -> float:
+    """Forward seconds of ``work`` on ``device`` (the module docstring): the slower of its FLOPs at the op
+    class's efficiency and its bytes at the streaming bandwidth, plus a launch per kernel."""
+    if not work.flops and not work.bytes:
+        return 0.0
+    if work.kind == "attention_unfused":
+        return _unfused_attention(work, device)
+    t = work.flops / (device.peak(work.dtype) * efficiency(work, device)) if work.flops else 0.0
+    if work.bytes and device.memory_bandwidth:
+        t = max(t, work.bytes / (device.memory_bandwidth * device.table.bandwidth_eff))
+    return t + work.ops * device.table.launch_seconds
+
+
+ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
+UNFUSED_PASSES = 4  # the scores written by QK^T, read and written by the (fused scale-mask-)softmax, read by PV
+
+
+def _unfused_attention(work: Work, device: Device) -> float:
+    """Attention without a fused kernel (Megatron-LM of 2021, eager PyTorch's math path): QK^T and PV as two batched
+    matmuls [m, k] x [k, n] and [m, n] x [n, k], and the m x n scores moved ``UNFUSED_PASSES`` times (dropout on
+    the probabilities is in the softmax's passes)."""
+    half = work.flops / 2
+    qk = seconds(Work("matmul", half, 0.0, work.m, work.n, work.k, work.dtype), device)
+    pv = seconds(Work("matmul", half, 0.0, work.m, work.k, work.n, work.dtype), device)
+    scores = work.m * work.n * ITEMSIZE.get(work.dtype, 4) * UNFUSED_PASSES
+    return qk + pv + seconds(Work("elementwise", 0.0, float(scores), dtype=work.dtype, ops=2), device)
+
+
+def flop_seconds(flops: float, device: Device, dtype: str = "bf16", m: int = 0, n: int = 0, k: int = 0) -> float:
+    """Forward seconds of ``flops`` of matmul work (of shape m, n, k where known: else at the curve's
+    saturated efficiency): what a cost term that knows only FLOPs (ring attention's blocks, an expert's
+    GEMMs) calls."""
+    return seconds(Work("matmul", flops, 0.0, m, n, k, dtype, ops=0), device)
+
+
+# -- an IR op's work ----------------------------------------------------------------------------------
+
+MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm", "aten.baddbmm"})
+GROUPED = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
+ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
+CONVOLUTIONS = frozenset({"aten.convolution", "aten.conv2d"})
+
+
+def op_work(op: Any, types: dict[str, Any], dtype: str, attention: str = "fused") -> Work:
+    """The forward ``Work`` of an IR op (global shapes), computing in ``dtype``, with ``attention`` "fused" (a
+    FlashAttention-style kernel) or "unfused" (the scores materialized): matmuls and convolutions by
+    their [m, k] x [k, n] shape, fused attention by its shape, everything else by the bytes it moves
+    (``op.flops`` from ``passes/lower.py``'s ``annotate_costs``; its bytes from ``types``, global, as
+    ``annotate_costs`` counts them but floats at ``dtype``'s size, so that a program and its rewrites price an op
+    the same)."""
+    t, flops = op.target, float(op.flops)
+    if t in VIEW_OPS:  # a view moves nothing and launches nothing
+        return Work("elementwise", 0.0, 0.0, dtype=dtype, ops=0)
+    ins = [types[r.name] for r in op.input_refs()]
+    size = ITEMSIZE.get(dtype, 4)  # floats move in the compute dtype (activations are bf16 in mixed precision)
+    nbytes = float(sum(x.numel * size if x.is_float else x.nbytes for x in [*ins, *op.types]))
+    out = op.types[0] if op.types else None
+    try:
+        if t in MATMULS or t in GROUPED:
+            a, b = (ins[1], ins[2]) if t in ("aten.addmm", "aten.baddbmm") else (ins[0], ins[1])
+            k = a.shape[-1]
+            n = b.shape[0] if t == "aten.linear" else out.shape[-1]
+            m = max(1, out.numel // max(n, 1))
+            return Work("matmul", flops, nbytes, m, n, k, dtype)
+        if t in CONVOLUTIONS:
+            w = ins[1]
+            k = math.prod(w.shape[1:])
+            n = w.shape[0]
+            return Work("matmul", flops, nbytes, max(1, out.numel // max(n, 1)), n, k, dtype)
+        if t in ATTENTION:
+            q, key = ins[0], ins[1]
+            kind = "attention" if attention == "fused" else "attention_unfused"
+            return Work(kind, flops, nbytes, math.prod(q.shape[:-1]), key.shape[-2], q.shape[-1], dtype)
+    except (AttributeError, IndexError, TypeError):  # an unexpected signature: priced by its bytes
+        pass
+    return Work("elementwise", flops, nbytes, dtype=dtype)
+
+
+__all__ = [
+    "Curve",
+    "Device",
+    "DeviceTable",
+    "Work",
+    "device_of",
+    "efficiency",
+    "flop_seconds",
+    "list_devices",
+    "load_table",
+    "op_work",
+    "seconds",
+    "table_from_dict",
+]

@@ -1,0 +1,130 @@
+"""The one compute model (solver/cluster/compute.py): efficiency tables monotone, the four callers (the sharding
+ILP's CostModel, the stage balancer's SubgraphCost, the search's StageTerms, and the simulator, which runs the
+balancer's and the search's stage times) price the same op the same, and `autopar calibrate` writes a device table
+the planner then prices with."""
+
+from __future__ import annotations
+
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from autopar.ir.core import MeshSpec
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.search.price import Analytic
+from autopar.search.profile import profile_program
+from autopar.solver.cluster import compute
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import CostModel, TrainingSetup
+from autopar.solver.stages.cost import StageContext, subgraph_costs
+
+KINDS = [k for k in compute.list_devices()]
+GPU_KINDS = ("a100", "h100", "h200", "b200", "v100", "rtx3090")
+
+
+def test_every_device_kind_has_a_table_with_a_source_for_each_number():
+    assert set(GPU_KINDS) | {"cpu", "generic"} <= set(KINDS)
+    for kind in KINDS:
+        table = compute.load_table(kind)
+        assert table.sources, kind
+        for key in ("matmul", "attention", "vector_eff", "bandwidth_eff", "launch_seconds"):
+            assert any(s.startswith(key) for s in table.sources), (kind, key)
+    for preset, kind in [
+        ("dgx-a100", "a100"),
+        ("dgx-h100", "h100"),
+        ("dgx-h200", "h200"),
+        ("dgx-b200", "b200"),
+        ("mics-p3dn", "v100"),
+        ("merak-3090", "rtx3090"),
+        ("local-cpu", "cpu"),
+    ]:
+        assert ClusterSpec.load(preset).device == kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_matmul_efficiency_never_falls_as_a_gemm_grows_and_stays_below_the_peak(kind):
+    """Larger GEMMs are not less efficient (in each of m, n, k), never above max_eff <= 1; the curve is symmetric in
+    m, n, k (a backward's two matmuls price as its forward); seconds never fall as a dimension grows."""
+    table = compute.load_table(kind)
+    dims = (1, 16, 64, 256, 1024, 4096, 16384)
+    for dtype, curve in table.matmul.items():
+        assert 0 < curve.max_eff <= 1
+        for m, n, k in itertools.product(dims, repeat=3):
+            e = table.efficiency(compute.Work("matmul", 2.0 * m * n * k, m=m, n=n, k=k, dtype=dtype))
+            assert 0 < e <= curve.max_eff
+            for bigger in (dict(m=m * 4), dict(n=n * 4), dict(k=k * 4)):
+                w2 = compute.Work("matmul", 1.0, **{"m": m, "n": n, "k": k, **bigger}, dtype=dtype)
+                assert table.efficiency(w2) >= e
+            assert table.efficiency(compute.Work("matmul", 1.0, m=k, n=m, k=n, dtype=dtype)) == pytest.approx(e)
+    big = compute.Work("matmul", 2.0 * 16384**3, m=16384, n=16384, k=16384, dtype="bf16")
+    assert 0.9 * table.curve("matmul", "bf16").max_eff < table.efficiency(big)
+    for curve in table.attention.values():
+        assert 0 < curve.max_eff <= 1
+        for s in (128, 512, 2048, 8192):
+            short = table.efficiency(compute.Work("attention", 1.0, m=s, n=s, k=64))
+            assert short <= table.efficiency(compute.Work("attention", 1.0, m=2 * s, n=2 * s, k=64)) <= curve.max_eff
+
+
+def test_a_flat_curve_is_rejected_as_a_table_error():
+    from autopar.errors import ClusterSpecError
+
+    good = compute.load_table("a100").to_dict()
+    with pytest.raises(ClusterSpecError, match="max_eff"):
+        compute.table_from_dict({**good, "matmul": {"bf16": {"max_eff": 1.5, "half": 1}}})
+    with pytest.raises(ClusterSpecError, match="unknown device kind 'a1000'"):
+        compute.load_table("a1000")
+
+
+def test_elementwise_is_priced_by_bytes_and_unfused_attention_costs_more_than_fused():
+    dev = compute.device_of(ClusterSpec.load("dgx-a100"))
+    w = compute.Work("elementwise", 1e6, 4e9, dtype="bf16")
+    assert compute.seconds(w, dev) == pytest.approx(4e9 / (2.039e12 * 0.85))
+    att = compute.Work("attention", 4.0 * 32 * 2048 * 2048 * 128, m=32 * 2048, n=2048, k=128, dtype="bf16")
+    unfused = compute.seconds(
+        compute.Work("attention_unfused", att.flops, m=att.m, n=att.n, k=att.k, dtype="bf16"), dev
+    )
+    assert compute.seconds(att, dev) < unfused
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h=64):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).sum()
+
+
+def test_the_four_callers_price_the_same_op_the_same():
+    """One matmul (fc1 of [512, 64] x [64, 256]) priced by the ILP's CostModel, the stage balancer's subgraph cost,
+    the search's unit terms (the simulator runs these stage times) and compute.seconds directly: the same seconds,
+    to float rounding, on A100 bf16 and on this CPU in fp32; and unlike the old constant 0.5 of peak."""
+    prog = lower(capture(Block(), (torch.randn(8, 64, 64),)), MeshSpec())
+    types = prog.types()
+    fc1 = next(op for op in prog.ops if op.target in compute.MATMULS)
+    for preset, dtype in (("dgx-a100", "bf16"), ("local-cpu", "fp32")):
+        cluster = ClusterSpec.load(preset)
+        device = compute.device_of(cluster)
+        want = 3 * compute.seconds(compute.op_work(fc1, types, dtype), device)
+        ilp = CostModel(MeshSpec(), TrainingSetup(precision=dtype), cluster).op_seconds(fc1, types, [])
+        i = prog.ops.index(fc1)
+
+        one = SimpleNamespace(index=0, start=i, stop=i + 1, graph_inputs=(), flops=fc1.flops, label="fc1")
+        ctx = StageContext(prog, cluster, 1, 1, False, dtype, None)
+        balancer = subgraph_costs(ctx, [one], lambda c, s: 0.0).subgraphs[0].compute_seconds
+        # the search: the profile's works of every op at micro-batch 8 (one unit here), against the balancer's
+        # and the ILP's price of every op
+        an = Analytic(profile_program(prog, batch=8), cluster, 8, precision=dtype)
+        search = 3 * sum(an.unit_seconds(u, 8, 1)[0] for u in an.p.units)
+        every = [SimpleNamespace(index=0, start=0, stop=len(prog.ops), graph_inputs=(), flops=0, label="all")]
+        whole = subgraph_costs(ctx, every, lambda c, s: 0.0).subgraphs[0].compute_seconds
+        cm = CostModel(MeshSpec(), TrainingSetup(precision=dtype), cluster)
+        assert search == pytest.approx(whole, rel=1e-12)
+        assert whole == pytest.approx(sum(cm.op_seconds(op, types, []) for op in prog.ops), rel=1e-12)
+        assert ilp == pytest.approx(want, rel=1e-12)
+        assert balancer == pytest.approx(want, rel=1e-12)
+        old = 3 * fc1.flops / (cluster.peak(dtype) * 0.5)
+        assert abs(want - old) > 0.05 * old  # the shape matters: not the old constant
