@@ -128,3 +128,35 @@ def test_the_four_callers_price_the_same_op_the_same():
         assert balancer == pytest.approx(want, rel=1e-12)
         old = 3 * fc1.flops / (cluster.peak(dtype) * 0.5)
         assert abs(want - old) > 0.05 * old  # the shape matters: not the old constant
+
+
+def test_calibrate_writes_a_device_table_the_planner_then_prices_with(tmp_path, capsys):
+    """`autopar calibrate --sweep` (a tiny sweep) writes a spec naming the device table it wrote beside it; the
+    sharding ILP's CostModel and the search's StageTerms price with that table; editing the table (half the
+    efficiency) doubles the price of a compute-bound matmul: the planner reads it."""
+    import yaml
+
+    from autopar.cli import main
+
+    out = tmp_path / "spec.yaml"
+    assert main(["calibrate", "--quick", "--sweep", "16,64", "-o", str(out)]) == 0
+    assert "matmul curve" in capsys.readouterr().out
+    spec = ClusterSpec.load(out)
+    table = compute.load_table(spec.device)
+    assert spec.device == str(tmp_path / "spec.device.yaml") and spec.efficiency is None
+    assert table.sources["matmul fp32"].startswith("measured: torch.mm sweep over m, n, k in [16, 64]")
+    big = compute.Work("matmul", 2.0 * 512**3, 3 * 4 * 512**2, 512, 512, 512, "fp32", ops=0)
+    cm = CostModel(MeshSpec(), TrainingSetup(precision="fp32"), spec)
+    priced = cm.work_seconds(big, [])
+    assert priced == pytest.approx(3 * big.flops / (spec.peak("fp32") * table.curve("matmul", "fp32")(512, 512, 512)))
+    prof = profile_program(lower(capture(Block(), (torch.randn(8, 64, 64),)), MeshSpec()), batch=8)
+    before = sum(Analytic(prof, spec, 8, precision="fp32").unit_seconds(u, 8, 1)[0] for u in prof.units)
+    data = yaml.safe_load((tmp_path / "spec.device.yaml").read_text())
+    data["matmul"]["fp32"]["max_eff"] /= 2
+    (tmp_path / "spec.device.yaml").write_text(yaml.safe_dump(data))
+    again = ClusterSpec.load(out)
+    assert CostModel(MeshSpec(), TrainingSetup(precision="fp32"), again).work_seconds(big, []) == pytest.approx(
+        2 * priced
+    )
+    after = sum(Analytic(prof, again, 8, precision="fp32").unit_seconds(u, 8, 1)[0] for u in prof.units)
+    assert after > 1.2 * before

@@ -341,19 +341,27 @@ def test_an_f_hidden_behind_weight_gradients_is_priced_as_the_runtime_fuses_it(m
             f_total += x
             if f.result in fused:
                 readers = [r.op for r in fused[f.result].readers if r.weight in grad]
-                wgrad = sum(cost.compute_seconds(u.flops, [True], u.bytes) / 3 for u in readers)  # split on tp
+                wgrad = sum(cost.op_seconds(u, types, [True]) / 3 for u in readers)  # split on tp
                 hidden += min(x, wgrad)
         assert fused and hidden > 0.5 * f_total
         with monkeypatch.context() as patch:  # gloo: nothing hidden
             patch.setattr(ClusterSpec, "overlaps_compute", property(lambda self: False))
             assert cost.program_comm(program)[1] == pytest.approx(sec + hidden, rel=1e-9)
-            assert shard(prog, opts).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
+            again = shard(prog, opts)
+            if opts is nccl:  # the free plan may change once nothing is hidden: it is no worse than the one here
+                assert again.step_seconds <= sec + hidden + sharding.compute_seconds + 1e-12
+            else:  # Megatron's layout, pinned: the same plan, its f's priced whole
+                assert again.comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
         # a split backward (zero bubble) or sub-pipelined tp runs each f unfused: priced whole (the plan the same)
         unfused = replace(opts, setup=replace(opts.setup, overlap_tp=False))
         assert CostModel(prog.mesh, unfused.setup, unfused.cluster).program_comm(program)[1] == pytest.approx(
             sec + hidden, rel=1e-9
         )
-        assert shard(prog, unfused).comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
+        again = shard(prog, unfused)
+        if opts is nccl:  # the free plan may change once nothing is hidden: no worse than this one priced so
+            assert again.step_seconds <= sec + hidden + sharding.compute_seconds + 1e-12
+        else:
+            assert again.comm_seconds == pytest.approx(sec + hidden, rel=1e-9)
     for name, sub, fused in [
         ("1f1b", False, True),
         ("zb-h1", False, False),

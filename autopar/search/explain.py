@@ -35,14 +35,12 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
     c = ev.candidate
     scorer = scorer or Scorer()
     m, b, tp = c.microbatches, c.micro_batch, c.tp
-    sa, rate, S = an.act_scale * b, an.flop_rate, an._sum
+    sa = an.act_scale * b
     split = c.schedule in ZERO_BUBBLE
     per_stage = []
     for s, (a, e) in enumerate(ev.stages):
-        f_tp, f_all = S("flops_tp", a, e), S("flops", a, e)
-        fwd = b * (f_tp / tp + f_all - f_tp) / rate
-        lf_tp, lf_all = S("lflops_tp", a, e), S("lflops", a, e)
-        rfwd = b * (lf_tp / tp + lf_all - lf_tp) / rate
+        fwd = an._sec("fwd", a, e, b, tp)  # the one compute model (solver/cluster/compute.py), as StageTerms prices
+        rfwd = an._sec("lfwd", a, e, b, tp)
         tp_f = an._tp_allreduce("ar_fwd", a, e, sa, tp)
         tp_b = an._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else an.hidden_ar_bwd(a, e, b, tp))
         tp_r = an._tp_allreduce("lar_fwd", a, e, sa, tp)
