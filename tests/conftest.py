@@ -1,4 +1,4 @@
-"""Test-session settings: one thread per process, one shared on-disk cache of solved plans; a one-rank tp group."""
+"""Test-session settings: one thread per process, one shared on-disk cache of solved plans; one-rank groups."""
 
 from __future__ import annotations
 
@@ -28,4 +28,19 @@ def one_rank_tp():
     try:
         yield Comm(groups={"tp": dist.group.WORLD}, coords={"tp": 0}, sizes={"tp": 1})
     finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo world of one process (joined where a test already made one) and its ``dp=1`` mesh."""
+    import autopar
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29563")
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    yield autopar.init_mesh("cpu", dp=1)
+    if started:
         dist.destroy_process_group()

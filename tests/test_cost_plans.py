@@ -141,8 +141,8 @@ def test_megatron_table1_first_row_still_priced_close():
 
 def test_calibration_writes_a_spec_that_round_trips_and_becomes_the_default(tmp_path, monkeypatch, capsys):
     from autopar.api import local_cluster_spec
-    from autopar.solver.cluster.compute import load_table
     from autopar.cli import main
+    from autopar.solver.cluster.compute import load_table
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
     assert local_cluster_spec("cpu", 2).name == "local-cpu"

@@ -4,26 +4,11 @@ back with TensorBoard's own reader). One process, one compile."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import autopar
 from tests.equivalence import tiny_gpt2
-
-
-@pytest.fixture
-def one_rank():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29571")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield autopar.init_mesh("cpu", dp=1)
-    if started:
-        dist.destroy_process_group()
 
 
 def test_stateful_dataloader_resumes_and_tensorboard_writes_events(one_rank, tmp_path):

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import autopar
 from autopar.errors import ConfigError
@@ -25,18 +23,6 @@ def test_megatron_formula_and_the_shape_it_reads():
     model, _ = tiny_gpt2(steps=1)
     assert transformer_shape(model.config) == (2, 64, 128)
     assert transformer_shape(object()) is None
-
-
-@pytest.fixture
-def one_rank():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29563")
-    started = not dist.is_initialized()
-    if started:
-        dist.init_process_group("gloo", rank=0, world_size=1)
-    yield autopar.init_mesh("cpu", dp=1)
-    if started:
-        dist.destroy_process_group()
 
 
 def test_train_step_reports_its_metrics(one_rank, caplog):
