@@ -347,6 +347,15 @@ def make_batches(model: torch.nn.Module, example: dict, steps: int, seed: int = 
     return out
 
 
+def _keywords(spec) -> dict[str, torch.Tensor]:
+    """A preset's example inputs as keywords (``tiny-mlp`` gives ``x`` positionally): ``train_step`` and the
+    batches take keywords."""
+    import inspect
+
+    names = list(inspect.signature(spec.model.forward).parameters)
+    return {**dict(zip(names, spec.args)), **spec.kwargs}
+
+
 def compare_train_step(
     rank: int,
     world: int,
@@ -378,7 +387,7 @@ def compare_train_step(
     model = float64_model(spec.model)
     # a meta model is initialized shard by shard by autopar; the reference holds the same numbers
     reference = materialize(float64_model(build(preset, device="meta").model), seed=0) if meta else copy.deepcopy(model)
-    example = build(preset, device="cpu", seed=0).kwargs if meta else spec.kwargs
+    example = _keywords(build(preset, device="cpu", seed=0) if meta else spec)
     batches = [float64_batch(b) for b in make_batches(reference, example, steps)]
     with torch.no_grad():
         ref_out = loss_of(reference(**batches[0]))

@@ -1,0 +1,62 @@
+"""``torch_compile=True`` in ``make test``: the small case of tests/test_torch_compile.py's heavy matrix.
+
+One spawn of 2 gloo ranks trains the tiny MLP (``tiny-mlp``) in float64 on tp=2 (its parameters split, the
+collectives ``autopar::reduce`` ops inside the compiled graphs) and on dp=2 (gradient buckets), each compiled
+with Inductor's C++ back end and eagerly: losses and parameters equal one process to 1e-10 relative, and the
+compiled run equals the eager one; dynamo's counters show graphs were compiled and the compile log shows the
+training program ran through its compiled call with no failure and nothing eager, so a silent fallback to
+eager fails the test. Cold (an empty Inductor cache) this is the suite's one compile: see the commit message
+for its time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from autopar.solver.sharding.options import ShardOptions
+from tests._dist import run_distributed
+from tests.equivalence import compare_jobs
+from tests.exactness import TOL
+
+EAGER, COMPILED = {"torch_compile": False}, {"torch_compile": True}
+RUNS = [("1f1b", {}, EAGER), ("1f1b", {}, COMPILED)]
+JOBS = [
+    # the memory objective splits the tiny MLP's parameters on tp (the time objective keeps them whole)
+    {"name": "tp2", "axes": {"tp": 2}, "runs": RUNS, "compile_kwargs": {"options": ShardOptions(objective="memory")}},
+    {"name": "dp2", "axes": {"dp": 2}, "runs": RUNS, "check_forward": False},
+]
+
+
+def _ranks(rank: int, world: int, cache: str) -> dict:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    common = {"model_name": "tiny-mlp", "steps": 2, "microbatches": 1, "batch": 4}
+    return compare_jobs(rank, world, [{**common, **job} for job in JOBS])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(300)
+def test_compiled_tiny_mlp_on_tp2_and_dp2_equals_one_process_and_eager(tmp_path):
+    results = run_distributed(_ranks, 2, str(tmp_path / "inductor"), timeout=280)  # cold: a fresh cache
+    for rank, res in enumerate(results):
+        for job in JOBS:
+            out = res[job["name"]]
+            eager_key = next(k for k in out if "torch_compile=False" in k)
+            for key, r in out.items():
+                at = f"{job['name']} {key}, rank {rank}"
+                assert r["loss_rel"] < TOL and r["forward_rel"] < TOL, (at, r["loss_rel"], r["forward_rel"])
+                assert r["param_rel"] < TOL, (at, r["worst_param"], r["param_rel"])
+                assert not r["missing"], at
+                if job["name"] == "tp2":  # the plan really splits parameters over tp
+                    assert r["local_numel"] < r["full_numel"], f"{at}: the plan keeps whole parameters"
+                log = r["compile_log"]
+                if key == eager_key:
+                    assert log is None and r["graphs"] == 0, at
+                    continue
+                assert r["graphs"] > 0, f"{at}: dynamo compiled no graph"
+                assert not log["failed"] and not log["eager"], (at, log)
+                assert "stage0" in log["compiled"], (at, log["compiled"])  # the training program ran compiled
+                e = out[eager_key]["losses"]
+                rel = ((r["losses"] - e).abs() / e.abs()).max().item()
+                assert rel < TOL, f"{at}: compiled and eager losses differ by {rel:.2e}"
