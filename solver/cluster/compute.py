@@ -322,11 +322,96 @@ def op_work(op: Any, types: dict[str, Any], dtype: str, attention: str = "fused"
     return Work("elementwise", flops, nbytes, dtype=dtype)
 
 
+def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str = "fused") -> list[Work]:
+    """The works of ``ops`` (a program's ops, or a run of them, in order) as torch.compile's Inductor runs them
+    (``torch_compile=True``): a matmul, convolution or attention stays one kernel, priced as ``op_work`` prices
+    it, and so does an op not of ATen (a collective, a custom op); the other ops of a run between two such
+    kernels fuse, each connected group of them (values flowing from one to another) one kernel: its FLOPs
+    summed, one launch, and its bytes those of the values it reads from outside the group and of the values it
+    writes for a reader after the run (or for none in ``ops``: an output), each counted once; its
+    intermediates stay in registers. Views are free, as in ``op_work``: reading a view reads what it views.
+    Never more bytes or launches than ``op_work`` op by op."""
+    size = ITEMSIZE.get(dtype, 4)
+    ops = list(ops)
+    last_reader: dict[str, int] = {}
+    for i, op in enumerate(ops):
+        for r in op.input_refs():
+            last_reader[r.name] = i
+
+    def nbytes(name: str) -> float:
+        t = types[name]
+        return float(t.numel * size if t.is_float else t.nbytes)
+
+    out: list[Work] = []
+    run: list[int] = []  # the fusible ops since the last kernel of its own
+
+    def close() -> None:
+        if not run:
+            return
+        end = run[-1]
+        group: dict[str, int] = {}  # a result of the run -> its group (union-find over the run's ops)
+        parent = list(range(len(run)))
+
+        def find(g: int) -> int:
+            while parent[g] != g:
+                parent[g] = parent[parent[g]]
+                g = parent[g]
+            return g
+
+        source: dict[str, str] = {}  # a view's result -> the value it views (through views)
+        for g, i in enumerate(run):
+            op = ops[i]
+            ins = [r.name for r in op.input_refs()]
+            for n in ins:
+                if n in group:
+                    parent[find(group[n])] = g
+            for r in op.results:
+                group[r] = g
+                if op.target in VIEW_OPS and ins:
+                    source[r] = source.get(ins[0], ins[0])
+        kernels: dict[int, list[int]] = {}
+        for g, i in enumerate(run):
+            kernels.setdefault(find(g), []).append(i)
+        for idx in kernels.values():
+            made = {r for i in idx if ops[i].target not in VIEW_OPS for r in ops[i].results}
+            read: set[str] = set()
+            written: set[str] = set()
+            flops, launches = 0.0, 0
+            for i in idx:
+                op = ops[i]
+                for r in op.results:  # read after the run or never in ``ops``: written (a view: what it views)
+                    if last_reader.get(r, len(ops)) > end:
+                        v = source.get(r, r)
+                        if v in made:
+                            written.add(v)
+                if op.target in VIEW_OPS:
+                    continue
+                launches, flops = 1, flops + float(op.flops)
+                for r in op.input_refs():
+                    if source.get(r.name, r.name) not in made:
+                        read.add(r.name)  # an outside value (or a view of one, at the view's size)
+            if launches:
+                moved = sum(nbytes(n) for n in read | written)
+                out.append(Work("elementwise", flops, moved, dtype=dtype, ops=1))
+        run.clear()
+
+    for i, op in enumerate(ops):
+        work = op_work(op, types, dtype, attention)
+        if work.kind == "elementwise" and str(op.target).startswith("aten."):  # a collective or custom op: alone
+            run.append(i)
+            continue
+        close()
+        out.append(work)
+    close()
+    return out
+
+
 __all__ = [
     "Curve",
     "Device",
     "DeviceTable",
     "Work",
+    "compiled_works",
     "device_of",
     "efficiency",
     "flop_seconds",

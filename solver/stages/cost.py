@@ -77,6 +77,7 @@ class StageContext:
     precision: str  # "bf16" (mixed precision) or "fp32"
     efficiency: float | None  # a constant fraction of peak replacing the device table's curves (None: the curves)
     commons: frozenset[str] = field(default_factory=frozenset)  # common nodes: never stashed
+    compiled: bool = False  # priced as torch.compile runs it (compute.compiled_works: elementwise chains fused)
 
     def act_bytes(self, t: TensorType) -> float:
         """Bytes per device of an activation of type ``t`` at the training precision."""
@@ -263,10 +264,12 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                     act += ctx.act_bytes(t)
             act += ctx.extra_bytes(op)
             wkept += ctx.wkept_bytes(op)
-        seconds = sum(
-            3 * compute.seconds(compute.op_work(op, ctx.types, ctx.precision).split(ways), device)
-            for op in prog.ops[s.start : s.stop]
-        )
+        ops = prog.ops[s.start : s.stop]
+        if ctx.compiled:
+            works = compute.compiled_works(ops, ctx.types, ctx.precision)
+        else:
+            works = [compute.op_work(op, ctx.types, ctx.precision) for op in ops]
+        seconds = sum(3 * compute.seconds(w.split(ways), device) for w in works)
         out.append(SubgraphCost(seconds, comm_fn(ctx, s), weight, act, wkept))
     return SplitCosts(out, tied, params)
 

@@ -1,0 +1,101 @@
+"""The compute model's price of compiled compute (``solver/cluster/compute.compiled_works``, issue 33): under
+torch.compile the elementwise ops between two matmuls fuse into one kernel per connected group, priced by the
+bytes that kernel reads and writes once and one launch; matmuls, attention and collectives keep their own price.
+No compiling here: the IR of captured models only."""
+
+from __future__ import annotations
+
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from autopar.ir.core import MeshSpec
+from autopar.passes.capture import capture
+from autopar.passes.lower import lower
+from autopar.solver.cluster import compute
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.stages.cost import StageContext, subgraph_costs
+
+
+class Chain(torch.nn.Module):
+    def __init__(self, d=64, h=256):
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = torch.nn.Linear(d, h), torch.nn.LayerNorm(h), torch.nn.Linear(h, d)
+
+    def forward(self, x):
+        h = torch.nn.functional.gelu(self.ln(self.fc1(x))) * 2 + 1  # bias add, norm, gelu, mul, add: one kernel
+        return self.fc2(h).sum()
+
+
+def _prog(model, *args):
+    prog = lower(capture(model, args), MeshSpec())
+    return prog, prog.types()
+
+
+def test_an_elementwise_chain_between_two_matmuls_is_one_kernel_priced_by_its_outside_bytes():
+    prog, types = _prog(Chain(), torch.randn(8, 16, 64))
+    ops = list(prog.ops)
+    eager = [compute.op_work(op, types, "fp32") for op in ops]
+    works = compute.compiled_works(ops, types, "fp32")
+    kinds = [w.kind for w in works]
+    assert kinds == ["matmul", "elementwise", "matmul", "elementwise"], [op.target for op in ops]
+    fc1 = next(i for i, op in enumerate(ops) if op.target in compute.MATMULS)
+    fc2 = next(i for i, op in enumerate(ops) if op.target in compute.MATMULS and i > fc1)
+    assert works[0] == eager[fc1] and works[2] == eager[fc2]  # matmuls priced as op_work prices them
+    chain = ops[fc1 + 1 : fc2]
+    assert len([op for op in chain if op.target not in compute.VIEW_OPS]) >= 5
+    fused = works[1]
+    # reads fc1's output and the bias and norm parameters once, writes only what fc2 reads: 4 bytes a float
+    outside = {ops[fc1].result, "fc1.bias", "ln.weight", "ln.bias"}
+    read = {r.name for op in chain for r in op.input_refs()} - {r for op in chain for r in op.results}
+    assert read == outside, read
+    written = {r.name for r in ops[fc2].input_refs()} & {r for op in chain for r in op.results}
+    want = 4.0 * sum(types[n].numel for n in outside | written)
+    assert fused.bytes == want and fused.ops == 1
+    assert fused.flops == sum(float(op.flops) for op in chain)
+    assert fused.bytes < sum(eager[i].bytes for i in range(fc1 + 1, fc2)) / 3  # the intermediates are not moved
+
+
+def test_two_independent_chains_are_two_kernels_and_a_collective_stays_its_own():
+    class Two(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.relu(x) * 3, torch.tanh(y) + 1
+
+    prog, types = _prog(Two(), torch.randn(32, 32), torch.randn(32, 32))
+    works = compute.compiled_works(prog.ops, types, "fp32")
+    assert [w.ops for w in works] == [1, 1]
+    assert [w.bytes for w in works] == [2 * 4.0 * 32 * 32] * 2  # each reads its input and writes its output
+    # a collective between two elementwise ops splits the run (Inductor does not fuse across it)
+    relu, mul = prog.ops[0], prog.ops[1]
+    reduce = relu.with_(target="all_reduce", results=("r",), args=(relu.args[0],))
+    types2 = {**types, "r": types[relu.result]}
+    mine = compute.compiled_works([reduce, relu, mul], types2, "fp32")
+    assert [w.ops for w in mine] == [1, 1] and mine[0] == compute.op_work(reduce, types2, "fp32")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_compiled_gpt2_moves_fewer_bytes_in_fewer_launches_with_the_same_flops_and_matmuls(dtype):
+    from tests.equivalence import tiny_gpt2
+
+    model, batches = tiny_gpt2(batch=2, seq=16)
+    prog = lower(capture(model, (), batches[0]), MeshSpec())
+    types = prog.types()
+    eager = [compute.op_work(op, types, dtype) for op in prog.ops]
+    works = compute.compiled_works(prog.ops, types, dtype)
+    assert sum(w.flops for w in works) == pytest.approx(sum(w.flops for w in eager), rel=1e-12)
+    big = lambda ws: Counter(w for w in ws if w.kind != "elementwise")  # noqa: E731
+    assert big(works) == big(eager)  # every matmul and attention priced as before
+    assert sum(w.bytes for w in works) < 0.7 * sum(w.bytes for w in eager)
+    assert sum(w.ops for w in works) < 0.7 * sum(w.ops for w in eager)
+    # the stage balancer prices a compiled run through it: every op of the program as one subgraph
+    cluster = ClusterSpec.load("dgx-a100")
+    every = [SimpleNamespace(index=0, start=0, stop=len(prog.ops), graph_inputs=(), flops=0, label="all")]
+    priced = {}
+    for compiled in (False, True):
+        ctx = StageContext(prog, cluster, 1, 1, False, dtype, None, compiled=compiled)
+        priced[compiled] = subgraph_costs(ctx, every, lambda c, s: 0.0).subgraphs[0].compute_seconds
+    device = compute.device_of(cluster)
+    assert priced[True] == pytest.approx(sum(3 * compute.seconds(w, device) for w in works), rel=1e-12)
+    assert priced[True] < priced[False]
