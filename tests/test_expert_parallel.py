@@ -314,14 +314,6 @@ def _kernel_model(family: str, kernel: str, layers: int = 1):
     return float64_model(model), kwargs
 
 
-def _on_ep(model, mesh: MeshSpec) -> dict:
-    """``constrain`` entries holding every expert table split on its experts over ``ep`` (the memory objective
-    finds an expert split and a split of the experts' widths equally small)."""
-    ep = [a for a in mesh.names if a != "pp"].index("ep")  # each pipeline stage's mesh has no pp axis
-    names = [n for n, _ in model.named_parameters() if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]
-    return {n: (lambda p, ep=ep: p[ep] == Shard(0)) for n in names}
-
-
 def _counting(real, calls: list):
     """``real`` (the generated code's ``expert_grouped_mm``), appending to ``calls`` at each call."""
 
@@ -362,14 +354,14 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
 ) -> None:
     """transformers' default kernel (``grouped_mm``, captured as ``transformers::grouped_mm_fallback`` in
     float64) and the eager loop (captured through it): two SGD steps on simulated ranks equal two in one process
-    (float64, every loss and parameter to ``TOL``) with every expert table split on its experts over ``ep``
-    (each rank holding E/2), every grouped matmul read expert-parallel (its rows sent to their experts' ranks
-    and back, ``expert_grouped_mm``), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2 over dp, and pp=2 x ep=2
-    (each stage's experts on its pipeline rank group, 1F1B over two microbatches)."""
+    (float64, every loss and parameter to ``TOL``) with every expert table split on its experts over ``ep`` by the
+    ILP itself, nothing constrained (each rank holding E/2), every grouped matmul read expert-parallel (its rows
+    sent to their experts' ranks and back, ``expert_grouped_mm``), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2
+    over dp, and pp=2 x ep=2 (each stage's experts on its pipeline rank group, 1F1B over two microbatches)."""
     model, kwargs = _kernel_model(family, kernel, layers)
     reference = copy.deepcopy(model)
     setup = TrainingSetup(optimizer="sgd", zero=zero) if zero else MEMORY.setup
-    options = replace(MEMORY, setup=setup, constrain=_on_ep(model, mesh))
+    options = replace(MEMORY, setup=setup)
     if mesh is EP_DP:  # the rows split on ep and dp, ep outer: an ep group's blocks are not adjacent
         options = replace(options, data_parallel="activations")
     pipelined = dict(microbatches=2, schedule="1f1b") if "pp" in mesh.names else {}
@@ -417,7 +409,7 @@ def test_each_ranks_grouped_all_to_alls_are_the_programs(monkeypatch) -> None:
     every call's bytes sent over the ranks sum to the op's global rows there (its input) or back (its result),
     as do its bytes received, and each rank's own side of a call is the op's local bytes."""
     model, kwargs = _kernel_model("olmoe", "grouped_mm")
-    sim = SimCompiled.of(model, EP, (), kwargs, options=replace(MEMORY, constrain=_on_ep(model, EP)), float64=True)
+    sim = SimCompiled.of(model, EP, (), kwargs, options=MEMORY, float64=True)
     prog = sim.modules[0].train_program
     types = prog.types()
     grouped = [op for op in prog.ops if op.target in EXPERT_GROUPED_MM]

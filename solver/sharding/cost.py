@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.errors import SolverError
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
@@ -79,6 +80,17 @@ class TrainingSetup:
     # all-reduce is hidden behind their weight gradients; not under a split backward (zero-bubble schedules) or
     # sub-pipelined tensor parallelism, where the f runs on its own (runtime/module.py)
     overlap_tp: bool = True
+    # the busiest expert-parallel rank's rows over the mean that the router's skew adds (1: uniform routing, what
+    # a load-balancing loss aims at): expert all-to-alls and the experts' computation are priced at that rank's
+    # rows (solver/sharding/experts.py:busiest_rows)
+    router_imbalance: float = experts.DEFAULT_IMBALANCE
+
+    def __post_init__(self) -> None:
+        if not self.router_imbalance >= 1:
+            raise SolverError(
+                f"router_imbalance={self.router_imbalance}: the busiest expert rank's rows over the mean is at least "
+                "1 (1: uniform routing; 1.5: the busiest rank gets half again the mean)"
+            )
 
     @property
     def bucket_bytes(self) -> float:
@@ -291,10 +303,17 @@ class CostModel:
         ``split`` is true, priced by ``solver.cluster.compute.seconds`` on the piece one rank computes."""
         return 3.0 * compute.seconds(work.split(self._ways(split)), self.device)
 
-    def op_seconds(self, op, types: dict[str, TensorType], split: list[bool]) -> float:
+    def op_seconds(self, op, types: dict[str, TensorType], split: list[bool], in_placements=None) -> float:
         """Forward plus backward seconds of the IR op ``op`` (its shape, class and the training dtype,
-        ``solver.cluster.compute.op_work``) divided over the axes where ``split`` is true."""
-        return self.work_seconds(compute.op_work(op, types, self.dtype), split)
+        ``solver.cluster.compute.op_work``) divided over the axes where ``split`` is true; read at
+        ``in_placements`` an expert-parallel op's busiest rank's share (``experts.expert_load``)."""
+        seconds = self.work_seconds(compute.op_work(op, types, self.dtype), split)
+        if in_placements is None or op.target not in experts.EXPERT_GROUPED_MM:
+            return seconds
+        ins = [types[r.name] for r in op.input_refs()]
+        return seconds * experts.expert_load(
+            op.target, ins, in_placements, self.mesh.sizes, self.setup.router_imbalance
+        )
 
     def flop_seconds(
         self, flops: float, split: list[bool] | None = None, m: int = 0, n: int = 0, k: int = 0, nbytes: float = 0.0
@@ -321,10 +340,11 @@ class CostModel:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
         vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row; an expert-parallel
         gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``)."""
+        imbalance = self.setup.router_imbalance
         if target == experts.EXPERT_GATHER:
-            return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms)
+            return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
         if target in experts.EXPERT_GROUPED_MM:
-            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms)
+            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
         if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
             return 0.0, 0.0
         vol = sec = 0.0

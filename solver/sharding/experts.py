@@ -20,14 +20,35 @@ The price is an estimate made before the router has seen a token:
   wider experts and under-prices narrower ones; pricing each gather a dispatch and a combine of its own
   would count the block's one dispatch and one combine twice.
 - **the busiest rank, not the mean.** A rank's send buffer is its own rows; what it receives depends on
-  the router. Priced is the busiest rank's receive under uniform routing: rows arriving at a rank are
-  Binomial(N, 1/n) over the N rows of the whole axis, whose maximum over n ranks is about
-  ``mu + sigma sqrt(2 ln n)`` (``busiest_rows``). A trained router is usually less balanced; an
-  auxiliary balancing loss keeps it near this.
+  the router. Priced is the busiest rank's rows (``busiest_rows``): under uniform routing the rows arriving
+  at a rank are Binomial(N, 1/n) over the N rows of the whole axis, whose maximum over n ranks is about
+  ``mu + sigma sqrt(2 ln n)``; a skewed router sends the busiest rank ``imbalance`` times the mean
+  (``TrainingSetup.router_imbalance``, default ``DEFAULT_IMBALANCE`` = 1: uniform routing, what an auxiliary
+  balancing loss aims at), so the busiest rank holds ``min(N, imbalance mu + sigma sqrt(2 ln n))`` rows.
+  A grouped matmul's experts' computation is priced at the rows of its busiest rank too (``expert_load``,
+  read by ``CostModel.op_seconds``); the batched_mm kernel's matmuls after the gather are priced at the mean.
+- **what crosses the links.** Of the busiest rank's rows, those that were already on it do not move
+  (``expert_rows``). The gather's rows are in token order, each from a uniformly random rank: (n-1)/n of
+  them arrive from others. A grouped matmul's rows are sorted by expert over the whole batch and split in
+  contiguous blocks (``runtime/comm/all_to_all.py``, ``expert_grouped_mm``): under balanced routing block b
+  holds the rows of the experts of the b-th slice of the sorted order (``block_owners``), so with the expert
+  axis the outermost of the rows' axes every rank's block is of its own experts: it keeps them all and
+  receives only the rows beyond its block, ``busiest - local`` (the router's imbalance and its sampling
+  noise). With the expert axis inside another rows axis (dp outer), the blocks of one expert group are of a
+  few ranks' experts: those ranks receive (and compute) the group's rows, the others send theirs; and the
+  busiest expert rank's rows beyond its slice of the sorted order lie in one group's blocks, so they scale
+  with all the rows, not one group's (``expert_rows``). Measured against the runtime's own split sizes
+  (``tests/test_expert_pricing.py``) on 2, 4 and 8 ranks and both 2 x 2 layouts, with and without skew, the
+  estimate is within 0.8-1.6 of the mean of the busiest rank's rows from others.
+  Pricing every row as crossing (the gather's rule) made a grouped expert split cost more than splitting
+  the experts' widths, which moves whole activations, so the ILP never chose it (tests/test_expert_parallel.py,
+  ``test_free_ilp_splits_the_grouped_experts_over_ep``).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 from collections.abc import Callable
 
@@ -46,6 +67,8 @@ EXPERT_GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fall
 ALL_TO_ALLS_PER_GROUPED_MM = 4
 # all-to-alls of the gather's rows priced per step: forward and backward (the module docstring)
 ALL_TO_ALLS_PER_GATHER = 2
+# the busiest rank's expected rows over the mean that the router's skew adds (1: uniform routing)
+DEFAULT_IMBALANCE = 1.0
 
 
 def expert_axes(in_types: list[TensorType], in_placements) -> list[int]:
@@ -71,13 +94,18 @@ def grouped_expert_axes(in_types: list[TensorType], in_placements) -> list[int]:
 
 
 def grouped_price(
-    in_types: list[TensorType], in_placements, mesh: MeshSpec, terms: Callable[[int], tuple[float, float]]
+    in_types: list[TensorType],
+    in_placements,
+    mesh: MeshSpec,
+    terms: Callable[[int], tuple[float, float]],
+    imbalance: float = DEFAULT_IMBALANCE,
 ) -> tuple[float, float]:
     """(bytes, seconds) per device of an expert-parallel grouped matmul's all-to-alls (0 where it is none): its
     rows sent to their experts' ranks at the local width K and the results back at the local width N, forward,
     and their gradients the other way in the backward (``ALL_TO_ALLS_PER_GROUPED_MM``), each at the busiest
-    rank's rows (``busiest_rows``); the counts need no exchange (the offsets are whole on every rank).
-    Impossible (``INF``) on an axis that is no expert axis."""
+    rank's rows that cross the links (``expert_rows``); the counts need no exchange (the
+    offsets are whole on every rank). Impossible (``INF``) on an axis that is no expert axis. ``terms(axis)``:
+    the axis's all-to-all (seconds per byte of a buffer, latency) on the cluster."""
     axes = grouped_expert_axes(in_types, in_placements)
     if any(not is_expert_axis(mesh.names[a]) for a in axes):
         return INF, INF
@@ -89,43 +117,125 @@ def grouped_price(
         n = sizes[a]
         local_rows = x.shape[0] / _ways(xp, sizes, 0)
         width = x.shape[1] / _ways(xp, sizes, 1) + w.shape[2] / _ways(wp, sizes, 2)  # there (K) and back (N)
-        nbytes = busiest_rows(round(local_rows * n), n) * width * x.itemsize
-        per_byte, latency = terms(a)
-        vol += 2 * nbytes * (n - 1) / n
-        sec += 2 * nbytes * per_byte + ALL_TO_ALLS_PER_GROUPED_MM * latency
+        crossing = expert_rows(local_rows, xp, sizes, a, imbalance)[1] * width * x.itemsize
+        vol += 2 * crossing
+        sec += 2 * crossing * _per_link_byte(terms(a)[0], n) + ALL_TO_ALLS_PER_GROUPED_MM * terms(a)[1]
     return vol, sec
+
+
+@functools.lru_cache(maxsize=4096)
+def block_owners(placements: tuple, sizes: tuple[int, ...], axis: int) -> tuple[tuple[int, bool], ...]:
+    """Per rank of the mesh axes holding a grouped matmul's rows placed ``placements`` (sorted by expert, split in
+    contiguous blocks over the mesh axes splitting dim 0, outer first, as ``expert_grouped_mm`` numbers them):
+    under balanced routing, how many blocks of its group on ``axis`` hold rows of its own experts, and whether its
+    own block is one. Block b of B holds the b-th slice of the sorted order, the experts of rank ``b n // B``;
+    with ``axis`` the outermost rows axis every rank's block is its own (``(1, True)`` each), with ``axis``
+    inside another, one rank of each group holds the rows of several blocks and another none."""
+    row_axes = [a for a, p in enumerate(placements) if isinstance(p, Shard) and p.dim == 0]
+    if axis not in row_axes:
+        return ()
+    blocks, n, j = math.prod(sizes[a] for a in row_axes), sizes[axis], row_axes.index(axis)
+
+    def owner(coords) -> int:
+        b = 0
+        for a, c in zip(row_axes, coords):
+            b = b * sizes[a] + c
+        return b * n // blocks
+
+    out = []
+    for coords in itertools.product(*(range(sizes[a]) for a in row_axes)):
+        group = [owner((*coords[:j], i, *coords[j + 1 :])) for i in range(n)]
+        out.append((group.count(coords[j]), owner(coords) == coords[j]))
+    return tuple(out)
+
+
+def expert_rows(
+    local_rows: float, placements: tuple, sizes: tuple[int, ...], axis: int, imbalance: float = DEFAULT_IMBALANCE
+) -> tuple[float, float]:
+    """(the most rows one rank of an expert axis computes, the most it receives from the other ranks of the axis)
+    for a grouped matmul whose ranks each hold ``local_rows`` rows placed ``placements``, sorted by expert over
+    all of them. Under balanced routing a rank computes the rows of the blocks of its group that hold its
+    experts' slice of the sorted order (``block_owners``); the busiest expert rank's rows beyond its slice,
+    ``busiest_rows`` of all the rows less their mean, lie in the blocks after it and are priced as reaching one
+    rank; a rank holds at most its group's rows, and receives all but its own block's."""
+    n = sizes[axis]
+    owners = block_owners(placements, sizes, axis)
+    rows = local_rows * len(owners)  # every block's rows, over the whole mesh
+    excess = busiest_rows(round(rows), n, imbalance) - rows / n
+    load = crossing = 0.0
+    for k, kept in owners:
+        held = min(n * local_rows, k * local_rows + excess)
+        load, crossing = max(load, held), max(crossing, held - local_rows * kept)
+    return load, crossing
+
+
+def expert_load(
+    target: str, in_types: list[TensorType], in_placements, sizes: tuple[int, ...], imbalance: float = DEFAULT_IMBALANCE
+) -> float:
+    """How many times the mean rank's share of an op's computation its busiest rank computes: for an
+    expert-parallel grouped matmul, the most rows one rank's experts take (``expert_rows``) over the rows each
+    rank holds, on each expert axis; 1 for any other op."""
+    if target not in EXPERT_GROUPED_MM:
+        return 1.0
+    load = 1.0
+    for a in grouped_expert_axes(in_types, in_placements):
+        local_rows = in_types[0].shape[0] / _ways(in_placements[0], sizes, 0)
+        if local_rows:
+            load *= expert_rows(local_rows, in_placements[0], sizes, a, imbalance)[0] / local_rows
+    return load
+
+
+def _per_link_byte(per_byte: float, n: int) -> float:
+    """Seconds per byte crossing the links, from an all-to-all's seconds per byte of a rank's whole buffer
+    (``ClusterSpec.collective_terms``: (n-1)/n of a buffer leaves the rank)."""
+    return per_byte * n / (n - 1) if n > 1 else 0.0
 
 
 def _rows(p: Placement) -> bool:
     return isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
 
 
-def busiest_rows(rows: int, n: int) -> float:
-    """Expected rows of the busiest of n ranks when ``rows`` rows each go to a uniformly random rank:
-    mean N/n plus sqrt(2 ln n) standard deviations of Binomial(N, 1/n), at most N."""
+def busiest_rows(rows: int, n: int, imbalance: float = DEFAULT_IMBALANCE) -> float:
+    """Expected rows of the busiest of n ranks when ``rows`` rows go to their experts' ranks: ``imbalance``
+    times the mean N/n (the router's skew; 1: each row to a uniformly random rank) plus sqrt(2 ln n) standard
+    deviations of Binomial(N, 1/n) (the sampling noise), at most N."""
+    if imbalance < 1:
+        raise ValueError(f"a router imbalance of {imbalance} is below 1: the busiest rank holds at least the mean")
     if n <= 1:
         return float(rows)
     mean = rows / n
     sigma = math.sqrt(rows * (1 / n) * (1 - 1 / n))
-    return min(float(rows), mean + sigma * math.sqrt(2 * math.log(n)))
+    return min(float(rows), imbalance * mean + sigma * math.sqrt(2 * math.log(n)))
 
 
-def dispatch_bytes(table: TensorType, idx: TensorType, placements: tuple, sizes: tuple[int, ...], axis: int) -> float:
+def dispatch_bytes(
+    table: TensorType,
+    idx: TensorType,
+    placements: tuple,
+    sizes: tuple[int, ...],
+    axis: int,
+    imbalance: float = DEFAULT_IMBALANCE,
+) -> float:
     """Bytes of one all-to-all of an expert-parallel gather's rows on ``axis`` at the busiest rank, for the
     table and indices read at ``placements`` (one tuple per mesh axis each): the axis's rows (the indices'
     local length times the axis size) at the table's local last width."""
     table_p, idx_p = placements
     local_rows = idx.shape[0] / _ways(idx_p, sizes, 0)
     width = table.shape[-1] / _ways(table_p, sizes, len(table.shape) - 1)
-    return busiest_rows(round(local_rows * sizes[axis]), sizes[axis]) * width * table.itemsize
+    return busiest_rows(round(local_rows * sizes[axis]), sizes[axis], imbalance) * width * table.itemsize
 
 
 def gather_price(
-    in_types: list[TensorType], in_placements, mesh: MeshSpec, terms: Callable[[int], tuple[float, float]]
+    in_types: list[TensorType],
+    in_placements,
+    mesh: MeshSpec,
+    terms: Callable[[int], tuple[float, float]],
+    imbalance: float = DEFAULT_IMBALANCE,
 ) -> tuple[float, float]:
     """(bytes, seconds) per device of an expert-parallel gather's all-to-alls (0 where it is none):
-    ``ALL_TO_ALLS_PER_GATHER`` of ``dispatch_bytes`` on its expert axis, each also paying the latency of the
-    exchange of counts before it; impossible (``INF``) on an axis that is no expert axis (``ir/axes.py``).
+    ``ALL_TO_ALLS_PER_GATHER`` of ``dispatch_bytes`` on its expert axis ((n-1)/n of them crossing the links:
+    rows in token order come from every rank alike), each also paying the latency of the exchange of counts
+    before it; impossible (``INF``) on an axis that is no expert axis (``ir/axes.py``).
     ``terms(axis)``: the axis's all-to-all (seconds per byte, latency) on the cluster."""
     axes = expert_axes(in_types, in_placements)
     if any(not is_expert_axis(mesh.names[a]) for a in axes):
@@ -134,7 +244,7 @@ def gather_price(
     vol = sec = 0.0
     for a in axes:
         n = sizes[a]
-        nbytes = dispatch_bytes(in_types[0], in_types[1], in_placements, sizes, a)
+        nbytes = dispatch_bytes(in_types[0], in_types[1], in_placements, sizes, a, imbalance)
         per_byte, latency = terms(a)
         vol += ALL_TO_ALLS_PER_GATHER * nbytes * (n - 1) / n
         sec += ALL_TO_ALLS_PER_GATHER * (nbytes * per_byte + 2 * latency)
@@ -148,6 +258,7 @@ def _ways(placements: tuple, sizes: tuple[int, ...], dim: int) -> int:
 
 __all__ = [
     "ALL_TO_ALLS_PER_GATHER",
+    "DEFAULT_IMBALANCE",
     "ALL_TO_ALLS_PER_GROUPED_MM",
     "EXPERT_GATHER",
     "EXPERT_GROUPED_MM",
@@ -156,5 +267,8 @@ __all__ = [
     "busiest_rows",
     "dispatch_bytes",
     "expert_axes",
+    "expert_load",
     "gather_price",
+    "block_owners",
+    "expert_rows",
 ]

@@ -303,7 +303,7 @@ class GroupBuilder:
                 b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs)
                 vol, sec = vol + b, sec + x
                 flop_sec += self.cost.op_seconds(
-                    op, self.types, [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+                    op, self.types, [is_divergent(s, a) for a in range(len(self.mesh.axes))], s.inputs
                 )
                 for name, t, p in zip(op.results, op.types, s.outputs):
                     if self.saved.activation(name):
