@@ -62,8 +62,9 @@ class ModuleViews:
 
     def as_dtensors(self):
         """This rank's parameters and buffers as DTensors with the plan's placements, under the user's
-        keys, sharing storage with the shards the program runs on (``runtime/checkpoint/dtensors.py``): torch's
-        ``get_state_dict``/``set_state_dict``, DCP and ``clip_grad_norm_`` work on it."""
+        keys, sharing storage with the shards the program runs on (a ZeRO-3 slice no placement describes: a
+        gathered copy; ``runtime/checkpoint/dtensors.py``): torch's ``get_state_dict``/``set_state_dict`` (with
+        ``view.optimizer_view(opt)``), DCP and ``clip_grad_norm_`` work on it. Collective under ZeRO-3."""
         from autopar.runtime.checkpoint.dtensors import dtensor_view
 
         return dtensor_view(self)
