@@ -19,6 +19,7 @@ row 0, differs by ~0.1). Cost: about 35 s on a quiet 2-core machine.
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -30,8 +31,13 @@ from autopar.check.rules import check_strategy, one_op_program, strategies_of
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
 from autopar.ir.core import MeshSpec, Replicate, Shard
-from autopar.passes.shard import ShardOptions
+from autopar.passes.capture import capture
+from autopar.passes.collectives import insert_collectives
+from autopar.passes.lower import lower
+from autopar.passes.shard import ShardOptions, shard
 from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.cost import CostModel
+from autopar.solver.sharding.rules.context import attention_form
 from tests._dist import run_distributed
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
@@ -80,12 +86,27 @@ def query_splits(prog) -> list:
     return out
 
 
-def check_exact(family: str, mesh: MeshSpec) -> None:
+def attention_forms(prog) -> list[str | None]:
+    """The form of context parallelism every SDPA call of ``prog`` takes on its cp axis (``attention_form``)."""
+    axis, types = prog.mesh.names.index("cp"), prog.types()
+    return [
+        attention_form(
+            [types[r.name] for r in op.input_refs()], [types[r.name].placements for r in op.input_refs()], axis
+        )
+        for op in prog.ops
+        if op.target == "aten.scaled_dot_product_attention"
+    ]
+
+
+def check_exact(family: str, mesh: MeshSpec, form: str = "auto") -> None:
     model, batch = small(family)
     reference = copy.deepcopy(model)
-    sim = SimCompiled.of(model, mesh, (), batch, options=OPTIONS, float64=True)
+    options = replace(OPTIONS, context_attention=form)
+    sim = SimCompiled.of(model, mesh, (), batch, options=options, float64=True)
     splits = query_splits(sim.program)
     assert splits == [Shard(2)] * LAYERS[family], splits
+    if form != "auto":
+        assert attention_forms(sim.program) == [form] * LAYERS[family], attention_forms(sim.program)
     make_optimizer("adamw", sim)
     losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
     with Float64Mode():
@@ -136,6 +157,23 @@ def test_cp2_padding_mask_exact():
 
 def test_cp2_tp2_exact():
     check_exact("qwen3", MeshSpec((("cp", 2), ("tp", 2))))
+
+
+def test_cp2_ring_exact():
+    """Ring attention (``context_attention="ring"``): LLaMA's causal attention with its keys and values split on
+    the sequence, their blocks passed around the cp ring by send/recv, the queries load-balanced (rank r computes
+    pieces r and 3 - r of 4), trains as one process; the plan prices the ring's point-to-point traffic as the
+    program it emits runs it (the ILP's communication seconds are ``program_comm``'s)."""
+    check_exact("llama", CP, "ring")
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "family, mesh", [("qwen3", MeshSpec((("cp", 4),))), ("llama", MeshSpec((("cp", 2), ("tp", 2))))]
+)
+def test_ring_exact_more_meshes(family, mesh):
+    """Ring attention on cp=4 (each rank's queries exchanged in two pieces) and beside head-parallel tp."""
+    check_exact(family, mesh, "ring")
 
 
 def test_pp2_cp2_exact():
@@ -213,16 +251,19 @@ def _attention(draw):
 @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(_attention())
 def test_attention_rule_on_simulated_ranks(example):
-    """Every strategy of the attention rule, the query-sequence split included, run forward and backward on
-    simulated ranks in float64 (``autopar.check.rules``) equals the whole op; the query split is offered
-    wherever the query sequence divides, causal calls included (each rank's mask on its global rows)."""
+    """Every strategy of the attention rule, the query-sequence split and ring attention included, run forward and
+    backward on simulated ranks in float64 (``autopar.check.rules``) equals the whole op; the query split is offered
+    wherever the query sequence divides, causal calls included (each rank's mask on its global rows), ring attention
+    wherever queries and keys are one sequence in ``2 * cp`` pieces (a float mask's gradient included)."""
     args, kwargs, mesh = example
     prog, whole = one_op_program("aten.scaled_dot_product_attention", tuple(args), kwargs, mesh)
     found = strategies_of(prog)
     cp = mesh.names.index("cp")
     query = [s for s in found if s.inputs[0][cp] == Shard(2) and s.inputs[1][cp] == Replicate()]
-    q = args[0].shape[2]
+    ring = [s for s in found if s.inputs[0][cp] == Shard(2) and s.inputs[1][cp] == Shard(2)]
+    q, kv = args[0].shape[2], args[1].shape[2]
     assert bool(query) == (q % mesh.sizes[cp] == 0), (found, kwargs, q)
+    assert bool(ring) == (q == kv and q % (2 * mesh.sizes[cp]) == 0), (found, kwargs, q)
     bad = [f"{s.inputs} -> {s.label()}: {p}" for s in found for p in check_strategy(prog, whole, s)]
     assert not bad, "\n".join(bad[:5])
 
@@ -234,3 +275,33 @@ def test_autopar_check_on_a_cp_mesh():
     report = check_model(model, (), batch, MeshSpec((("cp", 2), ("tp", 2))), options=OPTIONS)
     assert report.agrees and report.max_diff < TOL, report.summary()
     assert query_splits(report.program) == [Shard(2)] and report.compared > 100, report.compared
+
+
+@pytest.mark.parametrize("cluster", ["local-cpu", pytest.param("dgx-h100", marks=pytest.mark.heavy)])
+def test_ring_priced_as_emitted(cluster):
+    """The ILP prices ring attention's point-to-point traffic as the emitted program runs it: the plan's
+    communication is ``program_comm``'s, collective by collective; on gloo (nothing overlaps) the ring's own share
+    is, by hand, one step of the rank's key and value blocks forward, one backward, two hops of their gradient
+    accumulators, and the load balancing's exchange of half the queries and half the output each way and half the
+    mask rows forward, each message a point-to-point send on the cp link."""
+    model, batch = small("llama")
+    prog = lower(capture(model, (), batch), CP)
+    spec = ClusterSpec.load(cluster)
+    opts = replace(OPTIONS, context_attention="ring", cluster=spec)
+    sharding = shard(prog, opts)
+    program = insert_collectives(sharding.program)
+    cost = CostModel(prog.mesh, opts.setup, spec)
+    vol, sec = cost.program_comm(program)
+    assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
+    (op,) = [op for op in program.ops if op.target == "aten.scaled_dot_product_attention"]
+    types = program.types()
+    ins = [types[r.name] for r in op.input_refs()]
+    assert attention_forms(program) == ["ring"]
+    ring_vol, ring_sec = cost.inherent(op.target, ins, [t.placements for t in ins], op)
+    if cluster == "local-cpu":
+        q, k, v, mask = (t.nbytes / 2 for t in ins)  # each rank's half
+        per_byte, latency = spec.collective_terms("send", 2, True)
+        messages = [k, v, k, v, k, v, k, v, q / 2, q / 2, q / 2, q / 2, mask / 2]
+        assert ring_vol == pytest.approx(sum(messages), rel=1e-12)
+        assert ring_sec == pytest.approx(sum(m * per_byte + latency for m in messages), rel=1e-12)
+    assert 0 < ring_sec < sec

@@ -43,7 +43,7 @@ from autopar.passes.experts import insert_expert_dispatch
 from autopar.runtime.build.codegen import codegen
 from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
-from autopar.runtime.comm import vocab_parallel
+from autopar.runtime.comm import context_attention, vocab_parallel
 from autopar.runtime.comm.context import use_comm
 from autopar.runtime.sim.placement_values import assemble, assemble_grad, distribute, distribute_grad
 from autopar.runtime.sim.ranksim import SimWorld
@@ -142,7 +142,8 @@ def check_strategy(prog: Program, whole: dict[str, torch.Tensor], strategy: Stra
         torch.autograd.backward([o for o, _ in diff_outs], [c for _, c in diff_outs])
     # an expert-parallel gather runs with its dispatch and combine, as insert-collectives writes them
     gm = codegen(insert_expert_dispatch(placed), world.coords(0), lambda name: whole[name])
-    communicating = {coll.__name__, vocab_parallel.__name__, experts.__name__}  # the modules whose calls communicate
+    # the modules whose calls communicate (ring attention's send/recv among them)
+    communicating = {coll.__name__, vocab_parallel.__name__, experts.__name__, context_attention.__name__}
     communicates = any(getattr(n.target, "__module__", "") in communicating for n in gm.graph.nodes)
     coords_of = [list(world.coords(r).values()) for r in range(world.size)]
 

@@ -32,10 +32,11 @@ from autopar.runtime.comm import all_to_all as experts
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import ColumnGroup, column_groups, column_linears
 from autopar.runtime.comm.context import current_comm
-from autopar.runtime.comm.context_attention import query_block_sdpa
+from autopar.runtime.comm.context_attention import query_block_sdpa, ring_sdpa
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 from autopar.solver.sharding.experts import grouped_expert_axes
+from autopar.solver.sharding.rules.context import is_ring
 
 _SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
 _SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
@@ -181,6 +182,9 @@ def codegen(
                 (env[logits.name], env[target.name], _class_axes(op, types, prog), reduction, ignore),
                 {"classes": types[logits.name].shape[1]},
             )
+        elif op.target == "aten.scaled_dot_product_attention" and (ring := _ring_axis(op, types, prog)):
+            q, k, v, *rest = arg(op.args)
+            node = graph.call_function(ring_sdpa, (q, k, v, ring), dict(zip(_SDPA_ARGS, rest), **arg(op.kwargs)))
         elif op.target == "aten.scaled_dot_product_attention" and _causal_query_axes(op, types, prog):
             q, k, v, *rest = arg(op.args)
             kwargs = dict(zip(_SDPA_ARGS, rest), **arg(op.kwargs))
@@ -383,6 +387,16 @@ def _dropout_site(op: Op, prog: Program, coords, device, rng: keyed.DropoutRng) 
 
 
 _SDPA_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")  # after q, k, v
+
+
+def _ring_axis(op: Op, types, prog: Program) -> str | None:
+    """The mesh axis (of more than one rank) over which an attention is ring attention (queries, keys and values
+    split on the sequence, ``solver/sharding/rules/context.py``), or None."""
+    q, k = types[op.args[0].name], types[op.args[1].name]
+    for p_q, p_k, name, n in zip(q.placements, k.placements, prog.mesh.names, prog.mesh.sizes):
+        if n > 1 and is_ring(q, k, p_q, p_k):
+            return name
+    return None
 
 
 def _causal_query_axes(op: Op, types, prog: Program) -> list[str]:

@@ -57,9 +57,18 @@ from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding import experts
+from autopar.solver.sharding.rules.context import is_ring
 from autopar.solver.sharding.strategies import column_weight
 
 INF = math.inf
+ATTENTION = "aten.scaled_dot_product_attention"
+
+
+def _balanced_member(p: int, n: int) -> int:
+    """The rank holding piece ``p`` of ``2n`` in ring attention's load-balanced layout (rank r: pieces r, 2n-1-r)."""
+    return p if p < n else 2 * n - 1 - p
+
+
 BUCKET_BYTES = 25 * 2**20  # gradients are all-reduced in flat buckets closed at this size (DDP's default)
 
 
@@ -336,10 +345,14 @@ class CostModel:
         (``TrainingSetup.overlap_tp``). The search prices the same overlap."""
         return min(f_seconds, wgrad_seconds) if self.cluster.overlaps_compute and self.setup.overlap_tp else 0.0
 
-    def inherent(self, target: str, in_types: list[TensorType], in_placements) -> tuple[float, float]:
+    def inherent(self, target: str, in_types: list[TensorType], in_placements, op=None) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
         vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row; an expert-parallel
-        gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``)."""
+        gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``); ring attention
+        passes its key/value blocks around the ring (``ring_price``; ``op``, the IR op, for its causal flag and its
+        blocks' compute)."""
+        if target == ATTENTION and op is not None and len(in_placements) >= 3 and None not in in_placements[:2]:
+            return self.ring_price(op, in_types, in_placements)
         imbalance = self.setup.router_imbalance
         if target == experts.EXPERT_GATHER:
             return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
@@ -353,6 +366,49 @@ class CostModel:
             if isinstance(p, Shard) and p.dim == 1:
                 b, x = self._collective("all_reduce", rows, a)
                 vol, sec = vol + 3 * b, sec + 3 * x
+        return vol, sec
+
+    def ring_price(self, op, in_types: list[TensorType], in_placements) -> tuple[float, float]:
+        """(bytes, seconds) per rank of ring attention's point-to-point traffic (``runtime/comm/context_attention.py``)
+        on the axis where it runs, nothing where it does not. Forward: ``n - 1`` steps, each sending the rank's
+        key and value blocks (K + V local bytes) to the next rank. Backward: ``n - 1`` such steps again, and ``n``
+        hops of the blocks' gradient accumulators (in at least fp32). Load-balanced (a causal call or one with a
+        mask): half the rank's queries (and mask rows) and half its output are exchanged forward, the output's and
+        the queries' gradients backward (for ``n > 2`` some rank sends both its pieces). Each send is priced by
+        the cluster's point-to-point alpha-beta on the axis's link. Where collectives run beside compute (NCCL),
+        a step's key/value transfer runs beside that step's block of attention (the op's work on the rank over
+        ``n``, twice that backward): only what exceeds it is exposed; the accumulator hops and the exchange are
+        waited at once. On gloo nothing overlaps."""
+        q, k, v = in_types[:3]
+        pq, pk, pv = in_placements[:3]
+        axis = next((a for a in range(len(self.mesh.sizes)) if is_ring(q, k, pq[a], pk[a])), None)
+        if axis is None or self.mesh.sizes[axis] == 1:
+            return 0.0, 0.0
+        n, intra = self.mesh.sizes[axis], self._intra[axis]
+        per_byte, latency = self.cluster.collective_terms("send", n, intra)
+
+        def send(nbytes: float, messages: int = 1) -> float:
+            return nbytes * per_byte + messages * latency
+
+        kv = self.local_bytes(k, pk) + self.local_bytes(v, pv)
+        acc = kv * max(k.itemsize, 4) / k.itemsize
+        types = {r.name: t for r, t in zip(op.input_refs(), in_types)}
+        axes = range(len(self.mesh.sizes))
+        split = [any(p is not None and not isinstance(p[a], Replicate) for p in in_placements) for a in axes]
+        block = self.op_seconds(op, types, split) / 3.0 / n  # one step's forward block of attention
+        exposed = (lambda t, c: max(0.0, t - c)) if self.cluster.overlaps_compute else (lambda t, c: t)
+        step = send(kv, 2)
+        vol = (2 * (n - 1)) * kv + n * acc
+        sec = (n - 1) * (exposed(step, block) + exposed(step, 2 * block)) + n * send(acc, 2)
+        kwargs = dict(zip(("attn_mask", "dropout_p", "is_causal"), op.args[3:]), **op.kwargs)
+        mask = in_types[3] if len(in_types) > 3 else None
+        if kwargs.get("is_causal") or mask is not None:
+            leaving = max(sum(1 for p in (2 * r, 2 * r + 1) if _balanced_member(p, n) != r) for r in range(n)) / 2
+            ql = self.local_bytes(q, pq) * leaving
+            out = ql * v.shape[-1] / q.shape[-1]
+            ml = self.local_bytes(mask, in_placements[3]) * leaving if mask is not None and mask.shape[-2] != 1 else 0.0
+            vol += 2 * (ql + out) + ml
+            sec += 2 * (send(ql) + send(out)) + (send(ml) if ml else 0.0)
         return vol, sec
 
     def _all_to_all_terms(self, axis: int) -> tuple[float, float]:
@@ -399,7 +455,7 @@ class CostModel:
                 v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
             else:  # the collectives an op runs inside itself (a vocab-parallel cross-entropy's)
                 ins = [types[r.name] for r in op.input_refs()]
-                v, x = self.inherent(op.target, ins, [t.placements for t in ins])
+                v, x = self.inherent(op.target, ins, [t.placements for t in ins], op)
             vol, sec = vol + v, sec + x
         for value in program.params:
             for axis in value.attrs.get("grad_sync", ()):

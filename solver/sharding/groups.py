@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import InfeasibleError
-from autopar.ir.axes import is_data_axis
+from autopar.ir.axes import CONTEXT_AXIS, is_data_axis
 from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, TensorType, Value, map_refs
 from autopar.solver.sharding.blocks import layer_key
 from autopar.solver.sharding.cost import INF, CostModel
 from autopar.solver.sharding.options import ShardOptions
+from autopar.solver.sharding.rules.context import attention_form
 from autopar.solver.sharding.saved import extra_bytes, saved_values
 from autopar.solver.sharding.strategies import (
+    ATTENTION,
     Strategy,
     chunk_counts,
     is_divergent,
@@ -111,6 +113,7 @@ class GroupBuilder:
         self.params = {v.name for v in prog.params}
         self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
         self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedReads node prices
+        self._context_axes = [a for a, (n, size) in enumerate(self.mesh.axes) if n == CONTEXT_AXIS and size > 1]
         self.shared_edges: dict[tuple, dict] = {}  # SharedReads edges' costs by value type, keys and reader candidates
 
     # -- strategies -----------------------------------------------------------------------------
@@ -123,6 +126,10 @@ class GroupBuilder:
         strats, ruled = self._strat_cache[key]
         if not ruled:
             self.unruled.add(op.target)
+        form, cp = self.opts.context_attention, self._context_axes
+        if form != "auto" and cp and op.target == ATTENTION:  # that form on every cp axis
+            ins = [self.types[r.name] for r in self.refs(op)]
+            strats = [s for s in strats if all(attention_form(ins, s.inputs, a) == form for a in cp)]
         return [s for s in strats if self._allowed(op.result, s.outputs[0])]
 
     def value_strats(self, v: Value) -> list[Strategy]:
@@ -300,7 +307,7 @@ class GroupBuilder:
                 mem, red = mem + m, red + r
             for op in g.ops:
                 s = cand[op.result]
-                b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs)
+                b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs, op)
                 vol, sec = vol + b, sec + x
                 flop_sec += self.cost.op_seconds(
                     op, self.types, [is_divergent(s, a) for a in range(len(self.mesh.axes))], s.inputs

@@ -20,7 +20,8 @@ from autopar.errors import SolverError
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
 
-OBJECTIVES = ("time", "memory", "comm")  # "comm": "time" under Alpa's name
+OBJECTIVES = ("time", "memory", "comm")
+CONTEXT_ATTENTION = ("auto", "ring", "all-gather")  # "comm": "time" under Alpa's name
 DATA_PARALLEL = (None, "inputs", "activations")
 BATCH = ("global", "local")
 
@@ -63,6 +64,11 @@ class ShardOptions:
     # the `shard` pass fixes the user inputs split on dim 0 over the dp* axes as they are dealt
     # (solver/sharding/baselines.py:local_batch_constraints), and moving one (all-gathering token ids) is priced
     batch: str = "global"
+    # the form attention takes on a mesh axis named cp (Megatron-Core's cp_comm_type): "auto", whatever the ILP
+    # prices cheapest (the sequence split in some form, or not split there at all); "ring", every attention's
+    # sequence split over cp as ring attention (key/value blocks passed around the ring); "all-gather", every
+    # attention's queries split over cp against all-gathered keys and values (solver/sharding/rules/context.py)
+    context_attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -74,6 +80,9 @@ class ShardOptions:
         if self.roles not in ("name", "auto"):
             raise SolverError(f"unknown roles {self.roles!r}; choose name (each mesh axis does what its name says: "
                               "dp* data parallel, tp* tensor parallel) or auto (the ILP chooses by cost)")  # fmt: skip
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise SolverError(f"unknown context_attention {self.context_attention!r}; choose auto (the ILP prices the "
+                              "forms), ring (ring attention) or all-gather (keys and values all-gathered)")  # fmt: skip
         if self.data_parallel not in DATA_PARALLEL:
             raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
                               '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '

@@ -39,6 +39,7 @@ RULES: dict[str, Rule] = {
     **rules_experts.RULES,
     **rules_context.RULES,  # after reductions: adds the query-sequence split to its attention rule
 }
+ATTENTION = "aten.scaled_dot_product_attention"
 # Ops whose placement is fixed by their input's (pointwise and view ops): in the ILP they follow their
 # producer instead of making a decision of their own.
 FOLLOWERS = rules_elementwise.FOLLOWERS | rules_views.FOLLOWERS
@@ -94,6 +95,8 @@ def op_strategies(
     found = _combine(per_axis, len(ins), ins, op.types, mesh.sizes)
     if op.target == EXPERT_GATHER:  # experts split over one axis at a time (passes/experts.py)
         found = [s for s in found if len(expert_axes(ins, s.inputs)) <= 1]
+    if op.target == ATTENTION:  # ring attention on one axis alone (solver/sharding/rules/context.py)
+        found = [s for s in found if rules_context.well_formed(ins, s.inputs)]
     return found, rule is not None
 
 

@@ -20,7 +20,7 @@ draws would differ from one process's.
 
 from __future__ import annotations
 
-from autopar.ir.core import R, Shard
+from autopar.ir.core import Placement, R, Shard, TensorType
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule
 from autopar.solver.sharding.rules import reductions
 
@@ -50,8 +50,65 @@ def query_sequence(c: Ctx) -> list[OneD]:
     return [(tuple(ins), (Shard(seq),))]
 
 
+def ring(c: Ctx) -> list[OneD]:
+    """The ring-attention candidate: queries, keys and values split on the sequence alike (self-attention, the
+    sequence in ``2n`` pieces for the load-balanced layout), the mask split on its query dim where it has one
+    (with every key column); the result split like the queries."""
+    if len(c.ins) < 3 or c.n == 1 or _dropout_p(c):
+        return []
+    q, k, v = (t.shape for t in c.ins[:3])
+    seq = len(q) - 2
+    if not (q[seq] == k[-2] == v[-2]) or q[seq] % (2 * c.n):
+        return []
+    ins = [Shard(seq), Shard(len(k) - 2), Shard(len(v) - 2)]
+    for t in c.ins[3:]:
+        if t.shape[-1] != k[-2]:  # a mask broadcast over the keys
+            return []
+        md = len(t.shape) - 2
+        ins.append(Shard(md) if md >= 0 and t.shape[md] == q[seq] else R)
+    return [(tuple(ins), (Shard(seq),))]
+
+
+def is_ring(q: TensorType, k: TensorType, p_q: Placement | None, p_k: Placement | None) -> bool:
+    """Whether an attention reading ``q`` and ``k`` at these placements on one axis is ring attention there (both
+    split on their sequence dim)."""
+    return p_q == Shard(len(q.shape) - 2) and p_k == Shard(len(k.shape) - 2)
+
+
+def well_formed(ins: list[TensorType], placements: tuple) -> bool:
+    """Whether an attention strategy (placements of its inputs on every axis) is one codegen emits: ring attention
+    on at most one axis, and no other axis then splitting the query or key sequence."""
+    if len(ins) < 3 or placements[0] is None or placements[1] is None:
+        return True
+    q, k = ins[0], ins[1]
+    pq, pk = placements[0], placements[1]
+    rings = [a for a in range(len(pq)) if is_ring(q, k, pq[a], pk[a])]
+    if not rings:
+        return True
+    seq_q, seq_k = len(q.shape) - 2, len(k.shape) - 2
+    others = [a for a in range(len(pq)) if a not in rings]
+    splits = any(isinstance(pq[a], Shard) and pq[a].dim == seq_q for a in others) or any(
+        isinstance(pk[a], Shard) and pk[a].dim == seq_k for a in others
+    )
+    return len(rings) == 1 and not splits
+
+
+def attention_form(ins: list[TensorType], placements: tuple, axis: int) -> str | None:
+    """The form of context parallelism an attention strategy (its inputs' placements on every axis) takes on mesh
+    axis ``axis`` (``ShardOptions.context_attention``): "ring" where it splits the queries and keys on the
+    sequence there, "all-gather" where it splits the queries only, None where it does not split the query
+    sequence there."""
+    if len(ins) < 3 or placements[0] is None or placements[1] is None:
+        return None
+    q, k = ins[0], ins[1]
+    pq, pk = placements[0][axis], placements[1][axis]
+    if pq != Shard(len(q.shape) - 2):
+        return None
+    return "ring" if is_ring(q, k, pq, pk) else "all-gather"
+
+
 def _sdpa(c: Ctx) -> list[OneD]:
-    return reductions.RULES["aten.scaled_dot_product_attention"](c) + query_sequence(c)
+    return reductions.RULES["aten.scaled_dot_product_attention"](c) + query_sequence(c) + ring(c)
 
 
 RULES: dict[str, Rule] = {"aten.scaled_dot_product_attention": _sdpa}
