@@ -68,6 +68,11 @@ class PlanError(AutoparError):
     """A plan file that is malformed, of another version, or made for another graph or mesh."""
 
 
+class PlacementError(PlanError):
+    """A plan's program whose placements do not fit its ops on one rank (an edited placement): an op's local
+    shards cannot be computed with, or give other shapes than its result's placements say."""
+
+
 class ScheduleError(AutoparError):
     """A pipeline schedule that is malformed, deadlocks, or has unmatched sends and receives."""
 

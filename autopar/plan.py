@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autopar.errors import IRError, PlanError
+from autopar.errors import IRError, PlacementError, PlanError, VerifyError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import COLLECTIVES, MeshSpec, Program, Ref, map_refs
 from autopar.ir.parser import parse
-from autopar.ir.verify import side_effect
+from autopar.ir.verify import side_effect, verify_local
 from autopar.passes.capture import Captured
 from autopar.passes.lower import lower
 from autopar.solver.sharding.cost import TrainingSetup
@@ -211,7 +211,8 @@ class Plan:
         (``autopar check`` reported an edited program's mesh as agreeing), and every op must be one this
         model's own lowering emits or one of autopar's collectives and transfers (the only ops the passes
         after lowering insert): an edited op (``aten.from_file``, a random op the model has not, a write
-        in place) is refused with what it would do (``ir/verify.py:side_effect``)."""
+        in place) is refused with what it would do (``ir/verify.py:side_effect``), and so is a placement that an op
+        cannot run with on a rank's shards (``ir/verify.py:verify_local``: ``PlacementError``)."""
         lowered = lower(captured, MeshSpec())
         self.check(captured, mesh, lowered)
         try:
@@ -233,4 +234,11 @@ class Plan:
                     + " an op this model's lowering never emits: a plan's program may hold only the model's own "
                     "ops and autopar's collectives, so this one was added by hand; plan again"
                 )
+        try:  # each rank runs every op on its shards: an edited placement would fail inside the generated code
+            verify_local(prog)
+        except VerifyError as e:
+            raise PlacementError(
+                f"the plan's program does not run on one rank: {e}. Its placements were edited by hand or it "
+                "is not the program autopar planned; plan again (`autopar plan`) rather than edit placements"
+            ) from None
         return prog

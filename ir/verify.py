@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from autopar.errors import VerifyError
@@ -12,6 +14,7 @@ from autopar.ir.core import (
     Op,
     Partial,
     Program,
+    Ref,
     Replicate,
     Shard,
     TensorType,
@@ -167,6 +170,16 @@ def side_effect(target: str) -> str | None:
 
 
 def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
+    """The op's result shapes as the IR says: the op run on the meta device on its arguments' whole shapes."""
+    for r, t, shape in zip(op.results, op.types, _meta_shapes(op, op.args, lambda ref: types[ref.name].shape, types)):
+        if shape != t.shape:
+            raise VerifyError(f"%{r} = {op.target}: the IR says shape {list(t.shape)}, the op gives {list(shape)}")
+
+
+def _meta_shapes(op: Op, args: tuple, shape_of: Callable[[Ref], tuple[int, ...]], types) -> list[tuple[int, ...]]:
+    """The shapes of ``op``'s results: ``op.target`` run on the meta device with positional arguments ``args``
+    (``op.args``, or as a rank calls it), each value ``ref`` of shape ``shape_of(ref)``. An op that reads a file
+    or writes its arguments is refused, never run (``side_effect``)."""
     effect = side_effect(op.target)
     if effect is not None and effect != "draws random numbers":  # a random op on meta tensors draws nothing
         raise VerifyError(
@@ -175,17 +188,71 @@ def _check_shape(op: Op, types: dict[str, TensorType]) -> None:
         )
 
     def meta(ref):
-        t = types[ref.name]
-        return torch.empty(t.shape, dtype=t.torch_dtype, device="meta")
+        return torch.empty(shape_of(ref), dtype=types[ref.name].torch_dtype, device="meta")
 
     def dev(x):
         return torch.device("meta") if isinstance(x, Device) else x
 
-    args = map_refs(op.args, meta)
+    margs = tuple(dev(a) if a is DEVICE else a for a in map_refs(args, meta))
     kwargs = {k: dev(v) for k, v in map_refs(op.kwargs, meta).items()}
-    args = tuple(dev(a) if a is DEVICE else a for a in args)
-    out = resolve_target(op.target)(*args, **kwargs)
+    out = resolve_target(op.target)(*margs, **kwargs)
     outs = list(out) if isinstance(out, (list, tuple)) else [out]
-    for r, t, o in zip(op.results, op.types, outs):
-        if tuple(o.shape) != t.shape:
-            raise VerifyError(f"%{r} = {op.target}: the IR says shape {list(t.shape)}, the op gives {list(o.shape)}")
+    return [tuple(o.shape) for o in outs]
+
+
+# -- what one rank runs: every ATen op on its local shards -------------------------------------------------------
+
+_SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
+_SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
+# ATen ops that a rank does not run as the op on its shards (``runtime/build/codegen.py`` calls its own function
+# for them where they are split: expert-parallel or row-split grouped matmuls)
+_OWN_CALL = frozenset({"aten._grouped_mm"})
+
+
+def local_args(op: Op, mesh_sizes: tuple[int, ...]) -> tuple:
+    """The op's positional arguments with global shape arguments replaced by local ones: what a rank calls
+    it with (``runtime/build/codegen.py``)."""
+    args = list(op.args)
+    if op.target in _SHAPE_ARG:
+        args[1] = list(op.types[0].local_shape_for(mesh_sizes))
+    elif op.target in _SPLIT:
+        dim = (args[2] if len(args) > 2 else 0) % len(op.types[0].shape)
+        sizes = [t.local_shape_for(mesh_sizes)[dim] for t in op.types]
+        args[1] = sizes[0] if op.target == "aten.split.Tensor" else sizes
+    return tuple(args)
+
+
+def verify_local(prog: Program) -> None:
+    """Raise VerifyError where an ATen op cannot run on one rank's shards: each rank runs the op on the local
+    shapes of its arguments (their shapes divided by the mesh axes that split them), which must give the local
+    shapes of its results under their placements. ``verify(shapes=True)`` compares whole shapes only, so an
+    edited placement (a bias ``{R,S(0)}`` made ``{R,R}``) passed it and failed in the generated code. Shards are
+    even (``_check_type``), so every rank has the same local shapes and one check holds for all of them."""
+    sizes = prog.mesh.sizes
+    types = prog.types()
+
+    def local(ref: Ref) -> tuple[int, ...]:
+        return types[ref.name].local_shape_for(sizes)
+
+    def shown(ref: Ref) -> str:
+        return f"%{ref.name} {list(local(ref))} {{{','.join(map(str, types[ref.name].placements))}}}"
+
+    for op in prog.ops:
+        if not op.target.startswith("aten.") or op.target in _OWN_CALL:
+            continue
+        reads = ", ".join(shown(r) for r in dict.fromkeys(iter_refs((op.args, op.kwargs))))
+        try:
+            got = _meta_shapes(op, local_args(op, sizes), local, types)
+        except (RuntimeError, ValueError, IndexError, TypeError) as e:
+            first = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise VerifyError(
+                f"%{op.result} = {op.target} cannot run on one rank's shards: it reads {reads} there ({first}); "
+                "a placement of one of them does not fit the others"
+            ) from None
+        for r, t, shape in zip(op.results, op.types, got):
+            want = t.local_shape_for(sizes)
+            if shape != want:
+                raise VerifyError(
+                    f"%{r} = {op.target}: on one rank it reads {reads} and gives shape {list(shape)}, but %{r}'s "
+                    f"placements {{{','.join(map(str, t.placements))}}} say {list(want)}"
+                )

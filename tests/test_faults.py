@@ -278,10 +278,14 @@ def test_an_edited_plan_program_is_refused_and_never_run(tmp_path, capsys):
     """A plan whose program gains ``aten.from_file`` (fingerprint kept) is refused by ``compile(plan=...)`` and by
     ``autopar check --plan``, and the verifier refuses to run it; an added random op or in-place write too; a
     program over another mesh than the plan's is refused by ``check`` (it printed "agrees on mesh [dp=4, tp=1]"
-    and exited 0) and ``compile``. Cost: two plans of tiny-mlp, one compile attempt per edit (refused early)."""
+    and exited 0) and ``compile``; a parameter placement edited so that whole shapes still agree (it passed
+    ``verify(shapes=True)``) is a ``PlacementError`` naming the op and its shards (before: a traceback in the
+    generated code). Cost: two plans of tiny-mlp, one compile attempt per edit (refused early)."""
     import autopar
+    from autopar.api import parse_mesh
+    from autopar.check.step import check_model
     from autopar.cli import main
-    from autopar.errors import PlanError, VerifyError
+    from autopar.errors import PlacementError, PlanError, VerifyError
     from autopar.ir.parser import parse
     from autopar.ir.verify import verify
     from autopar.models.resolve import build
@@ -320,6 +324,17 @@ def test_an_edited_plan_program_is_refused_and_never_run(tmp_path, capsys):
     evil = _edit_program(four, loss4, FROM_FILE.format(marker=marker, rep="R,R") + loss4)
     assert main(["check", "tiny-mlp", "--mesh", "dp=2,tp=2", "--plan", str(evil)]) == 2
     assert "aten.from_file" in capsys.readouterr().err
+
+    # a parameter's placement edited by hand: whole shapes still agree (the verifier passed it), but on a rank the
+    # bias add reads a [16] shard of the matmul and the whole [32] bias (before: a traceback in generated code)
+    unsplit = _edit_program(four, "param %fc_in.bias : f32[32] {R,S(0)}", "param %fc_in.bias : f32[32] {R,R}")
+    verify(parse(json.loads(unsplit.read_text())["program"]), shapes=True)
+    four_ranks = parse_mesh("dp=2,tp=2")
+    with pytest.raises(PlacementError, match=r"%1 = aten.add.Tensor cannot run on one rank's shards: it reads "):
+        check_model(spec.model, spec.args, spec.kwargs, four_ranks, plan=str(unsplit))
+    assert main(["check", "tiny-mlp", "--mesh", "dp=2,tp=2", "--plan", str(unsplit)]) == 2
+    err = capsys.readouterr().err
+    assert "%fc_in.bias [32] {R,R}" in err and "plan again (`autopar plan`) rather than edit placements" in err, err
 
 
 # -- every wait bounded: a stuck peer is named on every rank that waited for it ------------------------------

@@ -23,6 +23,7 @@ import torch.fx as fx
 
 from autopar.errors import PlanError, UnsupportedOpError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
+from autopar.ir.verify import local_args
 from autopar.passes.dropout import is_keyed
 from autopar.passes.manager import register_pass
 from autopar.runtime.build import rng as keyed
@@ -38,22 +39,8 @@ from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vo
 from autopar.solver.sharding.experts import grouped_expert_axes
 from autopar.solver.sharding.rules.context import is_ring
 
-_SHAPE_ARG = {"aten.view", "aten.reshape", "aten._unsafe_view", "aten.expand"}
-_SPLIT = {"aten.split.Tensor", "aten.split_with_sizes"}
 _HALF = (torch.bfloat16, torch.float16)
 _LIST_RESULTS = {"aten.unbind.int", "aten.chunk"}  # a list even of one tensor
-
-
-def local_args(op: Op, mesh_sizes: tuple[int, ...]) -> tuple:
-    """The op's positional arguments with global shape arguments replaced by local ones."""
-    args = list(op.args)
-    if op.target in _SHAPE_ARG:
-        args[1] = list(op.types[0].local_shape_for(mesh_sizes))
-    elif op.target in _SPLIT:
-        dim = (args[2] if len(args) > 2 else 0) % len(op.types[0].shape)
-        sizes = [t.local_shape_for(mesh_sizes)[dim] for t in op.types]
-        args[1] = sizes[0] if op.target == "aten.split.Tensor" else sizes
-    return tuple(args)
 
 
 def shard_param(full: torch.Tensor, placements, mesh_names, sizes, coords) -> torch.Tensor:
