@@ -14,8 +14,8 @@ from autopar.errors import PresetError
 from autopar.models import resolve as models
 
 REQUIRED = [
-    "gpt2", "gpt2-medium", "gpt2-xl", "bert-large", "llama-7b", "llama-70b", "gpt3-175b",
-    "mmr-bert-large", "mmr-1.7b", "mmr-3.6b", "mmr-7.5b",
+    "gpt2", "gpt2-medium", "gpt2-xl", "bert-large", "llama-7b", "llama-70b", "llama3-405b",
+    "gpt3-175b", "mmr-bert-large", "mmr-1.7b", "mmr-3.6b", "mmr-7.5b",
     "merak-gpt-1.4b", "merak-gpt-2.5b", "merak-gpt-8.3b", "merak-gpt-20b",
     "tiny-gpt2", "tiny-llama", "tiny-bert", "tiny-mlp",
     "mixtral-8x22b", "qwen3-235b-a22b", "deepseek-v3",
@@ -68,6 +68,7 @@ def test_described_count_equals_built_count(name: str, presets: dict[str, str]) 
         ("gpt2-xl", 1_557_611_200),
         ("llama-7b", 6_738_415_616),
         ("llama-70b", 68_976_648_192),
+        ("llama3-405b", 405_853_388_800),  # Meta's published 405B (the Hugging Face card's count)
         ("gpt3-175b", 174_604_259_328),
         ("mmr-bert-large", 12 * 1024**2 + 13 * 1024),  # one encoder layer: 12h^2 + 13h
         ("merak-gpt-2.5b", 2_488_598_400),

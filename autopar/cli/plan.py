@@ -21,6 +21,7 @@ from autopar.runtime.build.compiled import mesh_eager_parts
 from autopar.schedule.generators import SCHEDULES, schedule_kind, splits_backward
 from autopar.schedule.placement import schedule_of
 from autopar.search import run_cli
+from autopar.search.profile import with_seq
 from autopar.solver.sharding.baselines import BASELINES
 
 GiB = 2**30
@@ -116,6 +117,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--global-batch", type=int, default=None, metavar="B", help=batch_help)
     g.add_argument("--top", type=int, default=1, metavar="K", help="list the K best plans (search)")
     g.add_argument(
+        "--seq-len", type=int, default=None, metavar="S",
+        help="the preset's sequence length (MODEL:seq=S); the search also tries context parallelism (cp) where "
+        "each cp rank keeps at least 2048 tokens of a sequence",
+    )  # fmt: skip
+    g.add_argument(
         "--recompute", choices=["none", "full", "stage-aware"], default=None,
         help="with --global-batch: pin the activation recomputation (full: every transformer layer keeps only "
         "its input, Megatron's --recompute-granularity full)",
@@ -202,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
         return print_models()
     cfg = plan_config(args)
     args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
+    if getattr(args, "seq_len", None) is not None and args.model:
+        args.model = with_seq(args.model, args.seq_len)
     # -- search hook ------------------------------------------------------------------------------------
     if args.global_batch is not None:
         # --mesh with --global-batch pins the mesh (and whatever else is given) and prices it with the search's model

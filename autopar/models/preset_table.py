@@ -12,6 +12,7 @@ PRESET_TABLE: dict[str, str] = {
     "bert-large": "BERT-Large MLM: 335,174,458 params (335M), 24 layers, hidden 1024, 16 heads; batch 8 x seq 512",
     "llama-7b": "LLaMA-2 7B: 6,738,415,616 params (6.74B), 32 layers, hidden 4096, 32 heads (32 kv), intermediate 11008; batch 4 x seq 4096",
     "llama-70b": "LLaMA-2 70B (GQA, 8 kv heads): 68,976,648,192 params (69B), 80 layers, hidden 8192, 64 heads (8 kv), intermediate 28672; batch 4 x seq 4096",
+    "llama3-405b": "Llama 3.1 405B (GQA, 8 kv heads): 405,853,388,800 params (406B), 126 layers, hidden 16384, 128 heads (8 kv), intermediate 53248; batch 1 x seq 8192",
     "gpt3-175b": "GPT-3 175B (GPT-2 architecture, Megatron PTD-P): 174,604,259,328 params (175B), 96 layers, hidden 12288, 96 heads; batch 8 x seq 2048",
     "mixtral-8x22b": "Mixtral 8x22B (8 experts, top-2; GQA, 8 kv heads): 140,620,634,112 params (141B), 56 layers, hidden 6144, 48 heads, 8 experts (top-2); batch 4 x seq 4096",
     "qwen3-235b-a22b": "Qwen3-235B-A22B (128 experts, top-8; GQA, 4 kv heads): 235,093,634,560 params (235B), 94 layers, hidden 4096, 64 heads, 128 experts (top-8); batch 4 x seq 4096",

@@ -89,6 +89,18 @@ PRESET_LIST: list[Preset] = [
         batch=4,
         seq=4096,
     ),
+    # Llama 3.1 405B as Meta's config.json gives it (Dubey et al., "The Llama 3 Herd of Models", arXiv:2407.21783,
+    # Table 3: 126 layers, model dimension 16,384, FFN 53,248, 128 heads, 8 key/value heads, vocabulary 128K);
+    # its example sequence is the 8K of the main pre-training stage (the long-context stage: seq=131072)
+    Preset(
+        "llama3-405b",
+        "llama",
+        "Llama 3.1 405B (GQA, 8 kv heads)",
+        _llama(126, 16384, 128, 8, 53248)
+        | {"vocab_size": 128256, "max_position_embeddings": 131072, "rope_theta": 500000.0},
+        batch=1,
+        seq=8192,
+    ),
     Preset(
         "gpt3-175b",
         "gpt2",

@@ -70,7 +70,7 @@ class CommTime:
         """One boundary transfer between pipeline ranks r0 and r1 (0 when they are the same rank)."""
         if r0 == r1 or nbytes <= 0:
             return 0.0
-        stride = c.dp * c.tp  # ranks of consecutive pipeline stages differ by dp * tp
+        stride = c.dp * c.cp * c.tp  # ranks of consecutive pipeline stages differ by dp * cp * tp
         intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
         if self.scatter_gather and c.tp > 1:
             send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
@@ -78,13 +78,28 @@ class CommTime:
         return self.cluster.collective_seconds("send", nbytes, 1, intra)
 
     def dp_sync(self, c: Candidate, params: float) -> float:
-        """Seconds of one rank's data-parallel gradient synchronization per step (see the module docstring)."""
+        """Seconds of one rank's data-parallel gradient synchronization per step (see the module docstring),
+        with context parallelism also the all-reduce of the gradients over cp (``cp_sync``)."""
+        return self._dp_sync(c, params) + self.cp_sync(c, params)
+
+    def cp_sync(self, c: Candidate, params: float) -> float:
+        """The all-reduce over the cp ranks of a rank's gradients (every cp rank computes with every weight of its
+        stage on its part of the sequence), in buckets as the runtime's ``grad_sync`` over a second axis runs it
+        (``runtime/grads/sync.py``); cp ranks are ``tp`` apart."""
+        if c.cp <= 1:
+            return 0.0
+        grads = params * self.grad_b
+        buckets = math.ceil(grads / BUCKET_BYTES)
+        return self.allreduce(grads, buckets, c.cp, self.intra(c.tp * c.cp), self.per_node(c.cp, c.tp))
+
+    def _dp_sync(self, c: Candidate, params: float) -> float:
         if c.dp <= 1:
             return 0.0
         g = c.shard_group
         grads, weights = params * self.grad_b, params * self.weight_b
-        intra_g, k_g = self.intra(c.tp * g), self.per_node(g, c.tp)
-        intra_all, k = self.intra(c.tp * c.dp), self.per_node(c.dp, c.tp)
+        inner = c.tp * c.cp  # dp ranks are tp * cp apart
+        intra_g, k_g = self.intra(inner * g), self.per_node(g, inner)
+        intra_all, k = self.intra(inner * c.dp), self.per_node(c.dp, inner)
         if g == c.dp:
             if c.zero == 0 or (c.zero == 1 and self.cluster.runs_as("reduce_scatter") == "reduce_scatter"):
                 buckets = math.ceil(grads / BUCKET_BYTES) if c.zero == 0 else 1  # ZeRO-1: reduce-scatter + all-gather
@@ -109,7 +124,10 @@ class CommTime:
         g = c.shard_group
         if g >= c.dp:
             return 0.0
-        return self.allreduce(grad_bytes / g, 1, c.dp // g, self.intra(c.tp * c.dp), self.per_node(c.dp // g, c.tp * g))
+        inner = c.tp * c.cp
+        return self.allreduce(
+            grad_bytes / g, 1, c.dp // g, self.intra(inner * c.dp), self.per_node(c.dp // g, inner * g)
+        )
 
 
 __all__ = ["CommTime"]

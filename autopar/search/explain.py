@@ -8,7 +8,10 @@ On the rank that ends the step last (the critical rank), with the very terms ``s
              tp  the tensor-parallel all-reduces the compute stream waits for (f's less what runs
                  beside its readers' weight gradients, g's, and those of the recomputation)
              dp  ZeRO-3's gathers / scatters in every forward and backward, plus the data-parallel
-                 gradient synchronization after the rank's last backward
+                 gradient synchronization after the rank's last backward (with context parallelism also
+                 the gradients' all-reduce over cp)
+             cp  context parallelism's all-gathers of the keys and values (forward, recomputation) and the
+                 all-reduces of their gradients (backward), present when cp > 1
              pp  the pipeline transfers on the critical path: the step less the step simulated with
                  free transfers
          + bubble (the critical rank idle, waiting on other stages, with free transfers)
@@ -35,21 +38,25 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
     c = ev.candidate
     scorer = scorer or Scorer()
     m, b, tp = c.microbatches, c.micro_batch, c.tp
-    sa = an.act_scale * b
+    bt = b / c.cp  # a rank's share of the microbatch's tokens (StageTerms._base)
+    sa = an.act_scale * bt
     split = c.schedule in ZERO_BUBBLE
     per_stage = []
     for s, (a, e) in enumerate(ev.stages):
-        fwd = an._sec("fwd", a, e, b, tp)  # the one compute model (solver/cluster/compute.py), as StageTerms prices
-        rfwd = an._sec("lfwd", a, e, b, tp)
+        fwd = an._sec("fwd", a, e, bt, tp)  # the one compute model (solver/cluster/compute.py), as StageTerms prices
+        rfwd = an._sec("lfwd", a, e, bt, tp)
         tp_f = an._tp_allreduce("ar_fwd", a, e, sa, tp)
-        tp_b = an._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else an.hidden_ar_bwd(a, e, b, tp))
+        tp_b = an._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else an.hidden_ar_bwd(a, e, bt, tp))
         tp_r = an._tp_allreduce("lar_fwd", a, e, sa, tp)
+        cp_f, cp_b = an.cp_seconds(a, e, b, c)
+        cp_r = an.cp_seconds(a, e, b, c, True)[0]
         x = ev.recompute_fraction[s]
-        # what the stage's times hold beyond compute and tp: ZeRO-3's gathers and scatters (dp)
-        z3 = (ev.tf[s] - fwd - tp_f) + (ev.tb[s] - 2 * fwd - tp_b) + x * (ev.tr[s] - rfwd - tp_r)
-        per_stage.append(
-            {"compute": m * 3 * fwd, "recompute": m * x * rfwd, "tp": m * (tp_f + tp_b + x * tp_r), "dp": m * z3}
-        )
+        # what the stage's times hold beyond compute, tp and cp: ZeRO-3's gathers and scatters (dp)
+        z3 = (ev.tf[s] - fwd - tp_f - cp_f) + (ev.tb[s] - 2 * fwd - tp_b - cp_b) + x * (ev.tr[s] - rfwd - tp_r - cp_r)
+        per_stage.append({
+            "compute": m * 3 * fwd, "recompute": m * x * rfwd, "tp": m * (tp_f + tp_b + x * tp_r), "dp": m * z3,
+            "cp": m * (cp_f + cp_b + x * cp_r),
+        })  # fmt: skip
     if c.pp == 1:
         rank, bubble, pp = 0, 0.0, 0.0
         busy_sum = m * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
@@ -67,7 +74,7 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
         bubble = finish[rank] - busy[rank]
         step = ev.step_time
         pp = step - ends[rank]  # transfers on the critical path (and the bound, where it exceeds the simulation)
-    parts = {k: sum(per_stage[s][k] for s in mine) for k in ("compute", "recompute", "tp", "dp")}
+    parts = {k: sum(per_stage[s][k] for s in mine) for k in ("compute", "recompute", "tp", "dp", "cp")}
     # the simulator's busy time is the same sum taken action by action; their difference is rounding
     rounding = busy_sum - sum(parts.values())
     out = {
@@ -76,7 +83,8 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
         "compute_per_stage": {s: per_stage[s]["compute"] for s in mine},
         "compute": parts["compute"] + rounding,
         "recompute": parts["recompute"],
-        "exposed_comm": {"tp": parts["tp"], "dp": parts["dp"] + sync, "pp": pp},
+        "exposed_comm": {"tp": parts["tp"], "dp": parts["dp"] + sync, "pp": pp}
+        | ({"cp": parts["cp"]} if c.cp > 1 else {}),
         "bubble": bubble,
         "optimizer": 0.0,
         "stage_compute_seconds": [p["compute"] for p in per_stage],

@@ -18,11 +18,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.errors import SearchError
-from autopar.ir.axes import PIPELINE_AXIS
+from autopar.ir.axes import CONTEXT_AXIS, PIPELINE_AXIS
 from autopar.schedule.placement import schedule_of
 from autopar.search.space import SEARCHED, SearchSpace
 
-PINNABLE_AXES = (PIPELINE_AXIS, "dp", "tp")
+PINNABLE_AXES = (PIPELINE_AXIS, "dp", CONTEXT_AXIS, "tp")
 
 
 @dataclass(frozen=True)
@@ -43,8 +43,8 @@ class Pin:
         bad = [a for a in self.mesh if a not in PINNABLE_AXES]
         if bad:
             raise SearchError(
-                f"a pinned mesh names the axes {', '.join(PINNABLE_AXES)} (pp outermost, tp innermost, Megatron's "
-                f"rank order), not {', '.join(bad)}: write e.g. --mesh pp=8,dp=12,tp=8"
+                f"a pinned mesh names the axes {', '.join(PINNABLE_AXES)} (pp outermost, then dp, cp, tp innermost, "
+                f"Megatron's rank order), not {', '.join(bad)}: write e.g. --mesh pp=8,dp=12,tp=8"
             )
         if any(n < 1 for n in self.mesh.values()):
             raise SearchError(f"mesh sizes must be positive: {self.mesh}")
@@ -85,7 +85,12 @@ class Pin:
     def space(self, base: SearchSpace | None = None) -> SearchSpace:
         """The search space of the pinned configuration (``base``'s values for what is not pinned)."""
         base = base or SearchSpace()
-        changes: dict = {"pp": (self.pp,), "dp": (self.mesh.get("dp", 1),), "tp": (self.mesh.get("tp", 1),)}
+        changes: dict = {
+            "pp": (self.pp,),
+            "dp": (self.mesh.get("dp", 1),),
+            "tp": (self.mesh.get("tp", 1),),
+            "cp": (self.mesh.get(CONTEXT_AXIS, 1),),
+        }
         if self.micro_batch is not None:
             changes["micro_batch"] = (self.micro_batch,)
         sched = self.the_schedule()

@@ -90,7 +90,16 @@ class Analytic(StageTerms):
             held = [k * kept for k, kept in zip(counts, part.rank_kept)]
         mem = tuple(w + h + tr for w, h, tr in zip(weights, held, part.rank_trans))
         reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
-        if c.zero == 0 and c.dp > 1 and self.cluster.overlaps_compute:
+        overlaps = self.cluster.overlaps_compute
+        if c.cp > 1:  # the cp all-reduce of the gradients: in buckets during the backward (overlapped on NCCL)
+            cp_sync = tuple(self.comm.cp_sync(c, p) for p in part.rank_params)
+            if c.zero == 0 and c.dp > 1:
+                reduce = tuple(r + x for r, x in zip(reduce, cp_sync))  # one bucketed sync over both axes
+            else:
+                reduce = tuple(
+                    r + x for r, x in zip(reduce, self._overlapped(c, part, cp_sync, "cp") if overlaps else cp_sync)
+                )
+        if c.zero == 0 and c.dp > 1 and overlaps:
             reduce = self._overlapped(c, part, reduce)
         if c.pp == 1:
             lb = c.microbatches * part.rank_busy[0] + reduce[0]
@@ -115,29 +124,34 @@ class Analytic(StageTerms):
             info={"act_kept": part.act_kept, "transient": part.trans, "inflight": counts},
         )
 
-    def _overlapped(self, c: Candidate, part: _Part, reduce: tuple[float, ...]) -> tuple[float, ...]:
+    def _overlapped(self, c: Candidate, part: _Part, reduce: tuple[float, ...], axis: str = "dp") -> tuple[float, ...]:
         """ZeRO-0's bucketed all-reduce as the runtime runs it on NCCL (``runtime/grads/sync.py``, DDP's way): each
         bucket starts once the rank's last backward finished its gradients, beside the rest of that backward, so
         what is exposed is the larger of the last bucket's all-reduce and the sync less that last backward (the
-        backward of the rank's first stage, which runs last; the other stages' buckets start earlier)."""
+        backward of the rank's first stage, which runs last; the other stages' buckets start earlier). ``axis``:
+        the last bucket's group, dp (tp * cp apart) or cp (tp apart)."""
         first = {}
         for s, r in enumerate(part.ranks):
             first.setdefault(r, s)
-        intra, k = self.comm.intra(c.tp * c.dp), self.comm.per_node(c.dp, c.tp)
+        if axis == "cp":
+            n, intra, k = c.cp, self.comm.intra(c.tp * c.cp), self.comm.per_node(c.cp, c.tp)
+        else:
+            n, intra, k = c.dp, self.comm.intra(c.tp * c.cp * c.dp), self.comm.per_node(c.dp, c.tp * c.cp)
         out = []
         for r, (full, params) in enumerate(zip(reduce, part.rank_params)):
-            last = self.comm.allreduce(min(BUCKET_BYTES, params * self.grad_b), 1, c.dp, intra, k)
+            last = self.comm.allreduce(min(BUCKET_BYTES, params * self.grad_b), 1, n, intra, k)
             out.append(min(full, max(last, full - part.tb[first[r]])))
         return tuple(out)
 
     def _sync_coefficients(self, c: Candidate) -> tuple[float, float]:
         """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
-        key = (c.dp, c.tp, c.shard_group, c.zero, c.microbatches)
+        key = (c.dp, c.cp, c.tp, c.shard_group, c.zero, c.microbatches)
         if key not in self._sync:
             # through one and two full buckets of gradients: ZeRO-0's per-bucket latency stays in the slope (it
-            # was lost below one bucket, where both points have one), and the line meets the step at whole buckets
+            # was lost below one bucket, where both points have one), and the line meets the step at whole buckets;
+            # the data-parallel part only (the cp all-reduce is added per rank in evaluate)
             unit = BUCKET_BYTES / self.grad_b
-            one, two = self.comm.dp_sync(c, unit), self.comm.dp_sync(c, 2 * unit)
+            one, two = self.comm._dp_sync(c, unit), self.comm._dp_sync(c, 2 * unit)
             slope = (two - one) / unit
             self._sync[key] = (one - slope * unit, slope)
         return self._sync[key]
@@ -157,7 +171,8 @@ class Analytic(StageTerms):
         """Per-stage times, kept activations and parameters: everything but ZeRO's per-rank effects
         (shared by the ZeRO / MiCS variants of a configuration; ZeRO-3 gathers are per stage)."""
         z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
-        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1, z3)
+        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1,
+               z3)  # fmt: skip
         if key in self._parts:
             return self._parts[key]
         base = self._base(c, z3)
@@ -191,7 +206,7 @@ class Analytic(StageTerms):
         return part
 
     def family_bounds(
-        self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int, sync_options: tuple = ()
+        self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int, sync_options: tuple = (), cp: int = 1
     ) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
 
@@ -202,18 +217,20 @@ class Analytic(StageTerms):
         the mean parameters: its gradient sync after the last backward (bandwidth term: the reduce is
         affine in the parameters), or under ZeRO-3 its gathers and scatters in every microbatch.
         Memory: the busiest rank holds at least the mean model states under the strongest sharding
-        allowed (ZeRO stage ``max_shard`` over dp)."""
+        allowed (ZeRO stage ``max_shard`` over dp). With ``cp`` ranks splitting each sequence, a rank computes
+        b / cp samples' worth (the cp all-gathers and the cp gradient sync left out: a lower bound still)."""
         n = self.n
-        sa = self.act_scale * b
-        work = 3 * self._sec("fwd", 0, n, b, tp)
+        bt = b / cp
+        sa = self.act_scale * bt
+        work = 3 * self._sec("fwd", 0, n, bt, tp)
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
-        work -= self.hidden_ar_bwd(0, n, b, tp)  # at most hidden beside the weight gradients
+        work -= self.hidden_ar_bwd(0, n, bt, tp)  # at most hidden beside the weight gradients
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
-        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params, work / pp) for z, g in sync_options), default=0.0)
+        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params, work / pp, cp) for z, g in sync_options), default=0.0)
         return m * work / pp + sync, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
 
     def _sync_floor(
-        self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float, busy: float
+        self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float, busy: float, cp: int = 1
     ) -> float:
         """The least data-parallel synchronization of a rank holding ``params`` parameter elements under ZeRO
         ``zero`` (MiCS group ``group``, 0: the whole dp group): the bandwidth terms only (latencies left out).
@@ -221,13 +238,13 @@ class Analytic(StageTerms):
         m busy + max(0, sync - busy) is what a rank takes at least."""
         if dp <= 1:
             return 0.0
-        c = Candidate(pp, dp, tp, 1, m, "none", zero=zero, mics_group=group)
+        c = Candidate(pp, dp, tp, 1, m, "none", zero=zero, mics_group=group, cp=cp)
         if zero == 0 and self.cluster.overlaps_compute:
             return max(0.0, self._sync_coefficients(c)[1] * params - busy)
         if zero < 3:
             return self._sync_coefficients(c)[1] * params
         z3 = c.shard_group
-        intra, k = self.comm.intra(tp * z3), self.comm.per_node(z3, tp)
+        intra, k = self.comm.intra(tp * cp * z3), self.comm.per_node(z3, tp * cp)
 
         def slope(f) -> float:  # seconds per parameter element of an affine collective time
             return f(2e6) - f(1e6)

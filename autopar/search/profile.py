@@ -53,11 +53,15 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 9  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 10  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 10: the keys and values of each attention (what context parallelism all-gathers and keeps whole)
 # 9: per-op works (solver/cluster/compute.py) in each unit
 # 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
 
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
+SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax"})
+# ops that hand one tensor on as it is, reshaped or copied: the cp axis may all-gather anywhere along such a chain
+_PASS_ON = VIEW_OPS | {"aten.clone", "aten.contiguous", "aten.to.dtype"}
 _LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
 
 # ---------------------------------------------------------------------------------------------
@@ -93,9 +97,23 @@ class UnitCost:
     # the unit's forward ops as the compute model prices them (solver/cluster/compute.py), per sample:
     # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp), one per non-view op
     works: tuple[tuple[str, float, float, float, int, int, int, bool], ...] = ()
+    # context parallelism (``cp``, the all-gather form of ``solver/sharding/rules/context.py``): per sample, the
+    # bytes of the keys and values the unit's SDPA calls read (each cp rank keeps them whole for the backward;
+    # split over tp when they lie between Megatron's column- and row-parallel matmuls), the bytes the cp axis
+    # all-gathers to make them (the smallest tensor of each one's chain of views and copies: before a
+    # grouped-query repeat), and how many tensors are gathered (two per attention)
+    kv_tp: float = 0.0
+    kv_rep: float = 0.0
+    kv_gather_tp: float = 0.0
+    kv_gather_rep: float = 0.0
+    kv_count: int = 0
+    attentions: int = 0  # attention ops in the unit (SDPA and the eager softmax over [.., queries, keys] scores)
 
     def act(self, tp: int) -> float:
         return self.act_tp / tp + self.act_rep
+
+    def kv(self, tp: int) -> float:
+        return self.kv_tp / tp + self.kv_rep
 
     def params(self, tp: int) -> float:
         return self.params_tp / tp + self.params_rep
@@ -129,6 +147,16 @@ class Profile:
 
     def tp_ok(self, tp: int) -> bool:
         return all(d % tp == 0 for d in self.tp_divides)
+
+    @property
+    def cp_ready(self) -> bool:
+        """Whether the search can price context parallelism: the model has attention and every attention is an
+        SDPA call whose keys and values the profile found (an eager softmax(QK^T)V is not priced on cp)."""
+        return any(u.attentions for u in self.units) and all(u.kv_count == 2 * u.attentions for u in self.units)
+
+    def cp_ok(self, cp: int) -> bool:
+        """Whether ``cp`` ranks can split the sequence: it divides the sequence, and cp is priced (``cp_ready``)."""
+        return cp == 1 or (self.cp_ready and self.seq % cp == 0 and self.seq >= cp)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -196,6 +224,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
     split_values = {r for op in prog.ops if role[id(op)] in (COLUMN, SPLIT) for r in op.results}
     units = _units_of(prog)
     unit_of: dict[str, int] = {v.name: -1 for v in prog.inputs}
+    producer = {r: op for op in prog.ops for r in op.results}
     for k, (_, _, ops) in enumerate(units):
         for op in ops:
             for r in op.results:
@@ -204,7 +233,8 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
     out: list[UnitCost] = []
     itemsize = 4
     for k, (kind, label, ops) in enumerate(units):
-        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0, wtp=0.0, wrep=0.0)
+        c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0, wtp=0.0, wrep=0.0,
+                 kvtp=0.0, kvrep=0.0, kvgtp=0.0, kvgrep=0.0, kvn=0, attn=0)  # fmt: skip
         arf = [0.0, 0]
         arb = [0.0, 0]
         f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
@@ -251,6 +281,15 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                         f_inputs[n][1] += op.flops
             elif op.target in ATTENTION and kind == "layer":
                 tp_divides.update(types[n].shape[1] for n in refs[:3] if len(types[n].shape) == 4)
+            if op.target in ATTENTION and len(refs) >= 3:
+                c["attn"] += 1
+                for n in refs[1:3]:  # the keys and the values: whole on every cp rank
+                    tag = "tp" if n in split_values else "rep"
+                    c["kv" + tag] += types[n].nbytes
+                    c["kvg" + tag] += _gathered_bytes(n, producer, types)
+                    c["kvn"] += 1
+            elif op.target in SOFTMAX and len(op.types[0].shape) == 4:
+                c["attn"] += 1  # an eager attention: its keys and values not recognized (no cp priced)
             if op.target not in VIEW_OPS:
                 w = op_work(op, types, "fp32")  # bytes at 4 per float: StageTerms scales them to the training dtype
                 works.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
@@ -294,6 +333,12 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 wgrad_rep=c["wrep"] / batch,
                 ar_bwd_groups=tuple((nbytes / batch, flops / batch) for nbytes, flops in f_inputs.values()),
                 works=tuple(works),
+                kv_tp=c["kvtp"] / batch,
+                kv_rep=c["kvrep"] / batch,
+                kv_gather_tp=c["kvgtp"] / batch,
+                kv_gather_rep=c["kvgrep"] / batch,
+                kv_count=c["kvn"],
+                attentions=c["attn"],
             )
         )
     # activations saved in a unit but produced in an earlier one are the later unit's input: counted there
@@ -307,6 +352,21 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         coupled=tuple(c.describe() for c in batch_couplings(prog) if c.certain),
         tail=batch_tail(prog) is not None,
     )
+
+
+def _gathered_bytes(name: str, producer: dict[str, Op], types: dict) -> float:
+    """The bytes the cp axis all-gathers to give an attention the whole ``name`` (its keys or values): the
+    smallest tensor along the chain of views and copies that makes it (a grouped-query attention's keys before
+    their heads are repeated), as the ILP places the all-gather where it moves least."""
+    best = types[name].nbytes
+    op = producer.get(name)
+    while op is not None and op.target in _PASS_ON:
+        ins = [r.name for r in op.input_refs()]
+        if len(ins) != 1:
+            break
+        best = min(best, types[ins[0]].nbytes)
+        op = producer.get(ins[0])
+    return best
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +383,29 @@ def with_batch(spec: str, batch: int) -> str:
         )
     items = [s.strip() for s in rest.split(",") if s.strip() and not s.strip().startswith("batch=")]
     return f"{name}:" + ",".join(items + [f"batch={batch}"])
+
+
+def with_seq(spec: str, seq: int) -> str:
+    """The MODEL string with its sequence length set to ``seq`` (presets only: ``autopar plan --seq-len``)."""
+    name, _, rest = spec.partition(":")
+    if name not in PRESETS:
+        raise PresetError(
+            f"--seq-len sets a preset's sequence through its override seq=N; {spec!r} is not a preset: give the "
+            "sequence in the model's own example inputs"
+        )
+    if seq < 1:
+        raise PresetError(f"--seq-len must be positive, not {seq}")
+    items = [s.strip() for s in rest.split(",") if s.strip() and not s.strip().startswith("seq=")]
+    extra = [f"seq={seq}"]
+    preset = PRESETS[name]
+    limit = preset.config.get("max_position_embeddings")
+    given = any(s.startswith("max_position_embeddings=") for s in items)
+    if preset.family in _ROTARY and limit is not None and limit < seq and not given:
+        extra.append(f"max_position_embeddings={seq}")  # rotary positions: no table to grow, only the limit
+    return f"{name}:" + ",".join(items + extra)
+
+
+_ROTARY = ("llama", "mixtral", "qwen3_moe", "deepseek_v3")  # preset families whose positions are rotary
 
 
 _PROFILES: dict[str, Profile] = {}
@@ -360,4 +443,4 @@ def profile_model(spec: str, cache: bool = True) -> Profile:
     return prof
 
 
-__all__ = ["PROFILE_VERSION", "Profile", "UnitCost", "profile_model", "profile_program", "with_batch"]
+__all__ = ["PROFILE_VERSION", "Profile", "UnitCost", "profile_model", "profile_program", "with_batch", "with_seq"]

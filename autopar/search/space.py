@@ -2,8 +2,10 @@
 
 ``autopar plan MODEL --cluster SPEC --global-batch B`` (``autopar/search/search.py``) searches over
 
-    mesh          pp x dp x tp = the cluster's devices (tp innermost, then dp, then pp, as Megatron
-                  lays ranks out: a tp group stays inside a node when tp divides the devices per node)
+    mesh          pp x dp x cp x tp = the cluster's devices (tp innermost, then cp, then dp, then pp, as
+                  Megatron lays ranks out: a tp group stays inside a node when tp divides the devices per
+                  node); cp, context parallelism, splits each sequence over cp ranks (offered where every rank
+                  keeps at least ``CP_MIN_TOKENS`` tokens, and the model's attention is SDPA)
     micro-batch   b, a divisor of B / dp; m = B / (dp b) microbatches per pipeline
     schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path,
                   the zero-bubble ZB-H1, ZB-H2, ZB-V and DualPipeV (backward split into B and W;
@@ -25,6 +27,7 @@ from dataclasses import replace as dc_replace
 from fractions import Fraction
 from typing import Any, Protocol
 
+from autopar.errors import SearchError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.passes.batch_coupling import TAIL_SCHEDULES
 from autopar.schedule.generators import inflight_per_rank, schedule_kind
@@ -37,6 +40,9 @@ ALPHA_GRID = 20  # stage-aware alpha_1 is searched in steps of 1/20
 # accumulation); every other name is the registry's (schedule/generators.py), which says what each one is
 SEARCHED = ("none", "1f1b", "interleaved", "wave", "scp", "zb-h1", "zb-h2", "zbv", "dualpipev")
 ZERO_BUBBLE = tuple(n for n in SEARCHED[1:] if schedule_kind(n).split_backward)  # each backward split into B and W
+# the search's default cp degrees leave every cp rank at least this many tokens of a sequence (Megatron-Core's
+# guidance: context parallelism pays from sequences of about 8k tokens; Llama 3 ran 8k per rank, cp 16 at 131k)
+CP_MIN_TOKENS = 2048
 
 
 @dataclass(frozen=True, order=True)
@@ -56,6 +62,7 @@ class Candidate:
     zero: int = 0
     mics_group: int = 0  # 0: ZeRO over the whole dp group
     layout: str = "balanced"  # "balanced" (min-max FLOPs) or "even" (Megatron: L / S layers per stage)
+    cp: int = 1  # context parallel: each sequence split over cp ranks (between dp and tp in the rank order)
 
     @property
     def num_stages(self) -> int:
@@ -87,12 +94,12 @@ class Candidate:
         return {}
 
     def inner_mesh(self) -> dict[str, int]:
-        """The axes the intra-op plan shards over, outermost first, size-1 axes left out: ``dp`` and
+        """The axes the intra-op plan shards over, outermost first, size-1 axes left out: ``dp``, ``cp`` and
         ``tp``; with MiCS ``dpr`` (replicas of a partition group) and ``dp`` (the group)."""
         if self.mics_group:
-            axes = {"dpr": self.dp // self.mics_group, "dp": self.mics_group, "tp": self.tp}
+            axes = {"dpr": self.dp // self.mics_group, "dp": self.mics_group, "cp": self.cp, "tp": self.tp}
         else:
-            axes = {"dp": self.dp, "tp": self.tp}
+            axes = {"dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {a: n for a, n in axes.items() if n > 1} or {"dp": 1}
 
     def mesh(self) -> dict[str, int]:
@@ -110,7 +117,10 @@ class Candidate:
         rc = self.recompute if self.recompute != "stage-aware" else f"stage-aware a1={float(self.alpha):.2f}"
         z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
         lay = " even" if self.layout == "even" else ""
-        return f"pp{self.pp} dp{self.dp} tp{self.tp} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (
+            f"pp{self.pp} dp{self.dp}{cp} tp{self.tp} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
+        )
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -142,25 +152,45 @@ class SearchSpace:
     pipeline_zero3: bool = True
     layouts: tuple[str, ...] = ("balanced", "even")
     max_pp: int | None = None  # default: the number of layers
+    # context-parallel degrees; None: every divisor of the sequence leaving each rank CP_MIN_TOKENS (1 always)
+    cp: tuple[int, ...] | None = None
+
+    def cp_degrees(self, profile: Profile, world: int) -> tuple[int, ...]:
+        """The cp degrees the search tries for ``profile`` on ``world`` devices (``cp``; see its comment)."""
+        if self.cp is not None:
+            ok = tuple(c for c in self.cp if world % c == 0 and profile.cp_ok(c))
+            if not ok:
+                why = (
+                    "its attention is not SDPA (an eager softmax(QK^T)V: context parallelism is not priced for it)"
+                    if not profile.cp_ready
+                    else f"each must divide the {world} devices and the sequence of {profile.seq} tokens"
+                )
+                raise SearchError(
+                    f"no context-parallel degree of {self.cp} can split {profile.model or 'the model'}: {why}"
+                )
+            return ok
+        return tuple(c for c in divisors(world) if c == 1 or (profile.cp_ok(c) and profile.seq // c >= CP_MIN_TOKENS))
 
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def meshes(world: int, profile: Profile, global_batch: int, space: SearchSpace) -> Iterator[tuple[int, int, int]]:
-    """(pp, dp, tp) with pp dp tp = world, tp dividing the layers' heads and split dims, dp dividing B."""
+def meshes(world: int, profile: Profile, global_batch: int, space: SearchSpace) -> Iterator[tuple[int, int, int, int]]:
+    """(pp, dp, cp, tp) with pp dp cp tp = world, tp dividing the layers' heads and split dims, dp dividing B,
+    cp one of ``SearchSpace.cp_degrees``."""
     layers = profile.num_layers
-    for tp in divisors(world):
-        if (space.tp and tp not in space.tp) or not profile.tp_ok(tp):
-            continue
-        for pp in divisors(world // tp):
-            dp = world // tp // pp
-            if space.pp and pp not in space.pp or space.dp and dp not in space.dp:
+    for cp in space.cp_degrees(profile, world):
+        for tp in divisors(world // cp):
+            if (space.tp and tp not in space.tp) or not profile.tp_ok(tp):
                 continue
-            if pp > (space.max_pp or max(layers, 1)) or global_batch % dp:
-                continue
-            yield pp, dp, tp
+            for pp in divisors(world // cp // tp):
+                dp = world // cp // tp // pp
+                if space.pp and pp not in space.pp or space.dp and dp not in space.dp:
+                    continue
+                if pp > (space.max_pp or max(layers, 1)) or global_batch % dp:
+                    continue
+                yield pp, dp, cp, tp
 
 
 class Pricer(Protocol):
@@ -184,6 +214,7 @@ class Family:
     tp: int
     micro_batch: int
     microbatches: int
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -212,13 +243,13 @@ class Chain:
 
 def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
     out = []
-    for pp, dp, tp in meshes(world, analytic.p, analytic.B, space):
+    for pp, dp, cp, tp in meshes(world, analytic.p, analytic.B, space):
         per_replica = analytic.B // dp
         for b in divisors(per_replica):
             if analytic.p.coupled and not analytic.p.tail and b != per_replica:
                 continue  # a model coupling its batch runs exactly only as one microbatch per step
             if not space.micro_batch or b in space.micro_batch:
-                out.append(Family(pp, dp, tp, b, per_replica // b))
+                out.append(Family(pp, dp, tp, b, per_replica // b, cp))
     return out
 
 
@@ -258,7 +289,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 continue
             for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
-                                 mics_group=g, layout=layout)  # fmt: skip
+                                 mics_group=g, layout=layout, cp=fam.cp)  # fmt: skip
                 n = len(levels)
                 yield Chain(base, zeros, levels, dominated * n, unsupported * n)
 
@@ -317,7 +348,7 @@ def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Ite
     if space.mics_groups is not None:
         groups = [g for g in space.mics_groups if g == 0 or (1 < g < fam.dp and fam.dp % g == 0)]
     else:
-        groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp, space)]
+        groups = [0] + ([g for g in divisors(fam.dp) if 1 < g < fam.dp and _node_aligned(g * fam.tp * fam.cp, space)]
                         if space.mics else [])  # fmt: skip
     for g in groups:
         zs = sorted(z for z in space.zero if z > 0 or (g == 0 and (1 not in space.zero or not zero0_dominated)))
@@ -332,6 +363,7 @@ def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Ite
 
 __all__ = [
     "ALPHA_GRID",
+    "CP_MIN_TOKENS",
     "ZERO_BUBBLE",
     "Candidate",
     "SearchSpace",

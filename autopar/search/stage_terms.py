@@ -157,13 +157,40 @@ class StageTerms:
         pre = self._pre[key]
         return pre[b] - pre[a]
 
-    def max_layer_act(self, a: int, b: int, tp: int) -> float:
-        key = (a, b, tp)
+    def max_layer_act(self, a: int, b: int, tp: int, cp: int = 1) -> float:
+        """The largest layer's saved bytes per sample among units ``a..b`` on a rank (``rank_act``)."""
+        key = (a, b, tp, cp)
         if key not in self._max_layer_act:
             self._max_layer_act[key] = max(
-                (u.act(tp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
+                (self.rank_act(u, tp, cp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
             )
         return self._max_layer_act[key]
+
+    @staticmethod
+    def rank_act(u: UnitCost, tp: int, cp: int = 1) -> float:
+        """Bytes per sample unit ``u`` saves on one rank: 1/tp of what Megatron splits, and with context
+        parallelism 1/cp of everything but the keys and values its attention reads, which each cp rank keeps
+        whole (the all-gather form)."""
+        return u.act(tp) / cp + u.kv(tp) * (1 - 1 / cp)
+
+    def cp_seconds(self, a: int, e: int, b: int, c: Candidate, layers_only: bool = False) -> tuple[float, float]:
+        """(forward, backward) seconds of units ``a..e``'s context-parallel collectives per microbatch of ``b``
+        samples: each attention's keys and values all-gathered over the cp ranks in the forward (from the smallest
+        tensor of their chain, ``UnitCost.kv_gather_*``), their partial gradients all-reduced in the backward (as
+        the runtime reduces a replicated tensor's gradient: Megatron's f). ``layers_only``: the layers' (what a
+        recomputation gathers again). No overlap with compute is assumed."""
+        if c.cp <= 1:
+            return 0.0, 0.0
+        intra, k = self.comm.intra(c.tp * c.cp), self.comm.per_node(c.cp, c.tp)
+        sa = self.act_scale * b
+        fwd = bwd = 0.0
+        for u, lay in zip(self.p.units[a:e], self._is_layer[a:e]):
+            if not u.kv_count or (layers_only and not lay):
+                continue
+            one = (u.kv_gather_tp / c.tp + u.kv_gather_rep) * sa / u.kv_count
+            fwd += u.kv_count * self.comm.gather(one, c.cp, intra, k)
+            bwd += self.comm.allreduce(u.kv_count * one, u.kv_count, c.cp, intra, k)
+        return fwd, bwd
 
     def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
@@ -204,7 +231,7 @@ class StageTerms:
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
         layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
         with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
-        key = (c.pp, c.dp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
+        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
         if key in self._bases:
             return self._bases[key]
         if z3:
@@ -215,27 +242,35 @@ class StageTerms:
         if stages is None:
             self._bases[key] = None
             return None
-        b, tp = c.micro_batch, c.tp
+        b, tp, cp = c.micro_batch, c.tp, c.cp
         ranks = self.stage_ranks(c)
-        sa = self.act_scale * b  # activation bytes per sample -> per microbatch at training precision
+        # with context parallelism a rank computes b / cp samples' worth of every op (each sequence split over cp)
+        bt = b / cp
+        sa = self.act_scale * bt  # activation bytes per sample -> per microbatch and rank at training precision
+        kv_whole = self.act_scale * b * (1 - 1 / cp)  # ... of the keys and values each cp rank keeps whole
         tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
         S = self._sum
         for a, e in stages:
-            fwd = self._sec("fwd", a, e, b, tp)
+            fwd = self._sec("fwd", a, e, bt, tp)
             # recomputation touches the stage's layers only (embeddings and head keep their activations)
-            rfwd = self._sec("lfwd", a, e, b, tp)
+            rfwd = self._sec("lfwd", a, e, bt, tp)
             params = S("params_tp", a, e) / tp + S("params_rep", a, e)
-            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp))
+            cp_f, cp_b = self.cp_seconds(a, e, b, c)
+            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + cp_f)
             # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
-            hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, b, tp)
-            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden)
-            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp))
-            tw.append(self._sec("wgrad", a, e, b, tp))
-            acts.append((S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa)
+            hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, bt, tp)
+            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden + cp_b)
+            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + self.cp_seconds(a, e, b, c, True)[0])
+            tw.append(self._sec("wgrad", a, e, bt, tp))
+            acts.append(
+                (S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa
+                + (S("kv_tp", a, e) / tp + S("kv_rep", a, e)) * kv_whole
+            )
             wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
+            lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
             saving.append(lacts - S("linput_bytes", a, e) * sa)
-            layer_act.append(self.max_layer_act(a, e, tp) * sa)
+            layer_act.append(self.max_layer_act(a, e, tp, cp) * self.act_scale * b)
             params_of.append(params)
         tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
         tc = tuple(
@@ -275,7 +310,7 @@ class StageTerms:
         stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
         DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
         stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
-        intra_g, k = self.comm.intra(c.tp * z3), self.comm.per_node(z3, c.tp)
+        intra_g, k = self.comm.intra(c.tp * c.cp * z3), self.comm.per_node(z3, c.tp * c.cp)
         split = c.schedule in ZERO_BUBBLE
         gather, scatter, gathered = [], [], []
         for a, e in stages:
@@ -319,6 +354,10 @@ _SUMMED = (
     "wflops",
     "wgrad_tp",
     "wgrad_rep",
+    "kv_tp",
+    "kv_rep",
+    "lkv_tp",
+    "lkv_rep",
 )
 
 
@@ -351,6 +390,8 @@ def _augment(units: tuple[UnitCost, ...], seq: int) -> list[dict[str, float]]:
         d["linput_bytes"] = u.input_bytes if lay else 0.0
         d["lar_fwd_bytes"] = u.ar_fwd_bytes if lay else 0.0
         d["lar_fwd_count"] = u.ar_fwd_count if lay else 0
+        d["lkv_tp"] = u.kv_tp if lay else 0.0
+        d["lkv_rep"] = u.kv_rep if lay else 0.0
         out.append(d)
     return out
 
