@@ -27,7 +27,9 @@ chunk's size).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +62,7 @@ class _Part:
     rank_busy: tuple[float, ...]  # compute seconds per microbatch
     rank_head: tuple[float, ...]  # earliest start: microbatch 0's forward reaching the rank's first stage
     rank_tail: tuple[float, ...]  # the last gradient's way from the rank's first stage down to stage 0
+    rank_experts: tuple[float, ...] = ()  # of rank_params, the expert tables' elements (expert parallelism)
 
 
 class Analytic(StageTerms):
@@ -99,7 +102,9 @@ class Analytic(StageTerms):
                 reduce = tuple(
                     r + x for r, x in zip(reduce, self._overlapped(c, part, cp_sync, "cp") if overlaps else cp_sync)
                 )
-        if c.zero == 0 and c.dp > 1 and overlaps:
+        if c.ep > 1:  # the dense parameters' gradients are all-reduced over ep too (the experts' are not)
+            reduce = tuple(r + self._ep_sync(c, p - x) for r, p, x in zip(reduce, part.rank_params, part.rank_experts))
+        elif c.zero == 0 and c.dp > 1 and overlaps:
             reduce = self._overlapped(c, part, reduce)
         if c.pp == 1:
             lb = c.microbatches * part.rank_busy[0] + reduce[0]
@@ -143,8 +148,20 @@ class Analytic(StageTerms):
             out.append(min(full, max(last, full - part.tb[first[r]])))
         return tuple(out)
 
+    def _ep_sync(self, c: Candidate, params: float) -> float:
+        """Seconds of the all-reduce over ep of ``params`` gradient elements (bucketed, after the backward, not
+        overlapped): the dense parameters, replicated over the expert axis, whose rows it splits."""
+        grads = params * self.grad_b
+        if grads <= 0:
+            return 0.0
+        buckets = math.ceil(grads / BUCKET_BYTES)
+        return self.comm.allreduce(grads, buckets, c.ep, self.comm.intra(c.tp * c.ep), self.comm.per_node(c.ep, c.tp))
+
     def _sync_coefficients(self, c: Candidate) -> tuple[float, float]:
-        """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes)."""
+        """``dp_sync(c, params) = a + b * params`` for params > 0 (every collective is affine in bytes); with
+        expert parallelism the sync over the dp / ep axis (``_ep_sync`` adds ep's)."""
+        if c.ep > 1:
+            c = dataclasses.replace(c, dp=c.dp // c.ep, ep=1, mics_group=0)
         key = (c.dp, c.cp, c.tp, c.shard_group, c.zero, c.microbatches)
         if key not in self._sync:
             # through one and two full buckets of gradients: ZeRO-0's per-bucket latency stays in the slope (it
@@ -173,6 +190,7 @@ class Analytic(StageTerms):
         z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
         key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1,
                z3)  # fmt: skip
+        key += (c.ep,)
         if key in self._parts:
             return self._parts[key]
         base = self._base(c, z3)
@@ -180,7 +198,7 @@ class Analytic(StageTerms):
             self._parts[key] = None
             return None
         x = self.recompute_fractions(c)
-        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, head, tail, wkept = base
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, head, tail, wkept, ex = base
         kept = [a - xs * sv for a, xs, sv in zip(acts, x, saving)]
         trans = [(la if xs else 0.0) + g for la, xs, g in zip(layer_act, x, gathered)]
         part = _Part(
@@ -201,12 +219,22 @@ class Analytic(StageTerms):
             rank_busy=tuple(sum(tf[s] + tb[s] + x[s] * tr[s] for s in ss) for ss in mine),
             rank_head=tuple(head[ss[0]] for ss in mine),
             rank_tail=tuple(tail[ss[0]] for ss in mine),
+            rank_experts=tuple(sum(ex[s] for s in ss) for ss in mine),
         )
         self._parts[key] = part
         return part
 
     def family_bounds(
-        self, pp: int, dp: int, tp: int, b: int, m: int, max_shard: int, sync_options: tuple = (), cp: int = 1
+        self,
+        pp: int,
+        dp: int,
+        tp: int,
+        b: int,
+        m: int,
+        max_shard: int,
+        sync_options: tuple = (),
+        cp: int = 1,
+        ep: int = 1,
     ) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
 
@@ -218,16 +246,22 @@ class Analytic(StageTerms):
         affine in the parameters), or under ZeRO-3 its gathers and scatters in every microbatch.
         Memory: the busiest rank holds at least the mean model states under the strongest sharding
         allowed (ZeRO stage ``max_shard`` over dp). With ``cp`` ranks splitting each sequence, a rank computes
-        b / cp samples' worth (the cp all-gathers and the cp gradient sync left out: a lower bound still)."""
+        b / cp samples' worth (the cp all-gathers and the cp gradient sync left out: a lower bound still).
+        With expert parallelism over ``ep`` ranks: the expert tables divided by ep, the sync and ZeRO over dp / ep
+        (the all-to-alls and the ep all-reduce, at least 0, left out)."""
         n = self.n
         bt = b / cp
         sa = self.act_scale * bt
         work = 3 * self._sec("fwd", 0, n, bt, tp)
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         work -= self.hidden_ar_bwd(0, n, bt, tp)  # at most hidden beside the weight gradients
-        params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n)) / pp
-        sync = min((self._sync_floor(pp, dp, tp, m, z, g, params, work / pp, cp) for z, g in sync_options), default=0.0)
-        return m * work / pp + sync, params * self._state_bytes(max_shard, dp if dp > 1 else 1)
+        experts = self._sum("params_ep", 0, n) / tp
+        params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n) - experts + experts / ep) / pp
+        group = dp // ep
+        sync = min(
+            (self._sync_floor(pp, group, tp, m, z, g, params, work / pp, cp) for z, g in sync_options), default=0.0
+        )
+        return m * work / pp + sync, params * self._state_bytes(max_shard, group if group > 1 else 1)
 
     def _sync_floor(
         self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float, busy: float, cp: int = 1

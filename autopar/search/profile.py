@@ -42,6 +42,7 @@ from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.solver.cluster.compute import op_work
+from autopar.solver.sharding.experts import EXPERT_GATHER, EXPERT_GROUPED_MM
 from autopar.solver.sharding.megatron_roles import (
     COLUMN,
     CONTRACTIONS,
@@ -53,7 +54,8 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 10  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 11  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 11: each unit's experts (their tables, count, routed rows and FLOPs) for the search's expert parallelism
 # 10: the keys and values of each attention (what context parallelism all-gathers and keeps whole)
 # 9: per-op works (solver/cluster/compute.py) in each unit
 # 4: saved activations from solver/sharding/saved.py (what autograd saves), no longer a table of ops
@@ -108,6 +110,14 @@ class UnitCost:
     kv_gather_rep: float = 0.0
     kv_count: int = 0
     attentions: int = 0  # attention ops in the unit (SDPA and the eager softmax over [.., queries, keys] scores)
+    # a mixture of experts' expert ops (solver/sharding/experts.py: grouped matmuls, gathers of expert tables):
+    # the elements of the unit's expert tables (3-D parameters, also counted in params_tp), the number of experts,
+    # per expert op (rows routed per sample, bytes per row an expert-parallel op sends there and back at 4 per
+    # float, all-to-alls per forward), and the ops' forward FLOPs per sample (grouped matmuls: the experts' own)
+    params_ep: int = 0
+    experts: int = 0
+    routed: tuple[tuple[float, float, int], ...] = ()
+    expert_flops: float = 0.0
 
     def act(self, tp: int) -> float:
         return self.act_tp / tp + self.act_rep
@@ -145,6 +155,12 @@ class Profile:
         """Forward matmul and attention FLOPs per sample of the whole model."""
         return sum(u.mm_flops for u in self.units)
 
+    @property
+    def experts(self) -> int:
+        """The experts of the model's mixtures of experts (the fewest of any unit that has some; 0: a dense
+        model): what an expert-parallel degree must divide."""
+        return min((u.experts for u in self.units if u.experts), default=0)
+
     def tp_ok(self, tp: int) -> bool:
         return all(d % tp == 0 for d in self.tp_divides)
 
@@ -169,6 +185,7 @@ class Profile:
                 u,
                 ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ())),
                 works=tuple(tuple(w) for w in u.get("works", ())),
+                routed=tuple(tuple(r) for r in u.get("routed", ())),
             )
             for u in d["units"]
         ]
@@ -239,6 +256,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         arb = [0.0, 0]
         f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
         works: list[tuple] = []
+        moe = _experts_of(ops, types, batch)
         seen_params: set[str] = set()
         seen_in: set[str] = set()
         for op in ops:
@@ -339,6 +357,12 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 kv_gather_rep=c["kvgrep"] / batch,
                 kv_count=c["kvn"],
                 attentions=c["attn"],
+                params_ep=sum(params[n].type.numel for n in seen_params if len(params[n].type.shape) == 3)
+                if moe[0]
+                else 0,
+                experts=moe[0],
+                routed=moe[1],
+                expert_flops=moe[2],
             )
         )
     # activations saved in a unit but produced in an earlier one are the later unit's input: counted there
@@ -367,6 +391,25 @@ def _gathered_bytes(name: str, producer: dict[str, Op], types: dict) -> float:
         best = min(best, types[ins[0]].nbytes)
         op = producer.get(ins[0])
     return best
+
+
+def _experts_of(ops: list[Op], types: dict, batch: int) -> tuple[int, tuple[tuple[float, float, int], ...], float]:
+    """(experts, per expert op (rows per sample, bytes per row there and back at 4 per float, all-to-alls per
+    forward), the grouped matmuls' forward FLOPs per sample) of a unit's expert ops: grouped matmuls
+    ``(x[S, K], w[E, K, N], offs)``, which send each row there at K and back at N, and gathers of 3-D expert
+    tables by 1-D indices (the batched_mm kernel), which send each row at the table's last width."""
+    experts, routed, flops = 0, [], 0.0
+    for op in ops:
+        ins = [types[r.name] for r in op.input_refs()]
+        if op.target in EXPERT_GROUPED_MM and len(ins) == 3 and len(ins[0].shape) == 2 and len(ins[1].shape) == 3:
+            (rows, k), (e, _, n) = ins[0].shape, ins[1].shape
+            experts = min(experts or e, e)
+            routed.append((rows / batch, 4.0 * (k + n), 2))
+            flops += op.flops / batch
+        elif op.target == EXPERT_GATHER and len(ins) == 2 and len(ins[0].shape) == 3 and len(ins[1].shape) == 1:
+            experts = min(experts or ins[0].shape[0], ins[0].shape[0])
+            routed.append((ins[1].shape[0] / batch, 4.0 * ins[0].shape[-1], 1))
+    return experts, tuple(routed), flops
 
 
 # ---------------------------------------------------------------------------------------------

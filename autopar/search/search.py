@@ -93,7 +93,7 @@ def search(
     bounds = {
         f: an.family_bounds(
             f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f),
-            sync_options(space, f, an.zero0_dominated) if tight_bound else (), f.cp,
+            sync_options(space, f, an.zero0_dominated) if tight_bound else (), f.cp, ep=f.ep,
         )
         for f in fams
     }  # fmt: skip

@@ -13,6 +13,10 @@
     recompute     none, full (every transformer layer keeps only its input), or Merak's stage-aware
                   ratios alpha_i (SCP only; alpha_1 the largest that fits, on a 1/20 grid)
     ZeRO / MiCS   stage 1, 2, 3 over the dp group or inside MiCS partition groups of g ranks
+    ep            for a mixture of experts (``Profile.experts`` > 0), an expert-parallel degree dividing dp and
+                  the experts: the dp ranks laid out as dp / ep x ep (``inner_mesh``), each expert table split
+                  over ep, the rows sent to their experts' ranks and back (``stage_terms.py`` prices it);
+                  ZeRO-1/2 over the dp / ep axis, no MiCS or ZeRO-3 beside it
 
 A ``Family`` is a mesh and a micro-batch (the candidates sharing a step-time and a memory lower
 bound); a ``Chain`` the candidates of a family that differ only in ZeRO stage and recomputation.
@@ -63,6 +67,7 @@ class Candidate:
     mics_group: int = 0  # 0: ZeRO over the whole dp group
     layout: str = "balanced"  # "balanced" (min-max FLOPs) or "even" (Megatron: L / S layers per stage)
     cp: int = 1  # context parallel: each sequence split over cp ranks (between dp and tp in the rank order)
+    ep: int = 1  # expert-parallel degree (a mixture of experts only): dp's ranks as dp / ep x ep
 
     @property
     def num_stages(self) -> int:
@@ -70,7 +75,7 @@ class Candidate:
 
     @property
     def shard_group(self) -> int:
-        return self.mics_group or self.dp
+        return self.mics_group or self.dp // self.ep
 
     @property
     def alpha(self) -> Fraction:
@@ -95,9 +100,12 @@ class Candidate:
 
     def inner_mesh(self) -> dict[str, int]:
         """The axes the intra-op plan shards over, outermost first, size-1 axes left out: ``dp``, ``cp`` and
-        ``tp``; with MiCS ``dpr`` (replicas of a partition group) and ``dp`` (the group)."""
+        ``tp``; with MiCS ``dpr`` (replicas of a partition group) and ``dp`` (the group); with expert
+        parallelism ``dp`` (dp / ep) and ``ep`` (cp = 1)."""
         if self.mics_group:
             axes = {"dpr": self.dp // self.mics_group, "dp": self.mics_group, "cp": self.cp, "tp": self.tp}
+        elif self.ep > 1:
+            axes = {"dp": self.dp // self.ep, "ep": self.ep, "tp": self.tp}
         else:
             axes = {"dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {a: n for a, n in axes.items() if n > 1} or {"dp": 1}
@@ -117,10 +125,9 @@ class Candidate:
         rc = self.recompute if self.recompute != "stage-aware" else f"stage-aware a1={float(self.alpha):.2f}"
         z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
         lay = " even" if self.layout == "even" else ""
-        cp = f" cp{self.cp}" if self.cp > 1 else ""
-        return (
-            f"pp{self.pp} dp{self.dp}{cp} tp{self.tp} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
-        )
+        mesh = f"pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
+        mesh += (f" cp{self.cp}" if self.cp > 1 else "") + f" tp{self.tp}"
+        return f"{mesh} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -152,6 +159,8 @@ class SearchSpace:
     pipeline_zero3: bool = True
     layouts: tuple[str, ...] = ("balanced", "even")
     max_pp: int | None = None  # default: the number of layers
+    # expert-parallel degrees (a mixture of experts only); None: every divisor of dp that divides the experts
+    ep: tuple[int, ...] | None = None
     # context-parallel degrees; None: every divisor of the sequence leaving each rank CP_MIN_TOKENS (1 always)
     cp: tuple[int, ...] | None = None
 
@@ -215,6 +224,7 @@ class Family:
     micro_batch: int
     microbatches: int
     cp: int = 1
+    ep: int = 1
 
 
 @dataclass(frozen=True)
@@ -249,14 +259,24 @@ def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
             if analytic.p.coupled and not analytic.p.tail and b != per_replica:
                 continue  # a model coupling its batch runs exactly only as one microbatch per step
             if not space.micro_batch or b in space.micro_batch:
-                out.append(Family(pp, dp, tp, b, per_replica // b, cp))
+                eps = expert_degrees(analytic.p, dp, space) if cp == 1 else [1]
+                out += [Family(pp, dp, tp, b, per_replica // b, cp, ep) for ep in eps]
+    return out
+
+
+def expert_degrees(profile: Profile, dp: int, space: SearchSpace) -> list[int]:
+    """The expert-parallel degrees of a mesh with ``dp`` data-parallel ranks: 1, and for a mixture of experts
+    every divisor of dp above 1 that divides its experts (``SearchSpace.ep`` restricts them)."""
+    out = [1] if not space.ep or 1 in space.ep else []
+    if profile.experts:
+        out += [e for e in divisors(dp) if e > 1 and profile.experts % e == 0 and (not space.ep or e in space.ep)]
     return out
 
 
 def max_shard(space: SearchSpace, fam: Family) -> int:
     """The strongest ZeRO stage the space allows for the family (for its memory lower bound)."""
-    zs = [z for z in space.zero if z < 3 or fam.pp == 1 or space.pipeline_zero3]
-    return max(zs, default=0) if fam.dp > 1 else 0
+    zs = [z for z in space.zero if (z < 3 or fam.pp == 1 or space.pipeline_zero3) and (z < 3 or fam.ep == 1)]
+    return max(zs, default=0) if fam.dp > fam.ep else 0
 
 
 def sync_options(space: SearchSpace, fam: Family, zero0_dominated: bool = True) -> tuple[tuple[int, int], ...]:
@@ -289,7 +309,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 continue
             for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
-                                 mics_group=g, layout=layout, cp=fam.cp)  # fmt: skip
+                                 mics_group=g, layout=layout, cp=fam.cp, ep=fam.ep)  # fmt: skip
                 n = len(levels)
                 yield Chain(base, zeros, levels, dominated * n, unsupported * n)
 
@@ -345,6 +365,15 @@ def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Ite
     if fam.dp == 1:
         yield 0, (0,), 0, 0
         return
+    if fam.ep > 1:  # ZeRO-1/2 over dp / ep beside expert parallelism; no MiCS, no ZeRO-3
+        zs = sorted(z for z in space.zero if z in (1, 2) or (z == 0 and (1 not in space.zero or not zero0_dominated)))
+        dominated = int(0 in space.zero and 1 in space.zero and zero0_dominated)
+        unsupported = sum(z >= 3 for z in space.zero)
+        if fam.dp == fam.ep:  # nothing for ZeRO to shard over
+            zs, dominated = [0] if 0 in space.zero or 1 in space.zero else [], 0
+        if zs:
+            yield 0, tuple(zs), dominated, unsupported
+        return
     if space.mics_groups is not None:
         groups = [g for g in space.mics_groups if g == 0 or (1 < g < fam.dp and fam.dp % g == 0)]
     else:
@@ -372,6 +401,7 @@ __all__ = [
     "Pricer",
     "chains",
     "divisors",
+    "expert_degrees",
     "families",
     "max_shard",
     "sync_options",

@@ -13,6 +13,8 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
   all of the first stage's (it has no input gradient to compute: its input is data);
 - communication (``comm_time.py``): tensor-parallel all-reduces and pipeline transfers; ZeRO-3's
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
+  with expert parallelism (``Candidate.ep``) each expert op's all-to-alls and the busiest expert rank's extra
+  work (``expert_seconds``), and each rank holds 1/ep of the expert tables;
 - per stage also: the activations a microbatch keeps, what full recomputation saves of them, the
   largest layer's activations, the parameters, and when microbatch 0 reaches the stage and the last
   gradient leaves it (for the step-time bound).
@@ -37,6 +39,7 @@ from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layo
 from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
+from autopar.solver.sharding.experts import DEFAULT_IMBALANCE, busiest_rows
 
 
 class StageTerms:
@@ -52,8 +55,11 @@ class StageTerms:
         efficiency: float | None = None,
         scatter_gather: bool = True,
         attention: str = "fused",
+        router_imbalance: float = DEFAULT_IMBALANCE,
     ):
         self.p, self.cluster, self.B = profile, cluster, global_batch
+        # the busiest expert rank's rows over the mean (solver/sharding/experts.py:busiest_rows)
+        self.router_imbalance = router_imbalance
         self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
         self.scatter_gather = scatter_gather
         self.dtype = precision
@@ -231,7 +237,7 @@ class StageTerms:
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
         layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
         with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
-        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3)
+        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3, c.ep)
         if key in self._bases:
             return self._bases[key]
         if z3:
@@ -249,12 +255,18 @@ class StageTerms:
         sa = self.act_scale * bt  # activation bytes per sample -> per microbatch and rank at training precision
         kv_whole = self.act_scale * b * (1 - 1 / cp)  # ... of the keys and values each cp rank keeps whole
         tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
+        experts_of = []
         S = self._sum
         for a, e in stages:
-            fwd = self._sec("fwd", a, e, bt, tp)
+            # expert parallelism (cp = 1 beside it): the all-to-alls and the busiest rank's extra expert
+            # work, forward
+            moe = self.expert_seconds(a, e, b, c.ep, tp)
+            fwd = self._sec("fwd", a, e, bt, tp) + moe
             # recomputation touches the stage's layers only (embeddings and head keep their activations)
-            rfwd = self._sec("lfwd", a, e, bt, tp)
-            params = S("params_tp", a, e) / tp + S("params_rep", a, e)
+            rfwd = self._sec("lfwd", a, e, bt, tp) + moe
+            experts = S("params_ep", a, e) / tp / c.ep
+            params = S("params_tp", a, e) / tp + S("params_rep", a, e) - S("params_ep", a, e) / tp + experts
+            experts_of.append(experts)
             cp_f, cp_b = self.cp_seconds(a, e, b, c)
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + cp_f)
             # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
@@ -298,9 +310,35 @@ class StageTerms:
             head,
             tail,
             tuple(wkept),
+            experts_of,
         )
         self._bases[key] = base
         return base
+
+    def expert_seconds(self, a: int, e: int, b: int, ep: int, tp: int) -> float:
+        """Forward seconds a microbatch of ``b`` samples adds to units ``a..e`` under expert parallelism over ``ep``
+        ranks (0 without): each expert op's all-to-alls (its rows sent to their experts' ranks at K and back at
+        N, ``UnitCost.routed``) at the busiest rank's rows, ``busiest_rows`` under the router's imbalance, of
+        which (ep-1)/ep cross the links (rows in token order, a dispatcher's; the runtime's globally sorted blocks
+        cross less, ``solver/sharding/experts.py``), over the ep group (ranks tp apart); and the busiest rank's
+        expert FLOPs beyond the mean. The backward runs the inverse all-to-alls and twice the FLOPs: the caller's
+        2 x forward."""
+        if ep <= 1:
+            return 0.0
+        intra, k = self.comm.intra(tp * ep), self.comm.per_node(ep, tp)
+        sa = self.act_scale * b
+        total = 0.0
+        for u in self.p.units[a:e]:
+            for rows, width, calls in u.routed:
+                local = rows * b
+                busiest = busiest_rows(round(local * ep), ep, self.router_imbalance)
+                nbytes = busiest * width * sa / tp / calls  # each call's rows, at the widths tp leaves a rank
+                total += calls * self.cluster.collective_seconds("all_to_all", nbytes, ep, intra, k)
+            if u.expert_flops and u.routed:
+                rows = u.routed[0][0] * b
+                load = busiest_rows(round(rows * ep), ep, self.router_imbalance) / rows
+                total += (load - 1) * self.flop_seconds(u.expert_flops * b / tp)
+        return total
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
         """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/grads/zero3.py`` runs it: one all-gather per unit
@@ -309,7 +347,7 @@ class StageTerms:
         groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. While a
         stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
         DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
-        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept = base
+        stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept, experts = base
         intra_g, k = self.comm.intra(c.tp * c.cp * z3), self.comm.per_node(z3, c.tp * c.cp)
         split = c.schedule in ZERO_BUBBLE
         gather, scatter, gathered = [], [], []
@@ -330,10 +368,12 @@ class StageTerms:
         if split:
             tw = tuple(t + g + r for t, g, r in zip(tw, gather, scatter))
         head_tail = _head_tail(tf, tb, tc)
-        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept)
+        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept,
+                experts)  # fmt: skip
 
 
 _SUMMED = (
+    "params_ep",
     "flops",
     "flops_tp",
     "params_tp",

@@ -1,0 +1,99 @@
+"""Expert parallelism in the whole-plan search (``autopar plan MODEL --global-batch B``): ``Candidate.ep``.
+
+A mixture of experts' profile knows its experts (``UnitCost.params_ep``, ``experts``, ``routed``); the search
+offers the ep degrees dividing dp and the experts (none for a dense model), prices each (the expert tables
+divided over ep, each expert op's all-to-alls at the busiest rank's rows, the dense gradients all-reduced over
+ep too) and prints the layout it chose.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from autopar.search import profile_model, search
+from autopar.search.price import Analytic
+from autopar.search.space import Candidate, SearchSpace, families
+from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.experts import busiest_rows
+
+# tiny Mixtral (2 layers, hidden 1024, 8 experts of width 4096, top-2): its experts are most of its memory
+MOE = (
+    "mixtral-8x22b:num_hidden_layers=2,hidden_size=1024,intermediate_size=4096,num_attention_heads=8,"
+    "num_key_value_heads=2,num_local_experts=8,vocab_size=1024,seq=256,batch=1"
+)
+CLUSTER = "dgx-a100"  # 8 GPUs in one node
+
+
+@pytest.fixture(scope="module")
+def moe():
+    return profile_model(MOE)
+
+
+def test_only_a_mixture_of_experts_gets_expert_degrees(moe) -> None:
+    """The MoE profile counts its 8 experts and their tables; its dp=8 meshes come with ep 1, 2, 4 and 8 (each
+    dividing dp and the experts); a dense model (tiny GPT-2) has no experts and no family with ep > 1."""
+    assert moe.experts == 8
+    layers = [u for u in moe.units if u.kind == "layer"]
+    assert all(u.params_ep == 8 * 3 * 1024 * 4096 and len(u.routed) == 2 for u in layers)
+    an = Analytic(moe, ClusterSpec.load(CLUSTER), 16)
+    eps = {f.ep for f in families(an, SearchSpace(devices_per_node=8), 8) if f.dp == 8}
+    assert eps == {1, 2, 4, 8}
+    dense = profile_model("tiny-gpt2")
+    an = Analytic(dense, ClusterSpec.load(CLUSTER), 16)
+    assert dense.experts == 0 and {f.ep for f in families(an, SearchSpace(devices_per_node=8), 8)} == {1}
+
+
+def test_expert_parallel_price(moe) -> None:
+    """dp=8 on one node, ZeRO-0, micro-batch 2: with ep=2 a rank holds half the expert tables, its memory lower by
+    exactly half of them at the candidate's bytes per parameter; each stage's forward grows by the all-to-alls of
+    every expert op (its rows there at K and back at N: ``collective_seconds('all_to_all')`` of the busiest rank's
+    rows under uniform routing, ``busiest_rows``) plus the busiest rank's extra expert FLOPs, and its backward by
+    twice that; a skewed router (imbalance 1.5) costs more."""
+    cluster = ClusterSpec.load(CLUSTER)
+    an = Analytic(moe, cluster, 16)
+    plain = Candidate(1, 8, 1, 2, 1, "none")
+    ep2 = dataclasses.replace(plain, ep=2)
+    a, b = an.evaluate(plain), an.evaluate(ep2)
+    experts = sum(u.params_ep for u in moe.units)
+    assert a.memory - b.memory == pytest.approx(experts / 2 * an.bytes_per_param(plain), rel=1e-9)
+    intra, k = an.comm.intra(2), an.comm.per_node(2, 1)
+    added = 0.0
+    for u in moe.units:
+        for rows, width, calls in u.routed:
+            busiest = busiest_rows(round(rows * 2 * 2), 2)
+            nbytes = busiest * width * an.act_scale * 2 / calls
+            added += calls * cluster.collective_seconds("all_to_all", nbytes, 2, intra, k)
+        if u.routed:
+            rows = u.routed[0][0] * 2
+            added += (busiest_rows(round(rows * 2), 2) / rows - 1) * an.flop_seconds(u.expert_flops * 2)
+    assert added > 0
+    assert b.tf[0] - a.tf[0] == pytest.approx(added, rel=1e-9)
+    assert b.tb[0] - a.tb[0] == pytest.approx(2 * added, rel=1e-9)
+    skewed = Analytic(moe, cluster, 16, router_imbalance=1.5).evaluate(ep2)
+    assert skewed.tf[0] > b.tf[0] and skewed.memory == b.memory
+
+
+def test_search_chooses_expert_parallelism_when_only_it_fits(moe) -> None:
+    """Without a pipeline, tensor parallelism or ZeRO (pp=1, tp=1, ZeRO-0 on dp=8), a budget below data
+    parallelism's memory and above ep=2's: the search's plan is expert-parallel, the fastest of those that fit."""
+    an = Analytic(moe, ClusterSpec.load(CLUSTER), 16)
+    plain, ep2 = Candidate(1, 8, 1, 1, 2, "none"), Candidate(1, 8, 1, 1, 2, "none", ep=2)
+    budget = (an.evaluate(plain).memory + an.evaluate(ep2).memory) / 2
+    space = SearchSpace(pp=(1,), tp=(1,), zero=(0,))
+    result = search(moe, ClusterSpec.load(CLUSTER), 16, budget_bytes=budget, space=space, top=3, spec=MOE)
+    assert result.best[0].candidate.ep >= 2 and all(ev.candidate.ep > 1 for ev in result.best)
+    assert f"ep{result.best[0].candidate.ep}" in result.format(1)
+
+
+def test_cli_prints_the_expert_parallel_layout_it_chose(capsys) -> None:
+    """``autopar plan MOE --cluster dgx-a100 --global-batch 16 --budget-gb 0.5``: the search's best plan (the whole
+    space: pipelines, tensor parallelism, ZeRO and MiCS beside it) splits the experts over ep=2, and the table it
+    prints says so in its first row."""
+    from autopar.cli import main
+
+    assert main(["plan", MOE, "--cluster", CLUSTER, "--global-batch", "16", "--budget-gb", "0.5", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if line.strip().startswith("1 "))
+    assert " ep2 " in first, out
