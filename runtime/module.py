@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -182,12 +183,6 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             params[n] = self.zero3.slice_of(n)
             register(self, n, params[n])
         self._params = params
-        self.compile_log = None  # what torch_compile compiled and ran eagerly (runtime/build/compiled.py)
-        if options.torch_compile:
-            split = any(split_backwards(actions) for actions in schedule.actions)
-            sub = options.sub_pipeline_tp
-            notes = mesh_eager_parts(comm.sizes, self.setup.zero, sub, split)
-            self.compile_log = compile_rank(self.forward_runners, self.train_runners, comm, sub, split, notes)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(
@@ -195,6 +190,15 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             self.setup.bucket_bytes,
         )  # fmt: skip
         self._grads.install_hooks()
+        self.compile_log = None  # what torch_compile compiled and ran eagerly (runtime/build/compiled.py)
+        if options.torch_compile:
+            split = any(split_backwards(actions) for actions in schedule.actions)
+            sub = options.sub_pipeline_tp
+            buckets = self._graph_buckets(split)
+            notes = mesh_eager_parts(comm.sizes, self.setup.zero, sub, split, graph_buckets=bool(buckets))
+            self.compile_log = compile_rank(
+                self.forward_runners, self.train_runners, comm, sub, split, notes, buckets
+            )  # fmt: skip
         context = (lambda _s: self.zero3.scope()) if self.zero3 is not None else None
         peer = self._peer_rank
         n = options.microbatches * options.sub_microbatches
@@ -215,6 +219,32 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             )  # fmt: skip
 
     # -- construction helpers --------------------------------------------------------------------
+    def _graph_buckets(self, split: bool) -> dict[int, list[tuple[str, list[str]]]]:
+        """Under ``torch_compile``: per stage, the gradient buckets its compiled backward all-reduces itself
+        (start early, wait late: ``_BucketSync`` in runtime/build/compiled.py), taken from ``GradSync``. Only
+        where each gradient is final after the step's one backward of its stage: one microbatch, no split
+        backward, no recomputation, no sub-pipelining, no ZeRO or MiCS (which reduce themselves) and no
+        batch tail; elsewhere the buckets start from the accumulation hooks, after a compiled region's end."""
+        o = self.options
+        if split or o.sub_pipeline_tp or self._tail is not None or o.microbatches * o.sub_microbatches != 1:
+            return {}
+        if self.setup.zero or self.setup.mics_group is not None:
+            return {}
+        out: dict[int, list[tuple[str, list[str]]]] = {}
+        for s, runner in self.train_runners.items():
+            if runner.variants:
+                continue
+            gm = runner.whole.module
+            attrs: dict[str, str] = {}  # parameter name -> the attribute the stage's module reads it by
+            by_id = {id(p): n for n, p in self._params.items()}
+            for node in gm.graph.nodes:
+                if node.op == "get_attr" and id(operator.attrgetter(node.target)(gm)) in by_id:
+                    attrs[by_id[id(operator.attrgetter(node.target)(gm))]] = node.target
+            handed = self._grads.hand_over(s, set(attrs))
+            if handed:
+                out[s] = [(b.axis, [attrs[n] for n in b.names]) for b in handed]
+        return out
+
     def _peer_rank(self, stage: int) -> int:
         """The global rank holding ``stage`` in this rank's pipeline."""
         return self.comm.peers.global_rank(self._pp_group, self._schedule.stage_to_rank[stage])

@@ -466,7 +466,13 @@ def _compile_log(pipe) -> dict | None:
     log = getattr(pipe, "compile_log", None)
     if log is None:
         return None
-    return {"compiled": sorted(log.first_s), "eager": dict(log.eager), "failed": list(log.failed)}
+    return {
+        "compiled": sorted(log.first_s),
+        "eager": dict(log.eager),
+        "failed": list(log.failed),
+        "graph_buckets": {k: [list(b) for b in v] for k, v in log.graph_buckets.items()},
+        "schedules": dict(log.schedules),
+    }
 
 
 def _megatron_options(model: torch.nn.Module, batch: dict, axes: dict[str, int], microbatches: int):

@@ -1,7 +1,8 @@
 """``torch_compile=True`` in ``make test``: the small case of tests/test_torch_compile.py's heavy matrix.
 
 One spawn of 2 gloo ranks trains the tiny MLP (``tiny-mlp``) in float64 on tp=2 (its parameters split, the
-collectives ``autopar::reduce`` ops inside the compiled graphs) and on dp=2 (gradient buckets), each compiled
+collectives ``autopar::reduce`` ops inside the compiled graphs) and on dp=2 (gradient buckets all-reduced inside
+the compiled backward: functional collectives, started early, waited late), each compiled
 with Inductor's C++ back end and eagerly: losses and parameters equal one process to 1e-10 relative, and the
 compiled run equals the eager one; dynamo's counters show graphs were compiled and the compile log shows the
 training program ran through its compiled call with no failure and nothing eager, so a silent fallback to
@@ -15,17 +16,20 @@ import os
 
 import pytest
 
+from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.options import ShardOptions
 from tests._dist import run_distributed
 from tests.equivalence import compare_jobs
 from tests.exactness import TOL
 
 EAGER, COMPILED = {"torch_compile": False}, {"torch_compile": True}
+SMALL = ShardOptions(setup=TrainingSetup(bucket_cap_mb=4096 / 2**20))
 RUNS = [("1f1b", {}, EAGER), ("1f1b", {}, COMPILED)]
 JOBS = [
     # the memory objective splits the tiny MLP's parameters on tp (the time objective keeps them whole)
     {"name": "tp2", "axes": {"tp": 2}, "runs": RUNS, "compile_kwargs": {"options": ShardOptions(objective="memory")}},
-    {"name": "dp2", "axes": {"dp": 2}, "runs": RUNS, "check_forward": False},
+    # buckets of about 4 KB: the tiny MLP's gradients in several, so some start while the backward computes
+    {"name": "dp2", "axes": {"dp": 2}, "runs": RUNS, "check_forward": False, "compile_kwargs": {"options": SMALL}},
 ]
 
 
@@ -57,6 +61,26 @@ def test_compiled_tiny_mlp_on_tp2_and_dp2_equals_one_process_and_eager(tmp_path)
                 assert r["graphs"] > 0, f"{at}: dynamo compiled no graph"
                 assert not log["failed"] and not log["eager"], (at, log)
                 assert "stage0" in log["compiled"], (at, log["compiled"])  # the training program ran compiled
+                if job["name"] == "dp2":
+                    _check_graph_buckets(log, at)
                 e = out[eager_key]["losses"]
                 rel = ((r["losses"] - e).abs() / e.abs()).max().item()
                 assert rel < TOL, f"{at}: compiled and eager losses differ by {rel:.2e}"
+
+
+def _check_graph_buckets(log: dict, at: str) -> None:
+    """dp=2 with one microbatch: the compiled backward all-reduces the gradient buckets itself, every parameter
+    in one, and Inductor scheduled a bucket's start with compute kernels before its wait (the backward above the
+    bucket computing while its sums are in flight); the eager hooks reduce none of them (else the gradients
+    would be summed twice, and the parameters would differ from one process's)."""
+    buckets = log["graph_buckets"].get("stage0", [])
+    assert len(buckets) > 1, f"{at}: no gradient buckets in the compiled backward: {log['graph_buckets']}"
+    names = [n for b in buckets for n in b]
+    assert len(names) == len(set(names)) == 10, (at, buckets)  # tiny-mlp's ten parameters, each once
+    graphs = log["schedules"].get("stage0", [])
+    assert graphs, f"{at}: Inductor scheduled no collective in stage0's graphs"
+    kinds = max(graphs, key=lambda g: g.count("start"))  # the backward: a start per bucket
+    assert kinds.count("start") == len(buckets), (at, kinds)
+    first_start, first_wait = kinds.index("start"), kinds.index("wait")
+    between = kinds[first_start:first_wait].count("compute")
+    assert between > 0, f"{at}: the first bucket's wait follows its start with no compute between: {kinds}"

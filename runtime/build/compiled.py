@@ -24,7 +24,10 @@ What the runtime's overlap becomes: a collective in a compiled program waits whe
 program does too, but for three overlaps that the compiled form gives up and the log states: Megatron f's
 gradient all-reduce behind its weight gradients, the deferred wait of a returned loss, and ZeRO-3's
 prefetch, which the graph breaks at its gathers keep). Gradient buckets are filled by the parameters'
-accumulation hooks as before; a compiled backward delivers a region's gradients together at its end.
+accumulation hooks as before; a compiled backward delivers a region's gradients together at its end. Where a
+stage's gradients are final after its one backward of the step (one microbatch; ``ParallelModule._graph_buckets``
+says when), its buckets are reduced inside the compiled backward instead (``_BucketSync``: torch's functional
+collectives, a start and a wait Inductor's comm passes move apart, so the backward computes between them).
 
 A compile failure never gives a wrong result: the failing graph runs eagerly (the graph dynamo captured, op
 for op), with a warning naming its first kernel or op and the error. The first call of each program is
@@ -184,6 +187,32 @@ class _AllToAll(torch.autograd.Function):
         return y, None, None, None, None, None, None
 
 
+class _BucketSync(torch.autograd.Function):
+    """A gradient bucket in the graph: the identity on the bucket's parameters forward; backward, once every
+    one of their gradients is computed (the function's backward runs then), one coalesced all-reduce (sum) of
+    them as torch's functional collectives, a start (``_c10d_functional.all_reduce_coalesced``) and a
+    ``wait_tensor`` per gradient, which Inductor's comm passes sink to the gradients' use (the backward's end),
+    so the backward above the bucket computes while its sums are in flight. In ``Comm.grad_dtype`` where set."""
+
+    @staticmethod
+    def forward(ctx, comm, axis, *params):
+        ctx.comm, ctx.axis = comm, axis
+        return tuple(p.view_as(p) for p in params)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        c = _COMMS[ctx.comm]
+        dtype = c.grad_dtype
+        send = [(g if dtype is None else g.to(dtype)).contiguous() for g in grads]
+        sums = torch.ops._c10d_functional.all_reduce_coalesced(send, "sum", c.groups[ctx.axis].group_name)
+        outs = [torch.ops._c10d_functional.wait_tensor(t) for t in sums]
+        return (None, None, *(o.to(g.dtype) for o, g in zip(outs, grads)))
+
+
+def bucket_sync(comm: int, axis: str, *params):
+    return _BucketSync.apply(comm, axis, *params)
+
+
 def all_reduce(x, comm: int, axis: str, op: str = "sum", defer: bool = False):
     return _AllReduce.apply(x, comm, axis, op)  # defer: waited here (the compiled form's one sync point)
 
@@ -282,6 +311,11 @@ class CompileLog:
     later_s: dict[str, list[float]] = field(default_factory=dict)
     failed: list[str] = field(default_factory=list)  # "label: the op or kernel: the error"
     plan_notes: list[str] = field(default_factory=list)  # eager_parts: what the plan's features leave eager
+    # the gradient buckets reduced inside each program's backward graph (label -> their parameters, per bucket)
+    graph_buckets: dict[str, list[tuple[str, ...]]] = field(default_factory=dict)
+    # per program, each graph with collectives as Inductor scheduled it: "start", "wait" or "compute" per kernel
+    # (recorded when Inductor compiles the graph, not when its cache supplies it)
+    schedules: dict[str, list[list[str]]] = field(default_factory=dict)
 
     def summary(self) -> str:
         first = sum(self.first_s.values())
@@ -292,6 +326,8 @@ class CompileLog:
         ]
         for label, calls in self.eager.items():
             lines.append(f"  {label} runs eagerly: {'; '.join(calls)}")
+        for label, buckets in self.graph_buckets.items():
+            lines.append(f"  {label}: {len(buckets)} gradient buckets all-reduced in its backward graph (start/wait)")
         lines += [f"  compile failed, ran eagerly: {f}" for f in self.failed]
         lines += [f"  eager or not overlapped by the plan: {n}" for n in self.plan_notes]
         return "\n".join(lines)
@@ -307,21 +343,33 @@ def _traceable(target) -> bool:
     return target in _PASS_THROUGH or name in ("_getitem", "_item")
 
 
-def compilable(gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog) -> fx.GraphModule:
+def compilable(
+    gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog, buckets: list[tuple[str, list[str]]] = ()
+) -> fx.GraphModule:
     """A copy of ``gm`` (sharing its parameters and buffers) whose calls dynamo can trace, as the module
-    docstring says; the calls it leaves eager are noted in ``log_.eager[label]``."""
+    docstring says; the calls it leaves eager are noted in ``log_.eager[label]``. ``buckets``: gradient buckets
+    (axis, the attribute names of their parameters, each read by a ``get_attr`` of ``gm``) whose all-reduce
+    the backward graph runs itself (``_BucketSync``: every read of a bucket's parameters goes through it)."""
     if comm not in _COMMS:
         _COMMS.append(comm)
     cid = next(i for i, c in enumerate(_COMMS) if c is comm)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     eager: list[str] = []
+    reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    synced: dict[str, fx.Node] = {}  # a bucket's parameter -> its value through the bucket's sync
     for n in gm.graph.nodes:
+        if buckets and not synced and n.op != "get_attr":  # codegen reads every parameter first
+            for axis, names in buckets:
+                ins = [synced.get(t) or env[reads[t]] for t in names]
+                out = graph.call_function(bucket_sync, (cid, axis, *ins))
+                for i, t in enumerate(names):
+                    synced[t] = graph.call_function(operator.getitem, (out, i))
         if n.op != "call_function":
-            env[n] = graph.node_copy(n, lambda a: env[a])
+            env[n] = graph.node_copy(n, lambda a: synced.get(a.target, env[a]) if a.op == "get_attr" else env[a])
             continue
-        args = fx.map_arg(n.args, lambda a: env[a])
-        kwargs = fx.map_arg(n.kwargs, lambda a: env[a])
+        args = fx.map_arg(n.args, lambda a: synced.get(a.target, env[a]) if a.op == "get_attr" else env[a])
+        kwargs = fx.map_arg(n.kwargs, lambda a: synced.get(a.target, env[a]) if a.op == "get_attr" else env[a])
         t = n.target
         if t in _TRACEABLE_COLLECTIVES:
             new = graph.call_function(_TRACEABLE_COLLECTIVES[t], (args[0], cid, *args[1:]), kwargs)
@@ -354,6 +402,8 @@ def compilable(gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog) -> 
     out = fx.GraphModule(gm, graph, class_name="CompiledRankModule")
     if eager:
         log_.eager[label] = sorted(set(eager))
+    if buckets:
+        log_.graph_buckets[label] = [tuple(names) for _axis, names in buckets]
     return out
 
 
@@ -379,8 +429,12 @@ def _inductor(label: str, log_: CompileLog, retains_graph: bool) -> Callable:
     def backend(graph: fx.GraphModule, example_inputs):
         if retains_graph:
             torch._functorch.config.donated_buffer = False
+        _SCHEDULING[:] = [log_, label]
         try:  # the backward is lowered now, not at its first run, so its failure is caught here too
-            with torch._functorch.config.patch(force_non_lazy_backward_lowering=True, donated_buffer=not retains_graph):
+            with (
+                torch._functorch.config.patch(force_non_lazy_backward_lowering=True, donated_buffer=not retains_graph),
+                torch._inductor.config.patch(_COMM_OVERLAP),
+            ):
                 return compile_fx(graph, example_inputs)
         except (RestartAnalysis, SkipFrame):
             raise  # dynamo's own control flow (trace again with other choices), not a failure
@@ -394,6 +448,32 @@ def _inductor(label: str, log_: CompileLog, retains_graph: bool) -> Callable:
             return graph.forward
 
     return backend
+
+
+_SCHEDULING: list = []  # [the log, the label] of the graph Inductor is compiling (``_note_schedule`` writes there)
+
+
+def _note_schedule(snodes: list) -> list:
+    """An Inductor comm pass that reorders nothing: it notes a graph's kernels in their final order ("start" a
+    collective, "wait" its wait, "compute" any other kernel) in ``CompileLog.schedules``, where it has one."""
+    from torch._inductor import comms
+
+    def kind(n) -> str:
+        return "start" if comms.contains_collective(n) else "wait" if comms.contains_wait(n) else "compute"
+
+    kinds = [kind(n) for n in snodes]
+    if "start" in kinds and _SCHEDULING:
+        log_, label = _SCHEDULING
+        log_.schedules.setdefault(label, []).append(kinds)
+    return snodes
+
+
+# Inductor's comm passes on every graph: a collective started as early as its inputs allow, its wait sunk to its
+# first use (the functional collectives of ``_BucketSync``; autopar's own ops wait where they stand), then noted
+_COMM_OVERLAP = {
+    "reorder_for_compute_comm_overlap": True,
+    "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms", _note_schedule],
+}
 
 
 def _culprit(e: Exception, graph: fx.GraphModule) -> str:
@@ -470,24 +550,28 @@ class CompiledCall:
         return out
 
 
-def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_graph: bool = False) -> None:
-    """Run ``part`` through torch.compile (Inductor) from its next call on (``retains_graph``: ``_inductor``'s)."""
-    gm = compilable(part.module, comm, label, log_)
+def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_graph: bool = False, buckets=()) -> None:
+    """Run ``part`` through torch.compile (Inductor) from its next call on (``retains_graph``: ``_inductor``'s;
+    ``buckets``: ``compilable``'s)."""
+    gm = compilable(part.module, comm, label, log_, list(buckets))
     for why in log_.eager.get(label, ()):
         log.info("autopar.compile: %s: %s", label, why)
     fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
     part.call = CompiledCall(fn, label, log_)
 
 
-def compile_parts(parts: dict[str, Part], comm: Comm, retains_graph: set[str] = frozenset()) -> CompileLog:
+def compile_parts(
+    parts: dict[str, Part], comm: Comm, retains_graph: set[str] = frozenset(), buckets: dict | None = None
+) -> CompileLog:
     """Compile every part of a rank (label -> part; a part listed twice is compiled once), with one log;
-    ``retains_graph``: the labels whose backward is split (``_inductor``)."""
+    ``retains_graph``: the labels whose backward is split (``_inductor``); ``buckets``: label -> the gradient
+    buckets its backward graph reduces (``compilable``)."""
     log_ = CompileLog()
     done: set[int] = set()
     for label, part in parts.items():
         if id(part) not in done:
             done.add(id(part))
-            compile_part(part, comm, label, log_, label in retains_graph)
+            compile_part(part, comm, label, log_, label in retains_graph, (buckets or {}).get(label, ()))
     return log_
 
 
@@ -510,10 +594,12 @@ def eager_parts(
     split_backward: bool = False,
     tensor_parallel: bool = False,
     data_parallel: bool = False,
+    graph_buckets: bool = False,
 ) -> list[str]:
     """What of a ``torch_compile=True`` run stays eager or gives up a planned overlap, and why, from the plan's
     features alone (``autopar plan`` prints it before anything is compiled; ``compile_rank`` puts it in the
-    compile log): each line ``part: why``. An empty list: every program compiles whole, every overlap kept."""
+    compile log): each line ``part: why``; ``graph_buckets``: the compiled backwards reduce the buckets. An
+    empty list: every program compiles whole, every overlap kept."""
     out: list[str] = []
     if zero == 3:
         out.append(
@@ -536,20 +622,23 @@ def eager_parts(
             "a returned loss's all-reduce, where the plan has one: waited where it stands (the eager program defers "
             "that wait to the loss's first read)"
         )
-    if data_parallel and zero < 3:
+    if data_parallel and zero < 3 and not graph_buckets:
         out.append(
             "gradient buckets: a compiled backward delivers its region's gradients together at its end, so the "
-            "buckets' all-reduces start then (eager: as each bucket fills)"
+            "buckets' all-reduces start then (eager: as each bucket fills); with one microbatch, no ZeRO, no "
+            "recomputation and no split backward the compiled backward all-reduces them itself, started early"
         )
     return out
 
 
-def mesh_eager_parts(sizes: dict[str, int], zero: int, sub_pipeline_tp: bool, split_backward: bool) -> list[str]:
+def mesh_eager_parts(
+    sizes: dict[str, int], zero: int, sub_pipeline_tp: bool, split_backward: bool, graph_buckets: bool = False
+) -> list[str]:
     """``eager_parts`` of a mesh given as axis name -> size (dp*/tp* axes as their names say)."""
     used = [n for n, k in sizes.items() if k > 1]
     return eager_parts(
         zero=zero, sub_pipeline_tp=sub_pipeline_tp, split_backward=split_backward,
-        tensor_parallel=bool(tensor_axes(used)), data_parallel=bool(data_axes(used)),
+        tensor_parallel=bool(tensor_axes(used)), data_parallel=bool(data_axes(used)), graph_buckets=graph_buckets,
     )  # fmt: skip
 
 
@@ -560,15 +649,19 @@ def compile_rank(
     sub_pipelined: bool,
     split_backward: bool,
     notes: list[str] | tuple[str, ...] = (),
+    buckets: dict | None = None,
 ) -> CompileLog:
     """Compile a rank's forward and training programs; the log says what runs eagerly. Sub-pipelined
     tensor parallelism interprets its training programs node by node (``runtime/execute/subpipeline.py``),
-    so those stay eager there; ``split_backward``: the schedule runs B and W apart (retaining the graph)."""
+    so those stay eager there; ``split_backward``: the schedule runs B and W apart (retaining the graph);
+    ``buckets``: per stage, the gradient buckets (axis, parameter attributes) its training program's backward
+    graph all-reduces itself (``ParallelModule`` hands them over from its ``GradSync``)."""
     parts = runner_parts(forward_runners, "forward")
     train = runner_parts(train_runners, "stage")
     if not sub_pipelined:
         parts |= train
-    log_ = compile_parts(parts, comm, set(train) if split_backward else set())
+    by_label = {f"stage{s}": b for s, b in (buckets or {}).items()}
+    log_ = compile_parts(parts, comm, set(train) if split_backward else set(), by_label)
     log_.plan_notes = list(notes)
     if sub_pipelined:
         for label in runner_parts(train_runners, "stage"):

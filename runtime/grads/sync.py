@@ -107,6 +107,7 @@ class GradSync:
         self._fired: dict[str, int] = {}  # armed parameter -> accumulations so far in its final backward
         self._expect: dict[str, int] = {}  # parameter -> accumulations its final backward makes (default 1)
         self._counted: set[str] = set()  # parameters whose accumulations are counted (install_hooks)
+        self._in_graph: dict[Any, list[Bucket]] = {}  # reduction point -> buckets a compiled backward reduces
         self._handles: list = []
 
     @classmethod
@@ -133,8 +134,22 @@ class GradSync:
                 names = [n for n in self.tied if n in self.params]
             else:
                 names = [n for n in self.sync_at.get(key, ()) if n in self.params]
-            self._plans[key] = grad_buckets(self.program, self.bucket_bytes, names, self.skip, self._order)
+            plan = grad_buckets(self.program, self.bucket_bytes, names, self.skip, self._order)
+            self._plans[key] = [b for b in plan if b not in self._in_graph.get(key, ())]
         return self._plans[key]
+
+    def hand_over(self, key: Any, present: set[str]) -> list[Bucket]:
+        """The buckets of reduction point ``key`` (a stage), if the parameters of every one are in ``present`` (read
+        by that stage's compiled program), from now on all-reduced by its compiled backward (``_BucketSync`` in
+        runtime/build/compiled.py) and no longer here. Only where each gradient is final after one backward
+        per step (the caller's to know: one microbatch, no split backward, no recomputation)."""
+        mine = self.buckets(key)
+        if not mine or any(not set(b.names) <= present for b in mine):
+            return []  # all of them or none (a second axis's bucket starts after the first's sums)
+        self._in_graph.setdefault(key, []).extend(mine)
+        self._plans.pop(key, None)
+        self.install_hooks()
+        return mine
 
     def replan(self) -> None:
         """Forget the buckets (an optimizer that reduces some gradients itself was attached)."""
