@@ -183,6 +183,7 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     from torch.distributed.tensor import Shard
 
     import autopar
+    from autopar.errors import PlanError
     from autopar.passes.shard import ShardOptions
     from autopar.solver.sharding.cost import TrainingSetup
     from tests.equivalence import tiny_gpt2
@@ -213,6 +214,11 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
         a.train_step(**b)
         ref_step(b)
     view_a = a.as_dtensors()
+    try:  # ZeRO-2 sums the gradients at its step: a rank's are its own until then, nothing torch may clip
+        view_a.grads_from_shards()
+        out["zero2_clip_refused"] = torch.tensor(False)
+    except PlanError as e:
+        out["zero2_clip_refused"] = torch.tensor("pipe.clip_grad_norm_" in str(e))
     msd, osd = get_state_dict(view_a, view_a.optimizer_view())
     whole_a = _whole_states(osd)
     out["a_keys"] = torch.tensor(sorted(whole_a) == sorted(ref_params))
@@ -228,6 +234,11 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     dp = view_b._mesh.mesh_dim_names.index("dp")
     out["b_rows"] = torch.tensor(sum(isinstance(p.placements[dp], Shard) for p in view_b.parameters()))
     out["b_gathered"] = torch.tensor(len(view_b._gathered))
+    try:  # clipping would scale the gathered copies, not the slices
+        view_b.grads_from_shards()
+        out["zero3_clip_refused"] = torch.tensor(False)
+    except PlanError as e:
+        out["zero3_clip_refused"] = torch.tensor("gathered copies" in str(e))
     optv_b = view_b.optimizer_view()
     msd_b, osd_b = get_state_dict(view_b, optv_b)
     dcp.load({"model": msd_b, "optim": osd_b["state"]}, checkpoint_id=f"{root}/a")
@@ -296,8 +307,10 @@ def test_optimizer_state_dicts_move_between_meshes_with_zero3(tmp_path):
     results = run_distributed(_optimizer_run, 4, str(tmp_path))
     for r in results:
         assert r["a_keys"], "ZeRO-2's states come back under every parameter's key"
+        assert r["zero2_clip_refused"], "ZeRO-2's unsummed gradients are not handed to torch's clip_grad_norm_"
         assert r["a_vs_ref"] < 1e-10 and r["c_vs_ref"] < 1e-10, (r["a_vs_ref"], r["c_vs_ref"])
         assert r["b_rows"] > 0 and r["b_gathered"] > 0, "ZeRO-3 holds both kinds of slices here"
+        assert r["zero3_clip_refused"], "ZeRO-3's gathered copies are not handed to torch's clip_grad_norm_"
         assert r["b_model_err"] == 0 and r["b_state_err"] == 0 and r["b_keys_held"] > 0
         assert r["b_step_vs_ref"] < 1e-10, r["b_step_vs_ref"]
         assert r["autopar_keys"] > 0 and r["autopar_model_err"] == 0 and r["autopar_state_err"] == 0

@@ -264,7 +264,16 @@ class DTensorView(torch.nn.Module):
     @torch.no_grad()
     def grads_from_shards(self) -> DTensorView:
         """Give each DTensor parameter the module's current gradient (same storage, synced as the module
-        syncs it), so torch's ``clip_grad_norm_`` over ``parameters()`` reads and scales the real ones."""
+        syncs it), so torch's ``clip_grad_norm_`` over ``parameters()`` reads and scales the real ones. Refused
+        (``PlanError``) where they are not the real summed ones: under make_optimizer's ZeRO-1/2 (summed at
+        its step) and for ZeRO-3's gathered copies."""
+        opt = self._pipe.optimizer
+        if isinstance(opt, ZeroOptimizer) and any(opt.manages(n) for n in self.made):
+            raise PlanError(
+                "under ZeRO-1/2 the attached optimizer sums the data-parallel gradients itself, at its step (a "
+                "reduce-scatter into its flat slices), so after backward each rank holds its own unsummed gradients, "
+                "not the DTensors' ones: clip with pipe.clip_grad_norm_ (or make_optimizer(max_grad_norm=...))"
+            )
         gathered = [n for n in self._gathered if isinstance(self.made[n], torch.nn.Parameter)]
         if gathered:
             raise PlanError(
