@@ -294,6 +294,21 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     out["c_vs_ref"] = torch.stack(
         [_rel(st[s], ref_opt.state[ref_params[k]][s].to(st[s].dtype)) for k, st in again.items() for s in st]
     ).max()
+    # D: dp=4 ZeRO-3, every slice whole rows: the parameters and their gradients are Shard(0) DTensors over the
+    # slices (FSDP2's layout), and torch's clip_grad_norm_ on them clips the slices' own summed gradients
+    d = build(0, {"dp": 4}, 3)
+    view_d = d.as_dtensors()
+    out["d_all_rows"] = torch.tensor(
+        not view_d._gathered and all(isinstance(p.placements[0], Shard) for p in view_d.parameters())
+    )
+    plain = copy.deepcopy(model)
+    d(**batches[0]).backward()
+    plain(**batches[0]).backward()
+    norm = torch.nn.utils.clip_grad_norm_(view_d.grads_from_shards().parameters(), 0.01)
+    ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.01)
+    out["d_norm_rel"] = (norm.full_tensor() - ref_norm).abs() / ref_norm
+    grads = d.full_state_dict(grads=True)
+    out["d_grad_rel"] = torch.stack([_rel(grads[k], p.grad) for k, p in plain.named_parameters()]).max()
     return out
 
 
@@ -302,8 +317,11 @@ def test_optimizer_state_dicts_move_between_meshes_with_zero3(tmp_path):
     """torch's get_state_dict/set_state_dict over make_optimizer's optimizer, through DCP, between dp2 x tp2
     ZeRO-2, dp2 x tp2 ZeRO-3 (parameters Shard(0) over dp where the slice is whole rows, gathered copies where
     tp splits dim 0 or interleaves) and pp2 x tp2: every load bit for bit, every state and the step after a
-    load the single-process AdamW's to 1e-10 relative. Cost: one spawn of 4 processes, three compiles, 43 s
-    on the shared 2-core machine (heavy)."""
+    load the single-process AdamW's to 1e-10 relative; autopar's own checkpoint read the same way; clipping
+    refused where the view's gradients would not be the real summed ones (ZeRO-2, ZeRO-3's gathered copies), and
+    on dp=4 ZeRO-3 (every slice Shard(0) rows) torch's clip_grad_norm_ over the view gives the single process's
+    norm and clipped gradients (1e-10). Cost: one spawn of 4 processes, four compiles, 64 s at load ~15 on the
+    shared 2-core machine (heavy)."""
     results = run_distributed(_optimizer_run, 4, str(tmp_path))
     for r in results:
         assert r["a_keys"], "ZeRO-2's states come back under every parameter's key"
@@ -315,6 +333,8 @@ def test_optimizer_state_dicts_move_between_meshes_with_zero3(tmp_path):
         assert r["b_step_vs_ref"] < 1e-10, r["b_step_vs_ref"]
         assert r["autopar_keys"] > 0 and r["autopar_model_err"] == 0 and r["autopar_state_err"] == 0
         assert r["c_model_err"] == 0 and r["c_state_err"] == 0 and r["c_keys_held"] > 0
+        assert r["d_all_rows"], "dp=4 ZeRO-3 of tiny GPT-2: every slice is whole rows"
+        assert r["d_norm_rel"] < 1e-10 and r["d_grad_rel"] < 1e-10, (r["d_norm_rel"], r["d_grad_rel"])
 
 
 def _export_run(rank: int, world: int, root: str) -> dict:
