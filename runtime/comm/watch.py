@@ -21,6 +21,8 @@ there the timeout bounds the wait and the process ends, as torchrun then reports
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -183,15 +185,28 @@ def _timeout_of(group) -> float | None:
 # A rank that raises during a step (a bug in a stage, an out-of-memory, an injected error) used to reach its
 # peers only through the transfer timeout: they waited for a message it would never send. ``publish`` writes
 # the failure to the job's store under ``autopar/failed/<step>`` (``step``: the how-many-th pipeline step of
-# this process, the same on every rank since all run the same steps); ``wait_watching`` waits for a transfer
-# while polling that key every ``POLL`` seconds, so a survivor raises ``PeerFailedError`` naming the failed
-# rank and its error within about ``POLL`` seconds instead of the timeout. gloo's receive neither reports
-# completion (``is_completed``) nor honours ``wait(timeout=)``, so the wait runs on a helper thread and this
-# thread polls; the helper of an abandoned wait stays blocked until the process ends or the transport times it
-# out (the job is failing by then).
+# this process, the same on every rank since all run the same steps).
+#
+# The waiting thread waits on the work itself, so a transfer that completes costs nothing more than before:
+# ``wait_watching`` only notes what it waits for (``_ARMED``, one assignment). gloo's point-to-point work can be
+# neither polled (``is_completed`` stays False after the data has arrived) nor waited for in slices (a
+# ``wait(timeout=)`` that expires closes the connection to the peer), and ``abort()`` does not wake a blocked
+# ``wait`` (measured on torch 2.13); waiting on a helper thread instead (one per wait, then one per process)
+# cost 1.5x the step of a tiny pp=2 pipeline on 2 busy cores: two thread wake-ups per transfer. Instead one
+# watcher thread per process (``_Watcher``) looks every ``POLL`` seconds: a wait still going after a full
+# ``POLL`` has the store read for a failure of its step; if one was published, the watcher records the
+# ``PeerFailedError`` and asks the peer it waits on, through the store (``autopar/unblock/<peer>/<i>``), to end
+# the wait: a rank that raised out of a step serves such requests of that step from its own watcher, with an
+# empty send (a receive waiting for it completes, its buffer untouched) or a receive of the bytes (a send
+# waiting for it completes). The waiting thread then raises the recorded error. A rank told so raises too and
+# serves in turn, so a chain of waits (pp > 2) unwinds. Channels are then out of step (the executor refuses
+# further steps). A rank that dies closes its connections, which gloo reports at once.
 
 POLL = 0.2
 _STEP = [0]
+_ARMED: list[tuple | None] = [None]  # what the waiting thread waits for: (step, peer, bytes, sending)
+_STOPPED: dict[int, tuple[tuple, PeerFailedError]] = {}  # id of an armed wait -> it, the error it ends with
+_SERVED: list[int | None] = [None]  # the step whose unblock requests this rank serves (it raised during it)
 
 
 def step_begun() -> int:
@@ -208,12 +223,15 @@ def _store():
 
 
 def publish(error: BaseException, step: int) -> None:
-    """Tell the other ranks that this one raised ``error`` during step ``step`` (best effort: a store that
-    does not answer is left alone)."""
-    if isinstance(error, RuntimeCommError):  # a failure caused by another rank: that rank tells its own
-        return
+    """Tell the other ranks that this one raised ``error`` during step ``step`` and will not finish it (best
+    effort: a store that does not answer is left alone); from now on this rank ends the waits of that step
+    that are on it (``_Watcher.serve``)."""
     store = _store()
     if store is None:
+        return
+    _SERVED[0] = step
+    _watcher()
+    if isinstance(error, RuntimeCommError):  # a failure caused by another rank: that rank tells its own
         return
     first = str(error).splitlines()[0] if str(error) else ""
     try:
@@ -243,32 +261,98 @@ def peer_failure(step: int) -> PeerFailedError | None:
     )
 
 
-def wait_watching(work, timeout: float, step: int | None) -> None:
-    """``work.wait()``, bounded by ``timeout`` seconds, raising ``PeerFailedError`` as soon as another rank
-    published a failure of step ``step`` (None: a plain bounded wait)."""
-    if step is None or _store() is None:
+class _Watcher:
+    """The daemon thread that watches this process's long waits and serves its peers' unblock requests."""
+
+    def __init__(self) -> None:
+        self.last: tuple | None = None  # the wait armed at the last look
+        self.asked: tuple | None = None  # the last wait whose peer was asked to end it
+        self.served = 0  # unblock requests addressed to this rank read so far
+        self.keep: list = []  # works (and their buffers) posted to end a peer's wait
+        threading.Thread(target=self._loop, name="autopar-watch", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            time.sleep(POLL)
+            try:
+                self.look()
+                if _SERVED[0] is not None:
+                    self.serve(_SERVED[0])
+            except Exception:  # noqa: BLE001 - best effort: a store or peer gone (the job is ending) stops nothing
+                pass
+
+    def look(self) -> None:
+        """A wait armed since the last look: read its step's failure; if any, record it and ask its peer."""
+        armed = _ARMED[0]
+        long_wait = armed is not None and armed is self.last
+        self.last = armed
+        if not long_wait or armed is self.asked:
+            return
+        step, peer, nbytes, sending = armed  # type: ignore[misc]
+        err = peer_failure(step)
+        if err is None:
+            return
+        _STOPPED[id(armed)] = (armed, err)  # the tuple held: its id is not reused meanwhile
+        self.asked = armed
+        store = _store()
+        i = store.add(f"autopar/unblock/{peer}/n", 1)
+        request = {"rank": dist.get_rank(), "step": step, "bytes": nbytes, "sending": sending}
+        store.set(f"autopar/unblock/{peer}/{i}", json.dumps(request))
+
+    def serve(self, step: int) -> None:
+        """End the waits on this rank of step ``step``: an empty send for a receive, a receive for a send."""
+        store = _store()
+        me = dist.get_rank()
+        n = int(store.add(f"autopar/unblock/{me}/n", 0))
+        while self.served < n:
+            key = f"autopar/unblock/{me}/{self.served + 1}"
+            if not store.check([key]):  # counted but not written yet: read at the next look
+                return
+            self.served += 1
+            request = json.loads(store.get(key))
+            if request["step"] != step:
+                continue
+            if request["sending"]:  # the peer's send waits for this rank's receive
+                buf = torch.empty(int(request["bytes"]), dtype=torch.uint8)
+                self.keep.append((dist.irecv(buf, int(request["rank"])), buf))
+            else:  # the peer's receive waits for this rank's send: an empty one completes it
+                buf = torch.empty(0, dtype=torch.uint8)
+                self.keep.append((dist.isend(buf, int(request["rank"])), buf))
+
+
+_WATCHER: list[_Watcher] = []
+
+
+def _watcher() -> _Watcher:
+    if not _WATCHER:
+        _WATCHER.append(_Watcher())
+    return _WATCHER[0]
+
+
+os.register_at_fork(after_in_child=_WATCHER.clear)  # a forked child has no thread of its parent's
+
+
+def wait_watching(
+    work, timeout: float, step: int | None, peer: int = -1, nbytes: int = 0, sending: bool = False
+) -> None:
+    """``work.wait()``, bounded by ``timeout`` seconds, ended with ``PeerFailedError`` soon after another
+    rank published a failure of step ``step`` (None: a plain bounded wait). ``peer``: the rank the transfer is
+    with; ``nbytes``, ``sending``: what it carries and which way (what the peer posts to end it)."""
+    if step is None or not _WATCHER and _store() is None:
         work.wait(timeout=datetime.timedelta(seconds=timeout))
         return
-    box: list[BaseException | None] = []
-
-    def run() -> None:
-        try:
-            work.wait(timeout=datetime.timedelta(seconds=timeout))
-            box.append(None)
-        except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
-            box.append(e)
-
-    helper = threading.Thread(target=run, name="autopar-wait", daemon=True)
-    helper.start()
-    while True:
-        helper.join(POLL)
-        if box:
-            if box[0] is not None:
-                raise box[0]
-            return
-        err = peer_failure(step)
-        if err is not None:
-            raise err
+    if not _WATCHER:
+        _watcher()
+    armed = (step, peer, nbytes, sending)
+    _ARMED[0] = armed
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=timeout))
+    finally:
+        _ARMED[0] = None
+    if _STOPPED:
+        stopped = _STOPPED.pop(id(armed), None)
+        if stopped is not None and stopped[0] is armed:
+            raise stopped[1]
 
 
 __all__ = [

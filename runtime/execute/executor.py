@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from autopar.errors import RuntimeCommError
+from autopar.errors import PipelineError, RuntimeCommError
 from autopar.runtime.comm import watch
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.execute.p2p import PointToPoint
@@ -114,6 +114,7 @@ class Executor:
         self.actions = schedule.actions[pp_rank]
         self._split = split_backwards(self.actions)  # (mb, stage) whose B and W are apart
         ahead = comm.peers.posts_independently() if post_ahead is None else post_ahead
+        self._out_of_step: str | None = None  # why no further step can run (a step raised mid-transfer)
         self.p2p = PointToPoint(
             stages,
             peer_rank,
@@ -162,10 +163,18 @@ class Executor:
         self.outputs = [[] for _ in range(m)]
         trace: list[TraceEvent] = []
         t0 = time.perf_counter()
+        if self._out_of_step is not None:
+            raise PipelineError(self._out_of_step)
         self.p2p.step = step = watch.step_begun()
         try:
             return self._run(trace, t0)
         except BaseException as e:  # every other rank told now, not at its transfer timeout (comm/watch.py)
+            if self.p2p.in_flight() or isinstance(e, RuntimeCommError):
+                self._out_of_step = (
+                    f"a step of this pipeline raised on this rank ({type(e).__name__}) with transfers in flight, so "
+                    "its sends and receives are out of step with the other ranks': no further step can run on this "
+                    "module; restart the job (or compile the model again on every rank)"
+                )
             watch.publish(e, step)
             raise
 

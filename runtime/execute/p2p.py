@@ -158,8 +158,8 @@ class PointToPoint:
                 f"{kind.value} mb={mb} stage={stage} is needed but was never posted: the action list is "
                 "unsound for this executor"
             )
-        for w in p.works:
-            self._complete(w, p.action, p.peer_rank)
+        for w, size in zip(p.works, _sizes(p.works, p.buffers)):
+            self._complete(w, p.action, p.peer_rank, size)
         waited.append((p.action, time.perf_counter()))
         if self.ahead:  # the channel's next receive, before its sender gets there, but after this
             self._due.append(p.peer_rank)  # consumer's compute and sends: posting it is not on their path
@@ -168,21 +168,32 @@ class PointToPoint:
     def drain(self) -> None:
         """Wait for every send still in flight (their buffers may then be freed)."""
         self.post_due()
-        for works, a, peer, _tensors in self._in_flight:
-            for w in works:
-                self._complete(w, a, peer)
+        for works, a, peer, tensors in self._in_flight:
+            for w, size in zip(works, _sizes(works, tensors)):
+                self._complete(w, a, peer, size)
         self._in_flight = []
         self._done = {}
 
-    def _complete(self, work, a: Action, peer: int) -> None:
+    def in_flight(self) -> bool:
+        """Whether a send or receive of the step is posted and not yet waited for."""
+        return bool(self._pending or self._in_flight)
+
+    def _complete(self, work, a: Action, peer: int, nbytes: int) -> None:
         """Wait for one work once (a gloo receive waited twice would wait for another message)."""
         if id(work) in self._done:
             return
         if isinstance(work, dist.Work):  # a rank's failure published in the store stops the wait (comm/watch.py)
-            self.guard(lambda: watch.wait_watching(work, self.timeout, self.step), a, peer)
+            sending = a.kind in (Kind.SEND_ACT, Kind.SEND_GRAD)
+            self.guard(lambda: watch.wait_watching(work, self.timeout, self.step, peer, nbytes, sending), a, peer)
         else:  # a simulated rank's transfer (runtime/sim)
             self.guard(lambda: work.wait(timeout=datetime.timedelta(seconds=self.timeout)), a, peer)
         self._done[id(work)] = work  # kept alive until the step ends, so its id is not reused
+
+
+def _sizes(works: list, tensors: list[torch.Tensor]) -> list[int]:
+    """The bytes each work carries: one tensor a work (gloo), else unknown (0: NCCL's batch, which a peer's
+    failure does not keep the host waiting on)."""
+    return [t.nbytes for t in tensors] if len(works) == len(tensors) else [0] * len(works)
 
 
 def _unshared(t: torch.Tensor) -> bool:
