@@ -341,3 +341,27 @@ def test_the_heavy_snippets_run(tmp_path):
         if chosen:
             for done in run_distributed(_on_ranks, ranks, str(tmp_path / f"ranks{ranks}"), chosen, timeout=900.0):
                 assert done == [f"{s['doc']}:{s['line']}" for s in chosen]
+
+
+@pytest.mark.heavy
+def test_the_demo_names_the_roles_it_used(tmp_path):
+    """``make demo`` (examples/train_gpt2.py, 4 gloo processes under torchrun; here 2 steps): rank 0 prints the
+    plan's block, which names the roles (by name), tp's Megatron layout and dp's batch split, and holds about
+    half the model (tp=2 splits it), not all of it as before roles by name; the losses match one process."""
+    import argparse
+    import runpy
+
+    demo = runpy.run_path(str(ROOT / "examples" / "train_gpt2.py"))
+    args = argparse.Namespace(seq=64, n_embd=128, n_layer=2, n_head=4, seed=0)  # the demo's defaults
+    total = sum(p.numel() for p in demo["build_model"](args).parameters())
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "train_gpt2.py"), "--steps", "2", "--out", str(tmp_path / "p.json")],
+        capture_output=True, text=True, cwd=tmp_path, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text[-3000:]
+    assert "plan on mesh [dp=2, tp=2] (roles by name)" in text
+    assert "tp=2: tensor parallel (Megatron)" in text and "dp=2: data parallel: batch split" in text
+    held = int(re.search(r"holds ([\d,]+) parameters", text).group(1).replace(",", ""))
+    assert held < 0.6 * total, (held, total)
+    assert "largest relative loss difference" in text
