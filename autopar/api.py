@@ -210,7 +210,7 @@ def compile(  # noqa: A001
     def plan() -> list[str | None]:
         fwd, train = plan_programs(
             captured, spec, sched, options, sharded, scatter_gather=cfg.scatter_gather, dump_dir=dump_dir,
-            sub_pipeline_tp=cfg.sub_pipeline_tp,
+            sub_pipeline_tp=cfg.sub_pipeline_tp, torch_compile=cfg.torch_compile,
         )  # fmt: skip
         return [print_program(fwd), print_program(train) if train is not None else None]
 

@@ -32,10 +32,16 @@ def stash_points_of(schedule: Schedule) -> tuple | None:
     return tuple(tuple(stage_stash_points(lst)) for lst in schedule.actions)
 
 
-def pricing_options(options: ShardOptions | None, schedule: Schedule, sub_pipeline_tp: bool) -> ShardOptions | None:
+def pricing_options(
+    options: ShardOptions | None, schedule: Schedule, sub_pipeline_tp: bool, torch_compile: bool = False
+) -> ShardOptions | None:
     """``options`` with the training setup the runtime will run: Megatron's f is fused with its matmuls, and
     hidden behind their weight gradients on NCCL, unless ``schedule`` splits the backward (zero bubble) or
-    the stages are sub-pipelined (``runtime/module.py``); then the ILP prices each f whole."""
+    the stages are sub-pipelined (``runtime/module.py``); then the ILP prices each f whole. ``torch_compile``:
+    the programs run compiled (``TrainingSetup.compiled``: the stage balancer prices elementwise ops fused)."""
+    if torch_compile and not sub_pipeline_tp:  # sub-pipelined training programs stay eager
+        options = options or ShardOptions()
+        options = dataclasses.replace(options, setup=dataclasses.replace(options.setup, compiled=True))
     if not (sub_pipeline_tp or any(split_backwards(actions) for actions in schedule.actions)):
         return options
     options = options or ShardOptions()
@@ -52,6 +58,7 @@ def plan_programs(
     scatter_gather: bool = False,
     dump_dir: str | None = None,
     sub_pipeline_tp: bool = False,
+    torch_compile: bool = False,
 ) -> tuple[Program, Program | None]:
     """The planned programs of ``captured`` on ``mesh`` (the whole mesh) by the flow
     (``passes/flow.py``): the forward program (every output) and the training program (pruned to the
@@ -59,7 +66,7 @@ def plan_programs(
     at the same places, with send/recv ops. Priced as the runtime will run them (``pricing_options``)."""
     chunks, waves = placement_shape(schedule.stage_to_rank, schedule.num_ranks)
     flow = FlowOptions(
-        shard=pricing_options(options, schedule, sub_pipeline_tp),
+        shard=pricing_options(options, schedule, sub_pipeline_tp, torch_compile),
         chunks=chunks,
         waves=waves,
         microbatches=schedule.num_microbatches,

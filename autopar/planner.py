@@ -96,6 +96,8 @@ def plan_captured(
         chunks, waves = placement_shape(sched.stage_to_rank, pp)
         points = stash_points_of(sched)
         opts = pricing_options(opts, sched, False)  # its split backward runs each f unfused
+    if (config or {}).get("torch_compile") and not (config or {}).get("sub_pipeline_tp"):  # priced compiled
+        opts = dataclasses.replace(opts, setup=dataclasses.replace(opts.setup, compiled=True))
     flow_opts = FlowOptions(
         shard=opts,
         chunks=chunks,

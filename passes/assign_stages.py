@@ -39,12 +39,14 @@ def assign_stages(
     comm_fn: CommFn = megatron_tp_comm_seconds,
     schedule: str | None = None,
     stash_points: StashPoints | None = None,
+    compiled: bool = False,
 ) -> tuple[Program, StagePlan, Split]:
     """Split ``prog`` and balance its subgraphs over ``pp`` ranks holding ``pp * chunks`` (interleaved)
     or ``2 * pp * waves`` (wave) stages; ``microbatches`` per step (None: as many as the schedule keeps
     in flight). Returns the annotated program, the StagePlan and the Split (``split.seconds``: the time
     the split took, near zero from its cache). ``cluster`` defaults to ``dgx-a100``, ``budget_bytes`` to
-    its device memory. ``stash_points``: the schedule's, per rank (``solver/stages.balance_stages``)."""
+    its device memory. ``stash_points``: the schedule's, per rank (``solver/stages.balance_stages``);
+    ``compiled``: priced as torch.compile runs the stages (``balance_stages``)."""
     check_shape(pp, chunks, waves)
     split = split_program(prog, split_options)
     S = num_stages(pp, chunks, waves)
@@ -70,6 +72,7 @@ def assign_stages(
         comm_fn=comm_fn,
         schedule=schedule,
         stash_points=stash_points,
+        compiled=compiled,
     )
     return annotate(prog, split, plan.stage_of_subgraph), plan, split
 
@@ -85,14 +88,15 @@ _STAGE_OPTIONS = (
     "precision",
     "schedule",
     "stash_points",
+    "compiled",
 )
 
 
 def assign_stages_pass(prog: Program, options: Any = None) -> tuple[Program, tuple[StagePlan | None, float]]:
     """The ``assign-stages`` pass: ``stage=s`` on every op, and its report ``(StagePlan, split seconds)``.
     ``options``: a dict with ``pp`` and optionally ``chunks``, ``waves``, ``microbatches``, ``cluster``,
-    ``budget_bytes``, ``efficiency``, ``precision``, ``schedule``, ``stash_points`` and SplitOptions fields,
-    and ``stage_to_rank``: the schedule's placement, which the stage plan must have. With ``pp=1`` every op
+    ``budget_bytes``, ``efficiency``, ``precision``, ``schedule``, ``stash_points``, ``compiled`` and SplitOptions
+    fields, and ``stage_to_rank``: the schedule's placement, which the stage plan must have. With ``pp=1`` every op
     is stage 0 (a mesh without a pipeline is a one-stage pipeline) and there is no stage plan."""
     opts = dict(options or {})
     if "pp" not in opts:

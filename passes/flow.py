@@ -217,6 +217,7 @@ def _pass_options(mesh: MeshSpec, opts: FlowOptions) -> dict[str, Any]:
         "cluster": shard_opts.cluster,
         "budget_bytes": shard_opts.budget_bytes if opts.stage_budget_bytes is None else opts.stage_budget_bytes,
         "precision": "fp32" if shard_opts.setup.precision == "fp32" else "bf16",
+        "compiled": shard_opts.setup.compiled,
     }
     if opts.schedule in SCHEDULES:  # a registered schedule prices its own in-flight counts
         stage_opts["schedule"] = opts.schedule

@@ -99,3 +99,36 @@ def test_compiled_gpt2_moves_fewer_bytes_in_fewer_launches_with_the_same_flops_a
     device = compute.device_of(cluster)
     assert priced[True] == pytest.approx(sum(3 * compute.seconds(w, device) for w in works), rel=1e-12)
     assert priced[True] < priced[False]
+
+
+def test_torch_compile_reaches_the_stage_balancer_and_prices_the_stages_fused():
+    """``torch_compile=True`` prices the plan compiled: ``pricing_options`` sets ``TrainingSetup.compiled`` (not
+    under sub-pipelined tp, whose programs stay eager), the flow hands it to the assign-stages pass, and the
+    stage plan's compute seconds (``compiled_works``) fall below the op-by-op plan's on pp=2."""
+    from dataclasses import replace
+
+    from autopar.build import pricing_options
+    from autopar.ir.core import MeshSpec as Mesh
+    from autopar.passes.flow import FlowOptions, plan_program
+    from autopar.passes.shard import ShardOptions
+    from autopar.schedule.generators import make_schedule
+    from tests.equivalence import tiny_gpt2
+
+    sched = make_schedule("1f1b", 2, 2)
+    assert pricing_options(None, sched, False, torch_compile=True).setup.compiled
+    assert not pricing_options(None, sched, True, torch_compile=True).setup.compiled  # sub-pipelined: eager
+    assert pricing_options(None, sched, False) is None
+    model, batches = tiny_gpt2(batch=4, seq=16)
+    captured = capture(model, (), batches[0])
+    mesh = Mesh((("pp", 2),))
+    stages = {}
+    for compiled in (False, True):
+        opts = ShardOptions()
+        opts = replace(opts, setup=replace(opts.setup, compiled=compiled))
+        planned = plan_program(captured, mesh, FlowOptions(shard=opts, microbatches=2, cache=False))
+        stages[compiled] = planned.stage_plan.stages
+    assert len(stages[True]) == 2
+    for eager, fused in zip(stages[False], stages[True]):
+        if (eager.first, eager.last) == (fused.first, fused.last):  # the same ops: fused is cheaper
+            assert fused.compute_seconds < eager.compute_seconds, (eager, fused)
+    assert sum(s.compute_seconds for s in stages[True]) < sum(s.compute_seconds for s in stages[False])

@@ -89,6 +89,9 @@ class TrainingSetup:
     # all-reduce is hidden behind their weight gradients; not under a split backward (zero-bubble schedules) or
     # sub-pipelined tensor parallelism, where the f runs on its own (runtime/module.py)
     overlap_tp: bool = True
+    # the rank programs run under torch.compile (torch_compile=True): the stage balancer prices their elementwise
+    # ops fused, each group between two matmuls one kernel by its outside bytes (solver/cluster/compute.compiled_works)
+    compiled: bool = False
     # the busiest expert-parallel rank's rows over the mean that the router's skew adds (1: uniform routing, what
     # a load-balancing loss aims at): expert all-to-alls and the experts' computation are priced at that rank's
     # rows (solver/sharding/experts.py:busiest_rows)

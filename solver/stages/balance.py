@@ -83,6 +83,7 @@ def balance_stages(
     precision: str = "bf16",
     comm_fn: CommFn = megatron_tp_comm_seconds,
     stash_points: StashPoints | None = None,
+    compiled: bool = False,
 ) -> StagePlan:
     """Balance the subgraphs of ``split`` over the stages of a ``pp``-rank pipeline.
 
@@ -91,7 +92,8 @@ def balance_stages(
     (its in-flight counts, ``schedule.generators.inflight_per_rank``; default the shape's own);
     ``stash_points``: per rank, the (stashed, awaiting W) counts of each of its stages at its candidate
     peaks (``schedule/actions.stage_stash_points`` of the schedule's lists; they replace the in-flight
-    counts, and price the W-kept gradients of a split backward)."""
+    counts, and price the W-kept gradients of a split backward); ``compiled``: the stages run under torch.compile
+    (their elementwise ops priced fused: ``StageContext.compiled``)."""
     t0 = time.perf_counter()
     check_shape(pp, chunks, waves)
     spec = load_cluster(cluster)
@@ -101,7 +103,7 @@ def balance_stages(
     if S > n:
         too_few_subgraphs(split, pp, chunks, waves)
     dp, tp, sharded = parallel_degrees(prog)
-    ctx = StageContext(prog, spec, dp, tp, sharded, precision, efficiency, frozenset(commons))
+    ctx = StageContext(prog, spec, dp, tp, sharded, precision, efficiency, frozenset(commons), compiled)
     costs = subgraph_costs(ctx, subs, comm_fn)
     share = budget / (S // pp)
     timefn, memfn = costs.run_costs()
