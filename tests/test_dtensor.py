@@ -33,6 +33,7 @@ def _run(rank: int, world: int, root: str) -> dict:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     import autopar
+    from autopar.errors import PlanError
 
     model, batch = _model()
     ref = copy.deepcopy(model)
@@ -86,6 +87,11 @@ def _run(rank: int, world: int, root: str) -> dict:
     other = _model(seed=3)[0].model
     pipe2 = autopar.compile(other, autopar.init_mesh("cpu", pp=2, tp=2), kwargs=batch, microbatches=2)
     view2 = pipe2.as_dtensors()
+    try:  # a pipeline rank's view holds its stages only: torch's clipping would use their norm
+        view2.grads_from_shards()
+        out["pp_clip_refused"] = torch.tensor(False)
+    except PlanError as e:
+        out["pp_clip_refused"] = torch.tensor("pipe.clip_grad_norm_" in str(e))
     sd2 = get_model_state_dict(view2)
     out["pp_keys_held"] = torch.tensor(len(sd2))
     dcp.load({f"model.{k}": v for k, v in sd2.items()}, checkpoint_id=path)  # in place, into sd2's tensors
@@ -150,7 +156,7 @@ def test_dtensor_view_speaks_torch_checkpoint_and_clipping(tmp_path):
         rel = abs(r["norm"].item() - r["ref_norm"].item()) / r["ref_norm"].item()
         assert rel < 1e-10, (r["norm"], r["ref_norm"])
         assert r["grad_err"] < 1e-12 * r["ref_norm"].item()
-        assert r["pp_keys_held"] > 0
+        assert r["pp_keys_held"] > 0 and r["pp_clip_refused"]
         assert r["other_mesh_err"] == 0
         assert r["plain_differed"] > 0 and r["plain_err"] == 0
         assert r["load_weights_err"] == 0

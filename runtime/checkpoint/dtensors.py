@@ -265,8 +265,16 @@ class DTensorView(torch.nn.Module):
     def grads_from_shards(self) -> DTensorView:
         """Give each DTensor parameter the module's current gradient (same storage, synced as the module
         syncs it), so torch's ``clip_grad_norm_`` over ``parameters()`` reads and scales the real ones. Refused
-        (``PlanError``) where they are not the real summed ones: under make_optimizer's ZeRO-1/2 (summed at
-        its step) and for ZeRO-3's gathered copies."""
+        (``PlanError``) where torch's clipping would not clip the model: on a pipeline (a rank's view holds its
+        stages only), under make_optimizer's ZeRO-1/2 (gradients summed at its step) and for ZeRO-3's gathered
+        copies."""
+        mesh = self._pipe.device_mesh
+        if any(is_pipeline_axis(a) and n > 1 for a, n in zip(mesh.mesh_dim_names, mesh.shape)):
+            raise PlanError(
+                "a pipeline rank's view holds only its stages' parameters, so torch's clip_grad_norm_ over it would "
+                "clip by those stages' norm, not the model's: clip with pipe.clip_grad_norm_ (or "
+                "make_optimizer(max_grad_norm=...))"
+            )
         opt = self._pipe.optimizer
         if isinstance(opt, ZeroOptimizer) and any(opt.manages(n) for n in self.made):
             raise PlanError(
