@@ -319,10 +319,16 @@ class CostModel:
         """Forward plus backward seconds of the IR op ``op`` (its shape, class and the training dtype,
         ``solver.cluster.compute.op_work``) divided over the axes where ``split`` is true; read at
         ``in_placements`` an expert-parallel op's busiest rank's share (``experts.expert_load``)."""
-        seconds = self.work_seconds(compute.op_work(op, types, self.dtype), split)
+        ins = [types[r.name] for r in op.input_refs()]
+        # memoized by what the price reads (the op, its inputs' types, the axes splitting it): the ILP prices each
+        # op once per candidate of its group, most of them splitting it alike
+        key = ("op", id(op), tuple(ins), tuple(split))
+        found = self._memo.get(key)
+        if found is None or found[0] is not op:
+            found = self._memo[key] = (op, self.work_seconds(compute.op_work(op, types, self.dtype), split))
+        seconds = found[1]
         if in_placements is None or op.target not in experts.EXPERT_GROUPED_MM:
             return seconds
-        ins = [types[r.name] for r in op.input_refs()]
         return seconds * experts.expert_load(
             op.target, ins, in_placements, self.mesh.sizes, self.setup.router_imbalance
         )
