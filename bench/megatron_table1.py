@@ -144,11 +144,11 @@ def breakdown(ev: Evaluation, an: Analytic) -> dict[str, float]:
     compute = tp = 0.0
     for s in mine:
         a, e = ev.stages[s]
-        fwd = an._sec("fwd", a, e, c.micro_batch, c.tp)
+        fwd = an._sec("fwd", a, e, c.micro_batch, c.tp) + an._sec("bwd", a, e, c.micro_batch, c.tp)
         rfwd = an._sec("lfwd", a, e, c.micro_batch, c.tp)
         x = ev.recompute_fraction[s]
-        compute += m * (3 * fwd + x * rfwd)
-        tp += m * (ev.tf[s] + ev.tb[s] + x * ev.tr[s]) - m * (3 * fwd + x * rfwd)
+        compute += m * (fwd + x * rfwd)
+        tp += m * (ev.tf[s] + ev.tb[s] + x * ev.tr[s]) - m * (fwd + x * rfwd)
     dp = ev.reduce[worst]
     rest = ev.step_time - compute - tp - dp
     return {"compute": compute, "tp_comm": tp, "bubble_and_p2p": rest, "dp_sync": dp, "step": ev.step_time}

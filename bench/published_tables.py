@@ -11,8 +11,9 @@
   predicts (the figures' values are not in the text: the trend is what is compared). Fig. 16's 91B model's
   shape is not in the text: 72 layers, hidden 10240, 80 heads assumed (12 l h^2 = 90.6B).
 
-Priced on ``dgx-a100`` (Selene: 8 A100-80GB per node, 8 HDR rails) in bf16 with Adam, by the same model and
-simulator as ``autopar plan --global-batch B --mesh ...`` (a pinned configuration is priced fitting or not).
+Priced on ``dgx-a100`` (Selene: 8 A100-80GB per node, 8 HDR rails) in bf16 with Adam and attention unfused (as
+Megatron-LM of 2021 ran it), by the same model and simulator as ``autopar plan --global-batch B --mesh ...
+--attention unfused`` (a pinned configuration is priced fitting or not).
 """
 
 from __future__ import annotations
@@ -72,11 +73,13 @@ TABLE1 = (
 )
 
 
-def price(spec: str, cluster: str, batch: int, pin: Pin, scorer: Scorer):
-    """The pinned configuration's best evaluation (the search over what the pin leaves free) and its result."""
+def price(spec: str, cluster: str, batch: int, pin: Pin, scorer: Scorer, attention: str = "unfused"):
+    """The pinned configuration's best evaluation (the search over what the pin leaves free) and its result;
+    attention unfused by default, as Megatron-LM of 2021 ran it (batched matmuls, fused softmax, dropout)."""
     cl = ClusterSpec.load(cluster)
     pin.check(cl.world_size, batch)
-    res = search(profile_model(spec), cl, batch, math.inf, pin.space(), precision="bf16", scorer=scorer)
+    res = search(profile_model(spec), cl, batch, math.inf, pin.space(), precision="bf16", scorer=scorer,
+                 attention=attention)  # fmt: skip
     return res.best[0], res
 
 

@@ -5,6 +5,7 @@ the planner then prices with."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -160,3 +161,38 @@ def test_calibrate_writes_a_device_table_the_planner_then_prices_with(tmp_path, 
     )
     after = sum(Analytic(prof, again, 8, precision="fp32").unit_seconds(u, 8, 1)[0] for u in prof.units)
     assert after > 1.2 * before
+
+
+def test_unfused_attention_moves_its_scores_as_megatron_does():
+    """Unfused attention (Megatron-LM of 2021): forward = its two matmuls (each moving the scores once, by its
+    roofline) + the softmax and dropout moving the m x n scores 4 times and writing a one-byte mask; backward = four
+    matmuls + 5 passes and the mask read (less than twice the forward's 4); the ILP's and the balancer's price of
+    every other kind stays exactly three forwards."""
+    dev = compute.device_of(ClusterSpec.load("dgx-a100"))
+    m, n, k = 24 * 2048, 2048, 96
+    w = compute.Work("attention_unfused", 4.0 * m * n * k, m=m, n=n, k=k, dtype="bf16")
+    fast = dataclasses.replace(dev, peak_flops={"bf16": 1e30})  # FLOPs free: what is left is the bytes moved
+    bw = 2.039e12 * 0.85
+    assert compute.seconds(w, fast) == pytest.approx((m * n * (2 * 4 + 1) + 2 * m * (n + 2 * k) * 2) / bw)
+    assert compute.backward_seconds(w, fast) == pytest.approx((m * n * (2 * 5 + 1) + 4 * m * (n + 2 * k) * 2) / bw)
+    assert compute.backward_seconds(w, dev) < 2 * compute.seconds(w, dev)
+    assert compute.train_seconds(w, dev) == compute.seconds(w, dev) + compute.backward_seconds(w, dev)
+    for other in (compute.Work("matmul", 1e12, 1e8, 4096, 4096, 4096, "bf16"), compute.Work("elementwise", 0, 1e9)):
+        assert compute.train_seconds(other, dev) == 3 * compute.seconds(other, dev)
+    assert compute.unfused_saved_bytes("bf16") == 5 and compute.unfused_saved_bytes("fp32") == 9
+
+
+def test_the_ilp_prices_a_group_spanning_nodes_as_the_search_does():
+    """A dp group of 32 over 4 nodes of 8 (tp = 2 inside): the ILP's CostModel rings it over 4 rails per node,
+    as the search's CommTime and NCCL do, not over one; an axis inside a node keeps NVLink's price."""
+    from autopar.search.comm_time import CommTime
+
+    cluster = ClusterSpec.load("dgx-a100:nodes=8")
+    cm = CostModel(MeshSpec((("dp", 32), ("tp", 2))), TrainingSetup(precision="bf16"), cluster)
+    comm = CommTime(cluster, 4.0, 4.0)
+    nbytes = 1e9
+    for axis, n, stride in ((0, 32, 2), (1, 2, 1)):
+        want = comm.allreduce(nbytes, 1, n, comm.intra(n * stride), comm.per_node(n, stride))
+        assert cm._collective("all_reduce", nbytes, axis)[1] == pytest.approx(want, rel=1e-12)
+    one_rail = comm.allreduce(nbytes, 1, 32, False, 1)
+    assert cm._collective("all_reduce", nbytes, 0)[1] < one_rail / 3  # 4 rails, the NVLink cap not reached

@@ -138,6 +138,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --global-batch: pin the stage layout (even: Megatron's L / S layers per stage)",
     )
     g.add_argument(
+        "--attention",
+        choices=["fused", "unfused"],
+        default=None,
+        help="with --global-batch: how attention runs, an assumption of every price (default fused: one kernel, "
+        "FlashAttention or SDPA, no scores kept; unfused: Megatron-LM of 2021's batched matmuls, fused softmax and "
+        "dropout, the s x s scores kept for the backward)",
+    )
+    g.add_argument(
         "--explain-step",
         action="store_true",
         help="with --global-batch: break each plan's predicted step into compute per stage, exposed communication "
@@ -215,7 +223,7 @@ def run(args: argparse.Namespace) -> int:
         # --mesh with --global-batch pins the mesh (and whatever else is given) and prices it with the search's model
         args.pin_mesh = dict(parse_mesh(args.mesh).axes) if args.mesh else None
         return run_cli(args)
-    pinned = [f for f in ("recompute", "microbatch_size", "layout", "explain_step") if getattr(args, f)]
+    pinned = [f for f in ("recompute", "microbatch_size", "layout", "attention", "explain_step") if getattr(args, f)]
     if pinned:
         flags = ", ".join("--" + f.replace("_", "-") for f in pinned)
         raise AutoparError(f"{flags} price a whole step: give --global-batch B (e.g. --mesh dp=32 --global-batch 512)")

@@ -40,8 +40,9 @@ def run_cli(args: argparse.Namespace) -> int:
             space = dataclasses.replace(space, pp=None, dp=None, tp=None, schedules=SearchSpace().schedules)
         budget = args.budget_gb * GiB if args.budget_gb is not None else None
     result = search_model(
-        args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True
-    )
+        args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True,
+        attention=getattr(args, "attention", None) or "fused",
+    )  # fmt: skip
     plan = None
     if args.output:
         plan = result.materialize(time_limit=args.time_limit, backend=args.solver)

@@ -31,6 +31,11 @@ class Evaluation:
     bubble: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
     tw: tuple[float, ...] = ()  # per stage: the weight-gradient part of tb (a zero-bubble schedule's W)
+    optimizer: tuple[float, ...] = ()  # per rank: the optimizer step after its gradient synchronization
+
+    def tail(self, rank: int) -> float:
+        """Seconds a rank works after its last compute: its gradient synchronization, then its optimizer step."""
+        return self.reduce[rank] + (self.optimizer[rank] if self.optimizer else 0.0)
 
     @property
     def memory(self) -> float:

@@ -15,7 +15,8 @@ On the rank that ends the step last (the critical rank), with the very terms ``s
              pp  the pipeline transfers on the critical path: the step less the step simulated with
                  free transfers
          + bubble (the critical rank idle, waiting on other stages, with free transfers)
-         + optimizer (not priced by the search's model: 0, said so)
+         + optimizer (the critical rank's optimizer step after its gradient sync: its parameters, gradients
+                      and Adam's moments streamed at the device's bandwidth, divided by ZeRO's sharding)
 
 The parts sum to the predicted step (``tests/test_search.py`` checks it on each kind of plan).
 """
@@ -44,6 +45,7 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
     per_stage = []
     for s, (a, e) in enumerate(ev.stages):
         fwd = an._sec("fwd", a, e, bt, tp)  # the one compute model (solver/cluster/compute.py), as StageTerms prices
+        bwd = an._sec("bwd", a, e, bt, tp)
         rfwd = an._sec("lfwd", a, e, bt, tp)
         tp_f = an._tp_allreduce("ar_fwd", a, e, sa, tp)
         tp_b = an._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else an.hidden_ar_bwd(a, e, bt, tp))
@@ -52,9 +54,9 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
         cp_r = an.cp_seconds(a, e, b, c, True)[0]
         x = ev.recompute_fraction[s]
         # what the stage's times hold beyond compute, tp and cp: ZeRO-3's gathers and scatters (dp)
-        z3 = (ev.tf[s] - fwd - tp_f - cp_f) + (ev.tb[s] - 2 * fwd - tp_b - cp_b) + x * (ev.tr[s] - rfwd - tp_r - cp_r)
+        z3 = (ev.tf[s] - fwd - tp_f - cp_f) + (ev.tb[s] - bwd - tp_b - cp_b) + x * (ev.tr[s] - rfwd - tp_r - cp_r)
         per_stage.append({
-            "compute": m * 3 * fwd, "recompute": m * x * rfwd, "tp": m * (tp_f + tp_b + x * tp_r), "dp": m * z3,
+            "compute": m * (fwd + bwd), "recompute": m * x * rfwd, "tp": m * (tp_f + tp_b + x * tp_r), "dp": m * z3,
             "cp": m * (cp_f + cp_b + x * cp_r),
         })  # fmt: skip
     if c.pp == 1:
@@ -62,14 +64,16 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
         busy_sum = m * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
         mine = [0]
         sync = ev.reduce[0]
+        opt = ev.tail(0) - sync
         step = ev.step_time
     else:
         free = dataclasses.replace(ev, tc=tuple(0.0 for _ in ev.tc))
         finish, busy, _ = scorer.finish_busy(free)
-        ends = [f + r for f, r in zip(finish, ev.reduce)]
+        ends = [f + ev.tail(r) for r, f in enumerate(finish)]
         rank = max(range(c.pp), key=lambda r: (ends[r], -r))
         mine = [s for s, r in enumerate(ev.stage_rank) if r == rank]
         sync = ev.reduce[rank]
+        opt = ev.tail(rank) - sync
         busy_sum = busy[rank]
         bubble = finish[rank] - busy[rank]
         step = ev.step_time
@@ -86,11 +90,11 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
         "exposed_comm": {"tp": parts["tp"], "dp": parts["dp"] + sync, "pp": pp}
         | ({"cp": parts["cp"]} if c.cp > 1 else {}),
         "bubble": bubble,
-        "optimizer": 0.0,
+        "optimizer": opt,
         "stage_compute_seconds": [p["compute"] for p in per_stage],
         "rounding": rounding,  # folded into compute
         "notes": [
-            "optimizer step not priced by the search's model (0 here)",
+            "optimizer: the states streamed once at the device's bandwidth (price.Analytic.optimizer_seconds)",
             f"critical rank {rank}: the pipeline rank whose last compute plus gradient sync ends the step",
         ],
     }
@@ -114,7 +118,7 @@ def format_explain(x: dict[str, Any]) -> str:
     lines.append(row("recompute", x["recompute"]))
     for axis, v in x["exposed_comm"].items():
         lines.append(row(f"exposed comm {axis}", v))
-    lines += [row("bubble", x["bubble"]), row("optimizer (not priced)", x["optimizer"])]
+    lines += [row("bubble", x["bubble"]), row("optimizer", x["optimizer"])]
     return "\n".join(lines)
 
 

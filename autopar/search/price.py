@@ -19,8 +19,11 @@ the data-parallel gradient synchronization after each rank's last backward under
   gradients; not with a split backward, whose W may run while it travels). It equals the papers'
   closed forms for uniform stages.
 
-What is estimated rather than exact (besides ``stage_terms.py``'s): the optimizer step and the
-tied-embedding all-reduce between the first and last stage are not priced, and in-flight counts for
+- the optimizer step of each rank after its gradient sync (``optimizer_seconds``: its states streamed at the
+  device's bandwidth, divided as ZeRO shards them).
+
+What is estimated rather than exact (besides ``stage_terms.py``'s): the tied-embedding all-reduce between the first
+and last stage is not priced, and in-flight counts for
 interleaved, wave and V schedules are upper bounds (every stashed microbatch counted at the largest
 chunk's size).
 """
@@ -38,6 +41,7 @@ from autopar.schedule.generators import zero_bubble_orders
 from autopar.search.evaluation import Evaluation
 from autopar.search.space import ZERO_BUBBLE, Candidate
 from autopar.search.stage_terms import StageTerms
+from autopar.solver.cluster import compute
 from autopar.solver.sharding.cost import BUCKET_BYTES
 
 
@@ -106,12 +110,13 @@ class Analytic(StageTerms):
             reduce = tuple(r + self._ep_sync(c, p - x) for r, p, x in zip(reduce, part.rank_params, part.rank_experts))
         elif c.zero == 0 and c.dp > 1 and overlaps:
             reduce = self._overlapped(c, part, reduce)
+        opt = tuple(self.optimizer_seconds(p, c.zero, c.shard_group if c.dp > 1 else 1) for p in part.rank_params)
         if c.pp == 1:
-            lb = c.microbatches * part.rank_busy[0] + reduce[0]
+            lb = c.microbatches * part.rank_busy[0] + reduce[0] + opt[0]
         else:
             tails = [0.0] * c.pp if c.schedule in ZERO_BUBBLE else part.rank_tail
-            ends = zip(part.rank_head, part.rank_busy, tails, reduce)
-            lb = max(h + c.microbatches * busy + max(t, r) for h, busy, t, r in ends)
+            ends = zip(part.rank_head, part.rank_busy, tails, reduce, opt)
+            lb = max(h + c.microbatches * busy + max(t, r + o) for h, busy, t, r, o in ends)
         return Evaluation(
             candidate=c,
             stages=part.stages,
@@ -123,6 +128,7 @@ class Analytic(StageTerms):
             tw=part.tw,
             recompute_fraction=part.x,
             reduce=reduce,
+            optimizer=opt,
             rank_memory=mem,
             weight_memory=tuple(weights),
             lower_bound=lb,
@@ -172,6 +178,18 @@ class Analytic(StageTerms):
             slope = (two - one) / unit
             self._sync[key] = (one - slope * unit, slope)
         return self._sync[key]
+
+    def optimizer_seconds(self, params: float, zero: int, group: int) -> float:
+        """Seconds of the optimizer step of a rank holding ``params`` parameter elements: it streams, per element it
+        updates, the fp32 parameter (read and written), its gradient (read) and the optimizer states (Adam's two
+        moments, read and written) at the device's streaming bandwidth (``compute.seconds`` of an elementwise op,
+        as torch's fused/foreach Adam runs); under ZeRO-1/2/3 a rank updates its 1/``group`` of them (the fp32 flat
+        slice of ``runtime/grads/zero.py``). The copy of the gathered slice back into the parameters is not priced."""
+        if params <= 0:
+            return 0.0
+        per = 2 * self.weight_b + self.grad_b + 2 * self.state_b
+        nbytes = params * per / (group if zero >= 1 else 1)
+        return compute.seconds(compute.Work("elementwise", 0.0, nbytes, dtype="fp32"), self.device)
 
     def bytes_per_param(self, c: Candidate) -> float:
         """Model-state bytes per parameter element on a rank under the candidate's ZeRO / MiCS."""
@@ -252,7 +270,7 @@ class Analytic(StageTerms):
         n = self.n
         bt = b / cp
         sa = self.act_scale * bt
-        work = 3 * self._sec("fwd", 0, n, bt, tp)
+        work = self._sec("fwd", 0, n, bt, tp) + self._sec("bwd", 0, n, bt, tp)
         work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
         work -= self.hidden_ar_bwd(0, n, bt, tp)  # at most hidden beside the weight gradients
         experts = self._sum("params_ep", 0, n) / tp
@@ -261,6 +279,7 @@ class Analytic(StageTerms):
         sync = min(
             (self._sync_floor(pp, group, tp, m, z, g, params, work / pp, cp) for z, g in sync_options), default=0.0
         )
+        sync += self.optimizer_seconds(params, max_shard, dp) if params else 0.0  # the least: the widest sharding
         return m * work / pp + sync, params * self._state_bytes(max_shard, group if group > 1 else 1)
 
     def _sync_floor(

@@ -84,7 +84,7 @@ class SearchResult:
         head = (
             f"{self.spec or 'model'} on {cl.name} x {cl.world_size} ({cl.nodes} nodes x {cl.devices_per_node}), "
             f"global batch {self.global_batch}, budget {self.budget_bytes / GiB:.1f} GiB/device, "
-            f"{self.precision} + Adam"
+            f"{self.precision} + Adam, attention {self.analytic.attention}"
         )
         counts = (
             f"searched {s['space']:,} candidates ({s['families']:,} mesh x micro-batch families) in "
@@ -116,6 +116,7 @@ class SearchResult:
             "global_batch": self.global_batch,
             "budget_bytes": self.budget_bytes,
             "precision": self.precision,
+            "attention": self.analytic.attention,
             "stats": dict(self.stats),
             "best": [self.summary(ev) for ev in self.best[: top or len(self.best)]],
         }

@@ -1,6 +1,7 @@
 """Score priced candidates by simulation: the schedule's action lists run with the candidate's per-stage costs.
 
-Each rank then synchronizes its data-parallel gradients (``Evaluation.reduce``). Without a pipeline the
+Each rank then synchronizes its data-parallel gradients (``Evaluation.reduce``) and steps its optimizer
+(``Evaluation.optimizer``). Without a pipeline the
 step has a closed form. Large schedules (more than ``FULL_SIMULATION`` forward actions) are simulated at
 smaller microbatch counts congruent to m modulo pp, P apart, until three consecutive increments agree,
 and extended linearly from there (marked "extrapolated"); a schedule whose increments do not settle
@@ -86,10 +87,10 @@ class Scorer:
         c = ev.candidate
         if c.pp == 1:
             busy = c.microbatches * (ev.tf[0] + ev.tb[0] + ev.recompute_fraction[0] * ev.tr[0])
-            ev.step_time, ev.bubble, ev.simulated = busy + ev.reduce[0], 0.0, "closed form"
+            ev.step_time, ev.bubble, ev.simulated = busy + ev.tail(0), 0.0, "closed form"
             return ev
         finish, busy, ev.simulated = self.finish_busy(ev)
-        step = max(f + r for f, r in zip(finish, ev.reduce))
+        step = max(f + ev.tail(r) for r, f in enumerate(finish))
         ev.step_time = max(step, ev.lower_bound)
         top = max(busy)
         ev.bubble = (max(finish) - top) / top if top else 0.0

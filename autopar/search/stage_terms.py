@@ -7,7 +7,8 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
 - compute seconds per microbatch: forward = the unit's ops priced by the one compute model
   (``solver/cluster/compute.py``: each op's class and shape at micro-batch b, divided over tp where Megatron's
   layout splits it, ``Profile`` units' ``works``), as the sharding ILP and the stage balancer price them; backward
-  twice that, recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
+  twice that (``compute.backward_seconds``; unfused attention's softmax and dropout move the scores 5 times
+  backward, 4 forward), recomputation one forward of the recomputed layers (with its tensor-parallel all-reduces);
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
   once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
   all of the first stage's (it has no input gradient to compute: its input is data);
@@ -15,9 +16,9 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
   with expert parallelism (``Candidate.ep``) each expert op's all-to-alls and the busiest expert rank's extra
   work (``expert_seconds``), and each rank holds 1/ep of the expert tables;
-- per stage also: the activations a microbatch keeps, what full recomputation saves of them, the
-  largest layer's activations, the parameters, and when microbatch 0 reaches the stage and the last
-  gradient leaves it (for the step-time bound).
+- per stage also: the activations a microbatch keeps (with unfused attention its s x s scores too), what full
+  recomputation saves of them, the largest layer's activations, the parameters, and when microbatch 0 reaches
+  the stage and the last gradient leaves it (for the step-time bound).
 
 What is estimated rather than exact: the device table's efficiency curves (their sources are in the
 tables), and a weight gradient's efficiency is its forward matmul's.
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
+from autopar.errors import SearchError
 from autopar.schedule.generators import stage_aware_ratios
 from autopar.schedule.placement import stage_ranks
 from autopar.search.comm_time import CommTime
@@ -66,6 +68,8 @@ class StageTerms:
         self.device = compute.device_of(cluster, efficiency)
         # how attention runs (solver/cluster/compute.py): "fused" (FlashAttention, PyTorch's sdpa on a GPU) or
         # "unfused" (the scores materialized: Megatron-LM of 2021)
+        if attention not in ("fused", "unfused"):
+            raise SearchError(f"attention must be 'fused' or 'unfused', not {attention!r}")
         self.attention = attention
         self._unit_secs: dict[tuple, tuple[float, float]] = {}
         self._secs_pre: dict[tuple[int, int], dict[str, list[float]]] = {}
@@ -80,6 +84,13 @@ class StageTerms:
         units = profile.units
         self.n = len(units)
         rows = _augment(units, profile.seq)  # a parameter read by several units (a tied embedding) counts in each
+        # unfused attention keeps its m x n scores for the backward (compute.unfused_saved_bytes per element; fused
+        # attention keeps none): per unit, those bytes per sample, split over tp (the heads are)
+        keep = compute.unfused_saved_bytes(precision) if attention == "unfused" else 0.0
+        self._scores = [keep * sum(w[3] * w[4] for w in u.works if w[0] == "attention") for u in units]
+        for r, sc, u in zip(rows, self._scores, units):
+            r["scores"] = sc
+            r["lscores"] = sc if u.kind == "layer" else 0.0
         self._rows = rows
         self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
         self._is_layer = [u.kind == "layer" for u in units]
@@ -101,35 +112,38 @@ class StageTerms:
             ("matmul", u.flops - u.flops_tp, 0.0, 0.0, 0, 0, 0, False),
         )
 
-    def unit_seconds(self, u: UnitCost, b: int, tp: int) -> tuple[float, float]:
-        """(forward seconds, of which the tp-split matmuls') of unit ``u`` at
-        micro-batch ``b`` and tensor-parallel degree ``tp``: each of its works at b samples, divided over tp where
-        Megatron's layout splits it, priced by ``compute.seconds``."""
+    def unit_seconds(self, u: UnitCost, b: int, tp: int) -> tuple[float, float, float]:
+        """(forward seconds, of which the tp-split matmuls', backward seconds) of unit ``u`` at micro-batch ``b`` and
+        tensor-parallel degree ``tp``: each of its works at b samples, divided over tp where Megatron's layout splits
+        it, priced by ``compute.seconds`` (forward) and ``compute.backward_seconds``."""
         works = self._works(u)
         key = (works, b, tp)
         found = self._unit_secs.get(key)
         if found is None:
-            total = tp_mm = 0.0
+            total = tp_mm = bwd = 0.0
             scale = compute.ITEMSIZE.get(self.dtype, 4) / 4 * b  # the profile's bytes are at 4 per float
             for kind, fl, nb, m, n, k, ops, split in works:
                 kind = "attention_unfused" if kind == "attention" and self.attention == "unfused" else kind
                 w = compute.Work(kind, fl * b, nb * scale, max(1, round(m * b)) if m else 0, n, k, self.dtype, ops)
-                t = compute.seconds(w.split(tp if split else 1), self.device)
+                w = w.split(tp if split else 1)
+                t = compute.seconds(w, self.device)
                 total += t
+                bwd += compute.backward_seconds(w, self.device)
                 if split and kind == "matmul":
                     tp_mm += t
-            found = self._unit_secs[key] = (total, tp_mm)
+            found = self._unit_secs[key] = (total, tp_mm, bwd)
         return found
 
     def _sec(self, key: str, a: int, e: int, b: int, tp: int) -> float:
-        """Sum over units ``a..e`` of ``unit_seconds`` at (b, tp): ``fwd`` (all), ``lfwd`` (layers only), ``tpmm``
-        (the tp-split matmuls), from prefix sums per (b, tp)."""
+        """Sum over units ``a..e`` of ``unit_seconds`` at (b, tp): ``fwd`` (all), ``lfwd`` (layers only), ``bwd``
+        (the backward), ``wgrad`` (the weight gradients), from prefix sums per (b, tp)."""
         pre = self._secs_pre.get((b, tp))
         if pre is None:
             rows = [self.unit_seconds(u, b, tp) for u in self.p.units]
             pre = self._secs_pre[(b, tp)] = {
                 "fwd": _prefix([r[0] for r in rows]),
                 "lfwd": _prefix([r[0] if lay else 0.0 for r, lay in zip(rows, self._is_layer)]),
+                "bwd": _prefix([r[2] for r in rows]),
                 "wgrad": _prefix(
                     [r[1] * (w["wflops"] / w["flops_tp"] if w["flops_tp"] else 0.0) for r, w in zip(rows, self._rows)]
                 ),
@@ -167,8 +181,14 @@ class StageTerms:
         """The largest layer's saved bytes per sample among units ``a..b`` on a rank (``rank_act``)."""
         key = (a, b, tp, cp)
         if key not in self._max_layer_act:
+            sa = self.act_scale
             self._max_layer_act[key] = max(
-                (self.rank_act(u, tp, cp) for u, x in zip(self.p.units[a:b], self._is_layer[a:b]) if x), default=0.0
+                (
+                    self.rank_act(u, tp, cp) + sc / tp / cp / sa
+                    for u, sc, x in zip(self.p.units[a:b], self._scores[a:b], self._is_layer[a:b])
+                    if x
+                ),
+                default=0.0,
             )
         return self._max_layer_act[key]
 
@@ -259,9 +279,10 @@ class StageTerms:
         S = self._sum
         for a, e in stages:
             # expert parallelism (cp = 1 beside it): the all-to-alls and the busiest rank's extra expert
-            # work, forward
+            # work, forward (and twice that backward)
             moe = self.expert_seconds(a, e, b, c.ep, tp)
             fwd = self._sec("fwd", a, e, bt, tp) + moe
+            bwd = self._sec("bwd", a, e, bt, tp) + 2 * moe
             # recomputation touches the stage's layers only (embeddings and head keep their activations)
             rfwd = self._sec("lfwd", a, e, bt, tp) + moe
             experts = S("params_ep", a, e) / tp / c.ep
@@ -271,15 +292,16 @@ class StageTerms:
             tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + cp_f)
             # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
             hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, bt, tp)
-            tb.append(2 * fwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden + cp_b)
+            tb.append(bwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden + cp_b)
             tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + self.cp_seconds(a, e, b, c, True)[0])
             tw.append(self._sec("wgrad", a, e, bt, tp))
             acts.append(
                 (S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa
                 + (S("kv_tp", a, e) / tp + S("kv_rep", a, e)) * kv_whole
+                + S("scores", a, e) / tp * bt  # unfused attention's scores: a cp rank's 1/cp of the queries
             )
             wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
-            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa
+            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa + S("lscores", a, e) / tp * bt
             lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
             saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp, cp) * self.act_scale * b)
@@ -398,6 +420,8 @@ _SUMMED = (
     "kv_rep",
     "lkv_tp",
     "lkv_rep",
+    "scores",
+    "lscores",
 )
 
 

@@ -5,6 +5,8 @@ search's ``StageTerms`` and, through them, the simulator's actions) prices an op
 
     seconds(work, device) = launch + max(flops / (peak(dtype) * efficiency(work)), bytes / bandwidth)
 
+and its backward ``backward_seconds``: twice that (unfused attention's scores aside).
+
 ``Work`` describes one op's forward: its class, FLOPs, bytes moved and, for a matmul, its shape
 [m, k] x [k, n] (batch dimensions folded into m); for attention its kind (fused: one kernel such as
 FlashAttention, scores never stored; unfused attention is lowered to matmuls and a softmax, which are
@@ -258,18 +260,58 @@ def seconds(work: Work, device: Device) -> float:
 
 
 ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
-UNFUSED_PASSES = 4  # the scores written by QK^T, read and written by the (fused scale-mask-)softmax, read by PV
+# Unfused attention as Megatron-LM of 2021 runs it (megatron/model/transformer.py, ParallelAttention): QK^T (baddbmm)
+# writes the m x n scores and PV (bmm) reads them, inside those matmuls (priced by their roofline, the scores among
+# their bytes); between them the fused scale-mask-softmax reads and writes them and the attention dropout reads and
+# writes them and writes a one-byte mask: 4 passes of the scores at the compute dtype, plus the mask
+UNFUSED_PASSES = 4
+# and backward: the dropout's (dP read, with the mask, and written) and the softmax's (its output and dP read, dS
+# written); the four gradient matmuls read or write one score-sized operand each (dP = dO V^T, dV = P^T dO,
+# dQ = dS K, dK = dS^T Q)
+UNFUSED_BACKWARD_PASSES = 5
+UNFUSED_MASK_BYTES = 1  # the dropout mask, per score (torch.bool), written forward, read backward
+# what the backward needs of them, kept per score: the softmax output, the dropout mask and the dropped
+# probabilities PV read (Korthikanti et al. 2022, Sec. 4.1: 5 a s^2 b bytes per layer at 16-bit)
+UNFUSED_SAVED = 2  # score-sized tensors at the compute dtype, plus the mask
 
 
-def _unfused_attention(work: Work, device: Device) -> float:
+def unfused_saved_bytes(dtype: str) -> float:
+    """Bytes unfused attention keeps for the backward per element of its m x n scores (5 at 16-bit)."""
+    return UNFUSED_SAVED * ITEMSIZE.get(dtype, 4) + UNFUSED_MASK_BYTES
+
+
+def _unfused_attention(work: Work, device: Device, backward: bool = False) -> float:
     """Attention without a fused kernel (Megatron-LM of 2021, eager PyTorch's math path): QK^T and PV as two batched
-    matmuls [m, k] x [k, n] and [m, n] x [n, k], and the m x n scores moved ``UNFUSED_PASSES`` times (dropout on
-    the probabilities is in the softmax's passes)."""
-    half = work.flops / 2
-    qk = seconds(Work("matmul", half, 0.0, work.m, work.n, work.k, work.dtype), device)
-    pv = seconds(Work("matmul", half, 0.0, work.m, work.k, work.n, work.dtype), device)
-    scores = work.m * work.n * ITEMSIZE.get(work.dtype, 4) * UNFUSED_PASSES
-    return qk + pv + seconds(Work("elementwise", 0.0, float(scores), dtype=work.dtype, ops=2), device)
+    matmuls [m, k] x [k, n] and [m, n] x [n, k] (backward: four, of the same shapes), each moving its operands and
+    one m x n score-sized tensor (self-attention: keys and values as many rows as queries), and the softmax and the
+    dropout between them moving the scores ``UNFUSED_PASSES`` (backward ``UNFUSED_BACKWARD_PASSES``) times plus the
+    dropout mask, one kernel each."""
+    size = ITEMSIZE.get(work.dtype, 4)
+    half, mn, mk = work.flops / 2, work.m * work.n, work.m * work.k
+    qk = seconds(Work("matmul", half, float((mn + 2 * mk) * size), work.m, work.n, work.k, work.dtype), device)
+    pv = seconds(Work("matmul", half, float((mn + 2 * mk) * size), work.m, work.k, work.n, work.dtype), device)
+    passes = UNFUSED_BACKWARD_PASSES if backward else UNFUSED_PASSES
+    scores = mn * (size * passes + UNFUSED_MASK_BYTES)
+    return (2 if backward else 1) * (qk + pv) + seconds(
+        Work("elementwise", 0.0, float(scores), dtype=work.dtype, ops=2), device
+    )
+
+
+def backward_seconds(work: Work, device: Device) -> float:
+    """Backward seconds of ``work``: twice its forward (a matmul's two gradient matmuls have its shape and hence its
+    efficiency; an elementwise op's backward moves about twice its bytes), except unfused attention's softmax and
+    dropout, whose backward moves the scores ``UNFUSED_BACKWARD_PASSES`` times (not twice ``UNFUSED_PASSES``)."""
+    if work.kind == "attention_unfused" and (work.flops or work.bytes):
+        return _unfused_attention(work, device, backward=True)
+    return 2 * seconds(work, device)
+
+
+def train_seconds(work: Work, device: Device) -> float:
+    """Forward plus backward seconds of ``work`` (three forwards but for unfused attention): what the sharding ILP and
+    the stage balancer charge an op."""
+    if work.kind == "attention_unfused":
+        return seconds(work, device) + backward_seconds(work, device)
+    return 3.0 * seconds(work, device)
 
 
 def flop_seconds(flops: float, device: Device, dtype: str = "bf16", m: int = 0, n: int = 0, k: int = 0) -> float:
@@ -408,6 +450,7 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
 
 __all__ = [
     "Curve",
+    "backward_seconds",
     "Device",
     "DeviceTable",
     "Work",
@@ -420,4 +463,6 @@ __all__ = [
     "op_work",
     "seconds",
     "table_from_dict",
+    "train_seconds",
+    "unfused_saved_bytes",
 ]

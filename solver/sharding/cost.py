@@ -154,6 +154,7 @@ class CostModel:
             self.cluster = default_cluster()
         self._zero_axes = self.setup.shard_axes(self.mesh)
         self._intra = _axes_intra_node(self.mesh, self.cluster)
+        self._per_node = _axes_per_node(self.mesh, self.cluster)
         self._memo: dict = {}
         self._terms = _shared_terms(self.mesh, self._intra, self.cluster)
         self._blocks: dict = {}
@@ -299,7 +300,9 @@ class CostModel:
             if n == 1:
                 self._memo[key] = 0.0, 0.0, 0.0
             else:
-                self._memo[key] = (factor, *self.cluster.collective_terms(kind, n, self._intra[axis]))
+                # a group spanning nodes as NCCL runs it: one ring per rail, per_node ranks of it in each node
+                terms = self.cluster.collective_terms(kind, n, self._intra[axis], self._per_node[axis])
+                self._memo[key] = (factor, *terms)
         return self._memo[key]
 
     @property
@@ -313,7 +316,7 @@ class CostModel:
     def work_seconds(self, work: compute.Work, split: list[bool]) -> float:
         """Forward plus backward (3x forward) seconds of ``work`` (a global op's) divided over the axes where
         ``split`` is true, priced by ``solver.cluster.compute.seconds`` on the piece one rank computes."""
-        return 3.0 * compute.seconds(work.split(self._ways(split)), self.device)
+        return compute.train_seconds(work.split(self._ways(split)), self.device)
 
     def op_seconds(self, op, types: dict[str, TensorType], split: list[bool], in_placements=None) -> float:
         """Forward plus backward seconds of the IR op ``op`` (its shape, class and the training dtype,
@@ -541,10 +544,21 @@ _DEFAULT_CLUSTER: ClusterSpec | None = None
 
 def _shared_terms(mesh: MeshSpec, intra: list[bool], cluster: ClusterSpec) -> _Terms:
     links = (cluster.alpha_beta(True), cluster.alpha_beta(False), tuple(sorted(cluster.collectives.items())))
-    key = (mesh.sizes, tuple(intra), links)
+    key = (mesh.sizes, tuple(intra), cluster.devices_per_node, links)
     if key not in _SHARED_TERMS and len(_SHARED_TERMS) >= 16:
         _SHARED_TERMS.clear()
     return _SHARED_TERMS.setdefault(key, _Terms())
+
+
+def _axes_per_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[int]:
+    """Per axis, how many ranks of one of its groups share a node (ranks row-major, last axis fastest: an axis of
+    stride d holds min(n, devices per node / d) ranks per node, 1 once d fills a node): the rails a group spanning
+    nodes rings over (``ClusterSpec.alpha_beta``), as the search's ``CommTime.per_node`` counts them."""
+    out, stride, dpn = [], 1, cluster.devices_per_node
+    for n in reversed(mesh.sizes):
+        out.append(1 if stride >= dpn else max(1, min(n, dpn // stride)))
+        stride *= n
+    return list(reversed(out))
 
 
 def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:

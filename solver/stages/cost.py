@@ -269,7 +269,7 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
             works = compute.compiled_works(ops, ctx.types, ctx.precision)
         else:
             works = [compute.op_work(op, ctx.types, ctx.precision) for op in ops]
-        seconds = sum(3 * compute.seconds(w.split(ways), device) for w in works)
+        seconds = sum(compute.train_seconds(w.split(ways), device) for w in works)
         out.append(SubgraphCost(seconds, comm_fn(ctx, s), weight, act, wkept))
     return SplitCosts(out, tied, params)
 
