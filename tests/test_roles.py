@@ -131,3 +131,15 @@ def test_compile_logs_the_plan_and_repr_shows_it(caplog):
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_autopar_plan_says_which_roles_it_used(tmp_path, capsys):
+    """``autopar plan`` prints the plan's block, whose first line names the roles: by name (the default), or the
+    ILP's free choice with ``--roles auto``."""
+    from autopar.cli import main
+
+    for flags, said in (([], "(roles by name)"), (["--roles", "auto"], "(roles chosen by the ILP)")):
+        path = tmp_path / "plan.json"
+        assert main(["plan", "tiny-mlp", "--mesh", "dp=2,tp=2", "--no-baselines", "-o", str(path), *flags]) == 0
+        text = capsys.readouterr().out
+        assert f"plan on mesh [dp=2, tp=2] {said}" in text, text
