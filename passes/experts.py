@@ -20,20 +20,54 @@ rows (replicated there, broadcast) are read as they are. Any other read of a rou
 program's outputs, get it combined back first. Every op thus computes on some permutation of its rows
 what it computes on them in order, so the program's values and gradients are unchanged
 (``runtime/comm/all_to_all.py``: the dispatch's backward is the combine and the other way round).
+
+transformers' default ``grouped_mm`` kernel computes an expert block as grouped matmuls over the rows sorted
+by expert (``x[S, K]``, ``w[E, K, N]``, the groups' cumulative ends ``offs[E]``, whole on every rank): gate/up,
+the activation row by row, down. An expert-parallel grouped matmul (``w`` split on its experts, ``x`` by
+rows) reads its rows dispatched to their experts' ranks; the block is written with one dispatch and one
+combine around all of it, as Megatron-Core's and torchtitan's token dispatchers move a layer's tokens:
+
+    %d = expert_grouped_dispatch(%x, %offs) {axis=ep, experts=E}      rows to the rank owning their expert
+    %h = transformers.grouped_mm_fallback(%d, %w1, %offs) <ep_rows=dispatched>   on the rank's experts
+    ...                                                                 row-wise ops on dispatched rows
+    %y = transformers.grouped_mm_fallback(%h2, %w2, %offs) <ep_rows=dispatched>
+    %z = expert_grouped_combine(%y, %offs) {axis=ep, experts=E}       each row back to its block, in place
+
+The routing comes from ``offs`` alone (every rank knows every block's rows of every group), so no counts are
+exchanged. Rows between two grouped matmuls of one routing stay dispatched only where every row input of an
+op is dispatched already: no other row value is sent on the way (a row-wise op reading rows that are not
+dispatched, a bias gathered by expert, gets its dispatched inputs combined first, and the next grouped matmul
+dispatches again). ``mark_expert_blocks`` finds the blocks on the lowered program (``attrs["ep_block"]``),
+so the ILP prices each grouped matmul's share of its block's two exchanges (``solver/sharding/experts.py``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from autopar.errors import PipelineError, PlanError
 from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, map_refs
-from autopar.solver.sharding.experts import EXPERT_GATHER, expert_axes
+from autopar.solver.sharding.experts import (
+    EP_BLOCK,
+    EP_ROWS,
+    EXPERT_GATHER,
+    EXPERT_GROUPED_MM,
+    GROUPED_COMBINE,
+    GROUPED_DISPATCH,
+    expert_axes,
+    grouped_expert_axes,
+)
 from autopar.solver.sharding.rules.elementwise import POINTWISE
 
 DISPATCH, COMBINE = "expert_dispatch", "expert_combine"
-EXPERT_OPS = frozenset({DISPATCH, COMBINE})
+DISPATCHES = frozenset({DISPATCH, GROUPED_DISPATCH})
+COMBINES = frozenset({COMBINE, GROUPED_COMBINE})
+EXPERT_OPS = DISPATCHES | COMBINES
 # pointwise ops that compute each element from the same element of their inputs alone (dropout keys its
 # mask by global element index, runtime/build/rng.py: not on permuted rows; tril/triu see their positions)
 _ROW_POINTWISE = POINTWISE - {"aten.dropout", "aten.tril", "aten.triu", "aten.broadcast_tensors"}
+# collectives on another axis than a grouped routing's that its dispatched rows pass (_collective_on_rows)
+_ROW_COLLECTIVES = frozenset({"all_reduce", "grad_all_reduce", "all_gather", "reduce_scatter", "local_shard"})
 # ops with a dim argument (position in args) that work row by row when that dim is not 0
 _DIM_ARG = {
     "aten.unsqueeze": 1,
@@ -46,8 +80,20 @@ _DIM_ARG = {
 }
 
 
+@dataclass(frozen=True)
+class Route:
+    """One routing of rows on a mesh axis: by the router's indices ``src`` (an expert-parallel gather's), or
+    by the offsets ``src`` of a grouped matmul's sorted rows (``grouped``); ``rows``: how many rows it moves."""
+
+    src: str
+    axis: int
+    rows: int
+    grouped: bool = False
+
+
 def insert_expert_dispatch(prog: Program) -> Program:
-    """``prog`` with each expert-parallel gather's rows dispatched and combined (the module docstring)."""
+    """``prog`` with each expert-parallel gather's rows dispatched and combined, and each expert-parallel
+    grouped matmul's (the module docstring)."""
     types = prog.types()
     gathers = {
         op.result: axes
@@ -55,46 +101,74 @@ def insert_expert_dispatch(prog: Program) -> Program:
         if op.target == EXPERT_GATHER
         and (axes := expert_axes([types[r.name] for r in op.input_refs()], _read(op, types)))
     }
-    if not gathers:
+    grouped = {
+        op.result: axes
+        for op in prog.ops
+        if op.target in EXPERT_GROUPED_MM
+        and (axes := grouped_expert_axes([types[r.name] for r in op.input_refs()], _read(op, types)))
+    }
+    if not gathers and not grouped:
         return prog
-    return _Rewrite(prog, types).run(gathers)
+    return _Rewrite(prog, types).run(gathers, grouped)
 
 
 def _read(op: Op, types: dict[str, TensorType]) -> list:
     return [types[r.name].placements for r in op.input_refs()]
 
 
+def _one_axis(op: Op, axes: list[int]) -> int:
+    if len(axes) != 1:
+        raise PlanError(
+            f"%{op.result} = {op.target} is split over its experts on {len(axes)} mesh axes at once; "
+            "expert parallelism uses one expert axis (ep): constrain the table to one"
+        )
+    return axes[0]
+
+
 class _Rewrite:
     def __init__(self, prog: Program, types: dict[str, TensorType]):
         self.prog, self.types = prog, types
         self.ops: list[Op] = []
-        self.routed: dict[str, tuple[str, int]] = {}  # value -> its routing: (index value, axis)
-        self.experts: dict[tuple[str, int], int] = {}  # routing -> the number of experts it routes to
-        self.dispatched: dict[tuple[str, tuple[str, int], bool], str] = {}
+        self.routed: dict[str, Route] = {}  # value -> its routing
+        self.experts: dict[Route, int] = {}  # routing -> the number of experts it routes to
+        self.dispatched: dict[tuple[str, Route, bool], str] = {}
         self.combined: dict[str, str] = {}
         self.counter = 0
 
-    def run(self, gathers: dict[str, list[int]]) -> Program:
+    def run(self, gathers: dict[str, list[int]], grouped: dict[str, list[int]]) -> Program:
         for op in self.prog.ops:
             if op.result in gathers:
                 self.gather(op, gathers[op.result])
+            elif op.result in grouped:
+                self.grouped(op, _one_axis(op, grouped[op.result]))
             else:
                 self.other(op)
         outputs = tuple(map_refs(self.prog.outputs, lambda r: Ref(self.nominal(r.name, ""))))
         return self.prog.with_(ops=tuple(self.ops), outputs=outputs)
 
     def gather(self, op: Op, axes: list[int]) -> None:
-        if len(axes) != 1:
-            raise PlanError(
-                f"%{op.result} = {op.target} is split over its experts on {len(axes)} mesh axes at once; "
-                "expert parallelism uses one expert axis (ep): constrain the table to one"
-            )
         table, idx = op.input_refs()
-        route = (idx.name, axes[0])
+        route = Route(idx.name, _one_axis(op, axes), self.types[idx.name].shape[0])
         self.experts.setdefault(route, self.types[table.name].shape[0])
         local_ids = self.dispatch(self.nominal(idx.name, op.path), route, op.path, local_ids=True)
         rename = {table.name: self.nominal(table.name, op.path), idx.name: local_ids}
         self.ops.append(op.with_(args=map_refs(op.args, lambda r: Ref(rename[r.name]))))
+        for r in op.results:
+            self.routed[r] = route
+
+    def grouped(self, op: Op, axis: int) -> None:
+        """An expert-parallel grouped matmul: on its rows dispatched (here, unless they are already), its
+        result dispatched rows of the same routing."""
+        x, w, offs = op.input_refs()
+        route = Route(offs.name, axis, self.types[x.name].shape[0], grouped=True)
+        self.experts.setdefault(route, self.types[w.name].shape[0])
+        rows = (
+            x.name if self.routed.get(x.name) == route else self.dispatch(self.nominal(x.name, op.path), route, op.path)
+        )
+        rename = {x.name: rows, w.name: self.nominal(w.name, op.path), offs.name: self.nominal(offs.name, op.path)}
+        args, kwargs = map_refs((op.args, op.kwargs), lambda r: Ref(rename[r.name]))
+        attrs = {k: v for k, v in op.attrs.items() if k != EP_BLOCK}
+        self.ops.append(op.with_(args=args, kwargs=kwargs, attrs={**attrs, EP_ROWS: "dispatched"}))
         for r in op.results:
             self.routed[r] = route
 
@@ -104,6 +178,12 @@ class _Rewrite:
         if len(routes) == 1:
             route = next(iter(routes))
             reads = self._row_reads(op, route)
+            if (
+                reads is not None
+                and route.grouped
+                and any(rows and r.name not in self.routed for r, rows in zip(refs, reads))
+            ):
+                reads = None  # a grouped routing sends no other rows on the way: combined first
             if reads is not None:
                 rename = {
                     r.name: self.dispatch(r.name, route, op.path) if rows and r.name not in self.routed else r.name
@@ -117,52 +197,36 @@ class _Rewrite:
         args, kwargs = map_refs((op.args, op.kwargs), lambda r: Ref(rename[r.name]))
         self.ops.append(op.with_(args=args, kwargs=kwargs))
 
-    def _row_reads(self, op: Op, route: tuple[str, int]) -> list[bool] | None:
+    def _row_reads(self, op: Op, route: Route) -> list[bool] | None:
         """For an op that works row by row on the routing's rows: which of its inputs are rows (to be read
         dispatched); None when it does not (its routed inputs are combined first)."""
-        axis = route[1]
-        n_rows = self.types[route[0]].shape[0]
-        if op.kwargs and op.target != "aten.to.dtype":
-            return None
-        if not all(_is_rows(t, axis, n_rows) for t in op.types):
-            return None
-        refs = [self.types[r.name] for r in op.input_refs()]
-        out_rank = len(op.types[0].shape)
-        if op.target in _ROW_POINTWISE:  # rows, or broadcast over them (no dim aligned with dim 0 of the result)
-            reads = []
-            for t in refs:
-                if _is_rows(t, axis, n_rows) and len(t.shape) == out_rank:
-                    reads.append(True)
-                elif len(t.shape) < out_rank or t.shape[0] == 1:
-                    if not isinstance(t.placements[axis], Replicate):
-                        return None
-                    reads.append(False)
-                else:
-                    return None
-            return reads
-        if op.target == "aten.bmm":
-            return [True, True] if all(_is_rows(t, axis, n_rows) for t in refs) else None
-        if op.target == "aten.linear" and len(op.args) == 2:
-            x, w = refs
-            return [True, False] if _is_rows(x, axis, n_rows) and isinstance(w.placements[axis], Replicate) else None
-        if op.target in _DIM_ARG:
-            pos = _DIM_ARG[op.target]
-            dim = op.args[pos] if len(op.args) > pos else 0
-            if not isinstance(dim, int) or dim % len(refs[0].shape) == 0 or len(refs) != 1:
-                return None
-            return [True] if _is_rows(refs[0], axis, n_rows) else None
-        if op.target == "aten.squeeze.dims" and all(d % len(refs[0].shape) != 0 for d in op.args[1]):
-            return [True] if _is_rows(refs[0], axis, n_rows) else None
-        return None
+        if route.grouped and op.target in _ROW_COLLECTIVES:
+            return [True] if self._collective_on_rows(op, route) else None
+        return row_reads(op, self.types, route.axis, route.rows)
+
+    def _collective_on_rows(self, op: Op, route: Route) -> bool:
+        """Whether the collective ``op`` on another mesh axis leaves the grouped routing's rows as they are: it
+        reads and makes them split by rows on the routing's axis, moves no dim 0, and its group's ranks hold
+        the same block of rows (neither its input nor its result split by rows on its own axis), so they hold
+        the same dispatched rows in the same order."""
+        (src,) = op.input_refs()
+        axis = self.prog.mesh.index(op.kwargs["axis"])
+        ins, out = self.types[src.name], op.types[0]
+        if axis == route.axis or not (_is_rows(ins, route.axis, route.rows) and _is_rows(out, route.axis, route.rows)):
+            return False
+        if op.kwargs.get("dim", 1) % len(out.shape) == 0:
+            return False
+        return not any(isinstance(t.placements[axis], Shard) and t.placements[axis].dim == 0 for t in (ins, out))
 
     # -- the inserted ops -----------------------------------------------------------------------
-    def dispatch(self, name: str, route: tuple[str, int], path: str, local_ids: bool = False) -> str:
+    def dispatch(self, name: str, route: Route, path: str, local_ids: bool = False) -> str:
         key = (name, route, local_ids)
         if key not in self.dispatched:
-            kwargs = {"axis": self.prog.mesh.names[route[1]], "experts": self.experts[route]}
+            kwargs = {"axis": self.prog.mesh.names[route.axis], "experts": self.experts[route]}
             if local_ids:
                 kwargs["local_ids"] = True
-            self.dispatched[key] = self.emit(DISPATCH, name, route[0], kwargs, path)
+            target = GROUPED_DISPATCH if route.grouped else DISPATCH
+            self.dispatched[key] = self.emit(target, name, route.src, kwargs, path)
             self.routed[self.dispatched[key]] = route
         return self.dispatched[key]
 
@@ -172,8 +236,9 @@ class _Rewrite:
             return name
         if name not in self.combined:
             route = self.routed[name]
-            kwargs = {"axis": self.prog.mesh.names[route[1]], "experts": self.experts[route]}
-            self.combined[name] = self.emit(COMBINE, name, route[0], kwargs, path)
+            kwargs = {"axis": self.prog.mesh.names[route.axis], "experts": self.experts[route]}
+            target = GROUPED_COMBINE if route.grouped else COMBINE
+            self.combined[name] = self.emit(target, name, route.src, kwargs, path)
         return self.combined[name]
 
     def emit(self, target: str, src: str, idx: str, kwargs: dict, path: str) -> str:
@@ -185,12 +250,92 @@ class _Rewrite:
         return name
 
 
+def row_reads(op: Op, types: dict[str, TensorType], axis: int | None, n_rows: int) -> list[bool] | None:
+    """For an op that works row by row on ``n_rows`` rows split on mesh axis ``axis`` (any placement where
+    ``axis`` is None: the lowered program's structure alone): which of its inputs are rows; None when it
+    does not work row by row."""
+    if op.kwargs and op.target != "aten.to.dtype":
+        return None
+    if not all(_is_rows(t, axis, n_rows) for t in op.types):
+        return None
+    refs = [types[r.name] for r in op.input_refs()]
+    out_rank = len(op.types[0].shape)
+    if op.target in _ROW_POINTWISE:  # rows, or broadcast over them (no dim aligned with dim 0 of the result)
+        reads = []
+        for t in refs:
+            if _is_rows(t, axis, n_rows) and len(t.shape) == out_rank:
+                reads.append(True)
+            elif len(t.shape) < out_rank or t.shape[0] == 1:
+                if axis is not None and not isinstance(t.placements[axis], Replicate):
+                    return None
+                reads.append(False)
+            else:
+                return None
+        return reads
+    if op.target == "aten.bmm":
+        return [True, True] if all(_is_rows(t, axis, n_rows) for t in refs) else None
+    if op.target == "aten.linear" and len(op.args) == 2:
+        x, w = refs
+        whole = axis is None or isinstance(w.placements[axis], Replicate)
+        return [True, False] if _is_rows(x, axis, n_rows) and whole else None
+    if op.target in _DIM_ARG:
+        pos = _DIM_ARG[op.target]
+        dim = op.args[pos] if len(op.args) > pos else 0
+        if not isinstance(dim, int) or dim % len(refs[0].shape) == 0 or len(refs) != 1:
+            return None
+        return [True] if _is_rows(refs[0], axis, n_rows) else None
+    if op.target == "aten.squeeze.dims" and all(d % len(refs[0].shape) != 0 for d in op.args[1]):
+        return [True] if _is_rows(refs[0], axis, n_rows) else None
+    return None
+
+
+def mark_expert_blocks(prog: Program) -> Program:
+    """``prog`` (lowered, every placement R) with each grouped matmul that shares its rows with another of the
+    same offsets marked ``attrs["ep_block"]``: ``first`` (its rows come in from elsewhere, its result goes on
+    row by row to another's rows), ``last`` (its rows come from another's result, its own leaves), ``inner``
+    (both): what ``insert_expert_dispatch`` writes when the plan makes them expert-parallel, one dispatch
+    before the first and one combine after the last. A grouped matmul of no block is left unmarked."""
+    types = prog.types()
+    origin: dict[str, frozenset[str]] = {}  # a value computed row by row from grouped matmuls' results: theirs
+    offs_of: dict[str, str] = {}  # grouped matmul -> its offsets
+    takes_in: set[str] = set()  # grouped matmuls whose rows come from another's result
+    feeds: set[str] = set()  # grouped matmuls whose result reaches another's rows
+    for op in prog.ops:
+        refs = op.input_refs()
+        if op.target in EXPERT_GROUPED_MM and len(refs) == 3 and len(types[refs[0].name].shape) == 2:
+            x, _, offs = refs
+            sources = {g for g in origin.get(x.name, ()) if offs_of[g] == offs.name}
+            if sources:
+                takes_in.add(op.result)
+                feeds.update(sources)
+            offs_of[op.result] = offs.name
+            origin[op.result] = frozenset({op.result})
+            continue
+        came = [origin[r.name] for r in refs if r.name in origin]
+        if not came:
+            continue
+        n_rows = types[next(r.name for r in refs if r.name in origin)].shape[0]
+        reads = row_reads(op, types, None, n_rows)
+        if reads is None or any(rows and r.name not in origin for r, rows in zip(refs, reads)):
+            continue
+        for r in op.results:
+            origin[r] = frozenset().union(*came)
+    if not feeds:
+        return prog
+    place = {(True, True): "inner", (False, True): "first", (True, False): "last"}
+    ops = []
+    for op in prog.ops:
+        key = (op.result in takes_in, op.result in feeds)
+        ops.append(op.with_(attrs={**op.attrs, EP_BLOCK: place[key]}) if key in place else op)
+    return prog.with_(ops=tuple(ops))
+
+
 def routed_values(prog: Program) -> set[str]:
     """The values of ``prog`` that hold dispatched rows (a rank holds a data-dependent permutation of them, not
     its slice): the dispatches' results and what is computed from them up to their combine."""
     routed: set[str] = set()
     for op in prog.ops:
-        if op.target == DISPATCH or (op.target != COMBINE and any(r.name in routed for r in op.input_refs())):
+        if op.target in DISPATCHES or (op.target not in COMBINES and any(r.name in routed for r in op.input_refs())):
             routed.update(op.results)
     return routed
 
@@ -212,17 +357,28 @@ def require_whole_dispatch_regions(prog: Program) -> None:
                 )
 
 
-def _is_rows(t: TensorType, axis: int, n_rows: int) -> bool:
-    """Whether ``t`` holds the routing's rows: dim 0 as long, split by rows on the axis."""
+def _is_rows(t: TensorType, axis: int | None, n_rows: int) -> bool:
+    """Whether ``t`` holds the routing's rows: dim 0 as long, split by rows on the axis (when there is one)."""
+    if not t.shape or t.shape[0] != n_rows:
+        return False
+    if axis is None:
+        return True
     p = t.placements[axis] if t.placements else None
-    return bool(t.shape) and t.shape[0] == n_rows and isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
+    return isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
 
 
 __all__ = [
     "COMBINE",
+    "COMBINES",
     "DISPATCH",
+    "DISPATCHES",
     "EXPERT_OPS",
+    "GROUPED_COMBINE",
+    "GROUPED_DISPATCH",
+    "Route",
     "insert_expert_dispatch",
+    "mark_expert_blocks",
     "require_whole_dispatch_regions",
     "routed_values",
+    "row_reads",
 ]

@@ -26,6 +26,7 @@ from autopar.ir.core import (
 )
 from autopar.passes.capture import Captured
 from autopar.passes.dropout import key_dropouts
+from autopar.passes.experts import mark_expert_blocks
 from autopar.passes.functionalize import functionalize
 
 # Random ops autopar draws itself (passes/dropout.py, runtime/build/rng.py); any other random op is refused.
@@ -148,7 +149,7 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     inputs = [v for v in inputs if v.kind == "input" or v.name in used]
     attrs = {"constant_inputs": tuple(constants)} if constants else {}
     prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs), attrs)
-    return key_dropouts(annotate_costs(prog))
+    return mark_expert_blocks(key_dropouts(annotate_costs(prog)))
 
 
 def _lower_nodes(gm, nodes, names, conv, emit) -> Any:

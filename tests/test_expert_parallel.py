@@ -34,7 +34,7 @@ from autopar.ir.printer import print_program
 from autopar.models.small_families import _MOE_CONFIGS, _lm, moe
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
-from autopar.passes.experts import COMBINE, DISPATCH, routed_values
+from autopar.passes.experts import COMBINE, DISPATCH, GROUPED_DISPATCH, routed_values
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.passes.transfers import insert_transfers
@@ -42,7 +42,12 @@ from autopar.runtime.build import codegen as codegen_module
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
-from autopar.solver.sharding.experts import ALL_TO_ALLS_PER_GROUPED_MM, EXPERT_GROUPED_MM, grouped_expert_axes
+from autopar.solver.sharding.experts import (
+    ALL_TO_ALLS_PER_GROUPED_MM,
+    EXPERT_GROUPED_MM,
+    GROUPED_COMBINE,
+    grouped_expert_axes,
+)
 from tests._dist import run_distributed
 from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
 
@@ -315,14 +320,29 @@ def _kernel_model(family: str, kernel: str, layers: int = 1):
 
 
 def _counting(real, calls: list):
-    """``real`` (the generated code's ``expert_grouped_mm``), appending to ``calls`` at each call."""
+    """``real`` (a function of ``runtime/comm/all_to_all.py`` the generated code calls), appending its name and
+    expert axis to ``calls`` at each call."""
 
     @functools.wraps(real)
     def counted(*args, **kwargs):
-        calls.append(kwargs["axis"])
+        calls.append((real.__name__, kwargs["axis"]))
         return real(*args, **kwargs)
 
     return counted
+
+
+_GROUPED_CALLS = ("expert_grouped_dispatch", "expert_grouped_combine", "expert_local_grouped_mm", "expert_grouped_mm")
+
+
+def _count_grouped_calls(monkeypatch, calls: list) -> None:
+    """Record every call of the generated code into the grouped expert-parallel functions (``_counting``)."""
+    for name in _GROUPED_CALLS:
+        monkeypatch.setattr(codegen_module.experts, name, _counting(getattr(a2a, name), calls))
+    monkeypatch.setattr(
+        codegen_module.experts,
+        "FUNCTIONS",
+        {**a2a.FUNCTIONS, **{n: getattr(codegen_module.experts, n) for n in _GROUPED_CALLS[:2]}},
+    )
 
 
 @pytest.mark.parametrize(
@@ -355,8 +375,8 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
     """transformers' default kernel (``grouped_mm``, captured as ``transformers::grouped_mm_fallback`` in
     float64) and the eager loop (captured through it): two SGD steps on simulated ranks equal two in one process
     (float64, every loss and parameter to ``TOL``) with every expert table split on its experts over ``ep`` by the
-    ILP itself, nothing constrained (each rank holding E/2), every grouped matmul read expert-parallel (its rows
-    sent to their experts' ranks and back, ``expert_grouped_mm``), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2
+    ILP itself, nothing constrained (each rank holding E/2), every grouped matmul read expert-parallel (each
+    layer's rows sent to their experts' ranks once before gate/up and back once after down), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2
     over dp, and pp=2 x ep=2 (each stage's experts on its pipeline rank group, 1F1B over two microbatches)."""
     model, kwargs = _kernel_model(family, kernel, layers)
     reference = copy.deepcopy(model)
@@ -366,7 +386,7 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
         options = replace(options, data_parallel="activations")
     pipelined = dict(microbatches=2, schedule="1f1b") if "pp" in mesh.names else {}
     calls: list = []
-    monkeypatch.setattr(codegen_module.experts, "expert_grouped_mm", _counting(a2a.expert_grouped_mm, calls))
+    _count_grouped_calls(monkeypatch, calls)
     sim = SimCompiled.of(model, mesh, (), kwargs, options=options, float64=True, **pipelined)
     prog = sim.modules[0].train_program
     ep = prog.mesh.index("ep")
@@ -393,7 +413,15 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
     make_optimizer("sgd", sim)
     losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
     micro = 2 if "pp" in mesh.names else 1  # each rank's two grouped matmuls (one layer) per microbatch, 2 steps
-    assert calls == ["ep"] * (2 * micro * 2 * mesh.size * (kernel != "batched_mm")), calls
+    runs = micro * 2 * mesh.size * (kernel != "batched_mm")  # each rank's layer forwards
+    assert all(axis == "ep" for _, axis in calls), calls
+    assert [n for n, _ in calls].count("expert_local_grouped_mm") == 2 * runs, calls
+    # one dispatch and one combine per layer, but where the plan splits the rows between the grouped matmuls on
+    # tp as well (ep=2 x tp=2 under the memory objective: a reduce-scatter of gate/up's result on its rows)
+    blocks = [op.target for op in prog.ops].count(GROUPED_DISPATCH) // layers if grouped else 0
+    assert blocks == (2 if mesh is EP_TP else 1) * bool(grouped), (blocks, mesh)
+    exchanges = {n: [m for m, _ in calls].count(n) for n in _GROUPED_CALLS[:2]}
+    assert exchanges == dict.fromkeys(exchanges, blocks * runs), (exchanges, runs)
     with Float64Mode():
         ref = train(reference, [kwargs, kwargs], "sgd")
     assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
@@ -403,27 +431,34 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
 
 
 def test_each_ranks_grouped_all_to_alls_are_the_programs(monkeypatch) -> None:
-    """One training step of OLMoE (transformers' default grouped_mm kernel) on ep=2: each rank runs per
-    expert-parallel grouped matmul of its program an all-to-all of its rows there and one back forward, and the
-    two inverse ones backward (``ALL_TO_ALLS_PER_GROUPED_MM``), no exchange of counts (the offsets are whole);
-    every call's bytes sent over the ranks sum to the op's global rows there (its input) or back (its result),
-    as do its bytes received, and each rank's own side of a call is the op's local bytes."""
+    """One training step of OLMoE (transformers' default grouped_mm kernel) on ep=2: each rank runs per MoE
+    layer one all-to-all of its rows to their experts before gate/up and one back after down forward (the
+    program's ``expert_grouped_dispatch`` and ``expert_grouped_combine``; both grouped matmuls and the
+    activation between them on the dispatched rows), and the two inverse ones backward
+    (``ALL_TO_ALLS_PER_GROUPED_MM`` per exchange), no exchange of counts (the offsets are whole); every call's
+    bytes sent over the ranks sum to the moved value's global bytes, as do its bytes received, and each rank's
+    own side of a call is the value's local bytes. The ILP's price of the grouped matmuls (each its side of the
+    block, ``attrs["ep_block"]``) equals the program's dispatch and combine priced one by one."""
     model, kwargs = _kernel_model("olmoe", "grouped_mm")
     sim = SimCompiled.of(model, EP, (), kwargs, options=MEMORY, float64=True)
     prog = sim.modules[0].train_program
     types = prog.types()
     grouped = [op for op in prog.ops if op.target in EXPERT_GROUPED_MM]
-    assert len(grouped) == 2
+    assert len(grouped) == 2 and all(op.attrs.get("ep_rows") == "dispatched" for op in grouped)
+    exchanges = [op for op in prog.ops if op.target in (GROUPED_DISPATCH, GROUPED_COMBINE)]
+    assert [op.target for op in exchanges] == [GROUPED_DISPATCH, GROUPED_COMBINE]
+    dispatch, combine = exchanges
+    assert dispatch.result == grouped[0].args[0].name and combine.args[0].name == grouped[1].result
     recorder = _Recorder(a2a.dist)
     monkeypatch.setattr(a2a, "dist", recorder)
     make_optimizer("sgd", sim)
     sim.train_step(**kwargs)
 
     # (the value whose rows move, whether this rank's side in its own order is the sending one), in call order
-    forward = [(t, side) for op in grouped for t, side in ((types[op.args[0].name], 0), (op.types[0], 1))]
+    forward = [(types[dispatch.args[0].name], 0), (types[combine.args[0].name], 1)]
     backward = [(t, 1 - side) for t, side in reversed(forward)]
     expected = forward + backward
-    assert len(expected) == ALL_TO_ALLS_PER_GROUPED_MM * len(grouped)
+    assert len(expected) == ALL_TO_ALLS_PER_GROUPED_MM * len(exchanges)
     assert set(recorder.calls) == set(range(EP.size))
     for rank, calls in recorder.calls.items():
         assert len(calls) == len(expected), (rank, len(calls), len(expected))
@@ -433,3 +468,18 @@ def test_each_ranks_grouped_all_to_alls_are_the_programs(monkeypatch) -> None:
         assert sent == received == t.nbytes, (k, sent, received, t.nbytes)
         for r in range(EP.size):
             assert recorder.calls[r][k][side] == t.local_nbytes(EP), (k, r, recorder.calls[r][k], t.local_nbytes(EP))
+
+    lowered = lower(capture(model, (), kwargs), EP)
+    blocks = [op.attrs.get("ep_block") for op in lowered.ops if op.target in EXPERT_GROUPED_MM]
+    assert blocks == ["first", "last"], blocks
+    cost = CostModel(EP, MEMORY.setup, MEMORY.cluster)
+    ilp = [  # the grouped matmuls as the ILP prices them, each its side of the block
+        cost.inherent(op.target, [types[r.name] for r in op.input_refs()], [types[r.name].placements
+                      for r in op.input_refs()], op.with_(attrs={"ep_block": b}))
+        for op, b in zip(grouped, blocks)
+    ]  # fmt: skip
+    emitted = [cost.inherent(op.target, [types[r.name] for r in op.input_refs()], None, op) for op in exchanges]
+    assert [x for p in ilp for x in p] == pytest.approx([x for p in emitted for x in p], rel=1e-12), (ilp, emitted)
+    assert all(b > 0 for b, _ in emitted), emitted
+    assert all(cost.inherent(op.target, [types[r.name] for r in op.input_refs()], [types[r.name].placements
+               for r in op.input_refs()], op) == (0.0, 0.0) for op in grouped)  # fmt: skip

@@ -36,7 +36,7 @@ from autopar.runtime.comm.context import current_comm
 from autopar.runtime.comm.context_attention import query_block_sdpa, ring_sdpa
 from autopar.runtime.comm.shards import shard_tensor
 from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
-from autopar.solver.sharding.experts import grouped_expert_axes
+from autopar.solver.sharding.experts import EP_ROWS, GROUPED_COMBINE, GROUPED_DISPATCH, grouped_expert_axes
 from autopar.solver.sharding.rules.context import is_ring
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -146,7 +146,12 @@ def codegen(
                 kwargs["defer"] = True
             node = graph.call_function(coll.FUNCTIONS[op.target], (env[op.args[0].name],), kwargs)
         elif op.target in experts.FUNCTIONS:  # expert parallelism's dispatch and combine (passes/experts.py)
-            node = graph.call_function(experts.FUNCTIONS[op.target], tuple(arg(op.args)), dict(op.kwargs))
+            kwargs = dict(op.kwargs)
+            if op.target in (GROUPED_DISPATCH, GROUPED_COMBINE):  # the rows' blocks, from their type
+                kwargs["rows"] = tuple(_row_axes(op.types[0], prog))
+                if op.target == GROUPED_COMBINE:
+                    kwargs["size"] = op.types[0].local_shape_for(sizes)[0]
+            node = graph.call_function(experts.FUNCTIONS[op.target], tuple(arg(op.args)), kwargs)
         elif op.target == "aten.embedding" and _vocab_axes(op, types, prog):
             w, ids = op.args[0], op.args[1]
             pad = op.args[2] if len(op.args) > 2 else op.kwargs.get("padding_idx", -1)
@@ -178,9 +183,14 @@ def codegen(
             axes = _causal_query_axes(op, types, prog)
             node = graph.call_function(query_block_sdpa, (q, k, v, axes), kwargs)
         elif op.target in GROUPED_MM and (ep := _grouped_expert_axis(op, types, prog)):
-            x_axes = _row_axes(types[op.args[0].name], prog)
-            kwargs = {"kernel": _callable(op), "axis": ep, "experts": types[op.args[1].name].shape[0], "rows": x_axes}
-            node = graph.call_function(experts.expert_grouped_mm, tuple(arg(op.args)), {**arg(op.kwargs), **kwargs})
+            x = types[op.args[0].name]
+            kwargs = {"kernel": _callable(op), "axis": ep, "experts": types[op.args[1].name].shape[0]}
+            kwargs["rows"] = tuple(_row_axes(x, prog))
+            if op.attrs.get(EP_ROWS):  # on rows an expert_grouped_dispatch sent (passes/experts.py)
+                fn, kwargs["size"] = experts.expert_local_grouped_mm, x.local_shape_for(sizes)[0]
+            else:  # a program that has not been through insert_expert_dispatch: the exchanges inside the op
+                fn = experts.expert_grouped_mm
+            node = graph.call_function(fn, tuple(arg(op.args)), {**arg(op.kwargs), **kwargs})
         elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
             node = graph.call_function(
                 grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)

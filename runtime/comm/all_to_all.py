@@ -161,6 +161,127 @@ class _AllToAll(torch.autograd.Function):
         return _send(ctx.c, g, ctx.axis, sum(in_splits), in_splits, out_splits), None, None, None, None
 
 
+@dataclass(frozen=True)
+class GroupedRouting:
+    """Where the rows of this rank's block of a grouped matmul's sorted rows go on one expert axis: ``send[j]``
+    of them (the first ``sent``, in order) to rank j, ``recv[j]`` from rank j; ``offs``: the local experts'
+    cumulative row ends over what arrived; ``size``: the block's rows.
+
+    What arrives is sorted by expert as it comes: the sources are the axis's ranks in order, whose blocks are
+    in the sorted rows' order (the axis is one digit of the block index), each sending its rows of this
+    rank's experts sorted, and the rows of one expert precede the next one's over all the blocks."""
+
+    send: list[int]
+    recv: list[int]
+    offs: torch.Tensor
+    sent: int
+    size: int
+
+
+# id(offs tensor) -> (a weak reference to it, {(axis, experts, rows, size, coords): GroupedRouting}); the dispatch, the
+# grouped matmuls and the combine of one expert block read one offsets tensor and share its routing
+_GROUPED: dict[int, tuple[weakref.ref, dict[tuple, GroupedRouting]]] = {}
+
+
+def _forget_grouped(key: int) -> None:
+    with _LOCK:
+        _GROUPED.pop(key, None)
+
+
+def grouped_routing(offs: torch.Tensor, axis: str, experts: int, rows: tuple[str, ...], size: int) -> GroupedRouting:
+    """The routing of this rank's block (``size`` rows; its block over the mesh axes ``rows``, outer first,
+    ``axis`` among them) of rows sorted by expert whose groups end at ``offs`` (cumulative, over all the rows,
+    whole on every rank): every rank reads from ``offs`` how many rows of each block belong to each group, so
+    the split sizes need no exchange. Rank r of ``axis`` (n ranks) holds experts ``[r E/n, (r+1) E/n)``."""
+    c = current_comm()
+    key = (axis, experts, tuple(rows), size, tuple(c.coords.items()))  # the rank's own (a simulated rank: a thread)
+    with _LOCK:
+        entry = _GROUPED.get(id(offs))
+        known = entry[1].get(key) if entry is not None and entry[0]() is offs else None
+    if known is not None:
+        return known
+    n, me = c.sizes[axis], c.coords[axis]
+    per = experts // n
+    blocks = []
+    for i in range(n):  # the block index of each rank of the axis (this rank's other coordinates kept)
+        b = 0
+        for a in rows:
+            b = b * c.sizes[a] + (i if a == axis else c.coords[a])
+        blocks.append(b)
+    with torch.no_grad():
+        ends = offs.to(torch.int64)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        lo = torch.tensor(blocks, dtype=torch.int64, device=ends.device).unsqueeze(1) * size
+        count = (torch.minimum(ends, lo + size) - torch.maximum(starts, lo)).clamp_min(0)  # [rank's block, group]
+        by_rank = count.view(n, n, per).cpu()  # [source block, destination rank, its expert]
+        send = by_rank[me].sum(1).tolist()
+        mine = by_rank[:, me]  # [source, my expert]: the rows I receive, source by source, each by expert
+        recv = mine.sum(1).tolist()
+        local_offs = torch.cumsum(mine.sum(0), 0).to(device=offs.device, dtype=offs.dtype)
+    route = GroupedRouting(send, recv, local_offs, sum(send), size)
+    with _LOCK:
+        k = id(offs)
+        entry = _GROUPED.get(k)
+        if entry is None or entry[0]() is not offs:
+            entry = _GROUPED[k] = (weakref.ref(offs, lambda _: _forget_grouped(k)), {})
+        entry[1][key] = route
+    return route
+
+
+def _grouped_dispatch(x: torch.Tensor, route: GroupedRouting, axis: str) -> torch.Tensor:
+    return _AllToAll.apply(x[: route.sent], current_comm(), axis, route.recv, route.send)
+
+
+def _grouped_combine(y: torch.Tensor, route: GroupedRouting, axis: str) -> torch.Tensor:
+    out = _AllToAll.apply(y, current_comm(), axis, route.send, route.recv)
+    if route.sent < route.size:  # rows after the last group: no expert's, zero as the kernel leaves them
+        out = torch.cat([out, out.new_zeros((route.size - route.sent, *out.shape[1:]))])
+    return out
+
+
+def expert_grouped_dispatch(
+    x: torch.Tensor, offs: torch.Tensor, *, axis: str, experts: int, rows: tuple[str, ...]
+) -> torch.Tensor:
+    """This rank's block of rows sorted by expert (``x``; ``offs``: the groups' cumulative row ends over all the
+    rows, whole) sent to the ranks of ``axis`` owning their experts (one ``all_to_all_single``, dropless,
+    variable splits; ``grouped_routing``): the rows of this rank's experts from every block, sorted by expert.
+    The backward sends the gradient back (the inverse all-to-all)."""
+    return _grouped_dispatch(x, grouped_routing(offs, axis, experts, rows, x.shape[0]), axis)
+
+
+def expert_grouped_combine(
+    y: torch.Tensor,
+    offs: torch.Tensor,
+    *,
+    axis: str,
+    experts: int,
+    rows: tuple[str, ...],
+    size: int,
+) -> torch.Tensor:
+    """Rows dispatched by ``expert_grouped_dispatch`` (of a block of ``size`` rows) back to their block, each at
+    its place there (the split sizes swapped); rows after the last group zero."""
+    return _grouped_combine(y, grouped_routing(offs, axis, experts, rows, size), axis)
+
+
+def expert_local_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    *,
+    kernel: Callable,
+    axis: str,
+    experts: int,
+    rows: tuple[str, ...],
+    size: int,
+    **kwargs,
+) -> torch.Tensor:
+    """``kernel(x, w, offs)`` on rows dispatched by ``expert_grouped_dispatch`` (of blocks of ``size`` rows):
+    ``w`` this rank's ``experts / n`` experts of ``axis``, the offsets this rank's (``grouped_routing``)."""
+    if offs is None:
+        offs = kwargs.pop("offs")
+    return kernel(x, w, grouped_routing(offs, axis, experts, rows, size).offs, **kwargs)
+
+
 def expert_grouped_mm(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -176,49 +297,38 @@ def expert_grouped_mm(
     experts of ``axis`` and ``x`` this rank's block of the sorted rows (its block over the mesh axes ``rows``,
     outer first, ``axis`` among them); ``offs``: the groups' cumulative row ends over all the rows, whole.
 
-    Every rank reads from ``offs`` how many rows of each block belong to each group, so the split sizes need
-    no exchange: each rank sends the rows of its block to the ranks owning their experts (one
-    ``all_to_all_single``, dropless, variable splits), orders what it received by expert (each source's rows
-    are sorted already), runs the kernel on its experts with offsets of its own, and sends each result row
-    back to its block (the split sizes swapped). The backward runs the same exchanges the other way (the
-    gradient of an all-to-all is the inverse one), the kernel's own backward in between."""
+    One grouped matmul alone: its rows dispatched to their experts' ranks, the kernel run there on the rank's
+    experts, the results sent back (``expert_grouped_dispatch``, ``expert_local_grouped_mm``,
+    ``expert_grouped_combine``). ``passes/experts.py`` writes an expert block's two grouped matmuls with one
+    dispatch and one combine around both instead; this is the form of a program that has not been through it."""
     if offs is None:
         offs = kwargs.pop("offs")
-    c = current_comm()
-    n, me = c.sizes[axis], c.coords[axis]
-    per, size = experts // n, x.shape[0]
-    blocks = []
-    for i in range(n):  # the block index of each rank of the axis (this rank's other coordinates kept)
-        b = 0
-        for a in rows:
-            b = b * c.sizes[a] + (i if a == axis else c.coords[a])
-        blocks.append(b)
-    with torch.no_grad():
-        ends = offs.to(torch.int64)
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        lo = torch.tensor(blocks, dtype=torch.int64).unsqueeze(1) * size
-        count = (torch.minimum(ends, lo + size) - torch.maximum(starts, lo)).clamp_min(0)  # [rank's block, group]
-        by_rank = count.view(n, n, per)  # [source block, destination rank, its expert]
-        send = by_rank[me].sum(1).tolist()
-        mine = by_rank[:, me]  # [source, my expert]: the rows I receive, source by source, each by expert
-        recv = mine.sum(1).tolist()
-        expert = torch.repeat_interleave(torch.arange(per).repeat(n), mine.reshape(-1))
-        order = torch.argsort(expert, stable=True)  # received rows grouped by my experts, sources in order
-        back = torch.argsort(order)
-        local_offs = torch.cumsum(mine.sum(0), 0).to(offs.dtype)
-    sent = sum(send)
-    arrived = _AllToAll.apply(x[:sent], c, axis, recv, send)
-    y = kernel(arrived[order], w, local_offs, **kwargs)[back]
-    out = _AllToAll.apply(y, c, axis, send, recv)
-    if sent < size:  # rows after the last group: no expert's, zero as the kernel leaves them
-        out = torch.cat([out, out.new_zeros((size - sent, *out.shape[1:]))])
-    return out
+    route = grouped_routing(offs, axis, experts, rows, x.shape[0])
+    y = kernel(_grouped_dispatch(x, route, axis), w, route.offs, **kwargs)
+    return _grouped_combine(y, route, axis)
 
 
 class _NoCtx:
     """The ctx of an integer tensor's dispatch, which has no backward."""
 
 
-FUNCTIONS = {"expert_dispatch": expert_dispatch, "expert_combine": expert_combine}
+FUNCTIONS = {
+    "expert_dispatch": expert_dispatch,
+    "expert_combine": expert_combine,
+    "expert_grouped_dispatch": expert_grouped_dispatch,
+    "expert_grouped_combine": expert_grouped_combine,
+}
 
-__all__ = ["FUNCTIONS", "Routing", "expert_combine", "expert_dispatch", "expert_grouped_mm", "routing"]
+__all__ = [
+    "FUNCTIONS",
+    "GroupedRouting",
+    "Routing",
+    "expert_combine",
+    "expert_dispatch",
+    "expert_grouped_combine",
+    "expert_grouped_dispatch",
+    "expert_grouped_mm",
+    "expert_local_grouped_mm",
+    "grouped_routing",
+    "routing",
+]

@@ -360,16 +360,21 @@ class CostModel:
     def inherent(self, target: str, in_types: list[TensorType], in_placements, op=None) -> tuple[float, float]:
         """(bytes, seconds) of collectives an op runs inside itself (C_v of the paper): a
         vocab-parallel cross-entropy all-reduces a max, a sum and a target logit per row; an expert-parallel
-        gather sends its rows to their experts' ranks and back (``solver/sharding/experts.py``); ring attention
-        passes its key/value blocks around the ring (``ring_price``; ``op``, the IR op, for its causal flag and its
-        blocks' compute)."""
+        gather sends its rows to their experts' ranks and back, an expert block's grouped matmuls and its
+        dispatch and combine ops their share of its exchanges (``solver/sharding/experts.py``); ring attention
+        passes its key/value blocks around the ring (``ring_price``). ``op``: the IR op (ring attention's causal
+        flag and its blocks' compute; a grouped matmul's place in its expert block, an exchange's axis)."""
         if target == ATTENTION and op is not None and len(in_placements) >= 3 and None not in in_placements[:2]:
             return self.ring_price(op, in_types, in_placements)
         imbalance = self.setup.router_imbalance
         if target == experts.EXPERT_GATHER:
             return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
         if target in experts.EXPERT_GROUPED_MM:
-            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
+            attrs = op.attrs if op is not None else None
+            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance, attrs)
+        if target in (experts.GROUPED_DISPATCH, experts.GROUPED_COMBINE):
+            terms = self._all_to_all_terms
+            return experts.grouped_exchange_price(in_types, self.mesh, op.kwargs["axis"], terms, imbalance)
         if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
             return 0.0, 0.0
         vol = sec = 0.0

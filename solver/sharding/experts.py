@@ -19,6 +19,17 @@ The price is an estimate made before the router has seen a token:
   backward) plus the router's indices and weights. The estimate is exact when i equals h, over-prices
   wider experts and under-prices narrower ones; pricing each gather a dispatch and a combine of its own
   would count the block's one dispatch and one combine twice.
+- **an expert block moves its rows once.** transformers' ``grouped_mm`` kernel runs an expert MLP as two
+  grouped matmuls (gate/up, down) over the same sorted rows and offsets, the activation row by row between
+  them. ``passes/experts.py`` dispatches the rows once before gate/up and combines them once after down
+  (``mark_expert_blocks`` marks the pair on the lowered program, ``attrs["ep_block"]``): the first grouped
+  matmul is priced the dispatch of its rows at its input width K, the last the combine of its result at
+  its output width N, each forward and again backward (``ALL_TO_ALLS_PER_GROUPED_MM`` per side); a grouped
+  matmul of no block both. In the program the exchanges are ops of their own
+  (``expert_grouped_dispatch``, ``expert_grouped_combine``), priced the same, and the grouped matmuls
+  reading dispatched rows (``attrs["ep_rows"]``) nothing. The ILP's price assumes the plan keeps the rows
+  between the two on the expert axis alone; where it reshards them there (a tensor-parallel split of the
+  rows between), the program combines and dispatches again and ``CostModel.program_comm`` prices that.
 - **the busiest rank, not the mean.** A rank's send buffer is its own rows; what it receives depends on
   the router. Priced is the busiest rank's rows (``busiest_rows``): under uniform routing the rows arriving
   at a rank are Binomial(N, 1/n) over the N rows of the whole axis, whose maximum over n ranks is about
@@ -30,7 +41,7 @@ The price is an estimate made before the router has seen a token:
 - **what crosses the links.** Of the busiest rank's rows, those that were already on it do not move
   (``expert_rows``). The gather's rows are in token order, each from a uniformly random rank: (n-1)/n of
   them arrive from others. A grouped matmul's rows are sorted by expert over the whole batch and split in
-  contiguous blocks (``runtime/comm/all_to_all.py``, ``expert_grouped_mm``): under balanced routing block b
+  contiguous blocks (``runtime/comm/all_to_all.py``, ``grouped_routing``): under balanced routing block b
   holds the rows of the experts of the b-th slice of the sorted order (``block_owners``), so with the expert
   axis the outermost of the rows' axes every rank's block is of its own experts: it keeps them all and
   receives only the rows beyond its block, ``busiest - local`` (the router's imbalance and its sampling
@@ -59,12 +70,20 @@ INF = float("inf")
 
 EXPERT_GATHER = "aten.index.Tensor"
 # transformers' default experts kernel (grouped_mm): ``x[S, K]`` rows sorted by expert, ``w[E, K, N]``, ``offs[E]``
-# the groups' cumulative row ends; expert-parallel when ``w`` is split on its experts and ``x`` by rows, the
-# op then sending its rows to their experts' ranks and back inside itself (``runtime/comm/all_to_all.py``,
-# ``expert_grouped_mm``): these are the op names other passes read (batch coupling, codegen)
+# the groups' cumulative row ends; expert-parallel when ``w`` is split on its experts and ``x`` by rows, its
+# rows then sent to their experts' ranks and back around its expert block (``passes/experts.py``,
+# ``runtime/comm/all_to_all.py``): these are the op names other passes read (batch coupling, codegen)
 EXPERT_GROUPED_MM = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
-# all-to-alls of an expert-parallel grouped matmul per step: its rows there and back, forward and backward
-ALL_TO_ALLS_PER_GROUPED_MM = 4
+# an expert block's exchanges as ops of the program (passes/experts.py, runtime/comm/all_to_all.py)
+GROUPED_DISPATCH, GROUPED_COMBINE = "expert_grouped_dispatch", "expert_grouped_combine"
+# op attributes: a grouped matmul's place in its expert block (first, inner, last; none: alone), and
+# ``ep_rows=dispatched`` on one that reads rows an expert_grouped_dispatch sent
+EP_BLOCK, EP_ROWS = "ep_block", "ep_rows"
+# all-to-alls per step of one exchange of an expert block's rows (its dispatch, or its combine): forward and
+# the inverse one backward; a grouped matmul alone runs both exchanges (4), the first of a block the dispatch,
+# the last the combine (2 each)
+ALL_TO_ALLS_PER_GROUPED_MM = 2
+_SIDES = {None: ("in", "out"), "first": ("in",), "last": ("out",), "inner": ()}
 # all-to-alls of the gather's rows priced per step: forward and backward (the module docstring)
 ALL_TO_ALLS_PER_GATHER = 2
 # the busiest rank's expected rows over the mean that the router's skew adds (1: uniform routing)
@@ -99,34 +118,82 @@ def grouped_price(
     mesh: MeshSpec,
     terms: Callable[[int], tuple[float, float]],
     imbalance: float = DEFAULT_IMBALANCE,
+    attrs: dict | None = None,
 ) -> tuple[float, float]:
-    """(bytes, seconds) per device of an expert-parallel grouped matmul's all-to-alls (0 where it is none): its
-    rows sent to their experts' ranks at the local width K and the results back at the local width N, forward,
-    and their gradients the other way in the backward (``ALL_TO_ALLS_PER_GROUPED_MM``), each at the busiest
-    rank's rows that cross the links (``expert_rows``); the counts need no exchange (the
-    offsets are whole on every rank). Impossible (``INF``) on an axis that is no expert axis. ``terms(axis)``:
-    the axis's all-to-all (seconds per byte of a buffer, latency) on the cluster."""
+    """(bytes, seconds) per device of an expert-parallel grouped matmul's all-to-alls (0 where it is none): by
+    its place in its expert block (``attrs["ep_block"]``, the module docstring), the dispatch of its rows at
+    the local width K and the combine of its result at the local width N, each ``ALL_TO_ALLS_PER_GROUPED_MM``
+    (forward, backward) at the busiest rank's rows that cross the links (``expert_rows``); the counts need no
+    exchange (the offsets are whole on every rank). None when it reads dispatched rows (``attrs["ep_rows"]``:
+    the program's dispatch and combine ops are priced, ``grouped_exchange_price``). Impossible (``INF``) on an
+    axis that is no expert axis. ``terms(axis)``: the axis's all-to-all (seconds per byte of a buffer,
+    latency) on the cluster."""
+    attrs = attrs or {}
     axes = grouped_expert_axes(in_types, in_placements)
     if any(not is_expert_axis(mesh.names[a]) for a in axes):
         return INF, INF
+    if attrs.get(EP_ROWS):
+        return 0.0, 0.0
     x, w, _ = in_types
     xp, wp, _ = in_placements
     sizes = mesh.sizes
+    sides = _SIDES[attrs.get(EP_BLOCK)]
+    width = 0.0
+    if "in" in sides:  # the rows dispatched at K
+        width += x.shape[1] / _ways(xp, sizes, 1)
+    if "out" in sides:  # the results combined at N
+        width += w.shape[2] / _ways(wp, sizes, 2)
     vol = sec = 0.0
     for a in axes:
-        n = sizes[a]
-        local_rows = x.shape[0] / _ways(xp, sizes, 0)
-        width = x.shape[1] / _ways(xp, sizes, 1) + w.shape[2] / _ways(wp, sizes, 2)  # there (K) and back (N)
-        crossing = expert_rows(local_rows, xp, sizes, a, imbalance)[1] * width * x.itemsize
-        vol += 2 * crossing
-        sec += 2 * crossing * _per_link_byte(terms(a)[0], n) + ALL_TO_ALLS_PER_GROUPED_MM * terms(a)[1]
+        v, t = _exchanges(
+            len(sides), x.shape[0] / _ways(xp, sizes, 0), xp, width, x.itemsize, sizes, a, terms(a), imbalance
+        )
+        vol, sec = vol + v, sec + t
     return vol, sec
+
+
+def grouped_exchange_price(
+    in_types: list[TensorType],
+    mesh: MeshSpec,
+    axis: str,
+    terms: Callable[[int], tuple[float, float]],
+    imbalance: float = DEFAULT_IMBALANCE,
+) -> tuple[float, float]:
+    """(bytes, seconds) per device of an ``expert_grouped_dispatch`` or ``expert_grouped_combine`` of rows
+    ``in_types[0]`` on ``axis``: ``ALL_TO_ALLS_PER_GROUPED_MM`` all-to-alls (forward, backward) of the busiest
+    rank's rows that cross the links at the rows' local width, what ``grouped_price`` prices for that side of
+    the block."""
+    a = mesh.index(axis)
+    x = in_types[0]
+    p = x.placements
+    local_rows, width = x.shape[0] / _ways(p, mesh.sizes, 0), x.shape[1] / _ways(p, mesh.sizes, 1)
+    return _exchanges(1, local_rows, p, width, x.itemsize, mesh.sizes, a, terms(a), imbalance)
+
+
+def _exchanges(
+    count: int,
+    local_rows: float,
+    placements: tuple,
+    width: float,
+    itemsize: int,
+    sizes: tuple[int, ...],
+    axis: int,
+    terms: tuple[float, float],
+    imbalance: float,
+) -> tuple[float, float]:
+    """(bytes, seconds) of ``count`` exchanges of an expert block's rows on ``axis``, ``ALL_TO_ALLS_PER_GROUPED_MM``
+    all-to-alls each, of rows ``local_rows`` on each rank placed ``placements``, at ``width`` elements a row in
+    all (the exchanges' widths summed): the busiest rank's rows from others (``expert_rows``)."""
+    per_byte, latency = terms
+    crossing = expert_rows(local_rows, placements, sizes, axis, imbalance)[1] * width * itemsize
+    k = ALL_TO_ALLS_PER_GROUPED_MM
+    return k * crossing, k * (crossing * _per_link_byte(per_byte, sizes[axis]) + count * latency)
 
 
 @functools.lru_cache(maxsize=4096)
 def block_owners(placements: tuple, sizes: tuple[int, ...], axis: int) -> tuple[tuple[int, bool], ...]:
     """Per rank of the mesh axes holding a grouped matmul's rows placed ``placements`` (sorted by expert, split in
-    contiguous blocks over the mesh axes splitting dim 0, outer first, as ``expert_grouped_mm`` numbers them):
+    contiguous blocks over the mesh axes splitting dim 0, outer first, as ``grouped_routing`` numbers them):
     under balanced routing, how many blocks of its group on ``axis`` hold rows of its own experts, and whether its
     own block is one. Block b of B holds the b-th slice of the sorted order, the experts of rank ``b n // B``;
     with ``axis`` the outermost rows axis every rank's block is its own (``(1, True)`` each), with ``axis``
@@ -261,7 +328,12 @@ __all__ = [
     "DEFAULT_IMBALANCE",
     "ALL_TO_ALLS_PER_GROUPED_MM",
     "EXPERT_GATHER",
+    "EP_BLOCK",
+    "EP_ROWS",
     "EXPERT_GROUPED_MM",
+    "GROUPED_COMBINE",
+    "GROUPED_DISPATCH",
+    "grouped_exchange_price",
     "grouped_expert_axes",
     "grouped_price",
     "busiest_rows",

@@ -28,6 +28,7 @@ from autopar.ir.axes import CONTEXT_AXIS, is_data_axis
 from autopar.ir.core import VIEW_OPS, Op, Partial, Placement, Program, R, TensorType, Value, map_refs
 from autopar.solver.sharding.blocks import layer_key
 from autopar.solver.sharding.cost import INF, CostModel
+from autopar.solver.sharding.experts import EP_BLOCK
 from autopar.solver.sharding.options import ShardOptions
 from autopar.solver.sharding.rules.context import attention_form
 from autopar.solver.sharding.saved import extra_bytes, saved_values
@@ -290,7 +291,8 @@ class GroupBuilder:
                 for i, r in enumerate(self.refs(op))
             )
             saved = tuple(self.saved.activation(r) for r in op.results), self.saved.extra.get(op.result)
-            ops.append((op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved))
+            block = op.attrs.get(EP_BLOCK)  # an expert block's grouped matmul is priced by its place in it
+            ops.append((op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved, block))
         values = tuple((v.kind, v.type, self.saved.activation(v.name), bool(v.attrs.get("frozen"))) for v in g.values)
         return ("ops", tuple(ops), values, len(g.candidates))
 
