@@ -196,9 +196,75 @@ def trends(scorer: Scorer) -> list[dict]:
     return out
 
 
+# Merak Table 3 (merak-automated-3d-parallelism.md, Sec. 5.2): GPT-2.5B (hidden 1920; 54 layers and 20 heads
+# assumed, the merak-gpt-2.5b preset), seq 1024, 8 RTX 3090 (one merak-3090 node pair: 2 nodes x 4), GBS 128,
+# TMP 1, its "Default" column (full recomputation; its shifted-critical-path schedule priced as 1F1B, an upper
+# bound on its bubble): (pp, micro-batch) -> (memory MB, samples/s), None where Merak ran out of memory
+MERAK_TABLE3 = {
+    (4, 1): (16720, 6.81),
+    (4, 2): (21262, 6.84),
+    (4, 4): (None, None),
+    (8, 1): (9066, 6.39),
+    (8, 2): (13130, 6.64),
+    (8, 4): (21438, 6.21),
+}
+
+
+def merak(scorer: Scorer) -> list[dict]:
+    rows = []
+    print("\nMerak Table 3, Default column: GPT-2.5B, 8 RTX 3090, GBS 128, tp 1, full recomputation (fp16)", flush=True)
+    print(f"{'pp':>3} {'dp':>3} {'b':>2}  {'paper MB':>9} {'autopar MB':>10}  {'paper s/s':>9} {'autopar':>8} "
+          f"{'ratio':>6}")  # fmt: skip
+    spec = "merak-gpt-2.5b:seq=1024,n_positions=1024"
+    cl = ClusterSpec.load("merak-3090:nodes=2")
+    for (pp, b), (mem, speed) in MERAK_TABLE3.items():
+        pin = Pin({"pp": pp, "dp": 8 // pp}, b, "full", "1f1b", zero=0)
+        pin.check(cl.world_size, 128)
+        res = search(profile_model(spec), cl, 128, math.inf, pin.space(), precision="fp16", scorer=scorer,
+                     attention="unfused")  # fmt: skip
+        ev = res.best[0]
+        sps = 128 / ev.step_time
+        mb = ev.memory / 2**20
+        fits = ev.memory <= cl.plan_memory
+        rows.append({"pp": pp, "dp": 8 // pp, "b": b, "paper_memory_mb": mem, "paper_samples_per_s": speed,
+                     "memory_mb": mb, "samples_per_s": sps, "fits": fits,
+                     "configuration": ev.candidate.describe()})  # fmt: skip
+        ratio = f"{sps / speed:>6.2f}" if speed else "     -"
+        print(f"{pp:>3} {8 // pp:>3} {b:>2}  {mem if mem else 'OOM':>9} {mb:>10.0f}{'' if fits else '*'}  "
+              f"{speed if speed else '-':>9} {sps:>8.2f} {ratio}", flush=True)  # fmt: skip
+    print("(* over the plan budget: the search would call it out of memory)")
+    return rows
+
+
+def mics(scorer: Scorer) -> list[dict]:
+    """MiCS Sec. 5.2.1 / Fig. 12: BERT 10B on 64 V100 (8 p3dn nodes), micro-batch 8, ZeRO-3 sharded in partition
+    groups of 8 .. 64 (64: plain ZeRO-3); the paper: group 8 1.6x the throughput of group 64. Global batch 8192
+    (the 2-hop experiment's, Sec. 5.2.3; Fig. 12's is not given), recomputation full (127 layers of b 8 s 512 do
+    not fit otherwise), fp16."""
+    print("\nMiCS Fig. 12: BERT 10B, 64 V100, micro-batch 8, ZeRO-3 in partition groups (fp16, full recomputation)")
+    spec = ("bert-large:num_hidden_layers=127,hidden_size=2560,intermediate_size=10240,num_attention_heads=40,"
+            "vocab_size=32008,seq=512")  # fmt: skip
+    cl = ClusterSpec.load("mics-p3dn:nodes=8")
+    rows, base = [], None
+    for g in (64, 32, 16, 8):
+        pin = Pin({"dp": 64}, 8, "full", zero=3, mics_group=None if g == 64 else g)
+        pin.check(cl.world_size, 8192)
+        res = search(profile_model(spec), cl, 8192, math.inf, pin.space(), precision="fp16", scorer=scorer,
+                     attention="unfused")  # fmt: skip
+        ev = res.best[0]
+        sps = 8192 / ev.step_time
+        base = base or sps
+        rows.append({"group": g, "samples_per_s": sps, "vs_group_64": sps / base, "memory_gib": ev.memory / GiB,
+                     "fits": ev.memory <= cl.plan_memory, "configuration": ev.candidate.describe()})  # fmt: skip
+        print(f"  group {g:>2}: {sps:8.1f} samples/s ({sps / base:.2f}x group 64), {ev.memory / GiB:.1f} GiB "
+              f"{'fits' if ev.memory <= cl.plan_memory else 'over the budget'}", flush=True)  # fmt: skip
+    print("  paper: group 8 1.6x group 64")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=["table1", "trends"])
+    ap.add_argument("--only", choices=["table1", "trends", "merak", "mics"])
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
     scorer = Scorer()
@@ -207,6 +273,10 @@ def main() -> None:
         data["table1"] = table1(scorer)
     if args.only in (None, "trends"):
         data["trends"] = trends(scorer)
+    if args.only in (None, "merak"):
+        data["merak"] = merak(scorer)
+    if args.only in (None, "mics"):
+        data["mics"] = mics(scorer)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(data, f, indent=1)
