@@ -45,7 +45,7 @@ from autopar.schedule.generators import SCHEDULES, schedule_kind
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.cluster.units import parse_bytes
 from autopar.solver.sharding.cost import TrainingSetup
-from autopar.solver.sharding.options import BATCH, DATA_PARALLEL, OBJECTIVES
+from autopar.solver.sharding.options import BATCH, CONTEXT_ATTENTION, DATA_PARALLEL, OBJECTIVES
 from autopar.solver.sharding.roles import ROLES
 
 
@@ -85,6 +85,8 @@ class TrainConfig:
     # None: the ILP places everything by cost; "inputs": weights replicated and inputs split over the dp* axes;
     # "activations": also every activation that carries the batch
     data_parallel: str | None = None
+    # the form of attention on a cp axis: "auto" (the ILP's choice), "ring", "all-gather" or "ulysses"
+    context_attention: str = "auto"
     scatter_gather: bool = False  # send 1/tp of each tensor-parallel-replicated stage boundary (Megatron)
     sub_pipeline_tp: bool = False  # Merak's sub-pipelined tensor parallelism: two halves overlap their collectives
     # -- the call and the run ------------------------------------------------------------------------------
@@ -116,6 +118,7 @@ class TrainConfig:
         _check_choice("zero", self.zero, (0, 1, 2, 3))
         _check_choice("data_parallel", self.data_parallel, DATA_PARALLEL)
         _check_choice("roles", self.roles, ROLES)
+        _check_choice("context_attention", self.context_attention, CONTEXT_ATTENTION)
         if self.batch not in BATCH:
             raise BatchError(
                 f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {self.batch!r}"
@@ -201,6 +204,7 @@ class TrainConfig:
             data_parallel=self.data_parallel,
             batch=self.batch,
             roles=self.roles,
+            context_attention=self.context_attention,
         )
         return dataclasses.replace(base, **fields) if base is not None else ShardOptions(**fields)
 
@@ -321,6 +325,7 @@ class TrainConfig:
             precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
+            context_attention=options.context_attention,
             **fields,
         )
 
@@ -359,7 +364,7 @@ def resolve(
 # the fields a ShardOptions (and its TrainingSetup) holds; NOT_SHARDING the rest
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
-    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision",
+    "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "context_attention",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 

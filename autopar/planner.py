@@ -45,6 +45,7 @@ def options_dict(opts: ShardOptions) -> dict:
         "batch": opts.batch,
         "roles": opts.roles,
         "data_parallel": opts.data_parallel,
+        "context_attention": opts.context_attention,
     }
 
 
@@ -63,6 +64,7 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
         batch=d.get("batch", "global"),
         roles=d.get("roles", "auto"),  # plans written before roles by name: the ILP's free choice
         data_parallel=d.get("data_parallel"),
+        context_attention=d.get("context_attention", "auto"),
     )
 
 

@@ -2,7 +2,9 @@
 cp = 1, 2, 4, predicted and measured, and autopar's cp=2 step beside a hand-written all-gather-KV peer.
 
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.context_parallel memory [--seq 2048] [--hidden 64] [--layers 2]
+        [--form auto|ring|all-gather|ulysses]
     OMP_NUM_THREADS=1 .venv/bin/python -m bench.context_parallel time [--seq 4096] [--steps 6] [--repeats 3]
+        [--forms auto ring all-gather ulysses]
 
 The model: a LLaMA (``--layers``, ``--hidden``, 4 heads, 2 key/value heads, vocabulary 256) at transformers'
 default attention (SDPA with an explicit causal mask), float32, one sequence of ``--seq`` tokens, compiled by
@@ -54,20 +56,23 @@ def small_llama(a, seed: int = 0):
     return model, {"input_ids": ids, "labels": ids}
 
 
-def compiled(a, world: int):
+def compiled(a, world: int, form: str = "auto"):
     import autopar
     from autopar.models.small_families import LogitsCE
 
     model, batch = small_llama(a)
     mesh = autopar.init_mesh("cpu", cp=world)
-    return autopar.compile(LogitsCE(model), mesh, kwargs=batch, objective="time", cluster="local-cpu"), batch
+    module = autopar.compile(
+        LogitsCE(model), mesh, kwargs=batch, objective="time", cluster="local-cpu", context_attention=form
+    )
+    return module, batch
 
 
 def memory_worker(rank: int, world: int, port: int, a, out: str) -> None:
     init_worker(rank, world, port, a.timeout)
     from autopar.runtime.measure.memory import SavedTensors, predicted_categories
 
-    module, batch = compiled(a, world)
+    module, batch = compiled(a, world, a.form)
     module(**batch).backward()  # warm-up
     with SavedTensors(list(module.parameters()) + list(batch.values())) as saved:
         module(**batch).backward()
@@ -97,8 +102,10 @@ def time_worker(rank: int, world: int, port: int, a, out: str) -> None:
     import transformers
 
     transformers.AttentionInterface.register("cp_allgather", _cp_attention)
-    module, batch = compiled(a, world)
-    opt_a = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    modules = {}
+    for form in a.forms:
+        modules[form], batch = compiled(a, world, form)
+    optims = {form: torch.optim.AdamW(m.parameters(), lr=1e-3) for form, m in modules.items()}
     peer, _ = small_llama(a)
     peer.config._attn_implementation = "cp_allgather"
     opt_b = torch.optim.AdamW(peer.parameters(), lr=1e-3)
@@ -109,11 +116,11 @@ def time_worker(rank: int, world: int, port: int, a, out: str) -> None:
     target = batch["labels"][:, rank * local : (rank + 1) * local]  # LogitsCE's: the label of each token
     total = float(a.seq)  # the global count of the mean
 
-    def step_autopar() -> float:
-        loss = module(**batch)
+    def step_autopar(form: str) -> float:
+        loss = modules[form](**batch)
         loss.backward()
-        opt_a.step()
-        opt_a.zero_grad(set_to_none=True)
+        optims[form].step()
+        optims[form].zero_grad(set_to_none=True)
         return float(loss)
 
     def step_peer() -> float:
@@ -128,7 +135,7 @@ def time_worker(rank: int, world: int, port: int, a, out: str) -> None:
         dist.all_reduce(whole)
         return float(whole)
 
-    steps = {"autopar": step_autopar, "peer": step_peer}
+    steps = {f"autopar {form}": (lambda form=form: step_autopar(form)) for form in a.forms} | {"peer": step_peer}
     first = {s: f() for s, f in steps.items()}  # warm-up; the same model and data: the same first loss
     times: dict[str, list[float]] = {s: [] for s in steps}
     for i in range(a.steps):
@@ -160,6 +167,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=6, help="timed steps per system per round")
     p.add_argument("--repeats", type=int, default=3, help="rounds, each in fresh processes")
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--form", default="auto", help="memory: the form of context parallelism (context_attention)")
+    p.add_argument("--forms", nargs="+", default=["auto"], help="time: the forms to time beside the peer, alternating")
     a = p.parse_args()
     what = f"LLaMA {a.layers} layers, hidden {a.hidden}"
     if a.part == "memory":
@@ -174,19 +183,22 @@ def main() -> None:
         print(f"({what}, one sequence of {a.seq})")
         return
     a.seq = a.seq or 4096
-    ratios, meds = [], []
+    ratios: dict[str, list[float]] = {f: [] for f in a.forms}
+    meds = []
     for i in range(a.repeats):
         r = run(time_worker, 2, a)
         m = r["median"]
         meds.append(m)
-        ratios.append(m["autopar"] / m["peer"])
-        first = r["first"]
-        print(f"[round {i + 1}/{a.repeats}] autopar {m['autopar']:.3f} s/step, peer {m['peer']:.3f} s/step, "
-              f"ratio {ratios[-1]:.2f}; first losses {first['autopar']:.6f} / {first['peer']:.6f}")  # fmt: skip
-    own = statistics.median(m["autopar"] for m in meds)
+        for f in a.forms:
+            ratios[f].append(m[f"autopar {f}"] / m["peer"])
+        said = ", ".join(f"{s} {v:.3f} s/step (first loss {r['first'][s]:.6f})" for s, v in m.items())
+        print(f"[round {i + 1}/{a.repeats}] {said}")
     peer = statistics.median(m["peer"] for m in meds)
-    print(f"| {what}, seq {a.seq} | cp=2 | {own:.3f} | {peer:.3f} | "
-          f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |")  # fmt: skip
+    for f in a.forms:
+        own = statistics.median(m[f"autopar {f}"] for m in meds)
+        rs = ratios[f]
+        print(f"| {what}, seq {a.seq} | cp=2, {f} | {own:.3f} | {peer:.3f} | "
+              f"{statistics.median(rs):.2f} ({min(rs):.2f}-{max(rs):.2f}) |")  # fmt: skip
 
 
 if __name__ == "__main__":

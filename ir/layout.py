@@ -18,7 +18,7 @@ from autopar.ir.core import Partial, Placement, R, Replicate, Shard
 class Step:
     """One collective on one mesh axis: ``kind`` turns ``before`` into ``after`` (whole placements)."""
 
-    kind: str  # all_reduce | reduce_scatter | all_gather | local_shard
+    kind: str  # all_reduce | reduce_scatter | all_gather | all_to_all | local_shard
     axis: int
     before: tuple[Placement, ...]
     after: tuple[Placement, ...]
@@ -50,7 +50,11 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
         a, b = cur[i], dst[i]
         if isinstance(b, Partial) and a != b:
             raise Unreachable(f"cannot make {b} from {a}")
-        if isinstance(a, Shard) and (a != b or _outer_change(src, dst, i, a.dim)):
+        if _all_to_all(cur, dst, i):
+            nxt = _set(cur, i, b)
+            steps.append(Step("all_to_all", i, cur, nxt))
+            cur = nxt
+        elif isinstance(a, Shard) and (a != b or _outer_change(src, dst, i, a.dim)):
             nxt = _set(cur, i, R)
             steps.append(Step("all_gather", i, cur, nxt))
             cur = nxt
@@ -72,6 +76,15 @@ def redistribute_steps(src: tuple[Placement, ...], dst: tuple[Placement, ...]) -
             cur = nxt
     assert cur == tuple(dst), (src, dst, cur)
     return steps
+
+
+def _all_to_all(cur: tuple[Placement, ...], dst: tuple[Placement, ...], i: int) -> bool:
+    """Whether axis ``i`` moves its shard from one dim to another in one all-to-all (Ulysses' sequence-to-heads
+    step): both plain shards of different dims that no other axis shards, before or after."""
+    a, b = cur[i], dst[i]
+    if not (isinstance(a, Shard) and isinstance(b, Shard)) or a.dim == b.dim or a.chunks != 1 or b.chunks != 1:
+        return False
+    return not any(_touches(cur[j], dst[j], d) for j in range(len(cur)) if j != i for d in (a.dim, b.dim))
 
 
 def _touches(a: Placement, b: Placement, dim: int) -> bool:

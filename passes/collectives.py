@@ -3,7 +3,8 @@
 Two kinds of ops are inserted:
 - redistributions where a producer's placement differs from what a consumer requires (the `in`
   attribute written by `shard`), one op per step of ir/layout.py's plan: all_reduce (P->R),
-  reduce_scatter (P->S), all_gather (S->R), local_shard (R->S, no communication);
+  reduce_scatter (P->S), all_gather (S->R), all_to_all (S(a)->S(b) on one axis), local_shard (R->S, no
+  communication);
 - grad_all_reduce (Megatron's f: identity forward, all-reduce of the gradient backward) where a
   replicated float value feeds a computation that differs across an axis, because each rank's
   gradient of it is then only a partial sum.
@@ -43,6 +44,7 @@ _KW = {
     "reduce_scatter": lambda a, b: {"op": a.op, "dim": b.dim, "chunks": b.chunks},
     "all_gather": lambda a, b: {"dim": a.dim, "chunks": a.chunks},
     "local_shard": lambda a, b: {"dim": b.dim, "chunks": b.chunks},
+    "all_to_all": lambda a, b: {"src_dim": a.dim, "src_chunks": a.chunks, "dim": b.dim, "chunks": b.chunks},
 }
 
 

@@ -30,7 +30,8 @@ from autopar.check.float64 import Float64Mode
 from autopar.check.rules import check_strategy, one_op_program, strategies_of
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
-from autopar.ir.core import MeshSpec, Replicate, Shard
+from autopar.ir.core import MeshSpec, Replicate, Shard, TensorType
+from autopar.ir.layout import redistribute_steps
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
 from autopar.passes.lower import lower
@@ -104,9 +105,12 @@ def check_exact(family: str, mesh: MeshSpec, form: str = "auto") -> None:
     options = replace(OPTIONS, context_attention=form)
     sim = SimCompiled.of(model, mesh, (), batch, options=options, float64=True)
     splits = query_splits(sim.program)
-    assert splits == [Shard(2)] * LAYERS[family], splits
+    assert splits == [Shard(1 if form == "ulysses" else 2)] * LAYERS[family], splits  # heads, or the sequence
     if form != "auto":
         assert attention_forms(sim.program) == [form] * LAYERS[family], attention_forms(sim.program)
+    if form == "ulysses":
+        moves = [op.kwargs for op in sim.program.ops if op.target == "all_to_all"]
+        assert moves and all(m["axis"] == "cp" for m in moves), moves
     make_optimizer("adamw", sim)
     losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
     with Float64Mode():
@@ -167,6 +171,72 @@ def test_cp2_ring_exact():
     check_exact("llama", CP, "ring")
 
 
+def test_cp2_ulysses_exact():
+    """Ulysses (``context_attention="ulysses"``): LLaMA's attention split on its heads over cp, reached from the
+    sequence split by all-to-alls (``ir/layout.py``'s all-to-all step, one per tensor each way), trains as one
+    process."""
+    check_exact("llama", CP, "ulysses")
+
+
+class PackedDocuments(torch.nn.Module):
+    """One attention layer over packed documents: each token attends causally within its own document only (the
+    mask built in the graph from ``doc_ids``, an input split on cp like the ids), and the mean next-token loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = torch.nn.Linear(HIDDEN, 3 * HIDDEN)
+        self.out = torch.nn.Linear(HIDDEN, VOCAB)
+
+    def forward(self, input_ids, doc_ids, labels):
+        x = self.embed(input_ids)
+        b, length, _ = x.shape
+        q, k, v = (t.view(b, length, 4, HIDDEN // 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        pos = torch.arange(length, device=x.device)
+        mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (pos[:, None] >= pos[None, :])
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask[:, None])
+        logits = self.out(y.transpose(1, 2).reshape(b, length, HIDDEN))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1))
+
+
+@pytest.mark.parametrize("form", ["all-gather", "ring", "ulysses"])
+def test_cp2_document_mask_exact(form):
+    """Packed sequences (item 4 of issue 32): documents of 300, 500 and 224 tokens, the first and third crossing the
+    cp boundary at 512; per-document causal masks in every form of context parallelism train as one process."""
+    torch.manual_seed(0)
+    model = float64_model(PackedDocuments())
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (1, SEQ), generator=g)
+    docs = torch.repeat_interleave(torch.arange(3), torch.tensor([300, 500, 224])).unsqueeze(0)
+    batch = {"input_ids": ids, "doc_ids": docs, "labels": torch.randint(3, VOCAB, (1, SEQ), generator=g)}
+    sim = SimCompiled.of(model, CP, (), batch, options=replace(OPTIONS, context_attention=form), float64=True)
+    assert attention_forms(sim.program) == [form], attention_forms(sim.program)
+    make_optimizer("adamw", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [batch, batch], "adamw")
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
+
+
+def test_sequence_to_heads_is_one_all_to_all():
+    """A shard moving from one dim to another on one axis is one all-to-all (not an all-gather and a slice),
+    priced at (n-1)/n of the local bytes forward and again backward (the reverse all-to-all); with another axis
+    splitting one of the dims it stays a gather and a slice."""
+    assert [s.kind for s in redistribute_steps((Shard(2),), (Shard(1),))] == ["all_to_all"]
+    nested = redistribute_steps((Shard(2), Shard(1)), (Shard(1), Shard(1)))
+    assert "all_to_all" not in [s.kind for s in nested]
+    spec = ClusterSpec.load("local-cpu")
+    cost = CostModel(MeshSpec((("cp", 4),)), cluster=spec)
+    t = TensorType("f32", (2, 8, 64, 16))
+    vol, sec = cost.redistribute(t, (Shard(2),), (Shard(1),))
+    per_byte, latency = spec.collective_terms("all_to_all", 4, True)
+    local = t.nbytes / 4
+    assert vol == pytest.approx(2 * 3 / 4 * local) and sec == pytest.approx(2 * (local * per_byte + latency))
+
+
 @pytest.mark.heavy
 @pytest.mark.parametrize(
     "family, mesh", [("qwen3", MeshSpec((("cp", 4),))), ("llama", MeshSpec((("cp", 2), ("tp", 2))))]
@@ -216,6 +286,50 @@ def test_gloo_cp2_matches_the_simulator():
         if v.is_floating_point()
     )
     assert set(results[0]["state"]) == set(sim_state) and worst < TOL, worst
+
+
+FORMS = ("ring", "ulysses")
+
+
+def _gloo_forms_rank(rank: int, world: int) -> dict:
+    """One gloo rank: the small LLaMA compiled on cp=2 with ring attention, then with Ulysses, two AdamW steps
+    each; the losses, the attention's form and the whole state (rank 0) of each."""
+    import autopar
+
+    out = {}
+    for form in FORMS:
+        model, batch = small("llama")
+        mesh = autopar.init_mesh("cpu", cp=world)
+        compiled = autopar.compile(model, mesh, kwargs=batch, objective="time", cluster=GLOO, context_attention=form)
+        losses = train(compiled, [batch, batch], "adamw")
+        state = compiled.full_state_dict() if rank == 0 else {}
+        out[form] = {"losses": losses, "forms": attention_forms(compiled.program), "state": state}
+    return out
+
+
+@pytest.mark.heavy
+def test_gloo_ring_and_ulysses_match_the_simulator():
+    """Ring attention's send/recv and Ulysses' all-to-alls on 2 real gloo ranks train as the same plans on
+    simulated ranks, every loss and state entry to ``TOL``."""
+    results = run_distributed(_gloo_forms_rank, 2)
+    for form in FORMS:
+        model, batch = small("llama")
+        opts = ShardOptions(objective="time", roles="name", cluster=ClusterSpec.load(GLOO), context_attention=form)
+        sim = SimCompiled.of(model, CP, (), batch, options=opts)
+        make_optimizer("adamw", sim)
+        sim_losses = torch.tensor([float(sim.train_step(**batch)[0]) for _ in range(2)], dtype=torch.float64)
+        sim_state = sim.full_state_dict()
+        for r in results:
+            got = r[form]
+            assert got["forms"] == [form], got["forms"]
+            assert loss_error(got["losses"], sim_losses) < TOL, (form, got["losses"], sim_losses)
+        state = results[0][form]["state"]
+        worst = max(
+            float((v - sim_state[k]).abs().max() / sim_state[k].abs().max().clamp_min(1e-30))
+            for k, v in state.items()
+            if v.is_floating_point()
+        )
+        assert set(state) == set(sim_state) and worst < TOL, (form, worst)
 
 
 CP_MESHES = [MeshSpec((("cp", 2),)), MeshSpec((("cp", 4),)), MeshSpec((("cp", 2), ("tp", 2)))]

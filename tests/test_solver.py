@@ -93,7 +93,8 @@ def test_redistribution_priced_per_edge_matches_the_collectives_step_by_step():
             for step in steps:
                 kind = {"local_shard": "all_gather"}.get(step.kind, step.kind)
                 sized = step.after if step.kind == "all_gather" else step.before
-                parts = [kind] + (["all_gather"] if step.kind == "reduce_scatter" else [])
+                # the gradient's collective: a reduce-scatter's is an all-gather, an all-to-all's the reverse one
+                parts = [kind] + ({"reduce_scatter": ["all_gather"], "all_to_all": ["all_to_all"]}.get(step.kind, []))
                 for part in parts:
                     nbytes = model.local_bytes(t, sized)
                     n = mesh.sizes[step.axis]

@@ -98,7 +98,19 @@ def fwd_reduce_scatter(c: Comm, x, axis, op, dim, chunks=1) -> Pending:
     return start_reduce(c, x, axis, op, then=lambda y: own_shard(c, y, axis, dim, chunks))
 
 
+def start_all_to_all(c: Comm, x: torch.Tensor, axis: str, src_dim: int, dim: int) -> Pending:
+    """``x``, split on ``src_dim`` over ``axis``, resplit on ``dim`` by one all-to-all: piece j of ``dim`` goes to
+    member j, the pieces received (each member's block of ``src_dim``) are joined along ``src_dim``."""
+    n = c.sizes[axis]
+    send = torch.stack([p.contiguous() for p in x.tensor_split(n, dim)])
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=c.groups[axis], async_op=True)
+    return Pending(work, lambda: torch.cat(recv.unbind(0), src_dim), c.groups[axis], axis, "all_to_all")
+
+
 def fwd_all_to_all(c: Comm, x, axis, src_dim, src_chunks, dim, chunks) -> Pending:
+    if src_chunks == 1 and chunks == 1:
+        return start_all_to_all(c, x, axis, src_dim, dim)
     return start_gather(c, x, axis, src_dim, src_chunks, then=lambda y: own_shard(c, y, axis, dim, chunks))
 
 
@@ -116,6 +128,8 @@ def bwd_reduce_scatter(c: Comm, g, axis, op, dim, chunks=1) -> Pending:
 
 
 def bwd_all_to_all(c: Comm, g, axis, src_dim, src_chunks, dim, chunks) -> Pending:
+    if src_chunks == 1 and chunks == 1:
+        return start_all_to_all(c, g, axis, dim, src_dim)
     return start_gather(c, g, axis, dim, chunks, then=lambda y: own_shard(c, y, axis, src_dim, src_chunks))
 
 

@@ -24,6 +24,7 @@ Y=(S(0),P,S(1))) this is Eq. 4 of the paper, (d(d-1)|W| + r(r-1)|Y| + c(c-1)|X|)
 Communication, counted forward and backward (each redistribution has a dual):
 
     all_gather     S -> R   (n-1)/n * B_out forward; backward keeps the local shard
+    all_to_all     S(a) -> S(b)  (n-1)/n * B_local forward; the reverse backward (Ulysses' sequence <-> heads)
     local_shard    R -> S   nothing forward; the gradient is all-gathered backward
     all_reduce     P -> R   2(n-1)/n * B forward; backward is the identity (Megatron's g)
     reduce_scatter P -> S   (n-1)/n * B forward; the gradient is all-gathered backward
@@ -280,6 +281,8 @@ class CostModel:
                 parts = [("all_gather", s.after)]
             elif s.kind == "all_reduce":
                 parts = [("all_reduce", s.before)]
+            elif s.kind == "all_to_all":  # the gradient goes back by the reverse all-to-all
+                parts = [("all_to_all", s.before)] + ([("all_to_all", s.after)] if grad else [])
             elif s.kind == "reduce_scatter":
                 parts = [("reduce_scatter", s.before)] + ([("all_gather", s.before)] if grad else [])
             else:  # local_shard: the gradient is all-gathered backward
@@ -296,7 +299,7 @@ class CostModel:
         key = ("c", kind, axis)
         if key not in self._memo:
             n = self.mesh.sizes[axis]
-            factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n}[kind]
+            factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind] * (n - 1) / n
             if n == 1:
                 self._memo[key] = 0.0, 0.0, 0.0
             else:
@@ -467,7 +470,7 @@ class CostModel:
                 v, x = self.grad_reduce(op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"]))
                 if op.result not in returned:
                     x -= self.f_hidden(x, self._fused_wgrad(users[op.result], op.result, types, grad))
-            elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "local_shard"):
+            elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_shard"):
                 src = types[op.input_refs()[0].name]
                 v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
             else:  # the collectives an op runs inside itself (a vocab-parallel cross-entropy's)

@@ -21,7 +21,7 @@ from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
 
 OBJECTIVES = ("time", "memory", "comm")
-CONTEXT_ATTENTION = ("auto", "ring", "all-gather")  # "comm": "time" under Alpa's name
+CONTEXT_ATTENTION = ("auto", "ring", "all-gather", "ulysses")  # "comm": "time" under Alpa's name
 DATA_PARALLEL = (None, "inputs", "activations")
 BATCH = ("global", "local")
 
@@ -67,7 +67,9 @@ class ShardOptions:
     # the form attention takes on a mesh axis named cp (Megatron-Core's cp_comm_type): "auto", whatever the ILP
     # prices cheapest (the sequence split in some form, or not split there at all); "ring", every attention's
     # sequence split over cp as ring attention (key/value blocks passed around the ring); "all-gather", every
-    # attention's queries split over cp against all-gathered keys and values (solver/sharding/rules/context.py)
+    # attention's queries split over cp against all-gathered keys and values; "ulysses", every attention split on
+    # its heads over cp, the sequence-split activations moved to heads and back by all-to-alls
+    # (solver/sharding/rules/context.py)
     context_attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -82,7 +84,8 @@ class ShardOptions:
                               "dp* data parallel, tp* tensor parallel) or auto (the ILP chooses by cost)")  # fmt: skip
         if self.context_attention not in CONTEXT_ATTENTION:
             raise SolverError(f"unknown context_attention {self.context_attention!r}; choose auto (the ILP prices the "
-                              "forms), ring (ring attention) or all-gather (keys and values all-gathered)")  # fmt: skip
+                              "forms), ring (ring attention), all-gather (keys and values all-gathered) or ulysses "
+                              "(all-to-all to heads)")  # fmt: skip
         if self.data_parallel not in DATA_PARALLEL:
             raise SolverError(f"unknown data_parallel {self.data_parallel!r}; choose None (the ILP decides), "
                               '"inputs" (weights replicated and inputs split over the dp* axes) or "activations" '

@@ -96,12 +96,14 @@ def well_formed(ins: list[TensorType], placements: tuple) -> bool:
 def attention_form(ins: list[TensorType], placements: tuple, axis: int) -> str | None:
     """The form of context parallelism an attention strategy (its inputs' placements on every axis) takes on mesh
     axis ``axis`` (``ShardOptions.context_attention``): "ring" where it splits the queries and keys on the
-    sequence there, "all-gather" where it splits the queries only, None where it does not split the query
-    sequence there."""
+    sequence there, "all-gather" where it splits the queries only, "ulysses" where it splits them on the heads
+    (reached from the sequence split by an all-to-all, ``ir/layout.py``), None otherwise."""
     if len(ins) < 3 or placements[0] is None or placements[1] is None:
         return None
     q, k = ins[0], ins[1]
     pq, pk = placements[0][axis], placements[1][axis]
+    if len(q.shape) >= 3 and pq == Shard(len(q.shape) - 3) and pk == Shard(len(k.shape) - 3):
+        return "ulysses"
     if pq != Shard(len(q.shape) - 2):
         return None
     return "ring" if is_ring(q, k, pq, pk) else "all-gather"
