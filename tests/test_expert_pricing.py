@@ -16,13 +16,14 @@ import torch
 
 from autopar.errors import SolverError
 from autopar.ir.core import MeshSpec, Op, R, Ref, Shard, TensorType
-from autopar.models.small_families import _MOE_CONFIGS, _lm
+from autopar.models.small_families import _MOE_CONFIGS, FAMILIES, _lm
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
 from autopar.solver.sharding.experts import busiest_rows, expert_rows, grouped_price
+from autopar.solver.sharding.roles import expert_parallel_constraints
 from tests.exactness import float64_model
 
 EXPERT_TABLES = ("experts.gate_up_proj", "experts.down_proj")
@@ -136,8 +137,8 @@ def test_skew_raises_the_price_as_the_formula_says() -> None:
         TrainingSetup(router_imbalance=0.5)
 
 
-def _deepseek_v3(kernel: str):
-    config, cls, cfg = _MOE_CONFIGS["deepseek_v3"]
+def _tiny(family: str, kernel: str):
+    config, cls, cfg = _MOE_CONFIGS[family]
     cfg = dict(cfg, num_experts_per_tok=2, router_aux_loss_coef=0.0, num_hidden_layers=1)
     torch.manual_seed(0)
     model, kwargs = _lm(config, cls, **cfg, experts_implementation=kernel)(torch.Generator().manual_seed(1))
@@ -150,7 +151,7 @@ def test_free_ilp_splits_the_grouped_experts_over_ep() -> None:
     expert tables on their experts over ``ep`` (before the grouped all-to-alls were priced by the rows that cross
     the links it split the experts' widths instead), a plan the ILP prices below the best with the experts' widths
     split."""
-    model, kwargs = _deepseek_v3("grouped_mm")
+    model, kwargs = _tiny("deepseek_v3", "grouped_mm")
     mesh = MeshSpec((("ep", 2),))
     lowered = lower(capture(model, (), kwargs), mesh)
     free = shard(lowered, ShardOptions(objective="memory"))
@@ -159,3 +160,20 @@ def test_free_ilp_splits_the_grouped_experts_over_ep() -> None:
     width = {t.name: (lambda p: isinstance(p[0], Shard) and p[0].dim > 0) for t in tables}
     wide = shard(lowered, ShardOptions(objective="memory", constrain=width))
     assert free.solution.objective < wide.solution.objective, (free.solution.objective, wide.solution.objective)
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "batched_mm"])
+def test_roles_by_name_put_the_expert_tables_on_ep(kernel: str) -> None:
+    """With roles by name (``TrainConfig``'s default) an ``ep`` axis is expert parallel: OLMoE's two expert tables
+    (read by grouped matmuls, or by the batched_mm kernel's gathers) are constrained to their experts split over
+    ``ep``, and the plan holds them so; a dense model (LLaMA) gets no such constraint."""
+    model, kwargs = _tiny("olmoe", kernel)
+    lowered = lower(capture(model, (), kwargs), MeshSpec((("ep", 2),)))
+    found = expert_parallel_constraints(lowered)
+    assert sorted(n.rsplit(".", 1)[-1] for n in found) == ["down_proj", "gate_up_proj"], found
+    assert all(c.want == (Shard(0),) for c in found.values())
+    planned = shard(lowered, ShardOptions(objective="memory", roles="name"))
+    tables = [v for v in planned.program.params if v.name.endswith(EXPERT_TABLES)]
+    assert len(tables) == 2 and all(t.type.placements[0] == Shard(0) for t in tables), [str(t.type) for t in tables]
+    dense, dense_kwargs = FAMILIES["llama"](torch.Generator().manual_seed(1))
+    assert expert_parallel_constraints(lower(capture(dense, (), dense_kwargs), MeshSpec((("ep", 2),)))) == {}

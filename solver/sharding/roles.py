@@ -11,19 +11,25 @@ each mesh axis do what its name says (``ir/axes.py``), as torchtitan names them.
   never all-gathered: the activations move instead, as in Megatron;
 - ``cp`` axes are context parallel (``context_roles.py``): the user inputs split on the sequence (dim 1),
   parameters and buffers replicated; the ILP places every activation there by cost;
-- ``pp`` is cut into stages before the ILP; ``ep`` is left to the ILP, which places tensors on it by cost.
+- ``ep*`` axes are expert parallel (``expert_parallel_constraints``): each mixture of experts' expert table (a 3-D
+  parameter a grouped matmul reads as its experts' weights or an expert gather as its table) split on its
+  experts there, so each rank holds E/n experts and tokens travel to them; a table whose experts do not divide
+  over the axis is left to the ILP, and so is everything else on ep;
+- ``pp`` is cut into stages before the ILP.
 
 The ILP chooses everything the roles leave open: the placements of the activations on the tp axes (where
-Megatron's f and g fall), the activations on cp, and everything on ep. ``roles="auto"`` adds none of these constraints.
+Megatron's f and g fall), the activations on cp, and everything but the expert tables on ep. ``roles="auto"``
+adds none of these constraints.
 """
 
 from __future__ import annotations
 
-from autopar.ir.axes import data_axes, is_tensor_axis
-from autopar.ir.core import Placement, Program, R, Shard
+from autopar.ir.axes import data_axes, is_expert_axis, is_tensor_axis
+from autopar.ir.core import VIEW_OPS, Placement, Program, R, Shard
 from autopar.ir.layout import valid
 from autopar.solver.sharding.baselines import Exactly, data_parallel_constraints
 from autopar.solver.sharding.context_roles import context_parallel_constraints
+from autopar.solver.sharding.experts import EXPERT_GATHER, EXPERT_GROUPED_MM
 from autopar.solver.sharding.megatron_roles import megatron_layout
 
 ROLES = ("name", "auto")
@@ -56,6 +62,39 @@ def tensor_parallel_constraints(prog: Program) -> dict:
     return out
 
 
+def expert_parallel_constraints(prog: Program) -> dict:
+    """``ShardOptions.constrain`` entries splitting every expert table of ``prog`` on its experts (dim 0) over the
+    ``ep*`` axes of its mesh (the other axes left open): the 3-D parameters that a grouped matmul reads as its
+    weights or an expert gather (``aten.index.Tensor`` by 1-D indices) as its table, directly or through views
+    and casts; one whose experts do not divide over the axes is left out."""
+    ep = [i for i, (n, s) in enumerate(prog.mesh.axes) if is_expert_axis(n) and s > 1]
+    if not ep:
+        return {}
+    types = prog.types()
+    origin = {v.name: v.name for v in prog.inputs if v.kind == "param"}
+    for op in prog.ops:  # views and casts of a parameter are read as it
+        refs = op.input_refs()
+        if refs and refs[0].name in origin and op.target in VIEW_OPS | {"aten.to.dtype", "aten._to_copy"}:
+            origin.update(dict.fromkeys(op.results, origin[refs[0].name]))
+    tables = set()
+    for op in prog.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target in EXPERT_GROUPED_MM and len(refs) == 3:
+            read = refs[1]
+        elif op.target == EXPERT_GATHER and len(refs) == 2 and len(types[refs[1]].shape) == 1:
+            read = refs[0]
+        else:
+            continue
+        if read in origin and len(types[origin[read]].shape) == 3:
+            tables.add(origin[read])
+    out = {}
+    for name in sorted(tables):
+        want = tuple(Shard(0) if i in ep else None for i in range(len(prog.mesh.axes)))
+        if valid(tuple(R if w is None else w for w in want), types[name].shape, prog.mesh.sizes):
+            out[name] = Exactly(want)
+    return out
+
+
 def merged(a: Exactly, b: Exactly) -> Exactly:
     """One ``Exactly`` admitting what both admit (each fixes the axes the other leaves open, or agrees there)."""
     want = []
@@ -73,11 +112,11 @@ def role_constraints(prog: Program, activations: bool = True) -> tuple[dict, fro
     on every dp rank, which communicates least)."""
     out = dict(data_parallel_constraints(prog, data_axes(prog.mesh.names), activations=activations))
     tp = tensor_parallel_constraints(prog)
-    for extra in (tp, context_parallel_constraints(prog)):
+    for extra in (tp, context_parallel_constraints(prog), expert_parallel_constraints(prog)):
         for name, pred in extra.items():
             out[name] = merged(out[name], pred) if name in out else pred
     pinned = frozenset(v.name for v in prog.inputs if v.kind == "param") if tp else frozenset()
     return out, pinned
 
 
-__all__ = ["ROLES", "merged", "role_constraints", "tensor_parallel_constraints"]
+__all__ = ["ROLES", "expert_parallel_constraints", "merged", "role_constraints", "tensor_parallel_constraints"]
