@@ -42,7 +42,7 @@ from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.solver.cluster.compute import op_work
-from autopar.solver.sharding.experts import EXPERT_GATHER, EXPERT_GROUPED_MM
+from autopar.solver.sharding.experts import EP_BLOCK, EXPERT_GATHER, EXPERT_GROUPED_MM, exchange_sides
 from autopar.solver.sharding.megatron_roles import (
     COLUMN,
     CONTRACTIONS,
@@ -54,7 +54,8 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 11  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 12  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 12: a grouped matmul's all-to-alls by its place in its expert block
 # 11: each unit's experts (their tables, count, routed rows and FLOPs) for the search's expert parallelism
 # 10: the keys and values of each attention (what context parallelism all-gathers and keeps whole)
 # 9: per-op works (solver/cluster/compute.py) in each unit
@@ -396,15 +397,21 @@ def _gathered_bytes(name: str, producer: dict[str, Op], types: dict) -> float:
 def _experts_of(ops: list[Op], types: dict, batch: int) -> tuple[int, tuple[tuple[float, float, int], ...], float]:
     """(experts, per expert op (rows per sample, bytes per row there and back at 4 per float, all-to-alls per
     forward), the grouped matmuls' forward FLOPs per sample) of a unit's expert ops: grouped matmuls
-    ``(x[S, K], w[E, K, N], offs)``, which send each row there at K and back at N, and gathers of 3-D expert
-    tables by 1-D indices (the batched_mm kernel), which send each row at the table's last width."""
+    ``(x[S, K], w[E, K, N], offs)``, of which a block's first sends each row there at K and its last back at N
+    (one dispatch and one combine per MoE layer), and gathers of 3-D expert tables by 1-D indices (the
+    batched_mm kernel), which send each row at the table's last width."""
     experts, routed, flops = 0, [], 0.0
     for op in ops:
         ins = [types[r.name] for r in op.input_refs()]
         if op.target in EXPERT_GROUPED_MM and len(ins) == 3 and len(ins[0].shape) == 2 and len(ins[1].shape) == 3:
             (rows, k), (e, _, n) = ins[0].shape, ins[1].shape
             experts = min(experts or e, e)
-            routed.append((rows / batch, 4.0 * (k + n), 2))
+            # by its place in its expert block (passes/lower.py marks it): the first dispatches the rows, the
+            # last combines the results, one alone does both (solver/sharding/experts.py grouped_price)
+            sides = exchange_sides(op.attrs.get(EP_BLOCK))
+            width = (k if "in" in sides else 0) + (n if "out" in sides else 0)
+            if sides:
+                routed.append((rows / batch, 4.0 * width, len(sides)))
             flops += op.flops / batch
         elif op.target == EXPERT_GATHER and len(ins) == 2 and len(ins[0].shape) == 3 and len(ins[1].shape) == 1:
             experts = min(experts or ins[0].shape[0], ins[0].shape[0])

@@ -84,6 +84,14 @@ EP_BLOCK, EP_ROWS = "ep_block", "ep_rows"
 # the last the combine (2 each)
 ALL_TO_ALLS_PER_GROUPED_MM = 2
 _SIDES = {None: ("in", "out"), "first": ("in",), "last": ("out",), "inner": ()}
+
+
+def exchange_sides(block: str | None) -> tuple[str, ...]:
+    """The exchanges a grouped matmul at place ``block`` of its expert block (``attrs["ep_block"]``) runs: "in"
+    (its rows dispatched), "out" (its results combined), both for one alone, none inside a block."""
+    return _SIDES[block]
+
+
 # all-to-alls of the gather's rows priced per step: forward and backward (the module docstring)
 ALL_TO_ALLS_PER_GATHER = 2
 # the busiest rank's expected rows over the mean that the router's skew adds (1: uniform routing)
@@ -342,5 +350,6 @@ __all__ = [
     "expert_load",
     "gather_price",
     "block_owners",
+    "exchange_sides",
     "expert_rows",
 ]
