@@ -1,0 +1,81 @@
+"""Predicted vs measured step time on this CPU (issue 35): a small GPT's whole training step (forward, loss,
+backward, Adam), one process and one thread, measured, beside the search's price of the same step
+(``Analytic`` + the closed form for one rank: compute by ``solver/cluster/compute.py`` on a calibrated table,
+plus the optimizer step) on the spec ``autopar calibrate`` wrote.
+
+    OMP_NUM_THREADS=1 python bench/cpu_step.py --spec calibrated.yaml [--sizes 128,256,512] [--steps 5]
+
+The calibrated rates are per rank with every rank of the calibration busy (``--ranks 2``: both cores), so a
+process alone on an idle machine may run faster than priced; the ratio printed is predicted / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from autopar.models.resolve import build
+from autopar.search import Scorer, profile_model
+from autopar.search.price import Analytic
+from autopar.search.space import Candidate
+from autopar.solver.cluster.spec import ClusterSpec
+
+
+def spec_of(h: int, layers: int, seq: int, batch: int) -> str:
+    return f"gpt2:n_layer={layers},n_embd={h},n_head=4,n_positions={seq},vocab_size=1024,seq={seq},batch={batch}"
+
+
+def measure(spec: str, steps: int) -> float:
+    m = build(spec, device="cpu")
+    model = m.model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+
+    def step() -> None:
+        out = model(*m.args, **m.kwargs)
+        loss = out.loss if hasattr(out, "loss") else out
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def predict(spec: str, batch: int, cluster: ClusterSpec) -> float:
+    an = Analytic(profile_model(spec), cluster, batch, precision="fp32", attention="fused")
+    ev = Scorer().score(an.evaluate(Candidate(1, 1, 1, batch, 1, "none")))
+    return ev.step_time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", required=True, help="the cluster spec autopar calibrate wrote")
+    ap.add_argument("--sizes", default="128,256,512", help="hidden sizes")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    cluster = ClusterSpec.load(f"{args.spec}:nodes=1,devices_per_node=1")
+    print("| model | measured s/step | predicted s/step | predicted / measured |")
+    print("|---|---|---|---|")
+    for h in (int(x) for x in args.sizes.split(",")):
+        spec = spec_of(h, args.layers, args.seq, args.batch)
+        t = measure(spec, args.steps)
+        p = predict(spec, args.batch, cluster)
+        print(f"| GPT {args.layers} layers, hidden {h}, seq {args.seq}, batch {args.batch} | {t:.4f} | {p:.4f} | "
+              f"{p / t:.2f} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
