@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from autopar.errors import BatchCouplingError, OptimizerError, PipelineError
@@ -54,6 +55,7 @@ from autopar.runtime.call.inputs import CallInputs, stage_reads
 from autopar.runtime.call.loss_weight import program_weight
 from autopar.runtime.call.outputs import batch_outputs, broadcast_outputs, broadcast_weights
 from autopar.runtime.call.pipeline_guard import refuse_backward
+from autopar.runtime.comm import watch
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.lazy import Deferred, settle
 from autopar.runtime.comm.teardown import holds_groups
@@ -152,6 +154,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._output_dtype = policy.output_dtype if policy is not None else None
         self._stepped = False  # train_step stepped the attached optimizer since the last forward
         self._in_step = False  # train_step is stepping the attached optimizer (its NaN check already made)
+        self._checked = False  # train_step checked the gradients for the caller's own optimizer since the forward
+        self._covers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> over my parameters?
         self._sync = True  # backwards of forward's outputs sync gradients (no_sync turns it off)
         self._deferred: list[weakref.ref] = []  # the last forward's outputs still in flight (runtime/comm/lazy.py)
         self.grad_norm: torch.Tensor | None = None  # the total gradient norm the last clipping saw
@@ -183,6 +187,10 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             params[n] = self.zero3.slice_of(n)
             register(self, n, params[n])
         self._params = params
+        self._param_ids = {id(p) for p in params.values()}
+        # any torch optimizer over these parameters stepped by the caller (the plain loop) checks them first
+        hook = register_optimizer_step_pre_hook(_own_optimizer_hook(weakref.ref(self)))
+        weakref.finalize(self, hook.remove)
         self._sync_axes = {n: list(self._values[n].attrs.get("grad_sync", ())) for n in params}  # partial-sum axes
         # where each gradient is reduced: its stage's REDUCE_GRADS, or STEP for tied parameters
         self._grads = GradSync.of(
@@ -321,6 +329,22 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             self._optimizer.zero_grad()
         else:  # the caller steps an optimizer of their own next: NaN gradients dropped on every rank first
             self.nonfinite.step_ok(self._params, None, None)
+            self._checked = True
+
+    def _check_own_optimizer(self, optimizer) -> None:
+        """A torch optimizer of the caller's over this module's parameters, stepped by the caller (the plain loop:
+        ``loss.backward(); opt.step()``): its gradients checked first, agreed by every rank (one all-reduce of a
+        flag), as ``make_optimizer``'s are; non-finite ones dropped, so the step changes nothing. Not again after
+        ``train_step`` checked them, nor for ``make_optimizer``'s own (its pre-hook does)."""
+        if optimizer is self._optimizer or self._in_step or self._checked:
+            return
+        covers = self._covers.get(optimizer)
+        if covers is None:
+            groups = getattr(optimizer, "param_groups", ())
+            covers = self._covers[optimizer] = any(id(p) in self._param_ids for g in groups for p in g["params"])
+        if covers:
+            self.nonfinite.step_ok(self._params, optimizer, None)
+            self._checked = True
 
     def _check_before_step(self, optimizer, _args, _kwargs) -> None:
         """The attached optimizer stepped by the caller (the plain loop: ``loss.backward(); opt.step()``): its
@@ -356,18 +380,23 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         """The model's outputs for the batch (on a pipeline: forward only, on every rank). With local
         batches, outputs carrying the batch are this rank's rows; a loss is the whole batch's."""
         pieces, weights = self._call.pieces(args, kwargs, self._reads_forward, weigh=self._last)
-        self._stepped = False
+        self._stepped = self._checked = False
         settle(t for ref in self._deferred if (t := ref()) is not None)  # the last call's loss, if unread
         if self._one_stage:
             self._grads.reset(enabled=self._sync)
             part = self.forward_runners[0].whole
             gathered = self.zero3.scope() if self.zero3 is not None else contextlib.nullcontext()
             outs = []
+            watch.resumed()  # a failure this rank published at an earlier call is over
             with use_comm(self.comm), gathered:
-                for i, env in enumerate(pieces):
-                    if self.dropout_rng is not None:
-                        self.dropout_rng.microbatch = i
-                    outs.append(part(env))
+                try:
+                    for i, env in enumerate(pieces):
+                        if self.dropout_rng is not None:
+                            self.dropout_rng.microbatch = i
+                        outs.append(part(env))
+                except BaseException as e:  # the other ranks' collectives stop waiting for this one (comm/watch.py)
+                    watch.publish(e, None)
+                    raise
         else:
             with torch.no_grad():
                 self._forward_executor.run(pieces)
@@ -412,7 +441,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self.metrics is not None:
             self.metrics.start()
         pieces, weights = self._call.pieces(args, kwargs, self._reads_train, weigh=self._last)
-        self._stepped = False
+        self._stepped = self._checked = False
         sub = self.options.sub_microbatches
         scales = loss_scales(weights, sub) if weights is not None else None
         seeds = self.loss_scaler.seeds(scales, len(pieces) // sub, sub) if self.loss_scaler is not None else scales
@@ -453,6 +482,17 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         if self.dropout_rng is not None:
             self.dropout_rng.training = mode
         return self
+
+
+def _own_optimizer_hook(module: weakref.ref):
+    """torch's global optimizer step pre-hook for ``module`` (held weakly): ``_check_own_optimizer``."""
+
+    def hook(optimizer, _args, _kwargs) -> None:
+        m = module()
+        if m is not None:
+            m._check_own_optimizer(optimizer)
+
+    return hook
 
 
 def _nothing(*_args) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import time
 import warnings
@@ -457,7 +458,43 @@ def _every_rank_told(rank: int, world: int) -> dict:
         out["label"] = f"{type(e).__name__}: {e}"
     out["after"] = float(pipe.train_step(**mine))
     out.update(_nan_rows(rank))
+    out["member_failed"] = _a_collective_member_raises(rank)
     out["peer_failed"] = _a_stage_raises(rank)  # last: rank 0 leaves a receive from rank 1 unfinished
+    return out
+
+
+def _a_collective_member_raises(rank: int) -> dict:
+    """tiny-mlp on tp=2 (weights split: all-reduces in the forward) and on dp=2 (the gradients' all-reduce), the
+    mesh's groups under init_mesh(timeout=PEER_TIMEOUT): a good step, then rank 1's forward (tp) or backward (dp)
+    raises while rank 1 lives on; what each rank raised, and after how many seconds."""
+    import autopar
+    from autopar.models.resolve import build
+    from autopar.runtime.execute.executor import Executor
+
+    spec = build("tiny-mlp", device="cpu", seed=0)
+    out = {}
+    for axis, hook in (("tp", "_forward"), ("dp", "_backward")):
+        mesh = autopar.init_mesh("cpu", timeout=PEER_TIMEOUT, **{axis: 2})
+        pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, objective="memory")
+        pipe.make_optimizer(torch.optim.SGD, lr=0.1)
+        pipe.train_step(*spec.args, **spec.kwargs)
+        real = getattr(Executor, hook)
+        if rank == 1:
+
+            def broken(self, a, waited, axis=axis):
+                raise ValueError(f"injected: a bug in rank 1's step on {axis}")
+
+            setattr(Executor, hook, broken)
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            pipe.train_step(*spec.args, **spec.kwargs)
+            raised = "no error"
+        except Exception as e:  # noqa: BLE001 - the test inspects what was raised
+            raised = f"{type(e).__name__}: {e}"
+        out[axis] = {"raised": raised, "seconds": time.perf_counter() - t0}
+        setattr(Executor, hook, real)
+        dist.barrier()  # rank 1 alive until rank 0 has raised (the world group is not the mesh's)
     return out
 
 
@@ -531,13 +568,14 @@ def _nan_rows(rank: int) -> dict:
             "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)],
             "skipped": pipe.nonfinite.skipped,
         }
-    # the caller's own optimizer after train_step, and make_optimizer's stepped by the caller in the plain loop
-    for loop in ("own", "plain"):
+    # the caller's own optimizer after train_step, make_optimizer's stepped by the caller in the plain loop, and the
+    # caller's own in the plain loop (torch's global step pre-hook: runtime/module.py _check_own_optimizer)
+    for loop in ("own", "plain", "own plain"):
         pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, batch="local")
-        if loop == "own":
-            opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-        else:
+        if loop == "plain":
             opt = pipe.make_optimizer(torch.optim.SGD, lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
         args = [a.clone() for a in local_batch(pipe, spec.args)]
         kwargs = local_batch(pipe, spec.kwargs)
 
@@ -596,9 +634,21 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
         assert any("skipped on every rank" in m for m in r["warn_skip"]["warned"]), r["warn_skip"]
         assert r["skip"]["raised"] == "no error" and not r["skip"]["warned"] and r["skip"]["skipped"] == 1
         assert r["raise"]["raised"].startswith("NonFiniteError: some gradients are NaN"), r["raise"]
-        for loop in ("own", "plain"):  # the caller's optimizer (train_step, then the plain loop's backward)
+        for loop in ("own", "plain", "own plain"):  # the caller's optimizer after train_step or in the plain loop
             assert r[loop]["unchanged"] and r[loop]["finite"] and r[loop]["skipped"] == 1, (rank, loop, r[loop])
             assert any("skipped on every rank" in m for m in r[loop]["warned"]), (rank, loop, r[loop])
+
+    # a member of a tp or dp group raising (alive after): rank 0, waiting in the collective, is told through the
+    # store well within the group's timeout, naming the axis, the op and the member that did not arrive
+    for axis in ("tp", "dp"):
+        failed, survivor = results[1]["member_failed"][axis], results[0]["member_failed"][axis]
+        assert failed["raised"].startswith(f"ValueError: injected: a bug in rank 1's step on {axis}"), failed
+        told = (
+            rf"PeerFailedError: rank 0: the (gradient )?all_reduce over mesh axis '{axis}' \(ranks \[0, 1\]\) cannot "
+            r"complete: rank 1 did not arrive, rank 1 raised \(ValueError: injected"
+        )
+        assert re.match(told, survivor["raised"]), survivor
+        assert survivor["seconds"] < PEER_TIMEOUT / 4, survivor  # polled every 0.2 s after 0.2 s; before: 60 s
 
     # a stage raising on pipeline rank 1 (alive after): rank 0 is told through the store, well within the timeout
     failed, survivor = results[1]["peer_failed"], results[0]["peer_failed"]

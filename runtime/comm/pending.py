@@ -37,7 +37,10 @@ class Pending:
         if self.work is not None:
             with record_function("autopar::wait"):  # the profiler's "waiting" (bench/profile_step.py)
                 try:
-                    self.work.wait()
+                    if self.where is not None:  # after a first slice, a member's published failure ends it
+                        watch.wait_collective(self.work, *self.where)
+                    else:
+                        self.work.wait()
                 except RuntimeError as e:
                     err = watch.failure(e, *self.where) if self.where is not None else e
                     if err is e:

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.errors import PeerFailedError, RuntimeCommError
+from autopar.errors import NonFiniteError, PeerFailedError, RuntimeCommError
 
 T = TypeVar("T")
 
@@ -87,12 +87,15 @@ def started(group) -> int:
     return _COUNT[name]
 
 
-def guarded(on, axis: str | None, op: str, fn: Callable[..., T], /, *args, **kwargs) -> T:
-    """``fn(*args, **kwargs)`` (the collective ``op`` on the group ``on``, waited for), its transport failure
-    a ``RuntimeCommError``."""
+def guarded(on, axis: str | None, op: str, fn: Callable[..., object], /, *args, **kwargs) -> None:
+    """The collective ``fn(*args, **kwargs)`` (``op`` on the group ``on``: a ``torch.distributed`` function
+    taking ``async_op``) started and waited for (``wait_collective``), its transport failure a
+    ``RuntimeCommError``."""
     n = started(on)
     try:
-        return fn(*args, **kwargs)
+        work = fn(*args, **kwargs, async_op=True)
+        if work is not None:
+            wait_collective(work, on, axis, op, n)
     except RuntimeCommError:
         raise
     except RuntimeError as e:
@@ -206,11 +209,14 @@ POLL = 0.2
 _STEP = [0]
 _ARMED: list[tuple | None] = [None]  # what the waiting thread waits for: (step, peer, bytes, sending)
 _STOPPED: dict[int, tuple[tuple, PeerFailedError]] = {}  # id of an armed wait -> it, the error it ends with
-_SERVED: list[int | None] = [None]  # the step whose unblock requests this rank serves (it raised during it)
+_SERVED: list[tuple[int, float] | None] = [None]  # the step whose unblock requests this rank serves (it raised
+# during it) and until when: its peers' waits end by their timeout anyway
 
 
 def step_begun() -> int:
-    """Count a pipeline step begun by this process; its number (``publish`` and ``wait_watching`` key on it)."""
+    """Count a pipeline step begun by this process; its number (``publish`` and ``wait_watching`` key on it).
+    A failure this process published before is withdrawn (``resumed``)."""
+    resumed()
     _STEP[0] += 1
     return _STEP[0]
 
@@ -222,20 +228,35 @@ def _store():
         return None
 
 
-def publish(error: BaseException, step: int) -> None:
-    """Tell the other ranks that this one raised ``error`` during step ``step`` and will not finish it (best
-    effort: a store that does not answer is left alone); from now on this rank ends the waits of that step
-    that are on it (``_Watcher.serve``)."""
+def publish(error: BaseException, step: int | None, timeout: float = 600.0) -> None:
+    """Tell the other ranks that this one raised ``error`` during step ``step`` (None: outside a pipeline step,
+    the plain loop's forward) and will not finish it (best effort: a store that does not answer is left alone):
+    a collective it will not join stops waiting for it (``wait_collective``), and from now on this rank ends
+    the waits of that step that are on it (``_Watcher.serve``) for ``timeout`` seconds (the transfers'
+    timeout: the peers' waits are over by then). A ``RuntimeCommError`` caused by another rank
+    is that rank's to tell, but a ``PeerFailedError`` is passed on to this rank's groups, naming the rank that
+    raised, so a chain of waits ends at once; a ``NonFiniteError`` is every rank's at once (agreed), so nobody
+    waits for this one: none is published (a rank resuming first would otherwise take the others' records for
+    stops)."""
     store = _store()
     if store is None:
         return
-    _SERVED[0] = step
-    _watcher()
-    if isinstance(error, RuntimeCommError):  # a failure caused by another rank: that rank tells its own
+    if step is not None:
+        _SERVED[0] = (step, time.monotonic() + timeout)
+        _watcher()
+    if isinstance(error, RuntimeCommError) and not isinstance(error, PeerFailedError):
+        return
+    if isinstance(error, NonFiniteError):  # agreed: raised by every rank at the same point, none waits for another
         return
     first = str(error).splitlines()[0] if str(error) else ""
+    me = dist.get_rank()
+    mine = f"{type(error).__name__}: {first}"[:2000]
+    origin, what = (error.rank, error.error) if isinstance(error, PeerFailedError) else (me, mine)
     try:
-        store.set(f"autopar/failed/{step}", f"{dist.get_rank()}\n{type(error).__name__}: {first}"[:2000])
+        if step is not None and not isinstance(error, RuntimeCommError):
+            store.set(f"autopar/failed/{step}", f"{me}\n{mine}")
+        _log(store, {"rank": me, "down": dict(_COUNT), "origin": origin, "what": what})
+        _DOWN_MINE[0] = True
     except (RuntimeError, dist.DistError):
         pass
 
@@ -274,12 +295,15 @@ class _Watcher:
     def _loop(self) -> None:
         while True:
             time.sleep(POLL)
+            serving = _SERVED[0]
+            if serving is not None and time.monotonic() > serving[1]:
+                _SERVED[0] = serving = None
             try:
                 self.look()
-                if _SERVED[0] is not None:
-                    self.serve(_SERVED[0])
-            except Exception:  # noqa: BLE001 - best effort: a store or peer gone (the job is ending) stops nothing
-                pass
+                if serving is not None:
+                    self.serve(serving[0])
+            except Exception:  # noqa: BLE001 - a store or peer gone (the job is ending): stop serving, stop nothing
+                _SERVED[0] = None
 
     def look(self) -> None:
         """A wait armed since the last look: read its step's failure; if any, record it and ask its peer."""
@@ -355,7 +379,133 @@ def wait_watching(
             raise stopped[1]
 
 
+# -- a collective whose member raised: ended after a first slice ------------------------------------------------
+#
+# A tensor- or data-parallel collective whose member raised (and lives on) waited for the group's timeout.
+# ``publish`` also appends the rank's record to a log in the store (``autopar/down/n`` counts the entries,
+# ``autopar/down/<i>`` is the i-th, JSON): the rank, how many collectives it had started on each group
+# (``started``: the same count on every member for the same collective), and the rank that raised first and
+# its error. A collective waits a first ``POLL`` seconds on its work alone: gloo's collectives honour
+# ``wait(timeout=)`` and stay usable after one expires (unlike its transfers; measured on torch 2.13), so one
+# that completes by then, almost every one, costs nothing more. A longer wait reads the log every ``POLL``
+# seconds (one round trip when nothing is new) and ends with ``PeerFailedError`` naming the axis, the op and
+# the members that stopped before they started it (their count there is lower). The group's own timeout
+# (``init_mesh(timeout=)``) still bounds the wait. A rank that carries on after its error (its next step)
+# withdraws its record, so a later wait is not ended for it. NCCL's wait does not hold the host (the stream
+# waits) and a timed-out one aborts the communicator: there the wait is left as it was.
+
+_SLICE = datetime.timedelta(seconds=POLL)
+_SLICED: dict[str, bool] = {}  # group name -> whether its works are waited for in slices (gloo)
+_DOWN: dict[int, dict] = {}  # rank -> its latest record read from the log (withdrawn ones removed)
+_READ = [0]  # log entries read so far
+_DOWN_MINE = [False]  # this process published a record not yet withdrawn
+
+
+def _log(store, record: dict) -> None:
+    i = store.add("autopar/down/n", 1)
+    store.set(f"autopar/down/{i}", json.dumps(record))
+
+
+def resumed() -> None:
+    """This rank carries on after an error it published (a new step): its record is withdrawn."""
+    if not _DOWN_MINE[0]:
+        return
+    _DOWN_MINE[0] = False
+    store = _store()
+    if store is None:
+        return
+    try:
+        _log(store, {"rank": dist.get_rank(), "up": True})
+    except (RuntimeError, dist.DistError):
+        pass
+
+
+def _read_log(store) -> dict[int, dict]:
+    """The records of the ranks that stopped, updated from the log's new entries."""
+    n = int(store.add("autopar/down/n", 0))
+    while _READ[0] < n:
+        key = f"autopar/down/{_READ[0] + 1}"
+        if not store.check([key]):  # counted but not written yet: read at the next poll
+            break
+        record = json.loads(store.get(key))
+        _READ[0] += 1
+        if record.get("up"):
+            _DOWN.pop(int(record["rank"]), None)
+        else:
+            _DOWN[int(record["rank"])] = record
+    return _DOWN
+
+
+def member_failure(group, axis: str | None, op: str, n: int) -> PeerFailedError | None:
+    """The ``PeerFailedError`` for the ``n``-th collective ``op`` on ``group`` when a member published that it
+    stopped before starting it; None when none did (or the store does not answer)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        down = _read_log(store)
+    except (RuntimeError, dist.DistError, ValueError, KeyError):
+        return None
+    if not down:
+        return None
+    name, me, ranks = _group_name(group), dist.get_rank(), _ranks(group)
+    gone = [r for r in ranks if r != me and r in down and down[r]["down"].get(name, 0) < n]
+    if not gone:
+        return None
+    first = down[gone[0]]
+    origin, what = int(first["origin"]), str(first["what"])
+    axis = axis or _axis_of(group)
+    who = f"rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))}"
+    return PeerFailedError(
+        f"rank {me}: the {op} over mesh axis {axis!r} (ranks {ranks}) cannot complete: {who} did not arrive, "
+        f"rank {origin} raised ({what}); stopping now instead of after the timeout. The error to fix is rank "
+        f"{origin}'s (its own traceback).",
+        origin,
+        what,
+    )
+
+
+def wait_collective(work, group, axis: str | None, op: str, n: int) -> None:
+    """``work.wait()`` for the ``n``-th collective ``op`` on ``group`` (``axis``); after a first ``POLL``
+    seconds, ended with ``PeerFailedError`` as soon as a member published that it will not join."""
+    if not _sliceable(group, work):
+        work.wait()
+        return
+    while not _waited(work):
+        err = member_failure(group, axis, op, n)
+        if err is not None:
+            raise err
+
+
+def _waited(work) -> bool:
+    """Whether ``work`` completed within ``POLL`` seconds (its own error raised)."""
+    try:
+        work.wait(timeout=_SLICE)
+        return True
+    except RuntimeError as e:
+        if work.is_completed():
+            work.wait()
+            return True
+        if not str(e).startswith("Operation timed out!"):  # the transport's error or the group's own timeout
+            raise
+        return False
+
+
+def _sliceable(group, work) -> bool:
+    if not isinstance(work, dist.Work):  # a simulated rank's (runtime/sim)
+        return False
+    name = _group_name(group)
+    ok = _SLICED.get(name)
+    if ok is None:
+        try:
+            ok = dist.get_backend(group) == "gloo"
+        except (RuntimeError, ValueError, AttributeError):
+            ok = False
+        _SLICED[name] = ok
+    return ok
+
+
 __all__ = [
-    "device_mesh", "failure", "guarded", "is_comm_failure", "peer_failure", "publish", "started", "step_begun",
-    "wait_watching", "world_timeout",
+    "device_mesh", "failure", "guarded", "is_comm_failure", "member_failure", "peer_failure", "publish", "resumed",
+    "started", "step_begun", "wait_collective", "wait_watching", "world_timeout",
 ]  # fmt: skip

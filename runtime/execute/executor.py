@@ -175,7 +175,7 @@ class Executor:
                     "its sends and receives are out of step with the other ranks': no further step can run on this "
                     "module; restart the job (or compile the model again on every rank)"
                 )
-            watch.publish(e, step)
+            watch.publish(e, step, self.p2p.timeout)
             raise
 
     def _run(self, trace: list[TraceEvent], t0: float) -> list[torch.Tensor]:
