@@ -89,6 +89,9 @@ class TrainConfig:
     context_attention: str = "auto"
     scatter_gather: bool = False  # send 1/tp of each tensor-parallel-replicated stage boundary (Megatron)
     sub_pipeline_tp: bool = False  # Merak's sub-pipelined tensor parallelism: two halves overlap their collectives
+    # a mixture of experts' capacity factor (GShard, Switch): each expert keeps ceil(factor x tokens x top-k / experts)
+    # of the batch's rows routed to it, in their sorted order, and drops the rest (their result zero); None: dropless
+    capacity_factor: float | None = None
     # -- the call and the run ------------------------------------------------------------------------------
     batch: str = "global"  # "global": every rank is given the whole batch; "local": each dp rank its rows
     # each piece's weight in the step's loss: "auto" (a mean's own divisor), "tokens", None (equal pieces), or a
@@ -142,6 +145,9 @@ class TrainConfig:
             )
         if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 0:
             raise ConfigError(f"TrainConfig.log_every must be a non-negative integer, not {self.log_every!r}")
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, (int, float)) or not cf > 0):
+            raise ConfigError(f"TrainConfig.capacity_factor must be a positive number or None (dropless), not {cf!r}")
         if self.on_metrics is not None and not callable(self.on_metrics):
             raise ConfigError(f"TrainConfig.on_metrics must be a function of StepMetrics, not {self.on_metrics!r}")
         if not (self.loss_weight in (None, "auto", "tokens") or callable(self.loss_weight)):
@@ -205,6 +211,7 @@ class TrainConfig:
             batch=self.batch,
             roles=self.roles,
             context_attention=self.context_attention,
+            capacity_factor=self.capacity_factor,
         )
         return dataclasses.replace(base, **fields) if base is not None else ShardOptions(**fields)
 
@@ -326,6 +333,7 @@ class TrainConfig:
             data_parallel=options.data_parallel,
             batch=options.batch,
             context_attention=options.context_attention,
+            capacity_factor=options.capacity_factor,
             **fields,
         )
 
@@ -365,6 +373,7 @@ def resolve(
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
     "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "context_attention",
+    "capacity_factor",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 

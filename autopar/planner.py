@@ -46,6 +46,7 @@ def options_dict(opts: ShardOptions) -> dict:
         "roles": opts.roles,
         "data_parallel": opts.data_parallel,
         "context_attention": opts.context_attention,
+        "capacity_factor": opts.capacity_factor,
     }
 
 
@@ -65,6 +66,7 @@ def options_from_dict(d: dict, cluster=None) -> ShardOptions:
         roles=d.get("roles", "auto"),  # plans written before roles by name: the ILP's free choice
         data_parallel=d.get("data_parallel"),
         context_attention=d.get("context_attention", "auto"),
+        capacity_factor=d.get("capacity_factor"),
     )
 
 

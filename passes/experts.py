@@ -43,6 +43,7 @@ so the ILP prices each grouped matmul's share of its block's two exchanges (``so
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from autopar.errors import PipelineError, PlanError
@@ -60,6 +61,7 @@ from autopar.solver.sharding.experts import (
 from autopar.solver.sharding.rules.elementwise import POINTWISE
 
 DISPATCH, COMBINE = "expert_dispatch", "expert_combine"
+CAPACITY = "capacity"  # a grouped matmul's attribute: each expert's capacity in rows (set_capacity)
 DISPATCHES = frozenset({DISPATCH, GROUPED_DISPATCH})
 COMBINES = frozenset({COMBINE, GROUPED_COMBINE})
 EXPERT_OPS = DISPATCHES | COMBINES
@@ -131,6 +133,7 @@ class _Rewrite:
         self.ops: list[Op] = []
         self.routed: dict[str, Route] = {}  # value -> its routing
         self.experts: dict[Route, int] = {}  # routing -> the number of experts it routes to
+        self.capacity: dict[Route, int] = {}  # a grouped routing -> its experts' capacity, where it has one
         self.dispatched: dict[tuple[str, Route, bool], str] = {}
         self.combined: dict[str, str] = {}
         self.counter = 0
@@ -162,6 +165,8 @@ class _Rewrite:
         x, w, offs = op.input_refs()
         route = Route(offs.name, axis, self.types[x.name].shape[0], grouped=True)
         self.experts.setdefault(route, self.types[w.name].shape[0])
+        if op.attrs.get(CAPACITY) is not None:
+            self.capacity.setdefault(route, op.attrs[CAPACITY])
         rows = (
             x.name if self.routed.get(x.name) == route else self.dispatch(self.nominal(x.name, op.path), route, op.path)
         )
@@ -222,7 +227,7 @@ class _Rewrite:
     def dispatch(self, name: str, route: Route, path: str, local_ids: bool = False) -> str:
         key = (name, route, local_ids)
         if key not in self.dispatched:
-            kwargs = {"axis": self.prog.mesh.names[route.axis], "experts": self.experts[route]}
+            kwargs = self._kwargs(route)
             if local_ids:
                 kwargs["local_ids"] = True
             target = GROUPED_DISPATCH if route.grouped else DISPATCH
@@ -236,10 +241,16 @@ class _Rewrite:
             return name
         if name not in self.combined:
             route = self.routed[name]
-            kwargs = {"axis": self.prog.mesh.names[route.axis], "experts": self.experts[route]}
+            kwargs = self._kwargs(route)
             target = GROUPED_COMBINE if route.grouped else COMBINE
             self.combined[name] = self.emit(target, name, route.src, kwargs, path)
         return self.combined[name]
+
+    def _kwargs(self, route: Route) -> dict:
+        kwargs = {"axis": self.prog.mesh.names[route.axis], "experts": self.experts[route]}
+        if route in self.capacity:
+            kwargs["capacity"] = self.capacity[route]
+        return kwargs
 
     def emit(self, target: str, src: str, idx: str, kwargs: dict, path: str) -> str:
         self.counter += 1
@@ -330,6 +341,34 @@ def mark_expert_blocks(prog: Program) -> Program:
     return prog.with_(ops=tuple(ops))
 
 
+def capacity_of(factor: float, rows: int, experts: int) -> int:
+    """GShard's and Switch's expert capacity: ``ceil(factor * rows / experts)`` rows per expert, ``rows`` the
+    (token, slot) rows of one batch (its tokens times the router's top-k)."""
+    return math.ceil(factor * rows / experts)
+
+
+def set_capacity(prog: Program, factor: float | None) -> Program:
+    """``prog`` with every grouped matmul of an experts kernel keeping, per expert, the first ``capacity_of``
+    rows of its group in their sorted order (``attrs["capacity"]``; token dropping as in GShard and Switch: a
+    row over capacity gets a zero result, and so no gradient); ``factor`` None: dropless, ``prog`` as it is.
+    The runtime drops the rows wherever the grouped matmul runs (``runtime/comm/all_to_all.py``: not sent
+    under expert parallelism, masked otherwise). Both grouped matmuls of an expert block read the same
+    offsets, so they drop the same rows and the block's result for them is zero."""
+    if factor is None:
+        return prog
+    if not factor > 0:
+        raise PlanError(f"capacity_factor={factor}: an expert's capacity factor must be positive (None: dropless)")
+    types = prog.types()
+    ops = []
+    for op in prog.ops:
+        refs = op.input_refs()
+        if op.target in EXPERT_GROUPED_MM and len(refs) == 3 and len(types[refs[1].name].shape) == 3:
+            x, w = types[refs[0].name], types[refs[1].name]
+            op = op.with_(attrs={**op.attrs, CAPACITY: capacity_of(factor, x.shape[0], w.shape[0])})
+        ops.append(op)
+    return prog.with_(ops=tuple(ops))
+
+
 def routed_values(prog: Program) -> set[str]:
     """The values of ``prog`` that hold dispatched rows (a rank holds a data-dependent permutation of them, not
     its slice): the dispatches' results and what is computed from them up to their combine."""
@@ -368,6 +407,7 @@ def _is_rows(t: TensorType, axis: int | None, n_rows: int) -> bool:
 
 
 __all__ = [
+    "CAPACITY",
     "COMBINE",
     "COMBINES",
     "DISPATCH",
@@ -379,6 +419,8 @@ __all__ = [
     "insert_expert_dispatch",
     "mark_expert_blocks",
     "require_whole_dispatch_regions",
+    "capacity_of",
     "routed_values",
     "row_reads",
+    "set_capacity",
 ]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, replace
 from autopar.errors import InfeasibleError, NotOptimalPlanWarning
 from autopar.ir.axes import check_axis_names, data_axes
 from autopar.ir.core import Op, Placement, Program, Value, parse_placement
+from autopar.passes.experts import set_capacity
 from autopar.solver.sharding.baselines import data_parallel_constraints, local_batch_constraints
 from autopar.solver.sharding.options import OBJECTIVES, ShardOptions, planning_options
 from autopar.solver.sharding.roles import role_constraints
@@ -98,7 +99,8 @@ def shard(prog: Program, opts: ShardOptions | None = None) -> ShardResult:
             continue
         if solved.solution.status != "optimal":
             warnings.warn(solved.solution.explained(), NotOptimalPlanWarning, stacklevel=2)
-        return _written(prog, solved, how, opts.roles if opts is not None else "auto")
+        written = _written(prog, solved, how, opts.roles if opts is not None else "auto")
+        return replace(written, program=set_capacity(written.program, opts.capacity_factor if opts else None))
     assert first is not None  # attempts() lists the options as given first
     raise first
 

@@ -376,8 +376,9 @@ def test_grouped_kernel_trains_exactly_with_experts_split_over_ep(
     float64) and the eager loop (captured through it): two SGD steps on simulated ranks equal two in one process
     (float64, every loss and parameter to ``TOL``) with every expert table split on its experts over ``ep`` by the
     ILP itself, nothing constrained (each rank holding E/2), every grouped matmul read expert-parallel (each
-    layer's rows sent to their experts' ranks once before gate/up and back once after down), on ep=2, ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2
-    over dp, and pp=2 x ep=2 (each stage's experts on its pipeline rank group, 1F1B over two microbatches)."""
+    layer's rows sent to their experts' ranks once before gate/up and back once after down), on ep=2,
+    ep=2 x tp=2, dp=2 x ep=2 with ZeRO-2 over dp, and pp=2 x ep=2 (each stage's experts on its pipeline rank
+    group, 1F1B over two microbatches)."""
     model, kwargs = _kernel_model(family, kernel, layers)
     reference = copy.deepcopy(model)
     setup = TrainingSetup(optimizer="sgd", zero=zero) if zero else MEMORY.setup
@@ -483,3 +484,66 @@ def test_each_ranks_grouped_all_to_alls_are_the_programs(monkeypatch) -> None:
     assert all(b > 0 for b, _ in emitted), emitted
     assert all(cost.inherent(op.target, [types[r.name] for r in op.input_refs()], [types[r.name].placements
                for r in op.input_refs()], op) == (0.0, 0.0) for op in grouped)  # fmt: skip
+
+
+# -- token dropping: an expert capacity (GShard, Switch) -------------------------------------------------------
+def _dropping(real, capacity: int):
+    """transformers' ``_grouped_mm`` (rows sorted by expert, ``offs`` the groups' cumulative ends) with each
+    expert's rows after its first ``capacity`` given a zero result: the single-process reference of a capacity."""
+
+    def grouped_mm(input, weight, offs):
+        out = real(input, weight, offs=offs)
+        ends = offs.long()
+        counts = torch.diff(ends, prepend=ends.new_zeros(1))
+        starts = torch.repeat_interleave(ends - counts, counts)  # each row's group start, rows up to ends[-1]
+        position = torch.arange(int(ends[-1])) - starts
+        keep = torch.zeros(out.shape[0], dtype=torch.bool)
+        keep[: int(ends[-1])] = position < capacity
+        return out * keep.unsqueeze(1).to(out.dtype)
+
+    return grouped_mm
+
+
+@pytest.mark.parametrize(
+    ("mesh", "factor"),
+    [(EP, 0.75), pytest.param(MeshSpec((("dp", 2),)), 0.75, marks=pytest.mark.heavy)],
+)
+def test_capacity_factor_drops_the_same_rows_as_one_process(mesh: MeshSpec, factor: float, monkeypatch) -> None:
+    """OLMoE (grouped_mm) with ``capacity_factor=0.75``: every grouped matmul keeps ceil(0.75 x rows / experts)
+    rows per expert (``attrs["capacity"]``), the rest dropped; two SGD steps on ep=2 (the rows over capacity
+    never sent: the dispatch sends fewer rows than the block holds) and, heavy, on dp=2 (masked in place) equal
+    one process whose grouped matmuls drop the same rows (float64, ``TOL``), and that reference differs from
+    the dropless one, so the dropping is real. ``capacity_factor=None`` (every other test) is dropless."""
+    import transformers.integrations.moe as hf_moe
+
+    model, kwargs = _kernel_model("olmoe", "grouped_mm")
+    reference, dropless = copy.deepcopy(model), copy.deepcopy(model)
+    options = replace(MEMORY, capacity_factor=factor)
+    if "dp" in mesh.names:
+        options = replace(options, data_parallel="activations")
+    recorder = _Recorder(a2a.dist)
+    monkeypatch.setattr(a2a, "dist", recorder)
+    sim = SimCompiled.of(model, mesh, (), kwargs, options=options, float64=True)
+    prog = sim.modules[0].train_program
+    types = prog.types()
+    grouped = [op for op in prog.ops if op.target in EXPERT_GROUPED_MM]
+    rows, experts = types[grouped[0].args[0].name].shape[0], types[grouped[0].args[1].name].shape[0]
+    capacity = -(-3 * rows // (4 * experts))  # ceil(0.75 rows / experts)
+    assert len(grouped) == 2 and all(op.attrs.get("capacity") == capacity for op in grouped), grouped
+    if "ep" in mesh.names:
+        assert [op.target for op in prog.ops].count(GROUPED_DISPATCH) == 1
+    make_optimizer("sgd", sim)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    if "ep" in mesh.names:  # the step's first call: the dispatch forward, fewer rows than the ranks' blocks hold
+        sent = sum(recorder.calls[r][0][0] for r in range(mesh.size))
+        assert sent < types[grouped[0].args[0].name].nbytes, sent
+    with Float64Mode():
+        plain = train(dropless, [kwargs, kwargs], "sgd")
+        with monkeypatch.context() as m:
+            m.setattr(hf_moe, "_grouped_mm", _dropping(hf_moe._grouped_mm, capacity))
+            ref = train(reference, [kwargs, kwargs], "sgd")
+    assert loss_error(ref, plain) > 1e3 * TOL, (ref, plain)  # rows were dropped
+    assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)

@@ -39,15 +39,16 @@ from autopar.check.report import TOLERANCE, CheckReport, Finding, compare_ranks,
 from autopar.check.rules import call_op
 from autopar.check.scale import scaled_copy
 from autopar.errors import CheckError
-from autopar.ir.core import COLLECTIVES, MeshSpec, Op, Program, Ref, Shard
+from autopar.ir.core import COLLECTIVES, MeshSpec, Op, Program, Ref, Shard, resolve_target
 from autopar.passes.batch_coupling import batch_couplings
 from autopar.passes.capture import Captured, capture, flatten_inputs
 from autopar.passes.dropout import has_keyed, is_keyed
-from autopar.passes.experts import EXPERT_OPS
+from autopar.passes.experts import CAPACITY, EXPERT_OPS
 from autopar.passes.flow import FlowOptions, plan_program
 from autopar.plan import Plan
 from autopar.runtime.build.precision import cast_floats, compute_copy, policy_of
 from autopar.runtime.build.rng import DropoutRng, DropoutSite, keyed_dropout
+from autopar.runtime.comm.all_to_all import capacity_grouped_mm
 from autopar.runtime.module import RuntimeOptions
 from autopar.runtime.sim.one_stage import one_stage_module
 from autopar.runtime.sim.placement_values import distribute_grad
@@ -84,6 +85,9 @@ def _call(op: Op, env: dict[str, Any], rng: DropoutRng, sent: dict[tuple[int, in
             rng, op.attrs["rng"], float(op.args[1]), t.shape, op.attrs.get("batch_dim"), (), (), (), {}, "cpu"
         )
         return keyed_dropout(env[op.args[0].name], site)
+    if op.attrs.get(CAPACITY) is not None:  # an experts kernel's grouped matmul dropping rows over capacity
+        x, w, offs = (env[r.name] for r in op.input_refs())
+        return capacity_grouped_mm(x, w, offs, kernel=resolve_target(op.target), rows=(), capacity=op.attrs[CAPACITY])
     return call_op(op.target, op.args, op.kwargs, env)
 
 

@@ -25,6 +25,7 @@ from autopar.errors import PlanError, UnsupportedOpError
 from autopar.ir.core import COLLECTIVES, Device, Op, Program, Ref, Shard, Value, map_refs, resolve_target
 from autopar.ir.verify import local_args
 from autopar.passes.dropout import is_keyed
+from autopar.passes.experts import CAPACITY
 from autopar.passes.manager import register_pass
 from autopar.runtime.build import rng as keyed
 from autopar.runtime.build.differentiable import DIFFERENTIABLE
@@ -186,11 +187,17 @@ def codegen(
             x = types[op.args[0].name]
             kwargs = {"kernel": _callable(op), "axis": ep, "experts": types[op.args[1].name].shape[0]}
             kwargs["rows"] = tuple(_row_axes(x, prog))
+            if op.attrs.get(CAPACITY) is not None:  # each expert's first rows only (passes/experts.py set_capacity)
+                kwargs["capacity"] = op.attrs[CAPACITY]
             if op.attrs.get(EP_ROWS):  # on rows an expert_grouped_dispatch sent (passes/experts.py)
                 fn, kwargs["size"] = experts.expert_local_grouped_mm, x.local_shape_for(sizes)[0]
             else:  # a program that has not been through insert_expert_dispatch: the exchanges inside the op
                 fn = experts.expert_grouped_mm
             node = graph.call_function(fn, tuple(arg(op.args)), {**arg(op.kwargs), **kwargs})
+        elif op.target in GROUPED_MM and op.attrs.get(CAPACITY) is not None:  # rows over capacity dropped
+            kwargs = {"kernel": _callable(op), "rows": tuple(_row_axes(types[op.args[0].name], prog))}
+            kwargs["capacity"] = op.attrs[CAPACITY]
+            node = graph.call_function(experts.capacity_grouped_mm, tuple(arg(op.args)), {**arg(op.kwargs), **kwargs})
         elif op.target in GROUPED_MM and _row_axes(types[op.args[0].name], prog):
             node = graph.call_function(
                 grouped_rows, (_callable(op), _row_axes(types[op.args[0].name], prog), *arg(op.args)), arg(op.kwargs)

@@ -165,7 +165,8 @@ class _AllToAll(torch.autograd.Function):
 class GroupedRouting:
     """Where the rows of this rank's block of a grouped matmul's sorted rows go on one expert axis: ``send[j]``
     of them (the first ``sent``, in order) to rank j, ``recv[j]`` from rank j; ``offs``: the local experts'
-    cumulative row ends over what arrived; ``size``: the block's rows.
+    cumulative row ends over what arrived; ``size``: the block's rows; ``keep``: under a capacity, the block's
+    rows that are sent, in order (None: the first ``sent``, every row of a group).
 
     What arrives is sorted by expert as it comes: the sources are the axis's ranks in order, whose blocks are
     in the sorted rows' order (the axis is one digit of the block index), each sending its rows of this
@@ -176,6 +177,46 @@ class GroupedRouting:
     offs: torch.Tensor
     sent: int
     size: int
+    keep: torch.Tensor | None = None
+
+
+def kept_rows(offs: torch.Tensor, lo: int, size: int, capacity: int) -> torch.Tensor:
+    """Which of the rows ``[lo, lo + size)`` of rows sorted by expert (groups ending at ``offs``) an expert of
+    ``capacity`` keeps (a bool per row): each group's first ``capacity`` rows, in their sorted order; a row
+    after the last group is no expert's."""
+    ends = offs.to(torch.int64)
+    pos = torch.arange(lo, lo + size, device=ends.device)
+    group = torch.searchsorted(ends, pos, right=True)
+    inside = group < ends.numel()
+    starts = torch.cat([ends.new_zeros(1), ends])[group.clamp_max(ends.numel() - 1)]
+    return inside & (pos - starts < capacity)
+
+
+def capacity_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    *,
+    kernel: Callable,
+    rows: tuple[str, ...],
+    capacity: int,
+    **kwargs,
+) -> torch.Tensor:
+    """``kernel(x, w, offs)`` with each expert keeping its first ``capacity`` rows (``kept_rows``): the rows
+    over capacity are dropped, their results zero (and so their gradients). ``x``: this rank's block of the
+    sorted rows over the mesh axes ``rows`` (none: all of them), ``offs`` whole."""
+    if offs is None:
+        offs = kwargs.pop("offs")
+    size, lo = x.shape[0], 0
+    if rows:
+        c = current_comm()
+        block = 0
+        for a in rows:
+            block = block * c.sizes[a] + c.coords[a]
+        lo = block * size
+    local = (offs.to(torch.int64) - lo).clamp(0, size).to(offs.dtype)
+    keep = kept_rows(offs, lo, size, capacity).unsqueeze(1)
+    return kernel(x, w, local, **kwargs) * keep
 
 
 # id(offs tensor) -> (a weak reference to it, {(axis, experts, rows, size, coords): GroupedRouting}); the dispatch, the
@@ -188,13 +229,24 @@ def _forget_grouped(key: int) -> None:
         _GROUPED.pop(key, None)
 
 
-def grouped_routing(offs: torch.Tensor, axis: str, experts: int, rows: tuple[str, ...], size: int) -> GroupedRouting:
+def grouped_routing(
+    offs: torch.Tensor, axis: str, experts: int, rows: tuple[str, ...], size: int, capacity: int | None = None
+) -> GroupedRouting:
     """The routing of this rank's block (``size`` rows; its block over the mesh axes ``rows``, outer first,
     ``axis`` among them) of rows sorted by expert whose groups end at ``offs`` (cumulative, over all the rows,
     whole on every rank): every rank reads from ``offs`` how many rows of each block belong to each group, so
-    the split sizes need no exchange. Rank r of ``axis`` (n ranks) holds experts ``[r E/n, (r+1) E/n)``."""
+    the split sizes need no exchange. Rank r of ``axis`` (n ranks) holds experts ``[r E/n, (r+1) E/n)``.
+    ``capacity``: each expert takes its group's first ``capacity`` rows only (``kept_rows``), the others are
+    not sent and their results are zero; None: dropless."""
     c = current_comm()
-    key = (axis, experts, tuple(rows), size, tuple(c.coords.items()))  # the rank's own (a simulated rank: a thread)
+    key = (
+        axis,
+        experts,
+        tuple(rows),
+        size,
+        capacity,
+        tuple(c.coords.items()),
+    )  # the rank's own (a simulated rank: a thread)
     with _LOCK:
         entry = _GROUPED.get(id(offs))
         known = entry[1].get(key) if entry is not None and entry[0]() is offs else None
@@ -211,14 +263,18 @@ def grouped_routing(offs: torch.Tensor, axis: str, experts: int, rows: tuple[str
     with torch.no_grad():
         ends = offs.to(torch.int64)
         starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        kept = ends if capacity is None else torch.minimum(ends, starts + capacity)  # each group's kept rows' end
         lo = torch.tensor(blocks, dtype=torch.int64, device=ends.device).unsqueeze(1) * size
-        count = (torch.minimum(ends, lo + size) - torch.maximum(starts, lo)).clamp_min(0)  # [rank's block, group]
+        count = (torch.minimum(kept, lo + size) - torch.maximum(starts, lo)).clamp_min(0)  # [rank's block, group]
         by_rank = count.view(n, n, per).cpu()  # [source block, destination rank, its expert]
         send = by_rank[me].sum(1).tolist()
         mine = by_rank[:, me]  # [source, my expert]: the rows I receive, source by source, each by expert
         recv = mine.sum(1).tolist()
         local_offs = torch.cumsum(mine.sum(0), 0).to(device=offs.device, dtype=offs.dtype)
-    route = GroupedRouting(send, recv, local_offs, sum(send), size)
+        keep = None
+        if capacity is not None:
+            keep = torch.nonzero(kept_rows(offs, blocks[me] * size, size, capacity)).reshape(-1)
+    route = GroupedRouting(send, recv, local_offs, sum(send), size, keep)
     with _LOCK:
         k = id(offs)
         entry = _GROUPED.get(k)
@@ -229,24 +285,28 @@ def grouped_routing(offs: torch.Tensor, axis: str, experts: int, rows: tuple[str
 
 
 def _grouped_dispatch(x: torch.Tensor, route: GroupedRouting, axis: str) -> torch.Tensor:
-    return _AllToAll.apply(x[: route.sent], current_comm(), axis, route.recv, route.send)
+    rows = x[: route.sent] if route.keep is None else x[route.keep]
+    return _AllToAll.apply(rows, current_comm(), axis, route.recv, route.send)
 
 
 def _grouped_combine(y: torch.Tensor, route: GroupedRouting, axis: str) -> torch.Tensor:
     out = _AllToAll.apply(y, current_comm(), axis, route.send, route.recv)
+    if route.keep is not None:  # the rows over capacity: dropped, zero
+        return out.new_zeros((route.size, *out.shape[1:])).index_copy(0, route.keep, out)
     if route.sent < route.size:  # rows after the last group: no expert's, zero as the kernel leaves them
         out = torch.cat([out, out.new_zeros((route.size - route.sent, *out.shape[1:]))])
     return out
 
 
 def expert_grouped_dispatch(
-    x: torch.Tensor, offs: torch.Tensor, *, axis: str, experts: int, rows: tuple[str, ...]
+    x: torch.Tensor, offs: torch.Tensor, *, axis: str, experts: int, rows: tuple[str, ...], capacity: int | None = None
 ) -> torch.Tensor:
     """This rank's block of rows sorted by expert (``x``; ``offs``: the groups' cumulative row ends over all the
     rows, whole) sent to the ranks of ``axis`` owning their experts (one ``all_to_all_single``, dropless,
     variable splits; ``grouped_routing``): the rows of this rank's experts from every block, sorted by expert.
-    The backward sends the gradient back (the inverse all-to-all)."""
-    return _grouped_dispatch(x, grouped_routing(offs, axis, experts, rows, x.shape[0]), axis)
+    The backward sends the gradient back (the inverse all-to-all). ``capacity``: rows over an expert's are not
+    sent (``grouped_routing``)."""
+    return _grouped_dispatch(x, grouped_routing(offs, axis, experts, rows, x.shape[0], capacity), axis)
 
 
 def expert_grouped_combine(
@@ -257,10 +317,11 @@ def expert_grouped_combine(
     experts: int,
     rows: tuple[str, ...],
     size: int,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """Rows dispatched by ``expert_grouped_dispatch`` (of a block of ``size`` rows) back to their block, each at
-    its place there (the split sizes swapped); rows after the last group zero."""
-    return _grouped_combine(y, grouped_routing(offs, axis, experts, rows, size), axis)
+    its place there (the split sizes swapped); rows after the last group, and those over capacity, zero."""
+    return _grouped_combine(y, grouped_routing(offs, axis, experts, rows, size, capacity), axis)
 
 
 def expert_local_grouped_mm(
@@ -273,13 +334,14 @@ def expert_local_grouped_mm(
     experts: int,
     rows: tuple[str, ...],
     size: int,
+    capacity: int | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """``kernel(x, w, offs)`` on rows dispatched by ``expert_grouped_dispatch`` (of blocks of ``size`` rows):
     ``w`` this rank's ``experts / n`` experts of ``axis``, the offsets this rank's (``grouped_routing``)."""
     if offs is None:
         offs = kwargs.pop("offs")
-    return kernel(x, w, grouped_routing(offs, axis, experts, rows, size).offs, **kwargs)
+    return kernel(x, w, grouped_routing(offs, axis, experts, rows, size, capacity).offs, **kwargs)
 
 
 def expert_grouped_mm(
@@ -291,6 +353,7 @@ def expert_grouped_mm(
     axis: str,
     experts: int,
     rows: tuple[str, ...],
+    capacity: int | None = None,
     **kwargs,
 ) -> torch.Tensor:
     """``kernel(x, w, offs)`` (a grouped matmul, rows sorted by expert) with ``w`` this rank's ``experts / n``
@@ -303,7 +366,7 @@ def expert_grouped_mm(
     dispatch and one combine around both instead; this is the form of a program that has not been through it."""
     if offs is None:
         offs = kwargs.pop("offs")
-    route = grouped_routing(offs, axis, experts, rows, x.shape[0])
+    route = grouped_routing(offs, axis, experts, rows, x.shape[0], capacity)
     y = kernel(_grouped_dispatch(x, route, axis), w, route.offs, **kwargs)
     return _grouped_combine(y, route, axis)
 
@@ -322,6 +385,8 @@ FUNCTIONS = {
 __all__ = [
     "FUNCTIONS",
     "GroupedRouting",
+    "capacity_grouped_mm",
+    "kept_rows",
     "Routing",
     "expert_combine",
     "expert_dispatch",

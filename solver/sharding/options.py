@@ -59,6 +59,10 @@ class ShardOptions:
     # when nothing fits: retry with the least memory and no budget, then (data_parallel="activations")
     # with the inputs constrained only, and each of those with the least memory; ShardResult.how says which
     fallbacks: bool = False
+    # a mixture of experts' expert capacity factor (GShard, Switch): each expert keeps ceil(factor x rows / experts)
+    # of its grouped matmuls' rows, in their sorted order, the rest dropped (passes/experts.py set_capacity, written
+    # by the shard pass); None: dropless. Not priced: the plan's all-to-alls are priced dropless
+    capacity_factor: float | None = None
     # how the batch is passed (compile(batch=...)): "global", every rank is given all of it, so an integer input
     # is recomputable (held whole, sliced for free); "local", each data-parallel rank is given only its rows:
     # the `shard` pass fixes the user inputs split on dim 0 over the dp* axes as they are dealt
