@@ -13,7 +13,9 @@ default attention (SDPA with an explicit causal mask), float32, one sequence of 
 ``memory``: on rank 0 of each mesh, what autograd saved for backward during one forward and backward (each
 storage once, by saved-tensor hooks, the weights and the batch left out: ``runtime/measure/memory.py``, as the
 memory benchmark counts them) beside the cost model's prediction of the same category
-(``predicted_categories``); each cp degree in fresh processes.
+(``predicted_categories``) and the whole-plan search's price of the same mesh (``autopar/search``: the
+model's profile, ``Analytic.evaluate`` of pp1 dp1 cpN tp1 in fp32, ``act_kept``); each cp degree in fresh
+processes. The attention form each plan chose is printed (the search prices the all-gather form).
 
 ``time``: torch's own ``torch.distributed.tensor.experimental.context_parallel`` does not run on the CPU: on
 torch 2.13 its SDPA dispatch raises ``NotImplementedError: Operator
@@ -78,7 +80,42 @@ def memory_worker(rank: int, world: int, port: int, a, out: str) -> None:
         module(**batch).backward()
     if rank == 0:
         pred = predicted_categories(module)["activations"]
-        torch.save({"measured": saved.bytes, "predicted": float(pred)}, out)
+        torch.save({"measured": saved.bytes, "predicted": float(pred), "forms": _forms(module.program)}, out)
+
+
+def _forms(prog) -> str:
+    """The context-parallel form of each SDPA call of ``prog`` on its cp axis ("-" without one)."""
+    from autopar.solver.sharding.rules.context import attention_form
+
+    if "cp" not in prog.mesh.names:
+        return "-"
+    axis, types = prog.mesh.names.index("cp"), prog.types()
+    forms = {
+        attention_form(
+            [types[r.name] for r in op.input_refs()], [types[r.name].placements for r in op.input_refs()], axis
+        )  # fmt: skip
+        for op in prog.ops
+        if op.target == "aten.scaled_dot_product_attention"
+    }
+    return ", ".join(sorted(str(f) for f in forms if f)) or "-"
+
+
+def search_priced(a, cp: int) -> float:
+    """The whole-plan search's activation bytes per rank for the model on pp1 dp1 cp``cp`` tp1 in fp32."""
+    from autopar.ir.core import MeshSpec
+    from autopar.models.small_families import LogitsCE
+    from autopar.passes.capture import capture
+    from autopar.passes.lower import lower
+    from autopar.search.price import Analytic
+    from autopar.search.profile import profile_program
+    from autopar.search.space import Candidate
+    from autopar.solver.cluster.spec import ClusterSpec
+
+    model, batch = small_llama(a)
+    prog = lower(capture(LogitsCE(model), (), batch), MeshSpec())
+    prof = profile_program(prog, batch=1, seq=a.seq)
+    an = Analytic(prof, ClusterSpec.load("local-cpu"), 1, precision="fp32")
+    return an.evaluate(Candidate(1, 1, 1, 1, 1, "none", cp=cp)).info["act_kept"][0]
 
 
 def _cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -174,12 +211,16 @@ def main() -> None:
     if a.part == "memory":
         a.seq = a.seq or 2048
         base = None
-        print("| cp | predicted activations / rank (MiB) | measured (MiB) | measured / predicted | measured / cp=1 |")
+        print("| cp | predicted activations / rank (MiB) | search priced (MiB) | measured (MiB) | measured / predicted "
+              "| measured / search | measured / cp=1 | form |")  # fmt: skip
         for cp in (1, 2, 4):
             r = run(memory_worker, cp, a)
+            priced = search_priced(a, cp)
             base = base or r["measured"]
-            print(f"| {cp} | {r['predicted'] / 2**20:.2f} | {r['measured'] / 2**20:.2f} | "
-                  f"{r['measured'] / r['predicted']:.2f} | {r['measured'] / base:.2f} |", flush=True)  # fmt: skip
+            form = r["forms"]
+            print(f"| {cp} | {r['predicted'] / 2**20:.2f} | {priced / 2**20:.2f} | {r['measured'] / 2**20:.2f} | "
+                  f"{r['measured'] / r['predicted']:.3f} | {r['measured'] / priced:.3f} | {r['measured'] / base:.2f} "
+                  f"| {form} |", flush=True)  # fmt: skip
         print(f"({what}, one sequence of {a.seq})")
         return
     a.seq = a.seq or 4096
