@@ -68,6 +68,9 @@ class TrainConfig:
     zero_axes: tuple[str, ...] | None = None  # the axes ZeRO shards over; None: the data-parallel (dp*) axes
     mics_group: int | None = None  # MiCS: shard inside partition groups of this many ranks (None: the whole dp)
     bucket_cap_mb: float = 25.0  # gradients are all-reduced in flat buckets of this size (DDP's bucket_cap_mb)
+    # a mixture of experts on an ep axis: the busiest expert rank's rows over the mean that the plan's all-to-alls
+    # and expert compute are priced at (1: uniform routing, what a load-balancing loss aims at; at least 1)
+    router_imbalance: float = 1.0
     # -- the pipeline (a mesh with a pp axis; without one, microbatches accumulate gradients) ---------------
     schedule: str = "1f1b"  # any registered schedule: gpipe, 1f1b, interleaved, wave, scp, zb-h1, zb-h2, zbv, ...
     schedule_options: Mapping[str, int | Fraction] = field(default_factory=dict)  # chunks=, waves=, alpha1=, ...
@@ -143,6 +146,12 @@ class TrainConfig:
                 f"recompute=True needs a schedule that recomputes ({', '.join(takes)}; scp recomputes by its alpha1), "
                 f"not {self.schedule}"
             )
+        ri = self.router_imbalance
+        if isinstance(ri, bool) or not isinstance(ri, (int, float)) or not ri >= 1:
+            raise ConfigError(
+                f"TrainConfig.router_imbalance must be a number of at least 1 (the busiest expert rank's rows over "
+                f"the mean; 1: uniform routing), not {ri!r}"
+            )
         if not isinstance(self.log_every, int) or isinstance(self.log_every, bool) or self.log_every < 0:
             raise ConfigError(f"TrainConfig.log_every must be a non-negative integer, not {self.log_every!r}")
         cf = self.capacity_factor
@@ -194,6 +203,7 @@ class TrainConfig:
             mics_group=self.mics_group,
             bucket_cap_mb=self.bucket_cap_mb,
             overlap_tp=overlap_tp,
+            router_imbalance=self.router_imbalance,
         )
 
     def shard_options(self, cluster: ClusterSpec | None = None, base: ShardOptions | None = None) -> ShardOptions:
@@ -329,6 +339,7 @@ class TrainConfig:
             zero_axes=s.zero_axes,
             mics_group=s.mics_group,
             bucket_cap_mb=s.bucket_cap_mb,
+            router_imbalance=s.router_imbalance,
             precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
@@ -373,7 +384,7 @@ def resolve(
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
     "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "context_attention",
-    "capacity_factor",
+    "capacity_factor", "router_imbalance",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 

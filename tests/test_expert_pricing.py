@@ -14,7 +14,8 @@ import types
 import pytest
 import torch
 
-from autopar.errors import SolverError
+from autopar.config import TrainConfig
+from autopar.errors import ConfigError, SolverError
 from autopar.ir.core import MeshSpec, Op, R, Ref, Shard, TensorType
 from autopar.models.small_families import _MOE_CONFIGS, FAMILIES, _lm
 from autopar.passes.capture import capture
@@ -135,6 +136,10 @@ def test_skew_raises_the_price_as_the_formula_says() -> None:
     assert grouped_price(ins, placements, mesh, lambda a: (0.0, 0.0), 1.0)[0] == prices[1.0][0]
     with pytest.raises(SolverError, match="router_imbalance"):
         TrainingSetup(router_imbalance=0.5)
+    # settable where a user plans: TrainConfig's field reaches the cost model, and is refused below 1 by name
+    assert TrainConfig(router_imbalance=1.5).training_setup().router_imbalance == 1.5
+    with pytest.raises(ConfigError, match="router_imbalance"):
+        TrainConfig(router_imbalance=0.9)
 
 
 def _tiny(family: str, kernel: str):
