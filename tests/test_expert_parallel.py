@@ -547,3 +547,32 @@ def test_capacity_factor_drops_the_same_rows_as_one_process(mesh: MeshSpec, fact
     assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
     err, where, missing = state_error(sim.full_state_dict(), reference)
     assert not missing and err < TOL, (err, where, missing)
+
+
+@pytest.mark.heavy
+def test_zero2_over_dp_and_ep_trains_exactly() -> None:
+    """ZeRO-2 over the ep axis as well as dp (``zero_axes=("dp", "ep")``) on dp=2 x ep=2, Qwen3-MoE with the
+    grouped_mm kernel, AdamW: the parameters the plan replicates on both axes with their gradients summed there
+    are one flat vector whose optimizer states each rank holds a quarter of, the experts split on ep; two steps
+    equal one process (float64, ``TOL``). (Parameters whose gradient is not summed over every ZeRO axis, the
+    expert tables split on ep among them, stay outside ZeRO, unsharded: ``runtime/grads/zero.py``.)"""
+    from autopar.runtime.grads.zero import ZeroOptimizer
+
+    model, kwargs = _kernel_model("qwen3_moe", "grouped_mm")
+    reference = copy.deepcopy(model)
+    options = replace(MEMORY, setup=TrainingSetup(optimizer="adam", zero=2, zero_axes=("dp", "ep")))
+    sim = SimCompiled.of(model, DP_EP, (), kwargs, options=options, float64=True)
+    ep = DP_EP.index("ep")
+    assert all(t.type.placements[ep] == Shard(0) for t in _expert_tables(sim.modules[0].program))
+    make_optimizer("adamw", sim)
+    for module in sim.modules:
+        opt = module._optimizer
+        assert isinstance(opt, ZeroOptimizer) and opt.zero_axes == ("dp", "ep"), opt
+        flat = opt.flats[0]
+        assert flat.params and flat.master.numel() * 4 == flat.padded, (flat.master.numel(), flat.padded)
+    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [kwargs, kwargs], "adamw")
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
