@@ -59,6 +59,7 @@ from autopar.runtime.comm import watch
 from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.lazy import Deferred, settle
 from autopar.runtime.comm.teardown import holds_groups
+from autopar.runtime.comm.watch import guarded
 from autopar.runtime.execute.batch_tail import install_tail
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.execute.stage_runner import StageRunner
@@ -458,7 +459,16 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         loss = step_loss(losses, scales) if losses else torch.zeros((), device=self.device)
         loss = loss.detach().to(self.device, dtype).contiguous()
         if self._schedule.num_ranks > 1:
-            dist.broadcast(loss, group=self._pp_group, group_src=self._schedule.stage_to_rank[-1])
+            src = self._schedule.stage_to_rank[-1]
+            guarded(
+                self._pp_group,
+                "pp",
+                "broadcast (the step's loss)",
+                dist.broadcast,
+                loss,
+                group=self._pp_group,
+                group_src=src,
+            )
         self._stepped = self._optimizer is not None
         if self.metrics is not None:
             norm = self.grad_norm if self._optimizer is not None else None

@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import PrecisionError
 from autopar.passes.shard import ShardOptions
+from autopar.runtime.comm.watch import guarded
 from autopar.solver.sharding.cost import TrainingSetup
 
 _NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -220,7 +221,16 @@ class LossScaler:
             bad = torch.maximum(bad, (~torch.isfinite(g)).any().to(bad.dtype))
         for axis in sorted(comm.groups):  # max over every axis in turn is the max over the whole mesh
             if comm.sizes[axis] > 1:
-                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=comm.groups[axis])
+                group = comm.groups[axis]
+                guarded(
+                    group,
+                    axis,
+                    "all_reduce (fp16 overflow flag)",
+                    dist.all_reduce,
+                    bad,
+                    op=dist.ReduceOp.MAX,
+                    group=group,
+                )
         if bad.item() > 0:
             self.scale *= self.settings.backoff_factor
             self.skipped += 1

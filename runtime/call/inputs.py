@@ -36,6 +36,7 @@ from autopar.runtime.call.validate import Bound, index_bounds, problem
 from autopar.runtime.comm.agree import agree
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.shards import local_inputs, shard_tensor
+from autopar.runtime.comm.watch import guarded
 from autopar.runtime.execute.stage_runner import StageRunner
 
 
@@ -269,7 +270,8 @@ class CallInputs:
         wire = x.view(torch.uint8) if x.dtype == torch.bool else x.contiguous()
         for a in reversed(self._dp):
             parts = [torch.empty_like(wire) for _ in range(self.comm.sizes[a])]
-            dist.all_gather(parts, wire, group=self.comm.groups[a])
+            group = self.comm.groups[a]
+            guarded(group, a, "all_gather (the batch's rows)", dist.all_gather, parts, wire, group=group)
             wire = torch.cat(parts, 0)
         return wire.view(torch.bool) if x.dtype == torch.bool else wire
 
@@ -279,7 +281,9 @@ class CallInputs:
             return float(w)
         total = torch.as_tensor(w, dtype=torch.float64, device=self.device).reshape(()).clone()
         for a in self._dp:
-            dist.all_reduce(total, group=self.comm.groups[a])
+            guarded(
+                self.comm.groups[a], a, "all_reduce (loss weight)", dist.all_reduce, total, group=self.comm.groups[a]
+            )
         return total.item()
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ir.core import Program, Ref
+from autopar.runtime.comm.watch import guarded
 
 
 def broadcast_outputs(program: Program, outputs: list[list[tuple]], src: int, group, device) -> list[list[Any]]:
@@ -25,7 +26,8 @@ def broadcast_outputs(program: Program, outputs: list[list[tuple]], src: int, gr
             t = types[r.name]
             x = values[i] if values[i] is not None else torch.empty(t.local_shape(mesh), dtype=t.torch_dtype)
             x = x.detach().to(device).contiguous()
-            dist.broadcast(x.view(torch.uint8) if x.dtype == torch.bool else x, group=group, group_src=src)
+            wire = x.view(torch.uint8) if x.dtype == torch.bool else x
+            guarded(group, "pp", "broadcast (outputs)", dist.broadcast, wire, group=group, group_src=src)
             values[i] = x
         out.append(values)
     return out
@@ -34,7 +36,7 @@ def broadcast_outputs(program: Program, outputs: list[list[tuple]], src: int, gr
 def broadcast_weights(weights: list[float] | None, n: int, src: int, group, device) -> list[float]:
     """The ``n`` pieces' loss weights, from ``group``'s member ``src`` (which computed them) to every rank of it."""
     w = torch.tensor(weights or [0.0] * n, dtype=torch.float64, device=device)
-    dist.broadcast(w, group=group, group_src=src)
+    guarded(group, "pp", "broadcast (loss weights)", dist.broadcast, w, group=group, group_src=src)
     return w.tolist()
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import NonFiniteError
+from autopar.runtime.comm.watch import guarded
 
 POLICIES = ("warn_skip", "skip", "raise")
 
@@ -37,7 +38,10 @@ class NonFinite:
             local = any(p.grad is not None and not _finite(p.grad) for p in params.values())
             flag = torch.tensor([1.0 if local else 0.0])
             if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                world = dist.group.WORLD
+                guarded(
+                    world, "every rank", "all_reduce (non-finite flag)", dist.all_reduce, flag, op=dist.ReduceOp.MAX
+                )
             bad = bool(flag.item())
         if not bad:
             return True

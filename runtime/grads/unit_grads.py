@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.watch import guarded
 
 
 @dataclass
@@ -88,7 +89,14 @@ class UnitGrads:
                 dist.reduce_scatter_single(out, g.contiguous(), group=self.comm.groups[a])
                 g = out
             else:
-                dist.all_reduce(g, group=self.comm.groups[a])
+                guarded(
+                    self.comm.groups[a],
+                    a,
+                    "all_reduce (ZeRO-3 gradients)",
+                    dist.all_reduce,
+                    g,
+                    group=self.comm.groups[a],
+                )
         return g
 
     def _accumulate(self, u: int, g: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from autopar.ir.axes import data_axes
 from autopar.ir.core import Replicate
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.watch import guarded
 
 
 class _Flat:
@@ -172,7 +173,9 @@ class ZeroOptimizer(torch.optim.Optimizer):
             for a in self.replica_axes:
                 if self.comm.coords[a] != 0:
                     g.masked_fill_(whole, 0.0)
-                dist.all_reduce(g, group=self.comm.groups[a])
+                guarded(
+                    self.comm.groups[a], a, "all_reduce (ZeRO gradients)", dist.all_reduce, g, group=self.comm.groups[a]
+                )
             f.master.grad = g.to(f.master.dtype, copy=True)
             for p in f.params:
                 p.grad = None  # ZeRO-2: only the slice's gradient is kept
@@ -232,7 +235,9 @@ def gather_slices(piece: torch.Tensor, comm: Comm, zero_axes: tuple[str, ...]) -
     x = piece
     for a in reversed(zero_axes):
         parts = [torch.empty_like(x) for _ in range(comm.sizes[a])]
-        dist.all_gather(parts, x.contiguous(), group=comm.groups[a])
+        guarded(
+            comm.groups[a], a, "all_gather (ZeRO slices)", dist.all_gather, parts, x.contiguous(), group=comm.groups[a]
+        )
         x = torch.cat(parts)
     return x
 
@@ -271,7 +276,7 @@ def _reduce_scatter(g: torch.Tensor, group, n: int, coord: int) -> torch.Tensor:
         out = torch.empty(g.numel() // n, dtype=g.dtype, device=g.device)
         dist.reduce_scatter_tensor(out, g, group=group)
         return out
-    dist.all_reduce(g, group=group)  # gloo: no reduce-scatter; all-reduce and keep this rank's slice
+    guarded(group, None, "all_reduce (ZeRO gradients)", dist.all_reduce, g, group=group)  # gloo: no reduce-scatter
     return g.chunk(n)[coord].clone()
 
 
