@@ -97,3 +97,30 @@ def test_cli_prints_the_expert_parallel_layout_it_chose(capsys) -> None:
     out = capsys.readouterr().out
     first = next(line for line in out.splitlines() if line.strip().startswith("1 "))
     assert " ep2 " in first, out
+
+
+def test_family_bounds_hold_for_expert_parallel_candidates(moe) -> None:
+    """The branch and bound stays exact with ep: for every family of the MoE on 8 GPUs (ep 1 to 8), each of its
+    candidates' step-time lower bound and memory are at least the family's bounds."""
+    from autopar.search.space import chains, max_shard, sync_options
+
+    cluster = ClusterSpec.load(CLUSTER)
+    an = Analytic(moe, cluster, 16)
+    space = SearchSpace(devices_per_node=8, chunks=(2,), waves=(1,))
+    checked = 0
+    for f in families(an, space, 8):
+        if f.ep == 1 and f.dp > 1:
+            continue
+        time_bound, memory_bound = an.family_bounds(
+            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f),
+            sync_options(space, f, an.zero0_dominated), ep=f.ep,
+        )  # fmt: skip
+        for ch in chains(an, space, f):
+            for z in ch.zeros:
+                for level in range(len(ch.levels)):
+                    ev = an.evaluate(ch.candidate(z, level))
+                    if ev is not None:
+                        assert ev.lower_bound >= time_bound * (1 - 1e-9), (ch.candidate(z, level), time_bound)
+                        assert ev.memory >= memory_bound * (1 - 1e-9), (ch.candidate(z, level), memory_bound)
+                        checked += ev.candidate.ep > 1
+    assert checked > 50
