@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -33,6 +34,7 @@ def test_pipeline_schedules_notebook() -> None:
     assert {"gpipe", "1f1b", "interleaved", "wave", "scp"} <= set(registered.split(":")[1].replace(",", " ").split())
 
 
+@pytest.mark.heavy  # 18 s; make test keeps the quickstart notebook, within its 15 minutes
 def test_memory_vs_megatron_notebook() -> None:
     nb = execute("memory_vs_megatron.ipynb")
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]

@@ -199,6 +199,9 @@ def _train_relu_mlp(compiled: bool) -> tuple[torch.Tensor, object]:
     return torch.tensor(losses, dtype=torch.float64), m
 
 
+# heavy since session 15 (24 s of Inductor compiling): make test keeps one compiled run,
+# tests/test_torch_compile_small.py, and stays within its 15 minutes
+@pytest.mark.heavy
 def test_a_compile_failure_names_the_kernel_warns_and_runs_eagerly(one_process):
     import torch._inductor.config as inductor_config
 
