@@ -41,7 +41,7 @@ def run_cli(args: argparse.Namespace) -> int:
         budget = args.budget_gb * GiB if args.budget_gb is not None else None
     result = search_model(
         args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True,
-        attention=getattr(args, "attention", None) or "fused",
+        attention=getattr(args, "attention", None) or "fused", compiled=bool(getattr(args, "torch_compile", None)),
     )  # fmt: skip
     plan = None
     if args.output:

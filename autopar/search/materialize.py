@@ -79,7 +79,10 @@ def build_plan(
     capture_seconds = time.perf_counter() - t0
     mesh = MeshSpec(tuple(c.mesh().items()))
     zero_axes = data_axes(mesh.without_pipeline().names)
-    setup = TrainingSetup(precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None)
+    setup = TrainingSetup(
+        precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None,
+        compiled=result.analytic.compiled,  # a plan searched for torch_compile=True is solved priced compiled
+    )  # fmt: skip
     opts = ShardOptions(
         objective="time",
         budget_bytes=result.budget_bytes,

@@ -41,7 +41,7 @@ from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
 from autopar.passes.split_cache import cache_dir, write_atomic
-from autopar.solver.cluster.compute import op_work
+from autopar.solver.cluster.compute import compiled_shares, op_work
 from autopar.solver.sharding.experts import EP_BLOCK, EXPERT_GATHER, EXPERT_GROUPED_MM, exchange_sides
 from autopar.solver.sharding.megatron_roles import (
     COLUMN,
@@ -54,7 +54,8 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 12  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 13  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 13: per-op works as a compiled run prices them (compute.compiled_shares) beside the eager ones
 # 12: a grouped matmul's all-to-alls by its place in its expert block
 # 11: each unit's experts (their tables, count, routed rows and FLOPs) for the search's expert parallelism
 # 10: the keys and values of each attention (what context parallelism all-gathers and keeps whole)
@@ -100,6 +101,9 @@ class UnitCost:
     # the unit's forward ops as the compute model prices them (solver/cluster/compute.py), per sample:
     # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp), one per non-view op
     works: tuple[tuple[str, float, float, float, int, int, int, bool], ...] = ()
+    # the same ops as a torch.compile'd run prices them (``compute.compiled_shares`` over the whole program: each
+    # op its share of its fused kernel; kernels, the last field but one, a fraction), aligned with ``works``
+    compiled_works: tuple[tuple[str, float, float, float, int, int, float, bool], ...] = ()
     # context parallelism (``cp``, the all-gather form of ``solver/sharding/rules/context.py``): per sample, the
     # bytes of the keys and values the unit's SDPA calls read (each cp rank keeps them whole for the backward;
     # split over tp when they lie between Megatron's column- and row-parallel matmuls), the bytes the cp axis
@@ -186,6 +190,7 @@ class Profile:
                 u,
                 ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ())),
                 works=tuple(tuple(w) for w in u.get("works", ())),
+                compiled_works=tuple(tuple(w) for w in u.get("compiled_works", ())),
                 routed=tuple(tuple(r) for r in u.get("routed", ())),
             )
             for u in d["units"]
@@ -248,6 +253,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
             for r in op.results:
                 unit_of[r] = k
     tp_divides: set[int] = set()
+    shares = dict(zip(map(id, prog.ops), compiled_shares(prog.ops, types, "fp32")))  # a compiled run's op prices
     out: list[UnitCost] = []
     itemsize = 4
     for k, (kind, label, ops) in enumerate(units):
@@ -257,6 +263,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
         arb = [0.0, 0]
         f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
         works: list[tuple] = []
+        fused: list[tuple] = []
         moe = _experts_of(ops, types, batch)
         seen_params: set[str] = set()
         seen_in: set[str] = set()
@@ -312,6 +319,8 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
             if op.target not in VIEW_OPS:
                 w = op_work(op, types, "fp32")  # bytes at 4 per float: StageTerms scales them to the training dtype
                 works.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
+                w = shares[id(op)]
+                fused.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
                 c["flops"] += op.flops
                 if r_:
                     c["flops_tp"] += op.flops
@@ -352,6 +361,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 wgrad_rep=c["wrep"] / batch,
                 ar_bwd_groups=tuple((nbytes / batch, flops / batch) for nbytes, flops in f_inputs.values()),
                 works=tuple(works),
+                compiled_works=tuple(fused),
                 kv_tp=c["kvtp"] / batch,
                 kv_rep=c["kvrep"] / batch,
                 kv_gather_tp=c["kvgtp"] / batch,

@@ -67,11 +67,13 @@ def search(
     spec: str | None = None,
     tight_bound: bool = True,
     attention: str = "fused",
+    compiled: bool = False,
 ) -> SearchResult:
     """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: the device memory less
     its reserve, ``ClusterSpec.plan_memory``). ``attention`` is how the model's attention runs, a stated assumption
     of every price: "fused" (one kernel, FlashAttention or PyTorch's SDPA on a GPU: no scores stored) or "unfused"
     (Megatron-LM of 2021: batched matmuls, a fused softmax and dropout on the stored scores; ``compute.py``).
+    ``compiled``: the plan runs with ``torch_compile=True``, its elementwise ops priced fused (``StageTerms``).
 
     Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
     priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
@@ -86,7 +88,7 @@ def search(
     t0 = time.perf_counter()
     space = dataclasses.replace(space or SearchSpace(), devices_per_node=cluster.devices_per_node)
     budget = float(budget_bytes if budget_bytes is not None else cluster.plan_memory)
-    an = Analytic(profile, cluster, global_batch, precision=precision, attention=attention)
+    an = Analytic(profile, cluster, global_batch, precision=precision, attention=attention, compiled=compiled)
     keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
             "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip
     stats: dict[str, Any] = dict.fromkeys(keys, 0)

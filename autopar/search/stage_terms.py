@@ -58,10 +58,14 @@ class StageTerms:
         scatter_gather: bool = True,
         attention: str = "fused",
         router_imbalance: float = DEFAULT_IMBALANCE,
+        compiled: bool = False,
     ):
         self.p, self.cluster, self.B = profile, cluster, global_batch
         # the busiest expert rank's rows over the mean (solver/sharding/experts.py:busiest_rows)
         self.router_imbalance = router_imbalance
+        # the plan runs under torch.compile (torch_compile=True): each unit's ops priced as the compiled run fuses
+        # them (``UnitCost.compiled_works``, compute.compiled_shares), as the sharding ILP and the stage balancer do
+        self.compiled = compiled
         self.precision, self.optimizer, self.efficiency = precision, optimizer, efficiency
         self.scatter_gather = scatter_gather
         self.dtype = precision
@@ -104,6 +108,8 @@ class StageTerms:
         return compute.flop_seconds(flops, self.device, self.dtype)
 
     def _works(self, u: UnitCost) -> tuple:
+        if self.compiled and u.compiled_works:
+            return u.compiled_works
         if u.works:
             return u.works
         # a unit without its ops (a hand-made profile): its FLOPs as matmul work of unknown shape

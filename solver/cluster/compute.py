@@ -61,7 +61,9 @@ class Work:
     n: int = 0  # matmul: columns; attention: keys s_kv
     k: int = 0  # matmul: the contracted dimension; attention: head dim
     dtype: str = "fp32"
-    ops: int = 1  # kernels launched (an aggregate of several elementwise ops counts each)
+    # kernels launched (an aggregate of several elementwise ops counts each; an op's share of a fused kernel,
+    # ``compiled_shares``, a fraction of one)
+    ops: float = 1
 
     def split(self, ways: int) -> Work:
         """The work of one of ``ways`` ranks that divide it: FLOPs and bytes / ways and, for a matmul or
@@ -373,8 +375,41 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
     writes for a reader after the run (or for none in ``ops``: an output), each counted once; its
     intermediates stay in registers. Views are free, as in ``op_work``: reading a view reads what it views.
     Never more bytes or launches than ``op_work`` op by op."""
-    size = ITEMSIZE.get(dtype, 4)
+    return [w for w, _ in _compiled_kernels(list(ops), types, dtype, attention)]
+
+
+def compiled_shares(ops: Any, types: dict[str, Any], dtype: str, attention: str = "fused") -> list[Work]:
+    """One ``Work`` per op of ``ops``: its share of the kernel ``compiled_works`` runs it in, so that a caller that
+    prices op by op (the sharding ILP, the search's units, the stage balancer's subgraphs) prices a compiled
+    program as ``compiled_works`` does. A kernel of its own (a matmul, attention, a collective) is the op's
+    ``op_work``; a fused group's work is shared among its ops in proportion to the bytes each moves op by op
+    (its FLOPs where none moves bytes, else equally): FLOPs, bytes and the one launch (``Work.ops``) scaled alike,
+    so that ``seconds`` of the shares adds up to the group's (``seconds`` is homogeneous in them) and the shares
+    of ops a caller divides alike divide as the kernel does. A view's share is nothing."""
     ops = list(ops)
+    out = [Work("elementwise", 0.0, 0.0, dtype=dtype, ops=0) for _ in ops]
+    for work, members in _compiled_kernels(ops, types, dtype, attention):
+        if (len(members) == 1 and work.kind != "elementwise") or not str(ops[members[0]].target).startswith("aten."):
+            out[members[0]] = work
+            continue
+        eager = [op_work(ops[i], types, dtype, attention) for i in members]
+        weights = [w.bytes for w in eager]
+        if not sum(weights):
+            weights = [w.flops for w in eager]
+        if not sum(weights):
+            weights = [1.0] * len(members)
+        total = sum(weights)
+        for i, wt in zip(members, weights):
+            f = wt / total
+            out[i] = Work("elementwise", work.flops * f, work.bytes * f, dtype=dtype, ops=work.ops * f)
+    return out
+
+
+def _compiled_kernels(
+    ops: list[Any], types: dict[str, Any], dtype: str, attention: str
+) -> list[tuple[Work, list[int]]]:
+    """``compiled_works``' kernels, each with the positions in ``ops`` of the (non-view) ops it runs."""
+    size = ITEMSIZE.get(dtype, 4)
     last_reader: dict[str, int] = {}
     for i, op in enumerate(ops):
         for r in op.input_refs():
@@ -384,7 +419,7 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
         t = types[name]
         return float(t.numel * size if t.is_float else t.nbytes)
 
-    out: list[Work] = []
+    out: list[tuple[Work, list[int]]] = []
     run: list[int] = []  # the fusible ops since the last kernel of its own
 
     def close() -> None:
@@ -418,7 +453,7 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
             made = {r for i in idx if ops[i].target not in VIEW_OPS for r in ops[i].results}
             read: set[str] = set()
             written: set[str] = set()
-            flops, launches = 0.0, 0
+            flops, members = 0.0, []
             for i in idx:
                 op = ops[i]
                 for r in op.results:  # read after the run or never in ``ops``: written (a view: what it views)
@@ -428,13 +463,14 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
                             written.add(v)
                 if op.target in VIEW_OPS:
                     continue
-                launches, flops = 1, flops + float(op.flops)
+                members.append(i)
+                flops += float(op.flops)
                 for r in op.input_refs():
                     if source.get(r.name, r.name) not in made:
                         read.add(r.name)  # an outside value (or a view of one, at the view's size)
-            if launches:
+            if members:
                 moved = sum(nbytes(n) for n in read | written)
-                out.append(Work("elementwise", flops, moved, dtype=dtype, ops=1))
+                out.append((Work("elementwise", flops, moved, dtype=dtype, ops=1), members))
         run.clear()
 
     for i, op in enumerate(ops):
@@ -443,7 +479,8 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
             run.append(i)
             continue
         close()
-        out.append(work)
+        if op.target not in VIEW_OPS:
+            out.append((work, [i]))
     close()
     return out
 
@@ -454,6 +491,7 @@ __all__ = [
     "Device",
     "DeviceTable",
     "Work",
+    "compiled_shares",
     "compiled_works",
     "device_of",
     "efficiency",

@@ -90,8 +90,9 @@ class TrainingSetup:
     # all-reduce is hidden behind their weight gradients; not under a split backward (zero-bubble schedules) or
     # sub-pipelined tensor parallelism, where the f runs on its own (runtime/module.py)
     overlap_tp: bool = True
-    # the rank programs run under torch.compile (torch_compile=True): the stage balancer prices their elementwise
-    # ops fused, each group between two matmuls one kernel by its outside bytes (solver/cluster/compute.compiled_works)
+    # the rank programs run under torch.compile (torch_compile=True): every price model prices their elementwise
+    # ops fused, each group between two matmuls one kernel by its outside bytes (solver/cluster/compute.compiled_works;
+    # op by op, each op its share of its kernel: compute.compiled_shares)
     compiled: bool = False
     # the busiest expert-parallel rank's rows over the mean that the router's skew adds (1: uniform routing, what
     # a load-balancing loss aims at): expert all-to-alls and the experts' computation are priced at that rank's
@@ -160,6 +161,21 @@ class CostModel:
         self._terms = _shared_terms(self.mesh, self._intra, self.cluster)
         self._blocks: dict = {}
         self.device = compute.device_of(self.cluster)
+        self._shares: dict[int, tuple[object, compute.Work]] = {}  # id(op) -> (op, its compiled share)
+
+    def price_program(self, prog: Program) -> None:
+        """Price ``prog``'s ops as its compiled run runs them where the plan is for one (``setup.compiled``): each
+        op then costs its share of its fused kernel (``compute.compiled_shares`` over the program), so the ops
+        of a fused group sum to the group's price; else (eager) nothing changes."""
+        if self.setup.compiled:
+            shares = compute.compiled_shares(prog.ops, prog.types(), self.dtype)
+            self._shares = {id(op): (op, w) for op, w in zip(prog.ops, shares)}
+            self._memo = {k: v for k, v in self._memo.items() if k[0] != "op"}
+
+    def compiled_share(self, op) -> compute.Work | None:
+        """``op``'s share of its compiled kernel (``price_program``), None when the plan is priced eager."""
+        found = self._shares.get(id(op))
+        return found[1] if found is not None and found[0] is op else None
 
     # -- memory ---------------------------------------------------------------------------------
     def local_bytes(self, t: TensorType, p: tuple[Placement, ...]) -> float:
@@ -331,7 +347,8 @@ class CostModel:
         key = ("op", id(op), tuple(ins), tuple(split))
         found = self._memo.get(key)
         if found is None or found[0] is not op:
-            found = self._memo[key] = (op, self.work_seconds(compute.op_work(op, types, self.dtype), split))
+            work = self.compiled_share(op) or compute.op_work(op, types, self.dtype)
+            found = self._memo[key] = (op, self.work_seconds(work, split))
         seconds = found[1]
         if in_placements is None or op.target not in experts.EXPERT_GROUPED_MM:
             return seconds

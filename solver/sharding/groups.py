@@ -95,6 +95,7 @@ class GroupBuilder:
         self.mesh = prog.mesh
         self.types = prog.types()
         self.cost = CostModel(prog.mesh, opts.setup, opts.cluster)
+        self.cost.price_program(prog)  # a compiled plan's ops priced as their fused kernels (setup.compiled)
         self.counts = chunk_counts(prog)
         self.users = prog.users()
         self.outputs = {r.name for r in prog.outputs if hasattr(r, "name")}
@@ -292,7 +293,10 @@ class GroupBuilder:
             )
             saved = tuple(self.saved.activation(r) for r in op.results), self.saved.extra.get(op.result)
             block = op.attrs.get(EP_BLOCK)  # an expert block's grouped matmul is priced by its place in it
-            ops.append((op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved, block))
+            share = self.cost.compiled_share(op)  # a compiled plan: its share of its fused kernel (None: eager)
+            ops.append(
+                (op.target, reads, op.types, op.flops, op.bytes, unnamed((op.args, op.kwargs)), saved, block, share)
+            )
         values = tuple((v.kind, v.type, self.saved.activation(v.name), bool(v.attrs.get("frozen"))) for v in g.values)
         return ("ops", tuple(ops), values, len(g.candidates))
 

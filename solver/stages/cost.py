@@ -241,6 +241,9 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
     device = compute.device_of(ctx.cluster, ctx.efficiency)
     ways = ctx.dp * ctx.tp
     per_param = ctx.bytes_per_param
+    # compiled: each op its share of its fused kernel over the whole program (compute.compiled_shares), as the
+    # sharding ILP and the search price it
+    shares = compute.compiled_shares(prog.ops, ctx.types, ctx.precision) if ctx.compiled else None
     out = []
     params: dict[str, tuple[float, list[int]]] = {}
     tied = []
@@ -264,11 +267,10 @@ def subgraph_costs(ctx: StageContext, subgraphs: Sequence[OpRun], comm_fn: CommF
                     act += ctx.act_bytes(t)
             act += ctx.extra_bytes(op)
             wkept += ctx.wkept_bytes(op)
-        ops = prog.ops[s.start : s.stop]
-        if ctx.compiled:
-            works = compute.compiled_works(ops, ctx.types, ctx.precision)
+        if shares is not None:
+            works = shares[s.start : s.stop]
         else:
-            works = [compute.op_work(op, ctx.types, ctx.precision) for op in ops]
+            works = [compute.op_work(op, ctx.types, ctx.precision) for op in prog.ops[s.start : s.stop]]
         seconds = sum(compute.train_seconds(w.split(ways), device) for w in works)
         out.append(SubgraphCost(seconds, comm_fn(ctx, s), weight, act, wkept))
     return SplitCosts(out, tied, params)
