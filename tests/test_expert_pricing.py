@@ -9,6 +9,7 @@ at random (uniform, and skewed towards the first rank's experts).
 from __future__ import annotations
 
 import itertools
+import math
 import types
 
 import pytest
@@ -23,7 +24,7 @@ from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.runtime.comm import all_to_all as a2a
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
-from autopar.solver.sharding.experts import busiest_rows, expert_rows, grouped_price
+from autopar.solver.sharding.experts import EXPERT_GROUPED_MM, busiest_rows, expert_rows, grouped_price
 from autopar.solver.sharding.roles import expert_parallel_constraints
 from tests.exactness import float64_model
 
@@ -182,3 +183,67 @@ def test_roles_by_name_put_the_expert_tables_on_ep(kernel: str) -> None:
     assert len(tables) == 2 and all(t.type.placements[0] == Shard(0) for t in tables), [str(t.type) for t in tables]
     dense, dense_kwargs = FAMILIES["llama"](torch.Generator().manual_seed(1))
     assert expert_parallel_constraints(lower(capture(dense, (), dense_kwargs), MeshSpec((("ep", 2),)))) == {}
+
+
+def test_capacity_caps_the_busiest_rank_as_the_formula_says() -> None:
+    """A capacity factor c (GShard's, Switch's: each expert keeps c times its mean rows, the rest dropped before
+    the dispatch) caps the busiest expert rank's rows at c times the mean: ``busiest_rows`` is
+    ``min(imbalance mu + sigma sqrt(2 ln n), c mu, N)``, so under a router skewed past c the price is c's. A grouped
+    matmul on ep=4 (each rank's block its own experts', only the busiest rank's rows beyond its block cross) moves
+    2 x (c mu - mu) x (K + N) x itemsize per device and computes c times the mean rows; a capacity above the skew
+    changes nothing. The shard pass's options carry the factor to the cost model (``ShardOptions.capacity_factor``
+    sets ``setup.capacity_factor``), and a non-positive one is refused by name."""
+    rows, n = 64, 4
+    mean = rows / n
+    noise = math.sqrt(rows * (1 / n) * (1 - 1 / n)) * math.sqrt(2 * math.log(n))
+    for f, c in ((1.0, None), (2.0, None), (2.0, 1.25), (2.0, 0.5), (1.0, 4.0), (1.5, 1.5)):
+        want = min(rows, f * mean + noise, rows if c is None else c * mean)
+        assert busiest_rows(rows, n, f, c) == pytest.approx(want, rel=1e-12), (f, c)
+    mesh = MeshSpec((("ep", n),))
+    op, ts = _grouped_op(rows)
+    placements = [(Shard(0),), (Shard(0),), (R,)]
+    ins = [ts["x"], ts["w"], ts["offs"]]
+    width, itemsize = 16 + 32, 4
+    skewed = CostModel(mesh, TrainingSetup(router_imbalance=2.0))
+    plain = skewed.op_seconds(op, ts, [True])
+    for c in (1.25, 1.0):
+        capped = CostModel(mesh, ShardOptions(setup=TrainingSetup(router_imbalance=2.0), capacity_factor=c).setup)
+        vol, _ = capped.inherent(op.target, ins, placements, op)
+        assert vol == pytest.approx(2 * (c * mean - mean) * width * itemsize, rel=1e-12)
+        assert capped.op_seconds(op, ts, [True], placements) == pytest.approx(plain * c, rel=1e-12)
+        assert vol < skewed.inherent(op.target, ins, placements, op)[0]
+    roomy = CostModel(mesh, TrainingSetup(router_imbalance=1.5, capacity_factor=2.0))
+    assert roomy.inherent(op.target, ins, placements, op) == CostModel(
+        mesh, TrainingSetup(router_imbalance=1.5)
+    ).inherent(op.target, ins, placements, op)
+    assert TrainConfig(capacity_factor=1.25).shard_options().setup.capacity_factor == 1.25
+    assert ShardOptions(capacity_factor=None, setup=TrainingSetup(capacity_factor=2.0)).setup.capacity_factor is None
+    with pytest.raises(SolverError, match="capacity_factor"):
+        TrainingSetup(capacity_factor=0.0)
+
+
+@pytest.mark.heavy  # a capture and three solves, 24 s under load
+def test_the_ilp_prices_the_capacity() -> None:
+    """OLMoE (tiny, grouped_mm) planned on ep=2 with roles by name (memory objective: the rows split over ep, sent to
+    their experts' ranks) under a router skewed to 1.8 times the mean: a capacity factor of 1.0 drops the rows over
+    it, and the plan's predicted all-to-all bytes and seconds and the experts' computation are lower for it (the
+    same layout: the tables split over ep, the rows dispatched, either way); a factor above the skew prices as
+    dropless (tests/test_search_experts.py: the search's price)."""
+    model, kwargs = _tiny("olmoe", "grouped_mm")
+    lowered = lower(capture(model, (), kwargs), MeshSpec((("ep", 2),)))
+    skew = TrainingSetup(router_imbalance=1.8)
+    plans = {
+        c: shard(lowered, ShardOptions(objective="memory", roles="name", setup=skew, capacity_factor=c))
+        for c in (None, 1.0, 4.0)
+    }
+    tables = {
+        c: [v.type.placements for v in p.program.params if v.name.endswith(EXPERT_TABLES)] for c, p in plans.items()
+    }
+    assert all(t == [(Shard(0),), (Shard(0),)] for t in tables.values()), tables
+    grouped = [op.result for op in lowered.ops if op.target in EXPERT_GROUPED_MM]
+    assert len(grouped) == 2 and all(p.chosen[g].inputs[0] == (Shard(0),) for p in plans.values() for g in grouped)
+    assert plans[1.0].comm_bytes < plans[None].comm_bytes and plans[1.0].comm_seconds < plans[None].comm_seconds
+    assert plans[1.0].compute_seconds < plans[None].compute_seconds
+    assert plans[4.0].comm_bytes == plans[None].comm_bytes
+    assert plans[4.0].step_seconds == pytest.approx(plans[None].step_seconds, rel=1e-12)
+    assert all(op.attrs.get("capacity") for op in plans[1.0].program.ops if "grouped_mm" in op.target)

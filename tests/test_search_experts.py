@@ -73,6 +73,36 @@ def test_expert_parallel_price(moe) -> None:
     assert b.tb[0] - a.tb[0] == pytest.approx(2 * added, rel=1e-9)
     skewed = Analytic(moe, cluster, 16, router_imbalance=1.5).evaluate(ep2)
     assert skewed.tf[0] > b.tf[0] and skewed.memory == b.memory
+    # a capacity factor caps the busiest rank's rows at its times the mean (busiest_rows): 1.0 drops the skew and
+    # the noise, 4.0 none of it
+    capped = Analytic(moe, cluster, 16, router_imbalance=1.5, capacity_factor=1.0).evaluate(ep2)
+    roomy = Analytic(moe, cluster, 16, router_imbalance=1.5, capacity_factor=4.0).evaluate(ep2)
+    assert capped.tf[0] < b.tf[0] and roomy.tf == skewed.tf
+    at_mean = 0.0
+    for u in moe.units:
+        for rows, width, calls in u.routed:
+            nbytes = rows * 2 * width * an.act_scale * 2 / calls  # the mean rows: nothing beyond them computed
+            at_mean += calls * cluster.collective_seconds("all_to_all", nbytes, 2, intra, k)
+    assert capped.tf[0] - a.tf[0] == pytest.approx(at_mean, rel=1e-9)
+
+
+def test_search_prices_the_router_and_the_capacity(moe) -> None:
+    """``search``'s ``router_imbalance`` and ``capacity_factor`` reach its prices: the same expert-parallel plan
+    (pinned by the space) is priced as ``Analytic`` prices it with them: slower under a skewed router, faster than
+    dropless under a capacity of 1.0 below the skew."""
+    cluster = ClusterSpec.load(CLUSTER)
+    space = SearchSpace(pp=(1,), tp=(1,), zero=(0,), ep=(2,), micro_batch=(2,))
+    steps = {}
+    for ri, cf in ((1.0, None), (1.5, None), (1.5, 1.0)):
+        found = search(
+            moe, cluster, 16, budget_bytes=float("inf"), space=space, router_imbalance=ri, capacity_factor=cf
+        )
+        best = found.best[0]
+        assert best.candidate.ep == 2
+        want = Analytic(moe, cluster, 16, router_imbalance=ri, capacity_factor=cf).evaluate(best.candidate)
+        assert best.tf == pytest.approx(want.tf, rel=1e-12) and best.tb == pytest.approx(want.tb, rel=1e-12)
+        steps[ri, cf] = best.step_time
+    assert steps[1.5, None] > steps[1.0, None] > steps[1.5, 1.0]
 
 
 def test_search_chooses_expert_parallelism_when_only_it_fits(moe) -> None:

@@ -48,6 +48,7 @@ from autopar.search.result import GiB, SearchResult
 from autopar.search.score import Scorer
 from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, families, max_shard, sync_options
 from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.experts import DEFAULT_IMBALANCE
 
 _BOUND_SLACK = 1e-9  # relative: float sums of the bound and the simulator differ in the last bits
 
@@ -68,12 +69,16 @@ def search(
     tight_bound: bool = True,
     attention: str = "fused",
     compiled: bool = False,
+    router_imbalance: float = DEFAULT_IMBALANCE,
+    capacity_factor: float | None = None,
 ) -> SearchResult:
     """Find the ``top`` fastest candidates that fit ``budget_bytes`` per device (default: the device memory less
     its reserve, ``ClusterSpec.plan_memory``). ``attention`` is how the model's attention runs, a stated assumption
     of every price: "fused" (one kernel, FlashAttention or PyTorch's SDPA on a GPU: no scores stored) or "unfused"
     (Megatron-LM of 2021: batched matmuls, a fused softmax and dropout on the stored scores; ``compute.py``).
     ``compiled``: the plan runs with ``torch_compile=True``, its elementwise ops priced fused (``StageTerms``).
+    ``router_imbalance`` and ``capacity_factor`` price a mixture of experts' busiest expert rank as TrainConfig's
+    fields of those names do (``StageTerms.expert_seconds``).
 
     Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
     priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
@@ -88,7 +93,10 @@ def search(
     t0 = time.perf_counter()
     space = dataclasses.replace(space or SearchSpace(), devices_per_node=cluster.devices_per_node)
     budget = float(budget_bytes if budget_bytes is not None else cluster.plan_memory)
-    an = Analytic(profile, cluster, global_batch, precision=precision, attention=attention, compiled=compiled)
+    an = Analytic(
+        profile, cluster, global_batch, precision=precision, attention=attention, compiled=compiled,
+        router_imbalance=router_imbalance, capacity_factor=capacity_factor,
+    )  # fmt: skip
     keys = ("space", "families", "families_over_budget", "families_pruned_by_bound", "priced", "over_budget",
             "dominated", "unsupported", "pruned_by_bound", "scored")  # fmt: skip
     stats: dict[str, Any] = dict.fromkeys(keys, 0)

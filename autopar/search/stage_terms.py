@@ -59,10 +59,12 @@ class StageTerms:
         attention: str = "fused",
         router_imbalance: float = DEFAULT_IMBALANCE,
         compiled: bool = False,
+        capacity_factor: float | None = None,
     ):
         self.p, self.cluster, self.B = profile, cluster, global_batch
-        # the busiest expert rank's rows over the mean (solver/sharding/experts.py:busiest_rows)
-        self.router_imbalance = router_imbalance
+        # the busiest expert rank's rows over the mean, capped at the capacity factor's times the mean where there
+        # is one (solver/sharding/experts.py:busiest_rows; the grouped_mm kernel's capacity, priced for every kernel)
+        self.router_imbalance, self.capacity_factor = router_imbalance, capacity_factor
         # the plan runs under torch.compile (torch_compile=True): each unit's ops priced as the compiled run fuses
         # them (``UnitCost.compiled_works``, compute.compiled_shares), as the sharding ILP and the stage balancer do
         self.compiled = compiled
@@ -346,9 +348,10 @@ class StageTerms:
     def expert_seconds(self, a: int, e: int, b: int, ep: int, tp: int) -> float:
         """Forward seconds a microbatch of ``b`` samples adds to units ``a..e`` under expert parallelism over ``ep``
         ranks (0 without): each expert op's all-to-alls (its rows sent to their experts' ranks at K and back at
-        N, ``UnitCost.routed``) at the busiest rank's rows, ``busiest_rows`` under the router's imbalance, of
-        which (ep-1)/ep cross the links (rows in token order, a dispatcher's; the runtime's globally sorted blocks
-        cross less, ``solver/sharding/experts.py``), over the ep group (ranks tp apart); and the busiest rank's
+        N, ``UnitCost.routed``) at the busiest rank's rows, ``busiest_rows`` under the router's imbalance and the
+        capacity factor, of which (ep-1)/ep cross the links (rows in token order, a dispatcher's; the runtime's
+        globally sorted blocks cross less, ``solver/sharding/experts.py``), over the ep group (ranks tp apart); and
+        the busiest rank's
         expert FLOPs beyond the mean. The backward runs the inverse all-to-alls and twice the FLOPs: the caller's
         2 x forward."""
         if ep <= 1:
@@ -359,12 +362,12 @@ class StageTerms:
         for u in self.p.units[a:e]:
             for rows, width, calls in u.routed:
                 local = rows * b
-                busiest = busiest_rows(round(local * ep), ep, self.router_imbalance)
+                busiest = busiest_rows(round(local * ep), ep, self.router_imbalance, self.capacity_factor)
                 nbytes = busiest * width * sa / tp / calls  # each call's rows, at the widths tp leaves a rank
                 total += calls * self.cluster.collective_seconds("all_to_all", nbytes, ep, intra, k)
             if u.expert_flops and u.routed:
                 rows = u.routed[0][0] * b
-                load = busiest_rows(round(rows * ep), ep, self.router_imbalance) / rows
+                load = busiest_rows(round(rows * ep), ep, self.router_imbalance, self.capacity_factor) / rows
                 total += (load - 1) * self.flop_seconds(u.expert_flops * b / tp)
         return total
 

@@ -98,12 +98,19 @@ class TrainingSetup:
     # a load-balancing loss aims at): expert all-to-alls and the experts' computation are priced at that rank's
     # rows (solver/sharding/experts.py:busiest_rows)
     router_imbalance: float = experts.DEFAULT_IMBALANCE
+    # a mixture of experts' capacity factor c (ShardOptions.capacity_factor, which sets it): each expert keeps c
+    # times its mean rows, so the busiest expert rank's rows are capped at c times the mean (None: dropless)
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
         if not self.router_imbalance >= 1:
             raise SolverError(
                 f"router_imbalance={self.router_imbalance}: the busiest expert rank's rows over the mean is at least "
                 "1 (1: uniform routing; 1.5: the busiest rank gets half again the mean)"
+            )
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise SolverError(
+                f"capacity_factor={self.capacity_factor}: an expert's capacity factor must be positive (None: dropless)"
             )
 
     @property
@@ -353,7 +360,7 @@ class CostModel:
         if in_placements is None or op.target not in experts.EXPERT_GROUPED_MM:
             return seconds
         return seconds * experts.expert_load(
-            op.target, ins, in_placements, self.mesh.sizes, self.setup.router_imbalance
+            op.target, ins, in_placements, self.mesh.sizes, self.setup.router_imbalance, self.setup.capacity_factor
         )
 
     def flop_seconds(
@@ -386,15 +393,16 @@ class CostModel:
         flag and its blocks' compute; a grouped matmul's place in its expert block, an exchange's axis)."""
         if target == ATTENTION and op is not None and len(in_placements) >= 3 and None not in in_placements[:2]:
             return self.ring_price(op, in_types, in_placements)
-        imbalance = self.setup.router_imbalance
-        if target == experts.EXPERT_GATHER:
+        imbalance, capacity = self.setup.router_imbalance, self.setup.capacity_factor
+        if target == experts.EXPERT_GATHER:  # the batched_mm kernel's gather: dropless, no capacity
             return experts.gather_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance)
         if target in experts.EXPERT_GROUPED_MM:
             attrs = op.attrs if op is not None else None
-            return experts.grouped_price(in_types, in_placements, self.mesh, self._all_to_all_terms, imbalance, attrs)
+            terms = self._all_to_all_terms
+            return experts.grouped_price(in_types, in_placements, self.mesh, terms, imbalance, attrs, capacity)
         if target in (experts.GROUPED_DISPATCH, experts.GROUPED_COMBINE):
             terms = self._all_to_all_terms
-            return experts.grouped_exchange_price(in_types, self.mesh, op.kwargs["axis"], terms, imbalance)
+            return experts.grouped_exchange_price(in_types, self.mesh, op.kwargs["axis"], terms, imbalance, capacity)
         if target != "aten.cross_entropy_loss" or not in_placements or in_placements[0] is None:
             return 0.0, 0.0
         vol = sec = 0.0

@@ -38,6 +38,14 @@ The price is an estimate made before the router has seen a token:
   balancing loss aims at), so the busiest rank holds ``min(N, imbalance mu + sigma sqrt(2 ln n))`` rows.
   A grouped matmul's experts' computation is priced at the rows of its busiest rank too (``expert_load``,
   read by ``CostModel.op_seconds``); the batched_mm kernel's matmuls after the gather are priced at the mean.
+- **a capacity caps the busiest rank.** With a capacity factor c (``TrainingSetup.capacity_factor``; GShard's
+  and Switch's, ``passes/experts.py`` ``set_capacity``) each expert keeps at most c times its mean rows and the
+  rows over it are dropped before the dispatch: a rank's E/n experts take at most c times the rank's mean, so
+  the busiest rank's rows are ``min(imbalance mu + sigma sqrt(2 ln n), c mu, N)`` (``busiest_rows``), the
+  router's skew priced at ``min(imbalance, c)``. Only grouped matmuls take a capacity (the batched_mm
+  gather is dropless): its exchanges and computation are priced so. Not priced: a dropped row still takes its
+  place in the sorted order, so the rows after it shift into the next blocks (what crosses is priced at the
+  capped rows, as if the blocks were cut at the kept rows).
 - **what crosses the links.** Of the busiest rank's rows, those that were already on it do not move
   (``expert_rows``). The gather's rows are in token order, each from a uniformly random rank: (n-1)/n of
   them arrive from others. A grouped matmul's rows are sorted by expert over the whole batch and split in
@@ -127,15 +135,16 @@ def grouped_price(
     terms: Callable[[int], tuple[float, float]],
     imbalance: float = DEFAULT_IMBALANCE,
     attrs: dict | None = None,
+    capacity: float | None = None,
 ) -> tuple[float, float]:
     """(bytes, seconds) per device of an expert-parallel grouped matmul's all-to-alls (0 where it is none): by
     its place in its expert block (``attrs["ep_block"]``, the module docstring), the dispatch of its rows at
     the local width K and the combine of its result at the local width N, each ``ALL_TO_ALLS_PER_GROUPED_MM``
-    (forward, backward) at the busiest rank's rows that cross the links (``expert_rows``); the counts need no
-    exchange (the offsets are whole on every rank). None when it reads dispatched rows (``attrs["ep_rows"]``:
-    the program's dispatch and combine ops are priced, ``grouped_exchange_price``). Impossible (``INF``) on an
-    axis that is no expert axis. ``terms(axis)``: the axis's all-to-all (seconds per byte of a buffer,
-    latency) on the cluster."""
+    (forward, backward) at the busiest rank's rows that cross the links (``expert_rows``, under the
+    ``capacity`` factor where there is one); the counts need no exchange (the offsets are whole on every rank).
+    None when it reads dispatched rows (``attrs["ep_rows"]``: the program's dispatch and combine ops are priced,
+    ``grouped_exchange_price``). Impossible (``INF``) on an axis that is no expert axis. ``terms(axis)``: the
+    axis's all-to-all (seconds per byte of a buffer, latency) on the cluster."""
     attrs = attrs or {}
     axes = grouped_expert_axes(in_types, in_placements)
     if any(not is_expert_axis(mesh.names[a]) for a in axes):
@@ -154,7 +163,16 @@ def grouped_price(
     vol = sec = 0.0
     for a in axes:
         v, t = _exchanges(
-            len(sides), x.shape[0] / _ways(xp, sizes, 0), xp, width, x.itemsize, sizes, a, terms(a), imbalance
+            len(sides),
+            x.shape[0] / _ways(xp, sizes, 0),
+            xp,
+            width,
+            x.itemsize,
+            sizes,
+            a,
+            terms(a),
+            imbalance,
+            capacity,
         )
         vol, sec = vol + v, sec + t
     return vol, sec
@@ -166,6 +184,7 @@ def grouped_exchange_price(
     axis: str,
     terms: Callable[[int], tuple[float, float]],
     imbalance: float = DEFAULT_IMBALANCE,
+    capacity: float | None = None,
 ) -> tuple[float, float]:
     """(bytes, seconds) per device of an ``expert_grouped_dispatch`` or ``expert_grouped_combine`` of rows
     ``in_types[0]`` on ``axis``: ``ALL_TO_ALLS_PER_GROUPED_MM`` all-to-alls (forward, backward) of the busiest
@@ -175,7 +194,7 @@ def grouped_exchange_price(
     x = in_types[0]
     p = x.placements
     local_rows, width = x.shape[0] / _ways(p, mesh.sizes, 0), x.shape[1] / _ways(p, mesh.sizes, 1)
-    return _exchanges(1, local_rows, p, width, x.itemsize, mesh.sizes, a, terms(a), imbalance)
+    return _exchanges(1, local_rows, p, width, x.itemsize, mesh.sizes, a, terms(a), imbalance, capacity)
 
 
 def _exchanges(
@@ -188,12 +207,13 @@ def _exchanges(
     axis: int,
     terms: tuple[float, float],
     imbalance: float,
+    capacity: float | None = None,
 ) -> tuple[float, float]:
     """(bytes, seconds) of ``count`` exchanges of an expert block's rows on ``axis``, ``ALL_TO_ALLS_PER_GROUPED_MM``
     all-to-alls each, of rows ``local_rows`` on each rank placed ``placements``, at ``width`` elements a row in
     all (the exchanges' widths summed): the busiest rank's rows from others (``expert_rows``)."""
     per_byte, latency = terms
-    crossing = expert_rows(local_rows, placements, sizes, axis, imbalance)[1] * width * itemsize
+    crossing = expert_rows(local_rows, placements, sizes, axis, imbalance, capacity)[1] * width * itemsize
     k = ALL_TO_ALLS_PER_GROUPED_MM
     return k * crossing, k * (crossing * _per_link_byte(per_byte, sizes[axis]) + count * latency)
 
@@ -225,7 +245,12 @@ def block_owners(placements: tuple, sizes: tuple[int, ...], axis: int) -> tuple[
 
 
 def expert_rows(
-    local_rows: float, placements: tuple, sizes: tuple[int, ...], axis: int, imbalance: float = DEFAULT_IMBALANCE
+    local_rows: float,
+    placements: tuple,
+    sizes: tuple[int, ...],
+    axis: int,
+    imbalance: float = DEFAULT_IMBALANCE,
+    capacity: float | None = None,
 ) -> tuple[float, float]:
     """(the most rows one rank of an expert axis computes, the most it receives from the other ranks of the axis)
     for a grouped matmul whose ranks each hold ``local_rows`` rows placed ``placements``, sorted by expert over
@@ -236,7 +261,7 @@ def expert_rows(
     n = sizes[axis]
     owners = block_owners(placements, sizes, axis)
     rows = local_rows * len(owners)  # every block's rows, over the whole mesh
-    excess = busiest_rows(round(rows), n, imbalance) - rows / n
+    excess = busiest_rows(round(rows), n, imbalance, capacity) - rows / n
     load = crossing = 0.0
     for k, kept in owners:
         held = min(n * local_rows, k * local_rows + excess)
@@ -245,7 +270,12 @@ def expert_rows(
 
 
 def expert_load(
-    target: str, in_types: list[TensorType], in_placements, sizes: tuple[int, ...], imbalance: float = DEFAULT_IMBALANCE
+    target: str,
+    in_types: list[TensorType],
+    in_placements,
+    sizes: tuple[int, ...],
+    imbalance: float = DEFAULT_IMBALANCE,
+    capacity: float | None = None,
 ) -> float:
     """How many times the mean rank's share of an op's computation its busiest rank computes: for an
     expert-parallel grouped matmul, the most rows one rank's experts take (``expert_rows``) over the rows each
@@ -256,7 +286,7 @@ def expert_load(
     for a in grouped_expert_axes(in_types, in_placements):
         local_rows = in_types[0].shape[0] / _ways(in_placements[0], sizes, 0)
         if local_rows:
-            load *= expert_rows(local_rows, in_placements[0], sizes, a, imbalance)[0] / local_rows
+            load *= expert_rows(local_rows, in_placements[0], sizes, a, imbalance, capacity)[0] / local_rows
     return load
 
 
@@ -270,17 +300,21 @@ def _rows(p: Placement) -> bool:
     return isinstance(p, Shard) and p.dim == 0 and p.chunks == 1
 
 
-def busiest_rows(rows: int, n: int, imbalance: float = DEFAULT_IMBALANCE) -> float:
+def busiest_rows(rows: int, n: int, imbalance: float = DEFAULT_IMBALANCE, capacity: float | None = None) -> float:
     """Expected rows of the busiest of n ranks when ``rows`` rows go to their experts' ranks: ``imbalance``
     times the mean N/n (the router's skew; 1: each row to a uniformly random rank) plus sqrt(2 ln n) standard
-    deviations of Binomial(N, 1/n) (the sampling noise), at most N."""
+    deviations of Binomial(N, 1/n) (the sampling noise), at most N; with a ``capacity`` factor c at most c times
+    the mean (each expert keeps c times its mean rows, the rest dropped: the module docstring)."""
     if imbalance < 1:
         raise ValueError(f"a router imbalance of {imbalance} is below 1: the busiest rank holds at least the mean")
+    if capacity is not None and not capacity > 0:
+        raise ValueError(f"a capacity factor of {capacity} is not positive (None: dropless)")
+    mean = rows / max(n, 1)
+    cap = float(rows) if capacity is None else min(float(rows), capacity * mean)
     if n <= 1:
-        return float(rows)
-    mean = rows / n
+        return cap
     sigma = math.sqrt(rows * (1 / n) * (1 - 1 / n))
-    return min(float(rows), imbalance * mean + sigma * math.sqrt(2 * math.log(n)))
+    return min(cap, imbalance * mean + sigma * math.sqrt(2 * math.log(n)))
 
 
 def dispatch_bytes(

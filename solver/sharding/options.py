@@ -61,7 +61,8 @@ class ShardOptions:
     fallbacks: bool = False
     # a mixture of experts' expert capacity factor (GShard, Switch): each expert keeps ceil(factor x rows / experts)
     # of its grouped matmuls' rows, in their sorted order, the rest dropped (passes/experts.py set_capacity, written
-    # by the shard pass); None: dropless. Not priced: the plan's all-to-alls are priced dropless
+    # by the shard pass); None: dropless. Priced: ``setup.capacity_factor`` is set from it (the busiest expert rank's
+    # rows capped at factor x the mean, solver/sharding/experts.py)
     capacity_factor: float | None = None
     # how the batch is passed (compile(batch=...)): "global", every rank is given all of it, so an integer input
     # is recomputable (held whole, sliced for free); "local", each data-parallel rank is given only its rows:
@@ -77,6 +78,8 @@ class ShardOptions:
     context_attention: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.setup.capacity_factor != self.capacity_factor:  # the cost model prices the capacity set here
+            self.setup = replace(self.setup, capacity_factor=self.capacity_factor)
         if self.objective not in OBJECTIVES:
             raise SolverError(f"unknown objective {self.objective!r}; choose time (fastest within the memory "
                               "budget) or memory (least memory)")  # fmt: skip
