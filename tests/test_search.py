@@ -239,40 +239,70 @@ def test_balanced_layout_reaches_the_least_bottleneck_and_fills_later_stages_fir
 
 def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
     """By default the search offers ZeRO-3 (and MiCS-3) with a pipeline, priced as runtime/grads/zero3.py runs it:
-    one all-gather per unit (each layer, the embedding and head units) in every forward, recomputation and
-    backward, one reduce-scatter per unit in every backward (with MiCS also an all-reduce of the shard across
-    the groups); a split backward gathers again in its W, which does the scatters; while a stage runs it
-    holds its non-layer units and two layers whole."""
-    prof, cluster = gpt_profile(), ClusterSpec.load("dgx-a100:nodes=2")
-    an = Analytic(prof, cluster, 64)
-    fam = Family(pp=2, dp=8, tp=1, micro_batch=1, microbatches=8)
-    assert any(3 in ch.zeros for ch in chains(an, SearchSpace(), fam))
-    assert not any(3 in ch.zeros for ch in chains(an, SearchSpace(pipeline_zero3=False), fam))
-    for schedule, recompute in (("1f1b", "full"), ("zb-h1", "none")):
-        one = Candidate(2, 8, 1, 1, 8, schedule, recompute=recompute, zero=1)
-        split = schedule == "zb-h1"
-        for mics in (0, 4):
-            z1 = an.evaluate(dataclasses.replace(one, mics_group=mics))
-            z3 = an.evaluate(dataclasses.replace(one, zero=3, mics_group=mics))
-            group = mics or 8
-            for s, (a, b) in enumerate(z1.stages):
-                units = [(u.kind == "layer", u.params_tp + u.params_rep) for u in prof.units[a:b]]
-                assert sum(lay for lay, _ in units) >= 3  # the bound below is below the whole stage
-                gather = sum(an.comm.gather(p * an.weight_b, group, an.comm.intra(group)) for _, p in units)
-                scatter = sum(an.comm.gather(p * an.grad_b, group, an.comm.intra(group)) for _, p in units)
-                hop = (
-                    sum(an.comm.allreduce(p * an.grad_b / group, 1, 8 // group, True) for _, p in units) if mics else 0
+    one all-gather per unit (each layer, the embedding and head units) in every forward and backward and per layer
+    in every recomputation, one reduce-scatter per unit in every backward (with MiCS also an all-reduce of the
+    shard across the groups); a split backward gathers again in its W, which does the scatters. On gloo every
+    collective waits for the compute; on NCCL each unit's gather runs beside the previous unit's compute (the
+    prefetch), so a pass exposes the first gather and what each other outlasts. While a stage runs it holds its
+    non-layer units and two layers whole and the compute copy of one; no whole copy of the weights is kept,
+    each stashed microbatch keeps the compute copy of the units it did not recompute."""
+    prof = gpt_profile()
+    for backend in ("gloo", "nccl"):
+        cluster = ClusterSpec.load(f"dgx-a100:nodes=2,backend={backend}")
+        an = Analytic(prof, cluster, 64)
+        fam = Family(pp=2, dp=8, tp=1, micro_batch=1, microbatches=8)
+        assert any(3 in ch.zeros for ch in chains(an, SearchSpace(), fam))
+        assert not any(3 in ch.zeros for ch in chains(an, SearchSpace(pipeline_zero3=False), fam))
+        for schedule, recompute in (("1f1b", "full"), ("zb-h1", "none")):
+            one = Candidate(2, 8, 1, 1, 8, schedule, recompute=recompute, zero=1)
+            split = schedule == "zb-h1"
+            for mics in (0, 4):
+                z1 = an.evaluate(dataclasses.replace(one, mics_group=mics))
+                z3 = an.evaluate(dataclasses.replace(one, zero=3, mics_group=mics))
+                group = mics or 8
+                for s, (a, b) in enumerate(z1.stages):
+                    us = prof.units[a:b]
+                    units = [(u.kind == "layer", u.params_tp + u.params_rep) for u in us]
+                    assert sum(lay for lay, _ in units) >= 3  # the bound below is below the whole stage
+                    g = [an.comm.gather(p * an.weight_b, group, an.comm.intra(group)) for _, p in units]
+                    r = [
+                        an.comm.gather(p * an.grad_b, group, an.comm.intra(group))
+                        + (an.comm.allreduce(p * an.grad_b / group, 1, 8 // group, True) if mics else 0)
+                        for _, p in units
+                    ]
+                    lg = [x for x, (lay, _) in zip(g, units) if lay]
+                    back = [x + y + (x if split else 0.0) for x, y in zip(g, r)]
+                    fwd = [an.unit_seconds(u, 1, 1)[0] for u in us]
+                    bwd = [an.unit_seconds(u, 1, 1)[2] for u in us]
+                    lfwd = [f for f, (lay, _) in zip(fwd, units) if lay]
+                    if backend == "gloo":  # every collective in full
+                        ef, eb, er = sum(g), sum(back), sum(lg)
+                    else:
+                        ef = g[0] + sum(max(c, x) for c, x in zip(fwd, g[1:])) + fwd[-1] - sum(fwd)
+                        rb, rbw = back[::-1], bwd[::-1]
+                        eb = rb[0] + sum(max(c, x) for c, x in zip(rbw, rb[1:])) + rbw[-1] - sum(rbw)
+                        rl, rlf = lg[::-1], lfwd[::-1]
+                        er = rl[0] + sum(max(c, x) for c, x in zip(rlf, rl[1:])) + rlf[-1] - sum(rlf)
+                        assert g[0] <= ef < sum(g) and er < sum(lg) and eb < sum(back)  # the prefetch hides some
+                    assert z3.tf[s] - z1.tf[s] == pytest.approx(ef, rel=1e-9)
+                    assert z3.tr[s] - z1.tr[s] == pytest.approx(er, rel=1e-9)
+                    assert z3.tb[s] - z1.tb[s] == pytest.approx(eb, rel=1e-9)
+                    if split:
+                        assert z3.tw[s] - z1.tw[s] == pytest.approx(sum(g) + sum(r), rel=1e-9)
+                    layers = sorted((p for lay, p in units if lay), reverse=True)
+                    held = (sum(p for lay, p in units if not lay) + layers[0] + layers[1]) * an.weight_b
+                    held += layers[0] * an.copy_b
+                    assert z3.info["transient"][s] - z1.info["transient"][s] == pytest.approx(held, rel=1e-9)
+                    assert held < sum(p for _, p in units) * an.weight_b
+                    # each stashed microbatch keeps the compute copy of what it did not recompute
+                    x = z1.recompute_fraction[s]
+                    copies = sum(p for lay, p in units if not lay or not x) * an.copy_b
+                    assert z3.info["act_kept"][s] - z1.info["act_kept"][s] == pytest.approx(copies, rel=1e-9)
+                assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
+                # no whole copy of the weights: the model states are the shards alone
+                assert an.bytes_per_param(z3.candidate) == pytest.approx(
+                    (an.weight_b + an.grad_b + an.state_b) / group, rel=1e-12
                 )
-                assert z3.tf[s] - z1.tf[s] == pytest.approx(gather, rel=1e-9)
-                assert z3.tr[s] - z1.tr[s] == pytest.approx(gather, rel=1e-9)
-                assert z3.tb[s] - z1.tb[s] == pytest.approx(gather * (2 if split else 1) + scatter + hop, rel=1e-9)
-                if split:
-                    assert z3.tw[s] - z1.tw[s] == pytest.approx(gather + scatter + hop, rel=1e-9)
-                layers = sorted((p for lay, p in units if lay), reverse=True)
-                held = (sum(p for lay, p in units if not lay) + layers[0] + layers[1]) * an.weight_b
-                assert z3.info["transient"][s] - z1.info["transient"][s] == pytest.approx(held, rel=1e-9)
-                assert held < sum(p for _, p in units) * an.weight_b
-            assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
 
 
 # ---------------------------------------------------------------------------------------------

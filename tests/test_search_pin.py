@@ -202,16 +202,16 @@ def test_a_ring_leaving_a_node_crosses_the_network_once_per_node_per_channel():
 def test_the_family_bound_with_dp_sync_stays_below_every_member_and_prunes_more():
     """The family bound now counts the least data-parallel sync of the family's ZeRO / MiCS options: it never
     exceeds the simulated step of any candidate of the family (every chain, every level, every ZeRO stage); it
-    is strictly larger than the compute-only bound for every dp > 1 family without ZeRO-0 (whose sync may hide
-    beside the last backward: larger only where it outlasts a microbatch's compute); the search's answer is the
-    same with it."""
+    is strictly larger than the compute-only bound for every dp > 1 family without ZeRO-0 or ZeRO-3 (whose syncs
+    may hide beside compute, the last backward's and the prefetched gathers': larger only where they outlast it);
+    the search's answer is the same with it."""
     from autopar.search.space import SearchSpace as Space
     from autopar.search.space import chains, families, max_shard, sync_options
 
     prof, cluster = gpt_profile(layers=8), ClusterSpec.load("dgx-a100:nodes=4")
     an = Analytic(prof, cluster, 64)
     scorer = Scorer()
-    for zeros in ((0, 1, 2, 3), (1, 2, 3)):
+    for zeros in ((0, 1, 2, 3), (1, 2, 3), (1, 2)):
         space = Space(chunks=(2,), waves=(1,), devices_per_node=8, zero=zeros)
         grew = 0
         fams = [f for f in families(an, space, 32) if f.microbatches <= 8]
@@ -228,7 +228,7 @@ def test_the_family_bound_with_dp_sync_stays_below_every_member_and_prunes_more(
                         if ev is not None:
                             assert tight <= scorer.score(ev).step_time * (1 + 1e-9), ev.candidate.describe()
         with_dp = len([f for f in fams if f.dp > 1])
-        assert grew >= (with_dp if 0 not in zeros else 1) and with_dp > 0, (zeros, grew, with_dp)
+        assert grew >= (with_dp if zeros == (1, 2) else 1) and with_dp > 0, (zeros, grew, with_dp)
         a = search(prof, cluster, 64, space=space, top=3, scorer=scorer)
         b = search(prof, cluster, 64, space=space, top=3, scorer=scorer, tight_bound=False)
         assert [e.candidate for e in a.best] == [e.candidate for e in b.best]

@@ -373,34 +373,68 @@ class StageTerms:
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
         """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/grads/zero3.py`` runs it: one all-gather per unit
-        (the stage's embedding/head units, each layer) in every forward, backward and recomputation,
-        one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across the
-        groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. While a
-        stage runs it holds whole its non-layer units and two layers (the one computing, the next arriving).
+        (the stage's embedding/head units, each layer) in every forward and backward, and per layer in every
+        recomputation, one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across
+        the groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. Where the
+        backend runs collectives beside compute (NCCL: ``ClusterSpec.overlaps_compute``) the gather of the next
+        unit is issued before a unit computes (the runtime's prefetch) and the reduce-scatters run asynchronously,
+        so a pass exposes only what its collectives take beyond the compute they run beside (``_prefetched``);
+        on gloo every collective waits for the compute.
+
+        Memory: no whole copy of the weights. While a stage runs it holds whole its non-layer units and two
+        layers (the one computing, the next arriving), and the compute-dtype copy of the layer computing; the
+        copies a forward casts from the gathered units are saved for the backward with that microbatch's
+        activations (``runtime/build/precision.py``), so each stashed microbatch keeps the copy of the units
+        whose activations it keeps: all but the recomputed layers (``saving`` drops those).
         DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
         stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept, experts = base
         intra_g, k = self.comm.intra(c.tp * c.cp * z3), self.comm.per_node(z3, c.tp * c.cp)
         split = c.schedule in ZERO_BUBBLE
-        gather, scatter, gathered = [], [], []
-        for a, e in stages:
-            units = [(u.kind == "layer", u.params_tp / c.tp + u.params_rep) for u in self.p.units[a:e]]
-            gather.append(sum(self.comm.gather(p * self.weight_b, z3, intra_g, k) for _, p in units))
-            scatter.append(
-                sum(
-                    self.comm.gather(p * self.grad_b, z3, intra_g, k) + self.comm.mics_hop(p * self.grad_b, c)
-                    for _, p in units
-                )
-            )
-            layers = sorted((p for lay, p in units if lay), reverse=True)
-            gathered.append((sum(p for lay, p in units if not lay) + sum(layers[:2])) * self.weight_b)
-        tf = tuple(t + g for t, g in zip(tf, gather))
-        tb = tuple(t + g + r + (g if split else 0.0) for t, g, r in zip(tb, gather, scatter))
-        tr = tuple(t + g for t, g in zip(tr, gather))
-        if split:
-            tw = tuple(t + g + r for t, g, r in zip(tw, gather, scatter))
+        overlap = self.cluster.overlaps_compute
+        bt = c.micro_batch / c.cp
+        gathered, acts, saving = [], list(acts), list(saving)
+        tf, tb, tr, tw = list(tf), list(tb), list(tr), list(tw)
+        for s, (a, e) in enumerate(stages):
+            us = self.p.units[a:e]
+            lay = [u.kind == "layer" for u in us]
+            elems = [u.params_tp / c.tp + u.params_rep for u in us]
+            g = [self.comm.gather(p * self.weight_b, z3, intra_g, k) for p in elems]
+            r = [
+                self.comm.gather(p * self.grad_b, z3, intra_g, k) + self.comm.mics_hop(p * self.grad_b, c)
+                for p in elems
+            ]
+            secs = [self.unit_seconds(u, bt, c.tp) for u in us]
+            fwd, bwd = [x[0] for x in secs], [x[2] for x in secs]
+            back = [gi + ri + (gi if split else 0.0) for gi, ri in zip(g, r)]
+            lg = [gi for gi, x in zip(g, lay) if x]
+            lf = [f for f, x in zip(fwd, lay) if x]
+            if overlap:  # the backward and the recomputation run the units last to first
+                ef, eb, er = _prefetched(g, fwd), _prefetched(back[::-1], bwd[::-1]), _prefetched(lg[::-1], lf[::-1])
+            else:
+                ef, eb, er = sum(g), sum(back), sum(lg)
+            tf[s] += ef
+            tb[s] += eb
+            tr[s] += er
+            if split:
+                tw[s] += sum(gi + ri for gi, ri in zip(g, r))
+            layers = sorted((p for x, p in zip(lay, elems) if x), reverse=True)
+            held = sum(p for x, p in zip(lay, elems) if not x) + sum(layers[:2])
+            gathered.append(held * self.weight_b + (layers[0] if layers else 0.0) * self.copy_b)
+            acts[s] += sum(elems) * self.copy_b
+            saving[s] += sum(layers) * self.copy_b
         head_tail = _head_tail(tf, tb, tc)
-        return (stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, gathered, mine, *head_tail, wkept,
-                experts)  # fmt: skip
+        return (stages, ranks, tuple(tf), tuple(tb), tuple(tr), tc, tuple(tw), acts, saving, layer_act, params,
+                gathered, mine, *head_tail, wkept, experts)  # fmt: skip
+
+
+def _prefetched(comm: Sequence[float], compute: Sequence[float]) -> float:
+    """Seconds a pass over units exposes of their collectives when each unit's collective (its gather, issued
+    before the previous unit computes) runs beside the previous unit's compute: the first in full, then each
+    beyond the compute it overlaps. ``comm`` and ``compute`` in the order the pass runs the units."""
+    if not comm:
+        return 0.0
+    total = comm[0] + sum(max(cp, cm) for cp, cm in zip(compute, comm[1:])) + compute[-1]
+    return max(0.0, total - sum(compute))
 
 
 _SUMMED = (
