@@ -19,15 +19,15 @@ ranks), its labels padded with -100 by a different amount per row (``tiny_padded
   logits) equal the single process in eval mode; train mode's outputs differ (dropout is on); two
   runs with one seed give bitwise-identical losses, another seed other losses.
 - ``examples/train_lm.py`` under torchrun (4 processes, its own test): pp=2 x dp=2 with ZeRO-2 for 4
-  steps, a checkpoint, then a second torchrun resumed for 2 more: its loss curve, gradient norms,
+  steps, a checkpoint, then the script's ``run`` resumed for 2 more on 4 forked ranks: its loss curve, gradient norms,
   learning rates and evaluations equal the script's ``--reference`` run (in this process).
 - pp=2 x dp=2 x tp=2 (8 ranks) with ZeRO-2: the clipped global norm, the losses and the parameters
   equal ``torch.nn.utils.clip_grad_norm_``'s single process, also with sub-pipelined tp (halves
   weighted by their tokens; scaling the halves equally instead is 5e-5 off, checked by hand).
 
 Cost on the 2-core machine, measured while other work shared it (load average 8-15): the 4-rank
-group 11-39 s, the 8-rank group 12-17 s, the two torchrun launches of the example 36-44 s (about 34 s
-of CPU in all: 8 processes importing torch and autopar), the single-process tests 4-9 s. Largest
+group 11-39 s, the 8-rank group 12-17 s, the example's torchrun launch and its forked resume 63 s of CPU
+at load 20-30 (two torchrun launches: 81 s), the single-process tests 4-9 s. Largest
 differences seen: 5e-14 (AdamW parameters through ZeRO-2), 2e-16 (the clipped norm on 8 ranks),
 1.8e-16 (the example's losses under torchrun).
 """
@@ -382,29 +382,39 @@ def test_training_loop_on_four_ranks(tmp_path):
     )
 
 
+def _resume_example(rank: int, world: int, argv: list[str]) -> dict:
+    """``examples/train_lm.py``'s ``run`` on one rank of a forked group, as its ``main`` calls it under torchrun
+    (after ``init_process_group``): the curves of the steps it trains."""
+    ex = train_lm_example()
+    return ex.run(ex.parser().parse_args(argv))
+
+
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_train_lm_under_torchrun_equals_one_process(tmp_path):
     """``examples/train_lm.py`` as its users run it: ``torchrun --nproc-per-node 4`` on pp=2 x dp=2 with
-    ZeRO-2 (float64, a tiny GPT, the corpus cut to 60 kB), 4 steps and a checkpoint; then a second
-    torchrun resumes from it for 2 more. The curve of both (losses, gradient norms, learning rates,
-    evaluations at steps 2, 4, 6) equals the script's ``--reference`` run in this process within TOL.
-    Cost: two launches of 4 processes, each importing torch and autopar (about 8 s of CPU per launch)."""
+    ZeRO-2 (float64, a tiny GPT, the corpus cut to 60 kB), 4 steps and a checkpoint; then the script's
+    ``run`` resumes from it for 2 more on 4 ranks forked from the test's preloaded server (the code
+    ``main`` runs after ``init_process_group``; a second torchrun launch cost 4 more interpreters
+    importing torch and autopar, and torchrun itself is what the first launch checks). The curve of both
+    (losses, gradient norms, learning rates, evaluations at steps 2, 4, 6) equals the script's
+    ``--reference`` run in this process within TOL. Cost: one launch of 4 processes, each importing
+    torch and autopar (about 8 s of CPU), and one forked group."""
     import json
     import os
 
+    from tests._dist import run_distributed
     from tests.test_launch import ROOT, _launch
 
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     script, ckpt = ROOT / "examples" / "train_lm.py", str(tmp_path / "ckpt")
-    curves = []
-    for i, extra in enumerate((["--until", "4", "--ckpt-every", "4"], ["--resume"])):
-        out = tmp_path / f"curves{i}.json"
-        argv = [*EXAMPLE_ARGS, "--ckpt-dir", ckpt, *extra, "--out", str(out)]
-        results = _launch(argv, 1, env, tmp_path, script=script, nproc=4, restarts=0)
-        assert all(rc == 0 for rc, _ in results), "\n".join(text for _, text in results)[-6000:]
-        curves.append(json.loads(out.read_text()))
-    got = {k: curves[0][k] + curves[1][k] for k in curves[0]}
+    out = tmp_path / "curves.json"
+    argv = [*EXAMPLE_ARGS, "--ckpt-dir", ckpt, "--until", "4", "--ckpt-every", "4", "--out", str(out)]
+    results = _launch(argv, 1, env, tmp_path, script=script, nproc=4, restarts=0)
+    assert all(rc == 0 for rc, _ in results), "\n".join(text for _, text in results)[-6000:]
+    first = json.loads(out.read_text())
+    resumed = run_distributed(_resume_example, 4, [*EXAMPLE_ARGS, "--ckpt-dir", ckpt, "--resume"], timeout=300)[0]
+    got = {k: first[k] + [list(x) if isinstance(x, tuple) else x for x in resumed[k]] for k in first}
     ex = train_lm_example()
     reference = ex.run(ex.parser().parse_args([*EXAMPLE_ARGS, "--reference"]))
     assert len(got["loss"]) == 6 and [s for s, _ in got["eval"]] == [2, 4, 6], got
