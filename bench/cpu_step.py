@@ -5,13 +5,15 @@ plus the optimizer step) on the spec ``autopar calibrate`` wrote.
 
     OMP_NUM_THREADS=1 python bench/cpu_step.py --spec calibrated.yaml [--sizes 128,256,512] [--steps 5]
 
-The calibrated rates are per rank with every rank of the calibration busy (``--ranks 2``: both cores), so a
-process alone on an idle machine may run faster than priced; the ratio printed is predicted / measured.
+Measured in wall time and in this thread's CPU time (``time.thread_time``), the load average beside: on a machine
+others load, the wall time holds the time the process waited descheduled, which no price can know; `autopar
+calibrate` times a CPU's compute in thread CPU time too, so the ratio printed is predicted / measured CPU time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,10 +30,11 @@ def spec_of(h: int, layers: int, seq: int, batch: int) -> str:
     return f"gpt2:n_layer={layers},n_embd={h},n_head=4,n_positions={seq},vocab_size=1024,seq={seq},batch={batch}"
 
 
-def measure(spec: str, steps: int) -> float:
+def measure(spec: str, steps: int) -> tuple[float, float]:
+    """(median wall seconds, median thread CPU seconds) of a step, torch's fused Adam as autopar's runtime steps."""
     m = build(spec, device="cpu")
     model = m.model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> None:
         out = model(*m.args, **m.kwargs)
@@ -41,12 +44,13 @@ def measure(spec: str, steps: int) -> float:
         opt.zero_grad(set_to_none=True)
 
     step()
-    times = []
+    times, cpu = [], []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        cpu.append(time.thread_time() - c0)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def predict(spec: str, batch: int, cluster: ClusterSpec) -> float:
@@ -67,14 +71,14 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     cluster = ClusterSpec.load(f"{args.spec}:nodes=1,devices_per_node=1")
-    print("| model | measured s/step | predicted s/step | predicted / measured |")
-    print("|---|---|---|---|")
+    print("| model | measured s/step: wall, CPU | predicted s/step | predicted / measured CPU | load |")
+    print("|---|---|---|---|---|")
     for h in (int(x) for x in args.sizes.split(",")):
         spec = spec_of(h, args.layers, args.seq, args.batch)
-        t = measure(spec, args.steps)
+        t, c = measure(spec, args.steps)
         p = predict(spec, args.batch, cluster)
-        print(f"| GPT {args.layers} layers, hidden {h}, seq {args.seq}, batch {args.batch} | {t:.4f} | {p:.4f} | "
-              f"{p / t:.2f} |", flush=True)  # fmt: skip
+        print(f"| GPT {args.layers} layers, hidden {h}, seq {args.seq}, batch {args.batch} | {t:.4f}, {c:.4f} | "
+              f"{p:.4f} | {p / c:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -161,6 +161,58 @@ def test_calibrate_writes_a_device_table_the_planner_then_prices_with(tmp_path, 
     )
     after = sum(Analytic(prof, again, 8, precision="fp32").unit_seconds(u, 8, 1)[0] for u in prof.units)
     assert after > 1.2 * before
+    # on a CPU it also measured (in this thread's CPU time) the cache term, the transcendental and softmax rates and
+    # an eager op's overhead, each with its source, and the planner prices with them
+    assert table.cache_bandwidth > spec.memory_bandwidth and table.cache_bytes > 0
+    assert set(table.rates) == {"transcendental", "softmax"}
+    assert {"cache", "rates", "launch_seconds", "clock", "load", "attention"} <= set(table.sources)
+    assert "autograd" in table.sources["launch_seconds"] and "thread_time" in table.sources["clock"]
+    gelu = compute.Work("elementwise", 1e6, 8e6, dtype="fp32", ops=0, rate_class="transcendental")
+    want = max(1e6 / table.rates["transcendental"], table.stream_seconds(8e6, spec.memory_bandwidth))
+    assert cm.work_seconds(gelu, []) == pytest.approx(3 * want)
+    small = compute.Work("elementwise", 0.0, 1024.0, dtype="fp32", ops=0)  # cache-resident: at the cache rate
+    assert cm.work_seconds(small, []) == pytest.approx(3 * 1024 / table.cache_bandwidth)
+
+
+def test_the_cpu_terms_are_monotone_and_fit_what_they_measure():
+    """The cache term (``DeviceTable.stream_seconds``): never decreasing in the bytes moved, never above the time
+    without it, the streaming rate past ``cache_bytes``; ``fit_cache`` recovers the term from times it makes; a
+    rate class's op never gets faster with more FLOPs, nor faster than without its rate; a table round-trips with
+    both through its file form, and a bad value is refused naming it."""
+    from autopar.errors import ClusterSpecError
+    from autopar.runtime.measure.calibrate import fit_cache
+
+    bw = 20e9
+    table = dataclasses.replace(compute.load_table("cpu"), cache_bandwidth=80e9, cache_bytes=12 * 2**20)
+    sizes = sorted({int(x) for x in torch.logspace(2, 9, 200).tolist()})
+    times = [table.stream_seconds(b, bw) for b in sizes]
+    plain = dataclasses.replace(table, cache_bandwidth=None, cache_bytes=0.0)
+    assert all(a <= b for a, b in zip(times, times[1:]))
+    assert all(t <= plain.stream_seconds(b, bw) for b, t in zip(sizes, times))
+    assert table.stream_seconds(2**30, bw) - table.stream_seconds(2**29, bw) == pytest.approx(2**29 / bw)
+    points = [(float(b), table.stream_seconds(b, bw)) for b in (48e3, 768e3, 12 * 2**20, 48 * 2**20, 192 * 2**20)]
+    assert fit_cache(points, bw) == pytest.approx((12 * 2**20, 80e9))
+    assert fit_cache([(b, b / bw) for b, _ in points], bw)[0] == 0.0  # no faster small sizes: no cache term
+    rated = dataclasses.replace(table, rates={"transcendental": 0.5e9, "softmax": 3e9})
+    for cls in ("transcendental", "softmax", ""):
+        dev = compute.Device({"fp32": 70e9}, bw, rated)
+        secs = [compute.seconds(compute.Work("elementwise", f, 4.0 * f, ops=1, rate_class=cls), dev) for f in sizes]
+        assert all(a <= b for a, b in zip(secs, secs[1:]))
+        no_rate = compute.Device({"fp32": 70e9}, bw, table)
+        assert all(
+            s >= compute.seconds(compute.Work("elementwise", f, 4.0 * f, ops=1), no_rate) for f, s in zip(sizes, secs)
+        )
+    again = compute.table_from_dict(rated.to_dict())
+    assert (again.cache_bandwidth, again.cache_bytes, again.rates) == (80e9, 12 * 2**20, rated.rates)
+    for bad in ({"cache_bandwidth": -1.0}, {"rates": {"gelu": 1e9}}, {"rates": {"softmax": 0}}):
+        with pytest.raises(ClusterSpecError, match="cache_bandwidth|rates"):
+            compute.table_from_dict({**rated.to_dict(), **bad})
+    assert (
+        compute.op_work(
+            SimpleNamespace(target="aten.gelu", flops=8, input_refs=lambda: [], types=()), {}, "fp32"
+        ).rate_class
+        == "transcendental"
+    )
 
 
 def test_unfused_attention_moves_its_scores_as_megatron_does():

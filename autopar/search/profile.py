@@ -54,8 +54,9 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 13  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
-# 13: per-op works as a compiled run prices them (compute.compiled_shares) beside the eager ones
+PROFILE_VERSION = 14  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 14: per-op works as a compiled run prices them (compute.compiled_shares: its kernel and its share) beside the eager
+# ones (13: the share folded into the FLOPs, bytes and kernels); each work's rate class (compute.RATE_CLASSES)
 # 12: a grouped matmul's all-to-alls by its place in its expert block
 # 11: each unit's experts (their tables, count, routed rows and FLOPs) for the search's expert parallelism
 # 10: the keys and values of each attention (what context parallelism all-gathers and keeps whole)
@@ -99,11 +100,12 @@ class UnitCost:
     # the all-reduce is in flight (runtime/comm/column_linear.py)
     ar_bwd_groups: tuple[tuple[float, float], ...] = ()
     # the unit's forward ops as the compute model prices them (solver/cluster/compute.py), per sample:
-    # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp), one per non-view op
-    works: tuple[tuple[str, float, float, float, int, int, int, bool], ...] = ()
+    # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp, share of the kernel, rate class:
+    # compute.Work's fields), one per non-view op
+    works: tuple[tuple[str, float, float, float, int, int, int, bool, float, str], ...] = ()
     # the same ops as a torch.compile'd run prices them (``compute.compiled_shares`` over the whole program: each
-    # op its share of its fused kernel; kernels, the last field but one, a fraction), aligned with ``works``
-    compiled_works: tuple[tuple[str, float, float, float, int, int, float, bool], ...] = ()
+    # op its fused kernel's work and its share of that kernel), aligned with ``works``
+    compiled_works: tuple[tuple[str, float, float, float, int, int, int, bool, float, str], ...] = ()
     # context parallelism (``cp``, the all-gather form of ``solver/sharding/rules/context.py``): per sample, the
     # bytes of the keys and values the unit's SDPA calls read (each cp rank keeps them whole for the backward;
     # split over tp when they lie between Megatron's column- and row-parallel matmuls), the bytes the cp axis
@@ -317,10 +319,12 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
             elif op.target in SOFTMAX and len(op.types[0].shape) == 4:
                 c["attn"] += 1  # an eager attention: its keys and values not recognized (no cp priced)
             if op.target not in VIEW_OPS:
-                w = op_work(op, types, "fp32")  # bytes at 4 per float: StageTerms scales them to the training dtype
-                works.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
-                w = shares[id(op)]
-                fused.append((w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_)))
+                eager = op_work(op, types, "fp32")  # bytes at 4 per float: StageTerms scales them to the training dtype
+                for w, into in ((eager, works), (shares[id(op)], fused)):  # compiled: its kernel's work and its share
+                    into.append(
+                        (w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_), w.share,
+                         w.rate_class)
+                    )  # fmt: skip
                 c["flops"] += op.flops
                 if r_:
                     c["flops_tp"] += op.flops

@@ -130,9 +130,10 @@ class StageTerms:
         if found is None:
             total = tp_mm = bwd = 0.0
             scale = compute.ITEMSIZE.get(self.dtype, 4) / 4 * b  # the profile's bytes are at 4 per float
-            for kind, fl, nb, m, n, k, ops, split in works:
+            for kind, fl, nb, m, n, k, ops, split, *rest in works:  # rest: share of its kernel, rate class
                 kind = "attention_unfused" if kind == "attention" and self.attention == "unfused" else kind
-                w = compute.Work(kind, fl * b, nb * scale, max(1, round(m * b)) if m else 0, n, k, self.dtype, ops)
+                rows = max(1, round(m * b)) if m else 0
+                w = compute.Work(kind, fl * b, nb * scale, rows, n, k, self.dtype, ops, *rest)
                 w = w.split(tp if split else 1)
                 t = compute.seconds(w, self.device)
                 total += t

@@ -49,15 +49,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int, sync: Callable[[], None]) -> float:
+# what compute is timed with: wall time on a GPU (the kernel runs asynchronously), this thread's CPU time on a CPU
+# (what a rank's own work takes: on a machine others load, the time the process waits descheduled is not its
+# work's, and wall time would price the load of the moment into every op; ``_worker`` sets it)
+CLOCK: Callable[[], float] = time.perf_counter
+
+
+def _median_seconds(
+    fn: Callable[[], Any], reps: int, sync: Callable[[], None], clock: Callable[[], float] | None = None
+) -> float:
+    clock = clock or CLOCK
     fn()  # warm-up
     sync()
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
@@ -86,6 +95,66 @@ def _launch_seconds(device: torch.device, reps: int, sync) -> float:
     return _median_seconds(lambda: torch.add(x, y, out=out), max(reps, 20), sync)
 
 
+def _eager_op_seconds(device: torch.device, reps: int, sync) -> float:
+    """A third of an eager op's forward plus backward through autograd on 16 elements: what a training step pays
+    per op beyond its kernel (dispatch, autograd's graph and engine), in the units ``launch_seconds`` is priced in
+    (one forward, two backward: ``compute.train_seconds``)."""
+    x = torch.randn(16, device=device, requires_grad=True)
+    chain = 50
+
+    def step() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    return _median_seconds(step, max(reps, 10), sync) / chain / 3
+
+
+CACHE_NUMELS = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22)  # x + y sizes (float32 elements) for the cache
+
+
+def _cache_points(device: torch.device, reps: int, sync) -> list[list[float]]:
+    """[bytes moved, seconds] of ``x + y`` at each of ``CACHE_NUMELS`` (3 tensors moved)."""
+    out = []
+    for numel in CACHE_NUMELS:
+        x, y = torch.randn(numel, device=device), torch.randn(numel, device=device)
+        o = torch.empty_like(x)
+        seconds = _median_seconds(lambda x=x, y=y, o=o: torch.add(x, y, out=o), max(reps, 20), sync)
+        out.append([3.0 * x.nbytes, seconds])
+    return out
+
+
+def _rate_points(device: torch.device, reps: int, sync) -> dict[str, float]:
+    """IR FLOPs per second (passes/lower.py's count) of a ``compute.RATE_CLASSES`` class's op, forward plus backward
+    / 3 as training runs it: gelu on 1M elements (1 FLOP an element) for "transcendental", cross-entropy over
+    [1024, 1024] logits (4 FLOPs an input element) for "softmax"."""
+    x = torch.randn(1 << 20, device=device, requires_grad=True)
+    logits = torch.randn(1024, 1024, device=device, requires_grad=True)
+    labels = torch.randint(0, 1024, (1024,), device=device)
+    gelu = _median_seconds(lambda: torch.nn.functional.gelu(x, approximate="tanh").sum().backward(), reps, sync)
+    loss = _median_seconds(lambda: torch.nn.functional.cross_entropy(logits, labels).backward(), reps, sync)
+    return {"transcendental": x.numel() / (gelu / 3), "softmax": 4 * logits.numel() / (loss / 3)}
+
+
+ATTENTION_SHAPES = ((8, 4, 128, 32), (8, 4, 256, 64), (4, 8, 512, 64))  # (batch, heads, seq, head dim)
+
+
+def _attention_points(device: torch.device, reps: int, sync, quick: bool = False) -> list[list[float]]:
+    """[query rows, keys, head dim, seconds of a third of forward plus backward] of causal SDPA at each of
+    ``ATTENTION_SHAPES``: the attention kernel as training runs it (its backward is not twice its forward on a
+    CPU: the flash kernel recomputes)."""
+    out = []
+    for b, h, s, d in ATTENTION_SHAPES[:2] if quick else ATTENTION_SHAPES:
+        q, k, v = (torch.randn(b, h, s, d, device=device, requires_grad=True) for _ in range(3))
+
+        def step(q=q, k=k, v=v) -> None:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        out.append([b * h * s, s, d, _median_seconds(step, reps, sync) / 3])
+    return out
+
+
 def _bandwidth(device: torch.device, numel: int, reps: int, sync) -> float:
     x, y = torch.randn(numel, device=device), torch.randn(numel, device=device)
     out = torch.empty_like(x)
@@ -112,7 +181,7 @@ def _collective_times(device: torch.device, sizes: tuple[int, ...], reps: int, s
             calls["reduce_scatter"] = lambda x=x, p=parts: _reduce_scatter_gloo(x, p)
         for kind, fn in calls.items():
             dist.barrier()
-            out[kind].append(_median_seconds(fn, reps, sync))
+            out[kind].append(_median_seconds(fn, reps, sync, time.perf_counter))  # wall: waiting is their time
         dist.barrier()
         if rank in (0, 1):
             peer = 1 - rank
@@ -125,7 +194,7 @@ def _collective_times(device: torch.device, sizes: tuple[int, ...], reps: int, s
                     dist.recv(x, peer)
                     dist.send(x, peer)
 
-            out["send"].append(_median_seconds(ping, reps, sync) / 2)
+            out["send"].append(_median_seconds(ping, reps, sync, time.perf_counter) / 2)
         dist.barrier()
     return out
 
@@ -148,6 +217,8 @@ def _worker(rank: int, world: int, port: int, backend: str, opts: dict, result_d
     else:
         torch.set_num_threads(1)
         device = torch.device("cpu")
+        global CLOCK
+        CLOCK = time.thread_time
 
         def sync() -> None:
             pass
@@ -169,9 +240,16 @@ def _worker(rank: int, world: int, port: int, backend: str, opts: dict, result_d
         say("  elementwise add bandwidth ...", flush=True)
         bandwidth = _bandwidth(device, opts["stream_numel"], opts["reps"], sync)
         launch = _launch_seconds(device, opts["reps"], sync)
+        result = {"flops": flops, "bandwidth": bandwidth, "sweep": sweep, "launch": launch}
+        if backend == "gloo":
+            say("  eager op overhead, cache bandwidth, attention ...", flush=True)
+            result["eager_op"] = _eager_op_seconds(device, opts["reps"], sync)
+            result["cache"] = _cache_points(device, opts["reps"], sync)
+            result["attention"] = _attention_points(device, opts["reps"], sync, opts["quick"])
+            result["rates"] = _rate_points(device, opts["reps"], sync)
         say(f"  collectives over {world} ranks at {len(opts['sizes'])} sizes ...", flush=True)
-        coll = _collective_times(device, opts["sizes"], opts["reps"], sync) if world > 1 else {}
-        result = {"flops": flops, "bandwidth": bandwidth, "collectives": coll, "sweep": sweep, "launch": launch}
+        result["collectives"] = _collective_times(device, opts["sizes"], opts["reps"], sync) if world > 1 else {}
+        result["load"] = list(os.getloadavg())
         torch.save(result, os.path.join(result_dir, f"{rank}.pt"))
     finally:
         shutdown()  # a spawned process finalizes its interpreter: its gloo threads must be joined first
@@ -205,6 +283,7 @@ def calibrate(
         "sizes": sizes,
         "sweep": sweep or ((GPU_SWEEP if cuda else CPU_SWEEP)[:2] if quick else (GPU_SWEEP if cuda else CPU_SWEEP)),
         "progress": progress,
+        "quick": quick,
     }
     if progress:
         print(f"calibrating {backend} with {ranks} local processes ({'quick' if quick else 'full'}):", flush=True)
@@ -248,25 +327,89 @@ def table_from_measurements(results: list[dict], backend: str) -> tuple[DeviceTa
     if "bf16" not in curves:
         curves["default"] = curves["fp32"]
     launch = statistics.median(r["launch"] for r in results)
+    bandwidth = statistics.median(r["bandwidth"] for r in results)
+    extra: dict[str, Any] = {}
+    if "eager_op" in results[0]:  # a CPU: eager per-op overhead, the cache term, attention's own curve (CPU time)
+        launch = statistics.median(r["eager_op"] for r in results)
+        bare = statistics.median(r["launch"] for r in results)  # a small add's time is mostly its launch
+        cache = [
+            (b, max(statistics.median(r["cache"][i][1] for r in results) - bare, 1e-9))
+            for i, (b, _) in enumerate(results[0]["cache"])
+        ]
+        extra["cache_bytes"], extra["cache_bandwidth"] = fit_cache(cache, bandwidth)
+        shapes = results[0]["attention"]
+        secs = [statistics.median(r["attention"][i][3] for r in results) for i in range(len(shapes))]
+        # at the FLOPs the IR counts (passes/lower.py: 4 m n k, causal or not), as compute.efficiency reads the curve
+        eff = [4.0 * m * n * k / t / peaks["fp32"] for (m, n, k, _), t in zip(shapes, secs)]
+        attn = fit_curve([(int(n), int(k) * 16, 0, e) for (m, n, k, _), e in zip(shapes, eff)])
+        extra["attention"] = {"default": attn}
+        sources["attention"] = (
+            "measured: causal SDPA forward plus backward / 3 (at the IR's 4 m n k FLOPs) at (query rows, keys, head "
+            f"dim) in {[tuple(int(x) for x in p[:3]) for p in shapes]}, as a fraction of the fp32 peak, fitted: max_eff"
+            f" {attn.max_eff:.3f}, half {attn.half:.0f}"
+        )
+        sources["cache"] = (
+            "measured: x + y less a bare launch at "
+            + ", ".join(f"{b / 1024:.0f} KiB: {b / t / 1e9:.1f} GB/s" for b, t in cache)
+            + f"; fitted: the first {extra['cache_bytes'] / 1024:.0f} KiB of an op's traffic at "
+            f"{extra['cache_bandwidth'] / 1e9:.1f} GB/s, the rest at the streaming rate"
+        )  # fmt: skip
+        sources["launch_seconds"] = (
+            f"measured: an eager op's forward and backward through autograd on 16 elements / 3, {launch * 1e6:.2f} us "
+            f"(a bare x + y: {statistics.median(r['launch'] for r in results) * 1e6:.2f} us)"
+        )
+        extra["rates"] = {c: statistics.median(r["rates"][c] for r in results) for c in results[0]["rates"]}
+        sources["rates"] = (
+            "measured: IR FLOPs per second, forward plus backward / 3, of gelu (tanh) on 1M elements (transcendental: "
+            f"{extra['rates']['transcendental'] / 1e9:.2f} GFLOP/s) and cross-entropy over [1024, 1024] logits "
+            f"(softmax: {extra['rates']['softmax'] / 1e9:.2f} GFLOP/s)"
+        )
+        sources["clock"] = "this thread's CPU time (time.thread_time): the rank's own work, not the machine's load"
+    if "load" in results[0]:
+        sources["load"] = "load average (1, 5, 15 min) at the measurement: " + ", ".join(
+            f"{x:.1f}" for x in results[0]["load"]
+        )
     table = DeviceTable(
         name=f"local-{backend}-calibrated",
         matmul=curves,
-        attention={"default": curves.get("bf16", curves["fp32"])},
+        attention=extra.get("attention") or {"default": curves.get("bf16", curves["fp32"])},
         vector_eff=1.0 if backend == "gloo" else 0.125,
         bandwidth_eff=1.0,
         launch_seconds=launch,
-        memory_bandwidth=statistics.median(r["bandwidth"] for r in results),
+        memory_bandwidth=bandwidth,
         sources={
             "source": f"autopar calibrate on {os.uname().nodename}, {time.strftime('%Y-%m-%d %H:%M')}, torch "
             f"{torch.__version__}",
-            **sources,
             "attention": "the matmul curve (no fused attention kernel was measured)",
             "bandwidth_eff": "1: memory_bandwidth is the measured x + y rate itself",
             "launch_seconds": f"measured: median of x + y on 16 elements, {launch * 1e6:.1f} us",
             "vector_eff": "estimate: elementwise FLOPs at the matmul peak on CPU (bandwidth-bound), 1/8 on GPU",
+            **sources,
         },
+        cache_bandwidth=extra.get("cache_bandwidth"),
+        cache_bytes=extra.get("cache_bytes", 0.0),
+        rates=extra.get("rates", {}),
     )
     return table, peaks
+
+
+def fit_cache(points: list[tuple[float, float]], bandwidth: float) -> tuple[float, float]:
+    """(cache_bytes, cache_bandwidth) of ``DeviceTable.stream_seconds`` closest in relative error to [(bytes moved,
+    seconds)] measured, with ``bandwidth`` the streaming rate: cache_bytes among the sizes measured (and 0), the
+    cache bandwidth for each in closed form (least squares of predicted / measured - 1 over the points whose bytes
+    fit, at least the streaming rate)."""
+    best: tuple[float, float, float] | None = None
+    for c in [0.0] + [b for b, _ in points]:
+        fits = [(b, t) for b, t in points if b <= c]
+        rate = bandwidth
+        if fits:  # predicted / measured = (b / rate) / t: least squares over 1 / rate
+            x = [b / t for b, t in fits]
+            rate = max(bandwidth, sum(v * v for v in x) / sum(x))
+        table = DeviceTable("fit", {}, {}, 1.0, 1.0, 0.0, cache_bandwidth=rate, cache_bytes=c)
+        err = sum((table.stream_seconds(b, bandwidth) / t - 1) ** 2 for b, t in points)
+        if best is None or err < best[0]:
+            best = (err, c, rate)
+    return best[1], best[2]
 
 
 def spec_from_measurements(results: list[dict], backend: str, ranks: int, sizes: list[int]) -> ClusterSpec:
@@ -305,4 +448,4 @@ def spec_from_measurements(results: list[dict], backend: str, ranks: int, sizes:
     return ClusterSpec.from_dict(data)
 
 
-__all__ = ["calibrate", "fit_alpha_beta", "fit_curve", "spec_from_measurements", "table_from_measurements"]
+__all__ = ["calibrate", "fit_alpha_beta", "fit_cache", "fit_curve", "spec_from_measurements", "table_from_measurements"]

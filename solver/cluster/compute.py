@@ -25,8 +25,10 @@ the same form on its own (max_eff, half); elementwise ops and reductions are pri
 A ``DeviceTable`` holds those numbers for one device kind, read from ``solver/cluster/devices/KIND.yaml``
 (each number with its source beside it, estimates marked as such) or from a file ``autopar calibrate``
 wrote; a ``ClusterSpec`` names its kind in ``device`` and gives the peaks (``peak_flops``) and the memory
-bandwidth the table's fractions apply to. A spec's ``efficiency`` (a constant fraction of peak), where
-given, replaces the matmul and attention curves: what a user who measured one number asks for.
+bandwidth the table's fractions apply to. A table may add a cache term (``cache_bytes`` of an op's traffic at
+``cache_bandwidth``: ``DeviceTable.stream_seconds``), which `autopar calibrate` measures on a CPU. A spec's
+``efficiency`` (a constant fraction of peak), where given, replaces the matmul and attention curves: what a user
+who measured one number asks for.
 """
 
 from __future__ import annotations
@@ -61,9 +63,13 @@ class Work:
     n: int = 0  # matmul: columns; attention: keys s_kv
     k: int = 0  # matmul: the contracted dimension; attention: head dim
     dtype: str = "fp32"
-    # kernels launched (an aggregate of several elementwise ops counts each; an op's share of a fused kernel,
-    # ``compiled_shares``, a fraction of one)
-    ops: float = 1
+    ops: int = 1  # kernels launched (an aggregate of several elementwise ops counts each)
+    # the fraction of the kernel described that this work is (``compiled_shares``: an op's share of its fused
+    # kernel): priced as that fraction of the kernel's seconds
+    share: float = 1.0
+    # an elementwise op whose FLOPs run at a rate of their own where the device table has one
+    # (``DeviceTable.rates``, ``RATE_CLASSES``): "transcendental" (gelu, silu, ...), "softmax" (and the loss's)
+    rate_class: str = ""
 
     def split(self, ways: int) -> Work:
         """The work of one of ``ways`` ranks that divide it: FLOPs and bytes / ways and, for a matmul or
@@ -111,6 +117,25 @@ class DeviceTable:
     launch_seconds: float  # fixed time per kernel (launch and framework overhead)
     memory_bandwidth: float | None = None  # bytes/s, where the table knows it (a spec's own value wins)
     sources: dict[str, str] = field(default_factory=dict)
+    # an op's first ``cache_bytes`` of traffic stream at ``cache_bandwidth`` (bytes/s; None: no cache term), the rest
+    # at the streaming rate: on a CPU an op on tensors that stay in its caches runs several times faster than one
+    # streaming from memory (`autopar calibrate` fits both to x + y timed at sizes from 48 KiB to 200 MiB)
+    cache_bandwidth: float | None = None
+    cache_bytes: float = 0.0
+    # IR FLOPs per second (passes/lower.py's count: 1 an element for gelu, 5 for a softmax, 4 for a loss's input)
+    # of the elementwise ops of a ``RATE_CLASSES`` class, forward plus backward / 3 as training runs them: on a CPU
+    # a transcendental op is bound by its arithmetic, not its bytes (`autopar calibrate` measures gelu and the loss)
+    rates: dict[str, float] = field(default_factory=dict)
+
+    def stream_seconds(self, nbytes: float, bandwidth: float) -> float:
+        """Seconds to move ``nbytes`` with ``bandwidth`` the device's memory bandwidth: the first ``cache_bytes`` at
+        ``cache_bandwidth`` (where the table has one), the rest at ``bandwidth_eff`` x ``bandwidth``. Never
+        decreasing in ``nbytes``, and never above the time without the cache term (a cache is not slower)."""
+        rate = bandwidth * self.bandwidth_eff
+        if not self.cache_bandwidth or not self.cache_bytes:
+            return nbytes / rate
+        fast = min(nbytes, self.cache_bytes)
+        return fast / max(self.cache_bandwidth, rate) + (nbytes - fast) / rate
 
     def curve(self, kind: str, dtype: str) -> Curve:
         table = self.matmul if kind == "matmul" else self.attention
@@ -136,6 +161,10 @@ class DeviceTable:
         out.update(vector_eff=self.vector_eff, bandwidth_eff=self.bandwidth_eff, launch_seconds=self.launch_seconds)
         if self.memory_bandwidth is not None:
             out["memory_bandwidth"] = self.memory_bandwidth
+        if self.cache_bandwidth is not None:
+            out.update(cache_bandwidth=self.cache_bandwidth, cache_bytes=self.cache_bytes)
+        if self.rates:
+            out["rates"] = dict(self.rates)
         out["sources"] = dict(self.sources)
         return out
 
@@ -172,6 +201,27 @@ def table_from_dict(data: dict[str, Any]) -> DeviceTable:
     if not (0 < vector <= 1 and 0 < bw <= 1 and launch >= 0):
         raise ClusterSpecError(f"device table {name!r}: vector_eff and bandwidth_eff are fractions in (0, 1]")
     mbw = data.get("memory_bandwidth")
+    cache_bw, cache_bytes = data.get("cache_bandwidth"), data.get("cache_bytes", 0.0)
+    try:
+        cache_bw, cache_bytes = (None if cache_bw is None else float(cache_bw)), float(cache_bytes)
+    except (TypeError, ValueError) as e:
+        raise ClusterSpecError(f"device table {name!r}: cache_bandwidth and cache_bytes must be numbers ({e})") from e
+    if (cache_bw is not None and cache_bw <= 0) or cache_bytes < 0:
+        raise ClusterSpecError(
+            f"device table {name!r}: cache_bandwidth must be positive (bytes/s) and cache_bytes at least 0; give "
+            "neither for no cache term"
+        )
+    rates = data.get("rates") or {}
+    try:
+        rates = {str(k): float(v) for k, v in rates.items()}
+    except (AttributeError, TypeError, ValueError) as e:
+        raise ClusterSpecError(f"device table {name!r}: rates must map op classes to FLOP/s ({e})") from e
+    unknown = set(rates) - set(RATE_CLASSES.values())
+    if unknown or any(v <= 0 for v in rates.values()):
+        raise ClusterSpecError(
+            f"device table {name!r}: rates gives positive FLOP/s per op class, one of "
+            f"{', '.join(sorted(set(RATE_CLASSES.values())))}; got {rates}"
+        )
     return DeviceTable(
         name,
         _curves(name, data.get("matmul"), "matmul"),
@@ -181,6 +231,9 @@ def table_from_dict(data: dict[str, Any]) -> DeviceTable:
         launch,
         None if mbw is None else float(mbw),
         {str(k): str(v) for k, v in (data.get("sources") or {}).items()},
+        cache_bw,
+        cache_bytes,
+        rates,
     )
 
 
@@ -256,9 +309,12 @@ def seconds(work: Work, device: Device) -> float:
     if work.kind == "attention_unfused":
         return _unfused_attention(work, device)
     t = work.flops / (device.peak(work.dtype) * efficiency(work, device)) if work.flops else 0.0
+    rate = device.table.rates.get(work.rate_class) if work.rate_class else None
+    if rate and work.flops:  # an op class at its own measured rate (never faster than the vector rate)
+        t = max(t, work.flops / rate)
     if work.bytes and device.memory_bandwidth:
-        t = max(t, work.bytes / (device.memory_bandwidth * device.table.bandwidth_eff))
-    return t + work.ops * device.table.launch_seconds
+        t = max(t, device.table.stream_seconds(work.bytes, device.memory_bandwidth))
+    return work.share * (t + work.ops * device.table.launch_seconds)
 
 
 ITEMSIZE = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2}
@@ -325,6 +381,16 @@ def flop_seconds(flops: float, device: Device, dtype: str = "bf16", m: int = 0, 
 
 # -- an IR op's work ----------------------------------------------------------------------------------
 
+# elementwise ops priced at a measured rate of their class where the device table has one (``DeviceTable.rates``)
+RATE_CLASSES = {
+    **dict.fromkeys(
+        ("aten.gelu", "aten.silu", "aten.sigmoid", "aten.tanh", "aten.erf", "aten.exp", "aten.mish"), "transcendental"
+    ),
+    **dict.fromkeys(
+        ("aten.softmax.int", "aten._softmax", "aten.log_softmax.int", "aten._log_softmax", "aten.cross_entropy_loss"),
+        "softmax",
+    ),
+}
 MATMULS = frozenset({"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm", "aten.baddbmm"})
 GROUPED = frozenset({"aten._grouped_mm", "transformers.grouped_mm_fallback"})
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
@@ -363,7 +429,7 @@ def op_work(op: Any, types: dict[str, Any], dtype: str, attention: str = "fused"
             return Work(kind, flops, nbytes, math.prod(q.shape[:-1]), key.shape[-2], q.shape[-1], dtype)
     except (AttributeError, IndexError, TypeError):  # an unexpected signature: priced by its bytes
         pass
-    return Work("elementwise", flops, nbytes, dtype=dtype)
+    return Work("elementwise", flops, nbytes, dtype=dtype, rate_class=RATE_CLASSES.get(t, ""))
 
 
 def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str = "fused") -> list[Work]:
@@ -382,10 +448,10 @@ def compiled_shares(ops: Any, types: dict[str, Any], dtype: str, attention: str 
     """One ``Work`` per op of ``ops``: its share of the kernel ``compiled_works`` runs it in, so that a caller that
     prices op by op (the sharding ILP, the search's units, the stage balancer's subgraphs) prices a compiled
     program as ``compiled_works`` does. A kernel of its own (a matmul, attention, a collective) is the op's
-    ``op_work``; a fused group's work is shared among its ops in proportion to the bytes each moves op by op
-    (its FLOPs where none moves bytes, else equally): FLOPs, bytes and the one launch (``Work.ops``) scaled alike,
-    so that ``seconds`` of the shares adds up to the group's (``seconds`` is homogeneous in them) and the shares
-    of ops a caller divides alike divide as the kernel does. A view's share is nothing."""
+    ``op_work``; a fused group's kernel is shared among its ops in proportion to the bytes each moves op by op
+    (its FLOPs where none moves bytes, else equally): each op's work is the kernel's with ``Work.share`` its
+    fraction, so that ``seconds`` of the shares adds up to the kernel's and the shares of ops a caller divides
+    alike divide as the kernel does. A view's share is nothing."""
     ops = list(ops)
     out = [Work("elementwise", 0.0, 0.0, dtype=dtype, ops=0) for _ in ops]
     for work, members in _compiled_kernels(ops, types, dtype, attention):
@@ -400,8 +466,7 @@ def compiled_shares(ops: Any, types: dict[str, Any], dtype: str, attention: str 
             weights = [1.0] * len(members)
         total = sum(weights)
         for i, wt in zip(members, weights):
-            f = wt / total
-            out[i] = Work("elementwise", work.flops * f, work.bytes * f, dtype=dtype, ops=work.ops * f)
+            out[i] = replace(work, share=wt / total)
     return out
 
 
