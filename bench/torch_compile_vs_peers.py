@@ -11,7 +11,10 @@ kernels:
 - ``dp``: autopar compiled on dp=ranks (the default plan) / ``torch.compile(DistributedDataParallel(model))``;
 - ``zero3``: autopar compiled with ZeRO-3 on dp=ranks / FSDP2 (``fully_shard`` per decoder layer, then the root)
   under ``torch.compile``;
-- ``self``: autopar compiled / autopar eager, the same dp plan.
+- ``self``: autopar compiled / autopar eager, the same dp plan;
+- ``zbv``: autopar compiled / autopar eager, pp=ranks under ZB-V (each backward split: compiled as a B graph
+  and a W graph, runtime/build/compiled_split.py), ``train_step`` over --microbatches microbatches;
+- ``zbv-1f1b``: autopar ZB-V compiled / autopar 1F1B compiled, the same pipeline.
 
 Each run does two warm-up steps (the first compiles), then times --steps steps (forward, backward, AdamW) and
 reports their median, the slowest rank's; a pair's line is the median of its per-round ratios with their
@@ -40,6 +43,8 @@ PAIRS = {
     "dp": ("autopar-dp-compiled", "ddp-compiled"),
     "zero3": ("autopar-zero3-compiled", "fsdp2-compiled"),
     "self": ("autopar-dp-compiled", "autopar-dp-eager"),
+    "zbv": ("autopar-pp-zbv-compiled", "autopar-pp-zbv-eager"),
+    "zbv-1f1b": ("autopar-pp-zbv-compiled", "autopar-pp-1f1b-compiled"),
 }
 
 
@@ -51,6 +56,18 @@ def build(system: str, a, rank: int):
     m = build_model(model_spec("llama", a), device="cpu", seed=0)
     model, batch = LossOnly(m.model), m.kwargs
     world = dist.get_world_size()
+    if system.startswith("autopar-pp-"):  # a pipeline over every rank: train_step under the schedule
+        _, _, schedule, mode = system.split("-")
+        cm = autopar.compile(
+            model, autopar.init_mesh("cpu", pp=world), kwargs=batch, schedule=schedule,
+            microbatches=a.microbatches, torch_compile=mode == "compiled",
+        )  # fmt: skip
+        cm.make_optimizer(torch.optim.AdamW, lr=1e-4)  # stepped inside train_step
+
+        def step():
+            cm.train_step(**batch)
+
+        return step, cm
     if system.startswith("autopar"):
         zero = 3 if "zero3" in system else 0
         compiled = system.endswith("-compiled")
@@ -109,10 +126,13 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
     med = torch.tensor([statistics.median(times), first])
     dist.all_reduce(med, op=dist.ReduceOp.MAX)  # the step is as slow as its slowest rank
     if rank == 0:
-        eager = {k: v for k, v in (cm.compile_log.eager.items() if cm is not None and cm.compile_log else ())}
-        failed = list(cm.compile_log.failed) if cm is not None and cm.compile_log else []
+        log = cm.compile_log if cm is not None else None
+        eager = dict(log.eager) if log else {}
+        failed = list(log.failed) if log else []
+        split = {k: v.graphs for k, v in log.split.items()} if log else {}  # B and W graphs per split backward
+        res = {"median_s": med[0].item(), "first_s": med[1].item(), "eager": eager, "failed": failed, "split": split}
         with open(out, "w") as f:
-            json.dump({"median_s": med[0].item(), "first_s": med[1].item(), "eager": eager, "failed": failed}, f)
+            json.dump(res, f)
 
 
 def spawn(system: str, a) -> dict:
@@ -144,6 +164,7 @@ def run_pair(pair: str, a) -> dict:
         "first_s": {s: statistics.median(x["first_s"] for x in v) for s, v in runs.items()},
         "eager_parts": runs[ours][0]["eager"],
         "failed": runs[ours][0]["failed"],
+        "split": runs[ours][0].get("split", {}),
     }
 
 
@@ -154,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--microbatches", type=int, default=4, help="the pipeline pairs' microbatches per step")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args(argv)
     a.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.mkdtemp(prefix="autopar-inductor-")
@@ -170,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         for label, calls in r["eager_parts"].items():
             print(f"        eager in {label}: {'; '.join(calls)}")
+        for label, graphs in r["split"].items():
+            print(f"        {label} (rank 0): backward as B and W graphs {graphs}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"load": load, "results": results}, f, indent=1)

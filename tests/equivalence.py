@@ -399,7 +399,7 @@ def compare_train_step(
     out: dict[str, Any] = {}
     for schedule, opts, *more in runs:
         extra = dict(more[0]) if more else {}  # this run's own compile keywords (microbatches= too)
-        graphs_before = _dynamo_graphs()
+        graphs_before, inductor_before = _dynamo_graphs(), _inductor_graphs()
         pipe = autopar.compile(  # the model is only read (and captured once per microbatch shape)
             model,
             mesh,
@@ -448,6 +448,7 @@ def compare_train_step(
             "losses": torch.tensor(losses, dtype=torch.float64),
             # torch_compile: the graphs dynamo compiled for this run, and what the module's log says
             "graphs": torch.tensor(_dynamo_graphs() - graphs_before),
+            "inductor_graphs": torch.tensor(_inductor_graphs() - inductor_before),
             "compile_log": _compile_log(pipe),
         }
     return out
@@ -461,6 +462,18 @@ def _dynamo_graphs() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
+def _inductor_graphs() -> int:
+    """The graphs Inductor has compiled or loaded from its FX graph cache in this process (a forward, a backward,
+    or each half of a split backward: runtime/build/compiled_split.py)."""
+    import sys
+
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0
+    c = utils.counters["inductor"]
+    return int(c["fxgraph_cache_hit"] + c["fxgraph_cache_miss"] + c["fxgraph_cache_bypass"])
+
+
 def _compile_log(pipe) -> dict | None:
     """A torch_compile module's log as plain data (the programs run compiled, eager calls, failures)."""
     log = getattr(pipe, "compile_log", None)
@@ -472,6 +485,7 @@ def _compile_log(pipe) -> dict | None:
         "failed": list(log.failed),
         "graph_buckets": {k: [list(b) for b in v] for k, v in log.graph_buckets.items()},
         "schedules": dict(log.schedules),
+        "split": {k: {"graphs": list(v.graphs), "calls": dict(v.calls)} for k, v in log.split.items()},
     }
 
 

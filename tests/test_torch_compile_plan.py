@@ -8,6 +8,7 @@ import json
 
 from autopar.cli import main
 from autopar.runtime.build.compiled import CompileLog, eager_parts, mesh_eager_parts
+from autopar.runtime.build.compiled_split import SplitLog
 
 
 def _has(lines: list[str], start: str) -> bool:
@@ -20,10 +21,9 @@ def test_eager_parts_name_each_feature_that_stays_eager_and_why():
     assert _has(z3, "ZeRO-3 unit gathers and releases") and "graph break" in z3[0]
     assert not _has(z3, "gradient buckets")  # ZeRO-3 reduce-scatters per unit, no buckets
     assert _has(eager_parts(zero=2, data_parallel=True), "gradient buckets")
-    split = eager_parts(split_backward=True)
-    assert _has(split, "the zero-bubble split backward") and "run whole in B" in split[0]
+    assert eager_parts(split_backward=True) == []  # B and W compiled as two graphs each (compiled_split.py)
     sub = eager_parts(sub_pipeline_tp=True, split_backward=True, tensor_parallel=True)
-    assert _has(sub, "the training programs: eager whole") and not _has(sub, "the zero-bubble split backward")
+    assert _has(sub, "the training programs: eager whole")
     assert _has(mesh_eager_parts({"pp": 2, "tp": 2}, 0, False, False), "Megatron f's gradient all-reduce")
     assert not _has(mesh_eager_parts({"pp": 2, "tp": 1, "dp": 1}, 0, False, False), "Megatron f's")  # size-1 axes
 
@@ -32,6 +32,9 @@ def test_the_compile_log_summary_states_the_plans_eager_parts():
     notes = eager_parts(zero=3, data_parallel=True)
     text = CompileLog(plan_notes=notes).summary()
     assert all(f"eager or not overlapped by the plan: {n}" in text for n in notes)
+    split = SplitLog(graphs=[{"B": 2, "W": 5, "boundary": 3}])  # what a split backward's compile records
+    text = CompileLog(split={"stage1": split}).summary()
+    assert "stage1: backward compiled as B (2 input gradients) and W (5 weight gradients), 3 tensors" in text
 
 
 def test_autopar_plan_torch_compile_lists_the_eager_parts(capsys):
@@ -40,7 +43,7 @@ def test_autopar_plan_torch_compile_lists_the_eager_parts(capsys):
     argv = ["plan", "gpt2:n_layer=2", "--mesh", "pp=2,tp=2", "--schedule", "zbv", "--no-baselines", "--torch-compile"]
     assert main([*argv, "--json"]) == 0
     eager = json.loads(capsys.readouterr().out)["torch_compile_eager"]
-    assert _has(eager, "the zero-bubble split backward") and _has(eager, "Megatron f's gradient all-reduce")
+    assert _has(eager, "Megatron f's gradient all-reduce") and not _has(eager, "the zero-bubble")
     assert not _has(eager, "ZeRO-3")
     assert main(argv) == 0
     text = capsys.readouterr().out
@@ -51,4 +54,4 @@ def test_autopar_plan_torch_compile_lists_the_eager_parts(capsys):
         == 0
     )
     eager = json.loads(capsys.readouterr().out)["torch_compile_eager"]
-    assert _has(eager, "ZeRO-3 unit gathers and releases") and not _has(eager, "the zero-bubble")
+    assert _has(eager, "ZeRO-3 unit gathers and releases")

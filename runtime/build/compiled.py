@@ -3,7 +3,9 @@
 Each generated GraphModule (a stage, a recomputation head or rest, the forward program) is rewritten into a
 copy whose every call dynamo can trace, and that copy is compiled with Inductor (its C++ back end on CPU,
 Triton on GPU); forward and backward are compiled together (AOTAutograd), so the backward the executor runs
-(``B``, and ``W`` of a split backward) is compiled code too. The rewrite:
+is compiled code too; under a zero-bubble schedule each backward graph is compiled as two, B (input
+gradients) and W (weight gradients), run at the schedule's ``B`` and ``W`` (runtime/build/compiled_split.py).
+The rewrite:
 
 - **collectives** become autograd functions over two autopar ops registered with ``torch.library``
   (``autopar::reduce``: the all-reduce; ``autopar::gather``: the all-gather and its reassembly), each with a
@@ -51,6 +53,7 @@ import torch.fx as fx
 
 from autopar.ir.axes import data_axes, tensor_axes
 from autopar.runtime.build import rng as keyed
+from autopar.runtime.build.compiled_split import SplitLog, split_inner_compile, weight_side
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import MM, column_linears
@@ -316,6 +319,8 @@ class CompileLog:
     # per program, each graph with collectives as Inductor scheduled it: "start", "wait" or "compute" per kernel
     # (recorded when Inductor compiles the graph, not when its cache supplies it)
     schedules: dict[str, list[list[str]]] = field(default_factory=dict)
+    # per program of a split backward: its backward graphs as B and W (runtime/build/compiled_split.py)
+    split: dict[str, SplitLog] = field(default_factory=dict)
 
     def summary(self) -> str:
         first = sum(self.first_s.values())
@@ -328,6 +333,12 @@ class CompileLog:
             lines.append(f"  {label} runs eagerly: {'; '.join(calls)}")
         for label, buckets in self.graph_buckets.items():
             lines.append(f"  {label}: {len(buckets)} gradient buckets all-reduced in its backward graph (start/wait)")
+        for label, split in self.split.items():
+            for g in split.graphs:
+                lines.append(
+                    f"  {label}: backward compiled as B ({g['B']} input gradients) and W ({g['W']} weight gradients), "
+                    f"{g['boundary']} tensors from B to W"
+                )
         lines += [f"  compile failed, ran eagerly: {f}" for f in self.failed]
         lines += [f"  eager or not overlapped by the plan: {n}" for n in self.plan_notes]
         return "\n".join(lines)
@@ -424,18 +435,25 @@ def _inductor(label: str, log_: CompileLog, retains_graph: bool) -> Callable:
     donated buffers (a backward reusing its saved tensors' memory) forbid: they are off for its compile, and
     (AOTAutograd checks the flag again when the backward runs) in the whole process from then on."""
     from torch._dynamo.exc import RestartAnalysis, SkipFrame
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def backend(graph: fx.GraphModule, example_inputs):
-        if retains_graph:
+        inner = compile_fx_inner
+        if retains_graph:  # its backward as B and W (runtime/build/compiled_split.py), not in AOTAutograd's cache
             torch._functorch.config.donated_buffer = False
+            weights = {i for i, x in enumerate(example_inputs) if weight_side(x)}
+            inner = split_inner_compile(weights, log_.split.setdefault(label, SplitLog()), compile_fx_inner)
         _SCHEDULING[:] = [log_, label]
         try:  # the backward is lowered now, not at its first run, so its failure is caught here too
             with (
-                torch._functorch.config.patch(force_non_lazy_backward_lowering=True, donated_buffer=not retains_graph),
+                torch._functorch.config.patch(
+                    force_non_lazy_backward_lowering=True,
+                    donated_buffer=not retains_graph,
+                    enable_autograd_cache=not retains_graph,
+                ),
                 torch._inductor.config.patch(_COMM_OVERLAP),
             ):
-                return compile_fx(graph, example_inputs)
+                return compile_fx(graph, example_inputs, inner_compile=inner)
         except (RestartAnalysis, SkipFrame):
             raise  # dynamo's own control flow (trace again with other choices), not a failure
         except Exception as e:  # noqa: BLE001 - any compiler error: never a wrong result, eager instead
@@ -599,7 +617,8 @@ def eager_parts(
     """What of a ``torch_compile=True`` run stays eager or gives up a planned overlap, and why, from the plan's
     features alone (``autopar plan`` prints it before anything is compiled; ``compile_rank`` puts it in the
     compile log): each line ``part: why``; ``graph_buckets``: the compiled backwards reduce the buckets. An
-    empty list: every program compiles whole, every overlap kept."""
+    empty list: every program compiles whole, every overlap kept. A split backward (``split_backward``) is
+    compiled as two graphs, B and W (runtime/build/compiled_split.py), and leaves nothing eager itself."""
     out: list[str] = []
     if zero == 3:
         out.append(
@@ -609,11 +628,6 @@ def eager_parts(
     if sub_pipeline_tp:
         out.append(
             "the training programs: eager whole (sub_pipeline_tp interprets them node by node at their collectives)"
-        )
-    if split_backward and not sub_pipeline_tp:
-        out.append(
-            "the zero-bubble split backward: a compiled region's backward is one graph, run whole in B (its weight "
-            "gradients too); W runs only what lies below the region, so the schedule's W slots gain nothing"
         )
     if tensor_parallel and not sub_pipeline_tp:
         out.append("Megatron f's gradient all-reduce: waited where it stands (not behind the weight gradients)")

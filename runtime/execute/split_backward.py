@@ -22,9 +22,13 @@ twice:
 - A weight reached from two such nodes, one of which lies on the other's input path (a parameter
   used twice), would have the engine run the path between them again; a pre-hook clamps the lower
   node's gradient to the captured one, so nothing is counted twice (only that path's work repeats).
-- A compiled region (``torch_compile=True``, runtime/build/compiled.py) is one node whose backward computes
-  every input's gradient at once: there B keeps, by a post-hook, the gradients the node gave its weight-side
-  inputs, and W starts below the node from those, so the region's backward runs once (in B).
+- A compiled region (``torch_compile=True``, runtime/build/compiled.py) is one autograd node. Where its
+  backward is compiled as two graphs (runtime/build/compiled_split.py), B asks it, by a pre-hook, for its
+  input gradients alone (``wants_region_weights``): it runs its B graph and hands over a thunk running its
+  W graph (``hand_over_region_weights``), which a post-hook keeps; W runs the thunk and starts below the node
+  from the gradients it gives the weight-side inputs. A region compiled whole computes every input's
+  gradient in B: the post-hook keeps what it gave its weight-side inputs, and W starts below it from those.
+  Either way the region's backward runs once.
 
 Memory kept from B to W: the graph below the highest capture point, i.e. what the forward saved for
 backward (B cannot free it: W reads the same saved inputs), plus the captured gradients, about one
@@ -52,6 +56,30 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 _LOCAL = threading.local()
 Starts = dict[Node, list[tuple[GradientEdge, torch.Tensor]]]  # an output node no input depends on -> (edge, grad)
 _COMPILED_REGION = "CompiledFunctionBackward"  # AOTAutograd's node: one backward for every input of the region
+_REGION = threading.local()  # a compiled region's backward being run by a B: asked (bool), the W it handed over
+
+
+def wants_region_weights() -> bool:
+    """Called by a compiled region's backward (runtime/build/compiled_split.py): whether a B runs it, so that it
+    is to compute its input gradients only and hand over its weight gradients (``hand_over_region_weights``)."""
+    return getattr(_REGION, "asked", False)
+
+
+def hand_over_region_weights(thunk) -> None:
+    """A compiled region's backward, asked by ``wants_region_weights``, hands over what computes its weight
+    gradients (a list aligned with the region's inputs, ``None`` where B gave the gradient) for W."""
+    _REGION.asked = False
+    _REGION.thunk = thunk
+
+
+def _ask_region(_grads) -> None:
+    _REGION.asked, _REGION.thunk = True, None
+
+
+def _taken_region_weights():
+    thunk = getattr(_REGION, "thunk", None)
+    _REGION.asked, _REGION.thunk = False, None
+    return thunk
 
 
 class _Group:
@@ -66,8 +94,9 @@ class _Group:
 class WeightGrads:
     """What a B kept for its W: per group, the starting gradient edges and the weights they reach."""
 
-    def __init__(self, groups: list[_Group], captured: dict[Node, tuple], roots: Starts, below: Starts):
+    def __init__(self, groups: list[_Group], captured: dict[Node, tuple], roots: Starts, below: Starts, later: dict):
         self._groups, self._captured, self._roots, self._below = groups, captured, roots, below
+        self._later = later  # a compiled region -> (its W thunk, [(input position, edge to a weight-side input)])
 
     def run(self) -> None:
         """W: accumulate every weight's gradient into its ``.grad`` (call once)."""
@@ -86,6 +115,13 @@ class WeightGrads:
                 for edge, grad in self._below.get(node, ()):
                     edges.append(edge)
                     grads.append(grad)
+                if node in self._later:  # ... or from what its W graph computes now
+                    thunk, weight_edges = self._later[node]
+                    computed = thunk()
+                    for i, edge in weight_edges:
+                        if computed[i] is not None:
+                            edges.append(edge)
+                            grads.append(computed[i])
             if not edges:
                 continue  # no gradient reached this group's weights: they get none, as in a whole backward
             clamps = []
@@ -99,7 +135,7 @@ class WeightGrads:
             finally:
                 for handle in clamps:
                     handle.remove()
-        self._groups, self._captured, self._roots, self._below = [], {}, {}, {}  # the graph is freed with them
+        self._groups, self._captured, self._roots, self._below, self._later = [], {}, {}, {}, {}  # graph freed
 
 
 def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -> WeightGrads:
@@ -133,17 +169,24 @@ def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -
     captured: dict[Node, tuple] = {}
     below: Starts = {}  # a compiled region -> (edge to a weight-side input, the gradient the region gave it)
 
+    later: dict = {}  # a compiled region -> (the W thunk it handed over, its weight-side edges by position)
+
     def keep_below(node: Node, grad_inputs) -> None:
-        below[node] = [
-            (GradientEdge(child, nr), grad)
-            for (child, nr), grad in zip(node.next_functions, grad_inputs)
-            if child is not None and child not in on_path and grad is not None
+        weight_side = [
+            (i, GradientEdge(child, nr))
+            for i, (child, nr) in enumerate(node.next_functions)
+            if child is not None and child not in on_path
         ]
+        below[node] = [(edge, grad_inputs[i]) for i, edge in weight_side if grad_inputs[i] is not None]
+        thunk = _taken_region_weights()
+        if thunk is not None:
+            later[node] = (thunk, weight_side)
 
     hooks = []
     for g in groups:
         for node in g.captures:
             if type(node).__name__ == _COMPILED_REGION:
+                hooks.append(node.register_prehook(_ask_region))
                 hooks.append(node.register_hook(lambda grad_inputs, _grads, node=node: keep_below(node, grad_inputs)))
             else:
                 hooks.append(node.register_prehook(lambda grads, node=node: captured.__setitem__(node, tuple(grads))))
@@ -159,11 +202,12 @@ def input_gradients(pairs: Sequence[tuple[torch.Tensor, torch.Tensor | None]]) -
     finally:
         for handle in hooks:
             handle.remove()
+        _REGION.asked, _REGION.thunk = False, None  # a failed B leaves no request behind
     starts: Starts = defaultdict(list)
     for (node, _), pair in roots.items():
         if node not in on_path:
             starts[node].append(pair)
-    return WeightGrads(groups, captured, starts, below)
+    return WeightGrads(groups, captured, starts, below, later)
 
 
 def _ancestors(nodes: list[Node], parents: dict[Node, list[Node]]) -> set[Node]:
@@ -240,4 +284,11 @@ def run_backward(tensors: Sequence[torch.Tensor], grads: Sequence[torch.Tensor |
         torch.autograd.backward(list(tensors), list(grads))
 
 
-__all__ = ["WeightGrads", "deferring_weights", "input_gradients", "run_backward"]
+__all__ = [
+    "WeightGrads",
+    "deferring_weights",
+    "hand_over_region_weights",
+    "input_gradients",
+    "run_backward",
+    "wants_region_weights",
+]
