@@ -41,6 +41,7 @@ AOTAutograd's cache are on (torch's defaults, kept on here), in ``TORCHINDUCTOR_
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 import warnings
@@ -59,7 +60,7 @@ from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import MM, column_linears
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
-from autopar.runtime.comm.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
+from autopar.runtime.comm.vocab_parallel import check_range, vocab_parallel_cross_entropy, vocab_parallel_embedding
 from autopar.runtime.execute.stage_runner import Part
 
 log = logging.getLogger("autopar.compile")
@@ -112,6 +113,20 @@ def _dropout_mask(x: torch.Tensor, site: int) -> torch.Tensor:
 @_dropout_mask.register_fake
 def _(x, site):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("autopar::checked_index", mutates_args=())
+def _checked_index(index: torch.Tensor, size: int, what: str, ignore: int | None) -> torch.Tensor:
+    """``index`` (a copy: an op's output is never its input) once ``check_range`` found every entry in [0, size)
+    or ``ignore``: it raises ``InputRangeError`` as the eager program does, and the compiled graph reads the
+    checked copy, so the check is never removed as dead code."""
+    check_range(index, size, what, ignore)
+    return index.clone()
+
+
+@_checked_index.register_fake
+def _(index, size, what, ignore):
+    return torch.empty_like(index)
 
 
 # -- the collectives over them (the conventions of runtime/comm/collectives.py) -----------------------------
@@ -258,9 +273,11 @@ def keyed_dropout(x: torch.Tensor, site: int) -> torch.Tensor:
     return x * _dropout_mask(x.detach(), site)  # the mask carries no gradient
 
 
-def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding_idx: int) -> torch.Tensor:
-    """``vocab_parallel_embedding`` of the rank holding block ``block`` of the table (its rows)."""
+def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding_idx: int, vocab: int) -> torch.Tensor:
+    """``vocab_parallel_embedding`` of the rank holding block ``block`` of the table (its rows), every id below
+    ``vocab`` (the whole table's rows; negative: minus the ranks holding blocks, the rows that many times)."""
     rows = weight.shape[0]
+    ids = _checked_index(ids, vocab if vocab > 0 else rows * -vocab, "token ids", None)
     start = block * rows
     outside = (ids < start) | (ids >= start + rows)
     local_pad = padding_idx - start if padding_idx >= 0 and start <= padding_idx < start + rows else -1
@@ -268,16 +285,23 @@ def embedding_block(weight: torch.Tensor, ids: torch.Tensor, block: int, padding
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-def vocab_cross_entropy(logits, target, comm: int, axes: list[str], reduction: int = 1, ignore_index: int = -100):
+def vocab_cross_entropy(
+    logits, target, comm: int, axes: list[str], reduction: int = 1, ignore_index: int = -100, classes=None
+):
     """``vocab_parallel_cross_entropy`` in traceable ops: the row max, the softmax denominator and the target's
     logit all-reduced over ``axes`` (the max without a gradient: the loss does not depend on it; the sums as
-    Megatron's g, whose backward is the identity), so autograd derives softmax minus the one-hot target."""
+    Megatron's g, whose backward is the identity), so autograd derives softmax minus the one-hot target;
+    every label below ``classes`` (default: the local classes times the ranks) or ``ignore_index``."""
     c = _COMMS[comm]
     block = 0
     for a in axes:
         block = block * c.sizes[a] + c.coords[a]
     local = logits.shape[1]
     start = block * local
+    whole = 1
+    for a in axes:
+        whole *= c.sizes[a]
+    target = _checked_index(target, classes if classes is not None else local * whole, "labels", ignore_index)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     row_max = logits.detach().max(dim=1).values
     for a in axes:
@@ -392,7 +416,9 @@ def compilable(
             block = 0
             for a in kwargs["axes"]:
                 block = block * comm.sizes[a] + comm.coords[a]
-            new = graph.call_function(embedding_block, (args[0], args[1], block, kwargs["padding_idx"]))
+            ranks = math.prod(comm.sizes[a] for a in kwargs["axes"])
+            vocab = kwargs.get("vocab") or -ranks  # unknown: the local rows times the ranks (-ranks)
+            new = graph.call_function(embedding_block, (args[0], args[1], block, kwargs.get("padding_idx", -1), vocab))
         elif t is vocab_parallel_cross_entropy:
             new = graph.call_function(vocab_cross_entropy, (args[0], args[1], cid, *args[2:]), kwargs)
         elif t is column_linears:
