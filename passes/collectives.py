@@ -12,6 +12,14 @@ Two kinds of ops are inserted:
 A parameter whose every use needs f on an axis gets no f at all: its gradient is all-reduced once
 after backward instead (data-parallel gradient sync), recorded as the attribute ``grad_sync``.
 
+An f on a context-parallel axis (``cp``) computed from all_gathers over it (the all-gather form's keys and
+values, gathered and then roped or repeated for grouped-query heads alike on every rank) is folded into
+those gathers as ``reduce_grad``: the ranks' partial gradients are reduce-scattered backward, the gather's
+adjoint, where f would all-reduce them and the gather keep the local shard (half the bytes, and of the
+smaller tensor before the heads are repeated). An f that matmuls read keeps its own all-reduce: the runtime
+fuses it with their weight gradients (``runtime/comm/column_linear.py``); on other axes f's are left as
+they are (the sharding ILP prices only a gather right before the read as folded).
+
 Last, expert-parallel gathers get their token dispatch and combine (``passes/experts.py``).
 """
 
@@ -21,6 +29,7 @@ from typing import NamedTuple
 
 from networkx.utils import UnionFind
 
+from autopar.ir.axes import CONTEXT_AXIS
 from autopar.ir.core import (
     COLLECTIVES,
     Op,
@@ -37,7 +46,7 @@ from autopar.ir.core import (
 from autopar.ir.layout import redistribute_steps
 from autopar.passes.experts import insert_expert_dispatch
 from autopar.passes.shard import required_inputs
-from autopar.solver.sharding.strategies import Strategy, partial_axes
+from autopar.solver.sharding.strategies import Strategy, column_weight, partial_axes
 
 _KW = {
     "all_reduce": lambda a, b: {"op": a.op},
@@ -112,7 +121,86 @@ def insert_collectives(prog: Program) -> Program:
     for x in prog.outputs:
         out_refs.append(Ref(b.redistribute(x.name, sink_req, "")) if isinstance(x, Ref) else x)
     result = prog.with_(ops=tuple(b.ops), outputs=tuple(out_refs))
-    return insert_expert_dispatch(_defer_param_grad_sync(result))
+    return insert_expert_dispatch(reduce_scatter_gathered_grads(_defer_param_grad_sync(result)))
+
+
+def reduce_scatter_gathered_grads(prog: Program) -> Program:
+    """Each f folded into the all_gathers over its axis that its input is computed from (the module docstring):
+    its region, back from f's input, holds ops every rank of the axis computes alike (its values replicated
+    there, or moved on another axis) up to those gathers, each value read inside the region only; so the sum
+    over the axis commutes with the region's backward, and each gather's backward reduce-scatters what reaches
+    it. An f that a matmul reads, or whose region reaches anything else with a gradient (a parameter, a value
+    computed differently by rank, a value read outside it), is left as it is."""
+    users, producers, types = prog.users(), prog.producers(), prog.types()
+    grad = prog.requires_grad()
+    returned = {r.name for r in iter_refs(prog.outputs)}
+    drop: dict[str, str] = {}  # f's result -> its input
+    gathers: set[str] = set()
+    for op in prog.ops:
+        if op.target != "grad_all_reduce" or op.result in returned or op.kwargs["axis"] != CONTEXT_AXIS:
+            continue
+        if any(column_weight(u, 0, types) is not None and u.args[0].name == op.result for u in users[op.result]):
+            continue
+        found = _gathered_region(op, users, producers, types, grad, returned, prog.mesh.index(op.kwargs["axis"]))
+        if found is not None and not (found & gathers):
+            drop[op.result] = op.args[0].name
+            gathers |= found
+    if not drop:
+        return prog
+    rename = lambda r: Ref(drop.get(r.name, r.name))  # noqa: E731
+    ops = []
+    for op in prog.ops:
+        if op.result in drop:
+            continue
+        if op.result in gathers:
+            op = op.with_(kwargs={**op.kwargs, "reduce_grad": True})
+        ops.append(op.with_(args=map_refs(op.args, rename), kwargs=map_refs(op.kwargs, rename)))
+    return prog.with_(ops=tuple(ops), outputs=tuple(map_refs(prog.outputs, rename)))
+
+
+def _gathered_region(f: Op, users, producers, types, grad, returned, a: int) -> set[str] | None:
+    """The all_gathers over axis ``a`` (their results) that f's region reaches (``reduce_scatter_gathered_grads``),
+    or None where the region is not one f may fold into."""
+    axis = f.kwargs["axis"]
+    region: set[str] = {f.result}  # ops' results inside the region
+    found: set[str] = set()
+    stack = [f.args[0].name]
+    seen: set[str] = set()
+    while stack:
+        x = stack.pop()
+        if x in seen:
+            continue
+        seen.add(x)
+        p = producers.get(x)
+        if not isinstance(p, Op) or x in returned:
+            return None
+        if p.target == "all_gather" and p.kwargs["axis"] == axis:
+            if _resharded_param(p, producers):
+                return None
+            found.add(x)
+            region.add(x)
+            continue
+        if p.target in COLLECTIVES:
+            if p.kwargs.get("axis") == axis:
+                return None
+        elif not all(
+            isinstance(types[n].placements[a], Replicate) for n in [*(r.name for r in p.input_refs()), *p.results]
+        ):
+            return None
+        region.update(p.results)
+        stack.extend(r.name for r in p.input_refs() if r.name in grad)
+    for x in seen:  # every read of a value in the region is the region's
+        if any(u.result not in region for u in users[x]):
+            return None
+    return found or None
+
+
+def _resharded_param(op: Op, producers: dict) -> bool:
+    """Whether collective ``op`` reshards a parameter (through other collectives): its f is priced with the
+    parameter's gradient sync, and left as it is."""
+    while isinstance(op, Op) and op.target in COLLECTIVES:
+        op = producers.get(op.args[0].name)
+    return isinstance(op, Value) and op.kind == "param"
 
 
 def _renamer(names):

@@ -238,6 +238,38 @@ def test_sequence_to_heads_is_one_all_to_all():
 
 
 @pytest.mark.heavy
+def test_all_gather_form_reduce_scatters_the_key_value_gradients():
+    """In the all-gather form each cp rank's gradient of the gathered keys and values is a partial sum; the program
+    reduce-scatters it in the gathers' backward (the adjoint of an all-gather) where it had all-reduced it (f) and
+    kept the local shard: no f is left on cp, every cp gather (of the keys and values before the rotary and the
+    grouped-query repeat) has ``reduce_grad``, and ``program_comm`` prices each as its forward all-gather and its
+    backward reduce-scatter. That the program trains exactly: ``test_cp2_exact``, ``test_cp2_document_mask_exact``
+    and the gloo run (all-gather form)."""
+    model, batch = small("llama")
+    prog = lower(capture(model, (), batch), CP)
+    spec = ClusterSpec.load("local-cpu")
+    opts = replace(OPTIONS, context_attention="all-gather", cluster=spec)
+    sharding = shard(prog, opts)
+    program = insert_collectives(sharding.program)
+    assert attention_forms(program) == ["all-gather"]
+    assert not [op for op in program.ops if op.target == "grad_all_reduce" and op.kwargs["axis"] == "cp"]
+    gathers = [op for op in program.ops if op.target == "all_gather" and op.kwargs["axis"] == "cp"]
+    assert gathers and all(op.kwargs.get("reduce_grad") for op in gathers), [op.kwargs for op in gathers]
+    per_byte, latency = spec.collective_terms("reduce_scatter", 2, True)
+    wholes = [op.types[0].nbytes for op in gathers]  # each gathered tensor: every rank's bytes
+    cost = CostModel(prog.mesh, opts.setup, spec)
+    unfolded = program.with_(
+        ops=tuple(op.with_(kwargs={k: v for k, v in op.kwargs.items() if k != "reduce_grad"}) for op in program.ops)
+    )
+    (vol, sec), (vol0, sec0) = cost.program_comm(program), cost.program_comm(unfolded)
+    assert vol - vol0 == pytest.approx(sum(wholes) / 2, rel=1e-12)  # (n-1)/n of each
+    assert sec - sec0 == pytest.approx(sum(w * per_byte + latency for w in wholes), rel=1e-12)
+    total_vol = vol
+    # the ILP prices the f at the attention's read (the gathers lie before the rotary): an over-estimate
+    assert sharding.comm_bytes >= total_vol
+
+
+@pytest.mark.heavy
 @pytest.mark.parametrize(
     "family, mesh", [("qwen3", MeshSpec((("cp", 4),))), ("llama", MeshSpec((("cp", 2), ("tp", 2))))]
 )

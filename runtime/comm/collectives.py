@@ -7,6 +7,7 @@ Each op's backward keeps that convention:
     all_reduce       P -> R   fwd: sum (avg)          bwd: identity (1/n for avg)       Megatron g
     grad_all_reduce  R -> R   fwd: identity           bwd: all-reduce sum               Megatron f
     all_gather       S -> R   fwd: gather             bwd: keep the local shard
+                                                      (reduce_grad: reduce-scatter, the gather's adjoint)
     local_shard      R -> S   fwd: keep local shard   bwd: gather
     reduce_scatter   P -> S   fwd: reduce, shard      bwd: gather
     all_to_all       S -> S'  fwd: gather, reshard    bwd: the reverse
@@ -58,13 +59,15 @@ class _GradAllReduce(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, axis, dim, chunks, pending=None):
-        ctx.comm, ctx.args = current_comm(), (axis, dim, chunks)
+    def forward(ctx, x, axis, dim, chunks, pending=None, reduce_grad=False):
+        ctx.comm, ctx.args, ctx.reduce_grad = current_comm(), (axis, dim, chunks), reduce_grad
         return (pending or inflight.fwd_all_gather(ctx.comm, x, axis, dim, chunks)).wait()
 
     @staticmethod
     def backward(ctx, g):
-        return inflight.own_shard(ctx.comm, g, *ctx.args), None, None, None, None
+        if ctx.reduce_grad:  # each rank's gradient of the whole is a partial sum: its shard of their sum
+            return inflight.bwd_gather_reduce_grad(ctx.comm, g, *ctx.args).wait(), None, None, None, None, None
+        return inflight.own_shard(ctx.comm, g, *ctx.args), None, None, None, None, None
 
 
 class _LocalShard(torch.autograd.Function):
@@ -115,9 +118,19 @@ def grad_all_reduce(x: torch.Tensor, axis: str) -> torch.Tensor:
 
 
 def all_gather(
-    x: torch.Tensor, axis: str, dim: int, chunks: int = 1, pending: inflight.Pending | None = None
+    x: torch.Tensor,
+    axis: str,
+    dim: int,
+    chunks: int = 1,
+    pending: inflight.Pending | None = None,
+    reduce_grad: bool = False,
 ) -> torch.Tensor:
-    return _AllGather.apply(x, axis, dim, chunks, pending)
+    """The whole of ``x`` from every rank's shard of ``dim``. Backward each rank keeps its shard of the
+    gradient, whole and equal on every rank by the convention; with ``reduce_grad`` (a gather whose readers'
+    gradients differ by rank: context parallelism's keys and values, ``passes/collectives.py``) the ranks'
+    partial gradients are reduce-scattered, the gather's adjoint, in place of Megatron's f's all-reduce and
+    the slice."""
+    return _AllGather.apply(x, axis, dim, chunks, pending, reduce_grad)
 
 
 def local_shard(x: torch.Tensor, axis: str, dim: int, chunks: int = 1) -> torch.Tensor:

@@ -92,8 +92,20 @@ def fwd_all_reduce(c: Comm, x, axis, op="sum") -> Pending:
     return start_reduce(c, x, axis, op)
 
 
-def fwd_all_gather(c: Comm, x, axis, dim, chunks=1) -> Pending:
+def fwd_all_gather(c: Comm, x, axis, dim, chunks=1, reduce_grad=False) -> Pending:
     return start_gather(c, x, axis, dim, chunks)
+
+
+def bwd_gather_reduce_grad(c: Comm, g, axis, dim, chunks=1) -> Pending:
+    """This rank's shard (``Shard(dim, chunks)``) of the sum over ``axis`` of every rank's ``g``: one
+    reduce-scatter (``reduce_scatter_single``, on gloo too), the shard dim moved first for its layout; an interleaved
+    shard is all-reduced and sliced."""
+    if chunks != 1:
+        return start_reduce(c, g, axis, "sum", then=lambda y: own_shard(c, y, axis, dim, chunks))
+    send = g.movedim(dim, 0).contiguous()
+    out = torch.empty((send.shape[0] // c.sizes[axis], *send.shape[1:]), dtype=send.dtype, device=send.device)
+    work = dist.reduce_scatter_single(out, send, group=c.groups[axis], async_op=True)
+    return Pending(work, lambda: out.movedim(0, dim), c.groups[axis], axis, "reduce_scatter")
 
 
 def fwd_reduce_scatter(c: Comm, x, axis, op, dim, chunks=1) -> Pending:

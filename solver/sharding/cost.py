@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from autopar.errors import SolverError
-from autopar.ir.axes import data_axes
+from autopar.ir.axes import CONTEXT_AXIS, data_axes
 from autopar.ir.core import MeshSpec, Placement, Program, Ref, Replicate, Shard, TensorType
 from autopar.ir.layout import Unreachable, redistribute_steps, replication
 from autopar.solver.cluster import compute
@@ -480,6 +480,32 @@ class CostModel:
             v, per_byte = v + gv, per_byte + gs
         return nbytes * v, nbytes * per_byte
 
+    def gathered_grad(self, t: TensorType, p: tuple[Placement, ...], axis: int) -> tuple[float, float]:
+        """(bytes, seconds) of reduce-scattering over ``axis`` the ranks' partial gradients of a value gathered to
+        placements ``p`` (an all_gather with ``reduce_grad``, ``passes/collectives.py``), in the reduce dtype as f's."""
+        nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize
+        return self._collective("reduce_scatter", nbytes, axis)
+
+    def folded_f_saving(
+        self, t: TensorType, src: tuple[Placement, ...] | None, dst: tuple[Placement, ...] | None, axes: tuple
+    ) -> tuple[float, float]:
+        """(bytes, seconds) a read of ``t`` resharded ``src`` -> ``dst`` with f's on ``axes`` saves when
+        ``insert-collectives`` folds its first f into the resharding's last step, an all_gather over the same axis,
+        a ``cp`` one (``reduce_scatter_gathered_grads``): the f's all-reduce less the gather's reduce-scatter; else
+        nothing. (A gather further up, the read's value computed from it alike on every rank, is folded too but
+        priced here unfolded: an over-estimate of the all-gather form.)
+        The caller knows the read is no matmul's (whose f the runtime fuses with its weight gradient instead)."""
+        if not axes or src is None or dst is None or src == dst or self.mesh.names[axes[0]] != CONTEXT_AXIS:
+            return 0.0, 0.0
+        try:
+            steps = redistribute_steps(src, dst)
+        except Unreachable:
+            return 0.0, 0.0
+        if not steps or steps[-1].kind != "all_gather" or steps[-1].axis != axes[0]:
+            return 0.0, 0.0
+        f, rs = self.grad_reduce(t, dst, axes[0]), self.gathered_grad(t, dst, axes[0])
+        return f[0] - rs[0], f[1] - rs[1]
+
     def program_comm(self, program: Program) -> tuple[float, float]:
         """(bytes, seconds) of every collective a step of ``program`` (after ``insert-collectives``) runs,
         each priced on its own: the redistributions with their backward, each f's all-reduce, the collectives
@@ -498,6 +524,11 @@ class CostModel:
             elif op.target in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "local_shard"):
                 src = types[op.input_refs()[0].name]
                 v, x = self.redistribute(src, src.placements, op.types[0].placements, op.result in grad)
+                if op.kwargs.get("reduce_grad") and op.result in grad:
+                    rv, rx = self.gathered_grad(
+                        op.types[0], op.types[0].placements, program.mesh.index(op.kwargs["axis"])
+                    )
+                    v, x = v + rv, x + rx
             else:  # the collectives an op runs inside itself (a vocab-parallel cross-entropy's)
                 ins = [types[r.name] for r in op.input_refs()]
                 v, x = self.inherent(op.target, ins, [t.placements for t in ins], op)

@@ -36,6 +36,7 @@ from autopar.solver.sharding.strategies import (
     ATTENTION,
     Strategy,
     chunk_counts,
+    column_weight,
     is_divergent,
     is_follower,
     op_strategies,
@@ -330,6 +331,7 @@ class GroupBuilder:
                     if p is None:
                         continue
                     t = self.types[ref.name]
+                    src = None
                     if i == 0 and op is not g.ops[0] and ref.name in g.results():
                         src = self.placement_in(cand, g, ref.name)
                         b, x = self.cost.redistribute(t, src, p, ref.name in self.grad)
@@ -346,6 +348,9 @@ class GroupBuilder:
                         for a in axes:
                             b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
                             vol, sec = vol + share * b, sec + share * x
+                        if self.folds(op, i, ref.name):  # its first f folded into the gather: a reduce-scatter
+                            b, x = self.cost.folded_f_saving(t, src, p, axes)
+                            vol, sec = vol - b, sec - x
                         if axes and ref.name not in self.params:  # the last f, which op reads: fused with it
                             split = [is_divergent(s, a) for a in range(len(self.mesh.axes))]
                             sec -= self.cost.f_hidden(x, self.column_wgrad(op, i, split))
@@ -360,6 +365,12 @@ class GroupBuilder:
         for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
             arr = getattr(g, name)
             setattr(g, name, [arr[i] for i in keep])
+
+    def folds(self, op: Op, pos: int, name: str) -> bool:
+        """Whether an f on ``op``'s read of input ``pos`` (value ``name``) folds into an all_gather before it
+        (``passes/collectives.reduce_scatter_gathered_grads``): an activation with a gradient that no matmul reads
+        there (a matmul's f the runtime fuses with its weight gradient instead)."""
+        return name in self.grad and name not in self.params and column_weight(op, pos, self.types) is None
 
     def column_wgrad(self, op: Op, pos: int, split: list[bool]) -> float:
         """``CostModel.column_wgrad`` of ``op``'s read of input ``pos`` in this program."""

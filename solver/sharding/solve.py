@@ -119,10 +119,17 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
             totals[3] -= sec
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
+        elif isinstance(name, tuple) and name[0] == "folded":  # a resharding whose last gather takes the read's f
+            t, (p, axes) = b.types[name[1]], bb
+            if p is not None and a != p:
+                vol, sec = b.cost.redistribute(t, a, p, True)
+                sv, ss = b.cost.folded_f_saving(t, a, p, axes)
+                totals[2] += vol - sv
+                totals[3] += sec - ss
         elif isinstance(name, tuple):  # ("read", value, ...): a read through the value's SharedReads node
             _, value, wgrads, fused, wsums = name
             t, j = b.types[value], e.v_group[sol.choice[e.v]]
-            vol, sec = _read_through(b, t, a, bb, grad=value in b.grad)
+            vol, sec = _read_through(b, t, a, bb, grad=value in b.grad, fold=value in b.grad and not fused)
             totals[2] += vol
             totals[3] += sec - _hidden(b, t, a, bb, wgrads[j], fused, wsums[j])
         elif bb is not None and a != bb:
@@ -174,7 +181,11 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
                 if ref.name in members or (op.result, pos) in b.summed:
                     continue
                 hi = where[ref.name]
-                edges.append(_edge(b, groups, hi, gi, ref.name, lambda c, op=op, pos=pos: c[op.result].inputs[pos]))
+                fold = None
+                if b.folds(op, pos, ref.name):  # the read's f may fold into the resharding's last gather
+                    fold = lambda c, op=op, pos=pos: partial_axes(c[op.result], c[op.result].inputs[pos])[:1]  # noqa: E731
+                want = lambda c, op=op, pos=pos: c[op.result].inputs[pos]  # noqa: E731
+                edges.append(_edge(b, groups, hi, gi, ref.name, want, fold))
     for name, (reads, keys) in shared.items():
         _add_shared_reads(b, groups, nodes, edges, where, name, reads, keys)
     out_refs = [r for r in prog.outputs if hasattr(r, "name")]
@@ -348,11 +359,15 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
     g = SharedReads(head, keys=list(keys), producer=where[name])
     g.candidates = [{} for _ in keys]
     g.signature = ("shared", t, grad, tuple(keys), tuple(sorted(len(groups[gi].candidates) for gi, _, _ in reads)))
+    fusable = [(op, pos) for _, op, pos in reads if column_weight(op, pos, b.types) is not None]
     for p, q, axes in keys:
         vol, sec = b.cost.redistribute(t, p, q, grad) if q != p else (0.0, 0.0)
         for a in axes:
             x, y = b.cost.grad_reduce(t, q, a)
             vol, sec = vol + x, sec + y
+        if grad and not fusable:  # the shared f folds into the shared gather (no matmul fuses it)
+            x, y = b.cost.folded_f_saving(t, p, q, axes)
+            vol, sec = vol - x, sec - y
         g.memory.append(0.0)
         g.redundancy.append(0.0)
         g.comm_bytes.append(vol)
@@ -371,7 +386,6 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
     edges.append(e)
     pinned = b.opts.pinned(name)
     ug, uids = _group_ids(list(keys))
-    fusable = [(op, pos) for _, op, pos in reads if column_weight(op, pos, b.types) is not None]
     alike = tuple(sorted((op.flops, op.bytes, column_weight(op, pos, b.types) in b.grad) for op, pos in fusable))
     for gi, op, pos in reads:
         vg, vids = _group_ids([_read_key(b, c, op, pos, grad) for c in groups[gi].candidates])
@@ -387,7 +401,7 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
             cost = {}
             for j, rk in enumerate(vids):
                 for i, fk in enumerate(uids):
-                    vol, sec = _read_through(b, t, fk, rk, pinned, grad)
+                    vol, sec = _read_through(b, t, fk, rk, pinned, grad, grad and not fused)
                     if vol != INF:
                         sec -= _hidden(b, t, fk, rk, wgrads[j], fused, wsums[j])
                         cost[(i, j)] = b.objective(0.0, vol, sec, 0.0)
@@ -398,12 +412,19 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
 
 
 def _read_through(
-    b: GroupBuilder, t: TensorType, fkey: tuple, rkey: tuple, pinned: bool = False, grad: bool = True
+    b: GroupBuilder,
+    t: TensorType,
+    fkey: tuple,
+    rkey: tuple,
+    pinned: bool = False,
+    grad: bool = True,
+    fold: bool = False,
 ) -> tuple[float, float]:
     """(bytes, seconds) a read of a value of type ``t`` pays beyond what its readers share, with the SharedReads node
     at ``fkey`` and the read at ``rkey`` (``_read_key``): nothing if it reads the shared placements with the
     shared f's partial axes, its own f's if it reads them with others, else its own resharding and its own
-    f's (INF: a resharding ``pinned`` forbids)."""
+    f's (INF: a resharding ``pinned`` forbids), the first folded into a last gather when ``fold`` (no matmul's
+    read, ``CostModel.folded_f_saving``)."""
     (p, q, shared), (want, axes) = fkey, rkey
     if want is None or (want == q and axes == shared):
         return 0.0, 0.0
@@ -413,6 +434,9 @@ def _read_through(
     for a in axes:
         x, y = b.cost.grad_reduce(t, want, a)
         vol, sec = vol + x, sec + y
+    if fold and want != q:
+        x, y = b.cost.folded_f_saving(t, p, want, axes)
+        vol, sec = vol - x, sec - y
     return vol, sec
 
 
@@ -491,14 +515,35 @@ def _keep_distinct_interfaces(groups: list[Group], nodes: list[Node], edges: lis
                 e.v_group = [e.v_group[c] for c in keep]
 
 
-def _edge(b: GroupBuilder, groups: list[Group], hi: int, gi: int, name: str, want) -> Edge:
+def _edge(b: GroupBuilder, groups: list[Group], hi: int, gi: int, name: str, want, fold=None) -> Edge:
+    """The resharding of value ``name`` from its producer's group ``hi`` to the reader's ``gi`` (which reads it at
+    ``want(candidate)``). ``fold(candidate)``: the read's first f axis, if any, which ``insert-collectives`` folds
+    into a last all_gather over it (``CostModel.folded_f_saving``, taken off the pair's cost; the f itself is on the
+    reader's node)."""
     h, g = groups[hi], groups[gi]
     u_keys = [b.placement_in(c, h, name) for c in h.candidates]
-    v_keys = [want(c) for c in g.candidates]
+    if fold is None:
+        v_keys = [want(c) for c in g.candidates]
+    else:
+        v_keys = [(want(c), fold(c)) for c in g.candidates]
     ug, uids = _group_ids(u_keys)
     vg, vids = _group_ids(v_keys)
-    e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids), name))
-    e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
+    if fold is None:
+        e = Edge(hi, gi, ug, vg, b.edge_costs(b.types[name], list(uids), list(vids), name))
+        e.keys = (name, list(uids), list(vids))  # for reporting the chosen pair's volume and time
+        return e
+    t, srcs, reads = b.types[name], list(uids), list(vids)
+    places = list(dict.fromkeys(p for p, _ in reads))
+    base = b.edge_costs(t, srcs, places, name)
+    cost = {}
+    for j, (p, axes) in enumerate(reads):
+        col = places.index(p)
+        for i, src in enumerate(srcs):
+            if (i, col) in base:
+                vol, sec = b.cost.folded_f_saving(t, src, p, axes)
+                cost[(i, j)] = base[(i, col)] - b.objective(0.0, vol, sec, 0.0)
+    e = Edge(hi, gi, ug, vg, cost)
+    e.keys = (("folded", name), srcs, reads)
     return e
 
 

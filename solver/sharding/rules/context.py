@@ -5,7 +5,8 @@ query row from the whole key/value sequence, so its rows split over ranks when e
 keys and values: the query (and the mask's query dim, when the mask has one) split on the sequence, the keys
 and values replicated. The ILP reaches the replicated keys and values from sequence-split ones through an
 all-gather (its resharding edge, priced per axis by the cost model; backward, each rank's partial gradient
-of the keys and values is all-reduced, Megatron's f, and sliced): the
+of the keys and values is reduce-scattered, the gather's adjoint: ``insert-collectives`` folds the f into the
+gathers, ``passes/collectives.reduce_scatter_gathered_grads``): the
 all-gather form of context parallelism (Megatron-Core's ``all_gather`` CP, torchtitan's ``allgather``
 rotation). Ring attention and Ulysses are not candidates yet: the resharding edges have no point-to-point or
 all-to-all step (a sequence-to-heads reshard is an all-gather then a local slice), so neither form exists to
