@@ -1,6 +1,7 @@
 """Context parallelism in the whole-plan search (issue 32): ``autopar plan MODEL --global-batch B --seq-len S``
-considers cp degrees, prices them (a rank's 1/cp of every op, the keys and values all-gathered per attention and
-kept whole, the gradients all-reduced over cp) and prints the chosen layout.
+considers cp degrees and forms (ring attention, the all-gather of keys and values, Ulysses), prices them (a rank's
+1/cp of every op, each form's communication, the all-gather form's keys and values kept whole, the gradients
+all-reduced over cp) and prints the chosen layout.
 
 - the activations the search prices per rank on cp = 1, 2, 4 equal the cost model's for the plan the ILP makes on
   that mesh (the plan's attention really splits its queries on cp), which BENCHMARKS section 23 measured equal
@@ -14,6 +15,7 @@ kept whole, the gradients all-reduced over cp) and prints the chosen layout.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -159,3 +161,87 @@ def test_scorer_orders_cp_like_the_bound(long_profile):
     """The step-time bound stays a bound with cp: every scored cp candidate's step is at least its bound."""
     r = search(long_profile, CPU, 4, space=SearchSpace(cp=(2, 4)), top=5, scorer=Scorer())
     assert all(e.candidate.cp > 1 and e.step_time >= e.lower_bound * (1 - 1e-9) for e in r.best)
+
+
+def test_each_cp_form_priced_by_its_formula(long_profile):
+    """Each form's communication per microbatch (``StageTerms.cp_seconds``), by hand for one layer of the tiny
+    LLaMA at seq 8192 on cp=2 in bf16 (K + V 2 MiB a sample at the attention, the queries 1 MiB, the gathered
+    keys 1 MiB; 4 query and 4 key/value heads): all-gather, two gathers forward and two reduce-scatters backward of
+    one 512 KiB tensor each; ring, one step sending the rank's 1 MiB K + V block (exposed whole on gloo; on NCCL
+    only what outlasts the step's block of attention), two hops of the 2 MiB fp32 accumulators backward and the
+    load balancing's two 256 KiB messages each way; Ulysses four all-to-alls of the rank's 512 KiB q, k, v and
+    output each way."""
+    u = long_profile.units[1]
+    assert u.kind == "layer" and u.attn_heads == ((4, 4),)
+    assert (u.kv(1), u.q(1), u.kv_gather_tp + u.kv_gather_rep) == (4 * 2**20, 2 * 2**20, 2 * 2**20)  # fp32 profile
+    for spec in (CPU, ClusterSpec.load("dgx-h100")):
+        an = Analytic(long_profile, spec, 1)  # bf16: half the profile's bytes
+        per_node = an.comm.per_node(2, 1)
+        coll = functools.partial(
+            lambda kind, nbytes, s, k: s.collective_seconds(kind, nbytes, 2, True, k), s=spec, k=per_node
+        )
+        send = functools.partial(lambda nbytes, s: s.collective_seconds("send", nbytes, 1, True), s=spec)
+        cp2 = functools.partial(
+            lambda f, a: a.cp_seconds(1, 2, 1, Candidate(1, 1, 1, 1, 1, "none", cp=2, cp_form=f)), a=an
+        )
+
+        KiB = 2**10
+        assert cp2("all-gather") == pytest.approx(
+            (2 * coll("all_gather", 512 * KiB), 2 * coll("reduce_scatter", 512 * KiB))
+        )
+        assert cp2("ulysses") == pytest.approx((4 * coll("all_to_all", 512 * KiB),) * 2)
+        block = an.flop_seconds(u.attn_flops / 2) / 2  # the rank's half of the attention, one of two steps
+        exposed = (lambda t, w: max(0.0, t - w)) if spec.overlaps_compute else (lambda t, w: t)
+        fwd = exposed(send(1024 * KiB), block) + 2 * send(256 * KiB)
+        bwd = exposed(send(1024 * KiB), 2 * block) + 2 * send(2048 * KiB) + 2 * send(256 * KiB)
+        assert cp2("ring") == pytest.approx((fwd, bwd))
+        if spec.overlaps_compute:
+            assert send(1024 * KiB) > block > 0 and exposed(send(1024 * KiB), block) < send(1024 * KiB)
+
+
+def test_the_cp_form_flips_where_it_should(long_profile):
+    """Ulysses is not offered where cp x tp does not divide the heads (4 heads: cp4 x tp2); on gloo the all-gather
+    form is the fastest of the three at cp=2 (one gather of K and V per layer beside the ring's step, hops and
+    exchange); with a budget the gathered keys and values do not fit in, ring attention (or Ulysses) is chosen, and
+    without Ulysses ring; the chosen form is in the plan's description."""
+    space = SearchSpace()
+    assert space.forms(long_profile, 2, 2) == ("ring", "all-gather", "ulysses")
+    assert space.forms(long_profile, 4, 2) == ("ring", "all-gather")
+    assert space.forms(long_profile, 1, 2) == ("",)
+    fams = families(Analytic(long_profile, CPU, 8), SearchSpace(cp=(4,), tp=(2,)), 8)
+    assert fams and {f.cp_form for f in fams} == {"ring", "all-gather"}
+    an = Analytic(long_profile, CPU, 1)
+    pinned = dataclasses.replace(Pin({"cp": 2, "tp": 2}).space(), cp_forms=("ring", "all-gather"))
+    roomy = search(long_profile, CPU, 1, budget_bytes=float("inf"), space=pinned)
+    assert roomy.best[0].candidate.cp_form == "all-gather", roomy.format()
+    mem = {f: an.evaluate(Candidate(1, 1, 2, 1, 1, "none", cp=2, cp_form=f)).memory for f in ("ring", "all-gather")}
+    assert mem["ring"] < mem["all-gather"]
+    tight = search(long_profile, CPU, 1, budget_bytes=(mem["ring"] + mem["all-gather"]) / 2, space=pinned)
+    c = tight.best[0].candidate
+    assert (c.cp_form, c.recompute) == ("ring", "none"), tight.format()
+    assert "cp2 ring" in c.describe() and tight.summary(tight.best[0])["candidate"]["cp_form"] == "ring"
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["ring", pytest.param("all-gather", marks=pytest.mark.heavy), pytest.param("ulysses", marks=pytest.mark.heavy)],
+)
+def test_the_searched_cp_form_reaches_the_program(form):
+    """The plan of a search limited to one form runs that form: ``materialize`` fixes ``context_attention`` and
+    every attention of the program takes it on cp (``attention_form``). That a program of each form trains
+    exactly on cp=2 is ``tests/test_context_parallel.py`` (``check_exact`` with the same option)."""
+    from autopar.solver.sharding.rules.context import attention_form
+
+    spec = with_seq("tiny-llama", 4096)
+    prof = profile_model(spec)
+    space = dataclasses.replace(Pin({"cp": 2, "tp": 2}).space(), cp_forms=(form,))
+    r = search(prof, CPU, 1, budget_bytes=float("inf"), space=space, spec=spec)
+    assert r.best[0].candidate.cp_form == form
+    prog = r.materialize(0).parsed()
+    a, types = prog.mesh.names.index("cp"), prog.types()
+    forms = [
+        attention_form([types[x.name] for x in op.input_refs()], [types[x.name].placements for x in op.input_refs()], a)
+        for op in prog.ops
+        if op.target == "aten.scaled_dot_product_attention"
+    ]
+    assert forms == [form] * 2, forms

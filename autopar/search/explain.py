@@ -10,8 +10,9 @@ On the rank that ends the step last (the critical rank), with the very terms ``s
              dp  ZeRO-3's gathers / scatters in every forward and backward, plus the data-parallel
                  gradient synchronization after the rank's last backward (with context parallelism also
                  the gradients' all-reduce over cp)
-             cp  context parallelism's all-gathers of the keys and values (forward, recomputation) and the
-                 all-reduces of their gradients (backward), present when cp > 1
+             cp  context parallelism's communication in the plan's form (``StageTerms.cp_seconds``): the
+                 all-gathers of the keys and values and the reduce-scatters of their gradients, ring
+                 attention's exposed steps, hops and exchange, or Ulysses' all-to-alls; present when cp > 1
              pp  the pipeline transfers on the critical path: the step less the step simulated with
                  free transfers
          + bubble (the critical rank idle, waiting on other stages, with free transfers)

@@ -92,6 +92,7 @@ def build_plan(
         cluster=result.cluster,
         data_parallel="activations",
         fallbacks=True,
+        context_attention=c.cp_form or "auto",  # the form the search priced (ShardOptions fixes it on cp)
     )
     flow = FlowOptions(
         shard=opts,

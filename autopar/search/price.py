@@ -211,7 +211,7 @@ class Analytic(StageTerms):
         z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
         key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1,
                z3)  # fmt: skip
-        key += (c.ep,)
+        key += (c.ep, c.cp_form)
         if key in self._parts:
             return self._parts[key]
         base = self._base(c, z3)

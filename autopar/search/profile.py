@@ -54,7 +54,8 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 14  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 15  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 15: each attention's queries, FLOPs and heads (the search prices ring attention and Ulysses beside the all-gather)
 # 14: per-op works as a compiled run prices them (compute.compiled_shares: its kernel and its share) beside the eager
 # ones (13: the share folded into the FLOPs, bytes and kernels); each work's rate class (compute.RATE_CLASSES)
 # 12: a grouped matmul's all-to-alls by its place in its expert block
@@ -117,6 +118,13 @@ class UnitCost:
     kv_gather_rep: float = 0.0
     kv_count: int = 0
     attentions: int = 0  # attention ops in the unit (SDPA and the eager softmax over [.., queries, keys] scores)
+    # per sample, the bytes of the queries the unit's SDPA calls read (as kv_*: what ring attention's load
+    # balancing exchanges half of, and Ulysses moves by all-to-all with the output), their forward FLOPs (what a
+    # ring step's transfer runs beside), and each call's (query heads, key/value heads): what Ulysses splits
+    q_tp: float = 0.0
+    q_rep: float = 0.0
+    attn_flops: float = 0.0
+    attn_heads: tuple[tuple[int, int], ...] = ()
     # a mixture of experts' expert ops (solver/sharding/experts.py: grouped matmuls, gathers of expert tables):
     # the elements of the unit's expert tables (3-D parameters, also counted in params_tp), the number of experts,
     # per expert op (rows routed per sample, bytes per row an expert-parallel op sends there and back at 4 per
@@ -134,6 +142,9 @@ class UnitCost:
 
     def params(self, tp: int) -> float:
         return self.params_tp / tp + self.params_rep
+
+    def q(self, tp: int) -> float:
+        return self.q_tp / tp + self.q_rep
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,12 @@ class Profile:
         SDPA call whose keys and values the profile found (an eager softmax(QK^T)V is not priced on cp)."""
         return any(u.attentions for u in self.units) and all(u.kv_count == 2 * u.attentions for u in self.units)
 
+    def ulysses_ok(self, cp: int, tp: int) -> bool:
+        """Whether Ulysses can split every attention's heads over ``cp`` beside ``tp``: each call's query and
+        key/value heads divide by cp x tp (``solver/sharding/rules/context.py``: q, k, v split on the heads)."""
+        calls = [h for u in self.units for h in u.attn_heads]
+        return bool(calls) and all(q % (cp * tp) == 0 and k % (cp * tp) == 0 for q, k in calls)
+
     def cp_ok(self, cp: int) -> bool:
         """Whether ``cp`` ranks can split the sequence: it divides the sequence, and cp is priced (``cp_ready``)."""
         return cp == 1 or (self.cp_ready and self.seq % cp == 0 and self.seq >= cp)
@@ -194,6 +211,7 @@ class Profile:
                 works=tuple(tuple(w) for w in u.get("works", ())),
                 compiled_works=tuple(tuple(w) for w in u.get("compiled_works", ())),
                 routed=tuple(tuple(r) for r in u.get("routed", ())),
+                attn_heads=tuple(tuple(h) for h in u.get("attn_heads", ())),
             )
             for u in d["units"]
         ]
@@ -260,7 +278,8 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
     itemsize = 4
     for k, (kind, label, ops) in enumerate(units):
         c = dict(flops=0.0, flops_tp=0.0, mm=0.0, ptp=0, prep=0, atp=0.0, arep=0.0, inb=0.0, wtp=0.0, wrep=0.0,
-                 kvtp=0.0, kvrep=0.0, kvgtp=0.0, kvgrep=0.0, kvn=0, attn=0)  # fmt: skip
+                 kvtp=0.0, kvrep=0.0, kvgtp=0.0, kvgrep=0.0, kvn=0, attn=0, qtp=0.0, qrep=0.0, aflops=0.0)  # fmt: skip
+        heads: list[tuple[int, int]] = []
         arf = [0.0, 0]
         arb = [0.0, 0]
         f_inputs: dict[str, list[float]] = {}  # f's input -> [bytes, its readers' forward FLOPs]
@@ -316,6 +335,11 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                     c["kv" + tag] += types[n].nbytes
                     c["kvg" + tag] += _gathered_bytes(n, producer, types)
                     c["kvn"] += 1
+                c["q" + ("tp" if refs[0] in split_values else "rep")] += types[refs[0]].nbytes
+                c["aflops"] += op.flops
+                qt, kt = types[refs[0]], types[refs[1]]
+                if len(qt.shape) == 4 and len(kt.shape) == 4:
+                    heads.append((qt.shape[1], kt.shape[1]))
             elif op.target in SOFTMAX and len(op.types[0].shape) == 4:
                 c["attn"] += 1  # an eager attention: its keys and values not recognized (no cp priced)
             if op.target not in VIEW_OPS:
@@ -372,6 +396,10 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 kv_gather_rep=c["kvgrep"] / batch,
                 kv_count=c["kvn"],
                 attentions=c["attn"],
+                q_tp=c["qtp"] / batch,
+                q_rep=c["qrep"] / batch,
+                attn_flops=c["aflops"] / batch,
+                attn_heads=tuple(heads),
                 params_ep=sum(params[n].type.numel for n in seen_params if len(params[n].type.shape) == 3)
                 if moe[0]
                 else 0,

@@ -6,6 +6,8 @@
                   Megatron lays ranks out: a tp group stays inside a node when tp divides the devices per
                   node); cp, context parallelism, splits each sequence over cp ranks (offered where every rank
                   keeps at least ``CP_MIN_TOKENS`` tokens, and the model's attention is SDPA)
+    cp form       with cp > 1, how attention runs on the split sequence (``CP_FORMS``): ring attention, the
+                  all-gather of keys and values, or Ulysses (where cp x tp divides every attention's heads)
     micro-batch   b, a divisor of B / dp; m = B / (dp b) microbatches per pipeline
     schedule      1F1B, interleaved 1F1B with v chunks, Hanayo waves W, Merak's shifted critical path,
                   the zero-bubble ZB-H1, ZB-H2, ZB-V and DualPipeV (backward split into B and W;
@@ -47,6 +49,8 @@ ZERO_BUBBLE = tuple(n for n in SEARCHED[1:] if schedule_kind(n).split_backward) 
 # the search's default cp degrees leave every cp rank at least this many tokens of a sequence (Megatron-Core's
 # guidance: context parallelism pays from sequences of about 8k tokens; Llama 3 ran 8k per rank, cp 16 at 131k)
 CP_MIN_TOKENS = 2048
+# the forms of context parallelism (solver/sharding/rules/context.py), each priced by stage_terms.cp_seconds
+CP_FORMS = ("ring", "all-gather", "ulysses")
 
 
 @dataclass(frozen=True, order=True)
@@ -68,6 +72,7 @@ class Candidate:
     layout: str = "balanced"  # "balanced" (min-max FLOPs) or "even" (Megatron: L / S layers per stage)
     cp: int = 1  # context parallel: each sequence split over cp ranks (between dp and tp in the rank order)
     ep: int = 1  # expert-parallel degree (a mixture of experts only): dp's ranks as dp / ep x ep
+    cp_form: str = ""  # with cp > 1 one of CP_FORMS (the plan's context_attention); "" without cp
 
     @property
     def num_stages(self) -> int:
@@ -126,7 +131,7 @@ class Candidate:
         z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
         lay = " even" if self.layout == "even" else ""
         mesh = f"pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
-        mesh += (f" cp{self.cp}" if self.cp > 1 else "") + f" tp{self.tp}"
+        mesh += (f" cp{self.cp} {self.cp_form}" if self.cp > 1 else "") + f" tp{self.tp}"
         return f"{mesh} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -163,6 +168,14 @@ class SearchSpace:
     ep: tuple[int, ...] | None = None
     # context-parallel degrees; None: every divisor of the sequence leaving each rank CP_MIN_TOKENS (1 always)
     cp: tuple[int, ...] | None = None
+    cp_forms: tuple[str, ...] = CP_FORMS  # the forms of context parallelism tried (Ulysses only where it divides)
+
+    def forms(self, profile: Profile, cp: int, tp: int) -> tuple[str, ...]:
+        """The forms of context parallelism the search tries on ``cp`` ranks beside ``tp`` (``cp_forms``): ("",)
+        without cp; Ulysses only where cp x tp divides every attention's query and key/value heads."""
+        if cp == 1:
+            return ("",)
+        return tuple(f for f in self.cp_forms if f != "ulysses" or profile.ulysses_ok(cp, tp))
 
     def cp_degrees(self, profile: Profile, world: int) -> tuple[int, ...]:
         """The cp degrees the search tries for ``profile`` on ``world`` devices (``cp``; see its comment)."""
@@ -225,6 +238,7 @@ class Family:
     microbatches: int
     cp: int = 1
     ep: int = 1
+    cp_form: str = ""
 
 
 @dataclass(frozen=True)
@@ -260,7 +274,8 @@ def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
                 continue  # a model coupling its batch runs exactly only as one microbatch per step
             if not space.micro_batch or b in space.micro_batch:
                 eps = expert_degrees(analytic.p, dp, space) if cp == 1 else [1]
-                out += [Family(pp, dp, tp, b, per_replica // b, cp, ep) for ep in eps]
+                forms = space.forms(analytic.p, cp, tp)
+                out += [Family(pp, dp, tp, b, per_replica // b, cp, ep, f) for ep in eps for f in forms]
     return out
 
 
@@ -309,7 +324,8 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 continue
             for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
-                                 mics_group=g, layout=layout, cp=fam.cp, ep=fam.ep)  # fmt: skip
+                                 mics_group=g, layout=layout, cp=fam.cp, ep=fam.ep,
+                                 cp_form=fam.cp_form)  # fmt: skip
                 n = len(levels)
                 yield Chain(base, zeros, levels, dominated * n, unsupported * n)
 

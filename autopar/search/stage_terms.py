@@ -186,14 +186,14 @@ class StageTerms:
         pre = self._pre[key]
         return pre[b] - pre[a]
 
-    def max_layer_act(self, a: int, b: int, tp: int, cp: int = 1) -> float:
+    def max_layer_act(self, a: int, b: int, tp: int, cp: int = 1, form: str = "all-gather") -> float:
         """The largest layer's saved bytes per sample among units ``a..b`` on a rank (``rank_act``)."""
-        key = (a, b, tp, cp)
+        key = (a, b, tp, cp, form)
         if key not in self._max_layer_act:
             sa = self.act_scale
             self._max_layer_act[key] = max(
                 (
-                    self.rank_act(u, tp, cp) + sc / tp / cp / sa
+                    self.rank_act(u, tp, cp, form) + sc / tp / cp / sa
                     for u, sc, x in zip(self.p.units[a:b], self._scores[a:b], self._is_layer[a:b])
                     if x
                 ),
@@ -202,30 +202,77 @@ class StageTerms:
         return self._max_layer_act[key]
 
     @staticmethod
-    def rank_act(u: UnitCost, tp: int, cp: int = 1) -> float:
+    def rank_act(u: UnitCost, tp: int, cp: int = 1, form: str = "all-gather") -> float:
         """Bytes per sample unit ``u`` saves on one rank: 1/tp of what Megatron splits, and with context
-        parallelism 1/cp of everything but the keys and values its attention reads, which each cp rank keeps
-        whole (the all-gather form)."""
+        parallelism 1/cp of it; in the all-gather form but the keys and values its attention reads, which each cp
+        rank keeps whole (ring attention keeps its own blocks, Ulysses its heads of the whole sequence: 1/cp)."""
+        if form in ("ring", "ulysses"):
+            return u.act(tp) / cp
         return u.act(tp) / cp + u.kv(tp) * (1 - 1 / cp)
 
     def cp_seconds(self, a: int, e: int, b: int, c: Candidate, layers_only: bool = False) -> tuple[float, float]:
-        """(forward, backward) seconds of units ``a..e``'s context-parallel collectives per microbatch of ``b``
-        samples: each attention's keys and values all-gathered over the cp ranks in the forward (from the smallest
-        tensor of their chain, ``UnitCost.kv_gather_*``), their partial gradients all-reduced in the backward (as
-        the runtime reduces a replicated tensor's gradient: Megatron's f). ``layers_only``: the layers' (what a
-        recomputation gathers again). No overlap with compute is assumed."""
+        """(forward, backward) seconds of units ``a..e``'s context-parallel communication per microbatch of ``b``
+        samples, in the candidate's form (``Candidate.cp_form``; ``layers_only``: the layers', what a recomputation
+        runs again). Per attention, K and V the bytes of the keys and values it reads on a rank (``UnitCost.kv``,
+        1/cp of them), Q its queries', n = cp:
+
+        - all-gather: K and V all-gathered forward (from the smallest tensor of their chain,
+          ``UnitCost.kv_gather_*``), their partial gradients reduce-scattered backward (the gather's adjoint,
+          ``passes/collectives.reduce_scatter_gathered_grads``); not overlapped;
+        - ring: ``n - 1`` steps forward each sending the rank's K + V block to the next rank, each beside one
+          block of attention (the rank's attention forward / n): exposed ``max(0, send - block)`` per step where
+          the backend overlaps (NCCL), the whole send on gloo; backward ``n - 1`` such steps beside twice the block,
+          and ``n`` hops of the blocks' gradient accumulators (in at least fp32), not overlapped; the causal load
+          balancing's exchange of half the queries and half the output forward, their gradients backward
+          (``CostModel.ring_price``, the ILP's price of the same; the search assumes causal attention);
+        - ulysses: the queries, keys and values all-to-all'd from the sequence to the heads and the output back,
+          forward (Q + K + V + Q bytes, the output as large as the queries), and the same backward."""
         if c.cp <= 1:
             return 0.0, 0.0
-        intra, k = self.comm.intra(c.tp * c.cp), self.comm.per_node(c.cp, c.tp)
+        n = c.cp
+        intra, k = self.comm.intra(c.tp * n), self.comm.per_node(n, c.tp)
         sa = self.act_scale * b
         fwd = bwd = 0.0
         for u, lay in zip(self.p.units[a:e], self._is_layer[a:e]):
             if not u.kv_count or (layers_only and not lay):
                 continue
-            one = (u.kv_gather_tp / c.tp + u.kv_gather_rep) * sa / u.kv_count
-            fwd += u.kv_count * self.comm.gather(one, c.cp, intra, k)
-            bwd += self.comm.allreduce(u.kv_count * one, u.kv_count, c.cp, intra, k)
+            if c.cp_form == "ring":
+                f, g = self._ring_seconds(u, b, c)
+            elif c.cp_form == "ulysses":
+                calls = max(u.attentions, 1)
+                moved = [u.q(c.tp) / calls] * (2 * calls) + [u.kv(c.tp) / u.kv_count] * u.kv_count  # per sample
+                f = g = sum(self.cluster.collective_seconds("all_to_all", x * sa / n, n, intra, k) for x in moved if x)
+            else:
+                one = (u.kv_gather_tp / c.tp + u.kv_gather_rep) * sa / u.kv_count
+                f = u.kv_count * self.comm.gather(one, n, intra, k)
+                g = u.kv_count * self.comm.scatter(one, n, intra, k)
+            fwd, bwd = fwd + f, bwd + g
         return fwd, bwd
+
+    def _ring_seconds(self, u: UnitCost, b: int, c: Candidate) -> tuple[float, float]:
+        """(forward, backward) seconds of unit ``u``'s ring attention per microbatch of ``b`` samples
+        (``cp_seconds``), its calls alike (the unit's queries, keys, values and FLOPs split evenly among them)."""
+        n, calls = c.cp, max(u.attentions, 1)
+        sa = self.act_scale * b
+        intra = self.comm.intra(c.tp * n)
+
+        def send(nbytes: float) -> float:
+            return self.cluster.collective_seconds("send", nbytes, 1, intra) if nbytes > 0 else 0.0
+
+        kv = u.kv(c.tp) * sa / n / calls  # one call's K + V block on a rank
+        item = self.act_scale * self.p.itemsize  # bytes per element at the training precision
+        acc = kv * max(item, 4) / item  # the gradient accumulators, in at least fp32
+        block = self.flop_seconds(u.attn_flops * b / n / c.tp / calls) / n  # one step's forward block on a rank
+        overlap = self.cluster.overlaps_compute
+        exposed = (lambda t, w: max(0.0, t - w)) if overlap else (lambda t, w: t)
+        step = send(kv)
+        fwd = (n - 1) * exposed(step, block)
+        bwd = (n - 1) * exposed(step, 2 * block) + n * send(acc)
+        leaving = max(sum(1 for p in (2 * r, 2 * r + 1) if (p if p < n else 2 * n - 1 - p) != r) for r in range(n)) / 2
+        q = u.q(c.tp) * sa / n / calls * leaving
+        fwd += 2 * send(q)  # half the queries there, half the output back (the output as large as the queries)
+        bwd += 2 * send(q)
+        return calls * fwd, calls * bwd
 
     def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
@@ -266,7 +313,7 @@ class StageTerms:
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
         layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
         with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
-        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3, c.ep)
+        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3, c.ep, c.cp_form)
         if key in self._bases:
             return self._bases[key]
         if z3:
@@ -282,7 +329,8 @@ class StageTerms:
         # with context parallelism a rank computes b / cp samples' worth of every op (each sequence split over cp)
         bt = b / cp
         sa = self.act_scale * bt  # activation bytes per sample -> per microbatch and rank at training precision
-        kv_whole = self.act_scale * b * (1 - 1 / cp)  # ... of the keys and values each cp rank keeps whole
+        # ... of the keys and values each cp rank keeps whole (the all-gather form)
+        kv_whole = self.act_scale * b * (1 - 1 / cp) if c.cp_form not in ("ring", "ulysses") else 0.0
         tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
         experts_of = []
         S = self._sum
@@ -313,7 +361,7 @@ class StageTerms:
             lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa + S("lscores", a, e) / tp * bt
             lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
             saving.append(lacts - S("linput_bytes", a, e) * sa)
-            layer_act.append(self.max_layer_act(a, e, tp, cp) * self.act_scale * b)
+            layer_act.append(self.max_layer_act(a, e, tp, cp, c.cp_form or "all-gather") * self.act_scale * b)
             params_of.append(params)
         tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
         tc = tuple(
