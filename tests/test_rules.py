@@ -164,6 +164,19 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
         src = list(s)
         src[d] = len(range(lo, hi, step))
         return (x, _f(src), d, lo, hi, step), {}
+    if target in ("aten.gather", "aten.scatter.value", "aten.scatter.src"):  # index rows along d (DeepSeek's router)
+        idx_shape = list(s)
+        idx_shape[d] = draw(st.integers(1, s[d]))
+        if target != "aten.gather" and idx_shape[d] > 1:  # scatter: distinct positions per row (no write races)
+            idx = torch.stack(
+                [torch.randperm(s[d])[: idx_shape[d]] for _ in range(torch.Size(idx_shape).numel() // idx_shape[d])]
+            )
+            idx = idx.reshape([*idx_shape[:d], *idx_shape[d + 1 :], idx_shape[d]]).movedim(-1, d).contiguous()
+        else:
+            idx = torch.randint(0, s[d], idx_shape)
+        if target == "aten.gather":
+            return (x, d, idx), {}
+        return ((x, d, idx, 1.5) if target == "aten.scatter.value" else (x, d, idx, _f(idx_shape))), {}
     if target == "aten.select_scatter":  # src fills base.select(d, i)
         return (x, _f(s[:d] + s[d + 1 :]), d, draw(st.integers(0, s[d] - 1))), {}
     if target == "aten.slice.Tensor":

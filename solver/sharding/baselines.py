@@ -34,6 +34,7 @@ from autopar.ir.layout import deals_rows, valid
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.megatron_roles import megatron_layout
 from autopar.solver.sharding.options import ShardOptions
+from autopar.solver.sharding.rules.elementwise import SOURCES
 from autopar.solver.sharding.solve import Sharding, solve_sharding
 
 BASELINES = ("megatron", "dp", "zero2", "zero3", "comm")
@@ -128,6 +129,8 @@ def data_parallel_constraints(prog: Program, axes: Iterable[str] | None = None, 
             if refs and all(r.name in weights for r in refs):
                 weights.update(op.results)
                 continue
+            if op.target in SOURCES:  # a fresh tensor (DeepSeek-V3's q.new_empty), whole on every rank: its rows
+                continue  # are the slice writes' that fill it, which are constrained
             for r, t in zip(op.results, op.types):
                 if r in grad and t.shape and t.shape[0] >= size and t.shape[0] % size == 0:
                     out[r] = exactly(Shard(0))

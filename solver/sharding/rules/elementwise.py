@@ -163,5 +163,7 @@ RULES: dict[str, Rule] = {
     "aten.new_full": _source,
     "aten.new_empty": _source,
 }
+# ops making a fresh tensor of the shape in their arguments (``q.new_empty(...)``): computed whole on every rank
+SOURCES = frozenset(t for t, rule in RULES.items() if rule is _source)
 # every pointwise op's placement is fixed by its input's
 FOLLOWERS = frozenset(POINTWISE)

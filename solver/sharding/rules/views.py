@@ -133,6 +133,24 @@ def _scatter(c: Ctx) -> list[OneD]:
     return res
 
 
+def _index_scatter(c: Ctx) -> list[OneD]:
+    """scatter(self, dim, index, value | src) and gather(self, dim, index): each element of ``index`` names where
+    along ``dim`` its row of self takes the value, or is read (DeepSeek-V3's router marks its chosen groups so,
+    ``zeros_like(...).scatter_(1, idx, 1)``, and gathers its chosen experts' weights): any other dim where index
+    (and src) are as long as self and the result splits them all alike."""
+    out = c.outs[0].shape
+    dim = c.op.args[1] % len(out) if len(c.op.args) > 1 and isinstance(c.op.args[1], int) else None
+    res: list[OneD] = [replicated(c)]
+    if dim is None or any(len(t.shape) != len(out) for t in c.ins):
+        return res
+    for d in range(len(out)):
+        if d == dim or any(t.shape[d] != out[d] for t in c.ins):
+            continue
+        for k in shards(out[d], c.n, c.chunk_counts):
+            res.append((tuple(Shard(d, k) for _ in c.ins), (Shard(d, k),)))
+    return res
+
+
 def _cat(c: Ctx) -> list[OneD]:
     rank = len(c.outs[0].shape)
     dim = (c.op.args[1] if len(c.op.args) > 1 else 0) % rank
@@ -171,6 +189,9 @@ RULES: dict[str, Rule] = {
     "aten.split_with_sizes": _split,
     "aten.slice_scatter": _scatter,
     "aten.select_scatter": _scatter,
+    "aten.scatter.value": _index_scatter,
+    "aten.scatter.src": _index_scatter,
+    "aten.gather": _index_scatter,
     "aten.cat": _cat,
     "aten.pad": _pad,
     "aten.constant_pad_nd": _pad,
