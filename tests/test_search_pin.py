@@ -318,3 +318,20 @@ def test_a_megatron_table1_row_is_predicted_within_ten_percent():
     res = search(profile_model(spec), cl, 512, math.inf, pin.space(), precision="bf16", attention="unfused")
     assert res.best[0].candidate.describe() == "pp1 dp32 tp1 b16 m1 no pipeline, full, zero0"
     assert res.tflops_eq3(res.best[0]) == pytest.approx(137, rel=0.10)
+
+
+def test_recomputation_inside_the_backward_waits_for_the_gradient():
+    """``Scorer(recompute_at="backward")`` (torch.utils.checkpoint, Megatron-LM, DeepSpeed) runs a stage's
+    recomputation inside its backward, after the gradient arrived: with few microbatches the step is longer than
+    with autopar's early recomputation (which fills the bubble), by at most the recomputation of every stage a
+    microbatch's gradient crosses; without recomputation, or without a pipeline, the two are the same."""
+    an = Analytic(gpt_profile(layers=8), ClusterSpec.load(CLUSTER), 8)
+    early, late = Scorer(), Scorer(recompute_at="backward")
+    c = Candidate(4, 1, 2, 1, 2, "1f1b", recompute="full", zero=0)
+    e, b = early.score(an.evaluate(c)).step_time, late.score(an.evaluate(c)).step_time
+    ev = an.evaluate(c)
+    assert e < b <= e + sum(ev.tr) * (1 + 1e-9) + ev.tr[0] * (c.microbatches - 1)
+    for same in (Candidate(4, 1, 2, 1, 2, "1f1b", recompute="none", zero=0), Candidate(1, 4, 2, 1, 2, "none")):
+        assert early.score(an.evaluate(same)).step_time == late.score(an.evaluate(same)).step_time
+    with pytest.raises(ValueError, match="early"):
+        Scorer(recompute_at="later")

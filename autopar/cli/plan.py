@@ -146,6 +146,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "dropout, the s x s scores kept for the backward)",
     )
     g.add_argument(
+        "--recompute-at",
+        choices=["early", "backward"],
+        default=None,
+        help="with --global-batch: when recomputation runs, an assumption of every price (default early: as autopar "
+        "runs it, before the output gradient arrives, filling the bubbles; backward: inside the backward, once the "
+        "gradient is in, as torch.utils.checkpoint, Megatron-LM and DeepSpeed run it)",
+    )
+    g.add_argument(
         "--explain-step",
         action="store_true",
         help="with --global-batch: break each plan's predicted step into compute per stage, exposed communication "
@@ -223,7 +231,11 @@ def run(args: argparse.Namespace) -> int:
         # --mesh with --global-batch pins the mesh (and whatever else is given) and prices it with the search's model
         args.pin_mesh = dict(parse_mesh(args.mesh).axes) if args.mesh else None
         return run_cli(args)
-    pinned = [f for f in ("recompute", "microbatch_size", "layout", "attention", "explain_step") if getattr(args, f)]
+    pinned = [
+        f
+        for f in ("recompute", "microbatch_size", "layout", "attention", "recompute_at", "explain_step")
+        if getattr(args, f)
+    ]
     if pinned:
         flags = ", ".join("--" + f.replace("_", "-") for f in pinned)
         raise AutoparError(f"{flags} price a whole step: give --global-batch B (e.g. --mesh dp=32 --global-batch 512)")

@@ -14,6 +14,7 @@ import sys
 from autopar.errors import AutoparError
 from autopar.search.pin import Pin
 from autopar.search.result import GiB
+from autopar.search.score import Scorer
 from autopar.search.search import search_model
 from autopar.search.space import SearchSpace
 from autopar.solver.cluster.spec import ClusterSpec
@@ -42,6 +43,7 @@ def run_cli(args: argparse.Namespace) -> int:
     result = search_model(
         args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True,
         attention=getattr(args, "attention", None) or "fused", compiled=bool(getattr(args, "torch_compile", None)),
+        scorer=Scorer(recompute_at=getattr(args, "recompute_at", None) or "early"),
     )  # fmt: skip
     plan = None
     if args.output:

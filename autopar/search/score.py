@@ -29,8 +29,15 @@ STEADY_TRIES = 4  # further increments tried for one before simulating m itself
 class Scorer:
     """Simulates candidates; caches schedules by shape and results by per-stage costs."""
 
-    def __init__(self, full_limit: int = FULL_SIMULATION):
+    def __init__(self, full_limit: int = FULL_SIMULATION, recompute_at: str = "early"):
+        """``recompute_at``: when a schedule's recomputation runs. "early" (autopar's runtime, Merak's Fig. 3b): a
+        ``RECOMPUTE`` runs as soon as the rank is free before its backward, without waiting for the output
+        gradient, so it can fill the pipeline's bubbles; "backward" (``torch.utils.checkpoint``, as Megatron-LM and
+        DeepSpeed run it): inside the backward, once the gradient has arrived, so it is on the critical path."""
+        if recompute_at not in ("early", "backward"):
+            raise ValueError(f"recompute_at is 'early' or 'backward', not {recompute_at!r}")
         self.full_limit = full_limit
+        self.recompute_at = recompute_at
         self.schedules: dict[tuple, Any] = {}
         self.results: dict[tuple, tuple[list[float], list[float]]] = {}
         self.simulations = 0
@@ -57,10 +64,11 @@ class Scorer:
 
     def costs(self, ev: Evaluation):
         """Per-stage costs for the simulator: recomputation folded into the backward where the
-        schedule has no RECOMPUTE actions (interleaved, waves)."""
+        schedule has no RECOMPUTE actions (interleaved, waves) or where it runs inside the backward
+        (``recompute_at="backward"``)."""
         c = ev.candidate
         tb, tr = list(ev.tb), list(ev.tr)
-        if c.schedule in ("interleaved", "wave"):
+        if c.schedule in ("interleaved", "wave") or self.recompute_at == "backward":
             tb = [b + x * r for b, x, r in zip(tb, ev.recompute_fraction, tr)]
             tr = [0.0] * len(tr)
         tw = [min(w, b) for w, b in zip(ev.tw, tb)] if ev.tw else None  # what a zero-bubble W costs
