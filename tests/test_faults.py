@@ -530,8 +530,16 @@ def _a_stage_raises(rank: int) -> dict:
     except Exception as e:  # noqa: BLE001 - the test inspects what was raised
         raised = f"{type(e).__name__}: {e}"
     seconds = time.perf_counter() - t0
-    if rank == 1:
-        time.sleep(min(PEER_TIMEOUT, 1.5 * seconds + 15.0))  # alive while rank 0 waits: its death would tell it
+    # rank 1 stays alive until rank 0 has raised (its death would tell rank 0 instead of its published error), told
+    # through the world's store (before: a sleep of 15 s and more). Polled, not store.wait: a blocking wait would
+    # hold the store's client, which rank 1's watcher thread needs to end rank 0's receive (runtime/comm/watch.py)
+    store, key = dist.distributed_c10d._get_default_store(), "tests.test_faults._a_stage_raises: rank 0 raised"
+    if rank == 0:
+        store.set(key, "1")
+    deadline = time.monotonic() + PEER_TIMEOUT  # rank 0 never raised: its seconds say so
+    with contextlib.suppress(dist.DistError):  # the store is gone: rank 0, which holds it, has raised and left
+        while rank == 1 and not store.check([key]) and time.monotonic() < deadline:
+            time.sleep(0.05)
     return {"raised": raised, "seconds": seconds}
 
 
