@@ -193,6 +193,23 @@ def state_error(full: dict[str, torch.Tensor], reference: torch.nn.Module) -> tu
     return worst, where, missing
 
 
+def assert_sim_trains_as_one_process(
+    sim, reference: torch.nn.Module, batch: dict, optimizer: str, steps: int = 2
+) -> torch.Tensor:
+    """``steps`` ``train_step`` calls on ``batch`` of the simulated ranks ``sim`` (``autopar.check.simtrain``'s
+    ``SimCompiled``, its ``optimizer`` made already) against ``reference`` trained the same in float64 mode: the
+    first rank's losses and the whole state within ``TOL``. Returns every rank's losses (a row per step)."""
+    from autopar.check.float64 import Float64Mode
+
+    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(steps)], dtype=torch.float64)
+    with Float64Mode():
+        ref = train(reference, [batch] * steps, optimizer)
+    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
+    err, where, missing = state_error(sim.full_state_dict(), reference)
+    assert not missing and err < TOL, (err, where, missing)
+    return losses
+
+
 def drop_a_row_parallel_all_reduce(gm: fx.GraphModule) -> str:
     """Break a rank's program on purpose (tests only): the first all-reduce that sums a matmul's
     partial products (a row-parallel linear) is removed, so its consumers see this rank's partial sum.

@@ -26,7 +26,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.check.float64 import Float64Mode
 from autopar.check.rules import check_strategy, one_op_program, strategies_of
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
@@ -40,7 +39,14 @@ from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import CostModel
 from autopar.solver.sharding.rules.context import attention_form
 from tests._dist import run_distributed
-from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
+from tests.exactness import (
+    TOL,
+    assert_sim_trains_as_one_process,
+    float64_model,
+    loss_error,
+    make_optimizer,
+    train,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -112,13 +118,8 @@ def check_exact(family: str, mesh: MeshSpec, form: str = "auto") -> None:
         moves = [op.kwargs for op in sim.program.ops if op.target == "all_to_all"]
         assert moves and all(m["axis"] == "cp" for m in moves), moves
     make_optimizer("adamw", sim)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [batch, batch], "adamw")
+    losses = assert_sim_trains_as_one_process(sim, reference, batch, "adamw")
     assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2"])
@@ -151,12 +152,7 @@ def test_cp2_padding_mask_exact():
     sim = SimCompiled.of(model, CP, (), batch, options=OPTIONS, float64=True)
     assert query_splits(sim.program) == [Shard(2)]
     make_optimizer("adamw", sim)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [batch, batch], "adamw")
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
+    assert_sim_trains_as_one_process(sim, reference, batch, "adamw")
 
 
 def test_cp2_tp2_exact():
@@ -213,12 +209,7 @@ def test_cp2_document_mask_exact(form):
     sim = SimCompiled.of(model, CP, (), batch, options=replace(OPTIONS, context_attention=form), float64=True)
     assert attention_forms(sim.program) == [form], attention_forms(sim.program)
     make_optimizer("adamw", sim)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**batch)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [batch, batch], "adamw")
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
+    assert_sim_trains_as_one_process(sim, reference, batch, "adamw")
 
 
 def test_sequence_to_heads_is_one_all_to_all():

@@ -49,7 +49,15 @@ from autopar.solver.sharding.experts import (
     grouped_expert_axes,
 )
 from tests._dist import run_distributed
-from tests.exactness import TOL, float64_model, loss_error, make_optimizer, state_error, train
+from tests.exactness import (
+    TOL,
+    assert_sim_trains_as_one_process,
+    float64_model,
+    loss_error,
+    make_optimizer,
+    state_error,
+    train,
+)
 
 EP = MeshSpec((("ep", 2),))
 EP_TP = MeshSpec((("ep", 2), ("tp", 2)))
@@ -128,13 +136,8 @@ def test_moe_trains_exactly_with_experts_split_over_ep(family: str, mesh: MeshSp
         targets = [op.target for op in module.train_program.ops]
         assert targets.count(COMBINE) >= layers and targets.count(DISPATCH) >= 2 * layers, targets
     make_optimizer("sgd", sim)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [kwargs, kwargs], "sgd")
+    losses = assert_sim_trains_as_one_process(sim, reference, kwargs, "sgd")
     assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
 
 
 class _Recorder:
@@ -300,12 +303,7 @@ def test_pipeline_stages_hold_whole_dispatch_regions(cut: str) -> None:
     assert stages == {0, 1}, stages  # both stages dispatch their own layer's tokens
     assert all(t.type.placements[0] == Shard(0) for t in _expert_tables(prog))
     make_optimizer("sgd", sim)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [kwargs, kwargs], "sgd")
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
+    assert_sim_trains_as_one_process(sim, reference, kwargs, "sgd")
 
 
 # -- transformers' default experts kernel (grouped_mm) and the eager loop (captured through it) ---------------
@@ -570,9 +568,4 @@ def test_zero2_over_dp_and_ep_trains_exactly() -> None:
         assert isinstance(opt, ZeroOptimizer) and opt.zero_axes == ("dp", "ep"), opt
         flat = opt.flats[0]
         assert flat.params and flat.master.numel() * 4 == flat.padded, (flat.master.numel(), flat.padded)
-    losses = torch.tensor([[float(x) for x in sim.train_step(**kwargs)] for _ in range(2)], dtype=torch.float64)
-    with Float64Mode():
-        ref = train(reference, [kwargs, kwargs], "adamw")
-    assert loss_error(losses[:, 0], ref) < TOL, (losses[:, 0], ref)
-    err, where, missing = state_error(sim.full_state_dict(), reference)
-    assert not missing and err < TOL, (err, where, missing)
+    assert_sim_trains_as_one_process(sim, reference, kwargs, "adamw")
