@@ -97,7 +97,7 @@ def _run(rank: int, world: int, root: str) -> dict:
     dcp.load({f"model.{k}": v for k, v in sd2.items()}, checkpoint_id=path)  # in place, into sd2's tensors
     set_model_state_dict(view2, sd2)
     full2 = pipe2.full_state_dict()
-    out["other_mesh_err"] = torch.stack([(full2[k] - whole[f"model.{k}"]).abs().max() for k in full2]).max()
+    out["other_mesh_err"] = _max_err(full2, whole, key=lambda k: f"model.{k}")
     # export from pp2 x tp2: sharded safetensors + index + config.json, gathered to rank 0 one tensor at a time
     hf = f"{root}/hf"
     pipe2.save_pretrained(hf, max_shard_size="40KB")
@@ -115,7 +115,7 @@ def _run(rank: int, world: int, root: str) -> dict:
             t.zero_()
     autopar.checkpoint.load_weights(pipe2, hf)
     full3 = pipe2.full_state_dict()
-    out["load_weights_err"] = torch.stack([(full3[k] - whole[f"model.{k}"]).abs().max() for k in full3]).max()
+    out["load_weights_err"] = _max_err(full3, whole, key=lambda k: f"model.{k}")
     # the optimizer's states, through DCP, into pp2 x tp2's never-stepped optimizer with set_state_dict, bit for bit
     optv2 = view2.optimizer_view(pipe2.make_optimizer(torch.optim.AdamW, lr=LR))
     _, osd2 = get_state_dict(view2, optv2)
@@ -123,18 +123,14 @@ def _run(rank: int, world: int, root: str) -> dict:
     set_state_dict(view2, optv2, model_state_dict={}, optim_state_dict=osd2)
     again = _whole_states(get_state_dict(view2, optv2)[1])
     out["optim_keys_held"] = torch.tensor(len(again))
-    out["optim_other_mesh_err"] = torch.stack(
-        [(again[k][s] - whole_opt[f"model.{k}"][s]).abs().max() for k in again for s in again[k]]
-    ).max()
+    out["optim_other_mesh_err"] = _max_state_err(again, whole_opt, key=lambda k: f"model.{k}")
     # ... and into the plain model
     plain, _ = _model(seed=5)
     psd = plain.state_dict()
     dcp.load(psd, checkpoint_id=path)
     plain.load_state_dict(psd)
-    out["plain_err"] = torch.stack([(v - whole[k]).abs().max() for k, v in plain.state_dict().items()]).max()
-    out["plain_differed"] = torch.stack(
-        [(v - whole[k]).abs().max() for k, v in _model(seed=5)[0].state_dict().items()]
-    ).max()
+    out["plain_err"] = _max_err(plain.state_dict(), whole)
+    out["plain_differed"] = _max_err(_model(seed=5)[0].state_dict(), whole)
     return out
 
 
@@ -178,6 +174,25 @@ def _whole_states(osd: dict) -> dict:
             for k, st in osd["state"].items()}  # fmt: skip
 
 
+def _max_err(got: dict, want: dict, key=lambda k: k) -> torch.Tensor:
+    """The largest absolute difference of each tensor of ``got`` from ``want[key(its key)]``."""
+    return torch.stack([(v - want[key(k)]).abs().max() for k, v in got.items()]).max()
+
+
+def _max_state_err(got: dict, want: dict, key=lambda k: k) -> torch.Tensor:
+    """``_max_err`` of optimizer states (``_whole_states``): every state of every key."""
+    return torch.stack([(st[s] - want[key(k)][s]).abs().max() for k, st in got.items() for s in st]).max()
+
+
+def _set_and_read(view, optv, module, msd: dict, osd: dict) -> tuple[dict, dict]:
+    """``set_state_dict`` of ``msd`` and ``osd`` into ``view`` and its optimizer view ``optv``; then the module's
+    whole model (``full_state_dict``) and the whole optimizer states torch's ``get_state_dict`` reads back."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    set_state_dict(view, optv, model_state_dict=msd, optim_state_dict=osd)
+    return module.full_state_dict(), _whole_states(get_state_dict(view, optv)[1])
+
+
 def _optimizer_run(rank: int, world: int, root: str) -> dict:
     """dp2 x tp2 with ZeRO-2 trains two AdamW steps; torch's get_state_dict over its DTensor view and
     optimizer view (ZeRO-2's flat states gathered per parameter) equals the single-process AdamW's states; DCP
@@ -185,7 +200,7 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     FSDP2) loads it with set_state_dict, bit for bit, and trains the third step as the single process does;
     its own get_state_dict, written by DCP, loads bit for bit into dp2 x tp2 without ZeRO."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import Shard
 
     import autopar
@@ -248,12 +263,10 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     optv_b = view_b.optimizer_view()
     msd_b, osd_b = get_state_dict(view_b, optv_b)
     dcp.load({"model": msd_b, "optim": osd_b["state"]}, checkpoint_id=f"{root}/a")
-    set_state_dict(view_b, optv_b, model_state_dict=msd_b, optim_state_dict=osd_b)
-    full_b = b.full_state_dict()
-    out["b_model_err"] = torch.stack([(full_b[k] - full_a[k]).abs().max() for k in full_b]).max()
-    again = _whole_states(get_state_dict(view_b, optv_b)[1])
+    full_b, again = _set_and_read(view_b, optv_b, b, msd_b, osd_b)
+    out["b_model_err"] = _max_err(full_b, full_a)
     out["b_keys_held"] = torch.tensor(len(again))
-    out["b_state_err"] = torch.stack([(again[k][s] - whole_a[k][s]).abs().max() for k in again for s in again[k]]).max()
+    out["b_state_err"] = _max_state_err(again, whole_a)
     # autopar's own checkpoint is DCP's layout of the same DTensors, keyed model/<key> and optim/<key>/<state>:
     # torch's get_state_dict + dcp.load read it on this other mesh, bit for bit
     from autopar.runtime.checkpoint.files import SafeReader
@@ -268,13 +281,9 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     state = {k: v for k, v in state.items() if k in saved}  # a tied tensor is stored once, under its first name
     out["autopar_keys"] = torch.tensor(len(state))
     dcp.load(state, storage_reader=SafeReader(f"{root}/autopar-a"))
-    set_state_dict(view_b, optv_b, model_state_dict=msd_x, optim_state_dict=osd_x)
-    full_x = b.full_state_dict()
-    out["autopar_model_err"] = torch.stack([(full_x[k] - full_a[k]).abs().max() for k in full_x]).max()
-    again = _whole_states(get_state_dict(view_b, optv_b)[1])
-    out["autopar_state_err"] = torch.stack(
-        [(again[k][s] - whole_a[k][s]).abs().max() for k in again for s in again[k]]
-    ).max()
+    full_x, again = _set_and_read(view_b, optv_b, b, msd_x, osd_x)
+    out["autopar_model_err"] = _max_err(full_x, full_a)
+    out["autopar_state_err"] = _max_state_err(again, whole_a)
     # ... and trains the third step as the single process does
     b.train_step(**batches[2])
     ref_step(batches[2])
@@ -289,14 +298,10 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     optv_c = view_c.optimizer_view()
     msd_c, osd_c = get_state_dict(view_c, optv_c)
     dcp.load({"model": msd_c, "optim": osd_c["state"]}, checkpoint_id=f"{root}/b")
-    set_state_dict(view_c, optv_c, model_state_dict=msd_c, optim_state_dict=osd_c)
-    full_c = c.full_state_dict()
-    out["c_model_err"] = torch.stack([(full_c[k] - full_b[k]).abs().max() for k in full_c]).max()
-    again = _whole_states(get_state_dict(view_c, optv_c)[1])
+    full_c, again = _set_and_read(view_c, optv_c, c, msd_c, osd_c)
+    out["c_model_err"] = _max_err(full_c, full_b)
     out["c_keys_held"] = torch.tensor(len(again))
-    out["c_state_err"] = torch.stack(
-        [(again[k][s] - whole_b.get(k, again[k])[s]).abs().max() for k in again for s in again[k]]
-    ).max()
+    out["c_state_err"] = _max_state_err(again, {**again, **whole_b})  # a key whole_b lacks: compared with itself
     out["c_vs_ref"] = torch.stack(
         [_rel(st[s], ref_opt.state[ref_params[k]][s].to(st[s].dtype)) for k, st in again.items() for s in st]
     ).max()
