@@ -24,8 +24,8 @@ import torch
 
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.options import ShardOptions
+from tests._compile_harness import compiled_jobs, compiled_runs
 from tests._dist import run_distributed
-from tests.equivalence import compare_jobs
 from tests.exactness import TOL
 
 MICS = ShardOptions(setup=TrainingSetup(zero=2, zero_axes=("dpr", "dp"), mics_group=2))
@@ -49,9 +49,8 @@ JOBS = [
 
 
 def _ranks(rank: int, world: int, cache: str, ckpt: str) -> dict:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     common = {"model_name": "tiny-mlp", "steps": 2, "microbatches": 1, "batch": 4, "check_forward": False}
-    out = compare_jobs(rank, world, [{**common, **job} for job in JOBS])
+    out = compiled_jobs(rank, world, cache, common, JOBS)
     out["checkpoint"] = _checkpoint(ckpt)
     return out
 
@@ -102,31 +101,19 @@ def _checkpoint(path: str) -> dict:
 def test_compiled_recompute_mics_and_checkpoints_equal_one_process_eager_and_the_uninterrupted_run(tmp_path):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")
     results = run_distributed(_ranks, 4, cache, str(tmp_path / "ckpt"), timeout=1700)
+    for job, key, r, at, compiled in compiled_runs(results, JOBS):
+        if job["name"] == "mics":  # the optimizer steps this rank's slice only
+            assert r["optimizer_numel"] < r["full_numel"], f"{at}: the optimizer holds every parameter whole"
+        if not compiled:
+            continue
+        log = r["compile_log"]
+        stages = [f"stage{s}" for s in r["stages"].tolist()]
+        if key.startswith("scp") and 0 in r["stages"].tolist():  # stage 0 runs its head and rest only
+            assert any(".head" in c for c in log["compiled"]), (at, log["compiled"])
+            assert any(".rest" in c for c in log["compiled"]), (at, log["compiled"])
+        else:  # the last stage recomputes nothing
+            assert set(stages) <= set(log["compiled"]), (at, log["compiled"])
     for rank, res in enumerate(results):
-        for job in JOBS:
-            out = res[job["name"]]
-            eager_key = next(k for k in out if "torch_compile=False" in k)
-            for key, r in out.items():
-                at = f"{job['name']} {key}, rank {rank}"
-                assert r["loss_rel"] < TOL and r["param_rel"] < TOL, (at, r["loss_rel"], r["worst_param"])
-                assert not r["missing"], at
-                log = r["compile_log"]
-                if job["name"] == "mics":  # the optimizer steps this rank's slice only
-                    assert r["optimizer_numel"] < r["full_numel"], f"{at}: the optimizer holds every parameter whole"
-                if key == eager_key:
-                    assert log is None and r["graphs"] == 0, at
-                    continue
-                assert r["graphs"] > 0, f"{at}: dynamo compiled no graph"
-                assert not log["failed"] and not log["eager"], (at, log)
-                stages = [f"stage{s}" for s in r["stages"].tolist()]
-                if key.startswith("scp") and 0 in r["stages"].tolist():  # stage 0 runs its head and rest only
-                    assert any(".head" in c for c in log["compiled"]), (at, log["compiled"])
-                    assert any(".rest" in c for c in log["compiled"]), (at, log["compiled"])
-                else:  # the last stage recomputes nothing
-                    assert set(stages) <= set(log["compiled"]), (at, log["compiled"])
-                e = out[eager_key]["losses"]
-                rel = ((r["losses"] - e).abs() / e.abs()).max().item()
-                assert rel < TOL, f"{at}: compiled and eager losses differ by {rel:.2e}"
         c = res["checkpoint"]
         at = f"checkpoint, rank {rank}"
         rel = ((c["resumed"] - c["straight"]).abs() / c["straight"].abs()).max().item()

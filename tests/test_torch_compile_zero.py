@@ -12,9 +12,8 @@ import pytest
 
 from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.options import ShardOptions
+from tests._compile_harness import compiled_jobs, compiled_runs
 from tests._dist import run_distributed
-from tests.equivalence import compare_jobs
-from tests.exactness import TOL
 
 
 def _runs(zero: int) -> list[tuple]:
@@ -29,9 +28,8 @@ JOBS = [
 
 
 def _ranks(rank: int, world: int, cache: str) -> dict:
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
     common = {"model_name": "gpt2", "steps": 2, "microbatches": 1, "batch": 4}
-    return compare_jobs(rank, world, [{**common, **job} for job in JOBS])
+    return compiled_jobs(rank, world, cache, common, JOBS)
 
 
 @pytest.mark.multiproc
@@ -40,23 +38,8 @@ def _ranks(rank: int, world: int, cache: str) -> dict:
 def test_compiled_zero1_zero2_equal_one_process_and_eager_and_really_compiled(tmp_path):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")
     results = run_distributed(_ranks, 2, cache, timeout=850)
-    for rank, res in enumerate(results):
-        for job in JOBS:
-            out = res[job["name"]]
-            eager_key = next(k for k in out if "torch_compile=False" in k)
-            for key, r in out.items():
-                at = f"{job['name']} {key}, rank {rank}"
-                assert r["loss_rel"] < TOL and r["param_rel"] < TOL, (at, r["loss_rel"], r["worst_param"])
-                assert not r["missing"], at
-                # ZeRO-1/2: the optimizer steps this rank's half of the parameters only
-                assert r["optimizer_numel"] < r["full_numel"], f"{at}: the optimizer holds every parameter whole"
-                log = r["compile_log"]
-                if key == eager_key:
-                    assert log is None and r["graphs"] == 0, at
-                    continue
-                assert r["graphs"] > 0, f"{at}: dynamo compiled no graph"
-                assert not log["failed"] and not log["eager"], (at, log)
-                assert "stage0" in log["compiled"], (at, log["compiled"])  # the training program ran compiled
-                e = out[eager_key]["losses"]
-                rel = ((r["losses"] - e).abs() / e.abs()).max().item()
-                assert rel < TOL, f"{at}: compiled and eager losses differ by {rel:.2e}"
+    for _job, _key, r, at, compiled in compiled_runs(results, JOBS):
+        # ZeRO-1/2: the optimizer steps this rank's half of the parameters only
+        assert r["optimizer_numel"] < r["full_numel"], f"{at}: the optimizer holds every parameter whole"
+        if compiled:  # the training program ran compiled
+            assert "stage0" in r["compile_log"]["compiled"], (at, r["compile_log"]["compiled"])
