@@ -1,13 +1,14 @@
-"""Search time with the family lower bound that counts data-parallel sync, beside the compute-only bound.
+"""Search time with the chains' family bound (bubble, forced recomputation, per-rank sync) beside the previous one.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/search_bound.py [--repeats 2] [--skip-1t] [--old-1t]
 
 Runs ``search_model`` on GPT-3 175B (dgx-a100, 128 nodes = 1,024 GPUs, global batch 1536) and on Megatron's
 1T model (128 layers, hidden 25600, 160 heads; 384 nodes = 3,072 GPUs, global batch 3072), alternating the
-two bounds (A B A B: ``tight_bound=True`` then ``False``) with a fresh simulator cache each run (the schedule
-text cache on disk stays warm after the first run, as in use). Prints wall seconds, families pruned before
-pricing, candidates priced and scored, and the plan found (it must be the same with either bound). The 1T
-search with the compute-only bound took 1,326 s in issue 35's measurement; ``--old-1t`` measures it again.
+two bounds (A B A B: ``bound="chains"``, ``Analytic.family_floor``, then ``bound="sync"``, the mean compute plus
+the least dp sync, ``Analytic.family_bounds``) with a fresh simulator cache each run (the schedule text cache on
+disk stays warm after the first run, as in use). Prints wall and CPU seconds, families pruned before pricing,
+candidates priced and scored, and the plan found (it must be the same with either bound). ``--old-1t`` also
+times the 1T search with the previous bound (1,326 s in issue 35's measurement).
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ ONE_T = (
 def run(case: tuple[str, str, int], tight: bool) -> dict:
     spec, cluster, B = case
     t0, c0 = time.perf_counter(), time.process_time()
-    res = search_model(spec, cluster, B, top=1, scorer=Scorer(), tight_bound=tight)
+    res = search_model(spec, cluster, B, top=1, scorer=Scorer(), bound="chains" if tight else "sync")
     s = res.stats
     return {
-        "bound": "compute + dp sync" if tight else "compute only",
+        "bound": "chains" if tight else "mean + dp sync",
         "seconds": time.perf_counter() - t0,
         "cpu_seconds": time.process_time() - c0,  # what a shared machine's load does not inflate
         "families": s["families"],
@@ -58,7 +59,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skip-1t", action="store_true")
-    ap.add_argument("--old-1t", action="store_true", help="also time the 1T search with the compute-only bound")
+    ap.add_argument("--old-1t", action="store_true", help="also time the 1T search with the previous bound")
     args = ap.parse_args()
     for spec, *_ in (GPT3, ONE_T):
         profile_model(spec)  # cached profiles: the search is what is timed

@@ -245,3 +245,18 @@ def test_the_searched_cp_form_reaches_the_program(form):
         if op.target == "aten.scaled_dot_product_attention"
     ]
     assert forms == [form] * 2, forms
+
+
+def test_family_floor_holds_for_cp_candidates(long_profile):
+    """The chains' family bound (bubble, forced recomputation, per-rank sync; issue 35) with cp: for every family of
+    the tiny LLaMA at 8,192 tokens on 4 CPU ranks (cp 1, 2, 4), never above a member that fits, at a roomy and a
+    tight budget."""
+    from tests.test_search_bound import check_family_floor
+
+    an = Analytic(long_profile, CPU, 4)
+    space = dataclasses.replace(SearchSpace(cp=(1, 2, 4), chunks=(2,), waves=(1,)), devices_per_node=4)
+    cps = {f.cp for f in families(an, space, 4)}
+    assert cps == {1, 2, 4}
+    tight = min(an.evaluate(Candidate(1, 1, 1, 1, 4, "none", recompute="full", cp=4)).memory, CPU.plan_memory)
+    checked, rose = check_family_floor(an, space, 4, [float("inf"), tight * 1.5])
+    assert checked > 20, checked

@@ -154,3 +154,15 @@ def test_family_bounds_hold_for_expert_parallel_candidates(moe) -> None:
                         assert ev.memory >= memory_bound * (1 - 1e-9), (ch.candidate(z, level), memory_bound)
                         checked += ev.candidate.ep > 1
     assert checked > 50
+
+
+def test_family_floor_holds_for_expert_parallel_candidates(moe) -> None:
+    """The chains' family bound (bubble, forced recomputation, per-rank sync; issue 35) with ep: every family of the
+    MoE on 8 GPUs (ep 1 to 8), never above a member that fits, at a roomy and a tight budget."""
+    from tests.test_search_bound import check_family_floor
+
+    an = Analytic(moe, ClusterSpec.load(CLUSTER), 16)
+    space = SearchSpace(devices_per_node=8, chunks=(2,), waves=(1,))
+    assert {f.ep for f in families(an, space, 8)} >= {1, 2, 4, 8}
+    checked, rose = check_family_floor(an, space, 8, [float("inf"), 0.5 * 2**30])
+    assert checked > 50, checked

@@ -230,7 +230,7 @@ def test_the_family_bound_with_dp_sync_stays_below_every_member_and_prunes_more(
         with_dp = len([f for f in fams if f.dp > 1])
         assert grew >= (with_dp if zeros == (1, 2) else 1) and with_dp > 0, (zeros, grew, with_dp)
         a = search(prof, cluster, 64, space=space, top=3, scorer=scorer)
-        b = search(prof, cluster, 64, space=space, top=3, scorer=scorer, tight_bound=False)
+        b = search(prof, cluster, 64, space=space, top=3, scorer=scorer, bound="compute")
         assert [e.candidate for e in a.best] == [e.candidate for e in b.best]
         assert a.stats["families_pruned_by_bound"] >= b.stats["families_pruned_by_bound"]
 

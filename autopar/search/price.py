@@ -40,8 +40,8 @@ from typing import Any
 from autopar.schedule.actions import stash_points
 from autopar.schedule.generators import zero_bubble_orders
 from autopar.search.evaluation import Evaluation
-from autopar.search.space import ZERO_BUBBLE, Candidate
-from autopar.search.stage_terms import StageTerms
+from autopar.search.space import ZERO_BUBBLE, Candidate, Chain
+from autopar.search.stage_terms import StageTerms, _head_tail
 from autopar.solver.cluster import compute
 from autopar.solver.sharding.cost import BUCKET_BYTES
 
@@ -70,6 +70,23 @@ class _Part:
     rank_experts: tuple[float, ...] = ()  # of rank_params, the expert tables' elements (expert parallelism)
 
 
+@dataclass(frozen=True)
+class _Skeleton:
+    """What every candidate of a chain (one schedule, stage layout, mesh and micro-batch) takes at least, whatever
+    its ZeRO stage and recomputation: per stage and per pipeline rank, compute and tensor-parallel all-reduces only
+    (no context-parallel collectives, pipeline transfers or ZeRO-3 gathers, which only add time)."""
+
+    stages: tuple[int, ...]  # per rank: its stages
+    tr: tuple[float, ...]  # per stage: recomputing all of its layers once
+    acts: tuple[float, ...]  # per stage: bytes a microbatch keeps without recomputation
+    saving: tuple[float, ...]  # per stage: of them, what full recomputation saves
+    head: tuple[float, ...]  # per rank: microbatch 0's forward reaching its first stage
+    tail: tuple[float, ...]  # per rank: the last gradient's way from its first stage down to stage 0
+    busy: tuple[float, ...]  # per rank: forward and backward seconds of a microbatch, no recomputation
+    first_bwd: tuple[float, ...]  # per rank: its first stage's backward (what ZeRO-0's buckets may hide beside)
+    params: tuple[float, ...]  # per rank: parameter elements held
+
+
 class Analytic(StageTerms):
     """Prices candidates for one profile, cluster, global batch and training setup (``StageTerms``' arguments)."""
 
@@ -77,6 +94,8 @@ class Analytic(StageTerms):
         super().__init__(*args, **kwargs)
         self._parts: dict[tuple, _Part | None] = {}
         self._sync: dict[tuple, tuple[float, float]] = {}
+        self._skeletons: dict[tuple, _Skeleton | None] = {}
+        self._rates: dict[tuple, tuple[str, float]] = {}
 
     # -- evaluation -------------------------------------------------------------------------------
     def evaluate(self, c: Candidate) -> Evaluation | None:
@@ -285,6 +304,109 @@ class Analytic(StageTerms):
         sync += self.optimizer_seconds(params, max_shard, dp) if params else 0.0  # the least: the widest sharding
         return m * work / pp + sync, params * self._state_bytes(max_shard, group if group > 1 else 1)
 
+    def family_floor(
+        self, family_chains: list[Chain], budget: float, max_shard: int, sync_options: tuple = ()
+    ) -> tuple[float, float]:
+        """(step-time lower bound, memory lower bound) of a family's candidates that fit ``budget``, from its
+        chains (``space.chains``), tighter than ``family_bounds``: the least over its schedules and stage layouts of
+
+            max over pipeline ranks r of  head_r + m (busy_r + recompute_r) + max(tail_r, sync_r + optimizer_r)
+
+        (``evaluate``'s bound, the pipeline's bubble in head and tail; no tail for a split backward), with busy_r
+        the rank's compute and tensor-parallel all-reduces (``_skeleton``), sync_r the least data-parallel sync of
+        ``sync_options`` for its parameters (``_sync_floor``; ZeRO-0's buckets hidden beside at most its first
+        stage's backward, ZeRO-3's prefetched gathers beside at most all its compute), optimizer_r its step under the widest sharding, and recompute_r what the least
+        recomputation level whose memory lower bound fits ``budget`` recomputes: the rank's model states under ZeRO
+        stage ``max_shard`` over the whole dp group plus its in-flight microbatches' kept activations
+        (``inflight_counts``; a zero-bubble schedule's most stashed at once, counted until the W). Levels cost
+        more time and less memory in order, so no candidate that fits is faster. Memory: the least of the chains'
+        memory bounds at their most recomputation (inf time when none fits)."""
+        best_t = best_m = math.inf
+        seen = set()
+        for ch in family_chains:
+            c = ch.base
+            shape = (c.schedule, c.chunks, c.waves, c.layout, c.cp_form)
+            if shape in seen:  # MiCS groups of one shape: sync_options covers all of them
+                continue
+            seen.add(shape)
+            t, m = self._chain_floor(ch, budget, max_shard, sync_options)
+            best_t, best_m = min(best_t, t), min(best_m, m)
+        return best_t, best_m
+
+    def _chain_floor(self, ch: Chain, budget: float, max_shard: int, sync_options: tuple) -> tuple[float, float]:
+        c = ch.base
+        sk = self._skeleton(c)
+        if sk is None:
+            return math.inf, math.inf
+        group = c.dp // c.ep
+        per_param = self._state_bytes(max_shard, group if group > 1 else 1)
+        if c.schedule in ZERO_BUBBLE and c.pp > 1:
+            counts = [max(live for live, _ in pts) for pts in _stash_points(c.schedule, c.pp, c.microbatches)]
+        else:
+            counts = c.inflight_counts()
+        weights = [p * per_param for p in sk.params]
+        x, least = None, math.inf
+        for rc, a1 in ch.levels:
+            xs = self.fractions(len(sk.tr), rc, a1)
+            mem = max(
+                w + k * max(sk.acts[s] - xs[s] * sk.saving[s] for s in ss)
+                for w, k, ss in zip(weights, counts, sk.stages)
+            )
+            least = min(least, mem)
+            if x is None and mem <= budget:
+                x = xs
+        if x is None:
+            return math.inf, least
+        m, zb = c.microbatches, c.schedule in ZERO_BUBBLE and c.pp > 1
+        rates = [self._sync_rate(c.pp, group, c.tp, m, z, g, c.cp) for z, g in sync_options] if group > 1 else []
+        t = 0.0
+        for r, ss in enumerate(sk.stages):
+            p, busy = sk.params[r], sk.busy[r] + sum(x[s] * sk.tr[s] for s in ss)
+            sync = min((_exposed(h, k * p, sk.first_bwd[r], m * busy) for h, k in rates), default=0.0)
+            sync += self.optimizer_seconds(p, max_shard, c.dp) if p else 0.0
+            t = max(t, sk.head[r] + m * busy + max(0.0 if zb else sk.tail[r], sync))
+        return t, least
+
+    def _skeleton(self, c: Candidate) -> _Skeleton | None:
+        """The chain's ``_Skeleton`` (None when its layout does not exist), shared by the chains of every family with
+        its pipeline shape, tp, cp, ep and micro-batch (dp and m do not enter)."""
+        split = c.schedule in ZERO_BUBBLE
+        key = (c.pp, c.tp, c.cp, c.cp_form, c.ep, c.micro_batch, split, c.chunks, c.waves, c.layout)
+        if key in self._skeletons:
+            return self._skeletons[key]
+        stages = self.layout(c)
+        if stages is None:
+            self._skeletons[key] = None
+            return None
+        b, tp, cp = c.micro_batch, c.tp, c.cp
+        fwd, bwd, tr, acts, saving, params = [], [], [], [], [], []
+        for a, e in stages:
+            f, bw, r = self.stage_compute(a, e, b, tp, cp, c.ep, split)
+            fwd.append(f)
+            bwd.append(bw)
+            tr.append(r)
+            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form)
+            acts.append(kept)
+            saving.append(saves)
+            params.append(self.stage_params(a, e, tp, c.ep)[0])
+        head, tail = _head_tail(fwd, bwd, [0.0] * len(stages))
+        mine: list[list[int]] = [[] for _ in range(c.pp)]
+        for s, r in enumerate(self.stage_ranks(c)):
+            mine[r].append(s)
+        sk = _Skeleton(
+            stages=tuple(tuple(ss) for ss in mine),
+            tr=tuple(tr),
+            acts=tuple(acts),
+            saving=tuple(saving),
+            head=tuple(head[ss[0]] for ss in mine),
+            tail=tuple(tail[ss[0]] for ss in mine),
+            busy=tuple(sum(fwd[s] + bwd[s] for s in ss) for ss in mine),
+            first_bwd=tuple(bwd[ss[0]] for ss in mine),
+            params=tuple(sum(params[s] for s in ss) for ss in mine),
+        )
+        self._skeletons[key] = sk
+        return sk
+
     def _sync_floor(
         self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, params: float, busy: float, cp: int = 1
     ) -> float:
@@ -294,24 +416,34 @@ class Analytic(StageTerms):
         m busy + max(0, sync - busy) is what a rank takes at least."""
         if dp <= 1:
             return 0.0
+        beside, rate = self._sync_rate(pp, dp, tp, m, zero, group, cp)
+        return _exposed(beside, rate * params, busy, m * busy)
+
+    def _sync_rate(self, pp: int, dp: int, tp: int, m: int, zero: int, group: int, cp: int) -> tuple[str, float]:
+        """``_sync_floor``'s (what it runs beside: "backward", ZeRO-0's buckets beside one backward; "compute",
+        ZeRO-3's gathers beside all of it; "", nothing; and its seconds per parameter element), cached."""
+        key = (pp, dp, tp, m, zero, group, cp)
+        found = self._rates.get(key)
+        if found is not None:
+            return found
         c = Candidate(pp, dp, tp, 1, m, "none", zero=zero, mics_group=group, cp=cp)
-        if zero == 0 and self.cluster.overlaps_compute:
-            return max(0.0, self._sync_coefficients(c)[1] * params - busy)
         if zero < 3:
-            return self._sync_coefficients(c)[1] * params
-        z3 = c.shard_group
-        intra, k = self.comm.intra(tp * cp * z3), self.comm.per_node(z3, tp * cp)
+            found = ("backward" if zero == 0 and self.cluster.overlaps_compute else "", self._sync_coefficients(c)[1])
+        else:
+            z3 = c.shard_group
+            intra, k = self.comm.intra(tp * cp * z3), self.comm.per_node(z3, tp * cp)
 
-        def slope(f) -> float:  # seconds per parameter element of an affine collective time
-            return f(2e6) - f(1e6)
+            def slope(f) -> float:  # seconds per parameter element of an affine collective time
+                return f(2e6) - f(1e6)
 
-        gather = slope(lambda p: self.comm.gather(p * self.weight_b, z3, intra, k)) / 1e6
-        scatter = slope(
-            lambda p: self.comm.gather(p * self.grad_b, z3, intra, k) + self.comm.mics_hop(p * self.grad_b, c)
-        )
-        comm = m * (2 * gather + scatter / 1e6) * params
-        # on NCCL the gathers run beside the compute (prefetch): a rank takes at least the longer of the two
-        return max(0.0, comm - m * busy) if self.cluster.overlaps_compute else comm
+            gather = slope(lambda p: self.comm.gather(p * self.weight_b, z3, intra, k)) / 1e6
+            scatter = slope(
+                lambda p: self.comm.gather(p * self.grad_b, z3, intra, k) + self.comm.mics_hop(p * self.grad_b, c)
+            )
+            # on NCCL the gathers run beside the compute (prefetch): a rank takes at least the longer of the two
+            found = ("compute" if self.cluster.overlaps_compute else "", m * (2 * gather + scatter / 1e6))
+        self._rates[key] = found
+        return found
 
     # -- FLOP counts for throughput --------------------------------------------------------------------
     def eq3_flops(self) -> float:
@@ -324,6 +456,16 @@ class Analytic(StageTerms):
     def model_flops(self) -> float:
         """3 x forward matmul/attention FLOPs of the global batch: Eq. 3 without the recomputation pass."""
         return 3 * self.p.mm_flops * self.B
+
+
+def _exposed(beside: str, seconds: float, backward: float, compute: float) -> float:
+    """What a rank takes at least beyond its compute for a sync of ``seconds`` running beside at most one backward of
+    ``backward`` seconds (ZeRO-0's buckets), beside its whole ``compute`` (ZeRO-3's prefetched gathers), or not."""
+    if beside == "backward":
+        return max(0.0, seconds - backward)
+    if beside == "compute":
+        return max(0.0, seconds - compute)
+    return seconds
 
 
 def _stash_points(schedule: str, pp: int, microbatches: int) -> list[list[tuple[int, int]]]:

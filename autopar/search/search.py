@@ -50,6 +50,10 @@ from autopar.search.space import Candidate, Chain, Family, SearchSpace, chains, 
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.experts import DEFAULT_IMBALANCE
 
+# the family bounds (``search(bound=...)``): "chains" the chains' (bubble, forced recomputation, per-rank sync:
+# ``Analytic.family_floor``) over "sync" (``Analytic.family_bounds``: mean compute plus the least dp sync), "compute"
+# the mean compute alone
+BOUNDS = ("chains", "sync", "compute")
 _BOUND_SLACK = 1e-9  # relative: float sums of the bound and the simulator differ in the last bits
 
 
@@ -66,7 +70,7 @@ def search(
     progress: bool = False,
     scorer: Scorer | None = None,
     spec: str | None = None,
-    tight_bound: bool = True,
+    bound: str = "chains",
     attention: str = "fused",
     compiled: bool = False,
     router_imbalance: float = DEFAULT_IMBALANCE,
@@ -103,13 +107,28 @@ def search(
     stats["top"] = top  # how many plans were asked for (SearchResult.format refuses more)
     fams = families(an, space, cluster.world_size)
     stats["families"] = len(fams)
+    if bound not in BOUNDS:
+        raise ValueError(f"bound must be one of {', '.join(BOUNDS)}, not {bound!r}")
+    options = {f: sync_options(space, f, an.zero0_dominated) if bound != "compute" else () for f in fams}
     bounds = {
         f: an.family_bounds(
-            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f),
-            sync_options(space, f, an.zero0_dominated) if tight_bound else (), f.cp, ep=f.ep,
+            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), options[f], f.cp, ep=f.ep,
         )
         for f in fams
     }  # fmt: skip
+    family_chains: dict[Family, list[Chain]] = {}
+
+    def chains_of(f: Family) -> list[Chain]:
+        if f not in family_chains:
+            family_chains[f] = list(chains(an, space, f))
+        return family_chains[f]
+
+    def tighten(f: Family) -> tuple[float, float]:
+        """The family's bounds from its chains (``Analytic.family_floor``: bubble, recomputation its memory forces,
+        per-rank sync), no looser than ``family_bounds``'."""
+        t, mem = an.family_floor(chains_of(f), budget, max_shard(space, f), options[f])
+        return max(t, bounds[f][0]), max(mem, bounds[f][1])
+
     rng = random.Random(seed)
     if order == "bound":
         fams.sort(key=lambda f: (bounds[f][0], f))
@@ -125,10 +144,13 @@ def search(
     def kth() -> float:
         return -heap[0][0] if len(heap) >= top else math.inf
 
+    def beyond(b: float) -> bool:
+        return b > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK)
+
     near: list[Evaluation] = []  # every scored plan; at the end those within NEAR_EQUAL of the K-th best
 
     def consider(ev: Evaluation) -> None:
-        if ev.lower_bound > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK):
+        if beyond(ev.lower_bound):
             stats["pruned_by_bound"] += 1
             return
         scorer.score(ev)
@@ -145,32 +167,59 @@ def search(
         while queue and queue[0][0] <= limit:
             consider(heapq.heappop(queue)[2])
 
+    def pruned(rest: list[Family]) -> None:
+        size = sum(ch.size for g in rest for ch in chains_of(g))
+        stats["families_pruned_by_bound"] += len(rest)
+        stats["pruned_by_bound"] += size
+        stats["space"] += size
+        bar.update(len(rest))
+
+    def over_budget(f: Family) -> None:
+        size = sum(ch.size for ch in chains_of(f))
+        stats["space"] += size
+        stats["families_over_budget"] += 1
+        stats["over_budget"] += size
+        bar.update(1)
+
+    # families by their bound, best first; the chains' bound (``tighten``, dearer) is computed for a family only once
+    # it comes first by the cheap one, then it goes back in by the tight one (a bound only rises)
+    todo = [(bounds[f][0], 0, i, f) for i, f in enumerate(fams)]
+    tight = bound == "chains"
     bar = tqdm(total=len(fams), desc="search", unit="family", file=sys.stderr, disable=not progress, leave=False)
-    for i, f in enumerate(fams):
+    while todo:
+        b, exact, i, f = todo[0] if best_first else todo.pop(0)
         if best_first:
-            drain(bounds[f][0])  # everything queued that could beat this family goes first
-        if bounds[f][0] > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK):
-            rest = fams[i:] if best_first else [f]  # families come by increasing bound: all later ones too
-            stats["families_pruned_by_bound"] += len(rest)
-            stats["pruned_by_bound"] += sum(ch.size for g in rest for ch in chains(an, space, g))
-            stats["space"] += sum(ch.size for g in rest for ch in chains(an, space, g))
-            bar.update(len(rest))
-            if best_first:
+            drain(b)  # everything queued that could beat this family goes first
+        if beyond(b):
+            if best_first:  # families come by increasing bound: all later ones too
+                pruned([g for *_, g in todo])
                 break
+            pruned([f])
+            continue
+        if best_first:
+            heapq.heappop(todo)
+        if tight and not exact:
+            b, mem = tighten(f)
+            if mem > budget:  # the model states and the least activations do not fit
+                over_budget(f)
+            elif best_first:
+                heapq.heappush(todo, (b, 1, i, f))
+            elif beyond(b):
+                pruned([f])
+            else:
+                todo.insert(0, (b, 1, i, f))
+            continue
+        if bounds[f][1] > budget:  # the model states alone do not fit
+            over_budget(f)
             continue
         bar.update(1)
-        family_chains = list(chains(an, space, f))
-        size = sum(ch.size for ch in family_chains)
-        stats["space"] += size
-        if bounds[f][1] > budget:  # the model states alone do not fit
-            stats["families_over_budget"] += 1
-            stats["over_budget"] += size
-            continue
         found: list[Evaluation] = []
-        for ch in family_chains:
+        for ch in chains_of(f):
+            stats["space"] += ch.size
             stats["dominated"] += ch.dominated
             stats["unsupported"] += ch.unsupported
             found += _staircase(an, ch, budget, stats)
+        family_chains.pop(f)
         if best_first:
             for ev in found:
                 heapq.heappush(queue, (ev.lower_bound, ev.candidate, ev))

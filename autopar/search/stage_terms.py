@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import asdict
+from fractions import Fraction
 from typing import Any
 
 from autopar.errors import SearchError
@@ -36,7 +37,7 @@ from autopar.schedule.generators import stage_aware_ratios
 from autopar.schedule.placement import stage_ranks
 from autopar.search.comm_time import CommTime
 from autopar.search.profile import Profile, UnitCost
-from autopar.search.space import ZERO_BUBBLE, Candidate
+from autopar.search.space import ALPHA_GRID, ZERO_BUBBLE, Candidate
 from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
 from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
@@ -299,14 +300,18 @@ class StageTerms:
 
     def recompute_fractions(self, c: Candidate) -> tuple[float, ...]:
         """Fraction of each stage's layers recomputed (per rank for SCP: 1 - alpha_i)."""
-        S = c.num_stages
-        if c.recompute == "none":
+        return self.fractions(c.num_stages, c.recompute, c.alpha1)
+
+    def fractions(self, S: int, recompute: str, alpha1: int) -> tuple[float, ...]:
+        """``recompute_fractions`` of ``S`` stages under ``recompute`` (stage-aware: alpha_1 = ``alpha1`` / 20)."""
+        if recompute == "none":
             return (0.0,) * S
-        if c.recompute == "full":
+        if recompute == "full":
             return (1.0,) * S
-        key = (S, c.alpha1)
+        key = (S, alpha1)
         if key not in self._fractions:
-            self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, c.alpha))
+            alpha = Fraction(alpha1, ALPHA_GRID)
+            self._fractions[key] = tuple(float(1 - a) for a in stage_aware_ratios(S, alpha))
         return self._fractions[key]
 
     def _base(self, c: Candidate, z3: int):
@@ -329,38 +334,22 @@ class StageTerms:
         # with context parallelism a rank computes b / cp samples' worth of every op (each sequence split over cp)
         bt = b / cp
         sa = self.act_scale * bt  # activation bytes per sample -> per microbatch and rank at training precision
-        # ... of the keys and values each cp rank keeps whole (the all-gather form)
-        kv_whole = self.act_scale * b * (1 - 1 / cp) if c.cp_form not in ("ring", "ulysses") else 0.0
         tf, tb, tr, tw, acts, saving, layer_act, params_of, wkept = [], [], [], [], [], [], [], [], []
         experts_of = []
         S = self._sum
         for a, e in stages:
-            # expert parallelism (cp = 1 beside it): the all-to-alls and the busiest rank's extra expert
-            # work, forward (and twice that backward)
-            moe = self.expert_seconds(a, e, b, c.ep, tp)
-            fwd = self._sec("fwd", a, e, bt, tp) + moe
-            bwd = self._sec("bwd", a, e, bt, tp) + 2 * moe
-            # recomputation touches the stage's layers only (embeddings and head keep their activations)
-            rfwd = self._sec("lfwd", a, e, bt, tp) + moe
-            experts = S("params_ep", a, e) / tp / c.ep
-            params = S("params_tp", a, e) / tp + S("params_rep", a, e) - S("params_ep", a, e) / tp + experts
+            fwd, bwd, rfwd = self.stage_compute(a, e, b, tp, cp, c.ep, c.schedule in ZERO_BUBBLE)
+            params, experts = self.stage_params(a, e, tp, c.ep)
             experts_of.append(experts)
             cp_f, cp_b = self.cp_seconds(a, e, b, c)
-            tf.append(fwd + self._tp_allreduce("ar_fwd", a, e, sa, tp) + cp_f)
-            # f's all-reduces, less what runs beside their readers' weight gradients (not in a split backward)
-            hidden = 0.0 if c.schedule in ZERO_BUBBLE else self.hidden_ar_bwd(a, e, bt, tp)
-            tb.append(bwd + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden + cp_b)
-            tr.append(rfwd + self._tp_allreduce("lar_fwd", a, e, sa, tp) + self.cp_seconds(a, e, b, c, True)[0])
+            tf.append(fwd + cp_f)
+            tb.append(bwd + cp_b)
+            tr.append(rfwd + self.cp_seconds(a, e, b, c, True)[0])
             tw.append(self._sec("wgrad", a, e, bt, tp))
-            acts.append(
-                (S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa
-                + (S("kv_tp", a, e) / tp + S("kv_rep", a, e)) * kv_whole
-                + S("scores", a, e) / tp * bt  # unfused attention's scores: a cp rank's 1/cp of the queries
-            )
+            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form)
+            acts.append(kept)
+            saving.append(saves)
             wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
-            lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa + S("lscores", a, e) / tp * bt
-            lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
-            saving.append(lacts - S("linput_bytes", a, e) * sa)
             layer_act.append(self.max_layer_act(a, e, tp, cp, c.cp_form or "all-gather") * self.act_scale * b)
             params_of.append(params)
         tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
@@ -393,6 +382,49 @@ class StageTerms:
         )
         self._bases[key] = base
         return base
+
+    def stage_compute(
+        self, a: int, e: int, b: int, tp: int, cp: int, ep: int, split: bool
+    ) -> tuple[float, float, float]:
+        """(forward, backward, recomputation) seconds of units ``a..e`` per microbatch of ``b`` samples on a rank,
+        without the context-parallel collectives, pipeline transfers and ZeRO-3 gathers: their compute (b / cp
+        samples' worth with context parallelism), tensor-parallel all-reduces (f's backward less what runs beside its
+        readers' weight gradients, unless the backward is ``split``: zero bubble) and, with expert parallelism
+        (cp = 1 beside it), the all-to-alls and the busiest rank's extra expert work (twice that backward).
+        Recomputation touches the layers only (embeddings and head keep their activations)."""
+        bt = b / cp
+        sa = self.act_scale * bt
+        moe = self.expert_seconds(a, e, b, ep, tp)
+        fwd = self._sec("fwd", a, e, bt, tp) + moe + self._tp_allreduce("ar_fwd", a, e, sa, tp)
+        hidden = 0.0 if split else self.hidden_ar_bwd(a, e, bt, tp)
+        bwd = self._sec("bwd", a, e, bt, tp) + 2 * moe + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden
+        rfwd = self._sec("lfwd", a, e, bt, tp) + moe + self._tp_allreduce("lar_fwd", a, e, sa, tp)
+        return fwd, bwd, rfwd
+
+    def stage_params(self, a: int, e: int, tp: int, ep: int) -> tuple[float, float]:
+        """(parameter elements units ``a..e`` hold on a rank, of which expert tables'): 1/tp of what Megatron splits,
+        the expert tables 1/ep more."""
+        S = self._sum
+        experts = S("params_ep", a, e) / tp / ep
+        return S("params_tp", a, e) / tp + S("params_rep", a, e) - S("params_ep", a, e) / tp + experts, experts
+
+    def stage_acts(self, a: int, e: int, b: int, tp: int, cp: int, form: str = "") -> tuple[float, float]:
+        """(bytes a microbatch of ``b`` samples keeps on a rank for units ``a..e`` without recomputation, bytes full
+        recomputation saves of them): 1/tp of what Megatron splits; with context parallelism 1/cp, but in the
+        all-gather form (``form``, ``Candidate.cp_form``) the keys and values whole; with unfused attention its
+        scores (a cp rank's 1/cp of the queries)."""
+        S, bt = self._sum, b / cp
+        sa = self.act_scale * bt
+        # ... of the keys and values each cp rank keeps whole (the all-gather form)
+        kv_whole = self.act_scale * b * (1 - 1 / cp) if form not in ("ring", "ulysses") else 0.0
+        kept = (
+            (S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa
+            + (S("kv_tp", a, e) / tp + S("kv_rep", a, e)) * kv_whole
+            + S("scores", a, e) / tp * bt
+        )
+        lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa + S("lscores", a, e) / tp * bt
+        lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
+        return kept, lacts - S("linput_bytes", a, e) * sa
 
     def expert_seconds(self, a: int, e: int, b: int, ep: int, tp: int) -> float:
         """Forward seconds a microbatch of ``b`` samples adds to units ``a..e`` under expert parallelism over ``ep``

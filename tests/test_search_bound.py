@@ -1,0 +1,114 @@
+"""The search's family bound from its chains (``Analytic.family_floor``, issue 35): the pipeline's bubble, the
+recomputation memory forces and each rank's own data-parallel sync, never above a member that fits; the pruned
+search finds what scoring every candidate finds."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from autopar.search import Scorer, search
+from autopar.search.evaluation import order_near_equal
+from autopar.search.price import Analytic
+from autopar.search.search import _staircase, smallest_memory
+from autopar.search.space import SearchSpace, chains, families, max_shard, sync_options
+from autopar.solver.cluster.spec import ClusterSpec
+from tests.test_search import gpt_profile
+
+SPACE = SearchSpace(chunks=(2, 4), waves=(1,), devices_per_node=8)
+
+
+def _members(an: Analytic, space: SearchSpace, f):
+    """Every priced candidate of family ``f``: each chain's every ZeRO stage and recomputation level."""
+    for ch in chains(an, space, f):
+        for z in ch.zeros:
+            for level in range(len(ch.levels)):
+                ev = an.evaluate(ch.candidate(z, level))
+                if ev is not None:
+                    yield ev
+
+
+def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sample: int | None = None, seed=0):
+    """For every family (or ``sample`` of them) and budget: the chains' time bound is at most the lower bound of
+    every member that fits the budget, at least the mean-compute-and-sync bound, and the memory bound at most
+    every member's memory. Returns (members checked, families whose bound rose by forced recomputation or the
+    bubble)."""
+    fams = families(an, space, world)
+    if sample is not None and sample < len(fams):
+        fams = random.Random(seed).sample(fams, sample)
+    checked = rose = 0
+    for f in fams:
+        members = list(_members(an, space, f))
+        opts = sync_options(space, f, an.zero0_dominated)
+        cheap = an.family_bounds(
+            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), opts, f.cp, ep=f.ep
+        )[0]
+        for budget in budgets:
+            t, mem = an.family_floor(list(chains(an, space, f)), budget, max_shard(space, f), opts)
+            fitting = [ev for ev in members if ev.memory <= budget]
+            assert bool(fitting) <= (t < float("inf")), (f, budget)
+            for ev in members:
+                assert ev.memory >= mem * (1 - 1e-9), (ev.candidate.describe(), ev.memory, mem)
+            for ev in fitting:
+                assert ev.lower_bound >= t * (1 - 1e-9), (ev.candidate.describe(), budget, ev.lower_bound, t)
+                checked += 1
+            rose += fitting != [] and t > cheap * (1 + 1e-6)
+    return checked, rose
+
+
+@pytest.mark.parametrize(
+    "cluster, attention",
+    [("dgx-a100:nodes=2", "fused"), ("dgx-a100:nodes=2", "unfused"), ("local-cpu:nodes=2,devices_per_node=8", "fused")],
+)
+def test_family_floor_never_exceeds_a_member_that_fits(cluster, attention):
+    """Random families of a 8-layer GPT on 16 devices (NCCL, whose ZeRO-0 buckets overlap the backward, and gloo),
+    fused and unfused attention, at budgets from roomy to tight enough to force recomputation."""
+    prof = gpt_profile(layers=8)
+    an = Analytic(prof, ClusterSpec.load(cluster), 64, attention=attention)
+    mems = sorted(ev.memory for f in families(an, SPACE, 16)[:40] for ev in _members(an, SPACE, f))
+    budgets = [float("inf"), mems[len(mems) // 2], mems[len(mems) // 8], mems[0] * 1.01]
+    checked, rose = check_family_floor(an, SPACE, 16, budgets, sample=40)
+    assert checked > 200 and rose > 10, (checked, rose)
+
+
+def _exhaustive(an: Analytic, space: SearchSpace, world: int, budget: float, top: int, scorer: Scorer):
+    """Every candidate of the space the staircase keeps (per chain and ZeRO stage the least recomputation that
+    fits, ``search._staircase``), each scored, no bound pruning: the ``top`` best as the search orders them."""
+    stats: dict = dict.fromkeys(("priced", "over_budget", "dominated"), 0)
+    kept = [
+        ev
+        for f in families(an, space, world)
+        for ch in chains(an, space, f)
+        for ev in _staircase(an, ch, budget, stats)
+    ]
+    return order_near_equal([scorer.score(ev) for ev in kept])[:top]
+
+
+@pytest.mark.parametrize("tight", [False, True])
+def test_the_pruned_search_finds_what_scoring_everything_finds(tight):
+    """4-layer GPT on 8 A100s, global batch 16: the branch and bound with the chains' bound (families pruned and
+    over budget before any is priced) returns the same top 3, the same step times, as scoring every candidate of
+    the space that fits (and is not dominated); at a budget 10% over the least any candidate needs, recomputation
+    is forced."""
+    prof, cluster = gpt_profile(layers=4), ClusterSpec.load("dgx-a100")
+    space = dataclasses.replace(SPACE, chunks=(2,), devices_per_node=cluster.devices_per_node)
+    an = Analytic(prof, cluster, 16)
+    budget = smallest_memory(an, space, families(an, space, 8)) * 1.1 if tight else 80 * 2**30
+    scorer = Scorer()
+    want = _exhaustive(an, space, 8, budget, 3, scorer)
+    res = search(prof, cluster, 16, budget_bytes=budget, space=space, top=3, scorer=scorer)
+    assert [e.candidate for e in res.best] == [e.candidate for e in want]
+    assert [e.step_time for e in res.best] == pytest.approx([e.step_time for e in want], rel=1e-12)
+    old = search(prof, cluster, 16, budget_bytes=budget, space=space, top=3, scorer=scorer, bound="sync")
+    assert [e.candidate for e in old.best] == [e.candidate for e in want]
+    assert res.stats["families_pruned_by_bound"] + res.stats["families_over_budget"] > (
+        old.stats["families_pruned_by_bound"] + old.stats["families_over_budget"]
+    )
+    assert res.stats["priced"] < old.stats["priced"]
+    assert res.stats["space"] == old.stats["space"]
+    if tight:
+        assert any(e.candidate.recompute != "none" for e in want)
+    shuffled = search(prof, cluster, 16, budget_bytes=budget, space=space, top=3, scorer=scorer, order="shuffle")
+    assert [e.candidate for e in shuffled.best] == [e.candidate for e in want]
