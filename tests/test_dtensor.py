@@ -78,9 +78,7 @@ def _run(rank: int, world: int, root: str) -> dict:
     _, osd = get_state_dict(view, view.optimizer_view())
     whole_opt = _whole_states(osd)
     out["optim_keys"] = torch.tensor(sorted(whole_opt) == sorted(refs))
-    out["optim_vs_ref"] = torch.stack(
-        [_rel(st[s], ref_opt.state[refs[k]][s].to(st[s].dtype)) for k, st in whole_opt.items() for s in st]
-    ).max()
+    out["optim_vs_ref"] = _states_rel(whole_opt, ref_opt, refs)
     dcp.save({"optim": osd["state"]}, checkpoint_id=f"{root}/optim")
     # ... read into a differently initialized autopar model on pp2 x tp2 (each pipeline rank its stages), the bare
     # transformers model this time (keys without LogitsLoss's "model." prefix: DCP loads by the renamed keys)
@@ -184,6 +182,14 @@ def _max_state_err(got: dict, want: dict, key=lambda k: k) -> torch.Tensor:
     return torch.stack([(st[s] - want[key(k)][s]).abs().max() for k, st in got.items() for s in st]).max()
 
 
+def _states_rel(whole: dict, ref_opt: torch.optim.Optimizer, params: dict) -> torch.Tensor:
+    """The largest relative difference of each optimizer state in ``whole`` (``_whole_states``; keyed by the names
+    of ``params``, name -> the reference's parameter) from ``ref_opt``'s state of that parameter."""
+    return torch.stack(
+        [_rel(st[s], ref_opt.state[params[k]][s].to(st[s].dtype)) for k, st in whole.items() for s in st]
+    ).max()
+
+
 def _set_and_read(view, optv, module, msd: dict, osd: dict) -> tuple[dict, dict]:
     """``set_state_dict`` of ``msd`` and ``osd`` into ``view`` and its optimizer view ``optv``; then the module's
     whole model (``full_state_dict``) and the whole optimizer states torch's ``get_state_dict`` reads back."""
@@ -243,9 +249,7 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     msd, osd = get_state_dict(view_a, view_a.optimizer_view())
     whole_a = _whole_states(osd)
     out["a_keys"] = torch.tensor(sorted(whole_a) == sorted(ref_params))
-    out["a_vs_ref"] = torch.stack(
-        [_rel(st[s], ref_opt.state[ref_params[k]][s].to(st[s].dtype)) for k, st in whole_a.items() for s in st]
-    ).max()
+    out["a_vs_ref"] = _states_rel(whole_a, ref_opt, ref_params)
     dcp.save({"model": msd, "optim": osd["state"]}, checkpoint_id=f"{root}/a")
     full_a = a.full_state_dict()
     autopar.checkpoint.save(f"{root}/autopar-a", a, a.optimizer)  # autopar's own checkpoint of the same state
@@ -302,9 +306,7 @@ def _optimizer_run(rank: int, world: int, root: str) -> dict:
     out["c_model_err"] = _max_err(full_c, full_b)
     out["c_keys_held"] = torch.tensor(len(again))
     out["c_state_err"] = _max_state_err(again, {**again, **whole_b})  # a key whole_b lacks: compared with itself
-    out["c_vs_ref"] = torch.stack(
-        [_rel(st[s], ref_opt.state[ref_params[k]][s].to(st[s].dtype)) for k, st in again.items() for s in st]
-    ).max()
+    out["c_vs_ref"] = _states_rel(again, ref_opt, ref_params)
     # D: dp=4 ZeRO-3, every slice whole rows: the parameters and their gradients are Shard(0) DTensors over the
     # slices (FSDP2's layout), and torch's clip_grad_norm_ on them clips the slices' own summed gradients
     d = build(0, {"dp": 4}, 3)
