@@ -229,6 +229,38 @@ def test_sequence_to_heads_is_one_all_to_all():
 
 
 @pytest.mark.heavy
+def test_attention_dropout_on_a_split_sequence_draws_one_devices_mask():
+    """Attention dropout on cp: SDPA with ``dropout_p > 0`` lowers to math attention with a keyed dropout of the
+    probabilities (``passes/dropout.py``), its mask keyed by each element's global position
+    (``runtime/build/rng.py``), so the probabilities split on their query rows over cp draw the rows of the one
+    device's mask: LLaMA with attention dropout 0.1 trains on cp=2 as on one device, two AdamW steps in float64, every
+    loss and state-dict entry to ``TOL``; the dropout really splits on cp. (Against eager PyTorch the masks differ:
+    torch's generator draws them; ``tests/test_dropout.py`` shows the lowering equals math attention with autopar's
+    mask.)"""
+    model, batch = small("llama")
+    attentions = [m for m in model.modules() if hasattr(m, "attention_dropout")]
+    assert attentions
+    for m in attentions:
+        m.attention_dropout = 0.1
+    model.train()
+    runs = {}
+    for mesh in (MeshSpec((("dp", 1),)), CP):
+        torch.manual_seed(0)  # the dropout seed (SimCompiled.of reads torch.initial_seed())
+        sim = SimCompiled.of(copy.deepcopy(model), mesh, (), batch, options=OPTIONS, float64=True)
+        drops = [op for op in sim.program.ops if "rng" in op.attrs and len(op.types[0].shape) == 4]
+        assert drops, "no keyed attention dropout"
+        if mesh is CP:
+            assert all(op.types[0].placements[0] == Shard(2) for op in drops), [op.types[0] for op in drops]
+        make_optimizer("adamw", sim)
+        losses = [float(sim.train_step(**batch)[0]) for _ in range(2)]
+        runs[mesh] = (losses, sim.full_state_dict())
+    (one, one_state), (cp, cp_state) = runs.values()
+    assert loss_error(torch.tensor(cp), torch.tensor(one)) < TOL, (cp, one)
+    err = max(((cp_state[k] - v).abs().max() / v.abs().max().clamp_min(1e-30)).item() for k, v in one_state.items())
+    assert err < TOL, err
+
+
+@pytest.mark.heavy
 def test_all_gather_form_reduce_scatters_the_key_value_gradients():
     """In the all-gather form each cp rank's gradient of the gathered keys and values is a partial sum; the program
     reduce-scatters it in the gathers' backward (the adjoint of an all-gather) where it had all-reduced it (f) and

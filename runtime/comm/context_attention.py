@@ -149,6 +149,34 @@ def _scores(q, k, scale, mask, diag):
     return s
 
 
+# a block's forward on torch's CPU flash kernel, which returns the log-sum-exp the merge needs (``_flash_block``);
+# False: the explicit matmul / softmax (bench/ring_blocks.py times both)
+FLASH = True
+
+
+def _flash_block(q, k, v, scale, mask, diag):
+    """(output, log-sum-exp) of one sub-block by ``aten._scaled_dot_product_flash_attention_for_cpu``: the
+    result of ``_scores``' softmax times ``v`` and its ``logsumexp``. A boolean mask goes in as an additive one
+    (the kernel takes only the query's dtype); under a mask the diagonal's causal triangle is added to it (the
+    kernel takes a mask or ``is_causal``, not both); rows the mask hides wholly get log-sum-exp -inf (the
+    kernel returns 0 there, and an output of zeros, which the merge then weighs by nothing)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    if mask is None:
+        return flash(q, k, v, 0.0, diag, scale=scale)
+    add = (
+        mask.to(q.dtype)
+        if mask.dtype != torch.bool
+        else torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, -math.inf)
+    )
+    add = add.expand(*add.shape[:-2], q.shape[-2], k.shape[-2])
+    if diag:
+        hide = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+        add = add.masked_fill(hide, -math.inf)
+    out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=scale)
+    dead = torch.isneginf(add).all(-1)
+    return out, lse.masked_fill(dead, -math.inf) if bool(dead.any()) else lse
+
+
 def _finite(x):
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
@@ -183,9 +211,12 @@ class _Ring(torch.autograd.Function):
             kb, vb = (_heads(x.to(acc), groups).chunk(2, -2) for x in kv)
             for a, b, diag in _sub_blocks(pieces, block, causal, _mask_of(mask, block, width)):
                 m = _mask_of(mask, block, width)(a, b) if mask is not None else None
-                s = _scores(qa[a], kb[b], scale, m, diag)
-                lse = torch.logsumexp(s, -1)
-                o = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), vb[b])
+                if FLASH and qa[a].device.type == "cpu":
+                    o, lse = _flash_block(qa[a], kb[b], vb[b], scale, m, diag)
+                else:
+                    s = _scores(qa[a], kb[b], scale, m, diag)
+                    lse = torch.logsumexp(s, -1)
+                    o = torch.matmul(torch.exp(s - _finite(lse).unsqueeze(-1)), vb[b])
                 new = torch.logaddexp(lses[a], lse)
                 outs[a] = outs[a] * torch.exp(lses[a] - _finite(new)).unsqueeze(-1) + o * torch.exp(
                     lse - _finite(new)

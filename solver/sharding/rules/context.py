@@ -15,8 +15,11 @@ softmax and pointwise rules: the scores' query rows split, the keys and values a
 
 A causal ``is_causal=True`` call (queries and keys of one length) splits too: codegen emits it as
 ``runtime/comm/context_attention.query_block_sdpa``, which builds each rank's mask on its global query rows
-(SDPA's own would align to the local block). An attention dropout (``dropout_p > 0``) does not split: its
-draws would differ from one process's.
+(SDPA's own would align to the local block). An SDPA call with ``dropout_p > 0`` never reaches these rules:
+lowering makes it math attention with a keyed dropout of the probabilities (``passes/dropout.py``), which splits
+on the query rows like the eager pattern, its mask keyed by global position, so cp ranks draw the one device's
+rows (``tests/test_context_parallel.py``: LLaMA with attention dropout on cp=2 equals one device). The
+candidates below refuse ``dropout_p > 0`` should such a call be built by hand.
 """
 
 from __future__ import annotations
