@@ -1,6 +1,7 @@
 """``torch_compile=True`` (runtime/build/compiled.py): the rank programs compiled with Inductor train the same
 numbers as one process and as autopar eager (float64, 1e-10 relative) on dp x tp, pp x tp with 1F1B and ZB-V
-(the split backward) and ZeRO-3, with dropout's keyed masks and in bf16; and dynamo really compiled them.
+(the split backward, each stage's backward compiled as a B graph and a W graph) and ZeRO-3, with dropout's
+keyed masks and in bf16; and dynamo really compiled them.
 
 One spawn of 4 gloo ranks runs every mesh (compiling is the expensive part: Inductor's cache is a temporary
 folder the ranks share, or ``TORCHINDUCTOR_CACHE_DIR`` when set, which a second run then reads). Each
@@ -90,6 +91,11 @@ def test_compiled_programs_equal_one_process_and_eager_on_dp_tp_pp_zbv_zero3(tmp
                     assert all(c.startswith("Zero3Params.") for c in calls), (at, label, calls)
                 stages = [f"stage{s}" for s in r["stages"].tolist()]
                 assert set(stages) <= set(log["compiled"]), (at, log["compiled"])  # each ran compiled
+                if key.startswith("zbv"):  # each stage's backward compiled as B and W (compiled_split.py)
+                    split = log["split"]
+                    assert all(split.get(s, {}).get("graphs") for s in stages), (at, split)
+                    assert all(g["W"] > 0 for s in stages for g in split[s]["graphs"]), (at, split)
+                    assert all(split[s]["calls"]["W"] == split[s]["calls"]["split"] for s in stages), (at, split)
                 eager = out[key.replace("torch_compile=True", "torch_compile=False")]
                 rel = ((r["losses"] - eager["losses"]).abs() / eager["losses"].abs()).max().item()
                 assert rel < TOL, f"{at}: compiled and eager losses differ by {rel:.2e}"

@@ -410,7 +410,12 @@ def compilable(
     reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     synced: dict[str, fx.Node] = {}  # a bucket's parameter -> its value through the bucket's sync
     for n in gm.graph.nodes:
-        if buckets and not synced and n.op != "get_attr":  # codegen reads every parameter first
+        if n in env:  # a bucket's parameter read early (below)
+            continue
+        if buckets and not synced and n.op not in ("get_attr", "placeholder"):  # before the first computation
+            for t in {t for _axis, names in buckets for t in names}:
+                if reads[t] not in env:  # read later in gm (a mixed-precision program casts as it goes): now
+                    env[reads[t]] = graph.node_copy(reads[t])
             for axis, names in buckets:
                 ins = [synced.get(t) or env[reads[t]] for t in names]
                 out = graph.call_function(bucket_sync, (cid, axis, *ins))

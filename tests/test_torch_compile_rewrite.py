@@ -1,0 +1,58 @@
+"""The rewrite of a rank's programs for ``torch_compile=True`` (runtime/build/compiled.py ``compilable``), without
+Inductor (fast): the vocabulary-parallel lookup and loss as it emits them (``embedding_block``,
+``vocab_cross_entropy``) traced whole by dynamo (``fullgraph``), the loss equal to torch's, and an out-of-range
+label or token id raising ``InputRangeError`` as the eager program does (the check is the op
+``autopar::checked_index``, whose output the graph reads, so it is never dropped); a gradient bucket over
+parameters read anywhere in the program (a mixed-precision program reads some after its first computation)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.errors import InputRangeError
+
+
+def test_compiled_vocab_parallel_lookup_and_loss_check_their_ranges(one_rank_tp):
+    from autopar.runtime.build import compiled as C
+
+    C._COMMS.append(one_rank_tp)
+    comm = len(C._COMMS) - 1
+
+    def f(logits, target, w, ids):
+        e = C.embedding_block(w, ids, 0, -1, 16)
+        return C.vocab_cross_entropy(logits, target, comm, ["tp"], 1, -100, classes=8) + e.sum()
+
+    torch._dynamo.reset()
+    g = torch.compile(f, backend="aot_eager", fullgraph=True)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 8, dtype=torch.float64, generator=gen)
+    w = torch.randn(16, 3, dtype=torch.float64, generator=gen)
+    target, ids = torch.tensor([1, 2, -100, 7]), torch.tensor([0, 15])
+    want = torch.nn.functional.cross_entropy(logits, target) + w[ids].sum()
+    assert torch.allclose(g(logits, target, w, ids), want, rtol=1e-12, atol=0)
+    with pytest.raises(InputRangeError, match=r"1 labels are outside \[0, 8\)"):
+        g(logits, torch.tensor([1, 2, 8, 7]), w, ids)
+    with pytest.raises(InputRangeError, match=r"1 token ids are outside \[0, 16\)"):
+        g(logits, target, w, torch.tensor([0, 16]))
+
+
+def test_a_gradient_bucket_syncs_parameters_read_after_the_first_computation(one_rank_tp):
+    import torch.fx as fx
+
+    from autopar.runtime.build.compiled import CompileLog, bucket_sync, compilable
+    from autopar.runtime.comm.context import Comm
+
+    comm = Comm(groups={"dp": torch.distributed.group.WORLD}, coords={"dp": 0}, sizes={"dp": 1})
+    root = torch.nn.Module()
+    root.w, root.b = torch.nn.Parameter(torch.randn(3, 3)), torch.nn.Parameter(torch.randn(3))
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.get_attr("w")
+    y = g.call_function(torch.ops.aten.mm.default, (x, w))
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (y, g.get_attr("b"))),))  # b read after the matmul
+    gm = fx.GraphModule(root, g)
+    out = compilable(gm, comm, "stage0", CompileLog(), [("dp", ["w", "b"])])
+    syncs = [n for n in out.graph.nodes if n.target is bucket_sync]
+    assert len(syncs) == 1 and [a.target for a in syncs[0].args[2:]] == ["w", "b"], out.graph
+    xs = torch.randn(2, 3)
+    assert torch.equal(out(xs)[0], gm(xs)[0])
