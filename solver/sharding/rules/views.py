@@ -143,8 +143,11 @@ def _index_scatter(c: Ctx) -> list[OneD]:
     res: list[OneD] = [replicated(c)]
     if dim is None or any(len(t.shape) != len(out) for t in c.ins):
         return res
+    # scatter's result is its self (the batch-coupling analysis gives a data-free self, zeros_like(x), its own
+    # shape): the index and src line up with it; gather's with its self too
+    aligned = c.ins[1:] if c.op.target.startswith("aten.scatter") else c.ins
     for d in range(len(out)):
-        if d == dim or any(t.shape[d] != out[d] for t in c.ins):
+        if d == dim or any(t.shape[d] != out[d] for t in aligned):
             continue
         for k in shards(out[d], c.n, c.chunk_counts):
             res.append((tuple(Shard(d, k) for _ in c.ins), (Shard(d, k),)))
