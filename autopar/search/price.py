@@ -315,8 +315,9 @@ class Analytic(StageTerms):
         (``evaluate``'s bound, the pipeline's bubble in head and tail; no tail for a split backward), with busy_r
         the rank's compute and tensor-parallel all-reduces (``_skeleton``), sync_r the least data-parallel sync of
         ``sync_options`` for its parameters (``_sync_floor``; ZeRO-0's buckets hidden beside at most its first
-        stage's backward, ZeRO-3's prefetched gathers beside at most all its compute), optimizer_r its step under the widest sharding, and recompute_r what the least
-        recomputation level whose memory lower bound fits ``budget`` recomputes: the rank's model states under ZeRO
+        stage's backward, ZeRO-3's prefetched gathers beside at most all its compute), optimizer_r its step under
+        the widest sharding, and recompute_r what the least recomputation level whose memory lower bound fits
+        ``budget`` recomputes: the rank's model states under ZeRO
         stage ``max_shard`` over the whole dp group plus its in-flight microbatches' kept activations
         (``inflight_counts``; a zero-bubble schedule's most stashed at once, counted until the W). Levels cost
         more time and less memory in order, so no candidate that fits is faster. Memory: the least of the chains'

@@ -157,29 +157,21 @@ class _GradAllReduce(torch.autograd.Function):
 
 
 class _AllGather(torch.autograd.Function):
+    """An all_gather; backward this rank's shard of the gradient, with ``reduce_grad`` of the ranks' partial
+    gradients summed first."""
+
     @staticmethod
-    def forward(ctx, x, comm, axis, dim, chunks):
+    def forward(ctx, x, comm, axis, dim, chunks, reduce_grad):
         ctx.args = (comm, axis, dim, chunks)
+        ctx.reduce_grad = reduce_grad
         return _gather(x, comm, axis, dim, chunks)
 
     @staticmethod
     def backward(ctx, g):
         comm, axis, dim, chunks = ctx.args
-        return _shard(g, _COMMS[comm], axis, dim, chunks), None, None, None, None
-
-
-class _AllGatherReduceGrad(torch.autograd.Function):
-    """An all_gather with ``reduce_grad``: backward the ranks' partial gradients summed, then this rank's shard."""
-
-    @staticmethod
-    def forward(ctx, x, comm, axis, dim, chunks):
-        ctx.args = (comm, axis, dim, chunks)
-        return _gather(x, comm, axis, dim, chunks)
-
-    @staticmethod
-    def backward(ctx, g):
-        comm, axis, dim, chunks = ctx.args
-        return _shard(_reduce(g, comm, axis, "sum"), _COMMS[comm], axis, dim, chunks), None, None, None, None
+        if ctx.reduce_grad:
+            g = _reduce(g, comm, axis, "sum")
+        return _shard(g, _COMMS[comm], axis, dim, chunks), None, None, None, None, None
 
 
 class _LocalShard(torch.autograd.Function):
@@ -254,9 +246,7 @@ def grad_all_reduce(x, comm: int, axis: str):
 
 
 def all_gather(x, comm: int, axis: str, dim: int, chunks: int = 1, reduce_grad: bool = False):
-    if reduce_grad:
-        return _AllGatherReduceGrad.apply(x, comm, axis, dim, chunks)
-    return _AllGather.apply(x, comm, axis, dim, chunks)
+    return _AllGather.apply(x, comm, axis, dim, chunks, reduce_grad)
 
 
 def local_shard(x, comm: int, axis: str, dim: int, chunks: int = 1):
