@@ -17,7 +17,10 @@ Two forms the generated rank modules call in place of ``scaled_dot_product_atten
   contiguous layout gives rank ``r`` only ``2r + 1``. Sub-blocks a causal mask hides (a key piece after the query
   piece) or a boolean mask hides wholly are skipped. The backward is written out (``_Ring.backward``): the key and
   value blocks go around the ring again, each with its gradient accumulator, which the last hop hands back to the
-  block's owner; scores are recomputed from the saved log-sum-exp, as FlashAttention's backward does.
+  block's owner. Each sub-block's gradients come from torch's CPU flash backward kernel given the ring's merged output
+and global log-sum-exp (``_flash_block_backward``); a mask that needs its own gradient (the kernel returns none) and
+tensors off the CPU take the explicit recomputation of the scores from the saved log-sum-exp. Both kernels take
+float64, so the float64 exactness tests run the flash path.
 """
 
 from __future__ import annotations
@@ -163,6 +166,15 @@ def _flash_block(q, k, v, scale, mask, diag):
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     if mask is None:
         return flash(q, k, v, 0.0, diag, scale=scale)
+    add = _additive(q, k, mask, diag)
+    out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=scale)
+    dead = torch.isneginf(add).all(-1)
+    return out, lse.masked_fill(dead, -math.inf) if bool(dead.any()) else lse
+
+
+def _additive(q, k, mask, diag):
+    """``mask`` (boolean or additive) as the additive ``[..., queries, keys]`` mask of the query's dtype the flash
+    kernels take, the diagonal's causal triangle added to it when ``diag``."""
     add = (
         mask.to(q.dtype)
         if mask.dtype != torch.bool
@@ -172,9 +184,20 @@ def _flash_block(q, k, v, scale, mask, diag):
     if diag:
         hide = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
         add = add.masked_fill(hide, -math.inf)
-    out, lse = flash(q, k, v, 0.0, False, attn_mask=add, scale=scale)
-    dead = torch.isneginf(add).all(-1)
-    return out, lse.masked_fill(dead, -math.inf) if bool(dead.any()) else lse
+    return add
+
+
+def _flash_block_backward(g, q, k, v, out, lse, scale, mask, diag):
+    """(dq, dk, dv) of one sub-block by ``aten._scaled_dot_product_flash_attention_for_cpu_backward``, given the
+    ring's merged output ``out`` and global log-sum-exp ``lse`` of these query rows (the standard ring backward:
+    the kernel's ``exp(s - lse)`` is then the sub-block's slice of the global softmax and its
+    ``D = rowsum(g * out)`` the global one, so the three gradients are this sub-block's exact contributions).
+    Rows hidden everywhere have ``lse`` -inf; it goes in as 0, where every score is -inf and the weights 0."""
+    bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    lse = _finite(lse).contiguous()
+    if mask is None:
+        return bwd(g, q, k, v, out, lse, 0.0, diag, scale=scale)
+    return bwd(g, q, k, v, out, lse, 0.0, False, attn_mask=_additive(q, k, mask, diag), scale=scale)
 
 
 def _finite(x):
@@ -238,10 +261,11 @@ class _Ring(torch.autograd.Function):
         axis, pieces, causal, scale, groups = ctx.args
         n, r = c.sizes[axis], c.coords[axis]
         acc = out.dtype
-        qa = [x.to(acc) for x in q.chunk(2, -2)]
-        ga = list(g.to(acc).chunk(2, -2))
-        oa = out.chunk(2, -2)
-        la = [_finite(x).unsqueeze(-1) for x in lse.chunk(2, -1)]
+        qa = [x.to(acc).contiguous() for x in q.chunk(2, -2)]
+        ga = [x.contiguous() for x in g.to(acc).chunk(2, -2)]
+        oa = [x.contiguous() for x in out.chunk(2, -2)]
+        lr = [x.contiguous() for x in lse.chunk(2, -1)]
+        la = [_finite(x).unsqueeze(-1) for x in lr]
         da = [(x * o).sum(-1, keepdim=True) for x, o in zip(ga, oa)]  # FlashAttention's D = rowsum(dO * O)
         dq = [torch.zeros_like(x) for x in qa]
         width = k.shape[-2] // 2
@@ -259,6 +283,13 @@ class _Ring(torch.autograd.Function):
             dkb, dvb = list(dk.chunk(2, -2)), list(dv.chunk(2, -2))
             for a, b, diag in _sub_blocks(pieces, block, causal, _mask_of(mask, block, width)):
                 m = _mask_of(mask, block, width)(a, b) if mask is not None else None
+                if FLASH and not grad_mask and qa[a].device.type == "cpu":
+                    # the flash backward kernel returns no mask gradient: a mask that wants one stays explicit
+                    gq, gk, gv = _flash_block_backward(ga[a], qa[a], kb[b], vb[b], oa[a], lr[a], scale, m, diag)
+                    dq[a] = dq[a] + gq
+                    dkb[b] = dkb[b] + _fold_heads(gk, groups)
+                    dvb[b] = dvb[b] + _fold_heads(gv, groups)
+                    continue
                 p = torch.exp(_scores(qa[a], kb[b], scale, m, diag) - la[a])
                 dvb[b] = dvb[b] + _fold_heads(torch.matmul(p.transpose(-1, -2), ga[a]), groups)
                 ds = p * (torch.matmul(ga[a], vb[b].transpose(-1, -2)) - da[a])
