@@ -241,7 +241,11 @@ class ClusterSpec:
     def runs_as(self, kind: str) -> str:
         """The collective that runs for ``kind`` on this backend: gloo has no reduce-scatter, and autopar's
         runtime all-reduces and keeps the local slice there (``runtime/comm/pending.py``, ``runtime/grads/zero.py``),
-        so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's)."""
+        so a reduce-scatter costs an all-reduce (ZeRO-1/2's gradient sync then costs more than DDP's). Where the
+        runtime calls ``dist.reduce_scatter_single`` on gloo (context parallelism's key/value gradients,
+        ``pending.bwd_gather_reduce_grad``; ZeRO-3's units) the same runs: torch's ``ProcessGroupGloo::
+        _reduce_scatter_base`` is ``reduce_scatter_tensor_coalesced``, which clones the input, all-reduces the
+        clone and copies this rank's chunk out (torch 2.13)."""
         return "all_reduce" if kind == "reduce_scatter" and self.backend == "gloo" else kind
 
     @property
