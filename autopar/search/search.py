@@ -16,12 +16,14 @@ one file per step:
    tensor-parallel all-reduces are read from the IR (cached on disk by model spec).
 2. **Enumerate and price** (``space.py``, ``price.py``): every candidate of the ``SearchSpace`` is
    priced analytically (``Analytic.evaluate``): per-stage times, per-rank memory, and a lower bound
-   on the step time. Candidates over the memory budget are dropped; so are dominated ones (ZeRO-0
-   when dp > 1, a slower recomputation or higher ZeRO stage of a configuration that fits with less).
-3. **Score** (``score.py``): survivors are visited in order of their lower bound (``order="bound"``)
-   or in any given order; a candidate whose lower bound exceeds the K-th best step time found so far
-   cannot be among the K best and is not simulated (branch and bound: the answer does not depend on
-   the visiting order, tests/test_search.py shuffles it). Others are simulated.
+   on the step time. Candidates over the memory budget are dropped. Each ZeRO stage of a chain (``space.Chain``)
+   is walked from its least recomputation on: a level comes only after the one before it, no faster, under the
+   larger of its own lower bound and that level's simulated step (``_Walk``).
+3. **Score** (``score.py``): candidates are visited in order of their bound (``order="bound"``)
+   or in any given order; a candidate whose bound exceeds the K-th best step time found so far
+   cannot be among the K best and is not simulated, nor is any more recomputation of it (branch and bound: the
+   answer does not depend on the visiting order, tests/test_search.py shuffles it, and it is what scoring every
+   candidate that fits finds, tests/test_search_bound.py). Others are simulated.
 4. **Materialize** (``materialize.py``): ``SearchResult.materialize`` captures the model at the
    chosen micro-batch and runs the flow (``passes/flow.py``: the intra-op ILP on the whole program,
    the collectives, the split into the chosen stages), as ``autopar plan --mesh`` does: a Plan file
@@ -85,9 +87,10 @@ def search(
     fields of those names do (``StageTerms.expert_seconds``).
 
     Branch and bound on two levels. A family (mesh, micro-batch) has a step-time lower bound; a
-    priced candidate its own, larger one. With ``order="bound"`` families are expanded (priced) by
-    increasing bound and priced candidates are scored best first, each only once nothing cheaper is
-    left; "shuffle" visits families and their candidates in a random order drawn from ``seed``,
+    priced candidate its own, larger one, and a level of recomputation after the first of its ZeRO stage also the
+    step of the level before it (``_Walk``: it is priced only once that one is scored). With ``order="bound"``
+    families are expanded (priced) by increasing bound and priced candidates are scored best first, each only once
+    nothing cheaper is left; "shuffle" visits families and their candidates in a random order drawn from ``seed``,
     "given" in enumeration order. A family or candidate whose bound exceeds the K-th best step time
     found so far (plus ``NEAR_EQUAL``) is skipped. The answer does not depend on the order. Step times
     within ``NEAR_EQUAL`` (0.1%) of each other count as equal: the least memory first
@@ -148,11 +151,43 @@ def search(
         return b > kth() * (1 + NEAR_EQUAL) * (1 + _BOUND_SLACK)
 
     near: list[Evaluation] = []  # every scored plan; at the end those within NEAR_EQUAL of the K-th best
+    # each ZeRO stage of a chain is walked along its recomputation levels, least first (``_Walk``); a walk's next
+    # candidate waits in the queue under a bound, the larger of its own lower bound and the step of the level it
+    # follows, so a level is priced or scored only while it could still be among the K best
+    queue: list[tuple] = []  # (bound, candidate, walk): best first by bound
+    stack: list[_Walk] = []  # the same for order="given" / "shuffle": visited at once
 
-    def consider(ev: Evaluation) -> None:
-        if beyond(ev.lower_bound):
-            stats["pruned_by_bound"] += 1
+    def push(w: _Walk) -> None:
+        if best_first:
+            heapq.heappush(queue, (w.floor, w.chain.candidate(w.zero, w.level), w))
+        else:
+            stack.append(w)
+
+    def visit(w: _Walk) -> None:
+        """The walk's candidate: pruned when its bound is beyond the K-th best (with every later level of its ZeRO
+        stage, no faster: ``dominated`` where the bound is a scored level's step), priced if not yet priced (then
+        queued again under its own lower bound when it fits, or the next level queued when it does not), else
+        scored, and the next level queued under its step."""
+        rest = len(w.chain.levels) - w.level
+        if beyond(w.floor):
+            stats["dominated" if w.after_step else "pruned_by_bound"] += rest
             return
+        if w.ev is None:
+            ev = an.evaluate(w.chain.candidate(w.zero, w.level))
+            stats["priced"] += 1
+            if ev is None:  # the stage layout does not exist (no level has it)
+                stats["over_budget"] += rest
+                return
+            after = w.after_step and w.floor >= ev.lower_bound
+            floor = max(w.floor, ev.lower_bound)
+            if ev.memory <= budget:
+                push(_Walk(w.chain, w.zero, w.level, floor, after, ev))
+            else:
+                stats["over_budget"] += 1
+                if rest > 1:  # more recomputation: no faster than this level, which its bound bounds
+                    push(_Walk(w.chain, w.zero, w.level + 1, floor, after))
+            return
+        ev = w.ev
         scorer.score(ev)
         stats["scored"] += 1
         near.append(ev)
@@ -161,11 +196,13 @@ def search(
             heapq.heappush(heap, item)
         elif item > heap[0]:
             heapq.heapreplace(heap, item)
+        if rest > 1:
+            push(_Walk(w.chain, w.zero, w.level + 1, ev.step_time, True))
 
     def drain(limit: float) -> None:
-        """Score queued candidates with a lower bound up to ``limit``, best first."""
+        """Visit queued walks with a bound up to ``limit``, best first."""
         while queue and queue[0][0] <= limit:
-            consider(heapq.heappop(queue)[2])
+            visit(heapq.heappop(queue)[2])
 
     def pruned(rest: list[Family]) -> None:
         size = sum(ch.size for g in rest for ch in chains_of(g))
@@ -213,21 +250,16 @@ def search(
             over_budget(f)
             continue
         bar.update(1)
-        found: list[Evaluation] = []
         for ch in chains_of(f):
             stats["space"] += ch.size
-            stats["dominated"] += ch.dominated
             stats["unsupported"] += ch.unsupported
-            found += _staircase(an, ch, budget, stats)
+            for z in ch.zeros:  # each ZeRO stage's least recomputation, priced now
+                visit(_Walk(ch, z, 0, -math.inf, False))
         family_chains.pop(f)
-        if best_first:
-            for ev in found:
-                heapq.heappush(queue, (ev.lower_bound, ev.candidate, ev))
-        else:
-            if order == "shuffle":
-                rng.shuffle(found)
-            for ev in found:
-                consider(ev)
+        if order == "shuffle":
+            rng.shuffle(stack)
+        while stack:
+            visit(stack.pop())
         bar.set_postfix(scored=stats["scored"], refresh=False)
     drain(math.inf)
     bar.close()
@@ -243,28 +275,25 @@ def search(
     return SearchResult(best, stats, an, cluster, global_batch, budget, space, spec, precision, scorer)
 
 
-def _staircase(an: Analytic, ch: Chain, budget: float, stats: dict[str, Any]) -> list[Evaluation]:
-    """The non-dominated candidates of a chain that fit: for each ZeRO stage (ascending) the least
-    recomputation that fits, kept only if it recomputes strictly less than every lower stage's.
-    Memory is non-increasing along the levels, so the first fitting level is found by bisection."""
-    out: list[Evaluation] = []
-    limit = len(ch.levels)  # levels at or beyond this are dominated by a lower ZeRO stage
-    for z in ch.zeros:
-        lo, hi, fit, first = 0, limit, None, limit  # the first fitting level lies in [lo, hi)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            ev = an.evaluate(ch.candidate(z, mid))
-            stats["priced"] += 1
-            if ev is not None and ev.memory <= budget:
-                fit, first, hi = ev, mid, mid
-            else:
-                lo = mid + 1
-        stats["over_budget"] += first  # below the first fitting level: over budget (memory is monotone)
-        stats["dominated"] += len(ch.levels) - first - (fit is not None)
-        if fit is not None:
-            out.append(fit)
-            limit = first
-    return out
+@dataclasses.dataclass(frozen=True)
+class _Walk:
+    """The next candidate of one ZeRO stage of a chain, walked along its recomputation levels (least first).
+
+    Along the levels of one ZeRO stage a candidate recomputes more: its simulated step is never shorter (more work
+    in the same schedule; ``tests/test_search_bound.py`` checks it over whole spaces), its memory usually less (not
+    always: a recomputed layer's transient can outweigh what it saves with few microbatches in flight). So a level
+    is visited after the one before it, under ``floor``: the larger of a lower bound of its own and the previous
+    level's step (or, where that did not fit, its lower bound). Nothing else is assumed: ZeRO stages are walked
+    apart (a higher stage can be faster, ZeRO-3's gathers beside the backward and the sharded optimizer step), and a
+    slower level can still be among the K best (or, within ``NEAR_EQUAL``, ahead on memory); the walk stops only
+    where the bound passes the K-th best step."""
+
+    chain: Chain
+    zero: int
+    level: int
+    floor: float  # a lower bound on the candidate's step time
+    after_step: bool  # the floor is a scored level's step (pruned by it: "dominated")
+    ev: Evaluation | None = None  # priced, fits the budget, not yet scored
 
 
 class _Inverted:
@@ -283,14 +312,17 @@ class _Inverted:
 
 
 def smallest_memory(an: Analytic, space: SearchSpace, fams: list[Family]) -> float:
-    """The least per-device memory of any candidate: each chain at its strongest ZeRO stage and most
-    recomputation (memory is monotone along both)."""
+    """The least per-device memory of any candidate, every one priced (on the error path only): memory is not
+    monotone along a chain (ZeRO-3's gathered units can outweigh ZeRO-2's sharded gradients, a recomputed layer's
+    transient what recomputation saves with few microbatches in flight)."""
     best = math.inf
     for f in fams:
         for ch in chains(an, space, f):
-            ev = an.evaluate(ch.candidate(ch.zeros[-1], len(ch.levels) - 1))
-            if ev is not None:
-                best = min(best, ev.memory)
+            for z in ch.zeros:
+                for level in range(len(ch.levels)):
+                    ev = an.evaluate(ch.candidate(z, level))
+                    if ev is not None:
+                        best = min(best, ev.memory)
     return best
 
 

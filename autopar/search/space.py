@@ -245,15 +245,16 @@ class Family:
 class Chain:
     """Candidates of a family that differ only in ZeRO stage and recomputation.
 
-    ``zeros`` ascend and ``levels`` go from the least recomputation to the most: memory falls and
-    step time rises along both, so per ZeRO stage only the first level that fits is worth scoring,
-    and a higher ZeRO stage only with strictly less recomputation (``autopar.search`` walks it).
+    ``zeros`` ascend and ``levels`` go from the least recomputation to the most: along the levels of one ZeRO
+    stage the step time never falls, so the search walks each stage from its least recomputation on, a level
+    only while the one before it could still be among the K best (``search._Walk``). Nothing is assumed across
+    ZeRO stages: a higher one can be faster (ZeRO-3's gathers beside the backward, the sharded optimizer step)
+    and need more memory (ZeRO-3's gathered units), so every stage is walked.
     """
 
     base: Candidate
     zeros: tuple[int, ...]
     levels: tuple[tuple[str, int], ...]  # (recompute, alpha1)
-    dominated: int = 0  # ZeRO-0 candidates left out (ZeRO-1: same time, less memory)
     unsupported: int = 0  # ZeRO-3 candidates left out with pp > 1 (SearchSpace.pipeline_zero3=False)
 
     def candidate(self, zero: int, level: int) -> Candidate:
@@ -262,7 +263,7 @@ class Chain:
 
     @property
     def size(self) -> int:
-        return len(self.zeros) * len(self.levels) + self.dominated + self.unsupported
+        return len(self.zeros) * len(self.levels) + self.unsupported
 
 
 def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
@@ -295,8 +296,9 @@ def max_shard(space: SearchSpace, fam: Family) -> int:
 
 
 def sync_options(space: SearchSpace, fam: Family, zero0_dominated: bool = True) -> tuple[tuple[int, int], ...]:
-    """The (ZeRO stage, MiCS group) pairs the family's chains take (for its step-time lower bound)."""
-    return tuple((z, g) for g, zs, _, _ in _zeros(fam, space, zero0_dominated) for z in zs)
+    """The (ZeRO stage, MiCS group) pairs that bound the family's step time from below: those its chains take, less
+    ZeRO-0 where ZeRO-1 communicates no more (``zero0_dominated``: its sync is then never the least)."""
+    return tuple((z, g) for g, zs, _ in _zeros(fam, space, zero0_dominated) for z in zs)
 
 
 def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]:
@@ -322,12 +324,12 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
                 continue  # no even layout, or the same stages as the balanced one (offered as balanced)
             if layout == "balanced" and stages > analytic.n:
                 continue
-            for g, zeros, dominated, unsupported in _zeros(fam, space, analytic.zero0_dominated):
+            # ZeRO-0 stays in every chain: where ZeRO-1 is no slower it is still a plan that may be among the K best
+            for g, zeros, unsupported in _zeros(fam, space, zero0_dominated=False):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
                                  mics_group=g, layout=layout, cp=fam.cp, ep=fam.ep,
                                  cp_form=fam.cp_form)  # fmt: skip
-                n = len(levels)
-                yield Chain(base, zeros, levels, dominated * n, unsupported * n)
+                yield Chain(base, zeros, levels, unsupported * len(levels))
 
 
 def _schedules(pp: int, layers: int, space: SearchSpace, microbatches: int) -> Iterator[tuple[str, int, int]]:
@@ -374,21 +376,20 @@ def _node_aligned(devices: int, space: SearchSpace) -> bool:
     return dpn % devices == 0 if devices <= dpn else devices % dpn == 0 and devices <= space.mics_max_nodes * dpn
 
 
-def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Iterator[tuple[int, tuple, int, int]]:
-    """(MiCS group, ZeRO stages ascending, ZeRO-0 stages dominated, ZeRO-3 stages unsupported). ZeRO-0 is
-    dominated by ZeRO-1 (same communication, less memory) unless ``zero0_dominated`` is false: on gloo, whose
-    reduce-scatter is an all-reduce, ZeRO-1 communicates more than ZeRO-0."""
+def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Iterator[tuple[int, tuple, int]]:
+    """(MiCS group, ZeRO stages ascending, ZeRO-3 stages unsupported). ZeRO-0 is left out where it is dominated by
+    ZeRO-1 (same communication, less memory: ``zero0_dominated``, for a bound; on gloo, whose reduce-scatter is an
+    all-reduce, ZeRO-1 communicates more than ZeRO-0)."""
     if fam.dp == 1:
-        yield 0, (0,), 0, 0
+        yield 0, (0,), 0
         return
     if fam.ep > 1:  # ZeRO-1/2 over dp / ep beside expert parallelism; no MiCS, no ZeRO-3
         zs = sorted(z for z in space.zero if z in (1, 2) or (z == 0 and (1 not in space.zero or not zero0_dominated)))
-        dominated = int(0 in space.zero and 1 in space.zero and zero0_dominated)
         unsupported = sum(z >= 3 for z in space.zero)
         if fam.dp == fam.ep:  # nothing for ZeRO to shard over
-            zs, dominated = [0] if 0 in space.zero or 1 in space.zero else [], 0
+            zs = [0] if 0 in space.zero or 1 in space.zero else []
         if zs:
-            yield 0, tuple(zs), dominated, unsupported
+            yield 0, tuple(zs), unsupported
         return
     if space.mics_groups is not None:
         groups = [g for g in space.mics_groups if g == 0 or (1 < g < fam.dp and fam.dp % g == 0)]
@@ -397,13 +398,12 @@ def _zeros(fam: Family, space: SearchSpace, zero0_dominated: bool = True) -> Ite
                         if space.mics else [])  # fmt: skip
     for g in groups:
         zs = sorted(z for z in space.zero if z > 0 or (g == 0 and (1 not in space.zero or not zero0_dominated)))
-        dominated = int(g == 0 and 0 in space.zero and 1 in space.zero and zero0_dominated)
         unsupported = 0
         if fam.pp > 1 and not space.pipeline_zero3:
             unsupported = sum(z >= 3 for z in zs)
             zs = [z for z in zs if z < 3]
         if zs:
-            yield g, tuple(zs), dominated, unsupported
+            yield g, tuple(zs), unsupported
 
 
 __all__ = [
