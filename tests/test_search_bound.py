@@ -12,7 +12,7 @@ import pytest
 from autopar.search import Scorer, search
 from autopar.search.evaluation import order_near_equal
 from autopar.search.price import Analytic
-from autopar.search.search import _staircase, smallest_memory
+from autopar.search.search import smallest_memory
 from autopar.search.space import SearchSpace, chains, families, max_shard, sync_options
 from autopar.solver.cluster.spec import ClusterSpec
 from tests.test_search import gpt_profile
@@ -74,16 +74,37 @@ def test_family_floor_never_exceeds_a_member_that_fits(cluster, attention):
 
 
 def _exhaustive(an: Analytic, space: SearchSpace, world: int, budget: float, top: int, scorer: Scorer):
-    """Every candidate of the space the staircase keeps (per chain and ZeRO stage the least recomputation that
-    fits, ``search._staircase``), each scored, no bound pruning: the ``top`` best as the search orders them."""
-    stats: dict = dict.fromkeys(("priced", "over_budget", "dominated"), 0)
-    kept = [
+    """Every candidate of the space that fits (each chain's every ZeRO stage and recomputation level), each scored,
+    no bound or dominance pruning: the ``top`` best as the search orders them."""
+    fits = [
         ev
         for f in families(an, space, world)
         for ch in chains(an, space, f)
-        for ev in _staircase(an, ch, budget, stats)
+        for z in ch.zeros
+        for level in range(len(ch.levels))
+        if (ev := an.evaluate(ch.candidate(z, level))) is not None and ev.memory <= budget
     ]
-    return order_near_equal([scorer.score(ev) for ev in kept])[:top]
+    return order_near_equal([scorer.score(ev) for ev in fits])[:top]
+
+
+@pytest.mark.parametrize("frac", [1.1, 1.5])
+def test_top_k_is_what_scoring_every_candidate_finds(frac):
+    """4-layer GPT on 8 A100s, global batch 16, budgets 10% and 50% over the least any candidate needs:
+    ``search(top=K)`` returns exactly the K best of every candidate that fits, for K = 1, 3, 5, 10. The staircase
+    it replaced kept per ZeRO stage only the least recomputation that fits and a higher stage only with less
+    recomputation: it lost a slower level still among the K best or, within NEAR_EQUAL of a faster one, ahead on
+    memory (SCP's recomputation hidden in the bubble), and a higher ZeRO stage that is faster (ZeRO-3's gathers
+    beside the backward)."""
+    prof, cluster = gpt_profile(layers=4), ClusterSpec.load("dgx-a100")
+    space = dataclasses.replace(SPACE, chunks=(2,), devices_per_node=cluster.devices_per_node)
+    an = Analytic(prof, cluster, 16)
+    budget = smallest_memory(an, space, families(an, space, 8)) * frac
+    scorer = Scorer()
+    every = _exhaustive(an, space, 8, budget, 10, scorer)
+    for k in (1, 3, 5, 10):
+        res = search(prof, cluster, 16, budget_bytes=budget, space=space, top=k, scorer=scorer)
+        assert [e.candidate for e in res.best] == [e.candidate for e in every[:k]], k
+        assert [e.step_time for e in res.best] == pytest.approx([e.step_time for e in every[:k]], rel=1e-12)
 
 
 @pytest.mark.parametrize("tight", [False, True])
