@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt2.py
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x --durations=15 -m "not heavy"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --dist worksteal --durations=15 -m "not heavy"
 
 # The tests marked heavy (minutes of Inductor compilation on every rank: tests/test_torch_compile.py's 4-rank
 # float64 run over every mesh), left out of `make test` to keep it within 15 minutes on 2 cores.
@@ -56,7 +56,7 @@ lock:
 	rm -rf .lockenv && $(PYTHON) -m venv .lockenv
 	.lockenv/bin/python -m pip install -q "$(PIP)" "$(PIP_TOOLS)"
 	echo "$(TORCH)" > .lockenv/torch.in
-	CUSTOM_COMPILE_COMMAND="make lock" .lockenv/bin/pip-compile --quiet --strip-extras --extra test --extra hf --unsafe-package torch \
+	CUSTOM_COMPILE_COMMAND="make lock" .lockenv/bin/pip-compile --quiet --strip-extras --extra test --extra hf --extra tensorboard --extra torchdata --unsafe-package torch \
 	    --no-emit-index-url --no-emit-find-links $(UPGRADE) -o $(LOCK) pyproject.toml .lockenv/torch.in
 	rm -rf .lockenv
 
