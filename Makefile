@@ -27,7 +27,7 @@ demo: $(STAMP)
 	$(PY) examples/train_gpt2.py
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 2 --dist worksteal --durations=15 -m "not heavy"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n 3 --dist worksteal --durations=15 -m "not heavy"
 
 # The tests marked heavy (minutes of Inductor compilation on every rank: tests/test_torch_compile.py's 4-rank
 # float64 run over every mesh), left out of `make test` to keep it within 15 minutes on 2 cores.
