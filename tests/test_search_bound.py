@@ -23,11 +23,10 @@ SPACE = SearchSpace(chunks=(2, 4), waves=(1,), devices_per_node=8)
 def _members(an: Analytic, space: SearchSpace, f):
     """Every priced candidate of family ``f``: each chain's every ZeRO stage and recomputation level."""
     for ch in chains(an, space, f):
-        for z in ch.zeros:
-            for level in range(len(ch.levels)):
-                ev = an.evaluate(ch.candidate(z, level))
-                if ev is not None:
-                    yield ev
+        for c in ch.candidates():
+            ev = an.evaluate(c)
+            if ev is not None:
+                yield ev
 
 
 def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sample: int | None = None, seed=0):
@@ -80,9 +79,8 @@ def _exhaustive(an: Analytic, space: SearchSpace, world: int, budget: float, top
         ev
         for f in families(an, space, world)
         for ch in chains(an, space, f)
-        for z in ch.zeros
-        for level in range(len(ch.levels))
-        if (ev := an.evaluate(ch.candidate(z, level))) is not None and ev.memory <= budget
+        for c in ch.candidates()
+        if (ev := an.evaluate(c)) is not None and ev.memory <= budget
     ]
     return order_near_equal([scorer.score(ev) for ev in fits])[:top]
 

@@ -318,11 +318,10 @@ def smallest_memory(an: Analytic, space: SearchSpace, fams: list[Family]) -> flo
     best = math.inf
     for f in fams:
         for ch in chains(an, space, f):
-            for z in ch.zeros:
-                for level in range(len(ch.levels)):
-                    ev = an.evaluate(ch.candidate(z, level))
-                    if ev is not None:
-                        best = min(best, ev.memory)
+            for c in ch.candidates():
+                ev = an.evaluate(c)
+                if ev is not None:
+                    best = min(best, ev.memory)
     return best
 
 

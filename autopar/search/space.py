@@ -261,6 +261,10 @@ class Chain:
         rc, a = self.levels[level]
         return dc_replace(self.base, zero=zero, recompute=rc, alpha1=a)
 
+    def candidates(self) -> Iterator[Candidate]:
+        """Every candidate of the chain: each ZeRO stage at each recomputation level."""
+        return (self.candidate(z, level) for z in self.zeros for level in range(len(self.levels)))
+
     @property
     def size(self) -> int:
         return len(self.zeros) * len(self.levels) + self.unsupported
