@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from train_gpt2 import megatron_flops, peak_flops  # noqa: E402
+from train_gpt2 import megatron_flops, peak_flops, real_inputs  # noqa: E402
 
 PAIRS = {
     "dp": ("autopar-compiled", "ddp-compiled"),
@@ -44,7 +44,7 @@ def build(system: str, a):
     torch.manual_seed(0)
     if system.startswith("autopar"):
         spec = build_model(spec_text, device="meta", seed=0)
-        batch = {k: v.cuda() for k, v in spec.kwargs.items()}
+        batch = real_inputs(spec, "cuda")
         cm = autopar.compile(
             spec.model, autopar.init_mesh("cuda", dp=world), kwargs=batch, precision="bf16",
             zero=3 if "zero3" in system else 0, torch_compile=system.endswith("-compiled"),
