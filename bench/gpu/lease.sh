@@ -10,15 +10,16 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-bench/gpu/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHON=python3
 SITE=/tmp/autopar-site
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
-  && python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+# autopar as pyproject's package-dir lays it out (autopar.ir from ir/, ...), without a build
+rm -rf "$SITE/autopar" && cp -r autopar "$SITE/autopar" && for d in ir passes runtime schedule solver; do cp -r "$d" "$SITE/autopar/$d"; done
 export PYTHONPATH="$SITE"
 nvidia-smi -L; python3 -c "import torch, autopar; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-OMP_NUM_THREADS=1 timeout "${T_CHECKS:-150}" python3 bench/gpu/cuda_checks.py > "$OUT/checks.log" 2>&1; echo "checks exit $?" >> "$OUT/checks.log"
+OMP_NUM_THREADS=1 timeout "${T_CHECKS:-110}" python3 bench/gpu/cuda_checks.py > "$OUT/checks.log" 2>&1; echo "checks exit $?" >> "$OUT/checks.log"
 grep -E "PASS|FAIL|exit|Error" "$OUT/checks.log" | cut -c1-600
-timeout "${T_TRAIN:-230}" python3 bench/gpu/train_gpt2.py --model "${MODEL:-gpt2-xl}" --batch 8 --seq 1024 \
+timeout "${T_TRAIN:-190}" python3 bench/gpu/train_gpt2.py --model "${MODEL:-gpt2-xl}" --batch 8 --seq 1024 \
   --warmup 2 --steps "${STEPS:-6}" --json "$OUT/train.jsonl" > "$OUT/train.log" 2>&1; echo "train exit $?" >> "$OUT/train.log"
 tail -12 "$OUT/train.log"
-timeout "${T_PAIRS:-150}" torchrun --nproc-per-node 1 bench/gpu/torch_compile_pairs.py --pairs "${PAIRS:-self,dp}" \
+timeout "${T_PAIRS:-130}" torchrun --nproc-per-node 1 bench/gpu/torch_compile_pairs.py --pairs "${PAIRS:-self,dp}" \
   --model gpt2-medium --batch 8 --seq 1024 --warmup 2 --steps 5 --repeats 3 --json "$OUT/pairs.jsonl" > "$OUT/pairs.log" 2>&1
 echo "pairs exit $?" >> "$OUT/pairs.log"; grep -v Warning "$OUT/pairs.log" | tail -8
