@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: tests._dist
+sys.path.append(str(Path(__file__).resolve().parents[2]))  # the repository root, for tests._dist
 
 SPEC = "tiny-gpt2:n_layer=2,n_embd=32,n_head=4,vocab_size=64,n_positions=16,attn_pdrop=0,resid_pdrop=0,embd_pdrop=0"
 STEPS, LR = 3, 0.1

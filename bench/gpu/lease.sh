@@ -8,18 +8,20 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-bench/gpu/out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHON=python3
+# PYTHONSAFEPATH: no cwd first on sys.path, so the forkserver's ranks (tests/_dist.py) import the laid-out autopar in
+# $SITE, not the bare autopar/ of this checkout (which lacks autopar.ir: the 2026-12-04 lease's gloo checks failed so)
+export PYTHONUNBUFFERED=1 PYTHON=python3 PYTHONSAFEPATH=1
 SITE=/tmp/autopar-site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
 # autopar as pyproject's package-dir lays it out (autopar.ir from ir/, ...), without a build
 rm -rf "$SITE/autopar" && cp -r autopar "$SITE/autopar" && for d in ir passes runtime schedule solver; do cp -r "$d" "$SITE/autopar/$d"; done
 export PYTHONPATH="$SITE"
 nvidia-smi -L; python3 -c "import torch, autopar; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-OMP_NUM_THREADS=1 timeout "${T_CHECKS:-110}" python3 bench/gpu/cuda_checks.py > "$OUT/checks.log" 2>&1; echo "checks exit $?" >> "$OUT/checks.log"
+[[ "${PARTS:-checks,train,pairs}" == *checks* ]] && OMP_NUM_THREADS=1 timeout "${T_CHECKS:-110}" python3 bench/gpu/cuda_checks.py > "$OUT/checks.log" 2>&1; echo "checks exit $?" >> "$OUT/checks.log"
 grep -E "PASS|FAIL|exit|Error" "$OUT/checks.log" | cut -c1-600
-timeout "${T_TRAIN:-190}" python3 bench/gpu/train_gpt2.py --model "${MODEL:-gpt2-xl}" --batch 8 --seq 1024 \
+[[ "${PARTS:-checks,train,pairs}" == *train* ]] && timeout "${T_TRAIN:-190}" python3 bench/gpu/train_gpt2.py --model "${MODEL:-gpt2-xl}" --batch 8 --seq 1024 \
   --warmup 2 --steps "${STEPS:-6}" --json "$OUT/train.jsonl" > "$OUT/train.log" 2>&1; echo "train exit $?" >> "$OUT/train.log"
 tail -12 "$OUT/train.log"
-timeout "${T_PAIRS:-130}" torchrun --nproc-per-node 1 bench/gpu/torch_compile_pairs.py --pairs "${PAIRS:-self,dp}" \
+[[ "${PARTS:-checks,train,pairs}" == *pairs* ]] && timeout "${T_PAIRS:-130}" torchrun --nproc-per-node 1 bench/gpu/torch_compile_pairs.py --pairs "${PAIRS:-self,dp}" \
   --model gpt2-medium --batch 8 --seq 1024 --warmup 2 --steps 5 --repeats 3 --json "$OUT/pairs.jsonl" > "$OUT/pairs.log" 2>&1
 echo "pairs exit $?" >> "$OUT/pairs.log"; grep -v Warning "$OUT/pairs.log" | tail -8

@@ -3,7 +3,7 @@
     python bench/gpu/train_gpt2.py                                 # gpt2-xl, batch 8 x 1024, 10 timed steps
     python bench/gpu/train_gpt2.py --model gpt2-medium --batch 4 --seq 512 --steps 5
 
-Three variants, each in its own process (so one's memory does not count in another's peak), each training
+Four variants, each in its own process (so one's memory does not count in another's peak), each training
 with AdamW (lr 1e-4) under the same mixed-precision policy: bf16 compute, fp32 master weights, fp32
 gradients and Adam states.
 
@@ -12,7 +12,8 @@ gradients and Adam states.
   ``train_step``;
 - ``eager``: the fp32 model on the GPU under ``torch.autocast("cuda", torch.bfloat16)``, the user's own
   ``loss.backward(); opt.step()`` (autocast casts each weight per use and keeps fp32 masters, the same policy);
-- ``compiled``: the same with ``torch.compile(model)``.
+- ``compiled``: the same with ``torch.compile(model)``;
+- ``autopar-compiled``: ``autopar`` with ``torch_compile=True`` (its rank programs through Inductor).
 
 Reported per variant: the median step time over ``--steps`` after ``--warmup`` steps, MFU by Megatron's
 FLOP formula (Narayanan et al. 2021, without recomputation: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) per
@@ -36,6 +37,7 @@ import time
 
 import torch
 
+VARIANTS = ("autopar", "autopar-compiled", "eager", "compiled")
 # dense bf16 peak FLOP/s of the devices seen so far (the vendor's datasheet numbers, without sparsity)
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12}
 
@@ -84,7 +86,7 @@ def run_variant(args) -> dict:
     spec_text = f"{args.model}:embd_pdrop=0,attn_pdrop=0,resid_pdrop=0,batch={args.batch},seq={args.seq}"
     torch.manual_seed(0)
     extra: dict = {}
-    if args.variant == "autopar":
+    if args.variant.startswith("autopar"):
         import torch.distributed as dist
 
         import autopar
@@ -96,7 +98,9 @@ def run_variant(args) -> dict:
         spec = build(spec_text, device="meta", seed=0)
         batch = real_inputs(spec, "cuda")
         mesh = autopar.init_mesh("cuda", dp=1)
-        model = autopar.compile(spec.model, mesh, kwargs=batch, precision="bf16")
+        model = autopar.compile(
+            spec.model, mesh, kwargs=batch, precision="bf16", torch_compile=args.variant == "autopar-compiled"
+        )
         opt = model.make_optimizer(torch.optim.AdamW, lr=1e-4)
         cost = CostModel(model.program.mesh, model.setup)
         states = sum(sum(cost.state_bytes(v.type, v.type.placements)) for v in model.program.params if v.type.is_float)
@@ -165,7 +169,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak (TFLOP/s)")
-    p.add_argument("--variant", choices=["autopar", "eager", "compiled"], default=None, help="run one, in-process")
+    p.add_argument("--variant", choices=VARIANTS, default=None, help="run one, in-process")
     p.add_argument("--json", default=None, help="append each variant's JSON line to this file")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -175,7 +179,7 @@ def main() -> int:
         print(json.dumps(run_variant(args)), flush=True)
         return 0
     rows, failed = [], []
-    for variant in ("autopar", "eager", "compiled"):  # each runs even when one before it failed
+    for variant in VARIANTS:  # each runs even when one before it failed
         cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", variant]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode != 0:
