@@ -320,8 +320,9 @@ class Analytic(StageTerms):
         ``budget`` recomputes: the rank's model states under ZeRO
         stage ``max_shard`` over the whole dp group plus its in-flight microbatches' kept activations
         (``inflight_counts``; a zero-bubble schedule's most stashed at once, counted until the W). Levels cost
-        more time and less memory in order, so no candidate that fits is faster. Memory: the least of the chains'
-        memory bounds at their most recomputation (inf time when none fits)."""
+        more time in order (memory need not fall along them: ``search._Walk``), so the first that fits is the
+        fastest that does. Memory: the least of the chains' memory bounds over all their levels (inf time when
+        none fits)."""
         best_t = best_m = math.inf
         seen = set()
         for ch in family_chains:
