@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 from autopar.build import pricing_options, stash_points_of
@@ -13,11 +12,11 @@ from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
 from autopar.passes.batch_coupling import TAIL_SCHEDULES, microbatching_refusal
-from autopar.passes.capture import Captured, capture
+from autopar.passes.capture import Captured
 from autopar.passes.flow import FlowOptions, plan_program
+from autopar.passes.repeat_layers import capture_for_planning
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
-from autopar.runtime.build.precision import for_capture
 from autopar.runtime.call.batch import split_batch
 from autopar.schedule.generators import make_schedule, splits_backward
 from autopar.schedule.placement import placement_shape
@@ -215,7 +214,6 @@ def plan_model(
     m = build(spec, device="meta")
     if pipeline is not None and pipeline.microbatches:
         split_batch(m.args, m.kwargs, pipeline.microbatches)  # a count the batch does not divide: named, as compile
-    t0 = time.perf_counter()
-    captured = capture(*for_capture(m.model, m.args, m.kwargs, opts.setup.precision))  # as compile captures
-    captured.seconds = time.perf_counter() - t0
+    # as compile captures, each run of alike layers cut to two that lower repeats (passes/repeat_layers.py)
+    captured = capture_for_planning(m.model, m.args, m.kwargs, opts.setup.precision)
     return plan_captured(captured, mesh, opts, model=spec, baselines=baselines, pipeline=pipeline, config=config)

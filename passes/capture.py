@@ -8,11 +8,14 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autopar.errors import CaptureError
+
+if TYPE_CHECKING:
+    from autopar.passes.repeat_layers import LayerRepeat
 
 
 @dataclass
@@ -24,6 +27,9 @@ class Captured:
     out_spec: Any
     seconds: float
     user_input_names: list[str] = field(default_factory=list)
+    # planning's capture of a few layers that stand for the whole stack (passes/repeat_layers.py): ``lower``
+    # repeats them to the model's depth; None: the model as it is
+    repeat: LayerRepeat | None = None
 
 
 def _to_meta(x: Any) -> Any:

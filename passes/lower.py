@@ -28,6 +28,7 @@ from autopar.passes.capture import Captured
 from autopar.passes.dropout import key_dropouts
 from autopar.passes.experts import mark_expert_blocks
 from autopar.passes.functionalize import functionalize
+from autopar.passes.repeat_layers import expand_layers
 
 # Random ops autopar draws itself (passes/dropout.py, runtime/build/rng.py); any other random op is refused.
 _KEYED_RANDOM = {"aten.dropout", "aten.scaled_dot_product_attention"}
@@ -77,7 +78,8 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     its position among the call's input leaves and its value (a call must pass the same). In-place
     ops and writes through views become out-of-place ops first (passes/functionalize.py). addmm and
     biased linear are split into a matmul and an add, so a row-parallel matmul can produce a partial
-    sum before its bias."""
+    sum before its bias. A planning capture of a few layers standing for the rest (``Captured.repeat``) lowers
+    to the program of the whole model (``passes/repeat_layers.py``)."""
     mesh = mesh or MeshSpec()
     ep = captured.exported
     placeholders = [n.name for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
@@ -149,6 +151,8 @@ def lower(captured: Captured, mesh: MeshSpec | None = None) -> Program:
     inputs = [v for v in inputs if v.kind == "input" or v.name in used]
     attrs = {"constant_inputs": tuple(constants)} if constants else {}
     prog = Program(mesh, tuple(inputs), tuple(ops), tuple(outputs), attrs)
+    if captured.repeat is not None:  # a planning capture of some layers: the program of all of them
+        prog = expand_layers(prog, captured.repeat)
     return mark_expert_blocks(key_dropouts(annotate_costs(prog)))
 
 

@@ -30,12 +30,11 @@ from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
-from autopar.passes.capture import capture
 from autopar.passes.flow import FlowOptions, plan_program
+from autopar.passes.repeat_layers import capture_for_planning
 from autopar.passes.shard import ShardOptions
 from autopar.plan import Plan, fingerprint
 from autopar.planner import options_dict, options_from_dict, shard_stats
-from autopar.runtime.build.precision import for_capture
 from autopar.search.evaluation import Evaluation
 from autopar.search.profile import with_batch
 from autopar.solver.cluster.spec import ClusterSpec
@@ -75,7 +74,7 @@ def build_plan(
     spec = with_batch(result.spec, c.micro_batch * c.dp)
     t0 = time.perf_counter()
     m = build(spec, device=capture_device, seed=0 if capture_device != "meta" else None)
-    captured = capture(*for_capture(m.model, m.args, m.kwargs, result.precision))  # as compile captures it
+    captured = capture_for_planning(m.model, m.args, m.kwargs, result.precision)  # as compile captures it
     capture_seconds = time.perf_counter() - t0
     mesh = MeshSpec(tuple(c.mesh().items()))
     zero_axes = data_axes(mesh.without_pipeline().names)

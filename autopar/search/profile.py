@@ -37,9 +37,9 @@ from autopar.ir.core import VIEW_OPS, MeshSpec, Op, Program
 from autopar.models.presets import PRESETS
 from autopar.models.resolve import build
 from autopar.passes.batch_coupling import batch_couplings, batch_tail
-from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
+from autopar.passes.repeat_layers import capture_for_planning
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.solver.cluster.compute import compiled_shares, op_work
 from autopar.solver.sharding.experts import EP_BLOCK, EXPERT_GATHER, EXPERT_GROUPED_MM, exchange_sides
@@ -525,7 +525,7 @@ def profile_model(spec: str, cache: bool = True) -> Profile:
         except (ValueError, TypeError, KeyError):
             pass  # a stale or damaged entry: capture again
     m = build(one, device="meta")
-    prog = lower(capture(m.model, m.args, m.kwargs), MeshSpec())
+    prog = lower(capture_for_planning(m.model, m.args, m.kwargs), MeshSpec())
     seq = next((v.type.shape[1] for v in prog.inputs if v.kind == "input" and len(v.type.shape) >= 2), 0)
     prof = profile_program(prog, batch=1, model=spec, seq=seq)
     if cache:
