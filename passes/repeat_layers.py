@@ -226,12 +226,12 @@ def capture_for_planning(model: nn.Module, args: tuple, kwargs: dict, precision:
         reduced = reduction(kinds.kinds)
         if reduced is not None:
             kept, copies = reduced
-            with _stack_of(model, stack, kept, kinds):
-                captured = capture(*for_capture(model, args, kwargs, precision))
-            captured.repeat = LayerRepeat(name, kept, copies)
-            try:
+            try:  # a forward that refuses the shorter stack, or a capture the checks refuse: the whole model
+                with _stack_of(model, stack, kept, kinds):
+                    captured = capture(*for_capture(model, args, kwargs, precision))
+                captured.repeat = LayerRepeat(name, kept, copies)
                 lower(captured, MeshSpec())  # the checks
-            except LayersDiffer:
+            except CaptureError:
                 pass
             else:
                 captured.seconds = time.perf_counter() - t0

@@ -162,3 +162,17 @@ def test_a_forward_reading_its_index_is_seen_in_the_captured_layers(scaled) -> N
     assert (reduced.repeat is None) == scaled
     assert [b.index for b in model.blocks] == list(range(5))  # put back
     assert print_program(lower(reduced)) == print_program(lower(capture(model, (x,), {})))
+
+
+class _Counted(_Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(self.blocks) != 5:
+            raise ValueError(f"built with 5 blocks, holds {len(self.blocks)}")
+        return super().forward(x)
+
+
+def test_a_forward_refusing_the_shorter_stack_is_captured_whole() -> None:
+    model, x = _Counted(False), torch.randn(2, 8)
+    reduced = capture_for_planning(model, (x,), {})
+    assert reduced.repeat is None and len(model.blocks) == 5
+    assert print_program(lower(reduced)) == print_program(lower(capture(model, (x,), {})))
