@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from autopar.build import pricing_options, stash_points_of
-from autopar.errors import BatchCouplingError
+from autopar.errors import BatchCouplingError, CaptureError
 from autopar.ir.axes import PIPELINE_AXIS
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
 from autopar.passes.batch_coupling import TAIL_SCHEDULES, microbatching_refusal
-from autopar.passes.capture import Captured
+from autopar.passes.capture import Captured, capture
 from autopar.passes.flow import FlowOptions, plan_program
-from autopar.passes.repeat_layers import capture_for_planning
+from autopar.passes.lower import lower
+from autopar.passes.repeat_layers import planning_cut
 from autopar.passes.shard import ShardOptions, ShardResult
 from autopar.plan import Plan, fingerprint
+from autopar.runtime.build.precision import for_capture
 from autopar.runtime.call.batch import split_batch
 from autopar.schedule.generators import make_schedule, splits_backward
 from autopar.schedule.placement import placement_shape
@@ -200,6 +203,29 @@ def baseline_dict(b: ShardResult | Unavailable) -> dict:
     if isinstance(b, Unavailable):
         return {"unavailable": b.reason}
     return {"memory_per_device_bytes": b.memory_bytes, "comm_bytes": b.comm_bytes, "comm_seconds": b.comm_seconds}
+
+
+def capture_for_planning(model, args: tuple, kwargs: dict, precision: str = "fp32") -> Captured:
+    """``capture(*for_capture(model, args, kwargs, precision))`` for planning (``autopar plan``, the search): the
+    main layer stack's runs of alike layers cut to two each (``Captured.repeat``, ``passes/repeat_layers.py``)
+    when that capture passes its checks, else the whole model. ``lower`` gives the same program either way."""
+    t0 = time.perf_counter()
+    cut = planning_cut(model)
+    if cut is not None:
+        repeat, stack = cut
+        try:  # a forward that refuses the shorter stack, or a capture the checks refuse: the whole model
+            with stack:
+                captured = capture(*for_capture(model, args, kwargs, precision))
+            captured.repeat = repeat
+            lower(captured, MeshSpec())  # the checks (repeat_layers.LayersDiffer)
+        except CaptureError:
+            pass
+        else:
+            captured.seconds = time.perf_counter() - t0
+            return captured
+    captured = capture(*for_capture(model, args, kwargs, precision))
+    captured.seconds = time.perf_counter() - t0
+    return captured
 
 
 def plan_model(

@@ -8,14 +8,22 @@ import traceback
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from autopar.errors import CaptureError
 
-if TYPE_CHECKING:
-    from autopar.passes.repeat_layers import LayerRepeat
+
+@dataclass(frozen=True)
+class LayerRepeat:
+    """How a captured layer stack stands for the model's (``passes/repeat_layers.py``): ``kept[p]`` is the model's
+    index of the layer captured at position ``p``; ``copies``: (position, count) of each captured layer followed by
+    ``count`` more like it."""
+
+    stack: str  # module path of the layer list: "model.layers"
+    kept: tuple[int, ...]
+    copies: tuple[tuple[int, int], ...]
 
 
 @dataclass

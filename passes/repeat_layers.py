@@ -2,12 +2,13 @@
 
 torch.export traces every layer of a model, so capturing DeepSeek-V3's 61 layers (or GPT-3's 96) costs 61 times
 one layer, and so does lowering them, though the layers of a run of alike ones are the same program with other
-parameters. For planning only (``autopar plan``, the search's profiles and plans; never for training, which runs
-the graph it captures itself) ``capture_for_planning`` captures the model with each run of alike layers of its
-main layer stack cut to the run's first two, and ``lower`` (``passes/lower.py``) repeats the second of them
-(``expand_layers``) up to the run's length. The program it gives is the one a full capture lowers to, op for op
-and name for name (the same IR text and fingerprint, ``tests/test_repeat_layers.py``); the passes after it,
-the ILP (which folds repeated layers again, ``solver/sharding/solve.py``) and the plan file see no difference.
+parameters. For planning only (``autopar plan``, the search's profiles and plans; never for training, which
+runs the graph it captures itself) ``capture_for_planning`` (``autopar/planner.py``) captures the model with
+each run of alike layers of its main layer stack cut to the run's first two (``planning_cut``), and ``lower``
+(``passes/lower.py``) repeats the second of them (``expand_layers``) up to the run's length. The program it
+gives is the one a full capture lowers to, op for op and name for name (the same IR text and fingerprint,
+``tests/test_repeat_layers.py``); the passes after it, the ILP (which folds repeated layers again,
+``solver/sharding/solve.py``) and the plan file see no difference.
 
 The main stack is the ``nn.ModuleList`` holding the most parameters (``model.layers``, ``transformer.h``). Two of
 its layers are alike (of one kind) when they are the same modules with the same attributes and parameter and
@@ -36,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,28 +46,17 @@ import torch
 from torch import nn
 
 from autopar.errors import CaptureError
-from autopar.ir.core import MeshSpec, Op, Program, Ref, Value, map_refs
-from autopar.passes.capture import Captured, capture
-from autopar.runtime.build.precision import for_capture
+from autopar.ir.core import Op, Program, Ref, Value, map_refs
+from autopar.passes.capture import LayerRepeat
 
-__all__ = ["LayerRepeat", "LayersDiffer", "capture_for_planning", "expand_layers", "layer_kinds"]
+__all__ = ["LayersDiffer", "expand_layers", "layer_kinds", "main_stack", "planning_cut", "reduction"]
 
 MIN_RUN = 3  # a run of alike layers this long is captured as its first two
 
 
-@dataclass(frozen=True)
-class LayerRepeat:
-    """How a captured stack stands for the model's: ``kept[p]`` is the model's index of the layer captured at
-    position ``p``; ``copies``: (position, count) of each captured layer followed by ``count`` more like it."""
-
-    stack: str  # module path of the layer list: "model.layers"
-    kept: tuple[int, ...]
-    copies: tuple[tuple[int, int], ...]
-
-
 class LayersDiffer(CaptureError):
     """A capture of some layers that does not show what the others compute (``capture_for_planning`` then
-    captures the whole model)."""
+    captures the whole model, ``autopar/planner.py``)."""
 
 
 # -- which layers are alike ---------------------------------------------------------------------------------
@@ -212,33 +201,19 @@ def _stack_of(model: nn.Module, stack: nn.ModuleList, kept: tuple[int, ...], fou
             setattr(c, k, v)
 
 
-def capture_for_planning(model: nn.Module, args: tuple, kwargs: dict, precision: str = "fp32") -> Captured:
-    """``capture(*for_capture(model, args, kwargs, precision))`` for planning: with the main stack's runs of
-    alike layers cut to two each (``Captured.repeat``) when its checks pass (the module docstring), else of
-    the whole model. ``lower`` gives the same program either way."""
-    from autopar.passes.lower import lower  # the expansion is part of lowering, which imports this module
-
-    t0 = time.perf_counter()
+def planning_cut(model: nn.Module) -> tuple[LayerRepeat, contextlib.AbstractContextManager] | None:
+    """The ``LayerRepeat`` of ``model``'s main stack cut to two layers a run, and a context in which the model
+    holds those alone (``autopar.planner.capture_for_planning`` captures it there); None when no run is cut."""
     found = main_stack(model)
-    if found is not None:
-        name, stack = found
-        kinds = layer_kinds(model, stack)
-        reduced = reduction(kinds.kinds)
-        if reduced is not None:
-            kept, copies = reduced
-            try:  # a forward that refuses the shorter stack, or a capture the checks refuse: the whole model
-                with _stack_of(model, stack, kept, kinds):
-                    captured = capture(*for_capture(model, args, kwargs, precision))
-                captured.repeat = LayerRepeat(name, kept, copies)
-                lower(captured, MeshSpec())  # the checks
-            except CaptureError:
-                pass
-            else:
-                captured.seconds = time.perf_counter() - t0
-                return captured
-    captured = capture(*for_capture(model, args, kwargs, precision))
-    captured.seconds = time.perf_counter() - t0
-    return captured
+    if found is None:
+        return None
+    name, stack = found
+    kinds = layer_kinds(model, stack)
+    reduced = reduction(kinds.kinds)
+    if reduced is None:
+        return None
+    kept, copies = reduced
+    return LayerRepeat(name, kept, copies), _stack_of(model, stack, kept, kinds)
 
 
 # -- the program at full depth -----------------------------------------------------------------------------

@@ -11,10 +11,10 @@ from autopar.ir.printer import print_program
 from autopar.models.resolve import build
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
-from autopar.passes.repeat_layers import capture_for_planning, layer_kinds, main_stack, reduction
+from autopar.passes.repeat_layers import layer_kinds, main_stack, reduction
 from autopar.passes.shard import ShardOptions
 from autopar.plan import fingerprint
-from autopar.planner import plan_captured
+from autopar.planner import capture_for_planning, plan_captured
 from autopar.runtime.build.precision import for_capture
 
 _DEC = "hidden_size=32,intermediate_size=64,num_attention_heads=4,vocab_size=64,batch=2,seq=8"

@@ -31,10 +31,9 @@ from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
 from autopar.models.resolve import build
 from autopar.passes.flow import FlowOptions, plan_program
-from autopar.passes.repeat_layers import capture_for_planning
 from autopar.passes.shard import ShardOptions
 from autopar.plan import Plan, fingerprint
-from autopar.planner import options_dict, options_from_dict, shard_stats
+from autopar.planner import capture_for_planning, options_dict, options_from_dict, shard_stats
 from autopar.search.evaluation import Evaluation
 from autopar.search.profile import with_batch
 from autopar.solver.cluster.spec import ClusterSpec

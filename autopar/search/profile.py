@@ -39,8 +39,8 @@ from autopar.models.resolve import build
 from autopar.passes.batch_coupling import batch_couplings, batch_tail
 from autopar.passes.lower import lower
 from autopar.passes.pipeline_split import common_nodes
-from autopar.passes.repeat_layers import capture_for_planning
 from autopar.passes.split_cache import cache_dir, write_atomic
+from autopar.planner import capture_for_planning
 from autopar.solver.cluster.compute import compiled_shares, op_work
 from autopar.solver.sharding.experts import EP_BLOCK, EXPERT_GATHER, EXPERT_GROUPED_MM, exchange_sides
 from autopar.solver.sharding.megatron_roles import (
