@@ -18,7 +18,8 @@ those gathers as ``reduce_grad``: the ranks' partial gradients are reduce-scatte
 adjoint, where f would all-reduce them and the gather keep the local shard (half the bytes, and of the
 smaller tensor before the heads are repeated). An f that matmuls read keeps its own all-reduce: the runtime
 fuses it with their weight gradients (``runtime/comm/column_linear.py``); on other axes f's are left as
-they are (the sharding ILP prices only a gather right before the read as folded).
+they are (the sharding ILP prices a gather right before the read as folded, and gathers before the group
+computing the read value from them: ``solver/sharding/solve.FoldThrough``).
 
 Last, expert-parallel gathers get their token dispatch and combine (``passes/experts.py``).
 """

@@ -223,7 +223,8 @@ class StageTerms:
         - ring: ``n - 1`` steps forward each sending the rank's K + V block to the next rank, each beside one
           block of attention (the rank's attention forward / n): exposed ``max(0, send - block)`` per step where
           the backend overlaps (NCCL), the whole send on gloo; backward ``n - 1`` such steps beside twice the block,
-          and ``n`` hops of the blocks' gradient accumulators (in at least fp32), not overlapped; the causal load
+          and ``n - 1`` hops of the blocks' gradient accumulators (in at least fp32), each but the last beside the next
+          step's backward block (exposed as the steps are); the causal load
           balancing's exchange of half the queries and half the output forward, their gradients backward
           (``CostModel.ring_price``, the ILP's price of the same; the search assumes causal attention);
         - ulysses: the queries, keys and values all-to-all'd from the sequence to the heads and the output back,
@@ -268,7 +269,7 @@ class StageTerms:
         exposed = (lambda t, w: max(0.0, t - w)) if overlap else (lambda t, w: t)
         step = send(kv)
         fwd = (n - 1) * exposed(step, block)
-        bwd = (n - 1) * exposed(step, 2 * block) + n * send(acc)
+        bwd = (n - 1) * exposed(step, 2 * block) + (n - 2) * exposed(send(acc), 2 * block) + send(acc)
         leaving = max(sum(1 for p in (2 * r, 2 * r + 1) if (p if p < n else 2 * n - 1 - p) != r) for r in range(n)) / 2
         q = u.q(c.tp) * sa / n / calls * leaving
         fwd += 2 * send(q)  # half the queries there, half the output back (the output as large as the queries)

@@ -415,15 +415,16 @@ class CostModel:
 
     def ring_price(self, op, in_types: list[TensorType], in_placements) -> tuple[float, float]:
         """(bytes, seconds) per rank of ring attention's point-to-point traffic (``runtime/comm/context_attention.py``)
-        on the axis where it runs, nothing where it does not. Forward: ``n - 1`` steps, each sending the rank's
-        key and value blocks (K + V local bytes) to the next rank. Backward: ``n - 1`` such steps again, and ``n``
-        hops of the blocks' gradient accumulators (in at least fp32). Load-balanced (a causal call or one with a
-        mask): half the rank's queries (and mask rows) and half its output are exchanged forward, the output's and
-        the queries' gradients backward (for ``n > 2`` some rank sends both its pieces). Each send is priced by
-        the cluster's point-to-point alpha-beta on the axis's link. Where collectives run beside compute (NCCL),
-        a step's key/value transfer runs beside that step's block of attention (the op's work on the rank over
-        ``n``, twice that backward): only what exceeds it is exposed; the accumulator hops and the exchange are
-        waited at once. On gloo nothing overlaps."""
+        on the axis where it runs, nothing where it does not. Forward: ``n - 1`` steps, each sending the rank's key and
+        value blocks (K + V local bytes) to the next rank. Backward: ``n - 1`` such steps again, and ``n - 1`` hops of
+        the blocks' gradient accumulators (in at least fp32; each starts at its block's first visitor). Load-balanced (a
+        causal call or one with a mask): half the rank's queries (and mask rows) and half its output are exchanged
+        forward, the output's and the queries' gradients backward (for ``n > 2`` some rank sends both its pieces). Each
+        send is priced by the cluster's point-to-point alpha-beta on the axis's link. Where collectives run beside
+        compute (NCCL), a step's key/value transfer runs beside that step's block of attention (the op's work on the
+        rank over ``n``, twice that backward): only what exceeds it is exposed; so is an accumulator hop, beside the
+        next step's backward block, but the last, and the exchange, which are waited at once. On gloo nothing
+        overlaps."""
         q, k, v = in_types[:3]
         pq, pk, pv = in_placements[:3]
         axis = next((a for a in range(len(self.mesh.sizes)) if is_ring(q, k, pq[a], pk[a])), None)
@@ -443,8 +444,9 @@ class CostModel:
         block = self.op_seconds(op, types, split) / 3.0 / n  # one step's forward block of attention
         exposed = (lambda t, c: max(0.0, t - c)) if self.cluster.overlaps_compute else (lambda t, c: t)
         step = send(kv, 2)
-        vol = (2 * (n - 1)) * kv + n * acc
-        sec = (n - 1) * (exposed(step, block) + exposed(step, 2 * block)) + n * send(acc, 2)
+        hop = send(acc, 2)
+        vol = (2 * (n - 1)) * kv + (n - 1) * acc
+        sec = (n - 1) * (exposed(step, block) + exposed(step, 2 * block)) + (n - 2) * exposed(hop, 2 * block) + hop
         kwargs = dict(zip(("attn_mask", "dropout_p", "is_causal"), op.args[3:]), **op.kwargs)
         mask = in_types[3] if len(in_types) > 3 else None
         if kwargs.get("is_causal") or mask is not None:
@@ -492,8 +494,8 @@ class CostModel:
         """(bytes, seconds) a read of ``t`` resharded ``src`` -> ``dst`` with f's on ``axes`` saves when
         ``insert-collectives`` folds its first f into the resharding's last step, an all_gather over the same axis,
         a ``cp`` one (``reduce_scatter_gathered_grads``): the f's all-reduce less the gather's reduce-scatter; else
-        nothing. (A gather further up, the read's value computed from it alike on every rank, is folded too but
-        priced here unfolded: an over-estimate of the all-gather form.)
+        nothing. (A gather before the group computing the read's value from it alike on every rank, the
+        all-gather form's before the grouped-query repeat, is folded too: ``solve.FoldThrough`` prices it.)
         The caller knows the read is no matmul's (whose f the runtime fuses with its weight gradient instead)."""
         if not axes or src is None or dst is None or src == dst or self.mesh.names[axes[0]] != CONTEXT_AXIS:
             return 0.0, 0.0

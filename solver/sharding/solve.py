@@ -119,6 +119,10 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
             totals[3] -= sec
         elif name == "same":  # a producer and its shared f's node: the placement as stored, nothing moved
             continue
+        elif isinstance(name, tuple) and name[0] == "through":  # an f folded into gathers before its producer
+            vol, sec = name[1].get((e.u_group[sol.choice[e.u]], e.v_group[sol.choice[e.v]]), (0.0, 0.0))
+            totals[2] += vol
+            totals[3] += sec
         elif isinstance(name, tuple) and name[0] == "folded":  # a resharding whose last gather takes the read's f
             t, (p, axes) = b.types[name[1]], bb
             if p is not None and a != p:
@@ -188,6 +192,8 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
                 edges.append(_edge(b, groups, hi, gi, ref.name, want, fold))
     for name, (reads, keys) in shared.items():
         _add_shared_reads(b, groups, nodes, edges, where, name, reads, keys)
+    for read in _fold_through_reads(b, groups, where):
+        _add_fold_through(b, groups, nodes, edges, where, *read)
     out_refs = [r for r in prog.outputs if hasattr(r, "name")]
     if out_refs:
         sink = Group(Value("<output>", "input", TensorType("f32", ())), candidates=[{}])
@@ -409,6 +415,126 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
         e = Edge(fi, gi, ug, vg, dict(b.shared_edges[key]))
         e.keys = (("read", name, wgrads, fused, wsums), list(uids), list(vids))
         edges.append(e)
+
+
+@dataclass
+class FoldThrough(SharedReads):
+    """Whether the f on one read (a ``cp`` one, on an activation no matmul reads there) folds into the all_gathers
+    before the group producing the read value (``passes/collectives.reduce_scatter_gathered_grads``), where the
+    all-gather form gathers the keys and values: before LLaMA's grouped-query repeat, whose group computes the
+    read keys from them alike on every cp rank. Two candidates, not folded and folded; folded is allowed only with
+    the read paying that f (edge to the reader, which takes its all-reduce back off), the producer's group
+    computing alike on cp from reads the gathers give it (edge to it, which adds their reduce-scatters) and each
+    value it gathers stored split on cp (edge to its producer). A gather right before the read is priced on the
+    read's edge (``CostModel.folded_f_saving``); gathers two groups up are not modelled (the rotary's: the ILP
+    gathers after it, the same bytes for less computation)."""
+
+
+def _fold_through_reads(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> list[tuple]:
+    """The reads an f may fold through the producer's group (``FoldThrough``): ``(reader group, op, input
+    position, producer group, boundary reads [(op, position, value)])`` where the value is an activation
+    produced by another group and read by that op alone, by a plain edge, and its producer's group computes only
+    from values made inside it, values without a gradient, and activations each read by one op of it alone
+    (the boundary, at least one), none of its results read outside it but the read value."""
+    cp = b._context_axes
+    if not cp:
+        return []
+    out = []
+    for gi, g in enumerate(groups):
+        for op in g.ops:
+            for pos, ref in enumerate(b.refs(op)):
+                name = ref.name
+                hi = where.get(name)
+                if hi is None or hi == gi or (op.result, pos) in b.summed or not b.folds(op, pos, name):
+                    continue
+                if [u.result for u in b.users[name]] != [op.result] or name in b.outputs:
+                    continue
+                boundary = _through_boundary(b, groups[hi], name, where, gi)
+                if boundary:
+                    out.append((gi, op, pos, hi, boundary))
+    return out
+
+
+def _through_boundary(b: GroupBuilder, h: Group, read: str, where: dict[str, int], gi: int) -> list | None:
+    """The boundary reads of group ``h`` for ``_fold_through_reads`` (None where ``h`` is not such a group)."""
+    if not isinstance(h.head, Op) or isinstance(h, SharedReads) or any(v.name in b.grad for v in h.values):
+        return None
+    inside = h.results() | {v.name for v in h.values}
+    ops = {o.result for o in h.ops}
+    boundary = []
+    for o in h.ops:
+        for r in o.results:
+            if r != read and (r in b.outputs or any(u.result not in ops for u in b.users[r])):
+                return None
+        for i, x in enumerate(b.refs(o)):
+            if x.name in inside or x.name not in b.grad:
+                continue
+            producer = b.producers.get(x.name)
+            if not isinstance(producer, Op) or x.name in b.outputs or (o.result, i) in b.summed:
+                return None
+            if [u.result for u in b.users[x.name]] != [o.result] or where[x.name] == gi:
+                return None
+            boundary.append((o, i, x.name))
+    return boundary or None
+
+
+def _add_fold_through(b, groups, nodes, edges, where, gi: int, op: Op, pos: int, hi: int, boundary: list) -> None:
+    """The ``FoldThrough`` node of ``op``'s read of input ``pos`` and its three kinds of edges (each edge's
+    ``(bytes, seconds)`` per pair of key ids in its keys, for ``_predict``)."""
+    axis = b._context_axes[0]
+    name = b.refs(op)[pos].name
+    t, h = b.types[name], groups[hi]
+    head = Value(f"{op.path}:<the f of %{name} folded into the gathers of its inputs>", "input", t)
+    g = FoldThrough(head, keys=["apart", "folded"], producer=hi)
+    g.candidates = [{}, {}]
+    g.signature = ("through", t, pos, groups[gi].signature, h.signature)  # alike in every layer
+    for arr in ("memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
+        setattr(g, arr, [0.0, 0.0])
+    groups.append(g)
+    fi = len(groups) - 1
+    nodes.append(Node(label(head), [0.0, 0.0], [0.0, 0.0]))
+
+    def edge(v: int, keys: list, price) -> None:
+        """An edge from the node to group ``v``, whose candidates have ``keys``: apart costs nothing, folded
+        ``price(key)`` ((bytes, seconds), None: not allowed)."""
+        vg, vids = _group_ids(keys)
+        cost, terms = {}, {}
+        for j, k in enumerate(vids):
+            cost[(0, j)] = 0.0
+            found = price(k)
+            if found is not None:
+                cost[(1, j)] = b.objective(0.0, *found, 0.0)
+                terms[(1, j)] = found
+        e = Edge(fi, v, [0, 1], vg, cost)
+        e.keys = (("through", terms), [0, 1], list(vids))
+        edges.append(e)
+
+    def f_back(k) -> tuple[float, float] | None:  # the read's f on cp, which folded takes back off its node
+        if k is None or axis not in k[1]:
+            return None
+        vol, sec = b.cost.grad_reduce(t, k[0], axis)
+        return -vol, -sec
+
+    cands = groups[gi].candidates
+    reads = [c[op.result].inputs[pos] for c in cands]
+    edge(gi, [None if p is None else (p, partial_axes(c[op.result], p)) for c, p in zip(cands, reads)], f_back)
+
+    def alike(c: dict) -> tuple | None:  # the reduce-scatters of the gathered reads, if h computes alike on cp
+        for o in h.ops:
+            s = c[o.result]
+            if any(p is None or not isinstance(p[axis], Replicate) for p in (*s.inputs, *s.outputs)):
+                return None
+        vol = sec = 0.0
+        for o, i, x in boundary:
+            v, w = b.cost.gathered_grad(b.types[x], c[o.result].inputs[i], axis)
+            vol, sec = vol + v, sec + w
+        return vol, sec
+
+    edge(hi, [alike(c) for c in h.candidates], lambda k: k)
+    for u in dict.fromkeys(where[x] for _, _, x in boundary):
+        xs = [x for _, _, x in boundary if where[x] == u]
+        keys = [all(isinstance(b.placement_in(c, groups[u], x)[axis], Shard) for x in xs) for c in groups[u].candidates]
+        edge(u, keys, lambda k: (0.0, 0.0) if k else None)
 
 
 def _read_through(
