@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 
+from autopar.ir.core import MeshSpec
 from autopar.search import profile_model, search
 from autopar.search.price import Analytic
 from autopar.search.space import Candidate, SearchSpace, families
@@ -166,3 +167,70 @@ def test_family_floor_holds_for_expert_parallel_candidates(moe) -> None:
     assert {f.ep for f in families(an, space, 8)} >= {1, 2, 4, 8}
     checked, rose = check_family_floor(an, space, 8, [float("inf"), 0.5 * 2**30])
     assert checked > 50, checked
+
+
+def _cli_json(capsys, *flags: str) -> dict:
+    import json
+
+    from autopar.cli import main
+
+    assert main(["plan", MOE, "--cluster", CLUSTER, "--global-batch", "16", "--json", *flags]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_cli_search_prices_the_router_imbalance(capsys) -> None:
+    """``autopar plan MOE --global-batch 16 --router-imbalance F`` (the flag ``--mesh`` takes too): the search's
+    40 best plans at F = 1 and F = 2 (budget 0.5 GiB, where ep plans are among the best); every expert-parallel
+    candidate listed in both is slower under the skewed router and every other one priced the same; the best
+    plan at F = 1 is expert parallel, at F = 2 it is not (the skew costs ep2 more than tensor parallelism's
+    all-reduces). ``--capacity-factor 1`` caps the skew at the mean: the ep candidates price below dropless F = 2."""
+    budget = ("--budget-gb", "0.5", "--top", "40")
+    runs = {f: _cli_json(capsys, *budget, "--router-imbalance", f) for f in ("1", "2")}
+    runs["cap"] = _cli_json(capsys, *budget, "--router-imbalance", "2", "--capacity-factor", "1")
+    assert [(r["router_imbalance"], r["capacity_factor"]) for r in runs.values()] == [(1, None), (2, None), (2, 1)]
+    steps = {k: {row["configuration"]: row for row in r["best"]} for k, r in runs.items()}
+    both = steps["1"].keys() & steps["2"].keys()
+    ep = [c for c in both if steps["1"][c]["candidate"]["ep"] > 1]
+    assert ep and len(both) > len(ep), sorted(both)
+    for c in both:
+        a, b = steps["1"][c]["step_seconds"], steps["2"][c]["step_seconds"]
+        assert b > a if c in ep else b == a, c
+    assert runs["1"]["best"][0]["candidate"]["ep"] > 1 and runs["2"]["best"][0]["candidate"]["ep"] == 1
+    capped = [c for c in steps["cap"].keys() & steps["2"].keys() if steps["2"][c]["candidate"]["ep"] > 1]
+    assert capped and all(steps["cap"][c]["step_seconds"] < steps["2"][c]["step_seconds"] for c in capped)
+
+
+def test_router_flags_reach_the_ilp_and_the_search_alike(moe, monkeypatch, capsys) -> None:
+    """``--router-imbalance 1.7 --capacity-factor 1.25``: with ``--mesh`` they are the TrainConfig's fields, so the
+    sharding ILP's cost model prices with them (``shard_options().setup``); without, the search prices with the same
+    values and the plan it materializes is solved with them (``materialize.shard_options``), so ``-o`` writes the
+    plan the search priced. A value below 1 is refused by name."""
+    from autopar.cli import build_parser
+    from autopar.cli import plan as plan_cli
+    from autopar.errors import ConfigError
+    from autopar.search import cli as search_cli
+    from autopar.search.materialize import shard_options
+
+    flags = ["--router-imbalance", "1.7", "--capacity-factor", "1.25"]
+    args = build_parser().parse_args(["plan", MOE, "--mesh", "dp=2,ep=2", *flags])
+    setup = plan_cli.plan_config(args).shard_options().setup
+    assert (setup.router_imbalance, setup.capacity_factor) == (1.7, 1.25)
+    seen = {}
+
+    def fake_search(spec, cluster, batch, budget, space, **kw):
+        seen.update(kw)
+        return search(moe, cluster, batch, budget, SearchSpace(pp=(1,), tp=(1,), ep=(2,)), spec=spec, **kw)
+
+    monkeypatch.setattr(search_cli, "search_model", fake_search)
+    args = build_parser().parse_args(["plan", MOE, "--cluster", CLUSTER, "--global-batch", "16", *flags])
+    assert plan_cli.run(args) == 0
+    assert (seen["router_imbalance"], seen["capacity_factor"]) == (1.7, 1.25)
+    assert "router imbalance 1.7, capacity factor 1.25" in capsys.readouterr().out
+    found = fake_search(MOE, ClusterSpec.load(CLUSTER), 16, None, None, **seen)
+    ev = found.best[0]
+    want = Analytic(moe, found.cluster, 16, router_imbalance=1.7, capacity_factor=1.25).evaluate(ev.candidate)
+    assert ev.candidate.ep == 2 and ev.tf == pytest.approx(want.tf, rel=1e-12)
+    opts = shard_options(found, ev, MeshSpec(tuple(ev.candidate.mesh().items())), 60.0, "cbc")
+    assert (opts.setup.router_imbalance, opts.setup.capacity_factor, opts.capacity_factor) == (1.7, 1.25, 1.25)
+    with pytest.raises(ConfigError, match="router_imbalance"):
+        plan_cli.plan_config(build_parser().parse_args(["plan", MOE, "--router-imbalance", "0.5"]))

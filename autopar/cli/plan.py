@@ -85,6 +85,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(compile applies the plan's precision); default, with --mesh and in the search alike: bf16 on a GPU "
         "(NCCL) cluster, fp32 on a gloo one",
     )
+    p.add_argument(
+        "--router-imbalance", type=float, default=None, metavar="F",
+        help="a mixture of experts on an ep axis: price the busiest expert rank at F times the mean rows (default 1: "
+        "uniform routing; TrainConfig.router_imbalance), with --mesh and in the search alike",
+    )  # fmt: skip
+    p.add_argument(
+        "--capacity-factor", type=float, default=None, metavar="C",
+        help="a mixture of experts: each expert keeps ceil(C x tokens x top-k / experts) of its rows and drops the "
+        "rest (default: dropless; TrainConfig.capacity_factor), priced and planned with --mesh and in the search alike",
+    )  # fmt: skip
     p.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds (default 60)")
     p.add_argument("--solver", choices=["cbc", "highs"], default=None, help="ILP back end (default CBC)")
     p.add_argument("--chunks", type=int, default=None, help="virtual pipeline chunks per rank (interleaved schedule)")
@@ -180,6 +190,8 @@ def plan_config(args: argparse.Namespace) -> TrainConfig:
         "cluster": args.cluster,
         "roles": args.roles,
         "torch_compile": getattr(args, "torch_compile", None),
+        "router_imbalance": getattr(args, "router_imbalance", None),
+        "capacity_factor": getattr(args, "capacity_factor", None),
     }
     changes = {k: v for k, v in changes.items() if v is not None}
     shape = {k: v for k, v in (("chunks", args.chunks), ("waves", args.waves)) if v is not None}
@@ -224,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         return print_models()
     cfg = plan_config(args)
     args.cluster, args.time_limit, args.solver = cfg.cluster, cfg.time_limit, cfg.solver  # the search's
+    args.router_imbalance, args.capacity_factor = cfg.router_imbalance, cfg.capacity_factor  # priced as --mesh does
     if getattr(args, "seq_len", None) is not None and args.model:
         args.model = with_seq(args.model, args.seq_len)
     # -- search hook ------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from autopar.search.score import Scorer
 from autopar.search.search import search_model
 from autopar.search.space import SearchSpace
 from autopar.solver.cluster.spec import ClusterSpec
+from autopar.solver.sharding.experts import DEFAULT_IMBALANCE
 
 
 def run_cli(args: argparse.Namespace) -> int:
@@ -44,6 +45,8 @@ def run_cli(args: argparse.Namespace) -> int:
         args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True,
         attention=getattr(args, "attention", None) or "fused", compiled=bool(getattr(args, "torch_compile", None)),
         scorer=Scorer(recompute_at=getattr(args, "recompute_at", None) or "early"),
+        router_imbalance=getattr(args, "router_imbalance", None) or DEFAULT_IMBALANCE,
+        capacity_factor=getattr(args, "capacity_factor", None),
     )  # fmt: skip
     plan = None
     if args.output:

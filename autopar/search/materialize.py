@@ -49,8 +49,36 @@ class SearchOutcome(Protocol):
     cluster: ClusterSpec
     global_batch: int
     stats: dict[str, Any]
+    analytic: Any  # the search's ``price.Analytic``: its pricing assumptions (compiled, router, capacity)
 
     def summary(self, ev: Evaluation) -> dict[str, Any]: ...
+
+
+def shard_options(
+    result: SearchOutcome, ev: Evaluation, mesh: MeshSpec, time_limit: float, backend: str
+) -> ShardOptions:
+    """The intra-op ILP's options for candidate ``ev`` on ``mesh``: its ZeRO/MiCS, the search's precision, budget,
+    cluster and pricing assumptions (torch_compile, a mixture of experts' router imbalance and capacity factor),
+    the dp* axes data parallel."""
+    c = ev.candidate
+    zero_axes = data_axes(mesh.without_pipeline().names)
+    setup = TrainingSetup(
+        precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None,
+        compiled=result.analytic.compiled,  # a plan searched for torch_compile=True is solved priced compiled
+        router_imbalance=result.analytic.router_imbalance,  # the router the search priced, priced by the ILP too
+    )  # fmt: skip
+    return ShardOptions(
+        objective="time",
+        budget_bytes=result.budget_bytes,
+        time_limit=time_limit,
+        backend=backend,
+        setup=setup,
+        cluster=result.cluster,
+        data_parallel="activations",
+        fallbacks=True,
+        context_attention=c.cp_form or "auto",  # the form the search priced (ShardOptions fixes it on cp)
+        capacity_factor=result.analytic.capacity_factor,  # dropped as the search priced it (set_capacity)
+    )
 
 
 def build_plan(
@@ -76,22 +104,7 @@ def build_plan(
     captured = capture_for_planning(m.model, m.args, m.kwargs, result.precision)  # as compile captures it
     capture_seconds = time.perf_counter() - t0
     mesh = MeshSpec(tuple(c.mesh().items()))
-    zero_axes = data_axes(mesh.without_pipeline().names)
-    setup = TrainingSetup(
-        precision=result.precision, zero=c.zero, zero_axes=zero_axes, mics_group=c.mics_group or None,
-        compiled=result.analytic.compiled,  # a plan searched for torch_compile=True is solved priced compiled
-    )  # fmt: skip
-    opts = ShardOptions(
-        objective="time",
-        budget_bytes=result.budget_bytes,
-        time_limit=time_limit,
-        backend=backend,
-        setup=setup,
-        cluster=result.cluster,
-        data_parallel="activations",
-        fallbacks=True,
-        context_attention=c.cp_form or "auto",  # the form the search priced (ShardOptions fixes it on cp)
-    )
+    opts = shard_options(result, ev, mesh, time_limit, backend)
     flow = FlowOptions(
         shard=opts,
         chunks=c.chunks,  # the candidate's placement: interleaved, ZB-V and DualPipeV have chunks, waves waves

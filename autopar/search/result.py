@@ -84,7 +84,7 @@ class SearchResult:
         head = (
             f"{self.spec or 'model'} on {cl.name} x {cl.world_size} ({cl.nodes} nodes x {cl.devices_per_node}), "
             f"global batch {self.global_batch}, budget {self.budget_bytes / GiB:.1f} GiB/device, "
-            f"{self.precision} + Adam, attention {self.analytic.attention}"
+            f"{self.precision} + Adam, attention {self.analytic.attention}{self._router()}"
         )
         counts = (
             f"searched {s['space']:,} candidates ({s['families']:,} mesh x micro-batch families) in "
@@ -108,6 +108,15 @@ class SearchResult:
         )
         return "\n".join(rows)
 
+    def _router(self) -> str:
+        """A mixture of experts' routing assumption, for the table's head line (nothing for a dense model)."""
+        if not self.analytic.p.experts:
+            return ""
+        cf = self.analytic.capacity_factor
+        return f", router imbalance {self.analytic.router_imbalance:g}, " + (
+            "dropless" if cf is None else f"capacity factor {cf:g}"
+        )
+
     def to_dict(self, top: int | None = None) -> dict[str, Any]:
         return {
             "model": self.spec,
@@ -117,6 +126,8 @@ class SearchResult:
             "budget_bytes": self.budget_bytes,
             "precision": self.precision,
             "attention": self.analytic.attention,
+            "router_imbalance": self.analytic.router_imbalance,
+            "capacity_factor": self.analytic.capacity_factor,
             "stats": dict(self.stats),
             "best": [self.summary(ev) for ev in self.best[: top or len(self.best)]],
         }
