@@ -20,6 +20,7 @@ from autopar.errors import ConfigError, SolverError
 from autopar.ir.core import MeshSpec, Op, R, Ref, Shard, TensorType
 from autopar.models.small_families import _MOE_CONFIGS, FAMILIES, _lm
 from autopar.passes.capture import capture
+from autopar.passes.describe import describe_plan
 from autopar.passes.lower import lower
 from autopar.passes.shard import ShardOptions, shard
 from autopar.runtime.comm import all_to_all as a2a
@@ -181,8 +182,22 @@ def test_roles_by_name_put_the_expert_tables_on_ep(kernel: str) -> None:
     planned = shard(lowered, ShardOptions(objective="memory", roles="name"))
     tables = [v for v in planned.program.params if v.name.endswith(EXPERT_TABLES)]
     assert len(tables) == 2 and all(t.type.placements[0] == Shard(0) for t in tables), [str(t.type) for t in tables]
+    # the plan's summary says so (passes/describe.py), the dense layers apart: no "tensor parallel (Megatron)" on ep
+    text = describe_plan(planned.program)
+    experts = (
+        "ep=2: expert parallel: 2 expert tables split on their experts (2 of 4 a rank), tokens sent to their "
+        "experts' ranks and back by all-to-all at 2 expert ops; dense layers "
+    )
+    assert experts in text and "Megatron" not in text, text
+    dense_params = [v for v in planned.program.params if not v.name.endswith(EXPERT_TABLES)]
+    n = sum(isinstance(v.type.placements[0], Shard) for v in dense_params)
+    assert f"{n} of {len(dense_params)} dense parameters sharded" in text if n else "dense layers data parallel" in text
     dense, dense_kwargs = FAMILIES["llama"](torch.Generator().manual_seed(1))
-    assert expert_parallel_constraints(lower(capture(dense, (), dense_kwargs), MeshSpec((("ep", 2),)))) == {}
+    captured = capture(dense, (), dense_kwargs)
+    assert expert_parallel_constraints(lower(captured, MeshSpec((("ep", 2),)))) == {}
+    if kernel == "grouped_mm":  # a dense model's tp axis keeps Megatron's name
+        tp = shard(lower(captured, MeshSpec((("tp", 2),))), ShardOptions(roles="name"))
+        assert "tp=2: tensor parallel (Megatron): column/row on " in describe_plan(tp.program)
 
 
 def test_capacity_caps_the_busiest_rank_as_the_formula_says() -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.ir.core import VIEW_OPS, Op, Program
+from autopar.ir.core import COLLECTIVES, VIEW_OPS, Op, Program
 
 CONTRACTIONS = frozenset(
     {"aten.mm", "aten.bmm", "aten.matmul", "aten.linear", "aten.addmm", "aten.convolution", "aten.conv2d"}
@@ -32,14 +32,21 @@ CONTRACTIONS = frozenset(
 COLUMN, ROW, VOCAB, SPLIT = "column", "row", "vocab", "split"
 
 
-def weight_values(prog: Program) -> frozenset[str]:
-    """Parameters and views or casts of them (a transposed weight is still a weight)."""
-    out = {v.name for v in prog.inputs if v.kind == "param"}
+def param_origins(prog: Program, collectives: bool = False) -> dict[str, str]:
+    """The parameter that each parameter, view or cast of one in ``prog`` is (a view or cast is read as it);
+    ``collectives``: a collective's result on one too (an all-gathered weight is the weight, whole)."""
+    origin = {v.name: v.name for v in prog.inputs if v.kind == "param"}
+    through = VIEW_OPS | {"aten.to.dtype", "aten._to_copy"} | (COLLECTIVES - {"send", "recv"} if collectives else set())
     for op in prog.ops:
         refs = op.input_refs()
-        if refs and refs[0].name in out and op.target in VIEW_OPS | {"aten.to.dtype", "aten._to_copy"}:
-            out.update(op.results)
-    return frozenset(out)
+        if refs and refs[0].name in origin and op.target in through:
+            origin.update(dict.fromkeys(op.results, origin[refs[0].name]))
+    return origin
+
+
+def weight_values(prog: Program) -> frozenset[str]:
+    """Parameters and views or casts of them (a transposed weight is still a weight)."""
+    return frozenset(param_origins(prog))
 
 
 def megatron_roles(ops: Sequence[Op], weights: frozenset[str], vocab: str | None = None) -> list[str]:
@@ -192,5 +199,6 @@ __all__ = [
     "VOCAB",
     "megatron_layout",
     "megatron_roles",
+    "param_origins",
     "weight_values",
 ]

@@ -25,12 +25,12 @@ adds none of these constraints.
 from __future__ import annotations
 
 from autopar.ir.axes import data_axes, is_expert_axis, is_tensor_axis
-from autopar.ir.core import VIEW_OPS, Placement, Program, R, Shard
+from autopar.ir.core import Op, Placement, Program, R, Shard
 from autopar.ir.layout import valid
 from autopar.solver.sharding.baselines import Exactly, data_parallel_constraints
 from autopar.solver.sharding.context_roles import context_parallel_constraints
 from autopar.solver.sharding.experts import EXPERT_GATHER, EXPERT_GROUPED_MM
-from autopar.solver.sharding.megatron_roles import megatron_layout
+from autopar.solver.sharding.megatron_roles import megatron_layout, param_origins
 
 ROLES = ("name", "auto")
 
@@ -62,21 +62,13 @@ def tensor_parallel_constraints(prog: Program) -> dict:
     return out
 
 
-def expert_parallel_constraints(prog: Program) -> dict:
-    """``ShardOptions.constrain`` entries splitting every expert table of ``prog`` on its experts (dim 0) over the
-    ``ep*`` axes of its mesh (the other axes left open): the 3-D parameters that a grouped matmul reads as its
-    weights or an expert gather (``aten.index.Tensor`` by 1-D indices) as its table, directly or through views
-    and casts; one whose experts do not divide over the axes is left out."""
-    ep = [i for i, (n, s) in enumerate(prog.mesh.axes) if is_expert_axis(n) and s > 1]
-    if not ep:
-        return {}
+def expert_reads(prog: Program) -> list[tuple[Op, str]]:
+    """Each op of ``prog`` reading an expert table, with the table: a 3-D parameter that a grouped matmul reads as
+    its weights or an expert gather (``aten.index.Tensor`` by 1-D indices) as its table, directly or through views,
+    casts and collectives."""
     types = prog.types()
-    origin = {v.name: v.name for v in prog.inputs if v.kind == "param"}
-    for op in prog.ops:  # views and casts of a parameter are read as it
-        refs = op.input_refs()
-        if refs and refs[0].name in origin and op.target in VIEW_OPS | {"aten.to.dtype", "aten._to_copy"}:
-            origin.update(dict.fromkeys(op.results, origin[refs[0].name]))
-    tables = set()
+    origin = param_origins(prog, collectives=True)
+    reads = []
     for op in prog.ops:
         refs = [r.name for r in op.input_refs()]
         if op.target in EXPERT_GROUPED_MM and len(refs) == 3:
@@ -86,9 +78,20 @@ def expert_parallel_constraints(prog: Program) -> dict:
         else:
             continue
         if read in origin and len(types[origin[read]].shape) == 3:
-            tables.add(origin[read])
+            reads.append((op, origin[read]))
+    return reads
+
+
+def expert_parallel_constraints(prog: Program) -> dict:
+    """``ShardOptions.constrain`` entries splitting every expert table of ``prog`` (``expert_reads``) on its experts
+    (dim 0) over the ``ep*`` axes of its mesh (the other axes left open); one whose experts do not divide over the
+    axes is left out."""
+    ep = [i for i, (n, s) in enumerate(prog.mesh.axes) if is_expert_axis(n) and s > 1]
+    if not ep:
+        return {}
+    types = prog.types()
     out = {}
-    for name in sorted(tables):
+    for name in sorted({table for _, table in expert_reads(prog)}):
         want = tuple(Shard(0) if i in ep else None for i in range(len(prog.mesh.axes)))
         if valid(tuple(R if w is None else w for w in want), types[name].shape, prog.mesh.sizes):
             out[name] = Exactly(want)
@@ -119,4 +122,11 @@ def role_constraints(prog: Program, activations: bool = True) -> tuple[dict, fro
     return out, pinned
 
 
-__all__ = ["ROLES", "expert_parallel_constraints", "merged", "role_constraints", "tensor_parallel_constraints"]
+__all__ = [
+    "ROLES",
+    "expert_parallel_constraints",
+    "expert_reads",
+    "merged",
+    "role_constraints",
+    "tensor_parallel_constraints",
+]
