@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 
 from autopar.errors import PipelineError, PlanError
-from autopar.ir.core import Op, Program, Ref, Replicate, Shard, TensorType, map_refs
+from autopar.ir.core import VIEW_OPS, Op, Program, Ref, Replicate, Shard, TensorType, iter_refs, map_refs
 from autopar.solver.sharding.experts import (
     EP_BLOCK,
     EP_ROWS,
@@ -137,6 +137,8 @@ class _Rewrite:
         self.dispatched: dict[tuple[str, Route, bool], str] = {}
         self.combined: dict[str, str] = {}
         self.counter = 0
+        self.producer = {r: op for op in prog.ops for r in op.results}
+        self.regathered: dict[tuple[str, Route], str] = {}
 
     def run(self, gathers: dict[str, list[int]], grouped: dict[str, list[int]]) -> Program:
         for op in self.prog.ops:
@@ -147,7 +149,8 @@ class _Rewrite:
             else:
                 self.other(op)
         outputs = tuple(map_refs(self.prog.outputs, lambda r: Ref(self.nominal(r.name, ""))))
-        return self.prog.with_(ops=tuple(self.ops), outputs=outputs)
+        made_again = {name for name, _ in self.regathered}
+        return self.prog.with_(ops=_without_unread(self.ops, outputs, made_again), outputs=outputs)
 
     def gather(self, op: Op, axes: list[int]) -> None:
         table, idx = op.input_refs()
@@ -191,7 +194,7 @@ class _Rewrite:
                 reads = None  # a grouped routing sends no other rows on the way: combined first
             if reads is not None:
                 rename = {
-                    r.name: self.dispatch(r.name, route, op.path) if rows and r.name not in self.routed else r.name
+                    r.name: self.arrive(r.name, route, op.path) if rows and r.name not in self.routed else r.name
                     for r, rows in zip(refs, reads)
                 }
                 self.ops.append(op.with_(args=map_refs(op.args, lambda r: Ref(rename[r.name]))))
@@ -224,6 +227,58 @@ class _Rewrite:
         return not any(isinstance(t.placements[axis], Shard) and t.placements[axis].dim == 0 for t in (ins, out))
 
     # -- the inserted ops -----------------------------------------------------------------------
+    def arrive(self, name: str, route: Route, path: str) -> str:
+        """The rows of ``name`` on the ranks of their experts: dispatched, or, for the rows of a gather of a table
+        whole on the routing's axis by the routing's own indices (an expert table the plan reads gathered, its
+        rows then meeting dispatched ones), gathered there instead (``regather``): the indices move, not the
+        gathered matrices (E x K x N elements a row against one index)."""
+        key = (name, route)
+        if key not in self.regathered:
+            made = self.regather(name, route, path)
+            if made is None:
+                return self.dispatch(name, route, path)
+            self.regathered[key] = made
+        return self.regathered[key]
+
+    def regather(self, name: str, route: Route, path: str) -> str | None:
+        """``aten.index.Tensor(table, [idx])`` (the op making ``name``) made on the rows' experts' ranks: with
+        ``idx`` dispatched (global ids), or where ``table`` is its expert-split parameter all-gathered on the axis,
+        from the rank's own experts by their local ids, the all-gather left unread (``_without_unread``); None
+        where ``name`` is no such gather."""
+        op = self.producer.get(name)
+        if route.grouped or op is None or op.target != EXPERT_GATHER or len(op.input_refs()) != 2:
+            return None
+        table, idx = (r.name for r in op.input_refs())
+        if idx != route.src or not isinstance(self.types[table].placements[route.axis], Replicate):
+            return None
+        ids = self.nominal(idx, path)
+        split = self._split_table(table, route)
+        if split is not None:
+            table, ids = split, self.dispatch(ids, route, path, local_ids=True)
+        else:
+            ids = self.dispatch(ids, route, path)
+        self.counter += 1
+        made = f"ep{self.counter}"
+        rename = {op.input_refs()[0].name: table, idx: ids}
+        self.ops.append(op.with_(results=(made,), args=map_refs(op.args, lambda r: Ref(rename[r.name])), path=path))
+        self.types[made] = op.types[0]
+        self.routed[made] = route
+        return made
+
+    def _split_table(self, table: str, route: Route) -> str | None:
+        """The parameter split on its experts over the routing's axis that ``table`` is all-gathered from there
+        (through the backward's all-reduces), when it is."""
+        axis = self.prog.mesh.names[route.axis]
+        op = self.producer.get(table)
+        while op is not None and op.target == "grad_all_reduce" and op.kwargs.get("axis") == axis:
+            op = self.producer.get(op.input_refs()[0].name)
+        if op is None or op.target != "all_gather" or op.kwargs.get("axis") != axis or op.kwargs.get("dim") != 0:
+            return None
+        src = op.input_refs()[0].name
+        t = self.types[src]
+        split = t.placements[route.axis] == Shard(0) and t.shape[0] == self.experts.get(route)
+        return src if split and src in {v.name for v in self.prog.params} else None
+
     def dispatch(self, name: str, route: Route, path: str, local_ids: bool = False) -> str:
         key = (name, route, local_ids)
         if key not in self.dispatched:
@@ -259,6 +314,33 @@ class _Rewrite:
         self.ops.append(Op((name,), (t,), target, (Ref(src), Ref(idx)), kwargs, path=path))
         self.types[name] = t
         return name
+
+
+# ops without effects that a regathered gather may leave unread: the gather, and the table's all-gather
+_UNREAD = frozenset({EXPERT_GATHER, "all_gather", "grad_all_reduce"}) | VIEW_OPS
+
+
+def _without_unread(ops: list[Op], outputs, made: set[str]) -> tuple[Op, ...]:
+    """``ops`` less the gathers ``made`` again on the experts' ranks (``_Rewrite.regather``) where nothing else
+    reads them, and then what only they read (ops of ``_UNREAD``: the table's all-gather), and so on."""
+    if not made:
+        return tuple(ops)
+    suspects = set(made)
+    reads: dict[str, int] = {}
+    for r in iter_refs(outputs):
+        reads[r.name] = reads.get(r.name, 0) + 1
+    for op in ops:
+        for r in op.input_refs():
+            reads[r.name] = reads.get(r.name, 0) + 1
+    keep = [True] * len(ops)
+    for i in range(len(ops) - 1, -1, -1):  # a reader comes after what it reads: one backward sweep
+        op = ops[i]
+        if op.target in _UNREAD and suspects & set(op.results) and not any(reads.get(r, 0) for r in op.results):
+            keep[i] = False
+            for r in op.input_refs():
+                reads[r.name] -= 1
+                suspects.add(r.name)
+    return tuple(op for op, k in zip(ops, keep) if k)
 
 
 def row_reads(op: Op, types: dict[str, TensorType], axis: int | None, n_rows: int) -> list[bool] | None:

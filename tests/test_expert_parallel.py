@@ -28,15 +28,16 @@ from autopar.check.float64 import Float64Mode
 from autopar.check.simtrain import SimCompiled
 from autopar.check.step import check_model
 from autopar.errors import PipelineError
-from autopar.ir.core import MeshSpec, Shard
+from autopar.ir.core import MeshSpec, R, Shard
 from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.models.small_families import _MOE_CONFIGS, _lm, moe
+from autopar.passes import experts as experts_pass
 from autopar.passes.capture import capture
 from autopar.passes.collectives import insert_collectives
 from autopar.passes.experts import COMBINE, DISPATCH, GROUPED_DISPATCH, routed_values
 from autopar.passes.lower import lower
-from autopar.passes.shard import ShardOptions, shard
+from autopar.passes.shard import ShardOptions, format_placements, required_inputs, shard
 from autopar.passes.transfers import insert_transfers
 from autopar.runtime.build import codegen as codegen_module
 from autopar.runtime.comm import all_to_all as a2a
@@ -211,6 +212,54 @@ def test_combining_rows_out_of_order_breaks_training(monkeypatch) -> None:
         ref = train(reference, [kwargs, kwargs], "sgd")
     assert loss_error(losses[:, 0], ref) > 1e3 * TOL, (losses[:, 0], ref)
     assert state_error(sim.full_state_dict(), reference)[0] > 1e3 * TOL
+
+
+def _read_whole(prog, table: str, axis: int):
+    """``prog`` with the gathers of ``table`` reading it whole on mesh axis ``axis`` (the shard pass's ``in``), as
+    a plan may that stores it split on its experts: the program all-gathers it there and gathers locally."""
+    ops = []
+    for op in prog.ops:
+        refs = [r.name for r in op.input_refs()]
+        if op.target == "aten.index.Tensor" and refs and refs[0] == table:
+            whole = required_inputs(op)[0][:axis] + (R,) + required_inputs(op)[0][axis + 1 :]
+            op = op.with_(attrs={**op.attrs, "in": [format_placements(whole), *op.attrs["in"][1:]]})
+        ops.append(op)
+    return prog.with_(ops=tuple(ops))
+
+
+@pytest.mark.parametrize("source", ["its experts", "the gathered table"])
+def test_a_table_read_whole_is_gathered_on_the_experts_ranks(source: str, monkeypatch) -> None:
+    """A plan that stores Mixtral's down projections split over ep but reads them whole (what the time objective
+    chose for bench/expert_parallel_vs_hand.py, BENCHMARKS.md section 19) meets their gathered matrices with
+    dispatched rows: instead of sending each row's gathered K x N matrix to its expert's rank (before: an
+    all-gather of the table and a 3-D dispatch of 32 x 64 elements a row), the program gathers them there
+    (``_Rewrite.regather``): from the rank's own experts by the local ids the gate/up table's gather already
+    dispatched, the all-gather gone; or, where the table is not its split parameter gathered (forced here),
+    from the gathered table by the rows' dispatched global ids. Either way no matrix is sent, and two SGD steps
+    on simulated ranks equal one process (float64)."""
+    if source == "the gathered table":
+        monkeypatch.setattr(experts_pass._Rewrite, "_split_table", lambda self, table, route: None)
+    model, kwargs = _model("mixtral")
+    reference = copy.deepcopy(model)
+    planned = shard(lower(capture(model, (), kwargs), EP), MEMORY).program
+    downs = [t.name for t in _expert_tables(planned) if t.name.endswith("down_proj")]
+    assert downs and all(t.type.placements[0] == Shard(0) for t in _expert_tables(planned))
+    for name in downs:
+        planned = _read_whole(planned, name, 0)
+    prog = insert_collectives(planned)  # a plan file's program: the collectives and the expert dispatch in it
+    gathered = [op for op in prog.ops if op.target == "all_gather" and op.input_refs()[0].name in downs]
+    dispatched = [op for op in prog.ops if op.target == DISPATCH]
+    matrices = [op for op in dispatched if len(op.types[0].shape) == 3 and op.types[0].shape[2] > 1]
+    ids = [op for op in dispatched if op.args[0] == op.args[1]]  # the router's indices themselves
+    assert not matrices, [str(op.types[0]) for op in matrices]
+    if source == "its experts":
+        assert not gathered and len(ids) == len(downs), [str(op) for op in ids]  # one for both tables
+    else:
+        assert len(gathered) == len(downs) and len(ids) == 2 * len(downs)  # local ids and global ones
+    sim = SimCompiled.of(model, EP, (), kwargs, options=MEMORY, sharded=prog, float64=True)
+    make_optimizer("sgd", sim)
+    losses = assert_sim_trains_as_one_process(sim, reference, kwargs, "sgd")
+    assert (losses == losses[:, :1]).all(), f"the ranks' losses differ: {losses}"
 
 
 GLOO_CLUSTER = "local-cpu"
