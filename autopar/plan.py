@@ -48,8 +48,10 @@ _LAYOUT_ONLY = {"aten.contiguous", "aten.alias"}
 def fingerprint(captured: Captured, lowered: Program | None = None) -> str:
     """SHA-256 of the captured graph's IR without a mesh and without layout-only ops: the same model
     and inputs give the same fingerprint whether they were traced on meta or with real weights.
-    ``lowered``: ``lower(captured, MeshSpec())`` when the caller has it."""
-    prog = lowered if lowered is not None else lower(captured, MeshSpec())
+    ``lowered``: ``lower(captured, MeshSpec())`` when the caller has it (else ``captured.plain``, if made)."""
+    prog = lowered if lowered is not None else captured.plain
+    if prog is None:
+        prog = lower(captured, MeshSpec())
     alias: dict[str, str] = {}
     ops = []
     for op in prog.ops:

@@ -217,7 +217,7 @@ def capture_for_planning(model, args: tuple, kwargs: dict, precision: str = "fp3
             with stack:
                 captured = capture(*for_capture(model, args, kwargs, precision))
             captured.repeat = repeat
-            lower(captured, MeshSpec())  # the checks (repeat_layers.LayersDiffer)
+            captured.plain = lower(captured, MeshSpec())  # the checks (repeat_layers.LayersDiffer)
         except CaptureError:
             pass
         else:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from autopar.errors import CaptureError
+from autopar.ir.core import Program
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class Captured:
     # planning's capture of a few layers that stand for the whole stack (passes/repeat_layers.py): ``lower``
     # repeats them to the model's depth; None: the model as it is
     repeat: LayerRepeat | None = None
+    # ``lower(self, MeshSpec())`` where planning's capture made it already (its checks): the fingerprint's program
+    plain: Program | None = None
 
 
 def _to_meta(x: Any) -> Any:
