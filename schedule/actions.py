@@ -99,7 +99,8 @@ class Action:
             object.__setattr__(self, "recompute", Fraction(self.recompute))
         if self.recompute and k not in (Kind.F, Kind.RECOMPUTE):
             raise ScheduleError(f"{k.value} takes no recompute fraction")
-        if not 0 <= self.recompute <= 1 or (k is Kind.RECOMPUTE and not self.recompute):
+        r = self.recompute  # 0 <= r <= 1 on its integers (a Fraction's denominator is positive): no Fraction compares
+        if not 0 <= r.numerator <= r.denominator or (k is Kind.RECOMPUTE and not r):
             raise ScheduleError(f"{self}: recompute fraction must be in (0, 1] on RECOMPUTE, [0, 1] on F")
 
     def __str__(self) -> str:
@@ -136,9 +137,12 @@ class Action:
         return cls(kind, **fields)  # type: ignore[arg-type]
 
 
+_NONE = Fraction(0)  # nothing recomputed (Fractions are immutable: one serves every action)
+
+
 def F(mb: int, stage: int, recompute: Fraction | int = 0) -> Action:
     """Forward of microbatch ``mb`` through ``stage``."""
-    return Action(Kind.F, stage, mb, recompute=Fraction(recompute))
+    return Action(Kind.F, stage, mb, recompute=recompute if recompute else _NONE)
 
 
 def B(mb: int, stage: int) -> Action:
@@ -180,7 +184,7 @@ def stage_stash_points(actions: Sequence[Action]) -> list[tuple[tuple[int, int],
                 pending[a.stage] -= 1
             live[a.stage] -= ends_backward(a, split)
         points.add(tuple((live[s], pending[s]) for s in stages))
-    return _frontier(points, lambda p: tuple(x for pair in p for x in pair))
+    return _frontier(points, lambda p: sum(p, ()))
 
 
 def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
@@ -190,13 +194,23 @@ def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
 
 
 def _frontier(points: set, flat=lambda p: p) -> list:
-    """The points no other point reaches or exceeds in every coordinate (of ``flat(point)``), sorted."""
-    coords = {p: flat(p) for p in points}
+    """The points no other point reaches or exceeds in every coordinate (of ``flat(point)``), sorted.
 
-    def covers(q, p) -> bool:
-        return all(x >= y for x, y in zip(coords[q], coords[p]))
-
-    return sorted(p for p in points if not any(q != p and covers(q, p) for q in points))
+    In decreasing lexicographic order of the coordinates a point can be covered only by one before it (or one
+    with the same coordinates), and then by one of the maximal coordinates seen so far: each point is compared
+    with those only, not with every other point."""
+    by_coords: dict[tuple, list] = {}
+    for p in points:
+        by_coords.setdefault(tuple(flat(p)), []).append(p)
+    maximal: list[tuple] = []  # coordinates seen that none seen before reaches in every coordinate
+    out = []
+    for c in sorted(by_coords, reverse=True):
+        if any(all(x >= y for x, y in zip(m, c)) for m in maximal):
+            continue
+        maximal.append(c)
+        if len(by_coords[c]) == 1:  # two points with the same coordinates cover each other
+            out.append(by_coords[c][0])
+    return sorted(out)
 
 
 def RECOMPUTE(mb: int, stage: int, fraction: Fraction | int = 1) -> Action:

@@ -595,3 +595,20 @@ def test_stash_points_repeat_from_2p_microbatches_on() -> None:
             ref = [stash_points(o) for o in zero_bubble_orders(name, p, 2 * p)]
             for m in (2 * p + 1, 4 * p, 7 * p + 3):
                 assert [stash_points(o) for o in zero_bubble_orders(name, p, m)] == ref, (name, p, m)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.sets(st.tuples(*[st.integers(0, 4)] * 3), max_size=40), st.booleans())
+def test_frontier_is_the_points_nothing_else_covers(points, collide) -> None:
+    """``actions._frontier`` (a sweep in decreasing order) against its definition, comparing every pair: the
+    points no other point reaches or exceeds in every coordinate; with ``collide`` the coordinates drop the last
+    entry, so distinct points can share them (and then cover each other)."""
+    from autopar.schedule.actions import _frontier
+
+    def flat(p):
+        return p[:2] if collide else p
+
+    def covers(q, p):
+        return all(x >= y for x, y in zip(flat(q), flat(p)))
+
+    assert _frontier(points, flat) == sorted(p for p in points if not any(q != p and covers(q, p) for q in points))
