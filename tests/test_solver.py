@@ -31,7 +31,8 @@ from autopar.plan import Plan, fingerprint
 from autopar.planner import plan_captured
 from autopar.schedule.generators import make_schedule
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.baselines import Exactly, megatron_options, run_baseline
+from autopar.solver.sharding import baselines
+from autopar.solver.sharding.baselines import Exactly, Unavailable, megatron_options, run_baseline, run_baselines
 from autopar.solver.sharding.cost import CostModel, TrainingSetup
 from autopar.solver.sharding.ilp import solve
 from autopar.solver.sharding.problem import Edge, Node, fold_repeated, objective_of, switch_costs
@@ -458,6 +459,26 @@ def test_megatron_baseline_is_megatrons_layout():
     assert params["transformer.h.0.mlp.c_proj.weight"] == (R, Shard(0))
     assert params["transformer.h.0.ln_1.weight"] == (R, R)
     assert res.placements("input_ids") == (Shard(0), R)
+
+
+def test_baselines_solved_together_equal_each_solved_alone(monkeypatch):
+    """``run_baselines`` builds the dp, zero2 and zero3 baselines' problems from one layout (they differ only in the
+    ZeRO stage, which prices them): each baseline as it solves it is the one solved alone, placements and prices.
+    (megatron and comm have layouts of their own.)"""
+    _, prog = _tiny("tiny-mlp", "dp=2,a=2")
+    opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"), budget_bytes=2**30)
+    layouts = []
+    made = baselines.problem_layout
+    monkeypatch.setattr(baselines, "problem_layout", lambda *a: layouts.append(made(*a)) or layouts[-1])
+    together = run_baselines(prog, opts, ("dp", "zero2", "zero3"))
+    assert len(layouts) == 1
+    for name, res in together.items():
+        assert not isinstance(res, Unavailable), (name, res)
+        alone = run_baseline(prog, name, opts)
+        prices = ("memory_bytes", "redundancy_bytes", "comm_bytes", "comm_seconds", "compute_seconds")
+        assert [getattr(res, k) for k in prices] == [getattr(alone, k) for k in prices], name
+        assert res.chosen == alone.chosen and res.solution.choice == alone.solution.choice, name
+    assert together["zero3"].memory_bytes < together["zero2"].memory_bytes < together["dp"].memory_bytes
 
 
 def test_autopars_least_memory_strategy_never_exceeds_megatrons():

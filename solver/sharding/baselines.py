@@ -35,7 +35,7 @@ from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.megatron_roles import megatron_layout
 from autopar.solver.sharding.options import ShardOptions
 from autopar.solver.sharding.rules.elementwise import SOURCES
-from autopar.solver.sharding.solve import Sharding, solve_sharding
+from autopar.solver.sharding.solve import Layout, Sharding, problem_layout, solve_sharding
 
 BASELINES = ("megatron", "dp", "zero2", "zero3", "comm")
 
@@ -196,13 +196,16 @@ def megatron_options(prog: Program, opts: ShardOptions | None = None) -> ShardOp
     return replace(opts or ShardOptions(), constrain=megatron_constraints(prog), pin_constrained=True)
 
 
-def run_baseline(prog: Program, name: str, opts: ShardOptions) -> Sharding:
+def run_baseline(prog: Program, name: str, opts: ShardOptions, layouts: list[Layout] | None = None) -> Sharding:
     """Solve the program under a baseline's constraints with the same cost model as autopar. Raises
-    ``BaselineUnavailableError`` where the baseline's layout cannot exist on the mesh."""
+    ``BaselineUnavailableError`` where the baseline's layout cannot exist on the mesh. ``layouts``: the
+    problem layouts (``solve.Layout``) of the baselines solved before on ``prog``, which this one joins: the
+    dp, zero2 and zero3 baselines differ only in the ZeRO stage, a price, and start from one."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose from {', '.join(BASELINES)}")
+    layouts = [] if layouts is None else layouts
     if name == "comm":
-        return solve_sharding(prog, replace(opts, objective="comm"))
+        return _solve(prog, replace(opts, objective="comm"), layouts)
     run = replace(opts, objective="comm", budget_bytes=None)
     if name == "megatron":
         run = megatron_options(prog, run)
@@ -213,16 +216,26 @@ def run_baseline(prog: Program, name: str, opts: ShardOptions) -> Sharding:
     reason = unavailable_reason(prog, run.constrain)
     if reason is not None:
         raise BaselineUnavailableError(f"the {name} baseline cannot run on mesh {prog.mesh}: {reason}", reason)
-    return solve_sharding(prog, run)
+    return _solve(prog, run, layouts)
+
+
+def _solve(prog: Program, opts: ShardOptions, layouts: list[Layout]) -> Sharding:
+    """``solve_sharding`` from the layout in ``layouts`` that fits ``opts``, else from a new one, kept there."""
+    layout = next((x for x in layouts if x.fits(opts)), None)
+    if layout is None:
+        layout = problem_layout(prog, opts)
+        layouts.append(layout)
+    return solve_sharding(prog, opts, layout)
 
 
 def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, Sharding | Unavailable]:
     """Every named baseline; one that cannot run on this mesh (its layout impossible, or no strategy within
     the budget for ``comm``) is an ``Unavailable`` with the reason, so the others and autopar's plan remain."""
     out: dict[str, Sharding | Unavailable] = {}
+    layouts: list[Layout] = []
     for n in names:
         try:
-            out[n] = run_baseline(prog, n, opts)
+            out[n] = run_baseline(prog, n, opts, layouts)
         except BaselineUnavailableError as e:
             out[n] = Unavailable(e.reason)
         except InfeasibleError as e:

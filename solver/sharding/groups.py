@@ -226,8 +226,9 @@ class GroupBuilder:
             by_input.setdefault(s.inputs[0], []).append(s)
         anything = by_input.get(None, [])
         out = []
+        key, k = self.output_of(g, main)
         for cand in g.candidates:
-            incoming = self.placement_in(cand, g, main)
+            incoming = cand[key].outputs[k]
             fitting = by_input.get(incoming, []) + anything
             for s in fitting or strats:
                 out.append({**cand, op.result: s})
@@ -236,10 +237,21 @@ class GroupBuilder:
         return out
 
     def placement_in(self, cand: dict[str, Strategy], g: Group, name: str) -> tuple[Placement, ...]:
+        key, k = self.output_of(g, name)
+        return cand[key].outputs[k]
+
+    def placements_in(self, g: Group, name: str) -> list[tuple[Placement, ...]]:
+        """``placement_in`` of every candidate of g, in order."""
+        key, k = self.output_of(g, name)
+        return [c[key].outputs[k] for c in g.candidates]
+
+    @staticmethod
+    def output_of(g: Group, name: str) -> tuple[str, int]:
+        """Where a candidate of g keeps member ``name``'s placements: (the strategy's key, which output)."""
         for op in g.ops:
             if name in op.results:
-                return cand[op.result].outputs[op.results.index(name)]
-        return cand[name].outputs[0]
+                return op.result, op.results.index(name)
+        return name, 0
 
     def _folded_ok(self, g: Group, cand: dict[str, Strategy]) -> bool:
         """Store each folded value the way its reader wants it; drop candidates where that's invalid."""
@@ -302,6 +314,14 @@ class GroupBuilder:
         return ("ops", tuple(ops), values, len(g.candidates))
 
     def price(self, g: Group) -> None:
+        # an op's terms depend on its strategy (and, after the group's first op, on the placement it reads from the
+        # op before it) only, which many candidates share: each is computed once, then added in the order the
+        # candidate's total sums them (so every total is the one summed term by term)
+        memo: dict[tuple, list[tuple[int, float]]] = {}
+        results = g.results()
+        # the ops after the first that read their main input from inside the group: where that input is held
+        mains = [self.refs(op)[0].name if k and self.refs(op) else None for k, op in enumerate(g.ops)]
+        inner = [self.output_of(g, name) if name in results else None for name in mains]
         for cand in g.candidates:
             mem = red = vol = sec = flop_sec = 0.0
             for v in g.values + ([g.head] if isinstance(g.head, Value) else []):
@@ -312,48 +332,17 @@ class GroupBuilder:
                     else self.cost.activation_memory(v.type, p)
                 )
                 mem, red = mem + m, red + r
-            for op in g.ops:
+            total = [mem, red, vol, sec, flop_sec]
+            for k, op in enumerate(g.ops):
                 s = cand[op.result]
-                b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs, op)
-                vol, sec = vol + b, sec + x
-                flop_sec += self.cost.op_seconds(
-                    op, self.types, [is_divergent(s, a) for a in range(len(self.mesh.axes))], s.inputs
-                )
-                for name, t, p in zip(op.results, op.types, s.outputs):
-                    if self.saved.activation(name):
-                        m, r = self.cost.activation_memory(t, p)
-                        mem, red = mem + m, red + r
-                extra = self.saved.extra.get(op.result)
-                if extra:
-                    m = extra_bytes(op, extra, self.types, self.mesh.sizes, [*s.inputs, *s.outputs])
-                    mem, red = mem + m, red + m * (self.cost.replication(s.outputs[0]) - 1)
-                for i, (ref, p) in enumerate(zip(self.refs(op), s.inputs)):
-                    if p is None:
-                        continue
-                    t = self.types[ref.name]
-                    src = None
-                    if i == 0 and op is not g.ops[0] and ref.name in g.results():
-                        src = self.placement_in(cand, g, ref.name)
-                        b, x = self.cost.redistribute(t, src, p, ref.name in self.grad)
-                        if b and ref.name in self.recomputable and not has_partial(src):
-                            b = x = INF  # computed where it is needed, never moved (a partial sum is reduced)
-                        vol, sec = vol + b, sec + x
-                    if ref.name in self.grad and (op.result, i) not in self.summed:
-                        # a parameter read by two ops whose gradients both need the sync is all-reduced
-                        # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k;
-                        # an activation's f that readers share is priced on its SharedReads node (solve.py)
-                        readers = len(self.users[ref.name]) if ref.name in self.params else 1
-                        share = 1.0 if readers <= 2 else 1 / readers
-                        axes = partial_axes(s, p)
-                        for a in axes:
-                            b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
-                            vol, sec = vol + share * b, sec + share * x
-                        if self.folds(op, i, ref.name):  # its first f folded into the gather: a reduce-scatter
-                            b, x = self.cost.folded_f_saving(t, src, p, axes)
-                            vol, sec = vol - b, sec - x
-                        if axes and ref.name not in self.params:  # the last f, which op reads: fused with it
-                            split = [is_divergent(s, a) for a in range(len(self.mesh.axes))]
-                            sec -= self.cost.f_hidden(x, self.column_wgrad(op, i, split))
+                src = cand[inner[k][0]].outputs[inner[k][1]] if inner[k] is not None else None
+                key = (k, id(s), id(src))
+                terms = memo.get(key)
+                if terms is None:
+                    terms = memo[key] = self._op_terms(op, s, src)
+                for j, x in terms:
+                    total[j] += x
+            mem, red, vol, sec, flop_sec = total
             g.memory.append(mem)
             g.redundancy.append(red)
             g.comm_bytes.append(vol)
@@ -365,6 +354,52 @@ class GroupBuilder:
         for name in ("candidates", "memory", "redundancy", "comm_bytes", "comm_seconds", "compute_seconds"):
             arr = getattr(g, name)
             setattr(g, name, [arr[i] for i in keep])
+
+    def _op_terms(self, op: Op, s: Strategy, src: tuple[Placement, ...] | None) -> list[tuple[int, float]]:
+        """What op with strategy ``s`` adds to its candidate's (memory, redundancy, comm bytes, comm seconds, compute
+        seconds), in order, as (which, amount); ``src``: where its main input is held, when the op before it in
+        the group computes it (the group pays the resharding between them)."""
+        MEM, RED, VOL, SEC, FLOP = range(5)
+        out: list[tuple[int, float]] = []
+        b, x = self.cost.inherent(op.target, [self.types[r.name] for r in self.refs(op)], s.inputs, op)
+        out += [(VOL, b), (SEC, x)]
+        split = [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+        out.append((FLOP, self.cost.op_seconds(op, self.types, split, s.inputs)))
+        for name, t, p in zip(op.results, op.types, s.outputs):
+            if self.saved.activation(name):
+                m, r = self.cost.activation_memory(t, p)
+                out += [(MEM, m), (RED, r)]
+        extra = self.saved.extra.get(op.result)
+        if extra:
+            m = extra_bytes(op, extra, self.types, self.mesh.sizes, [*s.inputs, *s.outputs])
+            out += [(MEM, m), (RED, m * (self.cost.replication(s.outputs[0]) - 1))]
+        for i, (ref, p) in enumerate(zip(self.refs(op), s.inputs)):
+            if p is None:
+                continue
+            t = self.types[ref.name]
+            came = src if i == 0 else None
+            if came is not None:
+                b, x = self.cost.redistribute(t, came, p, ref.name in self.grad)
+                if b and ref.name in self.recomputable and not has_partial(came):
+                    b = x = INF  # computed where it is needed, never moved (a partial sum is reduced)
+                out += [(VOL, b), (SEC, x)]
+            if ref.name in self.grad and (op.result, i) not in self.summed:
+                # a parameter read by two ops whose gradients both need the sync is all-reduced
+                # once (grad_sync): `_shared_sync_edges` refunds one; by k > 2, each pays 1/k;
+                # an activation's f that readers share is priced on its SharedReads node (solve.py)
+                readers = len(self.users[ref.name]) if ref.name in self.params else 1
+                share = 1.0 if readers <= 2 else 1 / readers
+                axes = partial_axes(s, p)
+                for a in axes:
+                    b, x = self.cost.grad_reduce(t, p, a, ref.name in self.params)
+                    out += [(VOL, share * b), (SEC, share * x)]
+                if self.folds(op, i, ref.name):  # its first f folded into the gather: a reduce-scatter
+                    b, x = self.cost.folded_f_saving(t, came, p, axes)
+                    out += [(VOL, -b), (SEC, -x)]
+                if axes and ref.name not in self.params:  # the last f, which op reads: fused with it
+                    split = [is_divergent(s, a) for a in range(len(self.mesh.axes))]
+                    out.append((SEC, -self.cost.f_hidden(x, self.column_wgrad(op, i, split))))
+        return out
 
     def folds(self, op: Op, pos: int, name: str) -> bool:
         """Whether an f on ``op``'s read of input ``pos`` (value ``name``) folds into an all_gather before it

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from autopar.errors import InfeasibleError
+from autopar.errors import InfeasibleError, SolverError
 from autopar.ir.core import Op, Placement, Program, R, Replicate, Shard, TensorType, Value
 from autopar.solver.sharding.blocks import layer_key
-from autopar.solver.sharding.cost import INF
+from autopar.solver.sharding.cost import INF, TrainingSetup
 from autopar.solver.sharding.eliminate import eliminate as reduce_problem
 from autopar.solver.sharding.groups import Group, GroupBuilder, label
 from autopar.solver.sharding.ilp import Solution, solve
@@ -44,17 +44,18 @@ class Sharding:
         return self.chosen[name].outputs[0]
 
 
-def solve_sharding(prog: Program, opts: ShardOptions | None = None) -> Sharding:
+def solve_sharding(prog: Program, opts: ShardOptions | None = None, layout: Layout | None = None) -> Sharding:
     """The strategy of every value of ``prog`` under ``opts``; with a memory budget nothing fits, an
-    InfeasibleError naming the smallest budget that does."""
+    InfeasibleError naming the smallest budget that does. ``layout``: the problem's ``Layout``, built
+    for ``prog`` under options that differ from ``opts`` at most in the cost model (``Layout.fits``)."""
     opts = opts or ShardOptions()
-    b, groups, nodes, edges = build_problem(prog, opts)
+    layout, b, groups, nodes, edges = _build(prog, opts, layout)
     try:
         sol = _solve_problem(nodes, edges, groups, opts)
     except InfeasibleError:
         if opts.budget_bytes is None:
             raise
-        smallest = smallest_budget(prog, opts)
+        smallest = smallest_budget(prog, opts, layout)
         raise InfeasibleError(
             f"no strategy fits a per-device budget of {opts.budget_bytes / 2**30:.2f} GiB; the smallest that "
             f"fits is {smallest / 2**30:.2f} GiB ({smallest:,.0f} bytes): raise --budget-gb, add devices, or "
@@ -64,10 +65,10 @@ def solve_sharding(prog: Program, opts: ShardOptions | None = None) -> Sharding:
     return _predict(b, groups, edges, sol)
 
 
-def smallest_budget(prog: Program, opts: ShardOptions) -> float:
+def smallest_budget(prog: Program, opts: ShardOptions, layout: Layout | None = None) -> float:
     """The least per-device memory any strategy needs (the ILP with memory as the objective)."""
     # an infinite budget keeps every candidate not dominated in (cost, memory): the least memory too
-    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=float("inf")))
+    b, groups, nodes, edges = build_problem(prog, replace(opts, budget_bytes=float("inf")), layout)
     for n in nodes:
         n.costs = list(n.memory)
     for e in edges:
@@ -144,14 +145,68 @@ def _predict(b: GroupBuilder, groups: list[Group], edges: list[Edge], sol: Solut
     return Sharding(sol, groups, chosen, sorted(b.unruled), *totals, compute_seconds=compute)
 
 
-def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list[Group], list[Node], list[Edge]]:
+@dataclass
+class Layout:
+    """What ``build_problem`` builds before it prices anything: the groups with their candidates, which group
+    holds each value, the values whose readers share a resharding (``_shared_reads``) and the targets without a
+    sharding rule. Built from the options' constraints and the program alone, never the cost model: problems
+    whose options differ only there (the dp, zero2 and zero3 baselines: the setup) start from one layout."""
+
+    options: ShardOptions  # ``layout_options`` of the options it was built with
+    groups: list[Group]
+    where: dict[str, int]
+    shared: dict[str, tuple[list, list[tuple]]]
+    unruled: set[str]
+
+    def fits(self, opts: ShardOptions) -> bool:
+        """Whether this is the layout of a problem under ``opts``."""
+        return layout_options(opts) == self.options
+
+    def unpriced(self) -> list[Group]:
+        """Fresh copies of the groups, as ``GroupBuilder.build_groups`` returns them (pricing fills a group's
+        lists and replaces its candidate list; the candidates themselves are never changed, and are shared)."""
+        return [Group(g.head, list(g.ops), list(g.values), list(g.candidates)) for g in self.groups]
+
+
+def layout_options(opts: ShardOptions) -> ShardOptions:
+    """``opts`` less what only prices the problem or solves it (a problem's ``Layout`` does not depend on it)."""
+    return replace(
+        opts, setup=TrainingSetup(), cluster=None, objective="time", alpha=1.0, budget_bytes=None, time_limit=None,
+        backend="cbc", capacity_factor=None,
+    )  # fmt: skip
+
+
+def problem_layout(prog: Program, opts: ShardOptions) -> Layout:
+    """The ``Layout`` of the strategy problem of ``prog`` under ``opts``."""
+    return _layout(GroupBuilder(prog, opts))
+
+
+def _layout(b: GroupBuilder) -> Layout:
+    groups, where = b.build_groups()
+    return Layout(layout_options(b.opts), groups, where, _shared_reads(b, groups, where), set(b.unruled))
+
+
+def build_problem(
+    prog: Program, opts: ShardOptions, layout: Layout | None = None
+) -> tuple[GroupBuilder, list[Group], list[Node], list[Edge]]:
     """The program's strategy problem: one node per group (its candidates' objective and memory), an edge per
     value read across groups (the cost of moving it between each pair of placements), refund edges for
     parameters whose gradient two groups synchronize once, and an output sink that wants every output
-    replicated."""
+    replicated. ``layout``: its ``Layout`` (``problem_layout``) where one was built already, for ``prog``
+    under options that differ from ``opts`` at most in pricing (``Layout.fits``)."""
+    return _build(prog, opts, layout)[1:]
+
+
+def _build(
+    prog: Program, opts: ShardOptions, layout: Layout | None
+) -> tuple[Layout, GroupBuilder, list[Group], list[Node], list[Edge]]:
+    """``build_problem``, and the layout it started from."""
+    if layout is not None and not layout.fits(opts):
+        raise SolverError("the layout was built under other constraints than these options'; build the problem anew")
     b = GroupBuilder(prog, opts)
-    groups, where = b.build_groups()
-    shared = _shared_reads(b, groups, where)
+    layout = layout or _layout(b)
+    groups, where, shared = layout.unpriced(), layout.where, layout.shared
+    b.unruled = set(layout.unruled)
     b.summed = {(op.result, pos) for reads, _ in shared.values() for _, op, pos in reads}
     priced: dict[tuple, Group] = {}
     for g in groups:
@@ -212,7 +267,7 @@ def build_problem(prog: Program, opts: ShardOptions) -> tuple[GroupBuilder, list
             )
     edges += _shared_sync_edges(b, groups, where)
     _keep_distinct_interfaces(groups, nodes, edges, budget=opts.budget_bytes is not None)
-    return b, groups, nodes, edges
+    return layout, b, groups, nodes, edges
 
 
 def _sync_needs(b: GroupBuilder, g: Group, op: Op, pos: int, t: TensorType) -> list[tuple]:
@@ -328,7 +383,7 @@ def _shared_reads(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -
         ]
         if len(reads) < 2:
             continue
-        stored = list(dict.fromkeys(b.placement_in(c, groups[hi], name) for c in groups[hi].candidates))
+        stored = list(dict.fromkeys(b.placements_in(groups[hi], name)))
         wanted: dict[tuple, int] = {}  # placements -> how many reads can want them
         partial: dict[tuple, int] = {}  # (placements, partial axes) -> how many reads can want them so
         for gi, op, pos in reads:
@@ -385,7 +440,7 @@ def _add_shared_reads(b, groups, nodes, edges, where, name: str, reads: list, ke
         Node(label(g.head), [b.objective(0.0, v, x, 0.0) for v, x in zip(g.comm_bytes, g.comm_seconds)], g.memory)
     )
     hi = where[name]
-    ug, uids = _group_ids([b.placement_in(c, groups[hi], name) for c in groups[hi].candidates])
+    ug, uids = _group_ids(b.placements_in(groups[hi], name))
     vg, vids = _group_ids([p for p, _, _ in keys])
     e = Edge(hi, fi, ug, vg, {(i, j): 0.0 for i, p in enumerate(uids) for j, q in enumerate(vids) if p == q})
     e.keys = ("same", list(uids), list(vids))
@@ -647,7 +702,7 @@ def _edge(b: GroupBuilder, groups: list[Group], hi: int, gi: int, name: str, wan
     into a last all_gather over it (``CostModel.folded_f_saving``, taken off the pair's cost; the f itself is on the
     reader's node)."""
     h, g = groups[hi], groups[gi]
-    u_keys = [b.placement_in(c, h, name) for c in h.candidates]
+    u_keys = b.placements_in(h, name)
     if fold is None:
         v_keys = [want(c) for c in g.candidates]
     else:
@@ -674,11 +729,15 @@ def _edge(b: GroupBuilder, groups: list[Group], hi: int, gi: int, name: str, wan
 
 
 def _group_ids(keys):
+    """Each key's index among the distinct keys (numbered in order of first appearance), and those keys."""
     ids: dict = {}
+    seen: dict[int, int] = {}  # id(key) -> its index: candidates share their placement tuples, cheap to look up
     out = []
     for k in keys:
-        ids.setdefault(k, len(ids))
-        out.append(ids[k])
+        i = seen.get(id(k))
+        if i is None:
+            i = seen[id(k)] = ids.setdefault(k, len(ids))
+        out.append(i)
     return out, ids
 
 
