@@ -8,12 +8,10 @@ import math
 from autopar.errors import AutoparError
 from autopar.ir.core import Op
 from autopar.models.resolve import build
-from autopar.passes.capture import capture
 from autopar.passes.lower import lower
 from autopar.passes.shard import AS_ASKED, attempts, constrained
 from autopar.plan import Plan
-from autopar.planner import options_from_dict
-from autopar.runtime.build.precision import for_capture
+from autopar.planner import capture_for_planning, options_from_dict
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.problem import switch_costs
 from autopar.solver.sharding.solve import SharedReads, build_problem
@@ -85,12 +83,14 @@ def run(args: argparse.Namespace) -> int:
 
 def rebuild(plan: Plan):
     """(the sharding options, ``build_problem``'s (builder, groups, nodes, edges)) of the strategy problem that
-    ``plan`` solved: its model captured again on the meta device, its mesh, cluster and options."""
+    ``plan`` solved: its model captured again on the meta device as planning captures it, its mesh, cluster and
+    options."""
     if not plan.model:
         raise AutoparError("the plan does not name its model; explain needs a plan made by `autopar plan MODEL`")
     spec = build(plan.model, device="meta")
     precision = plan.options.get("setup", {}).get("precision", "fp32")  # captured as the plan was (bf16: its copy)
-    captured = capture(*for_capture(spec.model, spec.args, spec.kwargs, precision))
+    # as `autopar plan` captured it: alike layers captured twice and repeated by lower, the same program
+    captured = capture_for_planning(spec.model, spec.args, spec.kwargs, precision)
     plan.check(captured, plan.mesh_spec)
     cluster = ClusterSpec.from_dict(plan.cluster) if plan.cluster else None
     opts = options_from_dict(plan.options, cluster)
