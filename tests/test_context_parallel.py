@@ -609,3 +609,22 @@ def test_ring_sub_block_masks_take_the_kernels_unmasked_and_causal_paths():
     blocks = {block: _sub_blocks((0, 3), block, False, _mask_of(mask, block, w)) for block in (0, 1)}
     got = {block: [(a, b, diag, m is None) for a, b, diag, m in found] for block, found in blocks.items()}
     assert got == {0: [(0, 0, False, True), (0, 1, True, True), (1, 0, False, False)], 1: [(1, 0, False, False)]}
+
+
+def test_ilp_prices_the_all_gather_form_as_emitted_beside_tp():
+    """On cp=2 x tp=2 the all-gather form's fold (the key/value f reduce-scattered in the gathers before the
+    grouped-query repeat) is chosen and priced as ``program_comm`` prices the emitted program (bytes and seconds):
+    on gloo a reduce-scatter takes an all-reduce's seconds (``spec.runs_as``), so folded and not tie in seconds,
+    and the ILP took the unfolded price the program does not run (1.084x its bytes) until fewer bytes broke the
+    tie."""
+    model, batch = small("llama")
+    mesh = MeshSpec((("cp", 2), ("tp", 2)))
+    prog = lower(capture(model, (), batch), mesh)
+    spec = ClusterSpec.load("local-cpu")
+    opts = replace(OPTIONS, context_attention="all-gather", cluster=spec)
+    sharding = shard(prog, opts)
+    program = insert_collectives(sharding.program)
+    assert attention_forms(program) == ["all-gather"]
+    assert len([op for op in program.ops if op.kwargs.get("reduce_grad")]) == 2
+    vol, sec = CostModel(mesh, opts.setup, spec).program_comm(program)
+    assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)

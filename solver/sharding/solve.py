@@ -480,9 +480,12 @@ class FoldThrough(SharedReads):
     read keys from them alike on every cp rank. Two candidates, not folded and folded; folded is allowed only with
     the read paying that f (edge to the reader, which takes its all-reduce back off), the producer's group
     computing alike on cp from reads the gathers give it (edge to it, which adds their reduce-scatters) and each
-    value it gathers stored split on cp (edge to its producer). A gather right before the read is priced on the
-    read's edge (``CostModel.folded_f_saving``); gathers two groups up are not modelled (the rotary's: the ILP
-    gathers after it, the same bytes for less computation)."""
+    value it gathers stored split on cp (edge to its producer); where folding saves no seconds (gloo runs a
+    reduce-scatter as an all-reduce) the bytes it saves choose it, as the program folds whenever it can. Where it
+    would cost more (gathered tensors over twice the read's bytes, or their latencies) the ILP keeps it apart and
+    the program still folds: no attention path has such. A gather right before the read is priced on the read's
+    edge (``CostModel.folded_f_saving``); gathers two groups up are not modelled (the rotary's: the ILP gathers
+    after it, the same bytes for less computation)."""
 
 
 def _fold_through_reads(b: GroupBuilder, groups: list[Group], where: dict[str, int]) -> list[tuple]:
@@ -557,8 +560,8 @@ def _add_fold_through(b, groups, nodes, edges, where, gi: int, op: Op, pos: int,
         for j, k in enumerate(vids):
             cost[(0, j)] = 0.0
             found = price(k)
-            if found is not None:
-                cost[(1, j)] = b.objective(0.0, *found, 0.0)
+            if found is not None:  # equal seconds (gloo runs a reduce-scatter as an all-reduce): fewer bytes win
+                cost[(1, j)] = b.objective(0.0, *found, found[0])
                 terms[(1, j)] = found
         e = Edge(fi, v, [0, 1], vg, cost)
         e.keys = (("through", terms), [0, 1], list(vids))
