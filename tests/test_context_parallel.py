@@ -270,13 +270,7 @@ def test_all_gather_form_reduce_scatters_the_key_value_gradients():
     grouped-query repeat) has ``reduce_grad``, and ``program_comm`` prices each as its forward all-gather and its
     backward reduce-scatter. That the program trains exactly: ``test_cp2_exact``, ``test_cp2_document_mask_exact``
     and the gloo run (all-gather form)."""
-    model, batch = small("llama")
-    prog = lower(capture(model, (), batch), CP)
-    spec = ClusterSpec.load("local-cpu")
-    opts = replace(OPTIONS, context_attention="all-gather", cluster=spec)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
-    assert attention_forms(program) == ["all-gather"]
+    prog, spec, opts, sharding, program = _planned("all-gather", _lowered_llama())
     assert not [op for op in program.ops if op.target == "grad_all_reduce" and op.kwargs["axis"] == "cp"]
     gathers = [op for op in program.ops if op.target == "all_gather" and op.kwargs["axis"] == "cp"]
     assert gathers and all(op.kwargs.get("reduce_grad") for op in gathers), [op.kwargs for op in gathers]
@@ -501,6 +495,17 @@ def test_ring_flash_block_backward_is_the_explicit_gradient(case):
         torch.testing.assert_close(mine, ref, rtol=0, atol=1e-10)
 
 
+def _planned(form: str, prog):
+    """``prog`` planned in context-attention ``form`` on ``local-cpu``: (prog, spec, options, the sharding, its
+    program after insert-collectives), the form checked on every attention."""
+    spec = ClusterSpec.load("local-cpu")
+    opts = replace(OPTIONS, context_attention=form, cluster=spec)
+    sharding = shard(prog, opts)
+    program = insert_collectives(sharding.program)
+    assert attention_forms(program) == [form] * LAYERS["llama"], attention_forms(program)
+    return prog, spec, opts, sharding, program
+
+
 @functools.cache
 def _lowered_llama():
     """``small("llama")`` captured and lowered on ``CP`` (one IR, shared by the tests that price its plans)."""
@@ -565,12 +570,7 @@ def test_ilp_prices_the_collectives_the_cp_program_issues(form):
     collective of another kind than priced, or of another size, changes both. The one term the ILP leaves to the
     plan is each gradient bucket's latency (``bucket_latency``; one bucket here)."""
     model, batch = small("llama")
-    prog = _lowered_llama()
-    spec = ClusterSpec.load("local-cpu")
-    opts = replace(OPTIONS, context_attention=form, cluster=spec)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
-    assert attention_forms(program) == [form]
+    prog, spec, opts, sharding, program = _planned(form, _lowered_llama())
     sim = SimCompiled.of(model, CP, (), batch, options=opts, sharded=program)
     make_optimizer("adamw", sim)
     issued = _issued_by_rank0(sim, batch)
@@ -619,12 +619,7 @@ def test_ilp_prices_the_all_gather_form_as_emitted_beside_tp():
     tie."""
     model, batch = small("llama")
     mesh = MeshSpec((("cp", 2), ("tp", 2)))
-    prog = lower(capture(model, (), batch), mesh)
-    spec = ClusterSpec.load("local-cpu")
-    opts = replace(OPTIONS, context_attention="all-gather", cluster=spec)
-    sharding = shard(prog, opts)
-    program = insert_collectives(sharding.program)
-    assert attention_forms(program) == ["all-gather"]
+    _, spec, opts, sharding, program = _planned("all-gather", lower(capture(model, (), batch), mesh))
     assert len([op for op in program.ops if op.kwargs.get("reduce_grad")]) == 2
     vol, sec = CostModel(mesh, opts.setup, spec).program_comm(program)
     assert (sharding.comm_bytes, sharding.comm_seconds) == pytest.approx((vol, sec), rel=1e-9)
