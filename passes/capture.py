@@ -14,6 +14,7 @@ import torch
 
 from autopar.errors import CaptureError
 from autopar.ir.core import Program
+from autopar.passes.hf_masks import eager_masks
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def capture(model: torch.nn.Module, args: tuple = (), kwargs: dict | None = None
         kwargs = torch.utils._pytree.tree_map(_to_meta, kwargs)
     t0 = time.perf_counter()
     try:
-        with warnings.catch_warnings(), _static_experts(model):
+        with warnings.catch_warnings(), _static_experts(model), eager_masks():
             # torch's RNN modules re-assign their weight list in forward: export warns, and nothing is wrong
             warnings.filterwarnings("ignore", message=r"The tensor attributes .*_flat_weights", category=UserWarning)
             ep = torch.export.export(model, tuple(args), kwargs, strict=False)

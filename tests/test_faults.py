@@ -765,8 +765,8 @@ def test_bad_input_gets_a_named_error_not_a_traceback(case, tmp_path):
 
 def test_float_ids_float_labels_and_a_missing_input_are_named_at_the_call():
     """On a compiled tiny-gpt2 (one process): float ``input_ids`` or float ``labels`` (once silently truncated)
-    raise ``InputRangeError``; a missing or an extra input names them instead of dumping two TreeSpecs. Cost:
-    one compile of tiny-gpt2."""
+    raise ``InputRangeError``; a missing or an extra input names them instead of dumping two TreeSpecs, an added
+    ``attention_mask`` or a shorter sequence is refused. Cost: one compile of tiny-gpt2."""
     import autopar
     from autopar.errors import BatchError, CaptureError, InputRangeError
     from autopar.models.resolve import build
@@ -782,6 +782,14 @@ def test_float_ids_float_labels_and_a_missing_input_are_named_at_the_call():
             pipe.train_step(input_ids=spec.kwargs["input_ids"])
         with pytest.raises(CaptureError, match=r"not compiled for \['mask'\]"):
             pipe.train_step(**spec.kwargs, mask=spec.kwargs["labels"])
+        # captured without a mask, its SDPA is causal for these shapes (passes/hf_masks.py): a padding mask or
+        # another sequence length is refused, never run with is_causal
+        ids = spec.kwargs["input_ids"]
+        for mask in (torch.ones_like(ids), None):
+            with pytest.raises(CaptureError, match=r"not compiled for \['attention_mask'\]"):
+                pipe.train_step(**spec.kwargs, attention_mask=mask)
+        with pytest.raises(CaptureError, match=r"has shape \[4, 8\] but the model was compiled for \[4, 16\]"):
+            pipe.train_step(input_ids=ids[:, :8], labels=ids[:, :8])
         assert "TreeSpec" not in _raised(lambda: pipe.train_step(input_ids=spec.kwargs["input_ids"]))
         # inputs on another device holding no data (meta): named, not "Tensor.item() cannot be called"
         for name in ("labels", "input_ids"):
