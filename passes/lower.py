@@ -216,6 +216,8 @@ def _lower_nodes(gm, nodes, names, conv, emit) -> Any:
         if target == "aten.scaled_dot_product_attention" and _attention_dropout(args, kwargs):
             names[node.name] = _lower_attention_with_dropout(args, kwargs, node, emit)
             continue
+        if target == "aten.scaled_dot_product_attention" and _sdpa_args(args, kwargs)[7]:
+            args, kwargs = _repeat_grouped_heads(args, kwargs, node, emit)
         if target == "aten.cross_entropy_loss" and _mean_without_weight(args, kwargs):
             names[node.name] = _lower_mean_cross_entropy(args, kwargs, node, emit)
             continue
@@ -286,17 +288,30 @@ def _attention_dropout(args: tuple, kwargs: dict) -> bool:
     return float(_sdpa_args(args, kwargs)[4]) > 0.0
 
 
+def _repeat_grouped_heads(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> tuple[tuple, dict]:
+    """SDPA's ``enable_gqa`` (Hugging Face passes it when there is no mask) as its keys and values repeated to the
+    query heads (``repeat_interleave``: query head ``j`` reads key head ``j // groups``), then SDPA without it: the
+    tensors Hugging Face's ``repeat_kv`` makes on its masked path, so the attention splits on its query heads
+    over any number of ranks dividing them, as before (``enable_gqa`` would bound the split by the key heads)."""
+    q, k, v = (a.meta["val"] for a in node.args[:3])
+    groups = q.shape[-3] // k.shape[-3]
+    args = list(args)
+    for i, val in ((1, k), (2, v)) if groups > 1 else ():
+        rep = val.repeat_interleave(groups, dim=-3)
+        (res,) = emit("aten.repeat_interleave.self_int", (args[i], groups, -3), {}, [rep], node)
+        args[i] = Ref(res)
+    if len(args) > 7:
+        args[7] = False
+    return tuple(args), {n: x for n, x in kwargs.items() if n != "enable_gqa"}
+
+
 def _lower_attention_with_dropout(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> Ref:
     """``scaled_dot_product_attention`` with ``dropout_p > 0`` as PyTorch's math attention: scores,
-    mask, softmax, dropout, weighted sum. A fused kernel draws its dropout mask inside, from torch's
+    mask, softmax, dropout, weighted sum (grouped-query keys and values, ``enable_gqa``, repeated to the query
+    heads first, each for its group of query heads). A fused kernel draws its dropout mask inside, from torch's
     stream generator; as ops the dropout is keyed like any other (runtime/build/rng.py), so every mesh and
     microbatch count draws the mask one device draws."""
     q, k, v, mask, p, causal, scale, gqa = _sdpa_args(args, kwargs)
-    if gqa:
-        raise CaptureError(
-            "scaled_dot_product_attention with enable_gqa=True and dropout_p > 0 is not supported: repeat the "
-            "key/value heads before attention (as Hugging Face's repeat_kv does) or set the attention dropout to 0"
-        )
     qv, kv, vv = (a.meta["val"] for a in node.args[:3])
     dev = qv.device
     scale = 1.0 / math.sqrt(qv.shape[-1]) if scale is None else float(scale)
@@ -308,6 +323,10 @@ def _lower_attention_with_dropout(args: tuple, kwargs: dict, node: torch.fx.Node
         (res,) = emit(target, tuple(x[0] if isinstance(x, tuple) else x for x in a), kw, [val], node)
         return Ref(res), val
 
+    if gqa and kv.shape[-3] != qv.shape[-3]:  # query head j reads key head j // groups, as SDPA's enable_gqa
+        groups = qv.shape[-3] // kv.shape[-3]
+        k, kv = call("aten.repeat_interleave.self_int", (k, kv), groups, -3)
+        v, vv = call("aten.repeat_interleave.self_int", (v, vv), groups, -3)
     kt = call("aten.transpose.int", (k, kv), -2, -1)
     scores = call("aten.mul.Scalar", call("aten.matmul", (q, qv), kt), scale)
     if causal:

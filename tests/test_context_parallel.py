@@ -447,8 +447,8 @@ def test_ring_priced_as_emitted(cluster):
     communication is ``program_comm``'s, collective by collective; on gloo (nothing overlaps) the ring's own share
     is, by hand, one step of the rank's key and value blocks forward, one backward, one hop of their gradient
     accumulators (each rank keeps its own share of its block's), and the load balancing's exchange of half the
-    queries and half the output each way and half the mask rows forward, each message a point-to-point send on the
-    cp link."""
+    queries and half the output each way (a causal call: no mask rows to send), each message a point-to-point send
+    on the cp link."""
     prog = _lowered_llama()
     spec = ClusterSpec.load(cluster)
     opts = replace(OPTIONS, context_attention="ring", cluster=spec)
@@ -463,9 +463,9 @@ def test_ring_priced_as_emitted(cluster):
     assert attention_forms(program) == ["ring"]
     ring_vol, ring_sec = cost.inherent(op.target, ins, [t.placements for t in ins], op)
     if cluster == "local-cpu":
-        q, k, v, mask = (t.nbytes / 2 for t in ins)  # each rank's half
+        q, k, v = (t.nbytes / 2 for t in ins)  # each rank's half; causal, no mask (passes/hf_masks.py)
         per_byte, latency = spec.collective_terms("send", 2, True)
-        messages = [k, v, k, v, k, v, q / 2, q / 2, q / 2, q / 2, mask / 2]
+        messages = [k, v, k, v, k, v, q / 2, q / 2, q / 2, q / 2]
         assert ring_vol == pytest.approx(sum(messages), rel=1e-12)
         assert ring_sec == pytest.approx(sum(m * per_byte + latency for m in messages), rel=1e-12)
     assert 0 < ring_sec < sec

@@ -310,32 +310,43 @@ def test_pipelines_train_as_one_device() -> None:
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, mask: str, causal: bool, scale: float | None):
+    def __init__(self, mask: str, causal: bool, scale: float | None, gqa: bool = False):
         super().__init__()
         self.proj = torch.nn.Linear(8, 24)
-        self.mask, self.causal, self.scale = mask, causal, scale
+        self.mask, self.causal, self.scale, self.gqa = mask, causal, scale, gqa
+
+    def qkv(self, x):
+        q, k, v = self.proj(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)  # [batch, heads, seq, dim] each
+        return (q, k[:, 1:], v[:, :1]) if self.gqa else (q, k, v)  # grouped: both query heads read one key head
 
     def forward(self, x):
-        q, k, v = self.proj(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)  # [batch, heads, seq, dim] each
+        q, k, v = self.qkv(x)
         mask = None
         if self.mask == "bool":
             mask = torch.ones(5, 5, dtype=torch.bool).triu(2).logical_not()
         elif self.mask == "float":
             mask = torch.arange(25, dtype=x.dtype).view(5, 5) / 25
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=self.causal, scale=self.scale
+            q, k, v, attn_mask=mask, dropout_p=0.3, is_causal=self.causal, scale=self.scale, enable_gqa=self.gqa
         )
         return out.sum(dim=1)
 
 
 @pytest.mark.parametrize(
-    ("mask", "causal", "scale"), [("none", True, None), ("bool", False, 0.7), ("float", False, None)]
+    ("mask", "causal", "scale", "gqa"),
+    [
+        ("none", True, None, False),
+        ("bool", False, 0.7, False),
+        ("float", False, None, False),
+        ("none", True, None, True),
+    ],
 )
-def test_attention_dropout_is_math_attention_with_a_keyed_mask(mask: str, causal: bool, scale: float | None) -> None:
+def test_attention_dropout_is_math_attention_with_a_keyed_mask(mask: str, causal: bool, scale: float | None, gqa):
     """SDPA with dropout_p > 0 lowers to scores, mask, softmax, keyed dropout, weighted sum: the
-    program equals PyTorch's math attention with the mask the generator draws for that op."""
+    program equals PyTorch's math attention with the mask the generator draws for that op. With grouped-query
+    heads (``enable_gqa``, as Hugging Face passes it when there is no mask) the key and value heads are repeated."""
     torch.manual_seed(0)
-    model = Attention(mask, causal, scale).double()
+    model = Attention(mask, causal, scale, gqa).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     prog = lower(capture(model, (x,)), MeshSpec((("one", 1),)))
     assert "aten.scaled_dot_product_attention" not in {op.target for op in prog.ops}
@@ -345,7 +356,7 @@ def test_attention_dropout_is_math_attention_with_a_keyed_mask(mask: str, causal
     (got,) = gm(x)
     rng = DropoutRng(seed=9)
     site = DropoutSite.of(rng, 0, 0.3, drop.type.shape, 0, (R,), ("one",), (1,), {"one": 0}, "cpu")
-    q, k, v = model.proj(x).view(2, 5, 3, 2, 4).permute(2, 0, 3, 1, 4)
+    q, k, v = (t.expand(-1, 2, -1, -1) for t in model.qkv(x))  # one key head: both query heads read it
     scores = q @ k.transpose(-2, -1) * (scale if scale is not None else 0.5)
     if causal:
         scores = scores.masked_fill(torch.ones(5, 5, dtype=torch.bool).tril().logical_not(), float("-inf"))

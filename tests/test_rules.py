@@ -220,7 +220,9 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
     if target == "aten.scaled_dot_product_attention":
         b, h, q, kv, e = draw(SIZES), draw(SIZES), draw(SIZES), draw(SIZES), draw(SIZES)
         causal = draw(st.booleans()) and q == kv
-        return (_f([b, h, q, e]), _f([b, h, kv, e]), _f([b, h, kv, e])), {"is_causal": causal}
+        groups = draw(st.sampled_from([g for g in (1, 2, 4) if h % g == 0]))  # grouped-query heads (enable_gqa)
+        kw = {"is_causal": causal} | ({"enable_gqa": True} if groups > 1 else {})
+        return (_f([b, h, q, e]), _f([b, h // groups, kv, e]), _f([b, h // groups, kv, e])), kw
     if target == "aten.cross_entropy_loss":
         n, c = draw(SIZES), draw(SIZES)
         reduction = draw(st.sampled_from([0, 1, 2]))
@@ -376,3 +378,20 @@ def test_mean_loss_with_ignored_rows() -> None:
         "aten.cross_entropy_loss", (logits, target, None, 1, -100, 0.0), {}, MeshSpec((("a", 2),))
     )
     assert failures(prog, whole, strategies_of(prog)) == []
+
+
+def test_grouped_query_attention_splits_its_key_heads_with_the_query_heads() -> None:
+    """A bug a causal capture found (HF passes ``enable_gqa=True`` to SDPA when it has no mask): 4 query heads over
+    2 key heads, the query heads split over 2 ranks while the keys were read whole, so each rank's 2 query heads
+    read key heads 0 and 1 instead of their group's one. Now the key and value heads split with the query heads
+    (in matching blocks) or the head split is not offered (fewer key heads than ranks: 2 heads over 4)."""
+    q, kv = _f([2, 4, 6, 8]), _f([2, 2, 6, 8])
+    for n, split in ((2, True), (4, False)):
+        prog, whole = one_op_program(
+            "aten.scaled_dot_product_attention", (q, kv, kv), {"is_causal": True, "enable_gqa": True},
+            MeshSpec((("a", n),)),
+        )  # fmt: skip
+        found = strategies_of(prog)
+        assert failures(prog, whole, found) == []
+        heads = [s for s in found if s.inputs[0] == (Shard(1),)]
+        assert bool(heads) == split and all(s.inputs[1] == (Shard(1),) for s in heads), [s.inputs for s in found]

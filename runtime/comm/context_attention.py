@@ -46,6 +46,7 @@ def query_block_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, axes: li
     rows = torch.arange(start, start + q.shape[-2], device=q.device).unsqueeze(1)
     mask = torch.arange(k.shape[-2], device=q.device).unsqueeze(0) <= rows
     kwargs.pop("is_causal", None)
+    kwargs.pop("attn_mask", None)  # None: a causal call has no mask of its own (a captured one passes None)
     return torch.ops.aten.scaled_dot_product_attention(q, k, v, mask, **kwargs)
 
 

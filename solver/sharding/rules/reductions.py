@@ -26,16 +26,25 @@ def _softmax(c: Ctx) -> list[OneD]:
 
 
 def _sdpa(c: Ctx) -> list[OneD]:
+    """Split on a batch or head dim of the queries; an input with that dim splits alike, one broadcasting it reads
+    it whole. With ``enable_gqa`` the keys' and values' fewer heads split too: query head ``j`` reads key head
+    ``j // groups``, so the queries' and keys' head blocks match only when both split, in as many blocks."""
     q = c.ins[0].shape
+    heads = len(q) - 3
+    gqa = bool(c.op.args[7] if len(c.op.args) > 7 else c.op.kwargs.get("enable_gqa", False))
     res: list[OneD] = [replicated(c)]
     for d in range(len(q) - 2):  # batch and head dims
         if q[d] % c.n:
             continue
         ins = []
-        for t in c.ins:
+        for i, t in enumerate(c.ins):
             ad = d - (len(q) - len(t.shape))
-            ins.append(Shard(ad) if ad >= 0 and t.shape[ad] == q[d] else R)
-        res.append((tuple(ins), (Shard(d),)))
+            grouped = gqa and d == heads and i in (1, 2) and ad >= 0 and t.shape[ad] != q[d]
+            if grouped and t.shape[ad] % c.n:
+                break  # fewer key heads than blocks: no such split
+            ins.append(Shard(ad) if ad >= 0 and (t.shape[ad] == q[d] or grouped) else R)
+        else:
+            res.append((tuple(ins), (Shard(d),)))
     return res
 
 
