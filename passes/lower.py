@@ -290,16 +290,22 @@ def _attention_dropout(args: tuple, kwargs: dict) -> bool:
 
 def _repeat_grouped_heads(args: tuple, kwargs: dict, node: torch.fx.Node, emit) -> tuple[tuple, dict]:
     """SDPA's ``enable_gqa`` (Hugging Face passes it when there is no mask) as its keys and values repeated to the
-    query heads (``repeat_interleave``: query head ``j`` reads key head ``j // groups``), then SDPA without it: the
-    tensors Hugging Face's ``repeat_kv`` makes on its masked path, so the attention splits on its query heads
-    over any number of ranks dividing them, as before (``enable_gqa`` would bound the split by the key heads)."""
+    query heads, then SDPA without it: the views Hugging Face's ``repeat_kv`` makes on its masked path (unsqueeze,
+    expand, reshape: query head ``j`` reads key head ``j // groups``), so the attention splits on its query heads
+    over any number of ranks dividing them and the cp all-gathers fold before the repeat, as before
+    (``enable_gqa`` would bound the head split by the key heads)."""
     q, k, v = (a.meta["val"] for a in node.args[:3])
     groups = q.shape[-3] // k.shape[-3]
     args = list(args)
     for i, val in ((1, k), (2, v)) if groups > 1 else ():
-        rep = val.repeat_interleave(groups, dim=-3)
-        (res,) = emit("aten.repeat_interleave.self_int", (args[i], groups, -3), {}, [rep], node)
-        args[i] = Ref(res)
+        *lead, heads, seq, dim = val.shape
+        one = val.unsqueeze(-3)
+        wide = one.expand(*lead, heads, groups, seq, dim)
+        rep = wide.reshape(*lead, heads * groups, seq, dim)
+        (a,) = emit("aten.unsqueeze", (args[i], -3), {}, [one], node)
+        (b,) = emit("aten.expand", (Ref(a), list(wide.shape)), {}, [wide], node)
+        (c,) = emit("aten.reshape", (Ref(b), list(rep.shape)), {}, [rep], node)
+        args[i] = Ref(c)
     if len(args) > 7:
         args[7] = False
     return tuple(args), {n: x for n, x in kwargs.items() if n != "enable_gqa"}

@@ -67,7 +67,7 @@ PROFILE_VERSION = 15  # bump when what a profile holds or how it is read changes
 ATTENTION = frozenset({"aten.scaled_dot_product_attention", "aten._scaled_dot_product_flash_attention"})
 SOFTMAX = frozenset({"aten.softmax.int", "aten._softmax"})
 # ops that hand one tensor on as it is, reshaped or copied: the cp axis may all-gather anywhere along such a chain
-_PASS_ON = VIEW_OPS | {"aten.clone", "aten.contiguous", "aten.to.dtype", "aten.repeat_interleave.self_int"}
+_PASS_ON = VIEW_OPS | {"aten.clone", "aten.contiguous", "aten.to.dtype"}
 _LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
 
 # ---------------------------------------------------------------------------------------------
