@@ -188,6 +188,8 @@ def _case(target: str, draw) -> tuple[tuple, dict]:  # noqa: C901 (one branch pe
             return (x, s[d] // pieces, d), {}
         return (x, [s[d] // pieces] * pieces, d), {}
     if target == "aten.cat":
+        if rank > 1 and draw(st.booleans()):  # a 1-D empty tensor, which torch.cat skips (an empty key/value cache)
+            return ([_f([0]), x] if draw(st.booleans()) else [x, _f([0])], d), {}
         other = list(s)
         other[d] = draw(SIZES)
         return ([x, _f(other)], d), {}

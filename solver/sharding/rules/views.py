@@ -6,7 +6,7 @@ input: in the ILP they join their producer's decision (``FOLLOWERS``).
 
 from __future__ import annotations
 
-from autopar.ir.core import Partial, Shard
+from autopar.ir.core import Partial, R, Shard
 from autopar.solver.sharding.one_axis import Ctx, OneD, Rule, identity_dims, replicated, shards
 
 
@@ -155,14 +155,19 @@ def _index_scatter(c: Ctx) -> list[OneD]:
 
 
 def _cat(c: Ctx) -> list[OneD]:
+    """Every input split like the result on a dim other than the concatenated one; an input ``torch.cat`` skips (a
+    1-D empty tensor beside higher-rank ones: transformers' empty key/value cache, concatenated with each layer's
+    keys along the sequence) replicated, and with one other input the cat is that input, split on any dim (the
+    sequence too: context parallelism's keys need no gather there)."""
     rank = len(c.outs[0].shape)
     dim = (c.op.args[1] if len(c.op.args) > 1 else 0) % rank
+    skipped = [rank > 1 and t.shape == (0,) for t in c.ins]
     res: list[OneD] = [replicated(c)]
     for d in range(rank):
-        if d == dim:
+        if d == dim and skipped.count(False) != 1:
             continue
         for k in shards(c.outs[0].shape[d], c.n, c.chunk_counts):
-            res.append((tuple(Shard(d, k) for _ in c.ins), (Shard(d, k),)))
+            res.append((tuple(R if skip else Shard(d, k) for skip in skipped), (Shard(d, k),)))
     return res
 
 
