@@ -252,6 +252,10 @@ def test_a_table_read_whole_is_gathered_on_the_experts_ranks(source: str, monkey
     matrices = [op for op in dispatched if len(op.types[0].shape) == 3 and op.types[0].shape[2] > 1]
     ids = [op for op in dispatched if op.args[0] == op.args[1]]  # the router's indices themselves
     assert not matrices, [str(op.types[0]) for op in matrices]
+    # per layer the rows and their experts' ids are sent and the experts' outputs combined, nothing else: the
+    # routing weights multiply the combined outputs (``_Rewrite._combine_sooner``), as the peer weighs them
+    combines = [op for op in prog.ops if op.target == COMBINE]
+    assert len(dispatched) == (2 if source == "its experts" else 3) * len(downs) and len(combines) == len(downs)
     if source == "its experts":
         assert not gathered and len(ids) == len(downs), [str(op) for op in ids]  # one for both tables
     else:
