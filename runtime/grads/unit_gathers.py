@@ -7,10 +7,16 @@ or a repeated block, ``solver/sharding/blocks.py``) the module reads, in the ord
 - ``gather(u, next)`` just before the first node reading a parameter of unit ``u``: it returns the
   unit's whole parameters (``getitem`` nodes hand each one to its readers) and issues the all-gather of
   ``next``, the next unit this module reads, asynchronously, so that it travels while ``u`` computes;
-- ``release(gathered)`` just after the last node reading one of them, or a view of one (a
+- ``release(gathered, copies)`` just after the last node reading one of them, or a view of one (a
   transpose, a reshape): from there nothing of the forward refers to the unit's storage (autograd
   saves it as tokens, ``runtime/grads/zero3.py``), so the storage is freed when the last local goes (fx's
   generated code drops every value after its last use).
+- mixed precision: a parameter read in the compute dtype is read through ``cast_to`` (codegen emits the
+  casts at the top of the graph); the unit's casts move to just after its gather, the gather goes before
+  the first reader of a copy, and the release after the casts (or a later reader of the fp32 parameters):
+  the unit's fp32 storage is freed as soon as its copies are made, and ``copies`` ((parameter index, copy)
+  pairs) tells the runtime which tensors are the unit's copies, so that autograd saves them as tokens too
+  and each copy is freed after its last reader in the forward (FSDP2's ``reshard_after_forward``).
 
 Why a pass over the generated graph rather than module hooks: the generated module is flat (one
 graph per stage, no submodule per block to hook), but every node knows its parameter readers, so the
@@ -26,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.runtime.build.precision import cast_to
 
 
 def place_gathers(
@@ -45,26 +53,34 @@ def place_gathers(
     for n in nodes:
         if n.op == "get_attr" and n.target in unit_of:
             reads.setdefault(unit_of[n.target], {})[n.target] = n
-    spans: dict[int, tuple[fx.Node, fx.Node]] = {}
+    spans: dict[int, tuple[fx.Node, fx.Node | None]] = {}
+    casts: dict[int, list[tuple[str, fx.Node]]] = {}  # unit -> (parameter, its compute-dtype cast)
     for u, attrs in reads.items():
-        users = [m for a in attrs.values() for m in _alias_users(a)]
+        casts[u] = [(name, c) for name, a in attrs.items() for c in a.users if c.target is cast_to]
+        cast_nodes = {c for _, c in casts[u]}
+        plain = [m for a in attrs.values() for m in _alias_users(a) if m not in cast_nodes]
+        users = plain + [m for c in cast_nodes for m in _alias_users(c)]
         if not users:
             for a in attrs.values():
                 graph.erase_node(a)
             continue
-        spans[u] = (min(users, key=pos.__getitem__), max(users, key=pos.__getitem__))
+        spans[u] = (min(users, key=pos.__getitem__), max(plain, key=pos.__getitem__) if plain else None)
     order = sorted(spans, key=lambda u: pos[spans[u][0]])
     for k, u in enumerate(order):
         first, last = spans[u]
         nxt = order[k + 1] if k + 1 < len(order) else -1
         with graph.inserting_before(first):
             g = graph.call_function(gather, (u, nxt))
-            got = {name: graph.call_function(_item, (g, j)) for j, name in enumerate(members(u))}
+            index = {name: j for j, name in enumerate(members(u))}
+            got = {name: graph.call_function(_item, (g, j)) for name, j in index.items()}
         for name, a in reads[u].items():
             a.replace_all_uses_with(got[name])
             graph.erase_node(a)
-        with graph.inserting_after(last):
-            graph.call_function(release, (g,))
+        for _, c in casts[u]:  # each unit's copies made where it starts computing, not where codegen cast it
+            first.prepend(c)
+        copies = tuple((index[name], c) for name, c in casts[u])
+        with graph.inserting_after(last if last is not None else casts[u][-1][1]):
+            graph.call_function(release, (g, copies))
     gm.recompile()
 
 

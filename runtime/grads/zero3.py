@@ -38,7 +38,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm.context import Comm
 from autopar.runtime.grads.unit_gathers import LiveBytes, place_gathers
 from autopar.runtime.grads.unit_grads import Unit, UnitGrads, free_storage
@@ -111,11 +113,14 @@ class Zero3Params:
         self.unit_of = {self.names[i]: u for u, unit in enumerate(self.units) for i in unit.params}
         self.gathered_bytes = LiveBytes()
         self._live: dict[int, int] = {}  # storage data_ptr of a unit gathered in a forward -> the unit
+        # storage data_ptr of a compute-dtype copy of a gathered parameter -> (its storage, unit, index, dtype)
+        self._copies: dict[int, tuple[StorageWeakRef, int, int, torch.dtype]] = {}
         self._pending: dict[int, tuple] = {}  # unit -> its gather in flight (a prefetch)
         self._grads = UnitGrads(
             comm, self.zero_axes, self.replica_axes, self.parts, self.units, self.slices, self.whole
         )
         self._cache: dict[int, torch.Tensor] = {}  # the backward's gathered units
+        self._cast: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # the backward's copies of their parameters
         self._current = -1  # the unit the backward works in
         self._depth = 0  # scopes entered
         self._pass: _Pass | None = None
@@ -194,8 +199,12 @@ class Zero3Params:
         self._prefetch(nxt)
         return outs
 
-    def _release_unit(self, gathered: tuple) -> None:
-        self._live.pop(gathered[0].untyped_storage().data_ptr(), None)
+    def _release_unit(self, gathered: tuple, copies: tuple = ()) -> None:
+        u = self._live.pop(gathered[0].untyped_storage().data_ptr(), None)
+        for j, c in copies if u is not None else ():  # mixed precision's copies of the unit's parameters
+            s = c.untyped_storage()
+            self._copies[s.data_ptr()] = (StorageWeakRef(s), u, j, c.dtype)
+            self.gathered_bytes.add(c)
 
     @contextlib.contextmanager
     def scope(self):
@@ -218,8 +227,10 @@ class Zero3Params:
             pending[2].wait()  # no collective left behind
         self._pending.clear()
         self._cache.clear()
+        self._cast.clear()
         self._current = -1
         self._live.clear()  # a forward stopped by an error released nothing: its addresses must not match later
+        self._copies.clear()
 
     def saved_tensors(self) -> torch.autograd.graph.saved_tensors_hooks:
         """Hooks packing a saved tensor that is (a view of) a gathered unit as a token; every other saved
@@ -230,16 +241,25 @@ class Zero3Params:
         outer_pack, outer_unpack = torch._C._autograd._top_saved_tensors_default_hooks(True) or (_same, _same)
 
         def pack(t: torch.Tensor):
-            if fwd is not None and self._live and t.layout == torch.strided and t.device.type != "meta":
-                u = self._live.get(t.untyped_storage().data_ptr())
+            held = self._live or self._copies
+            if fwd is not None and held and t.layout == torch.strided and t.device.type != "meta":
+                ptr = t.untyped_storage().data_ptr()
+                u = self._live.get(ptr)
                 if u is not None:
                     fwd.saw(u)
                     return (_Token, fwd, u, t.size(), t.stride(), t.storage_offset())
+                copy = self._copies.get(ptr)
+                if copy is not None and not copy[0].expired():
+                    _, u, j, dtype = copy
+                    fwd.saw(u)
+                    return (_Token, fwd, (u, j, dtype), t.size(), t.stride(), t.storage_offset())
             return outer_pack(t)
 
         def unpack(x):
             if isinstance(x, tuple) and x and x[0] is _Token:
                 _, p, u, size, stride, offset = x
+                if isinstance(u, tuple):  # a copy: cast again from the unit gathered again
+                    return self._backward_copy(p, *u).as_strided(size, stride, offset)
                 return self._backward_unit(p, u).as_strided(size, stride, offset)
             return outer_unpack(x)
 
@@ -252,17 +272,34 @@ class Zero3Params:
         self._after_backward()
         if u in self._cache:
             return self._cache[u]
-        self._cache.pop(self._current, None)
+        self._forget(self._current)
         with torch.no_grad():
             self._cache[u] = self._take(u)
         self._current = u
         self._prefetch(p.before(u))
         return self._cache[u]
 
+    def _backward_copy(self, p: _Pass, u: int, j: int, dtype: torch.dtype) -> torch.Tensor:
+        """Parameter ``j`` of unit ``u`` in ``dtype`` for the backward: cast (once) from the unit gathered again,
+        as the forward cast it (the same bits)."""
+        whole = self._backward_unit(p, u)
+        key = (u, j, dtype)
+        if key not in self._cast:
+            with torch.no_grad():
+                self._cast[key] = cast_to(self._views(u, whole)[j], dtype)
+            self.gathered_bytes.add(self._cast[key])
+        return self._cast[key]
+
+    def _forget(self, u: int) -> None:
+        """Unit ``u`` and its copies gathered for the backward no longer."""
+        self._cache.pop(u, None)
+        for key in [k for k in self._cast if k[0] == u]:
+            del self._cast[key]
+
     def _scatter(self, u: int, grads: tuple) -> None:
         """Start reduce-scattering unit ``u``'s gradients (``runtime/grads/unit_grads.py``)."""
         self._after_backward()
-        self._cache.pop(u, None)  # every reader of the unit has run
+        self._forget(u)  # every reader of the unit has run
         self._grads.start(u, grads)
 
     def _after_backward(self) -> None:

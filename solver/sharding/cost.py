@@ -9,11 +9,13 @@ data-parallel axes on which the parameter is replicated divides the optimizer st
 the gradients (stage 2), also the weights (stage 3) by the product of those axes' sizes; MiCS does the
 same inside partition groups of size p (the dp axes whose product is p) and replicates across groups.
 Mixed precision adds the compute copy (2 bytes in bf16/fp16, ``TrainingSetup.copy_bytes``): made per
-use in the forward and saved for the backward, it is priced once per parameter element, unsharded
-(ZeRO-3 gathers the fp32 slices, then casts), and gradients are reduced in ``reduce_dtype``
+use in the forward and saved for the backward, it is priced once per parameter element, unsharded, except
+for a parameter ZeRO-3 gathers (``copy_bytes_of``): the runtime casts it from its gathered unit and saves
+the copy for the backward as a token, cast again from the unit gathered again (``runtime/grads/zero3.py``),
+so its copy is held with the gathered units only; gradients are reduced in ``reduce_dtype``
 (``TrainingSetup.grad_itemsize``: 4 bytes by default).
 ZeRO-3 also holds whole weights while it computes, one unit at a time (``runtime/grads/zero3.py``): at most
-the root unit and two repeated blocks (``zero3_gathered``).
+the root unit and two repeated blocks, with the copies of the block computing (``zero3_gathered``).
 
 Redundant memory (the minimal-memory-redundancy paper's objective) of a stored piece is what the
 other holders of the same piece keep: ``local_bytes * (replication - 1)``, where replication is
@@ -213,6 +215,14 @@ class CostModel:
         """How many ways ZeRO shards a parameter placed ``p`` (its ZeRO axes on which it is replicated)."""
         return math.prod(self.mesh.sizes[i] for i in self._zero_axes if isinstance(p[i], Replicate))
 
+    def copy_bytes_of(self, t: TensorType, p: tuple[Placement, ...]) -> float:
+        """Bytes per element of mixed precision's compute copy a parameter placed ``p`` holds through the
+        forward: ``copy_bytes``, or 0 for one ZeRO-3 gathers (its copies are held with the gathered units,
+        ``solver/sharding/memory.py:zero3_gathered``)."""
+        zero = [i for i in self._zero_axes if self.mesh.sizes[i] > 1]
+        managed = self.setup.zero >= 3 and zero and t.is_float and all(isinstance(p[i], Replicate) for i in zero)
+        return 0.0 if managed else self.setup.copy_bytes
+
     def _per_param(self, zf: int, frozen: bool = False) -> tuple[float, float, float]:
         """``bytes_per_param`` for a parameter ZeRO shards ``zf`` ways: no flat slice when it is not sharded
         (the ZeRO-1/2 optimizer steps such a parameter itself); a ``frozen`` one's weights only."""
@@ -228,7 +238,7 @@ class CostModel:
         repl_all = replication(p, self.mesh.sizes)
         repl_sharded = replication(p, self.mesh.sizes, frozenset(zero_axes))
         mem = red = 0.0
-        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf, frozen), self.setup.copy_bytes)):
+        for stage, b in zip((3, 2, 1, 4), (*self._per_param(zf, frozen), self.copy_bytes_of(t, p))):
             sharded = self.setup.zero >= stage  # stage 4: the per-use compute copy, never sharded
             piece = numel * b / (zf if sharded else 1)
             mem += piece
