@@ -57,11 +57,13 @@ class LossOnly(torch.nn.Module):
         return self.m(input_ids=input_ids, labels=labels).loss
 
 
-def _transformer(axes: dict, zero: int = 0) -> dict:
+def _transformer(axes: dict, zero: int = 0, precision: str = "fp32") -> dict:
     """Measured and predicted bytes by category of a small GPT-2 (layer norms, attention, cross-entropy) under
     the least-memory plan (activations sharded) or, on a pp mesh, the default plan with two microbatches;
     ``zero=3``: ZeRO-3 (its own saved-tensor hooks keep the gathered weights as tokens and hand every other
-    saved tensor to the counter's)."""
+    saved tensor to the counter's), its most gathered bytes measured too; ``precision="bf16"``: the bf16
+    copies ZeRO-3 casts from its units are tokens as well, held with the gathered units, not saved.
+    ``loss_after``: the loss after the step."""
     m = build(GPT2, device="cpu", seed=0)
     model, batch = LossOnly(m.model), m.kwargs
     mesh = autopar.init_mesh("cpu", **axes)
@@ -69,7 +71,7 @@ def _transformer(axes: dict, zero: int = 0) -> dict:
         compiled = autopar.compile(model, mesh, kwargs=batch, microbatches=2)
     else:
         options = ShardOptions(objective="memory", setup=TrainingSetup(zero=zero))
-        compiled = autopar.compile(model, mesh, kwargs=batch, options=options)
+        compiled = autopar.compile(model, mesh, kwargs=batch, options=options, mixed_precision=precision)
         assert (compiled.zero3 is not None) == (zero == 3)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
 
@@ -85,7 +87,17 @@ def _transformer(axes: dict, zero: int = 0) -> dict:
         step()
     measured = measured_categories(params, opt, saved)
     measured["buffers"] = tensor_bytes(compiled._grads._buffers.values())  # the gradient buckets, kept
+    if compiled.zero3 is not None:
+        measured["gathered"] = compiled.zero3.peak_gathered()
     out = {f"measured_{k}": torch.tensor(float(v)) for k, v in measured.items()}
+    if compiled.zero3 is not None and precision != "fp32":  # the copies cast again = the copies saved, bit for bit
+        grads = []
+        for cast_again in (True, False):
+            compiled.zero3.cast_again = cast_again
+            opt.zero_grad(set_to_none=True)
+            compiled(**batch).backward()
+            grads.append(torch.cat([p.grad.reshape(-1).float() for p in params if p.grad is not None]))
+        out["cast_again_equal"] = torch.tensor(float(torch.equal(*grads) and grads[0].abs().sum() > 0))
     return out | {f"predicted_{k}": torch.tensor(float(v)) for k, v in predicted_categories(compiled).items()}
 
 
@@ -107,8 +119,9 @@ def _measure(rank: int, world: int, axes: dict) -> dict:
     measured = peak_step_bytes(step, live)
     predicted = program_memory(compiled.program)
     out = {"measured": torch.tensor(float(measured)), "predicted": torch.tensor(predicted)}
-    if "dp" in axes:  # ZeRO-3 over dp, in the same ranks
+    if "dp" in axes:  # ZeRO-3 over dp, in the same ranks; in bf16 too
         out |= {f"zero3_{k}": v for k, v in _transformer(axes, zero=3).items()}
+        out |= {f"zero3bf16_{k}": v for k, v in _transformer(axes, zero=3, precision="bf16").items()}
     return out | _transformer(axes)
 
 
@@ -130,7 +143,10 @@ def test_predicted_memory_matches_the_measured_bytes(axes):
         )
         _check_categories(rank, r)
         if "dp" in axes:
-            _check_categories(rank, {k.removeprefix("zero3_"): v for k, v in r.items() if k.startswith("zero3_")})
+            for z in ("zero3_", "zero3bf16_"):
+                _check_categories(rank, {k.removeprefix(z): v for k, v in r.items() if k.startswith(z)})
+            # the copies cast again in the backward are the forward's bits: the gradients are those of the copies saved
+            assert r["zero3bf16_cast_again_equal"].item() == 1.0, rank
 
 
 def test_pipeline_stages_keep_what_the_model_predicts():
@@ -142,7 +158,7 @@ def test_pipeline_stages_keep_what_the_model_predicts():
 
 
 def _check_categories(rank: int, r: dict) -> None:
-    for k in ("params", "grads", "optimizer", "buffers"):
+    for k in ("params", "grads", "optimizer", "buffers") + (("gathered",) if "measured_gathered" in r else ()):
         assert r[f"predicted_{k}"].item() == r[f"measured_{k}"].item(), (rank, k)
     acts, saved = r["predicted_activations"].item(), r["measured_activations"].item()
     assert abs(acts - saved) <= ACTIVATION_TOLERANCE * saved, (rank, acts, saved)

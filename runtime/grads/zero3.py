@@ -115,6 +115,8 @@ class Zero3Params:
         self._live: dict[int, int] = {}  # storage data_ptr of a unit gathered in a forward -> the unit
         # storage data_ptr of a compute-dtype copy of a gathered parameter -> (its storage, unit, index, dtype)
         self._copies: dict[int, tuple[StorageWeakRef, int, int, torch.dtype]] = {}
+        # False: autograd saves the copies themselves, held to the backward (the same bits, more memory)
+        self.cast_again = True
         self._pending: dict[int, tuple] = {}  # unit -> its gather in flight (a prefetch)
         self._grads = UnitGrads(
             comm, self.zero_axes, self.replica_axes, self.parts, self.units, self.slices, self.whole
@@ -201,7 +203,7 @@ class Zero3Params:
 
     def _release_unit(self, gathered: tuple, copies: tuple = ()) -> None:
         u = self._live.pop(gathered[0].untyped_storage().data_ptr(), None)
-        for j, c in copies if u is not None else ():  # mixed precision's copies of the unit's parameters
+        for j, c in copies if u is not None and self.cast_again else ():  # mixed precision's copies
             s = c.untyped_storage()
             self._copies[s.data_ptr()] = (StorageWeakRef(s), u, j, c.dtype)
             self.gathered_bytes.add(c)
