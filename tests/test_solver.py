@@ -69,7 +69,10 @@ def test_zero_stages_divide_what_they_shard():
     mixed = CostModel(mesh, TrainingSetup(precision="bf16")).param_memory(W, (R,))[0]
     assert mixed == n * (4 + 4 + 8 + 2)  # fp32 master weights, grads and moments, the per-use bf16 copy
     mixed3 = CostModel(mesh, TrainingSetup(precision="bf16", zero=3)).param_memory(W, (R,))[0]
-    assert mixed3 == n * ((4 + 4 + 8) / 4 + 2)  # the compute copy is not sharded
+    # ZeRO-3 casts the copy from the gathered unit: held with the gathered units (zero3_gathered), not here
+    assert mixed3 == n * (4 + 4 + 8) / 4
+    kept = CostModel(mesh, TrainingSetup(precision="bf16", zero=3)).param_memory(W, (Shard(0),))[0]
+    assert kept == n / 4 * (4 + 4 + 8 + 2)  # not replicated over dp: ZeRO-3 leaves it whole, its copy per use
     mics = CostModel(MeshSpec((("dp", 2), ("dp_in", 4))), TrainingSetup(zero=3, mics_group=4))
     assert mics.param_memory(W, (R, R))[0] == n * 16 / 4  # sharded inside groups of 4, replicated across
 
