@@ -290,14 +290,14 @@ def test_pipeline_zero3_is_offered_and_priced_as_the_runtime_runs_it():
                     if split:
                         assert z3.tw[s] - z1.tw[s] == pytest.approx(sum(g) + sum(r), rel=1e-9)
                     layers = sorted((p for lay, p in units if lay), reverse=True)
-                    held = (sum(p for lay, p in units if not lay) + layers[0] + layers[1]) * an.weight_b
-                    held += layers[0] * an.copy_b
+                    top, nonlayer = layers[0], sum(p for lay, p in units if not lay)
+                    w, cb = an.weight_b, an.copy_b
+                    assert cb > 0  # mixed precision: the forward frees a unit's fp32 weights once cast
+                    held = max(nonlayer * cb + top * (w + cb) + layers[1] * w, nonlayer * (w + cb) + top * w)
                     assert z3.info["transient"][s] - z1.info["transient"][s] == pytest.approx(held, rel=1e-9)
-                    assert held < sum(p for _, p in units) * an.weight_b
-                    # each stashed microbatch keeps the compute copy of what it did not recompute
-                    x = z1.recompute_fraction[s]
-                    copies = sum(p for lay, p in units if not lay or not x) * an.copy_b
-                    assert z3.info["act_kept"][s] - z1.info["act_kept"][s] == pytest.approx(copies, rel=1e-9)
+                    assert held < sum(p for _, p in units) * (w + cb)  # less than a whole copy
+                    # a stashed microbatch keeps no compute copy: the runtime casts them again in the backward
+                    assert z3.info["act_kept"][s] - z1.info["act_kept"][s] == pytest.approx(0.0, abs=1e-6)
                 assert z3.reduce == (0.0, 0.0)  # every gradient was scattered (and all-reduced) in its backward
                 # no whole copy of the weights: the model states are the shards alone
                 assert an.bytes_per_param(z3.candidate) == pytest.approx(

@@ -12,8 +12,9 @@ the data-parallel gradient synchronization after each rank's last backward under
   ops, ``UnitCost.wgrad_*``, priced at the worst point of each rank's list)
   plus what a stage holds only while it runs: one recomputed layer's activations while it is
   rematerialized and, with ZeRO-3, the whole weights the runtime holds while the stage runs: its
-  embedding/head units and two layers and the compute copy of one (``runtime/grads/zero3.py`` gathers one unit
-  at a time, with prefetch; ZeRO-3 keeps no whole copy of the weights, ``StageTerms._zero3``);
+  embedding/head units and two layers and the compute copies of one layer and of those units
+  (``runtime/grads/zero3.py`` gathers one unit at a time, with prefetch; ZeRO-3 keeps no whole copy of the
+  weights, ``StageTerms._zero3``);
 - lower bound on the step time (``Evaluation.lower_bound``), valid for every schedule here: rank r
   cannot start before microbatch 0 reached its first stage, must do all its compute, and after its
   last backward the gradient still has to travel down to stage 0 (or the rank reduces its
@@ -221,7 +222,7 @@ class Analytic(StageTerms):
         o += 4.0 if zero in (1, 2) else 0.0  # the ZeRO-1/2 optimizer's fp32 flat slice (runtime/grads/zero.py)
         shards = w / (group if zero >= 3 else 1) + g / (group if zero >= 2 else 1) + o / (group if zero >= 1 else 1)
         # mixed precision's per-use compute copy, priced once per element and unsharded; under ZeRO-3 it is cast from
-        # the gathered units and held with them and with the activations (``StageTerms._zero3``), not here
+        # the gathered units and held with them only (``StageTerms._zero3``), not here
         return shards + (0.0 if zero >= 3 else self.copy_b)
 
     def _stage_part(self, c: Candidate) -> _Part | None:

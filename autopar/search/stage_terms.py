@@ -464,10 +464,13 @@ class StageTerms:
         on gloo every collective waits for the compute.
 
         Memory: no whole copy of the weights. While a stage runs it holds whole its non-layer units and two
-        layers (the one computing, the next arriving), and the compute-dtype copy of the layer computing; the
-        copies a forward casts from the gathered units are saved for the backward with that microbatch's
-        activations (``runtime/build/precision.py``), so each stashed microbatch keeps the copy of the units
-        whose activations it keeps: all but the recomputed layers (``saving`` drops those).
+        layers (the one computing, the next arriving). In mixed precision a unit is cast when it starts computing
+        and its fp32 weights freed (``runtime/grads/unit_gathers.py``): the forward holds the non-layer units'
+        copies (a tied head's, the final norm's are read last), the layer computing in fp32 and its copy, the
+        next in fp32; the backward starts with the non-layer units in fp32 and their copies beside a layer
+        arriving (``solver/sharding/memory.py:zero3_gathered``, the most of the two). A stashed microbatch keeps
+        none of the copies: autograd saves them as tokens, cast again from the unit gathered again in the
+        backward (``runtime/grads/zero3.py``).
         DualPipeV's unsplit backwards are charged the second gather too (an upper bound)."""
         stages, ranks, tf, tb, tr, tc, tw, acts, saving, layer_act, params, _, mine, _, _, wkept, experts = base
         intra_g, k = self.comm.intra(c.tp * c.cp * z3), self.comm.per_node(z3, c.tp * c.cp)
@@ -501,9 +504,13 @@ class StageTerms:
                 tw[s] += sum(gi + ri for gi, ri in zip(g, r))
             layers = sorted((p for x, p in zip(lay, elems) if x), reverse=True)
             held = sum(p for x, p in zip(lay, elems) if not x) + sum(layers[:2])
-            gathered.append(held * self.weight_b + (layers[0] if layers else 0.0) * self.copy_b)
-            acts[s] += sum(elems) * self.copy_b
-            saving[s] += sum(layers) * self.copy_b
+            if self.copy_b:  # the forward frees a unit's fp32 weights once cast; the backward starts at the head
+                top, nonlayer = sum(layers[:1]), sum(p for x, p in zip(lay, elems) if not x)
+                w, cb = self.weight_b, self.copy_b
+                held_b = max(nonlayer * cb + top * (w + cb) + sum(layers[1:2]) * w, nonlayer * (w + cb) + top * w)
+            else:
+                held_b = held * self.weight_b
+            gathered.append(held_b)
         head_tail = _head_tail(tf, tb, tc)
         return (stages, ranks, tuple(tf), tuple(tb), tuple(tr), tc, tuple(tw), acts, saving, layer_act, params,
                 gathered, mine, *head_tail, wkept, experts)  # fmt: skip
