@@ -13,8 +13,10 @@ What runs (docs/runtime.md, "Mixed precision"):
   (fp32) model and stay in its dtype; the generated code casts each parameter where it is read
   (``codegen``: a read whose held dtype differs from the IR's). The compute copy is per use: made in
   every forward, saved for backward by the ops that need it, freed with that microbatch's activations.
-  Its backward (``_to_copy``'s) hands the parameter an fp32 gradient, accumulated over microbatches in
-  fp32. The optimizer, ZeRO-1/2 slices, ZeRO-3 slices and MiCS see fp32 tensors only.
+  Under ZeRO-3 a gathered unit's copies are made when the unit starts computing and saved as tokens, cast
+  again in the backward from the unit gathered again (``runtime/grads/zero3.py``): no copy is held with the
+  activations. Its backward (``_to_copy``'s) hands the parameter an fp32 gradient, accumulated over
+  microbatches in fp32. The optimizer, ZeRO-1/2 slices, ZeRO-3 slices and MiCS see fp32 tensors only.
 - **Gradient reduction in ``reduce_dtype``** (fp32 by default; FSDP2's default is ``param_dtype``): each
   reduced buffer is cast to it before the collective and back after (``Comm.grad_dtype``).
 - **Loss scaling (fp16)**: ``LossScaler``, torch's ``GradScaler`` arithmetic, with the overflow check

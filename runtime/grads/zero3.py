@@ -18,6 +18,12 @@ repeated block, plus the root), FSDP2's ``fully_shard`` per block:
   backward the first token of a unit gathers the unit again (or takes its prefetch), frees the unit
   gathered before it and issues the gather of the unit the forward read before it; the autograd engine
   unpacks in the same order on every rank, so the collectives match.
+- **mixed precision**: the compute-dtype copies of a unit's parameters (``cast_to``, made just after its
+  gather, ``unit_gathers.py``) are handed to ``release``, which notes their storages; a saved copy (or a view
+  of one) is packed as a token too, and unpacked as the unit gathered again, cast again (once per backward
+  unit): the same bits, so no copy is held from the forward to the backward (FSDP2's
+  ``reshard_after_forward``). ``cast_again = False`` lets autograd save the copies themselves (a test's
+  reference).
 - **backward of the gather**: when every gradient of a unit is in, the unit's gradient is
   reduce-scattered in one collective (``reduce_scatter_single``, on gloo too), asynchronously, while
   the backward goes on (a ``whole``
