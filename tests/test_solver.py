@@ -471,10 +471,16 @@ def test_baselines_solved_together_equal_each_solved_alone(monkeypatch):
     _, prog = _tiny("tiny-mlp", "dp=2,a=2")
     opts = ShardOptions(cluster=ClusterSpec.load("dgx-a100"), budget_bytes=2**30)
     layouts = []
-    made = baselines.problem_layout
-    monkeypatch.setattr(baselines, "problem_layout", lambda *a: layouts.append(made(*a)) or layouts[-1])
+    solve = baselines.solve_with_layout
+
+    def solve_recording(*args):  # each baseline's problem layout, as it solved it
+        solved, layout = solve(*args)
+        layouts.append(layout)
+        return solved, layout
+
+    monkeypatch.setattr(baselines, "solve_with_layout", solve_recording)
     together = run_baselines(prog, opts, ("dp", "zero2", "zero3"))
-    assert len(layouts) == 1
+    assert len(layouts) == 3 and layouts[0] is layouts[1] is layouts[2]  # one layout, built for dp
     for name, res in together.items():
         assert not isinstance(res, Unavailable), (name, res)
         alone = run_baseline(prog, name, opts)

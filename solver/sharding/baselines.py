@@ -35,7 +35,7 @@ from autopar.solver.sharding.cost import TrainingSetup
 from autopar.solver.sharding.megatron_roles import megatron_layout
 from autopar.solver.sharding.options import ShardOptions
 from autopar.solver.sharding.rules.elementwise import SOURCES
-from autopar.solver.sharding.solve import Layout, Sharding, problem_layout, solve_sharding
+from autopar.solver.sharding.solve import Layout, Sharding, solve_with_layout
 
 BASELINES = ("megatron", "dp", "zero2", "zero3", "comm")
 
@@ -222,10 +222,10 @@ def run_baseline(prog: Program, name: str, opts: ShardOptions, layouts: list[Lay
 def _solve(prog: Program, opts: ShardOptions, layouts: list[Layout]) -> Sharding:
     """``solve_sharding`` from the layout in ``layouts`` that fits ``opts``, else from a new one, kept there."""
     layout = next((x for x in layouts if x.fits(opts)), None)
+    solved, made = solve_with_layout(prog, opts, layout)
     if layout is None:
-        layout = problem_layout(prog, opts)
-        layouts.append(layout)
-    return solve_sharding(prog, opts, layout)
+        layouts.append(made)
+    return solved
 
 
 def run_baselines(prog: Program, opts: ShardOptions, names=BASELINES) -> dict[str, Sharding | Unavailable]:

@@ -19,6 +19,7 @@ rows split across ranks) is reduced.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +32,7 @@ from autopar.solver.sharding.cost import INF, CostModel
 from autopar.solver.sharding.experts import EP_BLOCK
 from autopar.solver.sharding.options import ShardOptions
 from autopar.solver.sharding.rules.context import attention_form
-from autopar.solver.sharding.saved import extra_bytes, saved_values
+from autopar.solver.sharding.saved import SavedValues, extra_bytes, saved_values
 from autopar.solver.sharding.strategies import (
     ATTENTION,
     Strategy,
@@ -67,6 +68,21 @@ def recomputable(prog: Program, global_batch: bool = True) -> set[str]:
         if op.target in VIEW_OPS or op.flops <= CHEAP_FLOPS_PER_ELEMENT * max(numel, 1):
             out.update(op.results)
     return out
+
+
+_LAST_SAVED: tuple | None = None  # (a weak reference to the program last built, its saved_values)
+
+
+def _saved_values(prog: Program) -> SavedValues:
+    """``saved_values(prog)``, once for the builders of one program (the plan's solve and its baselines build
+    several problems of it; the IR is never changed in place)."""
+    global _LAST_SAVED
+    last = _LAST_SAVED
+    if last is not None and last[0]() is prog:
+        return last[1]
+    saved = saved_values(prog)
+    _LAST_SAVED = (weakref.ref(prog), saved)
+    return saved
 
 
 @dataclass
@@ -114,7 +130,7 @@ class GroupBuilder:
         local = opts.batch == "local" and any(is_data_axis(n) and s > 1 for n, s in prog.mesh.axes)
         self.recomputable = recomputable(prog, global_batch=False) if local else recomputable(prog)
         self.params = {v.name for v in prog.params}
-        self.saved = saved_values(prog)  # activations: what autograd keeps for backward, not every output
+        self.saved = _saved_values(prog)  # activations: what autograd keeps for backward, not every output
         self.summed: set[tuple[str, int]] = set()  # (op result, input position): reads a SharedReads node prices
         self._context_axes = [a for a, (n, size) in enumerate(self.mesh.axes) if n == CONTEXT_AXIS and size > 1]
         self.shared_edges: dict[tuple, dict] = {}  # SharedReads edges' costs by value type, keys and reader candidates

@@ -48,6 +48,13 @@ def solve_sharding(prog: Program, opts: ShardOptions | None = None, layout: Layo
     """The strategy of every value of ``prog`` under ``opts``; with a memory budget nothing fits, an
     InfeasibleError naming the smallest budget that does. ``layout``: the problem's ``Layout``, built
     for ``prog`` under options that differ from ``opts`` at most in the cost model (``Layout.fits``)."""
+    return solve_with_layout(prog, opts, layout)[0]
+
+
+def solve_with_layout(
+    prog: Program, opts: ShardOptions | None = None, layout: Layout | None = None
+) -> tuple[Sharding, Layout]:
+    """``solve_sharding``, and the problem's layout (``layout``, or the one it built) for the next problem alike."""
     opts = opts or ShardOptions()
     layout, b, groups, nodes, edges = _build(prog, opts, layout)
     try:
@@ -62,7 +69,7 @@ def solve_sharding(prog: Program, opts: ShardOptions | None = None, layout: Layo
             "shard optimizer states (ZeRO)",
             smallest_budget_bytes=smallest,
         ) from None
-    return _predict(b, groups, edges, sol)
+    return _predict(b, groups, edges, sol), layout
 
 
 def smallest_budget(prog: Program, opts: ShardOptions, layout: Layout | None = None) -> float:
