@@ -21,6 +21,8 @@ def test_eager_parts_name_each_feature_that_stays_eager_and_why():
     assert _has(z3, "ZeRO-3 unit gathers and releases") and "graph break" in z3[0]
     assert not _has(z3, "gradient buckets")  # ZeRO-3 reduce-scatters per unit, no buckets
     assert _has(eager_parts(zero=2, data_parallel=True), "gradient buckets")
+    # a returned loss's all-reduce runs after the compiled forward, deferred to its first read as eager's is
+    assert eager_parts(data_parallel=True, graph_buckets=True) == []
     assert eager_parts(split_backward=True) == []  # B and W compiled as two graphs each (compiled_split.py)
     sub = eager_parts(sub_pipeline_tp=True, split_backward=True, tensor_parallel=True)
     assert _has(sub, "the training programs: eager whole")

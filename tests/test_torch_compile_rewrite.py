@@ -56,3 +56,39 @@ def test_a_gradient_bucket_syncs_parameters_read_after_the_first_computation(one
     assert len(syncs) == 1 and [a.target for a in syncs[0].args[2:]] == ["w", "b"], out.graph
     xs = torch.randn(2, 3)
     assert torch.equal(out(xs)[0], gm(xs)[0])
+
+
+def test_a_returned_loss_is_reduced_after_the_graph_and_a_label_count_before_the_compute(one_rank_tp):
+    """A mean loss's two all-reduces as the rewrite leaves them: the count of labels (a function of the inputs
+    alone) moved ahead of the matmul, so Inductor starts it first; the returned loss's deferred all-reduce
+    out of the graph (``deferred``), started by ``CompiledCall`` after it and returned in flight (``Deferred``,
+    as the eager program returns it), its value and gradient those of the program run eagerly."""
+    import torch.fx as fx
+
+    from autopar.runtime.build import compiled as C
+    from autopar.runtime.comm import collectives as coll
+    from autopar.runtime.comm.context import use_comm
+    from autopar.runtime.comm.lazy import Deferred
+
+    root = torch.nn.Module()
+    root.w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
+    g = fx.Graph()
+    x, labels, w = g.placeholder("x"), g.placeholder("labels"), g.get_attr("w")
+    y = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.mm.default, (x, w)),))
+    kept = g.call_function(torch.ops.aten.ne.Scalar, (labels, -100))
+    count = g.call_function(coll.all_reduce, (g.call_function(torch.ops.aten.sum.default, (kept,)), "tp"))
+    mean = g.call_function(torch.ops.aten.div.Tensor, (y, count))
+    g.output((g.call_function(coll.all_reduce, (mean,), {"axis": "tp", "op": "sum", "defer": True}),))
+    gm = fx.GraphModule(root, g)
+    out = C.compilable(gm, one_rank_tp, "forward0", C.CompileLog())
+    calls = [n.target for n in out.graph.nodes if n.op == "call_function"]
+    assert calls.index(C.all_reduce) < calls.index(torch.ops.aten.mm.default), out.graph  # the count first
+    assert calls.count(C.all_reduce) == 1 and out.deferred == [(0, "tp", "sum")], out.graph  # the loss's: after
+    xs, ls = torch.randn(2, 3, dtype=torch.float64), torch.tensor([1, -100, 2])
+    with use_comm(one_rank_tp):
+        want = gm(xs, ls)[0]
+        want_grad = torch.autograd.grad(want, root.w)[0]
+    (loss,) = C.CompiledCall(out, "forward0", C.CompileLog(), one_rank_tp, out.deferred)(xs, ls)
+    assert isinstance(loss, Deferred)
+    assert torch.equal(loss.value(), want.value() if isinstance(want, Deferred) else want)
+    assert torch.equal(torch.autograd.grad(loss, root.w)[0], want_grad)

@@ -40,6 +40,7 @@ AOTAutograd's cache are on (torch's defaults, kept on here), in ``TORCHINDUCTOR_
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import operator
@@ -58,7 +59,7 @@ from autopar.runtime.build.compiled_split import SplitLog, split_inner_compile, 
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm import collectives as coll
 from autopar.runtime.comm.column_linear import MM, column_linears
-from autopar.runtime.comm.context import Comm
+from autopar.runtime.comm.context import Comm, use_comm
 from autopar.runtime.comm.shards import shard_tensor, unshard_tensor
 from autopar.runtime.comm.vocab_parallel import check_range, vocab_parallel_cross_entropy, vocab_parallel_embedding
 from autopar.runtime.execute.stage_runner import Part
@@ -70,18 +71,17 @@ _SITES: list[keyed.DropoutSite] = []  # the keyed dropout sites, likewise
 
 
 # -- the ops the compiler sees ----------------------------------------------------------------------------
-@torch.library.custom_op("autopar::reduce", mutates_args=())
 def _reduce(x: torch.Tensor, comm: int, axis: str, op: str) -> torch.Tensor:
-    """All-reduce of ``x`` over ``axis`` of communicator ``comm``: ``sum``, ``avg`` or ``max``."""
+    """All-reduce of ``x`` over ``axis`` of communicator ``comm``: ``sum``, ``avg`` or ``max``, as torch's
+    functional collectives (a start, ``_c10d_functional.all_reduce``, and its ``wait_tensor``), so that
+    Inductor's comm passes (``_COMM_OVERLAP``) start it as soon as its input is computed and wait where its
+    result is first read, the graph computing in between (a loss's token count, from the labels alone, is
+    summed while the forward runs). gloo has no average: a sum, divided."""
     c = _COMMS[comm]
-    y = x.contiguous().clone()
-    dist.all_reduce(y, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=c.groups[axis])
+    group = c.groups[axis].group_name
+    y = torch.ops._c10d_functional.all_reduce(x.contiguous(), "max" if op == "max" else "sum", group)
+    y = torch.ops._c10d_functional.wait_tensor(y)
     return y / c.sizes[axis] if op == "avg" else y
-
-
-@_reduce.register_fake
-def _(x, comm, axis, op):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("autopar::gather", mutates_args=())
@@ -399,8 +399,12 @@ def compilable(
     eager: list[str] = []
     reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
     synced: dict[str, fx.Node] = {}  # a bucket's parameter -> its value through the bucket's sync
+    deferred = _returned_deferred(gm)
     for n in gm.graph.nodes:
         if n in env:  # a bucket's parameter read early (below)
+            continue
+        if n in deferred:  # a returned loss's deferred all-reduce: run after the graph (``CompiledCall``)
+            env[n] = env[n.args[0]]
             continue
         if buckets and not synced and n.op not in ("get_attr", "placeholder"):  # before the first computation
             for t in {t for _axis, names in buckets for t in names}:
@@ -445,14 +449,68 @@ def compilable(
             new = graph.call_function(_eager(t), args, kwargs)
         new.meta = dict(n.meta)
         env[n] = new
+    _hoist_input_reductions(graph)
     graph.lint()
     graph.eliminate_dead_code()  # the dropout sites' get_attr nodes
     out = fx.GraphModule(gm, graph, class_name="CompiledRankModule")
+    out.deferred = sorted(deferred.values())  # (output index, axis, op) of each all-reduce left to CompiledCall
     if eager:
         log_.eager[label] = sorted(set(eager))
     if buckets:
         log_.graph_buckets[label] = [tuple(names) for _axis, names in buckets]
     return out
+
+
+def _hoist_input_reductions(graph: fx.Graph) -> None:
+    """Move each all-reduce computed from the program's inputs alone (no parameter, no other collective: a
+    mean loss's count of labels not ignored) and the ops computing its input to the front of ``graph``, so
+    that Inductor starts it first and the forward computes while it is in flight (its wait sinks to the
+    division that reads it). Integer work on the labels; the order of the collectives is kept."""
+    anchor = next((n for n in graph.nodes if n.op not in ("placeholder", "get_attr")), None)
+    moved: set[fx.Node] = set()
+    for n in list(graph.nodes):
+        if n.op != "call_function" or n.target is not all_reduce:
+            continue
+        seen: list[fx.Node] = []
+        stack, ok = [n], True
+        while stack and ok:
+            a = stack.pop()
+            if a in seen or a in moved or a.op == "placeholder":
+                continue
+            collective = a is not n and a.target in (all_reduce, all_gather, reduce_scatter, all_to_all, bucket_sync)
+            ok = a.op == "call_function" and not collective
+            seen.append(a)
+            stack.extend(x for x in a.all_input_nodes)
+        if not ok:
+            continue  # it stays; one hoisted past it is hoisted on every rank alike
+        order = {x: i for i, x in enumerate(graph.nodes)}
+        for a in sorted(seen, key=order.__getitem__):  # in their order, before the first other op
+            if a is anchor:
+                anchor = a.next
+            else:
+                anchor.prepend(a)
+        moved.update(seen)
+
+
+def _returned_deferred(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, str, str]]:
+    """The deferred all-reduces (``defer=True``: a returned loss's, runtime/comm/lazy.py) whose one use is as an
+    output of ``gm``'s flat tuple of outputs: node -> (its output index, axis, op). The compiled program
+    returns their inputs and ``CompiledCall`` starts them after it, as the eager program does, so that their
+    wait is deferred to the loss's first read (a backward reads none) instead of ending the forward."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = out.args[0]
+    if not isinstance(outs, (tuple, list)):
+        return {}
+    found: dict[fx.Node, tuple[int, str, str]] = {}
+    for i, a in enumerate(outs):
+        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is coll.all_reduce):
+            continue
+        bound = inspect.signature(coll.all_reduce).bind(*a.args, **a.kwargs)
+        bound.apply_defaults()
+        args = bound.arguments
+        if args["defer"] and args["pending"] is None and len(a.users) == 1 and outs.count(a) == 1:
+            found[a] = (i, args["axis"], args["op"])
+    return found
 
 
 _EAGER: dict[Callable, Callable] = {}
@@ -588,14 +646,23 @@ class _NotIsolable(Exception):
 
 
 class CompiledCall:
-    """A part's compiled program: times its first call apart from the later ones (``CompileLog``)."""
+    """A part's compiled program: times its first call apart from the later ones (``CompileLog``), then starts
+    the all-reduces of ``deferred`` ((output index, axis, op), ``_returned_deferred``) on those outputs, waited
+    at their first read as the eager program's are."""
 
-    def __init__(self, fn: Callable, label: str, log_: CompileLog):
+    def __init__(self, fn: Callable, label: str, log_: CompileLog, comm: Comm | None = None, deferred=()):
         self.fn, self.label, self.log = fn, label, log_
+        self.comm, self.deferred = comm, list(deferred)
 
     def __call__(self, *args):
         t0 = time.perf_counter()
         out = self.fn(*args)
+        if self.deferred:
+            out = list(out)
+            with use_comm(self.comm):
+                for i, axis, op in self.deferred:
+                    out[i] = coll.all_reduce(out[i], axis, op, defer=True)
+            out = tuple(out)
         dt = time.perf_counter() - t0
         if self.label not in self.log.first_s:
             self.log.first_s[self.label] = dt
@@ -612,7 +679,7 @@ def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_g
     for why in log_.eager.get(label, ()):
         log.info("autopar.compile: %s: %s", label, why)
     fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
-    part.call = CompiledCall(fn, label, log_)
+    part.call = CompiledCall(fn, label, log_, comm, gm.deferred)
 
 
 def compile_parts(
@@ -668,11 +735,6 @@ def eager_parts(
         )
     if tensor_parallel and not sub_pipeline_tp:
         out.append("Megatron f's gradient all-reduce: waited where it stands (not behind the weight gradients)")
-    if tensor_parallel or data_parallel:
-        out.append(
-            "a returned loss's all-reduce, where the plan has one: waited where it stands (the eager program defers "
-            "that wait to the loss's first read)"
-        )
     if data_parallel and zero < 3 and not graph_buckets:
         out.append(
             "gradient buckets: a compiled backward delivers its region's gradients together at its end, so the "
