@@ -1,7 +1,7 @@
 """``torch_compile=True`` in ``make test``: the small case of tests/test_torch_compile.py's heavy matrix.
 
 One spawn of 2 gloo ranks trains the tiny MLP (``tiny-mlp``) in float64 on tp=2 (its parameters split, the
-collectives ``autopar::reduce`` ops inside the compiled graphs) and on dp=2 (gradient buckets all-reduced inside
+all-reduces functional collectives inside the compiled graphs) and on dp=2 (gradient buckets all-reduced inside
 the compiled backward: functional collectives, started early, waited late), each compiled
 with Inductor's C++ back end and eagerly: losses and parameters equal one process to 1e-10 relative, and the
 compiled run equals the eager one; dynamo's counters show graphs were compiled and the compile log shows the

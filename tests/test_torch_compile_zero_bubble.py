@@ -2,7 +2,7 @@
 (weight gradients: runtime/build/compiled_split.py), B run at the schedule's ``B`` and W at its ``W``.
 
 One spawn of 4 gloo ranks trains the tiny MLP (``tiny-mlp``) in float64 on pp=2 x tp=2 (its parameters split
-over tp: the collectives ``autopar::reduce`` ops inside the compiled graphs) with 1F1B and with ZB-V (two
+over tp: the all-reduces functional collectives inside the compiled graphs) with 1F1B and with ZB-V (two
 stages per rank, every backward split), each compiled and eagerly: losses and parameters equal one process to
 1e-10 relative, and the compiled runs equal the eager ones. What proves the split ran compiled (so that a
 silent fallback to eager fails the test): dynamo compiled graphs, Inductor compiled two more graphs per split

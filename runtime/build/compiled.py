@@ -7,24 +7,28 @@ is compiled code too; under a zero-bubble schedule each backward graph is compil
 gradients) and W (weight gradients), run at the schedule's ``B`` and ``W`` (runtime/build/compiled_split.py).
 The rewrite:
 
-- **collectives** become autograd functions over two autopar ops registered with ``torch.library``
-  (``autopar::reduce``: the all-reduce; ``autopar::gather``: the all-gather and its reassembly), each with a
-  fake kernel giving its output's shape, so dynamo traces through them and Inductor schedules and fuses the
+- **collectives** become autograd functions over torch's functional all-reduce (``_reduce``: a start,
+  ``_c10d_functional.all_reduce``, and its ``wait_tensor``, which Inductor's comm passes move apart) and an
+  autopar op registered with ``torch.library`` (``autopar::gather``: the all-gather and its reassembly, with a
+  fake kernel giving its output's shape), so dynamo traces through them and Inductor schedules and fuses the
   compute around them as nodes of its graph; a shard is plain slicing (the rank's coordinates are constants
   of its program). The process groups are named by a number into this module's table (``_COMMS``), so a
   compiled backward needs no ``use_comm`` in force when it runs. Megatron's fused f (``column_linears``) is
-  emitted as f and its matmuls again: Inductor fuses those itself.
+  emitted as f and its matmuls again: Inductor fuses those itself. An all-reduce computed from the inputs
+  alone (a mean loss's count of labels) is moved ahead of the compute (``_hoist_input_reductions``), and a
+  returned loss's deferred all-reduce is left out of the graph: ``CompiledCall`` starts it after the compiled
+  forward and returns it in flight, waited at its first read as the eager program's (``runtime/comm/lazy.py``).
 - **keyed dropout**: the mask is ``autopar::dropout_mask``, an op reading the site's current step and
   microbatch when it runs (``runtime/build/rng.py``), so no step recompiles the program; the multiply fuses.
 - **vocab-parallel embedding and cross-entropy**: the rank's block of the vocabulary is a constant; the
-  cross-entropy's three reductions are ``autopar::reduce`` and its backward is autograd's (``vocab_cross_entropy``).
+  cross-entropy's three reductions are ``_reduce`` and its backward is autograd's (``vocab_cross_entropy``).
 - anything else the rewrite does not know (ZeRO-3's unit gathers and releases) is called through
   ``torch.compiler.disable``: a graph break there, the compute between compiled; ``CompileLog.eager`` lists
   each such call and why, and it is logged.
 
-What the runtime's overlap becomes: a collective in a compiled program waits where it stands (the eager
-program does too, but for three overlaps that the compiled form gives up and the log states: Megatron f's
-gradient all-reduce behind its weight gradients, the deferred wait of a returned loss, and ZeRO-3's
+What the runtime's overlap becomes: a collective in a compiled program is waited at its result's first use
+in Inductor's order (the eager program waits where it stands, but for two overlaps that the log states the
+compiled form does not promise: Megatron f's gradient all-reduce behind its weight gradients, and ZeRO-3's
 prefetch, which the graph breaks at its gathers keep). Gradient buckets are filled by the parameters'
 accumulation hooks as before; a compiled backward delivers a region's gradients together at its end. Where a
 stage's gradients are final after its one backward of the step (one microbatch; ``ParallelModule._graph_buckets``
