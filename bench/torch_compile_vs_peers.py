@@ -18,7 +18,10 @@ kernels:
 
 Each run does two warm-up steps (the first compiles), then times --steps steps (forward, backward, AdamW) and
 reports their median, the slowest rank's; a pair's line is the median of its per-round ratios with their
-min-max. The model returns its loss only (bench/vs_torch_systems.py: ``LossOnly``, the same presets).
+min-max. ``--interleaved``: both systems of a pair in the same ranks (one spawn), stepped A B A B --steps
+times after their warm-ups; the line is the median of the per-step ratios (each A step over the B step after
+it), which a machine whose load moves minute to minute resolves where separate processes do not. The model
+returns its loss only (bench/vs_torch_systems.py: ``LossOnly``, the same presets).
 """
 
 from __future__ import annotations
@@ -135,6 +138,57 @@ def run_one(rank: int, world: int, port: int, system: str, a, out: str) -> None:
             json.dump(res, f)
 
 
+def run_interleaved(rank: int, world: int, port: int, systems: tuple[str, str], a, out: str) -> None:
+    """Both systems of a pair built in the same ranks, warmed up, then stepped A B A B, each step timed on its
+    own (the slowest rank's): the two see the same load at the same moments, which separate processes a
+    minute apart do not on a shared machine."""
+    init_worker(rank, world, port, a.timeout)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
+    torch.manual_seed(0)
+    steps = {s: build(s, a, rank)[0] for s in systems}
+    times: dict[str, list[float]] = {s: [] for s in systems}
+    for s in systems:
+        t0 = time.perf_counter()
+        steps[s]()  # the first step traces and compiles
+        times[f"{s}.first"] = [time.perf_counter() - t0]
+        steps[s]()
+    for _ in range(a.steps):
+        for s in systems:
+            dist.barrier()
+            t0 = time.perf_counter()
+            steps[s]()
+            t = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            times[s].append(t.item())
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(times, f)
+
+
+def interleaved_pair(pair: str, a) -> dict:
+    """``--interleaved``: the pair's per-step ratios (A's step over the B step after it) in one spawn."""
+    ours, peer = PAIRS[pair]
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        mp.spawn(run_interleaved, args=(a.ranks, free_port(), (ours, peer), a, out), nprocs=a.ranks, join=True)
+        with open(out) as f:
+            times = json.load(f)
+    ratios = [x / y for x, y in zip(times[ours], times[peer])]
+    return {
+        "pair": pair,
+        "ours": ours,
+        "peer": peer,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "median_s": {s: statistics.median(times[s]) for s in (ours, peer)},
+        "first_s": {s: times[f"{s}.first"][0] for s in (ours, peer)},  # rank 0's
+        "eager_parts": {},
+        "failed": [],
+        "split": {},
+    }
+
+
 def spawn(system: str, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "r.json")
@@ -177,9 +231,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=4, help="the pipeline pairs' microbatches per step")
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument(
+        "--interleaved", action="store_true",
+        help="both systems of a pair in the same ranks, stepped A B A B (--steps each): per-step ratios",
+    )  # fmt: skip
     a = p.parse_args(argv)
     a.cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.mkdtemp(prefix="autopar-inductor-")
-    results = [run_pair(pair, a) for pair in a.pairs.split(",")]
+    one = interleaved_pair if a.interleaved else run_pair
+    results = [one(pair, a) for pair in a.pairs.split(",")]
     load = os.getloadavg()[0]
     print(f"ranks {a.ranks}, load {load:.1f}, LLaMA {a.layers} layers hidden {a.hidden} batch {a.batch} x {a.seq}")
     for r in results:
