@@ -174,6 +174,15 @@ def interleaved_pair(pair: str, a) -> dict:
         with open(out) as f:
             times = json.load(f)
     ratios = [x / y for x, y in zip(times[ours], times[peer])]
+    medians = {s: statistics.median(times[s]) for s in (ours, peer)}
+    first = {s: times[f"{s}.first"][0] for s in (ours, peer)}  # rank 0's
+    return _pair_result(pair, ratios, medians, first, {})
+
+
+def _pair_result(pair: str, ratios: list[float], medians: dict, first: dict, ours_run: dict) -> dict:
+    """A pair's line: its ratios' median and range, each system's s/step and first step, and what our run's
+    compile log said (``ours_run``: one run's result, as ``run_one`` writes it)."""
+    ours, peer = PAIRS[pair]
     return {
         "pair": pair,
         "ours": ours,
@@ -181,11 +190,11 @@ def interleaved_pair(pair: str, a) -> dict:
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
-        "median_s": {s: statistics.median(times[s]) for s in (ours, peer)},
-        "first_s": {s: times[f"{s}.first"][0] for s in (ours, peer)},  # rank 0's
-        "eager_parts": {},
-        "failed": [],
-        "split": {},
+        "median_s": medians,
+        "first_s": first,
+        "eager_parts": ours_run.get("eager", {}),
+        "failed": ours_run.get("failed", []),
+        "split": ours_run.get("split", {}),
     }
 
 
@@ -207,19 +216,9 @@ def run_pair(pair: str, a) -> dict:
             print(f"[{pair} round {r + 1}/{a.repeats}] {system}: {res['median_s']:.3f} s/step, first step "
                   f"{res['first_s']:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     ratios = [x["median_s"] / y["median_s"] for x, y in zip(runs[ours], runs[peer])]
-    return {
-        "pair": pair,
-        "ours": ours,
-        "peer": peer,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "median_s": {s: statistics.median(x["median_s"] for x in v) for s, v in runs.items()},
-        "first_s": {s: statistics.median(x["first_s"] for x in v) for s, v in runs.items()},
-        "eager_parts": runs[ours][0]["eager"],
-        "failed": runs[ours][0]["failed"],
-        "split": runs[ours][0].get("split", {}),
-    }
+    medians = {s: statistics.median(x["median_s"] for x in v) for s, v in runs.items()}
+    first = {s: statistics.median(x["first_s"] for x in v) for s, v in runs.items()}
+    return _pair_result(pair, ratios, medians, first, runs[ours][0])
 
 
 def main(argv: list[str] | None = None) -> None:
