@@ -73,16 +73,20 @@ def test_a_returned_loss_is_reduced_after_the_graph_and_a_label_count_before_the
     root = torch.nn.Module()
     root.w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64))
     g = fx.Graph()
-    x, labels, w = g.placeholder("x"), g.placeholder("labels"), g.get_attr("w")
-    y = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.mm.default, (x, w)),))
+    x, w = g.placeholder("x"), g.get_attr("w")
+    y = g.call_function(torch.ops.aten.mm.default, (x, w))
+    labels = g.placeholder("labels")  # after a computation, as a pipeline stage's labels are
+    y = g.call_function(torch.ops.aten.sum.default, (g.call_function(torch.ops.aten.mm.default, (y, w)),))
     kept = g.call_function(torch.ops.aten.ne.Scalar, (labels, -100))
     count = g.call_function(coll.all_reduce, (g.call_function(torch.ops.aten.sum.default, (kept,)), "tp"))
     mean = g.call_function(torch.ops.aten.div.Tensor, (y, count))
     g.output((g.call_function(coll.all_reduce, (mean,), {"axis": "tp", "op": "sum", "defer": True}),))
     gm = fx.GraphModule(root, g)
     out = C.compilable(gm, one_rank_tp, "forward0", C.CompileLog())
-    calls = [n.target for n in out.graph.nodes if n.op == "call_function"]
-    assert calls.index(C.all_reduce) < calls.index(torch.ops.aten.mm.default), out.graph  # the count first
+    nodes = list(out.graph.nodes)
+    calls = [n.target for n in nodes if n.op == "call_function"]
+    first = [n.target for n in nodes[nodes.index(next(n for n in nodes if n.name == "labels")) :]]
+    assert first.index(C.all_reduce) < first.index(torch.ops.aten.mm.default), out.graph  # the count first
     assert calls.count(C.all_reduce) == 1 and out.deferred == [(0, "tp", "sum")], out.graph  # the loss's: after
     xs, ls = torch.randn(2, 3, dtype=torch.float64), torch.tensor([1, -100, 2])
     with use_comm(one_rank_tp):

@@ -488,11 +488,17 @@ def _hoist_input_reductions(graph: fx.Graph) -> None:
         if not ok:
             continue  # it stays; one hoisted past it is hoisted on every rank alike
         order = {x: i for i, x in enumerate(graph.nodes)}
-        for a in sorted(seen, key=order.__getitem__):  # in their order, before the first other op
-            if a is anchor:
-                anchor = a.next
+        at = anchor  # before the first other op, but after every input it reads (a stage's labels come late)
+        for x in {x for a in seen for x in a.all_input_nodes if x not in seen}:
+            if order[x] >= order[at]:
+                at = x.next
+        for a in sorted(seen, key=order.__getitem__):  # in their order
+            if order[a] < order[at]:
+                continue  # early enough where it is
+            if a is at:
+                at = a.next
             else:
-                anchor.prepend(a)
+                at.prepend(a)
         moved.update(seen)
 
 
