@@ -19,8 +19,11 @@ from autopar.ir.parser import parse
 from autopar.ir.printer import print_program
 from autopar.ir.verify import verify
 from autopar.models.resolve import build
+from autopar.passes import (
+    flow,  # noqa: F401  (registers the standard passes PassManager runs by name)
+    split_cache,
+)
 from autopar.passes import pipeline_split as ps
-from autopar.passes import split_cache
 from autopar.passes.assign_stages import assign_stages_pass
 from autopar.passes.capture import capture
 from autopar.passes.lower import lower
@@ -106,12 +109,11 @@ def test_gpt2_splits_into_2L_plus_2_subgraphs_with_one_tensor_per_cut():
         "transformer.h.1.mlp",
         "lm_head",
     ]
-    # one residual-stream tensor crosses every cut; the causal mask rides along until its last user
-    assert split.crossings() == [(1, 1), (1, 1), (1, 1), (1, 0), (1, 0)]
-    types, users = prog.types(), prog.users()
-    (mask,) = split.subgraphs[0].commons_out
-    assert types[mask].dtype == "b8"
-    assert [u.target for u in users[mask]] == ["aten.scaled_dot_product_attention"] * 2
+    # one residual-stream tensor crosses every cut, and nothing rides along: SDPA is called causal, with no mask to
+    # carry to its last user (passes/hf_masks.py; the LLaMA case below keeps its rotary tables)
+    assert split.crossings() == [(1, 0)] * 5
+    assert not any(s.commons_out for s in split.subgraphs)
+    types = prog.types()
     for s in split.subgraphs[:-1]:
         (x,) = s.outputs
         assert types[x].shape == (4, 16, 64)  # [batch, seq, hidden]
@@ -123,15 +125,15 @@ def test_gpt2_splits_into_2L_plus_2_subgraphs_with_one_tensor_per_cut():
     assert split.subgraphs[-1].stop == len(prog.ops)
 
 
-def test_llama_passes_rotary_tables_and_mask_as_common_nodes():
+def test_llama_passes_rotary_tables_as_common_nodes():
     _, prog, _ = preset("tiny-llama")
     split = ps.split_program(prog, NOCACHE)
     assert len(split) == 2 * 2 + 2
     assert [s.label for s in split.subgraphs][1:3] == ["model.layers.0.self_attn", "model.layers.0.mlp"]
-    assert split.crossings() == [(1, 3), (1, 3), (1, 3), (1, 0), (1, 0)]
+    assert split.crossings() == [(1, 2), (1, 2), (1, 2), (1, 0), (1, 0)]
     types = prog.types()
     commons = split.subgraphs[0].commons_out
-    assert sorted(types[c].dtype for c in commons) == ["b8", "f32", "f32"]  # mask, cos, sin
+    assert sorted(types[c].dtype for c in commons) == ["f32", "f32"]  # cos, sin (SDPA is called causal, no mask)
     assert all(c in ps.common_nodes(prog) for c in commons)
 
 

@@ -78,10 +78,10 @@ def test_profile_of_a_gpt_gives_megatron_eq3_and_its_activations():
     # each f with the forward FLOPs of the matmuls reading it (their weight gradients'): QKV's and the MLP's first
     assert layer.ar_bwd_groups == ((s * h * 4, 2 * s * h * 3 * h), (s * h * 4, 2 * s * h * 4 * h))
     # saved for backward (elements): Megatron's 16 s h (34 s h bytes in 16-bit less the dropout masks), plus the
-    # attention's own output and logsumexp (CPU's fused kernel, tp-split by heads), the float causal mask it makes
-    # (s^2, replicated) and the two layer norms' mean and rstd
+    # attention's own output and logsumexp (CPU's fused kernel, tp-split by heads) and the two layer norms' mean and
+    # rstd; no mask: the capture calls SDPA causal as HF's eager forward does (passes/hf_masks.py)
     assert layer.act_tp == (13 * s * h + heads * s) * 4
-    assert layer.act_rep == (4 * s * h + s * s + 4 * s) * 4
+    assert layer.act_rep == (4 * s * h + 4 * s) * 4
     assert layer.input_bytes == s * h * 4
     # what a split backward keeps from B to W: the outputs' gradients of QKV (3 s h, split over tp), the
     # projection (s h), the MLP (4 s h split, s h) and the two layer norms (s h each); a bias add is the same tensor
