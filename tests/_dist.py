@@ -70,7 +70,7 @@ def forkserver():
     return mp.get_context("forkserver")
 
 
-def run_distributed(fn, world: int, *args, timeout: float = 300.0) -> list:
+def run_distributed(fn, world: int, *args, timeout: float = 580.0) -> list:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return each rank's result."""
     forkserver()
     with tempfile.TemporaryDirectory() as d:

@@ -37,9 +37,9 @@ def _ranks(rank: int, world: int, cache: str) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)  # the suite's own guard: a cold Inductor cache took 302 s at load 12-15
 def test_compiled_tiny_mlp_on_tp2_and_dp2_equals_one_process_and_eager(tmp_path):
-    results = run_distributed(_ranks, 2, str(tmp_path / "inductor"), timeout=280)  # cold: a fresh cache
+    results = run_distributed(_ranks, 2, str(tmp_path / "inductor"), timeout=580)  # cold: a fresh cache
     for job, _key, r, at, compiled in compiled_runs(results, JOBS):
         assert r["forward_rel"] < TOL, (at, r["forward_rel"])
         if job["name"] == "tp2":  # the plan really splits parameters over tp
