@@ -615,6 +615,22 @@ def _nan_rows(rank: int) -> dict:
     return out
 
 
+def test_the_gradient_check_finds_any_non_finite_element_with_one_read():
+    """``NonFinite``'s local check (one fused max-norm pass, one host read): a NaN or inf anywhere, in fp32 or
+    bf16, dense or sparse, is found; finite gradients, empty ones and none at all pass."""
+    from autopar.runtime.grads.nonfinite import _all_finite
+
+    finite = [torch.randn(5, 3), torch.empty(0), torch.ones(4, dtype=torch.bfloat16) * 3e38]
+    assert _all_finite(finite) and _all_finite([])
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for dtype in (torch.float32, torch.bfloat16):
+            g = torch.zeros(7, 2, dtype=dtype)
+            g[6, 1] = bad
+            assert not _all_finite([*finite, g]), (bad, dtype)
+    sparse = torch.sparse_coo_tensor([[0, 3]], torch.tensor([1.0, float("nan")]), (5,))
+    assert not _all_finite([sparse]) and _all_finite([torch.sparse_coo_tensor([[1]], torch.tensor([2.0]), (5,))])
+
+
 @pytest.mark.multiproc
 def test_a_failure_on_one_rank_is_raised_on_every_rank():
     """Planning fails on rank 0 only (compile plans there and broadcasts): every rank raises the same

@@ -35,7 +35,7 @@ class NonFinite:
         if norm is not None:
             bad = not math.isfinite(float(norm))
         else:
-            local = any(p.grad is not None and not _finite(p.grad) for p in params.values())
+            local = not _all_finite([p.grad for p in params.values() if p.grad is not None])
             flag = torch.tensor([1.0 if local else 0.0])
             if dist.is_initialized() and dist.get_world_size() > 1:
                 world = dist.group.WORLD
@@ -66,11 +66,19 @@ class NonFinite:
         return False
 
 
-def _finite(grad: torch.Tensor) -> bool:
-    """Whether every element of ``grad`` is finite (a sparse gradient, a sparse embedding's: its values)."""
-    if grad.is_sparse:
-        grad = grad.coalesce().values()
-    return bool(torch.isfinite(grad).all())
+def _all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether every element of every gradient is finite (a sparse gradient, a sparse embedding's: its values), read
+    with one host synchronization: the max-norm of each (``torch._foreach_norm``, one fused pass; NaN and inf
+    propagate into it, a finite tensor's is finite), not one ``bool`` per parameter (a sync each on a GPU)."""
+    dense = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in dense:
+        if g.numel():  # the max-norm of an empty tensor has no value (nothing in it is non-finite)
+            by_device.setdefault(g.device, []).append(g)
+    return all(
+        bool(torch.isfinite(torch.stack([n.float() for n in torch._foreach_norm(gs, math.inf)])).all())
+        for gs in by_device.values()  # one read a device: a rank's gradients are on one
+    )
 
 
 __all__ = ["POLICIES", "NonFinite"]
