@@ -5,6 +5,14 @@
 # lands in $OUT (default bench/gpu/out). Each part has its own time limit, so one that hangs leaves the others.
 #
 #   bash bench/gpu/lease.sh            # on the GPU machine, from the repository root
+#
+# The wheels, fetched here first (pip reaches an index on the CPU machine, not on the GPU one) into .whl/, which
+# .git/info/exclude keeps out of git (echo /.whl/ >> .git/info/exclude) and the device tool's `carry` sends:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
+# (the versions requirements.lock pins). PARTS=checks,train,pairs picks the parts; T_CHECKS / T_TRAIN / T_PAIRS
+# their time limits; MODEL, STEPS and PAIRS as in the scripts. The 2026-12-04 lease: the three parts took about
+# 8 minutes of its 15, the machine's start another 1-2 (BENCHMARKS 18).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-bench/gpu/out}"; mkdir -p "$OUT"
