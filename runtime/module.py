@@ -71,7 +71,7 @@ from autopar.runtime.grads.zero import ZeroOptimizer
 from autopar.runtime.grads.zero3 import shard_zero3
 from autopar.runtime.measure.metrics import StepMeter
 from autopar.runtime.views import ModuleViews
-from autopar.schedule.actions import Schedule, split_backwards
+from autopar.schedule.actions import Kind, Schedule, split_backwards
 from autopar.solver.sharding.cost import TrainingSetup
 
 MICROBATCH_SEMANTICS = ("exact", "per_microbatch")  # RuntimeOptions.microbatch_semantics
@@ -204,9 +204,10 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             split = any(split_backwards(actions) for actions in schedule.actions)
             sub = options.sub_pipeline_tp
             buckets = self._graph_buckets(split)
+            last = self._last_microbatches(buckets)
             notes = mesh_eager_parts(comm.sizes, self.setup.zero, sub, split, graph_buckets=bool(buckets))
             self.compile_log = compile_rank(
-                self.forward_runners, self.train_runners, comm, sub, split, notes, buckets
+                self.forward_runners, self.train_runners, comm, sub, split, notes, buckets, last
             )  # fmt: skip
         context = (lambda _s: self.zero3.scope()) if self.zero3 is not None else None
         peer = self._peer_rank
@@ -230,12 +231,14 @@ class ParallelModule(ModuleViews, torch.nn.Module):
     # -- construction helpers --------------------------------------------------------------------
     def _graph_buckets(self, split: bool) -> dict[int, list[tuple[str, list[str]]]]:
         """Under ``torch_compile``: per stage, the gradient buckets its compiled backward all-reduces itself
-        (start early, wait late: ``_BucketSync`` in runtime/build/compiled.py), taken from ``GradSync``. Only
-        where each gradient is final after the step's one backward of its stage: one microbatch, no split
-        backward, no recomputation, no sub-pipelining, no ZeRO or MiCS (which reduce themselves) and no
-        batch tail; elsewhere the buckets start from the accumulation hooks, after a compiled region's end."""
+        (start early, wait late: ``_BucketSync`` in runtime/build/compiled.py), taken from ``GradSync``: the
+        backward of the stage's last microbatch of a step, the earlier microbatches' gradients added in
+        (``_last_microbatches``). Only where that backward finishes every gradient of the stage in one graph:
+        no split backward, no recomputation, no sub-pipelining or sub-microbatches, no ZeRO or MiCS (which
+        reduce themselves) and no batch tail; elsewhere the buckets start from the accumulation hooks, after a
+        compiled region's end."""
         o = self.options
-        if split or o.sub_pipeline_tp or self._tail is not None or o.microbatches * o.sub_microbatches != 1:
+        if split or o.sub_pipeline_tp or self._tail is not None or o.sub_microbatches != 1:
             return {}
         if self.setup.zero or self.setup.mics_group is not None:
             return {}
@@ -253,6 +256,14 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             if handed:
                 out[s] = [(b.axis, [attrs[n] for n in b.names]) for b in handed]
         return out
+
+    def _last_microbatches(self, buckets: dict) -> dict[int, int]:
+        """Per stage of ``buckets`` where a step runs several microbatches: the microbatch of its last backward on
+        this rank (the one whose compiled program reduces the buckets; the ones before only accumulate)."""
+        if self._schedule.num_microbatches == 1:
+            return {}
+        last = {a.stage: a.mb for a in self._schedule.actions[self._pp_rank] if a.kind is Kind.B}
+        return {s: last[s] for s in buckets}
 
     def _peer_rank(self, stage: int) -> int:
         """The global rank holding ``stage`` in this rank's pipeline."""

@@ -3,7 +3,8 @@ Inductor (fast): the vocabulary-parallel lookup and loss as it emits them (``emb
 ``vocab_cross_entropy``) traced whole by dynamo (``fullgraph``), the loss equal to torch's, and an out-of-range
 label or token id raising ``InputRangeError`` as the eager program does (the check is the op
 ``autopar::checked_index``, whose output the graph reads, so it is never dropped); a gradient bucket over
-parameters read anywhere in the program (a mixed-precision program reads some after its first computation)."""
+parameters read anywhere in the program (a mixed-precision program reads some after its first computation), and
+the last microbatch's buckets summing the accumulated gradient."""
 
 from __future__ import annotations
 
@@ -53,9 +54,59 @@ def test_a_gradient_bucket_syncs_parameters_read_after_the_first_computation(one
     gm = fx.GraphModule(root, g)
     out = compilable(gm, comm, "stage0", CompileLog(), [("dp", ["w", "b"])])
     syncs = [n for n in out.graph.nodes if n.target is bucket_sync]
-    assert len(syncs) == 1 and [a.target for a in syncs[0].args[2:]] == ["w", "b"], out.graph
+    assert len(syncs) == 1 and [a.target for a in syncs[0].args[4:]] == ["w", "b"], out.graph
     xs = torch.randn(2, 3)
     assert torch.equal(out(xs)[0], gm(xs)[0])
+
+
+def test_the_last_microbatchs_buckets_sum_the_accumulated_gradient_once(one_rank_tp):
+    """``take=True`` (several microbatches a step): the bucket's backward adds what ``.grad`` holds before it
+    sums, each parameter in the bucket its backward reaches first (b is in buckets over two axes), and leaves
+    ``.grad`` the bucket's sum. Summed in float32 (``Comm.grad_dtype``) on one rank, the rounding shows which
+    tensor was summed: the eager buckets' round(g0 + g1), not g0 + round(g1) (no take, or b's taken in its
+    inner bucket). Under dynamo (aot_eager)."""
+    import torch.fx as fx
+
+    from autopar.runtime.build.compiled import CompileLog, bucket_sync, compilable
+    from autopar.runtime.comm.context import Comm
+
+    world = torch.distributed.group.WORLD
+    sizes = {"dp": 1, "dq": 1}
+    comm = Comm({"dp": world, "dq": world}, {"dp": 0, "dq": 0}, sizes, grad_dtype=torch.float32)
+    root = torch.nn.Module()
+    gen = torch.Generator().manual_seed(0)
+    root.w = torch.nn.Parameter(torch.randn(3, 3, dtype=torch.float64, generator=gen))
+    root.b = torch.nn.Parameter(torch.randn(3, dtype=torch.float64, generator=gen))
+    g = fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops.aten.mm.default, (x, g.get_attr("w")))
+    z = g.call_function(torch.ops.aten.add.Tensor, (y, g.get_attr("b")))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (z, y))
+    g.output((g.call_function(torch.ops.aten.sum.default, (y,)),))
+    gm = fx.GraphModule(root, g)
+    buckets = [("dp", ["w", "b"]), ("dq", ["b"])]  # b synced over two axes: taken in its last bucket only
+    last = compilable(gm, comm, "stage0", CompileLog(), buckets, take=True)
+    takes = [n.args[2:4] for n in last.graph.nodes if n.target is bucket_sync]
+    assert [t[1] for t in takes] == [(0,), (0,)] and all(t[0] >= 0 for t in takes), takes  # w in 1st, b in 2nd
+    before = compilable(gm, comm, "stage0.accumulate", CompileLog())
+    assert not [n for n in before.graph.nodes if n.target is bucket_sync]
+    xs = [torch.randn(2, 3, dtype=torch.float64, generator=gen) for _ in range(2)]
+    grads = []
+    for x in xs:  # each microbatch's gradient alone
+        root.zero_grad()
+        gm(x)[0].backward()
+        grads.append({n: p.grad.clone() for n, p in root.named_parameters()})
+    g0, g1 = grads
+    want = {n: (g0[n] + g1[n]).float().double() for n in g0}  # eager: accumulated, then summed in float32
+    wrong = {n: g0[n] + g1[n].float().double() for n in g0}  # only the last microbatch's summed
+    assert all(not torch.equal(wrong[n], want[n]) for n in g0)  # the rounding tells them apart
+    root.zero_grad()
+    torch._dynamo.reset()
+    torch.compile(before, backend="aot_eager", fullgraph=True)(xs[0])[0].backward()
+    assert all(torch.equal(p.grad, g0[n]) for n, p in root.named_parameters())  # accumulated only
+    torch.compile(last, backend="aot_eager", fullgraph=True)(xs[1])[0].backward()
+    for n, p in root.named_parameters():
+        assert torch.equal(p.grad, want[n]), (n, p.grad - want[n])
 
 
 def test_a_returned_loss_is_reduced_after_the_graph_and_a_label_count_before_the_compute(one_rank_tp):

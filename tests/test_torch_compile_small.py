@@ -1,8 +1,9 @@
 """``torch_compile=True`` in ``make test``: the small case of tests/test_torch_compile.py's heavy matrix.
 
 One spawn of 2 gloo ranks trains the tiny MLP (``tiny-mlp``) in float64 on tp=2 (its parameters split, the
-all-reduces functional collectives inside the compiled graphs) and on dp=2 (gradient buckets all-reduced inside
-the compiled backward: functional collectives, started early, waited late), each compiled
+all-reduces functional collectives inside the compiled graphs) and on dp=2 over two microbatches (gradient buckets
+all-reduced inside the last microbatch's compiled backward, the accumulated gradients summed: functional
+collectives, started early, waited late), each compiled
 with Inductor's C++ back end and eagerly: losses and parameters equal one process to 1e-10 relative, and the
 compiled run equals the eager one; dynamo's counters show graphs were compiled and the compile log shows the
 training program ran through its compiled call with no failure and nothing eager, so a silent fallback to
@@ -26,8 +27,16 @@ RUNS = [("1f1b", {}, EAGER), ("1f1b", {}, COMPILED)]
 JOBS = [
     # the memory objective splits the tiny MLP's parameters on tp (the time objective keeps them whole)
     {"name": "tp2", "axes": {"tp": 2}, "runs": RUNS, "compile_kwargs": {"options": ShardOptions(objective="memory")}},
-    # buckets of about 4 KB: the tiny MLP's gradients in several, so some start while the backward computes
-    {"name": "dp2", "axes": {"dp": 2}, "runs": RUNS, "check_forward": False, "compile_kwargs": {"options": SMALL}},
+    # buckets of about 4 KB: the tiny MLP's gradients in several, so some start while the backward computes; two
+    # microbatches: the second's compiled backward sums the step's accumulated gradients in its buckets
+    {
+        "name": "dp2",
+        "axes": {"dp": 2},
+        "runs": RUNS,
+        "check_forward": False,
+        "microbatches": 2,
+        "compile_kwargs": {"options": SMALL},
+    },
 ]
 
 
@@ -53,10 +62,13 @@ def test_compiled_tiny_mlp_on_tp2_and_dp2_equals_one_process_and_eager(tmp_path)
 
 
 def _check_graph_buckets(log: dict, at: str) -> None:
-    """dp=2 with one microbatch: the compiled backward all-reduces the gradient buckets itself, every parameter
-    in one, and Inductor scheduled a bucket's start with compute kernels before its wait (the backward above the
-    bucket computing while its sums are in flight); the eager hooks reduce none of them (else the gradients
-    would be summed twice, and the parameters would differ from one process's)."""
+    """dp=2 with two microbatches: the second one's compiled backward (``stage0``) all-reduces the gradient
+    buckets itself, every parameter in one, the first microbatch's gradients added in (else the parameters would
+    differ from one process's), and Inductor scheduled a bucket's start with compute kernels before its wait
+    (the backward above the bucket computing while its sums are in flight); the first microbatch ran the program
+    without buckets (``stage0.accumulate``); the eager hooks reduce none of them (else the gradients would be
+    summed twice)."""
+    assert "stage0.accumulate" in log["compiled"] and "stage0.accumulate" not in log["graph_buckets"], (at, log)
     buckets = log["graph_buckets"].get("stage0", [])
     assert len(buckets) > 1, f"{at}: no gradient buckets in the compiled backward: {log['graph_buckets']}"
     names = [n for b in buckets for n in b]

@@ -31,9 +31,14 @@ in Inductor's order (the eager program waits where it stands, but for two overla
 compiled form does not promise: Megatron f's gradient all-reduce behind its weight gradients, and ZeRO-3's
 prefetch, which the graph breaks at its gathers keep). Gradient buckets are filled by the parameters'
 accumulation hooks as before; a compiled backward delivers a region's gradients together at its end. Where a
-stage's gradients are final after its one backward of the step (one microbatch; ``ParallelModule._graph_buckets``
-says when), its buckets are reduced inside the compiled backward instead (``_BucketSync``: torch's functional
+stage's last backward of the step finishes its gradients in one graph (``ParallelModule._graph_buckets`` says
+when), its buckets are reduced inside that compiled backward instead (``_BucketSync``: torch's functional
 collectives, a start and a wait Inductor's comm passes move apart, so the backward computes between them).
+With several microbatches the stage is compiled twice: its last microbatch runs the program with the buckets,
+whose backward first adds what the earlier ones accumulated in ``.grad`` (``autopar::accumulated``: taken
+from ``.grad`` and added in place, as autograd accumulates), so each bucket sums the step's whole gradient as
+the eager bucket does, to the bit; the earlier microbatches run the program without them
+(``{label}.accumulate``), which only accumulates.
 
 A compile failure never gives a wrong result: the failing graph runs eagerly (the graph dynamo captured, op
 for op), with a warning naming its first kernel or op and the error. The first call of each program is
@@ -50,6 +55,7 @@ import math
 import operator
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -215,30 +221,67 @@ class _AllToAll(torch.autograd.Function):
         return y, None, None, None, None, None, None
 
 
+@torch.library.custom_op("autopar::accumulated", mutates_args=())
+def _accumulated(grads: list[torch.Tensor], take: int) -> list[torch.Tensor]:
+    """Each of ``grads`` plus what its parameter (entry ``take`` of ``_TAKE``) holds in ``.grad``, which is taken
+    (set to None, so that autograd's accumulation after the backward stores the bucket's sum there): the earlier
+    microbatches' gradients, added in place as autograd's accumulation adds them (the same bits), or a copy of
+    the gradient where ``.grad`` is None."""
+    out = []
+    for g, ref in zip(grads, _TAKE[take]):
+        p = ref()
+        acc = None if p is None else p.grad
+        if p is not None:
+            p.grad = None
+        if acc is None:
+            out.append(g.clone())
+        elif acc.stride() == g.stride() and acc.dtype == g.dtype and not acc.is_sparse:
+            out.append(acc.add_(g))
+        else:  # the layout the compiled graph was told (its fake kernel's): a new tensor
+            out.append(torch.add(acc.to(g.dtype), g, out=torch.empty_like(g)))
+    return out
+
+
+@_accumulated.register_fake
+def _(grads, take):
+    return [torch.empty_like(g) for g in grads]
+
+
+_TAKE: list[list] = []  # per taking bucket, weak references to the parameters whose .grad it takes, in order
+
+
 class _BucketSync(torch.autograd.Function):
     """A gradient bucket in the graph: the identity on the bucket's parameters forward; backward, once every
     one of their gradients is computed (the function's backward runs then), one coalesced all-reduce (sum) of
     them as torch's functional collectives, a start (``_c10d_functional.all_reduce_coalesced``) and a
     ``wait_tensor`` per gradient, which Inductor's comm passes sink to the gradients' use (the backward's end),
-    so the backward above the bucket computes while its sums are in flight. In ``Comm.grad_dtype`` where set."""
+    so the backward above the bucket computes while its sums are in flight. In ``Comm.grad_dtype`` where set.
+    ``take`` (an entry of ``_TAKE``, or -1): the gradients at ``positions`` first get what earlier microbatches
+    accumulated in their parameters' ``.grad`` (``autopar::accumulated``), so the sums are of the step's whole
+    gradient, as the eager buckets' are."""
 
     @staticmethod
-    def forward(ctx, comm, axis, *params):
-        ctx.comm, ctx.axis = comm, axis
+    def forward(ctx, comm, axis, take, positions, *params):
+        ctx.comm, ctx.axis, ctx.take, ctx.positions = comm, axis, take, positions
         return tuple(p.view_as(p) for p in params)
 
     @staticmethod
     def backward(ctx, *grads):
         c = _COMMS[ctx.comm]
         dtype = c.grad_dtype
+        grads = list(grads)
+        if ctx.take >= 0:
+            whole = _accumulated([grads[i] for i in ctx.positions], ctx.take)
+            for i, g in zip(ctx.positions, whole):
+                grads[i] = g
         send = [(g if dtype is None else g.to(dtype)).contiguous() for g in grads]
         sums = torch.ops._c10d_functional.all_reduce_coalesced(send, "sum", c.groups[ctx.axis].group_name)
         outs = [torch.ops._c10d_functional.wait_tensor(t) for t in sums]
-        return (None, None, *(o.to(g.dtype) for o, g in zip(outs, grads)))
+        return (None, None, None, None, *(o.to(g.dtype) for o, g in zip(outs, grads)))
 
 
-def bucket_sync(comm: int, axis: str, *params):
-    return _BucketSync.apply(comm, axis, *params)
+def bucket_sync(comm: int, axis: str, take: int, positions: tuple[int, ...], *params):
+    return _BucketSync.apply(comm, axis, take, positions, *params)
 
 
 def all_reduce(x, comm: int, axis: str, op: str = "sum", defer: bool = False):
@@ -389,12 +432,19 @@ def _traceable(target) -> bool:
 
 
 def compilable(
-    gm: fx.GraphModule, comm: Comm, label: str, log_: CompileLog, buckets: list[tuple[str, list[str]]] = ()
+    gm: fx.GraphModule,
+    comm: Comm,
+    label: str,
+    log_: CompileLog,
+    buckets: list[tuple[str, list[str]]] = (),
+    take: bool = False,
 ) -> fx.GraphModule:
     """A copy of ``gm`` (sharing its parameters and buffers) whose calls dynamo can trace, as the module
     docstring says; the calls it leaves eager are noted in ``log_.eager[label]``. ``buckets``: gradient buckets
     (axis, the attribute names of their parameters, each read by a ``get_attr`` of ``gm``) whose all-reduce
-    the backward graph runs itself (``_BucketSync``: every read of a bucket's parameters goes through it)."""
+    the backward graph runs itself (``_BucketSync``: every read of a bucket's parameters goes through it);
+    ``take``: the gradient each bucket sums is the parameter's accumulated one, what earlier microbatches left
+    in ``.grad`` added first (in the bucket its backward reaches first: a parameter's last)."""
     if comm not in _COMMS:
         _COMMS.append(comm)
     cid = next(i for i, c in enumerate(_COMMS) if c is comm)
@@ -414,9 +464,13 @@ def compilable(
             for t in {t for _axis, names in buckets for t in names}:
                 if reads[t] not in env:  # read later in gm (a mixed-precision program casts as it goes): now
                     env[reads[t]] = graph.node_copy(reads[t])
-            for axis, names in buckets:
+            last = {t: b for b, (_axis, names) in enumerate(buckets) for t in names}  # a parameter's last bucket
+            for b, (axis, names) in enumerate(buckets):
                 ins = [synced.get(t) or env[reads[t]] for t in names]
-                out = graph.call_function(bucket_sync, (cid, axis, *ins))
+                at = tuple(i for i, t in enumerate(names) if take and last[t] == b)
+                if at:
+                    _TAKE.append([weakref.ref(operator.attrgetter(names[i])(gm)) for i in at])
+                out = graph.call_function(bucket_sync, (cid, axis, len(_TAKE) - 1 if at else -1, at, *ins))
                 for i, t in enumerate(names):
                     synced[t] = graph.call_function(operator.getitem, (out, i))
         if n.op != "call_function":
@@ -682,28 +736,54 @@ class CompiledCall:
         return out
 
 
-def compile_part(part: Part, comm: Comm, label: str, log_: CompileLog, retains_graph: bool = False, buckets=()) -> None:
+def compile_part(
+    part: Part,
+    comm: Comm,
+    label: str,
+    log_: CompileLog,
+    retains_graph: bool = False,
+    buckets=(),
+    last_microbatch: int | None = None,
+) -> None:
     """Run ``part`` through torch.compile (Inductor) from its next call on (``retains_graph``: ``_inductor``'s;
-    ``buckets``: ``compilable``'s)."""
-    gm = compilable(part.module, comm, label, log_, list(buckets))
+    ``buckets``: ``compilable``'s). ``last_microbatch``: with ``buckets``, a step runs the part on several
+    microbatches and only that one's backward finishes the gradients: it runs the program whose backward
+    reduces the buckets, the step's accumulated gradients taken in (``Part.last``), and the microbatches before
+    it a program without them, which only accumulates (labelled ``{label}.accumulate``)."""
+    many = bool(buckets) and last_microbatch is not None
+    gm = compilable(part.module, comm, label, log_, list(buckets), take=many)
     for why in log_.eager.get(label, ()):
         log.info("autopar.compile: %s: %s", label, why)
     fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
-    part.call = CompiledCall(fn, label, log_, comm, gm.deferred)
+    call = CompiledCall(fn, label, log_, comm, gm.deferred)
+    if not many:
+        part.call = call
+        return
+    part.last = (last_microbatch, call)
+    before = f"{label}.accumulate"
+    gm = compilable(part.module, comm, before, log_)
+    fn = torch.compile(gm, backend=_inductor(before, log_, retains_graph), dynamic=False)
+    part.call = CompiledCall(fn, before, log_, comm, gm.deferred)
 
 
 def compile_parts(
-    parts: dict[str, Part], comm: Comm, retains_graph: set[str] = frozenset(), buckets: dict | None = None
+    parts: dict[str, Part],
+    comm: Comm,
+    retains_graph: set[str] = frozenset(),
+    buckets: dict | None = None,
+    last: dict[str, int] | None = None,
 ) -> CompileLog:
     """Compile every part of a rank (label -> part; a part listed twice is compiled once), with one log;
     ``retains_graph``: the labels whose backward is split (``_inductor``); ``buckets``: label -> the gradient
-    buckets its backward graph reduces (``compilable``)."""
+    buckets its backward graph reduces (``compilable``); ``last``: label -> the microbatch whose backward that
+    is, where a step runs several (``compile_part``'s ``last_microbatch``)."""
     log_ = CompileLog()
     done: set[int] = set()
     for label, part in parts.items():
         if id(part) not in done:
             done.add(id(part))
-            compile_part(part, comm, label, log_, label in retains_graph, (buckets or {}).get(label, ()))
+            retains = label in retains_graph
+            compile_part(part, comm, label, log_, retains, (buckets or {}).get(label, ()), (last or {}).get(label))
     return log_
 
 
@@ -748,8 +828,9 @@ def eager_parts(
     if data_parallel and zero < 3 and not graph_buckets:
         out.append(
             "gradient buckets: a compiled backward delivers its region's gradients together at its end, so the "
-            "buckets' all-reduces start then (eager: as each bucket fills); with one microbatch, no ZeRO, no "
-            "recomputation and no split backward the compiled backward all-reduces them itself, started early"
+            "buckets' all-reduces start then (eager: as each bucket fills); with no ZeRO, no recomputation, no "
+            "split backward and no sub-microbatches the last microbatch's compiled backward all-reduces them "
+            "itself, started early"
         )
     return out
 
@@ -773,18 +854,21 @@ def compile_rank(
     split_backward: bool,
     notes: list[str] | tuple[str, ...] = (),
     buckets: dict | None = None,
+    last: dict[int, int] | None = None,
 ) -> CompileLog:
     """Compile a rank's forward and training programs; the log says what runs eagerly. Sub-pipelined
     tensor parallelism interprets its training programs node by node (``runtime/execute/subpipeline.py``),
     so those stay eager there; ``split_backward``: the schedule runs B and W apart (retaining the graph);
     ``buckets``: per stage, the gradient buckets (axis, parameter attributes) its training program's backward
-    graph all-reduces itself (``ParallelModule`` hands them over from its ``GradSync``)."""
+    graph all-reduces itself (``ParallelModule`` hands them over from its ``GradSync``); ``last``: per stage
+    with several microbatches a step, the one whose backward that is (``compile_part``)."""
     parts = runner_parts(forward_runners, "forward")
     train = runner_parts(train_runners, "stage")
     if not sub_pipelined:
         parts |= train
     by_label = {f"stage{s}": b for s, b in (buckets or {}).items()}
-    log_ = compile_parts(parts, comm, set(train) if split_backward else set(), by_label)
+    last_of = {f"stage{s}": mb for s, mb in (last or {}).items()}
+    log_ = compile_parts(parts, comm, set(train) if split_backward else set(), by_label, last_of)
     log_.plan_notes = list(notes)
     if sub_pipelined:
         for label in runner_parts(train_runners, "stage"):

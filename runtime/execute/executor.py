@@ -264,7 +264,7 @@ class Executor:
         if self.sub == 1:
             if rng is not None:
                 rng.microbatch = mb
-            return [part(envs[0])], None
+            return [part(envs[0], mb)], None
         inter = self._interleaved.get(id(part.module))
         if inter is None:
             inter = self._interleaved[id(part.module)] = Interleaved(part.module)

@@ -16,20 +16,25 @@ from autopar.ir.core import Program
 @dataclass
 class Part:
     """A GraphModule and the names of its placeholders (the program's ``input`` values, in order); ``call``,
-    when set, runs the module in its place (its compiled form, ``runtime/build/compiled.py``)."""
+    when set, runs the module in its place (its compiled form, ``runtime/build/compiled.py``); ``last``, when
+    set, (a microbatch, what runs in its place for that one): the compiled program whose backward reduces the
+    gradient buckets, run for the step's last microbatch of the stage (``call`` then only accumulates)."""
 
     module: fx.GraphModule
     inputs: tuple[str, ...]
     grad: tuple[bool, ...]  # whether a gradient flows through each input
     call: Callable[..., tuple] | None = None
+    last: tuple[int, Callable[..., tuple]] | None = None
 
     @classmethod
     def of(cls, module: fx.GraphModule, prog: Program) -> Part:
         values = [v for v in prog.inputs if v.kind == "input"]
         return cls(module, tuple(v.name for v in values), tuple(bool(v.attrs.get("grad")) for v in values))
 
-    def __call__(self, env: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        return tuple((self.call or self.module)(*(env[n] for n in self.inputs)))
+    def __call__(self, env: dict[str, torch.Tensor], mb: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The part on ``env``, for microbatch ``mb`` of a step (the executor's; None: outside a schedule)."""
+        fn = self.last[1] if self.last is not None and mb == self.last[0] else (self.call or self.module)
+        return tuple(fn(*(env[n] for n in self.inputs)))
 
 
 @dataclass

@@ -141,8 +141,9 @@ class GradSync:
     def hand_over(self, key: Any, present: set[str]) -> list[Bucket]:
         """The buckets of reduction point ``key`` (a stage), if the parameters of every one are in ``present`` (read
         by that stage's compiled program), from now on all-reduced by its compiled backward (``_BucketSync`` in
-        runtime/build/compiled.py) and no longer here. Only where each gradient is final after one backward
-        per step (the caller's to know: one microbatch, no split backward, no recomputation)."""
+        runtime/build/compiled.py) and no longer here. Only where one backward per step finishes each gradient
+        in one graph, its last microbatch's, which adds the earlier microbatches' gradients before it sums (the
+        caller's to know: no split backward, no recomputation, no sub-microbatches)."""
         mine = self.buckets(key)
         if not mine or any(not set(b.names) <= present for b in mine):
             return []  # all of them or none (a second axis's bucket starts after the first's sums)
