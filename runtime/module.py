@@ -331,7 +331,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
                     self._params, self.program, self.comm, self._optimizer, self.zero3, self._grads.tied
                 )
                 self.grad_norm = norm = clip.global_norm(pieces, 2.0, self.comm)
-            if not self.nonfinite.step_ok(self._params, self._optimizer, norm):  # agreed by every rank
+            if not self.nonfinite.step_ok(self._params, self._optimizer, norm, self._grads.world_identical()):
                 return
             self._in_step = True  # checked just above: the optimizer's pre-hook need not agree again
             try:
@@ -340,7 +340,7 @@ class ParallelModule(ModuleViews, torch.nn.Module):
                 self._in_step = False
             self._optimizer.zero_grad()
         else:  # the caller steps an optimizer of their own next: NaN gradients dropped on every rank first
-            self.nonfinite.step_ok(self._params, None, None)
+            self.nonfinite.step_ok(self._params, None, None, self._grads.world_identical())
             self._checked = True
 
     def _check_own_optimizer(self, optimizer) -> None:
@@ -355,14 +355,14 @@ class ParallelModule(ModuleViews, torch.nn.Module):
             groups = getattr(optimizer, "param_groups", ())
             covers = self._covers[optimizer] = any(id(p) in self._param_ids for g in groups for p in g["params"])
         if covers:
-            self.nonfinite.step_ok(self._params, optimizer, None)
+            self.nonfinite.step_ok(self._params, optimizer, None, self._grads.world_identical())
             self._checked = True
 
     def _check_before_step(self, optimizer, _args, _kwargs) -> None:
         """The attached optimizer stepped by the caller (the plain loop: ``loss.backward(); opt.step()``): its
         gradients checked first, agreed by every rank; non-finite ones dropped, so the step changes nothing."""
         if not self._in_step:
-            self.nonfinite.step_ok(self._params, optimizer, None)
+            self.nonfinite.step_ok(self._params, optimizer, None, self._grads.world_identical())
 
     # -- inputs ----------------------------------------------------------------------------------
     def _setup_inputs(self, leaves: tuple[int, ...] | None) -> None:

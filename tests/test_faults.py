@@ -551,9 +551,13 @@ def _nan_rows(rank: int) -> dict:
     import autopar
     from autopar.data import local_batch
     from autopar.models.resolve import build
+    from autopar.runtime.grads import nonfinite
 
     spec = build("tiny-mlp", device="cpu", seed=0)
     mesh = autopar.init_mesh("cpu", dp=2)
+    flags = []  # the check's all-reduces of its flag: none where every rank holds the same summed gradients
+    counting = nonfinite.guarded
+    nonfinite.guarded = lambda *a, **k: (flags.append(a[2]), counting(*a, **k))[1]
     out = {}
     for policy, clip in (("warn_skip", None), ("skip", 1.0), ("raise", None)):
         pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, batch="local", on_nonfinite=policy)
@@ -612,6 +616,24 @@ def _nan_rows(rank: int) -> dict:
             "warned": [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)],
             "skipped": pipe.nonfinite.skipped,
         }
+    out["flag reduces"] = len(flags)
+    # when a rank's own look is not the world's: a gradient edited in place since its sum, one accumulated
+    # without a sync (no_sync), a tp plan (the shards differ by rank); each then agrees by the flag's all-reduce
+    pipe = autopar.compile(spec.model, mesh, args=spec.args, kwargs=spec.kwargs, batch="local")
+    args, kwargs = local_batch(pipe, spec.args), local_batch(pipe, spec.kwargs)
+    pipe(*args, **kwargs).backward()
+    identical = [pipe._grads.world_identical()]
+    next(iter(pipe.parameters())).grad.mul_(1.0)
+    identical.append(pipe._grads.world_identical())
+    pipe.zero_grad()
+    pipe(*args, **kwargs).backward()
+    with pipe.no_sync():
+        pipe(*args, **kwargs).backward()
+    identical.append(pipe._grads.world_identical())
+    tp = autopar.compile(spec.model, autopar.init_mesh("cpu", tp=2), args=spec.args, kwargs=spec.kwargs)
+    tp(*spec.args, **spec.kwargs).backward()
+    out["identical"] = [*identical, tp._grads.world_identical()]
+    nonfinite.guarded = counting
     return out
 
 
@@ -663,6 +685,9 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank():
         for loop in ("own", "plain", "own plain"):  # the caller's optimizer after train_step or in the plain loop
             assert r[loop]["unchanged"] and r[loop]["finite"] and r[loop]["skipped"] == 1, (rank, loop, r[loop])
             assert any("skipped on every rank" in m for m in r[loop]["warned"]), (rank, loop, r[loop])
+        # pure dp: the gradients are the same sums on both ranks, so the check asks no other rank (DDP has no such
+        # collective); an in-place edit, a no_sync accumulation or a tp plan makes it agree by an all-reduce
+        assert r["flag reduces"] == 0 and r["identical"] == [True, False, False, False], r
 
     # a member of a tp or dp group raising (alive after): rank 0, waiting in the collective, is told through the
     # store well within the group's timeout, naming the axis, the op and the member that did not arrive

@@ -4,7 +4,8 @@ A bad input row, a corrupted shard or a diverging learning rate makes one rank's
 reach every rank through the gradient all-reduce and one optimizer step spreads the NaN into every
 parameter, silently. ``NonFinite.step_ok`` runs at ``STEP`` before the optimizer: it looks at this rank's
 gradients and agrees with every rank (the clipped norm when ``max_grad_norm`` is set: already global, no
-extra collective; else one all-reduce of a flag over the world), then, as ``on_nonfinite`` says,
+extra collective; where every rank holds the same gradients, the sums of pure data parallelism untouched since
+their all-reduce, this rank's own look; else one all-reduce of a flag over the world), then, as ``on_nonfinite`` says,
 ``"warn_skip"`` (the default, like the fp16 loss scaler's skipped steps) drops the gradients with a
 warning, ``"skip"`` without one, ``"raise"`` raises ``NonFiniteError``. ``skipped`` counts skipped steps.
 """
@@ -29,15 +30,19 @@ class NonFinite:
     def __init__(self, policy: str = "warn_skip"):
         self.policy, self.skipped = policy, 0
 
-    def step_ok(self, params: dict[str, torch.nn.Parameter], optimizer, norm: torch.Tensor | None) -> bool:
+    def step_ok(
+        self, params: dict[str, torch.nn.Parameter], optimizer, norm: torch.Tensor | None, agreed: bool = False
+    ) -> bool:
         """True to take the step; False (the gradients dropped on every rank) or ``NonFiniteError`` when some
-        rank's gradients are not finite. ``norm``: the global gradient norm when clipping computed it."""
+        rank's gradients are not finite. ``norm``: the global gradient norm when clipping computed it;
+        ``agreed``: every rank holds these very gradients (``GradSync.world_identical``), so none need ask the
+        others (DDP's step has no such collective either: a NaN summed in is a NaN on every rank)."""
         if norm is not None:
             bad = not math.isfinite(float(norm))
         else:
             local = not _all_finite([p.grad for p in params.values() if p.grad is not None])
             flag = torch.tensor([1.0 if local else 0.0])
-            if dist.is_initialized() and dist.get_world_size() > 1:
+            if not agreed and dist.is_initialized() and dist.get_world_size() > 1:
                 world = dist.group.WORLD
                 guarded(
                     world, "every rank", "all_reduce (non-finite flag)", dist.all_reduce, flag, op=dist.ReduceOp.MAX

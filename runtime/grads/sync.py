@@ -30,6 +30,8 @@ and replica axes in its backward; ``ZeroOptimizer`` (ZeRO-1/2, MiCS) reduce-scat
 from __future__ import annotations
 
 import itertools
+import math
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -109,6 +111,7 @@ class GradSync:
         self._counted: set[str] = set()  # parameters whose accumulations are counted (install_hooks)
         self._in_graph: dict[Any, list[Bucket]] = {}  # reduction point -> buckets a compiled backward reduces
         self._handles: list = []
+        self._summed: dict[str, tuple[weakref.ref, int]] = {}  # parameter -> its .grad as the last wait left it
 
     @classmethod
     def of(cls, program: Program, schedule: Schedule, pp_rank: int, stages, params, comm, skip, mesh=None,
@@ -229,6 +232,7 @@ class GradSync:
         ``enabled=False``: ``train_step`` arms its own backwards."""
         self._flight.clear()
         self._fired.clear()
+        self._summed.clear()
         self.enabled = enabled
 
     def arm(self, a: Action) -> None:
@@ -255,6 +259,29 @@ class GradSync:
             fired = self._fired.pop(n, None)
             if fired is not None and 0 < fired < self._expect.get(n, 1):
                 self._expect[n] = fired
+        names = [n for n in self.params if n not in self.tied] if key == ALL else self.sync_at.get(key, ())
+        for n in names:  # the sums as they stand now (a compiled backward's in-graph buckets' included)
+            g = self.params[n].grad if n in self.params else None
+            if g is not None:
+                self._summed[n] = (weakref.ref(g), g._version)
+
+    def world_identical(self) -> bool:
+        """Whether every gradient of this rank is, bit for bit, the same tensor on every rank: each one was summed
+        over every axis of the mesh (pure data parallelism: nothing sharded, no ZeRO, no pipeline, nothing tied)
+        by the last wait, and has not changed since (the same tensor, its version unchanged: no accumulation, no
+        in-place edit). A sum that one rank's NaN or inf entered is then NaN or inf on every rank, so each rank's
+        own look at its gradients is already the world's (``NonFinite.step_ok``'s ``agreed``)."""
+        world = math.prod(self.comm.sizes.values())
+        if world <= 1 or self.tied or not dist.is_initialized() or dist.get_world_size() != world:
+            return False
+        for n, p in self.params.items():
+            axes = [a for a in self._axes.get(n, ()) if not self.skip(n, a)]
+            if math.prod(self.comm.sizes.get(a, 1) for a in axes) != world:
+                return False
+            seen = self._summed.get(n)
+            if seen is None or p.grad is None or seen[0]() is not p.grad or seen[1] != p.grad._version:
+                return False
+        return True
 
     def reduce_stage(self, stage: int) -> None:
         """REDUCE_GRADS: the parameters whose last backward on this rank is ``stage``'s."""
