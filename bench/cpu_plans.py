@@ -79,7 +79,7 @@ def run_plan(spec: str, launch: dict, world: int, steps: int, timeout: float) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", required=True, help="the cluster spec autopar calibrate wrote")
-    ap.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama")
+    ap.add_argument("--models", default="gpt2,llama", help="comma-separated: gpt2, llama, bert, moe")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)

@@ -45,12 +45,24 @@ class LossOnly(torch.nn.Module):
 
 
 def model_spec(family: str, a, batch: int | None = None) -> str:
-    """The preset string of the ``gpt2`` or ``llama`` model of the bench's sizes."""
+    """The preset string of the ``gpt2``, ``llama``, ``bert`` (masked LM) or ``moe`` (Mixtral: 4 experts, top 2)
+    model of the bench's sizes."""
     b = a.batch if batch is None else batch
     if family == "gpt2":
         return (
             f"gpt2:n_layer={a.layers},n_embd={a.hidden},n_head={a.heads},vocab_size={a.vocab},"
             f"n_positions={a.seq},batch={b},seq={a.seq}"
+        )
+    if family == "bert":
+        return (
+            f"tiny-bert:num_hidden_layers={a.layers},hidden_size={a.hidden},num_attention_heads={a.heads},"
+            f"intermediate_size={4 * a.hidden},vocab_size={a.vocab},max_position_embeddings={a.seq},batch={b},seq={a.seq}"
+        )
+    if family == "moe":
+        return (
+            f"mixtral-8x22b:num_hidden_layers={a.layers},hidden_size={a.hidden},num_attention_heads={a.heads},"
+            f"num_key_value_heads={a.heads},intermediate_size={2 * a.hidden},num_local_experts=4,num_experts_per_tok=2,"
+            f"vocab_size={a.vocab},max_position_embeddings={a.seq},batch={b},seq={a.seq}"
         )
     return (
         f"tiny-llama:num_hidden_layers={a.layers},hidden_size={a.hidden},num_attention_heads={a.heads},"
