@@ -257,7 +257,7 @@ def _collectives_worker(rank: int, world: int, spec: str, cache: str) -> dict:
             model, autopar.init_mesh(**mesh_axes), kwargs=m.kwargs, options=opts, microbatches=microbatches, **choices
         )
         opt = cm.make_optimizer(torch.optim.AdamW, lr=1e-3)
-        control = _control_collectives(cm, microbatches)
+        control = _control_collectives(cm, microbatches, agreed=name.startswith("dp"))
         planned = planned_collectives(cm.program, cm.setup.bucket_bytes, microbatches) + control
         early: list = []
         issued = _one_step(cm, opt, m.kwargs, microbatches, early)
@@ -272,21 +272,23 @@ def _collectives_worker(rank: int, world: int, spec: str, cache: str) -> dict:
     return out
 
 
-def _control_collectives(cm, microbatches: int) -> list:
+def _control_collectives(cm, microbatches: int, agreed: bool) -> list:
     """What train_step issues beside the plan's ops and gradient buckets, each by design: the loss weight's
     divisor program (runtime/call/loss_weight.py: with more than one piece and a loss that is a mean over a
     count, the divisor's ops with the plan's collectives among them, run once per piece before the step) and
     on_nonfinite's agreed flag (runtime/grads/nonfinite.py: one all-reduce of a float32 flag over the world,
-    group=None, which ``_record`` names 'None', at STEP where no clipped norm says it). A step of one
+    group=None, which ``_record`` names 'None', at STEP where no clipped norm says it; none where ``agreed``:
+    pure dp, every gradient the same sum on every rank, GradSync.world_identical). A step of one
     microbatch here is the plain loop (forward, backward, ``opt.step()`` of make_optimizer's optimizer), whose
     step pre-hook agrees on the same flag: one all-reduce, nothing else."""
     from autopar.runtime.call.loss_weight import divisor_program
 
+    flag = [] if agreed else [("all_reduce", "None", 4)]
     if microbatches == 1:
-        return [("all_reduce", "None", 4)]
+        return flag
     divisor = divisor_program(cm.program)
     weight = planned_collectives(divisor, 0, 1, sync=False) * microbatches if divisor is not None else []
-    return weight + [("all_reduce", "None", 4)]
+    return weight + flag
 
 
 def _bucket_facts(program, microbatches: int) -> dict:
@@ -350,9 +352,10 @@ def test_each_rank_issues_exactly_the_planned_collectives(tmp_path):
         assert any(e and x in buckets and x not in graph for x, e in zip(issued, r["early"])), (issued, r["early"])
         assert ("all_reduce", "dp", 4) in [tuple(x) for x in res["dp"]["issued"]]  # the loss's mean
         # train_step's control collectives, exactly: the loss weight's label count (an int64 over dp) once
-        # per microbatch, on_nonfinite's flag once per step; the plain loop's steps only that flag
-        assert [tuple(x) for x in r["control"]] == [("all_reduce", "dp", 8)] * 2 + [("all_reduce", "None", 4)]
-        assert all(res[n]["control"] == [("all_reduce", "None", 4)] for n in ("dp", "tp", "calibrated"))
+        # per microbatch, on_nonfinite's flag once per step where the ranks' gradients differ (tp; the calibrated
+        # plan's replicas, never summed), none on pure dp (each rank's look at the same sums is the world's)
+        assert [tuple(x) for x in r["control"]] == [("all_reduce", "dp", 8)] * 2 and res["dp"]["control"] == []
+        assert all(res[n]["control"] == [("all_reduce", "None", 4)] for n in ("tp", "calibrated"))
         assert res["calibrated"]["issued"] == res["calibrated"]["control"]  # the plan itself communicates nothing
         assert res["tp"]["issued"]  # tensor parallelism communicates
 
