@@ -56,7 +56,8 @@ def model_spec(family: str, a, batch: int | None = None) -> str:
     if family == "bert":
         return (
             f"tiny-bert:num_hidden_layers={a.layers},hidden_size={a.hidden},num_attention_heads={a.heads},"
-            f"intermediate_size={4 * a.hidden},vocab_size={a.vocab},max_position_embeddings={a.seq},batch={b},seq={a.seq}"
+            f"intermediate_size={4 * a.hidden},vocab_size={a.vocab},max_position_embeddings={a.seq},"
+            f"batch={b},seq={a.seq}"
         )
     if family == "moe":
         return (
