@@ -6,7 +6,9 @@ step has a closed form. Large schedules (more than ``FULL_SIMULATION`` forward a
 smaller microbatch counts congruent to m modulo pp, P apart, until three consecutive increments agree,
 and extended linearly from there (marked "extrapolated"); a schedule whose increments do not settle
 is simulated at m. Schedules are built once per shape and kept as text beside the plan cache
-(``$AUTOPAR_CACHE_DIR/../schedules``); results are cached by per-stage costs.
+(``$AUTOPAR_CACHE_DIR/../schedules``), and timed by their compiled replay (``schedule/replay.py``: what
+``simulate`` gives, without its checks, every registered schedule being sound); results are cached by per-stage
+costs.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from typing import Any
 
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.schedule.action_costs import Costs
-from autopar.schedule.actions import COMPUTE_KINDS, Schedule
+from autopar.schedule.actions import Schedule
 from autopar.schedule.generators import make_schedule
-from autopar.schedule.simulator import simulate
+from autopar.schedule.replay import Replay
 from autopar.search.evaluation import Evaluation
 
 FULL_SIMULATION = 2048  # simulate exactly up to this many forward actions (stages x microbatches)
@@ -39,6 +41,7 @@ class Scorer:
         self.full_limit = full_limit
         self.recompute_at = recompute_at
         self.schedules: dict[tuple, Any] = {}
+        self.replays: dict[tuple, Replay] = {}  # the schedules the search timed, compiled (their Schedule dropped)
         self.results: dict[tuple, tuple[list[float], list[float]]] = {}
         self.simulations = 0
 
@@ -46,21 +49,33 @@ class Scorer:
         """The schedule's action lists: built once per shape, kept as text in the schedule cache."""
         key = (name, P, M, opts)
         if key not in self.schedules:
-            d = cache_dir("schedules")
-            tag = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-            path = d / f"{name}-{P}-{M}-{tag}.txt" if d else None
-            sched = None
-            if path is not None and path.exists():
-                try:
-                    sched = Schedule.from_text(path.read_text())
-                except Exception:  # a damaged entry: build again
-                    sched = None
-            if sched is None:
-                sched = make_schedule(name, P, M, **dict(opts))
-                if path is not None:
-                    write_atomic(path, sched.to_text())
-            self.schedules[key] = sched
+            self.schedules[key] = self._load(name, P, M, opts)
         return self.schedules[key]
+
+    def replay(self, name: str, P: int, M: int, opts: tuple) -> Replay:
+        """The schedule compiled for timing (``schedule/replay.py``), once per shape."""
+        key = (name, P, M, opts)
+        if key not in self.replays:
+            self.replays[key] = Replay(self.schedules.get(key) or self._load(name, P, M, opts))
+        return self.replays[key]
+
+    def _load(self, name: str, P: int, M: int, opts: tuple):
+        """The schedule read from the schedule cache, or built and written there."""
+        key = (name, P, M, opts)
+        d = cache_dir("schedules")
+        tag = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+        path = d / f"{name}-{P}-{M}-{tag}.txt" if d else None
+        sched = None
+        if path is not None and path.exists():
+            try:
+                sched = Schedule.from_text(path.read_text())
+            except Exception:  # a damaged entry: build again
+                sched = None
+        if sched is None:
+            sched = make_schedule(name, P, M, **dict(opts))
+            if path is not None:
+                write_atomic(path, sched.to_text())
+        return sched
 
     def costs(self, ev: Evaluation):
         """Per-stage costs for the simulator: recomputation folded into the backward where the
@@ -81,13 +96,9 @@ class Scorer:
         costs = self.costs(ev)
         key = (c.schedule, c.pp, M, opts, costs)
         if key not in self.results:
-            sched = self.schedule(c.schedule, c.pp, M, opts)
-            res = simulate(sched, costs)
+            finish, busy = self.replay(c.schedule, c.pp, M, opts).run(costs)
             self.simulations += 1
-            finish = [
-                max((float(e.end) for e in evs if e.action.kind in COMPUTE_KINDS), default=0.0) for evs in res.timeline
-            ]
-            self.results[key] = (finish, [float(b) for b in res.busy])
+            self.results[key] = (finish, [float(b) for b in busy])
         return self.results[key]
 
     def score(self, ev: Evaluation) -> Evaluation:

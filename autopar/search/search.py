@@ -269,7 +269,7 @@ def search(
     limit = kth() * (1 + NEAR_EQUAL)
     best = order_near_equal([e for e in near if e.step_time <= limit])[:top]
     stats["simulations"] = scorer.simulations
-    stats["schedules_built"] = len(scorer.schedules)
+    stats["schedules_built"] = len(scorer.schedules.keys() | scorer.replays.keys())
     stats["search_seconds"] = time.perf_counter() - t0
     stats.setdefault("profile_seconds", 0.0)
     return SearchResult(best, stats, an, cluster, global_batch, budget, space, spec, precision, scorer)

@@ -1,0 +1,142 @@
+"""Timing-only replay of a sound schedule: what ``simulate`` says of its times, without checking or recording.
+
+The search simulates a candidate's schedule to time it (``search/score.py``), every schedule one of the registry's
+(``generators.py``), each already proved sound by ``simulate`` in the property tests. ``simulate`` checks every
+action (its data there, no duplicate, the FIFO pairing of every send with its receive), records every event and
+transfer, and works on ``Action`` objects: at pp = 64 and a few hundred microbatches that is seconds of CPU per
+schedule, most of the search's time. ``Replay(schedule)`` compiles the lists once into a flat program, in an order
+every action's inputs precede, and ``Replay.run(costs)`` times it: per rank the end of its last compute action and
+its compute seconds, exactly (the same float operations in the same order) what ``simulate(schedule, costs)``
+gives in its ``"eager"`` p2p mode (``tests/test_replay.py`` compares them on every registered schedule).
+
+The eager mode's times form a DAG over each rank's fixed order: a send is posted at its rank's clock (which then
+advances by ``t_send``), a receive only posts (no time), and a compute action starts ``t_action`` after the later
+of its rank's clock and the arrival of the tensor it consumes from another rank, which is its send's post time
+plus the boundary's ``tc``. ``REDUCE_GRADS`` and ``STEP`` take their cost on the rank's clock. The program is
+only for schedules ``simulate`` accepts: an unsound one is refused while compiling (a deadlock) or timed
+meaninglessly (a missing receive is not noticed); build with ``simulate`` when in doubt.
+"""
+
+from __future__ import annotations
+
+from autopar.errors import ScheduleError
+from autopar.schedule.action_costs import Costs, Number
+from autopar.schedule.actions import SEND_KINDS, Kind, Schedule, split_backwards
+
+# op codes of the compiled program
+_SEND, _COMPUTE, _OTHER = 0, 1, 2
+
+
+class Replay:
+    """A schedule compiled for timing (see the module docstring). ``ops`` is the program, in an order where every
+    action comes after the actions it waits for; ``recipe`` says how each cost slot is read off a ``Costs``."""
+
+    __slots__ = ("ops", "recipe", "num_ranks", "num_stages", "num_sends")
+
+    def __init__(self, schedule: Schedule):
+        self.num_ranks, self.num_stages = schedule.num_ranks, schedule.num_stages
+        lists, local = schedule.actions, schedule.stage_to_rank
+        splits = [split_backwards(lst) for lst in lists]
+        slots: dict[tuple, int] = {}  # (what, stage, fraction) -> cost slot
+        sends: dict[tuple, int] = {}  # (kind, mb, stage) of a send -> its slot of post times
+        ops: list[tuple[int, int, int, int, int]] = []  # (code, rank, cost or post slot, send slot or -1, tc stage)
+
+        def slot(key: tuple) -> int:
+            return slots.setdefault(key, len(slots))
+
+        pcs = [0] * self.num_ranks
+        progress = True
+        while progress:  # the simulator's own sweep: each rank as far as it can go, until none can move
+            progress = False
+            for r, lst in enumerate(lists):
+                pc = pcs[r]
+                while pc < len(lst):
+                    a = lst[pc]
+                    k, s = a.kind, a.stage
+                    if k in SEND_KINDS:
+                        sends[(k, a.mb, s)] = len(sends)
+                        ops.append((_SEND, r, sends[(k, a.mb, s)], -1, 0))
+                    elif k is Kind.RECV_ACT or k is Kind.RECV_GRAD:
+                        pass  # posting a receive takes no time in the eager mode
+                    elif k is Kind.STEP:
+                        ops.append((_OTHER, r, slot(("step", 0, 0)), -1, 0))
+                    elif k is Kind.REDUCE_GRADS:
+                        ops.append((_OTHER, r, slot(("reduce", s, 0)), -1, 0))
+                    else:
+                        dep, tc = -1, 0
+                        if k is Kind.F and s and local[s - 1] != r:
+                            dep, tc = sends.get((Kind.SEND_ACT, a.mb, s - 1), -2), s - 1
+                        elif k is Kind.B and s + 1 < len(local) and local[s + 1] != r:
+                            dep, tc = sends.get((Kind.SEND_GRAD, a.mb, s + 1), -2), s
+                        if dep == -2:  # its tensor is not sent yet: another rank first
+                            break
+                        if k is Kind.F:
+                            key = ("f", s, 0)
+                        elif k is Kind.B:
+                            key = ("b split" if (a.mb, s) in splits[r] else "b", s, 0)
+                        elif k is Kind.W:
+                            key = ("w", s, 0)
+                        else:
+                            key = ("r", s, a.recompute)
+                        ops.append((_COMPUTE, r, slot(key), dep, tc))
+                    pc += 1
+                    progress = True
+                pcs[r] = pc
+        stuck = [r for r, lst in enumerate(lists) if pcs[r] < len(lst)]
+        if stuck:
+            raise ScheduleError(f"schedule {schedule.name}: ranks {stuck} wait for a tensor never sent (simulate it)")
+        self.ops = ops
+        self.recipe = sorted(slots, key=slots.__getitem__)
+        self.num_sends = len(sends)
+
+    def _table(self, c: Costs) -> list[Number]:
+        """Each cost slot's value, computed as ``simulate`` computes the action's cost."""
+        out: list[Number] = []
+        for what, s, x in self.recipe:
+            if what == "f":
+                out.append(c.tf[s])
+            elif what == "b":
+                out.append(c.tb[s])
+            elif what == "b split":
+                out.append(c.tb[s] - c.tw[s])  # type: ignore[index]
+            elif what == "w":
+                out.append(c.tw[s])  # type: ignore[index]
+            elif what == "r":
+                out.append(c.tr[s] * x)
+            elif what == "reduce":
+                out.append(c.t_reduce[s] if c.t_reduce is not None else 0)
+            else:
+                out.append(c.t_step)
+        return out
+
+    def run(self, costs: Costs) -> tuple[list[float], list[Number]]:
+        """(per rank the end of its last compute action, as a float (0.0 without one); per rank its compute
+        seconds): ``simulate(schedule, costs)``'s ``max`` of its compute events' ends and its ``busy``."""
+        if costs.num_stages != self.num_stages:
+            raise ScheduleError(f"costs are for {costs.num_stages} stages, the schedule has {self.num_stages}")
+        table, tc = self._table(costs), costs.tc
+        t_send, t_action = costs.t_send, costs.t_action
+        clock: list[Number] = [0] * self.num_ranks
+        busy: list[Number] = [0] * self.num_ranks
+        last: list[Number | None] = [None] * self.num_ranks
+        posted: list[Number] = [0] * self.num_sends
+        for code, r, i, dep, boundary in self.ops:
+            if code == _COMPUTE:
+                ready = clock[r]
+                if dep >= 0:
+                    there = posted[dep] + tc[boundary]
+                    ready = max(ready, there)
+                start = ready + t_action
+                end = start + table[i]
+                clock[r] = end
+                busy[r] += end - start
+                last[r] = end if last[r] is None else max(last[r], end)
+            elif code == _SEND:
+                posted[i] = clock[r]
+                clock[r] += t_send
+            else:
+                clock[r] += table[i]
+        return [0.0 if e is None else float(e) for e in last], busy
+
+
+__all__ = ["Replay"]
