@@ -19,12 +19,16 @@ meaninglessly (a missing receive is not noticed); build with ``simulate`` when i
 
 from __future__ import annotations
 
+import json
+from fractions import Fraction
+
 from autopar.errors import ScheduleError
 from autopar.schedule.action_costs import Costs, Number
 from autopar.schedule.actions import SEND_KINDS, Kind, Schedule, split_backwards
 
 # op codes of the compiled program
 _SEND, _COMPUTE, _OTHER = 0, 1, 2
+_FORMAT = "replay 1"  # the first line of ``Replay.to_text``
 
 
 class Replay:
@@ -33,7 +37,9 @@ class Replay:
 
     __slots__ = ("ops", "recipe", "num_ranks", "num_stages", "num_sends")
 
-    def __init__(self, schedule: Schedule):
+    def __init__(self, schedule: Schedule | None = None):
+        if schedule is None:  # filled by from_text
+            return
         self.num_ranks, self.num_stages = schedule.num_ranks, schedule.num_stages
         lists, local = schedule.actions, schedule.stage_to_rank
         splits = [split_backwards(lst) for lst in lists]
@@ -88,6 +94,31 @@ class Replay:
         self.ops = ops
         self.recipe = sorted(slots, key=slots.__getitem__)
         self.num_sends = len(sends)
+
+    def to_text(self) -> str:
+        """The program as text (``from_text`` reads it back): a header, the cost slots, every op's five integers."""
+        recipe = [[what, s, str(x)] for what, s, x in self.recipe]
+        head = f"{_FORMAT} ranks={self.num_ranks} stages={self.num_stages} sends={self.num_sends}"
+        return "\n".join([head, json.dumps(recipe), " ".join(str(v) for op in self.ops for v in op)]) + "\n"
+
+    @classmethod
+    def from_text(cls, text: str) -> Replay:
+        """Read ``to_text``'s form; ``ScheduleError`` when it is not that form."""
+        lines = text.split("\n")
+        if len(lines) < 3 or not lines[0].startswith(_FORMAT + " "):
+            raise ScheduleError(f"not a schedule replay ({_FORMAT!r} header)")
+        try:
+            sizes = dict(w.split("=") for w in lines[0][len(_FORMAT) :].split())
+            ints = [int(v) for v in lines[2].split()]
+            r = cls()
+            r.num_ranks, r.num_stages, r.num_sends = (int(sizes[k]) for k in ("ranks", "stages", "sends"))
+            r.recipe = [(what, s, Fraction(x)) for what, s, x in json.loads(lines[1])]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ScheduleError(f"damaged schedule replay: {e}") from None
+        if len(ints) % 5:
+            raise ScheduleError("damaged schedule replay: its ops are not five integers each")
+        r.ops = list(zip(*[iter(ints)] * 5))
+        return r
 
     def _table(self, c: Costs) -> list[Number]:
         """Each cost slot's value, computed as ``simulate`` computes the action's cost."""

@@ -49,22 +49,41 @@ class Scorer:
         """The schedule's action lists: built once per shape, kept as text in the schedule cache."""
         key = (name, P, M, opts)
         if key not in self.schedules:
-            self.schedules[key] = self._load(name, P, M, opts)
+            self.schedules[key] = self._load(key)
         return self.schedules[key]
 
     def replay(self, name: str, P: int, M: int, opts: tuple) -> Replay:
-        """The schedule compiled for timing (``schedule/replay.py``), once per shape."""
+        """The schedule compiled for timing (``schedule/replay.py``), once per shape, kept as text in the schedule
+        cache beside the schedule's own (read back in a fraction of the time the action lists take)."""
         key = (name, P, M, opts)
         if key not in self.replays:
-            self.replays[key] = Replay(self.schedules.get(key) or self._load(name, P, M, opts))
+            path = self._path(key, "replay")
+            replay = None
+            if path is not None and path.exists():
+                try:
+                    replay = Replay.from_text(path.read_text())
+                except Exception:  # a damaged entry: compile again
+                    replay = None
+            if replay is None:
+                replay = Replay(self.schedules.get(key) or self._load(key))
+                if path is not None:
+                    write_atomic(path, replay.to_text())
+            self.replays[key] = replay
         return self.replays[key]
 
-    def _load(self, name: str, P: int, M: int, opts: tuple):
-        """The schedule read from the schedule cache, or built and written there."""
-        key = (name, P, M, opts)
+    @staticmethod
+    def _path(key: tuple, kind: str):
+        """Where the schedule cache keeps ``key``'s schedule ("txt") or replay ("replay"); None without a cache."""
         d = cache_dir("schedules")
+        if d is None:
+            return None
+        name, P, M, _ = key
         tag = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        path = d / f"{name}-{P}-{M}-{tag}.txt" if d else None
+        return d / f"{name}-{P}-{M}-{tag}.{kind}"
+
+    def _load(self, key: tuple) -> Schedule:
+        """The schedule read from the schedule cache, or built and written there."""
+        path = self._path(key, "txt")
         sched = None
         if path is not None and path.exists():
             try:
@@ -72,6 +91,7 @@ class Scorer:
             except Exception:  # a damaged entry: build again
                 sched = None
         if sched is None:
+            name, P, M, opts = key
             sched = make_schedule(name, P, M, **dict(opts))
             if path is not None:
                 write_atomic(path, sched.to_text())
