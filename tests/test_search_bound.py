@@ -32,8 +32,8 @@ def _members(an: Analytic, space: SearchSpace, f):
 def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sample: int | None = None, seed=0):
     """For every family (or ``sample`` of them) and budget: the chains' time bound is at most the lower bound of
     every member that fits the budget, at least the mean-compute-and-sync bound, and the memory bound at most
-    every member's memory. Returns (members checked, families whose bound rose by forced recomputation or the
-    bubble)."""
+    every member's memory; the bound without the memory (the search's first step) at most that bound. Returns
+    (members checked, families whose bound rose by forced recomputation or the bubble)."""
     fams = families(an, space, world)
     if sample is not None and sample < len(fams):
         fams = random.Random(seed).sample(fams, sample)
@@ -44,8 +44,10 @@ def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sa
         cheap = an.family_bounds(
             f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), opts, f.cp, ep=f.ep
         )[0]
+        free = an.family_floor(list(chains(an, space, f)), 0.0, max_shard(space, f), opts, memory=False)[0]
         for budget in budgets:
             t, mem = an.family_floor(list(chains(an, space, f)), budget, max_shard(space, f), opts)
+            assert free <= t, (f, budget, free, t)
             fitting = [ev for ev in members if ev.memory <= budget]
             assert bool(fitting) <= (t < float("inf")), (f, budget)
             for ev in members:

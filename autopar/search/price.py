@@ -306,7 +306,7 @@ class Analytic(StageTerms):
         return m * work / pp + sync, params * self._state_bytes(max_shard, group if group > 1 else 1)
 
     def family_floor(
-        self, family_chains: list[Chain], budget: float, max_shard: int, sync_options: tuple = ()
+        self, family_chains: list[Chain], budget: float, max_shard: int, sync_options: tuple = (), memory: bool = True
     ) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of a family's candidates that fit ``budget``, from its
         chains (``space.chains``), tighter than ``family_bounds``: the least over its schedules and stage layouts of
@@ -323,26 +323,60 @@ class Analytic(StageTerms):
         (``inflight_counts``; a zero-bubble schedule's most stashed at once, counted until the W). Levels cost
         more time in order (memory need not fall along them: ``search._Walk``), so the first that fits is the
         fastest that does. Memory: the least of the chains' memory bounds over all their levels (inf time when
-        none fits)."""
-        best_t = best_m = math.inf
-        seen = set()
-        for ch in family_chains:
+        none fits). ``memory=False``: the same without the memory, every chain at its least recomputation (no
+        in-flight counts needed: a zero-bubble schedule's are read off its orders, the dearer part), memory 0: a
+        looser bound the search tries first (``search.tighten``)."""
+        seen, free = set(), []
+        for k, ch in enumerate(family_chains):
             c = ch.base
             shape = (c.schedule, c.chunks, c.waves, c.layout, c.cp_form)
             if shape in seen:  # MiCS groups of one shape: sync_options covers all of them
                 continue
             seen.add(shape)
+            free.append((self._chain_floor(ch, None, max_shard, sync_options), k, ch))
+        if not memory:
+            return min((t for (t, _), *_ in free), default=math.inf), min((m for (_, m), *_ in free), default=math.inf)
+        # with the memory, chains by their bound without it: the memory only raises a chain's time, so once the least
+        # so far is at most a chain's bound without the memory, neither it nor any later one can lower it (nor is the
+        # memory bound needed: a chain fits, the family is not over budget; 0 stands for theirs)
+        best_t = best_m = math.inf
+        for (t0, _), _, ch in sorted(free, key=lambda e: e[:2]):
+            if t0 == math.inf:  # no stage layout: no candidate
+                continue
+            if best_t <= t0:
+                best_m = 0.0
+                break
             t, m = self._chain_floor(ch, budget, max_shard, sync_options)
             best_t, best_m = min(best_t, t), min(best_m, m)
         return best_t, best_m
 
-    def _chain_floor(self, ch: Chain, budget: float, max_shard: int, sync_options: tuple) -> tuple[float, float]:
+    def _chain_floor(self, ch: Chain, budget: float | None, max_shard: int, sync_options: tuple) -> tuple[float, float]:
+        """``family_floor`` of one chain; ``budget=None``: at its least recomputation, memory left out (0)."""
         c = ch.base
         sk = self._skeleton(c)
         if sk is None:
             return math.inf, math.inf
         group = c.dp // c.ep
-        per_param = self._state_bytes(max_shard, group if group > 1 else 1)
+        if budget is None:
+            x, least = self.fractions(len(sk.tr), *ch.levels[0]), 0.0
+        else:
+            x, least = self._forced(ch, sk, budget, self._state_bytes(max_shard, group if group > 1 else 1))
+            if x is None:
+                return math.inf, least
+        m, zb = c.microbatches, c.schedule in ZERO_BUBBLE and c.pp > 1
+        rates = [self._sync_rate(c.pp, group, c.tp, m, z, g, c.cp) for z, g in sync_options] if group > 1 else []
+        t = 0.0
+        for r, ss in enumerate(sk.stages):
+            p, busy = sk.params[r], sk.busy[r] + sum(x[s] * sk.tr[s] for s in ss)
+            sync = min((_exposed(h, k * p, sk.first_bwd[r], m * busy) for h, k in rates), default=0.0)
+            sync += self.optimizer_seconds(p, max_shard, c.dp) if p else 0.0
+            t = max(t, sk.head[r] + m * busy + max(0.0 if zb else sk.tail[r], sync))
+        return t, least
+
+    def _forced(self, ch: Chain, sk: _Skeleton, budget: float, per_param: float) -> tuple[tuple | None, float]:
+        """(the recomputation fractions of the chain's least level whose memory lower bound fits ``budget``, None
+        where none does; the least memory lower bound over its levels), model states at ``per_param`` bytes."""
+        c = ch.base
         if c.schedule in ZERO_BUBBLE and c.pp > 1:
             counts = [max(live for live, _ in pts) for pts in _stash_points(c.schedule, c.pp, c.microbatches)]
         else:
@@ -358,17 +392,7 @@ class Analytic(StageTerms):
             least = min(least, mem)
             if x is None and mem <= budget:
                 x = xs
-        if x is None:
-            return math.inf, least
-        m, zb = c.microbatches, c.schedule in ZERO_BUBBLE and c.pp > 1
-        rates = [self._sync_rate(c.pp, group, c.tp, m, z, g, c.cp) for z, g in sync_options] if group > 1 else []
-        t = 0.0
-        for r, ss in enumerate(sk.stages):
-            p, busy = sk.params[r], sk.busy[r] + sum(x[s] * sk.tr[s] for s in ss)
-            sync = min((_exposed(h, k * p, sk.first_bwd[r], m * busy) for h, k in rates), default=0.0)
-            sync += self.optimizer_seconds(p, max_shard, c.dp) if p else 0.0
-            t = max(t, sk.head[r] + m * busy + max(0.0 if zb else sk.tail[r], sync))
-        return t, least
+        return x, least
 
     def _skeleton(self, c: Candidate) -> _Skeleton | None:
         """The chain's ``_Skeleton`` (None when its layout does not exist), shared by the chains of every family with

@@ -126,10 +126,10 @@ def search(
             family_chains[f] = list(chains(an, space, f))
         return family_chains[f]
 
-    def tighten(f: Family) -> tuple[float, float]:
-        """The family's bounds from its chains (``Analytic.family_floor``: bubble, recomputation its memory forces,
-        per-rank sync), no looser than ``family_bounds``'."""
-        t, mem = an.family_floor(chains_of(f), budget, max_shard(space, f), options[f])
+    def tighten(f: Family, memory: bool) -> tuple[float, float]:
+        """The family's bounds from its chains (``Analytic.family_floor``: bubble, per-rank sync and, with
+        ``memory``, the recomputation its memory forces), no looser than ``family_bounds``'."""
+        t, mem = an.family_floor(chains_of(f), budget, max_shard(space, f), options[f], memory=memory)
         return max(t, bounds[f][0]), max(mem, bounds[f][1])
 
     rng = random.Random(seed)
@@ -219,7 +219,10 @@ def search(
         bar.update(1)
 
     # families by their bound, best first; the chains' bound (``tighten``, dearer) is computed for a family only once
-    # it comes first by the cheap one, then it goes back in by the tight one (a bound only rises)
+    # it comes first by the cheap one, in two steps: first without the memory (the bubble and each rank's sync at the
+    # least recomputation), then, once it comes first by that, with the recomputation its memory forces (the
+    # in-flight counts, read off a zero-bubble schedule's orders, are the dear part); each time it goes back in by
+    # the tighter bound (a bound only rises). ``exact``: how many of the two steps are done.
     todo = [(bounds[f][0], 0, i, f) for i, f in enumerate(fams)]
     tight = bound == "chains"
     bar = tqdm(total=len(fams), desc="search", unit="family", file=sys.stderr, disable=not progress, leave=False)
@@ -235,16 +238,16 @@ def search(
             continue
         if best_first:
             heapq.heappop(todo)
-        if tight and not exact:
-            b, mem = tighten(f)
+        if tight and exact < 2:
+            b, mem = tighten(f, memory=exact == 1)
             if mem > budget:  # the model states and the least activations do not fit
                 over_budget(f)
             elif best_first:
-                heapq.heappush(todo, (b, 1, i, f))
+                heapq.heappush(todo, (b, exact + 1, i, f))
             elif beyond(b):
                 pruned([f])
             else:
-                todo.insert(0, (b, 1, i, f))
+                todo.insert(0, (b, exact + 1, i, f))
             continue
         if bounds[f][1] > budget:  # the model states alone do not fit
             over_budget(f)
