@@ -41,6 +41,7 @@ from typing import Any
 from autopar.schedule.actions import stash_points
 from autopar.schedule.generators import zero_bubble_orders
 from autopar.search.evaluation import Evaluation
+from autopar.search.kept import kept
 from autopar.search.space import ZERO_BUBBLE, Candidate, Chain
 from autopar.search.stage_terms import StageTerms, _head_tail
 from autopar.solver.cluster import compute
@@ -504,7 +505,12 @@ def _stash_points(schedule: str, pp: int, microbatches: int) -> list[list[tuple[
 
 @functools.cache
 def _points_of(schedule: str, pp: int, microbatches: int) -> list[list[tuple[int, int]]]:
-    return [stash_points(order) for order in zero_bubble_orders(schedule, pp, microbatches)]
+    """Kept on disk (``kept.py``): reading a pp = 64 schedule's orders takes a second."""
+    return kept(
+        "stash_points", f"{schedule}-{pp}-{microbatches}", (schedule, pp, microbatches),
+        lambda: [stash_points(order) for order in zero_bubble_orders(schedule, pp, microbatches)],
+        lambda v: [[(live, wait) for live, wait in pts] for pts in v],
+    )  # fmt: skip
 
 
 __all__ = ["Analytic"]

@@ -7,13 +7,15 @@ partition's own choice fills the earlier ones). ``even_layout`` is Megatron's, L
 
 ``balanced_v_layout`` (``solver/stages/v_layout.py``, shared with the flow's stage balancer) is for the V
 placements (a wave with W = 1, ZB-V, DualPipeV): it minimizes the largest *rank's* FLOPs, the two
-stages of a rank together.
+stages of a rank together. It takes seconds at pp = 64 (a bisection of sweeps over every middle), so the search
+keeps each one on disk (``kept_v_layout``, ``kept.py``), keyed by the units' FLOPs, pp and the code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autopar.search.kept import kept
 from autopar.solver.stages.partition import min_max_partition
 from autopar.solver.stages.v_layout import Layout, balanced_v_layout
 
@@ -57,4 +59,13 @@ def even_layout(is_layer: Sequence[bool], stages: int) -> Layout | None:
     return tuple((cuts[s], cuts[s + 1]) for s in range(stages))
 
 
-__all__ = ["Layout", "balanced_layout", "balanced_v_layout", "even_layout"]
+def kept_v_layout(flops: Sequence[float], pp: int) -> Layout | None:
+    """``balanced_v_layout(flops, pp)``, kept on disk (``kept.py``, ``cache_dir("layouts")``) by FLOPs and pp."""
+    w = [float(f) for f in flops]
+    return kept(
+        "layouts", f"v-{pp}", (w, pp), lambda: balanced_v_layout(w, pp),
+        lambda v: None if v is None else tuple((a, b) for a, b in v),
+    )  # fmt: skip
+
+
+__all__ = ["Layout", "balanced_layout", "balanced_v_layout", "even_layout", "kept_v_layout"]

@@ -38,7 +38,7 @@ from autopar.schedule.placement import stage_ranks
 from autopar.search.comm_time import CommTime
 from autopar.search.profile import Profile, UnitCost
 from autopar.search.space import ALPHA_GRID, ZERO_BUBBLE, Candidate
-from autopar.search.stage_layout import Layout, balanced_layout, balanced_v_layout, even_layout
+from autopar.search.stage_layout import Layout, balanced_layout, even_layout, kept_v_layout
 from autopar.solver.cluster import compute
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
@@ -172,7 +172,7 @@ class StageTerms:
 
     @functools.cache  # noqa: B019
     def balanced_v_layout(self, pp: int) -> Layout | None:
-        return balanced_v_layout([u.flops for u in self.p.units], pp)
+        return kept_v_layout([u.flops for u in self.p.units], pp)
 
     def layout(self, c: Candidate) -> tuple[tuple[int, int], ...] | None:
         """Megatron's even layout, or the balanced one: per rank for a V (a rank's two chunks together)."""
