@@ -32,7 +32,9 @@ def _members(an: Analytic, space: SearchSpace, f):
 def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sample: int | None = None, seed=0):
     """For every family (or ``sample`` of them) and budget: the chains' time bound is at most the lower bound of
     every member that fits the budget, at least the mean-compute-and-sync bound, and the memory bound at most
-    every member's memory; the bound without the memory (the search's first step) at most that bound. Returns
+    every member's memory; the bound without the memory (the search's first step) at most that bound; each chain's
+    own bound (``chain_floors``) at least the family's and at most the lower bound of each of its members that fits.
+    Returns
     (members checked, families whose bound rose by forced recomputation or the bubble)."""
     fams = families(an, space, world)
     if sample is not None and sample < len(fams):
@@ -40,6 +42,8 @@ def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sa
     checked = rose = 0
     for f in fams:
         members = list(_members(an, space, f))
+        priced = {ev.candidate: ev for ev in members}
+        fam_chains = list(chains(an, space, f))
         opts = sync_options(space, f, an.zero0_dominated)
         cheap = an.family_bounds(
             f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), opts, f.cp, ep=f.ep
@@ -55,6 +59,11 @@ def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sa
             for ev in fitting:
                 assert ev.lower_bound >= t * (1 - 1e-9), (ev.candidate.describe(), budget, ev.lower_bound, t)
                 checked += 1
+            for ch, floor in zip(fam_chains, an.chain_floors(fam_chains, budget, max_shard(space, f), opts)):
+                assert floor >= t
+                for ev in filter(None, map(priced.get, ch.candidates())):
+                    if ev.memory <= budget:
+                        assert ev.lower_bound >= floor * (1 - 1e-9), (ev.candidate.describe(), budget, floor)
             rose += fitting != [] and t > cheap * (1 + 1e-6)
     return checked, rose
 

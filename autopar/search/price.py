@@ -351,6 +351,22 @@ class Analytic(StageTerms):
             best_t, best_m = min(best_t, t), min(best_m, m)
         return best_t, best_m
 
+    def chain_floors(
+        self, family_chains: list[Chain], budget: float, max_shard: int, sync_options: tuple = ()
+    ) -> list[float]:
+        """Per chain of a family, in order, ``family_floor``'s time bound of that chain alone (inf where none of its
+        candidates fits ``budget``, or its layout does not exist): at most the step of every candidate of the chain
+        that fits, the floor the search walks the chain under before pricing any of it (``search._Walk``)."""
+        memo: dict[tuple, float] = {}
+        out = []
+        for ch in family_chains:
+            c = ch.base
+            shape = (c.schedule, c.chunks, c.waves, c.layout, c.cp_form)  # MiCS groups: sync_options covers all
+            if shape not in memo:
+                memo[shape] = self._chain_floor(ch, budget, max_shard, sync_options)[0]
+            out.append(memo[shape])
+        return out
+
     def _chain_floor(self, ch: Chain, budget: float | None, max_shard: int, sync_options: tuple) -> tuple[float, float]:
         """``family_floor`` of one chain; ``budget=None``: at its least recomputation, memory left out (0)."""
         c = ch.base
