@@ -57,45 +57,15 @@ class Scorer:
         cache beside the schedule's own (read back in a fraction of the time the action lists take)."""
         key = (name, P, M, opts)
         if key not in self.replays:
-            path = self._path(key, "replay")
-            replay = None
-            if path is not None and path.exists():
-                try:
-                    replay = Replay.from_text(path.read_text())
-                except Exception:  # a damaged entry: compile again
-                    replay = None
-            if replay is None:
-                replay = Replay(self.schedules.get(key) or self._load(key))
-                if path is not None:
-                    write_atomic(path, replay.to_text())
-            self.replays[key] = replay
+            self.replays[key] = _kept(
+                key, "replay", Replay.from_text, lambda: Replay(self.schedules.get(key) or self._load(key))
+            )
         return self.replays[key]
-
-    @staticmethod
-    def _path(key: tuple, kind: str):
-        """Where the schedule cache keeps ``key``'s schedule ("txt") or replay ("replay"); None without a cache."""
-        d = cache_dir("schedules")
-        if d is None:
-            return None
-        name, P, M, _ = key
-        tag = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
-        return d / f"{name}-{P}-{M}-{tag}.{kind}"
 
     def _load(self, key: tuple) -> Schedule:
         """The schedule read from the schedule cache, or built and written there."""
-        path = self._path(key, "txt")
-        sched = None
-        if path is not None and path.exists():
-            try:
-                sched = Schedule.from_text(path.read_text())
-            except Exception:  # a damaged entry: build again
-                sched = None
-        if sched is None:
-            name, P, M, opts = key
-            sched = make_schedule(name, P, M, **dict(opts))
-            if path is not None:
-                write_atomic(path, sched.to_text())
-        return sched
+        name, P, M, opts = key
+        return _kept(key, "txt", Schedule.from_text, lambda: make_schedule(name, P, M, **dict(opts)))
 
     def costs(self, ev: Evaluation):
         """Per-stage costs for the simulator: recomputation folded into the backward where the
@@ -170,6 +140,23 @@ class Scorer:
                 (f2, b2), (f3, b3), k = window[-2], window[-1], (m - last) / P
                 return [z + k * (z - y) for y, z in zip(f2, f3)], [z + k * (z - y) for y, z in zip(b2, b3)]
         return None
+
+
+def _kept(key: tuple, kind: str, parse, build):
+    """``key``'s schedule ("txt") or replay ("replay") read from the schedule cache (``parse`` of its text), or
+    ``build()`` and written there (its ``to_text()``); a damaged entry is built again."""
+    d = cache_dir("schedules")
+    name, P, M, _ = key
+    path = d / f"{name}-{P}-{M}-{hashlib.sha256(repr(key).encode()).hexdigest()[:24]}.{kind}" if d else None
+    if path is not None and path.exists():
+        try:
+            return parse(path.read_text())
+        except Exception:  # a damaged entry: build again
+            pass
+    value = build()
+    if path is not None:
+        write_atomic(path, value.to_text())
+    return value
 
 
 def _same(*points: list[float]) -> bool:
