@@ -20,6 +20,7 @@ meaninglessly (a missing receive is not noticed); build with ``simulate`` when i
 from __future__ import annotations
 
 import json
+from array import array
 from fractions import Fraction
 
 from autopar.errors import ScheduleError
@@ -32,7 +33,8 @@ _FORMAT = "replay 1"  # the first line of ``Replay.to_text``
 
 
 class Replay:
-    """A schedule compiled for timing (see the module docstring). ``ops`` is the program, in an order where every
+    """A schedule compiled for timing (see the module docstring). ``ops`` is the program, five integers an op
+    (``array``: a pp = 64 schedule of a few hundred microbatches has ~300k ops), in an order where every
     action comes after the actions it waits for; ``recipe`` says how each cost slot is read off a ``Costs``."""
 
     __slots__ = ("ops", "recipe", "num_ranks", "num_stages", "num_sends")
@@ -91,7 +93,7 @@ class Replay:
         stuck = [r for r, lst in enumerate(lists) if pcs[r] < len(lst)]
         if stuck:
             raise ScheduleError(f"schedule {schedule.name}: ranks {stuck} wait for a tensor never sent (simulate it)")
-        self.ops = ops
+        self.ops = array("i", [v for op in ops for v in op])
         self.recipe = sorted(slots, key=slots.__getitem__)
         self.num_sends = len(sends)
 
@@ -99,7 +101,7 @@ class Replay:
         """The program as text (``from_text`` reads it back): a header, the cost slots, every op's five integers."""
         recipe = [[what, s, str(x)] for what, s, x in self.recipe]
         head = f"{_FORMAT} ranks={self.num_ranks} stages={self.num_stages} sends={self.num_sends}"
-        return "\n".join([head, json.dumps(recipe), " ".join(str(v) for op in self.ops for v in op)]) + "\n"
+        return "\n".join([head, json.dumps(recipe), " ".join(map(str, self.ops))]) + "\n"
 
     @classmethod
     def from_text(cls, text: str) -> Replay:
@@ -109,7 +111,7 @@ class Replay:
             raise ScheduleError(f"not a schedule replay ({_FORMAT!r} header)")
         try:
             sizes = dict(w.split("=") for w in lines[0][len(_FORMAT) :].split())
-            ints = [int(v) for v in lines[2].split()]
+            ints = array("i", map(int, lines[2].split()))
             r = cls()
             r.num_ranks, r.num_stages, r.num_sends = (int(sizes[k]) for k in ("ranks", "stages", "sends"))
             r.recipe = [(what, s, Fraction(x)) for what, s, x in json.loads(lines[1])]
@@ -117,7 +119,7 @@ class Replay:
             raise ScheduleError(f"damaged schedule replay: {e}") from None
         if len(ints) % 5:
             raise ScheduleError("damaged schedule replay: its ops are not five integers each")
-        r.ops = list(zip(*[iter(ints)] * 5))
+        r.ops = ints
         return r
 
     def _table(self, c: Costs) -> list[Number]:
@@ -151,7 +153,8 @@ class Replay:
         busy: list[Number] = [0] * self.num_ranks
         last: list[Number | None] = [None] * self.num_ranks
         posted: list[Number] = [0] * self.num_sends
-        for code, r, i, dep, boundary in self.ops:
+        it = iter(self.ops)
+        for code, r, i, dep, boundary in zip(it, it, it, it, it):
             if code == _COMPUTE:
                 ready = clock[r]
                 if dep >= 0:
