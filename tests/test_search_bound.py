@@ -33,9 +33,9 @@ def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sa
     """For every family (or ``sample`` of them) and budget: the chains' time bound is at most the lower bound of
     every member that fits the budget, at least the mean-compute-and-sync bound, and the memory bound at most
     every member's memory; the bound without the memory (the search's first step) at most that bound; each chain's
-    own bound (``chain_floors``) at least the family's and at most the lower bound of each of its members that fits.
-    Returns
-    (members checked, families whose bound rose by forced recomputation or the bubble)."""
+    ZeRO stages' own bounds (``chain_floors``) at least the family's and at most the lower bound of each of their
+    members that fits. Returns (members checked, families whose bound rose by forced recomputation or the bubble).
+    """
     fams = families(an, space, world)
     if sample is not None and sample < len(fams):
         fams = random.Random(seed).sample(fams, sample)
@@ -59,11 +59,13 @@ def check_family_floor(an: Analytic, space: SearchSpace, world: int, budgets, sa
             for ev in fitting:
                 assert ev.lower_bound >= t * (1 - 1e-9), (ev.candidate.describe(), budget, ev.lower_bound, t)
                 checked += 1
-            for ch, floor in zip(fam_chains, an.chain_floors(fam_chains, budget, max_shard(space, f), opts)):
-                assert floor >= t
+            for ch, floors in zip(fam_chains, an.chain_floors(fam_chains, budget, max_shard(space, f), opts)):
+                assert min(floors) >= t * (1 - 1e-12)
+                floor = dict(zip(ch.zeros, floors))
                 for ev in filter(None, map(priced.get, ch.candidates())):
                     if ev.memory <= budget:
-                        assert ev.lower_bound >= floor * (1 - 1e-9), (ev.candidate.describe(), budget, floor)
+                        low = floor[ev.candidate.zero]
+                        assert ev.lower_bound >= low * (1 - 1e-9), (ev.candidate.describe(), budget, low)
             rose += fitting != [] and t > cheap * (1 + 1e-6)
     return checked, rose
 

@@ -353,31 +353,46 @@ class Analytic(StageTerms):
 
     def chain_floors(
         self, family_chains: list[Chain], budget: float, max_shard: int, sync_options: tuple = ()
-    ) -> list[float]:
-        """Per chain of a family, in order, ``family_floor``'s time bound of that chain alone (inf where none of its
-        candidates fits ``budget``, or its layout does not exist): at most the step of every candidate of the chain
-        that fits, the floor the search walks the chain under before pricing any of it (``search._Walk``)."""
+    ) -> list[tuple[float, ...]]:
+        """Per chain of a family, in order, per ZeRO stage of it (``Chain.zeros``): ``family_floor``'s time bound of
+        that stage's candidates alone (inf where none fits ``budget``, or the layout does not exist), with the
+        stage's own model-state bytes, optimizer step and sync (ZeRO-1's where ZeRO-0 is not among the options: it
+        syncs no less); at most the step of each of its candidates that fits, the floor the search walks it under
+        before pricing any of it (``search._Walk``)."""
         memo: dict[tuple, float] = {}
         out = []
         for ch in family_chains:
-            c = ch.base
-            shape = (c.schedule, c.chunks, c.waves, c.layout, c.cp_form)  # MiCS groups: sync_options covers all
-            if shape not in memo:
-                memo[shape] = self._chain_floor(ch, budget, max_shard, sync_options)[0]
-            out.append(memo[shape])
+            c, row = ch.base, []
+            for z in ch.zeros:
+                key = (c.schedule, c.chunks, c.waves, c.layout, c.cp_form, c.mics_group, z)
+                if key not in memo:
+                    opts = [o for o in sync_options if o == (z, c.mics_group)]
+                    opts = opts or [o for o in sync_options if z == 0 and o == (1, c.mics_group)] or sync_options
+                    memo[key] = self._chain_floor(ch, budget, max_shard, tuple(opts), zero=z)[0]
+                row.append(memo[key])
+            out.append(tuple(row))
         return out
 
-    def _chain_floor(self, ch: Chain, budget: float | None, max_shard: int, sync_options: tuple) -> tuple[float, float]:
-        """``family_floor`` of one chain; ``budget=None``: at its least recomputation, memory left out (0)."""
+    def _chain_floor(
+        self, ch: Chain, budget: float | None, max_shard: int, sync_options: tuple, zero: int | None = None
+    ) -> tuple[float, float]:
+        """``family_floor`` of one chain; ``budget=None``: at its least recomputation, memory left out (0).
+        ``zero``: of that ZeRO stage's candidates only, its model states and optimizer step as ``evaluate`` prices
+        them (else the widest sharding's, ``max_shard`` over the whole dp group)."""
         c = ch.base
         sk = self._skeleton(c)
         if sk is None:
             return math.inf, math.inf
         group = c.dp // c.ep
+        if zero is None:
+            per_param, opt_zero, opt_group = self._state_bytes(max_shard, group if group > 1 else 1), max_shard, c.dp
+        else:
+            cz = dataclasses.replace(c, zero=zero)
+            per_param, opt_zero, opt_group = self.bytes_per_param(cz), zero, cz.shard_group if c.dp > 1 else 1
         if budget is None:
             x, least = self.fractions(len(sk.tr), *ch.levels[0]), 0.0
         else:
-            x, least = self._forced(ch, sk, budget, self._state_bytes(max_shard, group if group > 1 else 1))
+            x, least = self._forced(ch, sk, budget, per_param)
             if x is None:
                 return math.inf, least
         m, zb = c.microbatches, c.schedule in ZERO_BUBBLE and c.pp > 1
@@ -386,7 +401,7 @@ class Analytic(StageTerms):
         for r, ss in enumerate(sk.stages):
             p, busy = sk.params[r], sk.busy[r] + sum(x[s] * sk.tr[s] for s in ss)
             sync = min((_exposed(h, k * p, sk.first_bwd[r], m * busy) for h, k in rates), default=0.0)
-            sync += self.optimizer_seconds(p, max_shard, c.dp) if p else 0.0
+            sync += self.optimizer_seconds(p, opt_zero, opt_group) if p else 0.0
             t = max(t, sk.head[r] + m * busy + max(0.0 if zb else sk.tail[r], sync))
         return t, least
 

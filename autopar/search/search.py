@@ -253,17 +253,17 @@ def search(
             over_budget(f)
             continue
         bar.update(1)
-        # each chain under its own floor (``Analytic.chain_floors``): best first, a chain is priced only once nothing
-        # cheaper is left; its ZeRO stages' least recomputation then priced (otherwise at once)
+        # each ZeRO stage of each chain under its own floor (``Analytic.chain_floors``): best first, its least
+        # recomputation is priced only once nothing cheaper is left (otherwise at once)
         floors = an.chain_floors(chains_of(f), budget, max_shard(space, f), options[f]) if tight else None
         for k, ch in enumerate(chains_of(f)):
             stats["space"] += ch.size
             stats["unsupported"] += ch.unsupported
-            floor = floors[k] if floors else -math.inf
-            if floor == math.inf:  # no candidate of the chain fits (or exists)
-                stats["over_budget"] += ch.size - ch.unsupported
-                continue
-            for z in ch.zeros:
+            for j, z in enumerate(ch.zeros):
+                floor = floors[k][j] if floors else -math.inf
+                if floor == math.inf:  # no candidate of this ZeRO stage fits (or exists)
+                    stats["over_budget"] += len(ch.levels)
+                    continue
                 w = _Walk(ch, z, 0, floor, False)
                 push(w) if best_first and floors else visit(w)
         family_chains.pop(f)
