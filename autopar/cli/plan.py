@@ -164,6 +164,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "gradient is in, as torch.utils.checkpoint, Megatron-LM and DeepSpeed run it)",
     )
     g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        default=None,
+        help="with --global-batch: Megatron's sequence parallelism wherever tp > 1 (norms, residuals and dropouts "
+        "split over tp along the sequence, each tp all-reduce a reduce-scatter and an all-gather; NeMo's recipes run "
+        "it): priced only, no plan file (-o) yet",
+    )
+    g.add_argument(
         "--explain-step",
         action="store_true",
         help="with --global-batch: break each plan's predicted step into compute per stage, exposed communication "
@@ -244,11 +252,9 @@ def run(args: argparse.Namespace) -> int:
         # --mesh with --global-batch pins the mesh (and whatever else is given) and prices it with the search's model
         args.pin_mesh = dict(parse_mesh(args.mesh).axes) if args.mesh else None
         return run_cli(args)
-    pinned = [
-        f
-        for f in ("recompute", "microbatch_size", "layout", "attention", "recompute_at", "explain_step")
-        if getattr(args, f)
-    ]
+    priced = ("recompute", "microbatch_size", "layout", "attention", "recompute_at", "explain_step")
+    priced += ("sequence_parallel",)
+    pinned = [f for f in priced if getattr(args, f)]
     if pinned:
         flags = ", ".join("--" + f.replace("_", "-") for f in pinned)
         raise AutoparError(f"{flags} price a whole step: give --global-batch B (e.g. --mesh dp=32 --global-batch 512)")

@@ -11,7 +11,8 @@ import json
 import math
 import sys
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, PlanError
+from autopar.search.materialize import sequence_parallel_unwritable
 from autopar.search.pin import Pin
 from autopar.search.result import GiB
 from autopar.search.score import Scorer
@@ -30,6 +31,9 @@ def run_cli(args: argparse.Namespace) -> int:
     cluster = args.cluster if isinstance(args.cluster, ClusterSpec) else ClusterSpec.load(args.cluster)
     precision = args.precision or cluster.default_precision()  # as autopar plan --mesh (cli/plan.py:plan_config)
     pin = _pin(args)
+    sp = bool(getattr(args, "sequence_parallel", None))
+    if sp and args.output:  # refused before searching: such a plan cannot be written (materialize.build_plan)
+        raise PlanError(sequence_parallel_unwritable("--sequence-parallel"))
     if pin is not None:
         pin.check(cluster.world_size, args.global_batch)
         space = pin.space()
@@ -40,6 +44,8 @@ def run_cli(args: argparse.Namespace) -> int:
         if getattr(args, "recompute", None) or getattr(args, "microbatch_size", None) or getattr(args, "layout", None):
             space = Pin({}, args.microbatch_size, args.recompute, layout=args.layout).space(space)
             space = dataclasses.replace(space, pp=None, dp=None, tp=None, schedules=SearchSpace().schedules)
+        if sp:  # wherever tp > 1
+            space = dataclasses.replace(space, sequence_parallel=(True,))
         budget = args.budget_gb * GiB if args.budget_gb is not None else None
     result = search_model(
         args.model, cluster, args.global_batch, budget, space, top=args.top, precision=precision, progress=True,
@@ -103,6 +109,7 @@ def _pin(args: argparse.Namespace) -> Pin | None:
         zero=args.zero,
         mics_group=args.mics_group,
         layout=args.layout,
+        sequence_parallel=True if getattr(args, "sequence_parallel", None) else None,
     )
 
 

@@ -10,7 +10,8 @@ once on its own rail: ``ClusterSpec.alpha_beta(per_node=...)``, ``CommTime.per_n
   (``StageTerms.hidden_ar_bwd``, ``runtime/comm/column_linear.py``; not under a zero-bubble schedule, whose
   split backward computes them later, nor on gloo, whose reduction waits for the compute);
 - pipeline transfers: the boundary tensor, 1/tp of it over the link with Megatron's scatter/gather
-  plus an all-gather over tp; intra-node when consecutive stages share a node;
+  plus an all-gather over tp (with sequence parallelism each tp rank's part of the sequence, no all-gather);
+  intra-node when consecutive stages share a node;
 - data parallel, after each rank's last backward (ZeRO-0's buckets overlap that backward on NCCL, as the
   runtime and DDP run them: ``Analytic._overlapped``; Megatron 2021's local DDP did not): ZeRO-0/1 one
   all-reduce (= reduce-scatter + all-gather) of the rank's gradients, ZeRO-0's per bucket of ``BUCKET_BYTES``
@@ -72,6 +73,8 @@ class CommTime:
             return 0.0
         stride = c.dp * c.cp * c.tp  # ranks of consecutive pipeline stages differ by dp * cp * tp
         intra = (r0 * stride) // self.dpn == (r1 * stride) // self.dpn and stride < self.dpn
+        if c.sp and c.tp > 1:  # sequence parallelism: each tp rank holds and sends its part of the sequence
+            return self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
         if self.scatter_gather and c.tp > 1:
             send = self.cluster.collective_seconds("send", nbytes / c.tp, 1, intra)
             return send + self.gather(nbytes, c.tp, self.intra(c.tp), self.per_node(c.tp, 1))

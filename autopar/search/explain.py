@@ -6,7 +6,8 @@ On the rank that ends the step last (the critical rank), with the very terms ``s
          + recompute (the recomputed layers' forward FLOPs)
          + exposed communication per axis:
              tp  the tensor-parallel all-reduces the compute stream waits for (f's less what runs
-                 beside its readers' weight gradients, g's, and those of the recomputation)
+                 beside its readers' weight gradients, g's, and those of the recomputation); with sequence
+                 parallelism its reduce-scatters and all-gathers (``StageTerms.tp_seconds``)
              dp  ZeRO-3's gathers / scatters in every forward and backward, plus the data-parallel
                  gradient synchronization after the rank's last backward (with context parallelism also
                  the gradients' all-reduce over cp)
@@ -41,16 +42,13 @@ def explain_step(an: Analytic, ev: Evaluation, scorer: Scorer | None = None) -> 
     scorer = scorer or Scorer()
     m, b, tp = c.microbatches, c.micro_batch, c.tp
     bt = b / c.cp  # a rank's share of the microbatch's tokens (StageTerms._base)
-    sa = an.act_scale * bt
     split = c.schedule in ZERO_BUBBLE
     per_stage = []
     for s, (a, e) in enumerate(ev.stages):
         fwd = an._sec("fwd", a, e, bt, tp)  # the one compute model (solver/cluster/compute.py), as StageTerms prices
         bwd = an._sec("bwd", a, e, bt, tp)
         rfwd = an._sec("lfwd", a, e, bt, tp)
-        tp_f = an._tp_allreduce("ar_fwd", a, e, sa, tp)
-        tp_b = an._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else an.hidden_ar_bwd(a, e, bt, tp))
-        tp_r = an._tp_allreduce("lar_fwd", a, e, sa, tp)
+        tp_f, tp_b, tp_r = an.tp_seconds(a, e, bt, tp, c.sp, split)
         cp_f, cp_b = an.cp_seconds(a, e, b, c)
         cp_r = an.cp_seconds(a, e, b, c, True)[0]
         x = ev.recompute_fraction[s]

@@ -16,6 +16,11 @@ and ``autopar.compile`` do:
    its own model with recomputation and ZeRO); every pass verified, and dumped with ``dump_dir``.
 
 ``launch_options`` reads a searched plan back: the mesh and the ``autopar.compile`` options to run it.
+
+A candidate priced with Megatron's sequence parallelism (``Candidate.sp``) is not written: the runtime runs what the
+intra-op ILP places, which takes sequence-sharded norms only where a memory budget makes it (and then in a form that
+communicates more: an all-reduce of each gathered input's gradient, ``tests/test_sequence_parallel.py``), so the
+plan would not run as it was priced (``build_plan`` raises ``PlanError``; ``sequence_parallel_unwritable``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import time
 from fractions import Fraction
 from typing import Any, Protocol
 
+from autopar.errors import PlanError
 from autopar.ir.axes import data_axes
 from autopar.ir.core import MeshSpec
 from autopar.ir.printer import print_program
@@ -98,6 +104,8 @@ def build_plan(
     real weights on the CPU needs a plan captured with ``capture_device="cpu"``; the pipeline runtime,
     which builds a model on the meta device and initializes it shard by shard, matches a meta plan."""
     c = ev.candidate
+    if c.sp:
+        raise PlanError(sequence_parallel_unwritable(c.describe()))
     spec = with_batch(result.spec, c.micro_batch * c.dp)
     t0 = time.perf_counter()
     m = build(spec, device=capture_device, seed=0 if capture_device != "meta" else None)
@@ -156,6 +164,16 @@ def build_plan(
     )
 
 
+def sequence_parallel_unwritable(what: str) -> str:
+    """Why a plan priced with Megatron's sequence parallelism is not written (the module docstring), and what to do."""
+    return (
+        f"{what} is priced with Megatron's sequence parallelism, which autopar's runtime does not run from a plan "
+        "file yet: the intra-op ILP places the tensor-parallel activations itself (sequence-sharded norms only under "
+        "a memory budget, in a form that also all-reduces each gathered input's gradient), so the plan would not run "
+        "as it was priced. Price it without -o, or write a plan without --sequence-parallel"
+    )
+
+
 def launch_options(plan: Plan) -> tuple[dict[str, int], dict[str, Any]]:
     """(mesh axes for ``autopar.init_mesh``, keyword arguments for ``autopar.compile``) of a searched plan.
 
@@ -184,4 +202,4 @@ def launch_options(plan: Plan) -> tuple[dict[str, int], dict[str, Any]]:
     }
 
 
-__all__ = ["build_plan", "launch_options"]
+__all__ = ["build_plan", "launch_options", "sequence_parallel_unwritable"]

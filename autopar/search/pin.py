@@ -5,7 +5,9 @@
 its Table 1 with the search's price model (``price.py`` + the simulator), without searching: every
 dimension the flags give is pinned, each one left out is still chosen by the search among its values
 (so ``--mesh dp=32 --recompute full`` picks only the micro-batch). ``--mesh dp=32`` with B / (dp b) > 1
-microbatches is gradient accumulation without a pipeline axis (schedule "none").
+microbatches is gradient accumulation without a pipeline axis (schedule "none"). ``--sequence-parallel`` adds
+Megatron's sequence parallelism beside tp (NeMo's recipes run it): priced, not yet written as a plan file
+(``materialize.build_plan``).
 
 A pinned configuration is priced even when it does not fit the memory budget (the budget is then
 infinite unless ``--budget-gb`` gives one): its memory is printed beside the device's, so a recipe that
@@ -38,6 +40,7 @@ class Pin:
     zero: int | None = None
     mics_group: int | None = None
     layout: str | None = None  # "even" (Megatron's L / S layers per stage) or "balanced"
+    sequence_parallel: bool | None = None  # Megatron's sequence parallelism over tp (True: on, needs tp > 1)
 
     def __post_init__(self) -> None:
         bad = [a for a in self.mesh if a not in PINNABLE_AXES]
@@ -110,6 +113,8 @@ class Pin:
             changes["mics_groups"] = (self.mics_group,)
         if self.layout is not None:
             changes["layouts"] = (self.layout,)
+        if self.sequence_parallel is not None:
+            changes["sequence_parallel"] = (self.sequence_parallel,)
         return dataclasses.replace(base, **changes)
 
     def check(self, world: int, global_batch: int) -> None:
@@ -120,6 +125,11 @@ class Pin:
                 "mesh whose sizes multiply to the cluster's devices (or --cluster PRESET:nodes=N)"
             )
         dp = self.mesh.get("dp", 1)
+        if self.sequence_parallel and self.mesh.get("tp", 1) == 1:
+            raise SearchError(
+                "--sequence-parallel splits over the tensor-parallel ranks what they would otherwise replicate: pin "
+                "a mesh with tp > 1 (e.g. --mesh pp=4,dp=4,tp=4), or leave --sequence-parallel out"
+            )
         if global_batch % dp:
             raise SearchError(f"the global batch {global_batch} is not divisible by dp={dp}")
         if self.micro_batch is not None and (global_batch // dp) % self.micro_batch:

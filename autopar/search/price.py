@@ -25,9 +25,10 @@ the data-parallel gradient synchronization after each rank's last backward under
   device's bandwidth, divided as ZeRO shards them).
 
 What is estimated rather than exact (besides ``stage_terms.py``'s): the tied-embedding all-reduce between the first
-and last stage is not priced, and in-flight counts for
-interleaved, wave and V schedules are upper bounds (every stashed microbatch counted at the largest
-chunk's size).
+and last stage is not priced, and in-flight counts for wave and V schedules are upper bounds (every stashed
+microbatch counted at the largest chunk's size); with interleaving, each chunk counts at most as many microbatches as
+it stashes at once (``_stage_peaks``, read off the schedule's action lists): the rank's smaller chunks at their own
+size but for those, an upper bound still (``_held``).
 """
 
 from __future__ import annotations
@@ -35,11 +36,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.schedule.actions import stash_points
-from autopar.schedule.generators import zero_bubble_orders
+from autopar.schedule.actions import stage_stash_points, stash_points
+from autopar.schedule.generators import make_schedule, zero_bubble_orders
 from autopar.search.evaluation import Evaluation
 from autopar.search.kept import kept
 from autopar.search.space import ZERO_BUBBLE, Candidate, Chain
@@ -116,7 +118,7 @@ class Analytic(StageTerms):
                 for pts, kept, wk in zip(points, part.rank_kept, part.rank_wkept)
             ]
         else:
-            held = [k * kept for k, kept in zip(counts, part.rank_kept)]
+            held = _held(c, counts, part.act_kept, part.ranks)
         mem = tuple(w + h + tr for w, h, tr in zip(weights, held, part.rank_trans))
         reduce = tuple(s0 + s1 * p if p > 0 and s1 else 0.0 for p in part.rank_params)
         overlaps = self.cluster.overlaps_compute
@@ -232,7 +234,7 @@ class Analytic(StageTerms):
         z3 = c.shard_group if c.zero >= 3 and c.dp > 1 else 0
         key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, c.recompute, c.alpha1,
                z3)  # fmt: skip
-        key += (c.ep, c.cp_form)
+        key += (c.ep, c.cp_form, c.sp)
         if key in self._parts:
             return self._parts[key]
         base = self._base(c, z3)
@@ -277,6 +279,7 @@ class Analytic(StageTerms):
         sync_options: tuple = (),
         cp: int = 1,
         ep: int = 1,
+        sp: bool = False,
     ) -> tuple[float, float]:
         """(step-time lower bound, memory lower bound) of every candidate with this mesh and micro-batch.
 
@@ -290,13 +293,13 @@ class Analytic(StageTerms):
         allowed (ZeRO stage ``max_shard`` over dp). With ``cp`` ranks splitting each sequence, a rank computes
         b / cp samples' worth (the cp all-gathers and the cp gradient sync left out: a lower bound still).
         With expert parallelism over ``ep`` ranks: the expert tables divided by ep, the sync and ZeRO over dp / ep
-        (the all-to-alls and the ep all-reduce, at least 0, left out)."""
+        (the all-to-alls and the ep all-reduce, at least 0, left out). ``sp``: with sequence parallelism, its
+        collectives in place of the all-reduces (``tp_seconds``)."""
         n = self.n
         bt = b / cp
-        sa = self.act_scale * bt
         work = self._sec("fwd", 0, n, bt, tp) + self._sec("bwd", 0, n, bt, tp)
-        work += self._tp_allreduce("ar_fwd", 0, n, sa, tp) + self._tp_allreduce("ar_bwd", 0, n, sa, tp)
-        work -= self.hidden_ar_bwd(0, n, bt, tp)  # at most hidden beside the weight gradients
+        tp_f, tp_b, _ = self.tp_seconds(0, n, bt, tp, sp)  # f's at most hidden beside the weight gradients
+        work += tp_f + tp_b
         experts = self._sum("params_ep", 0, n) / tp
         params = (self._sum("params_tp", 0, n) / tp + self._sum("params_rep", 0, n) - experts + experts / ep) / pp
         group = dp // ep
@@ -414,13 +417,12 @@ class Analytic(StageTerms):
         else:
             counts = c.inflight_counts()
         weights = [p * per_param for p in sk.params]
+        ranks = self.stage_ranks(c)
         x, least = None, math.inf
         for rc, a1 in ch.levels:
             xs = self.fractions(len(sk.tr), rc, a1)
-            mem = max(
-                w + k * max(sk.acts[s] - xs[s] * sk.saving[s] for s in ss)
-                for w, k, ss in zip(weights, counts, sk.stages)
-            )
+            kept = [a - f * sv for a, f, sv in zip(sk.acts, xs, sk.saving)]
+            mem = max(w + h for w, h in zip(weights, _held(c, counts, kept, ranks)))
             least = min(least, mem)
             if x is None and mem <= budget:
                 x = xs
@@ -430,7 +432,7 @@ class Analytic(StageTerms):
         """The chain's ``_Skeleton`` (None when its layout does not exist), shared by the chains of every family with
         its pipeline shape, tp, cp, ep and micro-batch (dp and m do not enter)."""
         split = c.schedule in ZERO_BUBBLE
-        key = (c.pp, c.tp, c.cp, c.cp_form, c.ep, c.micro_batch, split, c.chunks, c.waves, c.layout)
+        key = (c.pp, c.tp, c.cp, c.cp_form, c.ep, c.micro_batch, split, c.chunks, c.waves, c.layout, c.sp)
         if key in self._skeletons:
             return self._skeletons[key]
         stages = self.layout(c)
@@ -440,11 +442,11 @@ class Analytic(StageTerms):
         b, tp, cp = c.micro_batch, c.tp, c.cp
         fwd, bwd, tr, acts, saving, params = [], [], [], [], [], []
         for a, e in stages:
-            f, bw, r = self.stage_compute(a, e, b, tp, cp, c.ep, split)
+            f, bw, r = self.stage_compute(a, e, b, tp, cp, c.ep, split, c.sp)
             fwd.append(f)
             bwd.append(bw)
             tr.append(r)
-            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form)
+            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form, c.sp)
             acts.append(kept)
             saving.append(saves)
             params.append(self.stage_params(a, e, tp, c.ep)[0])
@@ -515,6 +517,39 @@ class Analytic(StageTerms):
     def model_flops(self) -> float:
         """3 x forward matmul/attention FLOPs of the global batch: Eq. 3 without the recomputation pass."""
         return 3 * self.p.mm_flops * self.B
+
+
+def _held(c: Candidate, counts: Sequence[float], kept: Sequence[float], ranks: Sequence[int]) -> list[float]:
+    """Per pipeline rank, the stashed activations at its peak: its in-flight count (``counts``) at its largest
+    stage's ``kept`` bytes, and with interleaving no more than that count at its smallest stage's plus, per larger
+    stage, the most microbatches that stage stashes at once (``_stage_peaks``) at its excess: the last chunk of the
+    last rank (the head, the logits) stashes one microbatch at a time, not the rank's whole count."""
+    mine: list[list[int]] = [[] for _ in range(c.pp)]
+    for s, r in enumerate(ranks):
+        mine[r].append(s)
+    peaks = _stage_peaks(c.pp, c.microbatches, c.chunks) if c.schedule == "interleaved" and c.pp > 1 else None
+    out = []
+    for r, ss in enumerate(mine):
+        ks = [kept[s] for s in ss]
+        top = counts[r] * max(ks)
+        if peaks is not None and len(peaks[r]) == len(ks):
+            base = min(ks)
+            top = min(top, counts[r] * base + sum(p * (k - base) for p, k in zip(peaks[r], ks)))
+        out.append(top)
+    return out
+
+
+@functools.cache
+def _stage_peaks(pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Per rank of interleaved 1F1B, per stage it holds (in stage order), the most microbatches that stage stashes at
+    once, read off the schedule's action lists (``actions.stage_stash_points``). From 4 pp microbatches on they no
+    longer grow (the steady state repeats; ``tests/test_search_sp.py`` checks it), so 4 pp stand for any more."""
+    lists = make_schedule("interleaved", pp, min(microbatches, 4 * pp), chunks=chunks).actions
+    out = []
+    for actions in lists:
+        points = stage_stash_points(actions)
+        out.append(tuple(max(p[i][0] for p in points) for i in range(len(points[0]))) if points else ())
+    return tuple(out)
 
 
 def _exposed(beside: str, seconds: float, backward: float, compute: float) -> float:

@@ -115,7 +115,7 @@ def search(
     options = {f: sync_options(space, f, an.zero0_dominated) if bound != "compute" else () for f in fams}
     bounds = {
         f: an.family_bounds(
-            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), options[f], f.cp, ep=f.ep,
+            f.pp, f.dp, f.tp, f.micro_batch, f.microbatches, max_shard(space, f), options[f], f.cp, ep=f.ep, sp=f.sp,
         )
         for f in fams
     }  # fmt: skip

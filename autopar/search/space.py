@@ -15,6 +15,12 @@
     recompute     none, full (every transformer layer keeps only its input), or Merak's stage-aware
                   ratios alpha_i (SCP only; alpha_1 the largest that fits, on a 1/20 grid)
     ZeRO / MiCS   stage 1, 2, 3 over the dp group or inside MiCS partition groups of g ranks
+    sp            Megatron's sequence parallelism (Korthikanti et al. 2022) beside tp > 1: the norms', residuals'
+                  and dropouts' activations split over tp along the sequence, each tensor-parallel all-reduce a
+                  reduce-scatter and an all-gather (``stage_terms.tp_seconds``); offered only where
+                  ``SearchSpace.sequence_parallel`` allows it (default: not), since a plan file of it cannot be
+                  written yet (``materialize.build_plan`` refuses: the runtime's sequence-sharded regions are the
+                  ILP's, not Megatron's)
     ep            for a mixture of experts (``Profile.experts`` > 0), an expert-parallel degree dividing dp and
                   the experts: the dp ranks laid out as dp / ep x ep (``inner_mesh``), each expert table split
                   over ep, the rows sent to their experts' ranks and back (``stage_terms.py`` prices it);
@@ -73,6 +79,7 @@ class Candidate:
     cp: int = 1  # context parallel: each sequence split over cp ranks (between dp and tp in the rank order)
     ep: int = 1  # expert-parallel degree (a mixture of experts only): dp's ranks as dp / ep x ep
     cp_form: str = ""  # with cp > 1 one of CP_FORMS (the plan's context_attention); "" without cp
+    sp: bool = False  # Megatron's sequence parallelism over tp (tp > 1 only)
 
     @property
     def num_stages(self) -> int:
@@ -131,7 +138,7 @@ class Candidate:
         z = f"zero{self.zero}" + (f" mics{self.mics_group}" if self.mics_group else "")
         lay = " even" if self.layout == "even" else ""
         mesh = f"pp{self.pp} dp{self.dp}" + (f" ep{self.ep}" if self.ep > 1 else "")
-        mesh += (f" cp{self.cp} {self.cp_form}" if self.cp > 1 else "") + f" tp{self.tp}"
+        mesh += (f" cp{self.cp} {self.cp_form}" if self.cp > 1 else "") + f" tp{self.tp}" + (" sp" if self.sp else "")
         return f"{mesh} b{self.micro_batch} m{self.microbatches} {sched}{lay}, {rc}, {z}"
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,6 +176,13 @@ class SearchSpace:
     # context-parallel degrees; None: every divisor of the sequence leaving each rank CP_MIN_TOKENS (1 always)
     cp: tuple[int, ...] | None = None
     cp_forms: tuple[str, ...] = CP_FORMS  # the forms of context parallelism tried (Ulysses only where it divides)
+    # Megatron's sequence parallelism with tp > 1: (False,) leaves it out (the default: no plan file of it can be
+    # written yet, ``materialize.build_plan``), (True,) takes it wherever tp > 1, (False, True) tries both
+    sequence_parallel: tuple[bool, ...] = (False,)
+
+    def sp_options(self, tp: int) -> tuple[bool, ...]:
+        """The sequence-parallel settings tried beside ``tp``: ``sequence_parallel``'s with tp > 1, none without."""
+        return (False,) if tp == 1 else tuple(sorted(set(self.sequence_parallel)))
 
     def forms(self, profile: Profile, cp: int, tp: int) -> tuple[str, ...]:
         """The forms of context parallelism the search tries on ``cp`` ranks beside ``tp`` (``cp_forms``): ("",)
@@ -239,6 +253,7 @@ class Family:
     cp: int = 1
     ep: int = 1
     cp_form: str = ""
+    sp: bool = False
 
 
 @dataclass(frozen=True)
@@ -280,7 +295,9 @@ def families(analytic: Pricer, space: SearchSpace, world: int) -> list[Family]:
             if not space.micro_batch or b in space.micro_batch:
                 eps = expert_degrees(analytic.p, dp, space) if cp == 1 else [1]
                 forms = space.forms(analytic.p, cp, tp)
-                out += [Family(pp, dp, tp, b, per_replica // b, cp, ep, f) for ep in eps for f in forms]
+                sps = space.sp_options(tp)
+                m = per_replica // b
+                out += [Family(pp, dp, tp, b, m, cp, ep, f, sp) for ep in eps for f in forms for sp in sps]
     return out
 
 
@@ -332,7 +349,7 @@ def chains(analytic: Pricer, space: SearchSpace, fam: Family) -> Iterator[Chain]
             for g, zeros, unsupported in _zeros(fam, space, zero0_dominated=False):
                 base = Candidate(fam.pp, fam.dp, fam.tp, fam.micro_batch, fam.microbatches, sched, v, w,
                                  mics_group=g, layout=layout, cp=fam.cp, ep=fam.ep,
-                                 cp_form=fam.cp_form)  # fmt: skip
+                                 cp_form=fam.cp_form, sp=fam.sp)  # fmt: skip
                 yield Chain(base, zeros, levels, unsupported * len(levels))
 
 

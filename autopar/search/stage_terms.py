@@ -12,11 +12,13 @@ With micro-batch b and the cluster's alpha-beta links (``StageTerms``, the base 
   of the backward, the weight gradients (a zero-bubble schedule's W) are the weight matmuls' FLOPs
   once more, 2 x sequence x matrix parameters per sample (capped at the unit's FLOPs: a lookup), and
   all of the first stage's (it has no input gradient to compute: its input is data);
-- communication (``comm_time.py``): tensor-parallel all-reduces and pipeline transfers; ZeRO-3's
+- communication (``comm_time.py``): tensor-parallel all-reduces (with Megatron's sequence parallelism,
+  ``Candidate.sp``, each a reduce-scatter and an all-gather: ``tp_seconds``) and pipeline transfers; ZeRO-3's
   weight gathers and gradient scatters are priced into every stage's forward, backward and recomputation;
   with expert parallelism (``Candidate.ep``) each expert op's all-to-alls and the busiest expert rank's extra
   work (``expert_seconds``), and each rank holds 1/ep of the expert tables;
-- per stage also: the activations a microbatch keeps (with unfused attention its s x s scores too), what full
+- per stage also: the activations a microbatch keeps (with unfused attention its s x s scores too; with sequence
+  parallelism every one of them split over tp, the norms', residuals' and dropouts' along the sequence), what full
   recomputation saves of them, the largest layer's activations, the parameters, and when microbatch 0 reaches
   the stage and the last gradient leaves it (for the step-time bound).
 
@@ -101,7 +103,8 @@ class StageTerms:
         self._rows = rows
         self._pre = {k: _prefix([r[k] for r in rows]) for k in _SUMMED}
         self._is_layer = [u.kind == "layer" for u in units]
-        self._max_layer_act: dict[tuple[int, int, int], float] = {}
+        self._max_layer_act: dict[tuple, float] = {}
+        self._sp_pre: dict[tuple[float, int, bool], dict[str, list[float]]] = {}
         self._bases: dict[tuple, Any] = {}
         self._fractions: dict[tuple, tuple[float, ...]] = {}
 
@@ -187,14 +190,14 @@ class StageTerms:
         pre = self._pre[key]
         return pre[b] - pre[a]
 
-    def max_layer_act(self, a: int, b: int, tp: int, cp: int = 1, form: str = "all-gather") -> float:
+    def max_layer_act(self, a: int, b: int, tp: int, cp: int = 1, form: str = "all-gather", sp: bool = False) -> float:
         """The largest layer's saved bytes per sample among units ``a..b`` on a rank (``rank_act``)."""
-        key = (a, b, tp, cp, form)
+        key = (a, b, tp, cp, form, sp)
         if key not in self._max_layer_act:
             sa = self.act_scale
             self._max_layer_act[key] = max(
                 (
-                    self.rank_act(u, tp, cp, form) + sc / tp / cp / sa
+                    self.rank_act(u, tp, cp, form, sp) + sc / tp / cp / sa
                     for u, sc, x in zip(self.p.units[a:b], self._scores[a:b], self._is_layer[a:b])
                     if x
                 ),
@@ -203,13 +206,16 @@ class StageTerms:
         return self._max_layer_act[key]
 
     @staticmethod
-    def rank_act(u: UnitCost, tp: int, cp: int = 1, form: str = "all-gather") -> float:
-        """Bytes per sample unit ``u`` saves on one rank: 1/tp of what Megatron splits, and with context
-        parallelism 1/cp of it; in the all-gather form but the keys and values its attention reads, which each cp
-        rank keeps whole (ring attention keeps its own blocks, Ulysses its heads of the whole sequence: 1/cp)."""
+    def rank_act(u: UnitCost, tp: int, cp: int = 1, form: str = "all-gather", sp: bool = False) -> float:
+        """Bytes per sample unit ``u`` saves on one rank: 1/tp of what Megatron splits (with sequence parallelism,
+        ``sp``, 1/tp of all of it: what tensor parallelism alone replicates is split along the sequence), and with
+        context parallelism 1/cp of it; in the all-gather form but the keys and values its attention reads, which
+        each cp rank keeps whole (ring attention keeps its own blocks, Ulysses its heads of the whole sequence:
+        1/cp)."""
+        act = (u.act_tp + u.act_rep) / tp if sp else u.act(tp)
         if form in ("ring", "ulysses"):
-            return u.act(tp) / cp
-        return u.act(tp) / cp + u.kv(tp) * (1 - 1 / cp)
+            return act / cp
+        return act / cp + u.kv(tp) * (1 - 1 / cp)
 
     def cp_seconds(self, a: int, e: int, b: int, c: Candidate, layers_only: bool = False) -> tuple[float, float]:
         """(forward, backward) seconds of units ``a..e``'s context-parallel communication per microbatch of ``b``
@@ -276,6 +282,58 @@ class StageTerms:
         bwd += 2 * send(q)
         return calls * fwd, calls * bwd
 
+    def tp_seconds(self, a: int, e: int, b: float, tp: int, sp: bool = False, split: bool = False) -> tuple[float, ...]:
+        """(forward, backward, recomputation) seconds of units ``a..e``'s tensor-parallel collectives per microbatch
+        of ``b`` samples on a rank (b / cp with context parallelism); ``split``: a zero-bubble schedule's split
+        backward, which computes the weight gradients later (nothing runs beside the backward's collectives).
+
+        Without sequence parallelism, Megatron's all-reduces: each g (a row-parallel or vocabulary-parallel output)
+        in the forward and the recomputation, each f (a column-parallel input's gradient) in the backward, less what
+        runs beside its readers' weight gradients (``hidden_ar_bwd``).
+
+        With it (``sp``: Korthikanti et al. 2022, section 4.2.2), each g is a reduce-scatter onto the rank's part of
+        the sequence in the forward and an all-gather of its gradient in the backward, each f an all-gather of the
+        sequence in the forward and a reduce-scatter of its gradient in the backward (``_sp_unit``): a ring moves the
+        same bytes (an all-reduce is a reduce-scatter and an all-gather; ``tests/test_search_sp.py``). The backward
+        also gathers each f's input again (only its sequence shard is saved) for the weight gradients; as Megatron
+        runs it (``LinearWithGradAccumulationAndAsyncCommunication``), that all-gather runs beside the input
+        gradient's matmul and the reduce-scatter beside the weight gradients, where the backend overlaps (NCCL; not
+        with a split backward)."""
+        if not sp or tp <= 1:
+            sa = self.act_scale * b
+            fwd = self._tp_allreduce("ar_fwd", a, e, sa, tp)
+            bwd = self._tp_allreduce("ar_bwd", a, e, sa, tp) - (0.0 if split else self.hidden_ar_bwd(a, e, b, tp))
+            return fwd, bwd, self._tp_allreduce("lar_fwd", a, e, sa, tp)
+        key = (b, tp, split)
+        pre = self._sp_pre.get(key)
+        if pre is None:
+            rows = [self._sp_unit(u.ar_bwd_groups, u.ar_fwd_bytes, u.ar_fwd_count, b, tp, split) for u in self.p.units]
+            pre = self._sp_pre[key] = {
+                "fwd": _prefix([r[0] for r in rows]),
+                "bwd": _prefix([r[1] for r in rows]),
+                "lfwd": _prefix([r[0] if lay else 0.0 for r, lay in zip(rows, self._is_layer)]),
+            }
+        return tuple(pre[k][e] - pre[k][a] for k in ("fwd", "bwd", "lfwd"))
+
+    @functools.cache  # noqa: B019 - one Analytic per search; repeated layers share their collectives
+    def _sp_unit(
+        self, groups: tuple[tuple[float, float], ...], g_bytes: float, g_count: int, b: float, tp: int, split: bool
+    ) -> tuple[float, float]:
+        """(forward, backward) seconds of one unit's sequence-parallel collectives (``tp_seconds``): its f's
+        (``groups``: per f, its bytes and its readers' forward FLOPs per sample) and its ``g_count`` g's of
+        ``g_bytes`` together (per sample), at ``b`` samples."""
+        sa, intra, k = self.act_scale * b, self.comm.intra(tp), self.comm.per_node(tp, 1)
+        g_each = g_bytes / g_count * sa if g_count else 0.0
+        fwd = g_count * self.comm.scatter(g_each, tp, intra, k)
+        bwd = g_count * self.comm.gather(g_each, tp, intra, k)
+        beside = self.cluster.overlaps_compute and not split
+        for nb, fl in groups:
+            gather, scatter = self.comm.gather(nb * sa, tp, intra, k), self.comm.scatter(nb * sa, tp, intra, k)
+            fwd += gather
+            matmul = self.flop_seconds(b * fl / tp) if beside else 0.0  # the input gradient's, the weights' alike
+            bwd += max(0.0, gather - matmul) + max(0.0, scatter - matmul)
+        return fwd, bwd
+
     def _tp_allreduce(self, key: str, a: int, e: int, scale: float, tp: int) -> float:
         nbytes, count = self._sum(key + "_bytes", a, e) * scale, int(self._sum(key + "_count", a, e))
         return self.comm.allreduce(nbytes, count, tp, self.comm.intra(tp), self.comm.per_node(tp, 1))
@@ -319,7 +377,8 @@ class StageTerms:
         """What does not depend on recomputation: stage times (``tr`` = recomputing all of a stage's
         layers), boundary transfers, activations and the bytes full recomputation saves, per stage;
         with ZeRO-3 over ``z3`` ranks, those without it plus its gathers (``_zero3``)."""
-        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3, c.ep, c.cp_form)
+        key = (c.pp, c.dp, c.cp, c.tp, c.micro_batch, c.schedule, c.chunks, c.waves, c.layout, z3, c.ep, c.cp_form,
+               c.sp)  # fmt: skip
         if key in self._bases:
             return self._bases[key]
         if z3:
@@ -339,7 +398,7 @@ class StageTerms:
         experts_of = []
         S = self._sum
         for a, e in stages:
-            fwd, bwd, rfwd = self.stage_compute(a, e, b, tp, cp, c.ep, c.schedule in ZERO_BUBBLE)
+            fwd, bwd, rfwd = self.stage_compute(a, e, b, tp, cp, c.ep, c.schedule in ZERO_BUBBLE, c.sp)
             params, experts = self.stage_params(a, e, tp, c.ep)
             experts_of.append(experts)
             cp_f, cp_b = self.cp_seconds(a, e, b, c)
@@ -347,11 +406,12 @@ class StageTerms:
             tb.append(bwd + cp_b)
             tr.append(rfwd + self.cp_seconds(a, e, b, c, True)[0])
             tw.append(self._sec("wgrad", a, e, bt, tp))
-            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form)
+            kept, saves = self.stage_acts(a, e, b, tp, cp, c.cp_form, c.sp)
             acts.append(kept)
             saving.append(saves)
-            wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e)) * sa)
-            layer_act.append(self.max_layer_act(a, e, tp, cp, c.cp_form or "all-gather") * self.act_scale * b)
+            rep = 1 / tp if c.sp else 1.0  # sequence parallelism: what tp replicates is split along the sequence
+            wkept.append((S("wgrad_tp", a, e) / tp + S("wgrad_rep", a, e) * rep) * sa)
+            layer_act.append(self.max_layer_act(a, e, tp, cp, c.cp_form or "all-gather", c.sp) * self.act_scale * b)
             params_of.append(params)
         tw[0] = tb[0]  # the first stage's input is data: its whole backward is weight gradients
         tc = tuple(
@@ -385,21 +445,21 @@ class StageTerms:
         return base
 
     def stage_compute(
-        self, a: int, e: int, b: int, tp: int, cp: int, ep: int, split: bool
+        self, a: int, e: int, b: int, tp: int, cp: int, ep: int, split: bool, sp: bool = False
     ) -> tuple[float, float, float]:
         """(forward, backward, recomputation) seconds of units ``a..e`` per microbatch of ``b`` samples on a rank,
         without the context-parallel collectives, pipeline transfers and ZeRO-3 gathers: their compute (b / cp
-        samples' worth with context parallelism), tensor-parallel all-reduces (f's backward less what runs beside its
-        readers' weight gradients, unless the backward is ``split``: zero bubble) and, with expert parallelism
+        samples' worth with context parallelism), tensor-parallel collectives (``tp_seconds``: Megatron's all-reduces,
+        f's backward less what runs beside its readers' weight gradients unless the backward is ``split``: zero
+        bubble; with sequence parallelism, ``sp``, reduce-scatters and all-gathers) and, with expert parallelism
         (cp = 1 beside it), the all-to-alls and the busiest rank's extra expert work (twice that backward).
         Recomputation touches the layers only (embeddings and head keep their activations)."""
         bt = b / cp
-        sa = self.act_scale * bt
         moe = self.expert_seconds(a, e, b, ep, tp)
-        fwd = self._sec("fwd", a, e, bt, tp) + moe + self._tp_allreduce("ar_fwd", a, e, sa, tp)
-        hidden = 0.0 if split else self.hidden_ar_bwd(a, e, bt, tp)
-        bwd = self._sec("bwd", a, e, bt, tp) + 2 * moe + self._tp_allreduce("ar_bwd", a, e, sa, tp) - hidden
-        rfwd = self._sec("lfwd", a, e, bt, tp) + moe + self._tp_allreduce("lar_fwd", a, e, sa, tp)
+        tp_f, tp_b, tp_r = self.tp_seconds(a, e, bt, tp, sp, split)
+        fwd = self._sec("fwd", a, e, bt, tp) + moe + tp_f
+        bwd = self._sec("bwd", a, e, bt, tp) + 2 * moe + tp_b
+        rfwd = self._sec("lfwd", a, e, bt, tp) + moe + tp_r
         return fwd, bwd, rfwd
 
     def stage_params(self, a: int, e: int, tp: int, ep: int) -> tuple[float, float]:
@@ -409,23 +469,28 @@ class StageTerms:
         experts = S("params_ep", a, e) / tp / ep
         return S("params_tp", a, e) / tp + S("params_rep", a, e) - S("params_ep", a, e) / tp + experts, experts
 
-    def stage_acts(self, a: int, e: int, b: int, tp: int, cp: int, form: str = "") -> tuple[float, float]:
+    def stage_acts(
+        self, a: int, e: int, b: int, tp: int, cp: int, form: str = "", sp: bool = False
+    ) -> tuple[float, float]:
         """(bytes a microbatch of ``b`` samples keeps on a rank for units ``a..e`` without recomputation, bytes full
-        recomputation saves of them): 1/tp of what Megatron splits; with context parallelism 1/cp, but in the
-        all-gather form (``form``, ``Candidate.cp_form``) the keys and values whole; with unfused attention its
-        scores (a cp rank's 1/cp of the queries)."""
+        recomputation saves of them): 1/tp of what Megatron splits, and with sequence parallelism (``sp``) 1/tp of
+        what it replicates too (the norms', residuals' and dropouts', and each layer's input that full recomputation
+        keeps: Korthikanti et al.'s s b h (34 / t + 5 a s / (h t)) per layer in place of s b h (10 + 24 / t +
+        5 a s / (h t))); with context parallelism 1/cp, but in the all-gather form (``form``, ``Candidate.cp_form``)
+        the keys and values whole; with unfused attention its scores (a cp rank's 1/cp of the queries)."""
         S, bt = self._sum, b / cp
         sa = self.act_scale * bt
+        rep = 1 / tp if sp else 1.0
         # ... of the keys and values each cp rank keeps whole (the all-gather form)
         kv_whole = self.act_scale * b * (1 - 1 / cp) if form not in ("ring", "ulysses") else 0.0
         kept = (
-            (S("act_tp", a, e) / tp + S("act_rep", a, e)) * sa
+            (S("act_tp", a, e) / tp + S("act_rep", a, e) * rep) * sa
             + (S("kv_tp", a, e) / tp + S("kv_rep", a, e)) * kv_whole
             + S("scores", a, e) / tp * bt
         )
-        lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e)) * sa + S("lscores", a, e) / tp * bt
+        lacts = (S("lact_tp", a, e) / tp + S("lact_rep", a, e) * rep) * sa + S("lscores", a, e) / tp * bt
         lacts += (S("lkv_tp", a, e) / tp + S("lkv_rep", a, e)) * kv_whole
-        return kept, lacts - S("linput_bytes", a, e) * sa
+        return kept, lacts - S("linput_bytes", a, e) * sa * rep
 
     def expert_seconds(self, a: int, e: int, b: int, ep: int, tp: int) -> float:
         """Forward seconds a microbatch of ``b`` samples adds to units ``a..e`` under expert parallelism over ``ep``
