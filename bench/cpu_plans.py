@@ -42,7 +42,9 @@ def launch_of(c) -> dict:
     return launch
 
 
-def worker(rank: int, world: int, port: int, spec: str, launch: dict, steps: int, out: str, timeout: float) -> None:
+def worker(
+    rank: int, world: int, port: int, spec: str, launch: dict, steps: int, out: str, timeout: float, ops: bool = False
+) -> None:
     import autopar
     from autopar.models.resolve import build
     from autopar.passes.shard import ShardOptions
@@ -56,24 +58,36 @@ def worker(rank: int, world: int, port: int, spec: str, launch: dict, steps: int
     cm = autopar.compile(model, autopar.init_mesh("cpu", **launch["axes"]), kwargs=batch, **kwargs)
     cm.make_optimizer(torch.optim.AdamW, lr=1e-4)
     cm.train_step(**batch)
-    wall, cpu = [], []
+    wall, cpu, classes = [], [], []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.thread_time()
         cm.train_step(**batch)
         wall.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
+        if ops:  # then a step op by op (every rank alike, so that the collectives pair): its ATen ops' CPU time
+            from cpu_ops import OpTimes
+
+            with OpTimes() as rec:
+                cm.train_step(**batch)
+            classes.append(dict(rec.seconds))
     with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump({"wall": wall, "cpu": cpu}, f)
+        json.dump({"wall": wall, "cpu": cpu, "classes": classes}, f)
 
 
-def run_plan(spec: str, launch: dict, world: int, steps: int, timeout: float) -> tuple[float, float]:
-    """(wall, CPU) seconds of a step: per step the slowest rank, the median over steps."""
+def run_plan(
+    spec: str, launch: dict, world: int, steps: int, timeout: float, ops: bool = False
+) -> tuple[float, float, dict[str, float]]:
+    """(wall, CPU) seconds of a step: per step the slowest rank, the median over steps; with ``ops``, rank 0's ATen
+    ops' CPU seconds a step per class (``bench/cpu_ops.py``'s), medians over steps."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(worker, args=(world, free_port(), spec, launch, steps, d, timeout), nprocs=world, join=True)
+        args = (world, free_port(), spec, launch, steps, d, timeout, ops)
+        mp.spawn(worker, args=args, nprocs=world, join=True)
         ranks = [json.load(open(os.path.join(d, f"{r}.json"))) for r in range(world)]
     wall = statistics.median(max(r["wall"][i] for r in ranks) for i in range(steps))
     cpu = statistics.median(max(r["cpu"][i] for r in ranks) for i in range(steps))
-    return wall, cpu
+    names = {c for step in ranks[0]["classes"] for c in step}
+    classes = {c: statistics.median(step.get(c, 0.0) for step in ranks[0]["classes"]) for c in sorted(names)}
+    return wall, cpu, classes
 
 
 def main() -> None:
@@ -84,6 +98,11 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument(
+        "--ops",
+        action="store_true",
+        help="after each timed step one more op by op: rank 0's ATen ops' CPU time per class",
+    )
     add_model_args(ap)
     a = ap.parse_args()
     from autopar.search import search_model
@@ -95,15 +114,19 @@ def main() -> None:
         searched = model_spec(family, a).replace(f",batch={a.batch}", "")
         result = search_model(searched, cluster, global_batch=a.batch, precision="fp32", top=a.top)
         plans = [(ev.candidate.describe(), ev.step_time, launch_of(ev.candidate)) for ev in result.best[: a.top]]
-        measured: dict[int, list[tuple[float, float]]] = {i: [] for i in range(len(plans))}
+        measured: dict[int, list[tuple[float, float, dict]]] = {i: [] for i in range(len(plans))}
         for _ in range(a.rounds):
             for i, (_, _, launch) in enumerate(plans):
-                measured[i].append(run_plan(spec, launch, a.ranks, a.steps, a.timeout))
+                measured[i].append(run_plan(spec, launch, a.ranks, a.steps, a.timeout, a.ops))
         rows = []
         for i, (name, pred, _) in enumerate(plans):
-            wall = statistics.median(w for w, _ in measured[i])
-            cpu = statistics.median(c for _, c in measured[i])
+            wall = statistics.median(m[0] for m in measured[i])
+            cpu = statistics.median(m[1] for m in measured[i])
             rows.append((i + 1, name, pred, wall, cpu))
+            if a.ops:
+                ops = {c: statistics.median(m[2].get(c, 0.0) for m in measured[i]) for c in measured[i][0][2]}
+                parts = ", ".join(f"{c} {v * 1e3:.1f}" for c, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+                print(f"plan {i + 1} rank 0 ATen ops, CPU ms a step: {parts}; all ops {sum(ops.values()) * 1e3:.1f}")
         by_wall = {r[0]: k + 1 for k, r in enumerate(sorted(rows, key=lambda r: r[3]))}
         by_cpu = {r[0]: k + 1 for k, r in enumerate(sorted(rows, key=lambda r: r[4]))}
         print(f"\n{family} ({spec}) on {a.ranks} ranks, load {os.getloadavg()[0]:.1f}:")
