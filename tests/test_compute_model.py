@@ -47,26 +47,119 @@ def test_every_device_kind_has_a_table_with_a_source_for_each_number():
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_matmul_efficiency_never_falls_as_a_gemm_grows_and_stays_below_the_peak(kind):
-    """Larger GEMMs are not less efficient (in each of m, n, k), never above max_eff <= 1; the curve is symmetric in
-    m, n, k (a backward's two matmuls price as its forward); seconds never fall as a dimension grows."""
+    """Larger GEMMs are not less efficient by the smooth curve (in each of m, n, k), never above max_eff <= 1; the
+    curve is symmetric in m, n, k and the whole efficiency (with the wave bound) in m and n (the tile in either
+    orientation); where the table gives no tile the efficiency is the curve's; seconds never fall as a dimension
+    grows (``test_a_gemm_never_takes_less_time_as_it_grows`` sweeps the tile and wave boundaries)."""
     table = compute.load_table(kind)
     dims = (1, 16, 64, 256, 1024, 4096, 16384)
     for dtype, curve in table.matmul.items():
         assert 0 < curve.max_eff <= 1
         for m, n, k in itertools.product(dims, repeat=3):
             e = table.efficiency(compute.Work("matmul", 2.0 * m * n * k, m=m, n=n, k=k, dtype=dtype))
-            assert 0 < e <= curve.max_eff
+            assert 0 < e <= curve(m, n, k) <= curve.max_eff
             for bigger in (dict(m=m * 4), dict(n=n * 4), dict(k=k * 4)):
-                w2 = compute.Work("matmul", 1.0, **{"m": m, "n": n, "k": k, **bigger}, dtype=dtype)
-                assert table.efficiency(w2) >= e
-            assert table.efficiency(compute.Work("matmul", 1.0, m=k, n=m, k=n, dtype=dtype)) == pytest.approx(e)
+                assert curve(*{"m": m, "n": n, "k": k, **bigger}.values()) >= curve(m, n, k)
+                if not (table.sms and curve.tile):
+                    w2 = compute.Work("matmul", 1.0, **{"m": m, "n": n, "k": k, **bigger}, dtype=dtype)
+                    assert table.efficiency(w2) >= e
+            assert curve(k, m, n) == pytest.approx(curve(m, n, k))
+            assert table.efficiency(compute.Work("matmul", 1.0, m=n, n=m, k=k, dtype=dtype)) == pytest.approx(e)
+            if not (table.sms and curve.tile):
+                assert e == curve(m, n, k)
     big = compute.Work("matmul", 2.0 * 16384**3, m=16384, n=16384, k=16384, dtype="bf16")
     assert 0.9 * table.curve("matmul", "bf16").max_eff < table.efficiency(big)
     for curve in table.attention.values():
-        assert 0 < curve.max_eff <= 1
+        assert 0 < curve.max_eff <= 1 and curve.tile is None
         for s in (128, 512, 2048, 8192):
             short = table.efficiency(compute.Work("attention", 1.0, m=s, n=s, k=64))
             assert short <= table.efficiency(compute.Work("attention", 1.0, m=2 * s, n=2 * s, k=64)) <= curve.max_eff
+
+
+def test_every_gpu_table_has_its_sm_count_and_the_cpu_none():
+    """The SM counts of the published datasheets/whitepapers; a 16-bit tile where the table gives one (B200: none,
+    its source says why), no tile on fp32 (the CUDA cores' SGEMM) nor on any CPU or unnamed device."""
+    want = {"a100": 108, "h100": 132, "h200": 132, "b200": 148, "v100": 80, "rtx3090": 82}
+    for kind, sms in want.items():
+        table = compute.load_table(kind)
+        assert table.sms == sms and "sms" in table.sources and "matmul tile" in table.sources
+        assert table.curve("matmul", "fp32").tile is None
+        assert table.curve("matmul", "fp16").tile == (None if kind == "b200" else (256, 128))
+    for kind in ("cpu", "generic"):
+        table = compute.load_table(kind)
+        assert table.sms is None and all(c.tile is None for c in table.matmul.values())
+
+
+def test_the_wave_bound_is_nvidias_wave_and_tile_quantization():
+    """On an A100 (108 SMs, 256 x 128 tiles): QKV of Fig. 16's 91B at t = 8, [2048, 10240] x [10240, 3840], is 240
+    tiles, 3 waves of 108 (74% busy): its efficiency is max_eff s(k) 240 / 324, below the curve; at b = 2 (m = 4096)
+    480 tiles in 5 waves (89%). 8192^3 (the curve's fit) fills 19 waves to 99.8%: the curve binds, unchanged. One
+    wave or less, and an output narrower than a tile (attention's PV at head dim 64), are the curve's (cuBLAS's
+    smaller tiles, not given). The output is quantized in whichever orientation needs fewer waves."""
+    table = compute.load_table("a100")
+    curve = table.curve("matmul", "bf16")
+    eff = lambda m, n, k: table.efficiency(compute.Work("matmul", 2.0 * m * n * k, m=m, n=n, k=k, dtype="bf16"))  # noqa: E731
+    s = lambda x: x / (x + curve.half)  # noqa: E731
+    assert eff(2048, 3840, 10240) == pytest.approx(curve.max_eff * s(10240) * 240 / 324)
+    assert eff(2048, 3840, 10240) < 0.85 * curve(2048, 3840, 10240)
+    assert eff(4096, 3840, 10240) == pytest.approx(curve.max_eff * s(10240) * 480 / 540)
+    assert eff(8192, 8192, 8192) == curve(8192, 8192, 8192) == pytest.approx(0.737, abs=5e-4)
+    assert eff(2048, 1536, 4096) == curve(2048, 1536, 4096)  # 8 x 12 = 96 tiles: one wave
+    assert eff(32 * 2048, 64, 2048) == curve(32 * 2048, 64, 2048)  # 64 wide: not a 256 x 128 tile's GEMM
+    # 2304 x 1408: 9 x 11 = 99 tiles of 256 x 128 (1 wave) beside 18 x 6 = 108 of 128 x 256 (1 wave): no bound;
+    # 2560 x 1408: 110 (2 waves) beside 20 x 6 = 120 (2 waves) -> 2560 * 1408 / (216 * 32768) busy
+    assert eff(2304, 1408, 4096) == curve(2304, 1408, 4096)
+    assert eff(2560, 1408, 4096) == pytest.approx(curve.max_eff * s(4096) * 2560 * 1408 / (216 * 256 * 128))
+    # 3072 x 1152: 12 x 9 = 108 tiles (one wave) one way, 24 x 5 = 120 (two) the other: the one wave's
+    assert eff(3072, 1152, 4096) == eff(1152, 3072, 4096) == curve(3072, 1152, 4096)
+
+
+@pytest.mark.parametrize("kind", [k for k in GPU_KINDS if k != "b200"])
+def test_a_gemm_never_takes_less_time_as_it_grows(kind):
+    """More work never takes less time: seconds of [m, k] x [k, n] (FLOPs 2 m n k, bytes of its three tensors)
+    never fall as m, n or k grows, swept in steps that cross every tile and wave boundary of transformer-sized
+    GEMMs, though the efficiency does fall (a wave begun nearly empty); the backward (``gradient_works``) the same."""
+    dev = compute.Device({"bf16": 312e12, "fp16": 312e12}, 2e12, compute.load_table(kind))
+    dtype = "fp16"
+
+    def work(m, n, k):
+        return compute.Work("matmul", 2.0 * m * n * k, 2.0 * (m * k + k * n + m * n), m, n, k, dtype)
+
+    fell = 0
+    for fixed in ((2048, 3840), (4096, 1280), (512, 10240), (8192, 8192)):
+        for axis in range(3):
+            prev_t = prev_b = prev_e = None
+            for x in range(64, 12289, 64):
+                dims = list(fixed)
+                dims.insert(axis, x)
+                w = work(*dims)
+                t, b, e = compute.seconds(w, dev), compute.backward_seconds(w, dev), compute.efficiency(w, dev)
+                if prev_t is not None:
+                    # on a plateau (the same waves) the seconds are equal but for float rounding
+                    assert t >= prev_t * (1 - 1e-12) and b >= prev_b * (1 - 1e-12), (kind, dims)
+                    fell += e < prev_e
+                prev_t, prev_b, prev_e = t, b, e
+    assert fell > 0  # the efficiency is not monotone: the seconds are
+
+
+def test_the_backward_prices_each_gradient_matmul_at_its_own_shape():
+    """A matmul's backward is its two gradient matmuls (output m x k, and the weight's k x n), each at its own wave
+    bound: QKV of the 91B at t = 8 (output 2048 x 3840, 3 waves, 74% busy) has gradients 2048 x 10240 (640 tiles, 6
+    waves) and 10240 x 3840 (1200 tiles, 12 waves), cheaper than twice its forward; the search's and the ILP's
+    weight-gradient time is the second's. Without a tile (the CPU's table) the backward is twice the forward."""
+    dev = compute.device_of(ClusterSpec.load("dgx-a100"))
+    qkv = compute.Work("matmul", 2.0 * 2048 * 3840 * 10240, 0.0, 2048, 3840, 10240, "bf16")
+    dgrad, wgrad = compute.gradient_works(qkv)
+    assert (dgrad.m, dgrad.n, dgrad.k) == (2048, 10240, 3840) and (wgrad.m, wgrad.n, wgrad.k) == (10240, 3840, 2048)
+    back = compute.backward_seconds(qkv, dev)
+    assert back == pytest.approx(compute.seconds(dgrad, dev) + compute.seconds(wgrad, dev))
+    assert back < 0.9 * 2 * compute.seconds(qkv, dev)
+    assert compute.weight_grad_seconds(qkv, dev) == compute.seconds(wgrad, dev)
+    assert compute.train_seconds(qkv, dev) == compute.seconds(qkv, dev) + back
+    cpu = compute.device_of(ClusterSpec.load("local-cpu"))
+    w = dataclasses.replace(qkv, m=96, n=200, k=72, flops=2.0 * 96 * 200 * 72, dtype="fp32")
+    assert compute.backward_seconds(w, cpu) == pytest.approx(2 * compute.seconds(w, cpu), rel=1e-12)
+    assert compute.weight_grad_seconds(w, cpu) == pytest.approx(compute.seconds(w, cpu), rel=1e-12)
 
 
 def test_a_flat_curve_is_rejected_as_a_table_error():
@@ -75,6 +168,13 @@ def test_a_flat_curve_is_rejected_as_a_table_error():
     good = compute.load_table("a100").to_dict()
     with pytest.raises(ClusterSpecError, match="max_eff"):
         compute.table_from_dict({**good, "matmul": {"bf16": {"max_eff": 1.5, "half": 1}}})
+    again = compute.table_from_dict(good)  # the SM count and the tiles round-trip through the file form
+    assert again.sms == 108 and again.matmul == compute.load_table("a100").matmul
+    for bad in ({"sms": 0}, {"sms": "108"}, {"matmul": {"bf16": {"max_eff": 0.7, "half": 128, "tile": [256]}}}):
+        with pytest.raises(ClusterSpecError, match="sms|tile"):
+            compute.table_from_dict({**good, **bad})
+    with pytest.raises(ClusterSpecError, match="attention curve has none"):
+        compute.table_from_dict({**good, "attention": {"default": {"max_eff": 0.7, "half": 1, "tile": [128, 128]}}})
     with pytest.raises(ClusterSpecError, match="unknown device kind 'a1000'"):
         compute.load_table("a1000")
 

@@ -125,9 +125,10 @@ class StageTerms:
         )
 
     def unit_seconds(self, u: UnitCost, b: int, tp: int) -> tuple[float, float, float]:
-        """(forward seconds, of which the tp-split matmuls', backward seconds) of unit ``u`` at micro-batch ``b`` and
-        tensor-parallel degree ``tp``: each of its works at b samples, divided over tp where Megatron's layout splits
-        it, priced by ``compute.seconds`` (forward) and ``compute.backward_seconds``."""
+        """(forward seconds, the tp-split matmuls' weight-gradient seconds, backward seconds) of unit ``u`` at
+        micro-batch ``b`` and tensor-parallel degree ``tp``: each of its works at b samples, divided over tp where
+        Megatron's layout splits it, priced by ``compute.seconds`` (forward), ``compute.weight_grad_seconds`` and
+        ``compute.backward_seconds``."""
         works = self._works(u)
         key = (works, b, tp)
         found = self._unit_secs.get(key)
@@ -143,7 +144,7 @@ class StageTerms:
                 total += t
                 bwd += compute.backward_seconds(w, self.device)
                 if split and kind == "matmul":
-                    tp_mm += t
+                    tp_mm += compute.weight_grad_seconds(w, self.device)
             found = self._unit_secs[key] = (total, tp_mm, bwd)
         return found
 

@@ -5,7 +5,8 @@ search's ``StageTerms`` and, through them, the simulator's actions) prices an op
 
     seconds(work, device) = launch + max(flops / (peak(dtype) * efficiency(work)), bytes / bandwidth)
 
-and its backward ``backward_seconds``: twice that (unfused attention's scores aside).
+and its backward ``backward_seconds``: a matmul's two gradient matmuls, each at its own shape; twice the forward for
+other ops (unfused attention's scores aside).
 
 ``Work`` describes one op's forward: its class, FLOPs, bytes moved and, for a matmul, its shape
 [m, k] x [k, n] (batch dimensions folded into m); for attention its kind (fused: one kernel such as
@@ -17,10 +18,18 @@ The efficiency curve of a matmul is a product over its three dimensions of a sat
     efficiency(m, n, k) = max_eff(dtype) * s(m) * s(n) * s(k),   s(x) = x / (x + half(dtype)),
 
 so it never decreases as any dimension grows, never exceeds ``max_eff`` (at most 1), and is symmetric in
-m, n, k: the two backward matmuls of [m, k] x [k, n] ([m, n] x [n, k] and [k, m] x [m, n]) have the same
-efficiency as the forward, which is why a backward is priced as twice its forward. Fused attention uses
-the same form on its own (max_eff, half); elementwise ops and reductions are priced by bytes moved at
-``bandwidth_eff`` x the device's memory bandwidth, their FLOPs at the vector efficiency.
+m, n, k. On a GPU whose table gives its SM count and a dtype's output tile, a GEMM's efficiency is at most its
+wave bound (``DeviceTable.wave_bound``: cuBLAS computes the m x n output in tiles, one per SM, in waves; a partial
+last wave leaves SMs idle, NVIDIA's "wave quantization"):
+
+    efficiency(m, n, k) = min(curve(m, n, k), max_eff * s(k) * m n / (waves * SMs * tile area))
+
+so its efficiency is no longer monotone (a new wave begun nearly empty), but its seconds are: never falling as m,
+n or k grows. The bound quantizes the output, so the backward's two matmuls ([m, n] x [n, k] with output m x k,
+and [k, m] x [m, n] with output k x n: ``gradient_works``) are priced at their own shapes; where no bound applies
+they price as the forward (the curve is symmetric). Fused attention uses the smooth form on its own (max_eff,
+half); elementwise ops and reductions are priced by bytes moved at ``bandwidth_eff`` x the device's memory
+bandwidth, their FLOPs at the vector efficiency.
 
 A ``DeviceTable`` holds those numbers for one device kind, read from ``solver/cluster/devices/KIND.yaml``
 (each number with its source beside it, estimates marked as such) or from a file ``autopar calibrate``
@@ -93,10 +102,12 @@ class Work:
 
 @dataclass(frozen=True)
 class Curve:
-    """A saturating efficiency: ``max_eff * prod(x / (x + half))`` over the dimensions given."""
+    """A saturating efficiency: ``max_eff * prod(x / (x + half))`` over the dimensions given; for a matmul, the
+    output tile cuBLAS runs a large GEMM of this dtype in, where the table gives one (``DeviceTable.wave_bound``)."""
 
     max_eff: float
     half: float
+    tile: tuple[int, int] | None = None  # rows x columns of the output one thread block computes, one block per SM
 
     def __call__(self, *dims: int) -> float:
         e = self.max_eff
@@ -126,6 +137,9 @@ class DeviceTable:
     # of the elementwise ops of a ``RATE_CLASSES`` class, forward plus backward / 3 as training runs them: on a CPU
     # a transcendental op is bound by its arithmetic, not its bytes (`autopar calibrate` measures gelu and the loss)
     rates: dict[str, float] = field(default_factory=dict)
+    # streaming multiprocessors (a GPU's; None: no wave quantization, as on a CPU): a GEMM's output tiles run in
+    # waves of one tile per SM (``wave_bound``)
+    sms: int | None = None
 
     def stream_seconds(self, nbytes: float, bandwidth: float) -> float:
         """Seconds to move ``nbytes`` with ``bandwidth`` the device's memory bandwidth: the first ``cache_bytes`` at
@@ -152,13 +166,44 @@ class DeviceTable:
             return self.vector_eff
         if work.kind == "attention":
             return self.curve("attention", work.dtype)(work.n, work.k * 16)  # head dim: 64-128 saturates
-        return self.curve("matmul", work.dtype)(work.m, work.n, work.k)
+        curve = self.curve("matmul", work.dtype)
+        return min(curve(work.m, work.n, work.k), self.wave_bound(curve, work.m, work.n, work.k))
+
+    def wave_bound(self, curve: Curve, m: int, n: int, k: int) -> float:
+        """The efficiency an [m, k] x [k, n] GEMM reaches at most when its m x n output runs in whole waves of
+        ``curve.tile`` tiles, one per SM (NVIDIA, Matrix Multiplication Background User's Guide, "Wave
+        Quantization": a partial last wave leaves SMs idle; "Tile Quantization": a partial tile does a whole
+        tile's work): ``max_eff * s(k) * m n / (waves * sms * tile area)``, s(k) the curve's term of the
+        contracted dimension (a tile's steps along k), the tile in whichever of its two orientations (cuBLAS has
+        both: 256 x 128 and 128 x 256) needs fewer waves. The GEMM then takes at least ``waves`` tile-times:
+        its seconds never fall as m, n or k grows, though its efficiency may (a new wave begun nearly empty).
+
+        ``max_eff`` (no bound) where the table gives no tile or SM count, where the output is narrower than a tile
+        in either orientation, or where it fills at most one wave: cuBLAS then runs smaller tiles (64-wide, or K
+        split over blocks) to fill the SMs, which the table does not give, and the smooth curve alone prices it.
+        The GEMM's efficiency is the smaller of this and the curve: the curve, fitted to large square GEMMs whose
+        waves are nearly full (8192^3 on an A100: 2048 tiles, 19 waves, 99.8% busy), prices the average losses,
+        and the bound binds only where the waves leave more idle than the curve charges."""
+        if not (self.sms and curve.tile and m > 0 and n > 0 and k > 0):
+            return curve.max_eff
+        tm, tn = curve.tile
+        if not ((m >= tm and n >= tn) or (m >= tn and n >= tm)):
+            return curve.max_eff
+        waves = min(math.ceil(math.ceil(m / a) * math.ceil(n / b) / self.sms) for a, b in ((tm, tn), (tn, tm)))
+        if waves < 2:
+            return curve.max_eff
+        return curve.max_eff * k / (k + curve.half) * m * n / (waves * self.sms * tm * tn)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"name": self.name}
         for kind in ("matmul", "attention"):
-            out[kind] = {d: {"max_eff": c.max_eff, "half": c.half} for d, c in getattr(self, kind).items()}
+            out[kind] = {
+                d: {"max_eff": c.max_eff, "half": c.half, **({"tile": list(c.tile)} if c.tile else {})}
+                for d, c in getattr(self, kind).items()
+            }
         out.update(vector_eff=self.vector_eff, bandwidth_eff=self.bandwidth_eff, launch_seconds=self.launch_seconds)
+        if self.sms is not None:
+            out["sms"] = self.sms
         if self.memory_bandwidth is not None:
             out["memory_bandwidth"] = self.memory_bandwidth
         if self.cache_bandwidth is not None:
@@ -186,6 +231,17 @@ def _curves(name: str, data: Any, what: str) -> dict[str, Curve]:
                 f"device table {name!r}: {what}.{dtype} has max_eff {curve.max_eff} (give 0 < max_eff <= 1) "
                 f"and half {curve.half} (give half >= 0)"
             )
+        if c.get("tile") is not None:
+            tile = c["tile"]
+            if what != "matmul" or not (
+                isinstance(tile, (list, tuple)) and len(tile) == 2 and all(isinstance(x, int) and x > 0 for x in tile)
+            ):
+                raise ClusterSpecError(
+                    f"device table {name!r}: {what}.{dtype} has tile {tile!r}: a matmul curve's tile is two positive "
+                    "integers, the output rows and columns one thread block computes (e.g. tile: [256, 128]); an "
+                    "attention curve has none"
+                )
+            curve = replace(curve, tile=(tile[0], tile[1]))
         out[str(dtype)] = curve
     return out
 
@@ -222,6 +278,12 @@ def table_from_dict(data: dict[str, Any]) -> DeviceTable:
             f"device table {name!r}: rates gives positive FLOP/s per op class, one of "
             f"{', '.join(sorted(set(RATE_CLASSES.values())))}; got {rates}"
         )
+    sms = data.get("sms")
+    if sms is not None and not (isinstance(sms, int) and not isinstance(sms, bool) and sms > 0):
+        raise ClusterSpecError(
+            f"device table {name!r}: sms is {sms!r}: give the GPU's streaming multiprocessors as a positive integer "
+            "(an A100 has 108), or none for no wave quantization"
+        )
     return DeviceTable(
         name,
         _curves(name, data.get("matmul"), "matmul"),
@@ -234,6 +296,7 @@ def table_from_dict(data: dict[str, Any]) -> DeviceTable:
         cache_bw,
         cache_bytes,
         rates,
+        sms,
     )
 
 
@@ -355,21 +418,40 @@ def _unfused_attention(work: Work, device: Device, backward: bool = False) -> fl
     )
 
 
+def gradient_works(work: Work) -> tuple[Work, Work]:
+    """The two matmuls of a matmul's backward: [m, n] x [n, k], the first operand's gradient (output m x k), and
+    [k, m] x [m, n], the second operand's (a weight's: output k x n), each with the forward's FLOPs, bytes (each
+    reads two of the three tensors' sizes and writes the third) and launches. The smooth curve prices all three
+    alike (it is symmetric in m, n, k); the wave bound quantizes each one's own output."""
+    return replace(work, n=work.k, k=work.n), replace(work, m=work.k, k=work.m)
+
+
 def backward_seconds(work: Work, device: Device) -> float:
-    """Backward seconds of ``work``: twice its forward (a matmul's two gradient matmuls have its shape and hence its
-    efficiency; an elementwise op's backward moves about twice its bytes), except unfused attention's softmax and
-    dropout, whose backward moves the scores ``UNFUSED_BACKWARD_PASSES`` times (not twice ``UNFUSED_PASSES``)."""
+    """Backward seconds of ``work``: a matmul's two gradient matmuls (``gradient_works``: twice its forward where
+    no wave bound tells them apart), an elementwise op's twice its forward (its backward moves about twice its
+    bytes), and unfused attention's four gradient matmuls (each priced at its forward's shape: the batch folded into
+    m leaves a batched matmul's gradient shapes unknown) with its softmax and dropout moving the scores
+    ``UNFUSED_BACKWARD_PASSES`` times (not twice ``UNFUSED_PASSES``)."""
     if work.kind == "attention_unfused" and (work.flops or work.bytes):
         return _unfused_attention(work, device, backward=True)
+    if work.kind == "matmul":
+        return sum(seconds(w, device) for w in gradient_works(work))
     return 2 * seconds(work, device)
 
 
+def weight_grad_seconds(work: Work, device: Device) -> float:
+    """Seconds of the gradient of a matmul's second operand (its weight; ``gradient_works``), the part of its
+    backward a zero-bubble schedule defers and a tensor-parallel all-reduce hides behind; half the backward of any
+    other op."""
+    if work.kind == "matmul":
+        return seconds(gradient_works(work)[1], device)
+    return backward_seconds(work, device) / 2
+
+
 def train_seconds(work: Work, device: Device) -> float:
-    """Forward plus backward seconds of ``work`` (three forwards but for unfused attention): what the sharding ILP and
-    the stage balancer charge an op."""
-    if work.kind == "attention_unfused":
-        return seconds(work, device) + backward_seconds(work, device)
-    return 3.0 * seconds(work, device)
+    """Forward plus backward seconds of ``work`` (three forwards where neither the wave bound nor unfused attention's
+    scores tell the backward apart): what the sharding ILP and the stage balancer charge an op."""
+    return seconds(work, device) + backward_seconds(work, device)
 
 
 def flop_seconds(flops: float, device: Device, dtype: str = "bf16", m: int = 0, n: int = 0, k: int = 0) -> float:
@@ -566,6 +648,8 @@ __all__ = [
     "op_work",
     "seconds",
     "table_from_dict",
+    "gradient_works",
     "train_seconds",
     "unfused_saved_bytes",
+    "weight_grad_seconds",
 ]

@@ -558,7 +558,8 @@ class CostModel:
         w = column_weight(op, pos, types)
         if w is None or w not in grad:
             return 0.0
-        return self.op_seconds(op, types, split) / 3.0
+        work = self.compiled_share(op) or compute.op_work(op, types, self.dtype)
+        return compute.weight_grad_seconds(work.split(self._ways(split)), self.device)
 
     def _fused_wgrad(self, readers: list, f: str, types: dict[str, TensorType], grad: set[str]) -> float:
         """Seconds of the weight gradients computed while f's all-reduce is in flight: those of its readers when
