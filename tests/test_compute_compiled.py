@@ -6,6 +6,7 @@ No compiling here: the IR of captured models only."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -75,6 +76,79 @@ def test_two_independent_chains_are_two_kernels_and_a_collective_stays_its_own()
     assert [w.ops for w in mine] == [1, 1] and mine[0] == compute.op_work(reduce, types2, "fp32")
 
 
+# a CPU's table with the transcendental and softmax rates `autopar calibrate` measures there (BENCHMARKS 22: gelu
+# at ~2 ns an element, far slower than its bytes), at about this machine's values
+RATES = {"transcendental": 0.5e9, "softmax": 3e9}
+
+
+def _rated_cpu() -> compute.Device:
+    table = replace(compute.load_table("cpu"), name="cpu-rated", rates=RATES)
+    return compute.Device({"fp32": 70e9, "bf16": 70e9}, 20e9, table)
+
+
+def _members(ops, start, stop):
+    return [i for i in range(start, stop) if ops[i].target not in compute.VIEW_OPS]
+
+
+def test_a_fused_kernel_is_bound_by_its_members_math_at_their_class_rates():
+    """A fused kernel with a gelu in it (``Chain``: bias add, norm, gelu, mul, add) on a table with a transcendental
+    rate costs at least the gelu's FLOPs at that rate plus one launch (its members' compute, each at its class's
+    rate, the rest at the vector rate, against its fused bytes), where its bytes alone price it well below; never
+    above the same ops op by op; its shares add up to it; on a table without rates (a GPU's) it is priced as
+    before, by its FLOPs at the vector rate and its bytes."""
+    prog, types = _prog(Chain(), torch.randn(8, 16, 64))
+    ops = list(prog.ops)
+    works = compute.compiled_works(ops, types, "fp32")
+    fused = works[1]
+    fc1, fc2 = [i for i, op in enumerate(ops) if op.target in compute.MATMULS]
+    members = _members(ops, fc1 + 1, fc2)
+    gelu = [ops[i] for i in members if ops[i].target == "aten.gelu"]
+    assert len(gelu) == 1 and gelu[0].flops > 0
+    g = float(gelu[0].flops)
+    assert fused.rated == (("transcendental", g / fused.flops),)
+    dev = _rated_cpu()
+    launch = dev.table.launch_seconds
+    at_rate = g / RATES["transcendental"]
+    got = compute.seconds(fused, dev)
+    assert got >= at_rate + launch
+    vector = dev.peak("fp32") * dev.table.vector_eff
+    stream = dev.table.stream_seconds(fused.bytes, dev.memory_bandwidth)
+    assert got == pytest.approx(max(at_rate + (fused.flops - g) / vector, stream) + launch, rel=1e-12)
+    bytes_only = compute.seconds(replace(fused, rated=()), dev)  # the kernel's price before its members' rates
+    assert bytes_only < 0.5 * at_rate
+    eager = sum(compute.seconds(compute.op_work(ops[i], types, "fp32"), dev) for i in members)
+    assert got < eager
+    shares = compute.compiled_shares(ops, types, "fp32")
+    assert sum(compute.seconds(shares[i], dev) for i in members) == pytest.approx(got, rel=1e-12)
+    assert all(shares[i].rated == fused.rated for i in members)
+    # a GPU's table has no rates: the kernel's price is its roofline of FLOPs at the vector rate and bytes
+    gpu = compute.device_of(ClusterSpec.load("dgx-a100"))
+    assert not gpu.table.rates
+    vector = gpu.peak("fp32") * gpu.table.vector_eff
+    stream = gpu.table.stream_seconds(fused.bytes, gpu.memory_bandwidth)
+    assert compute.seconds(fused, gpu) == max(fused.flops / vector, stream) + gpu.table.launch_seconds
+
+
+def test_a_kernel_of_two_rate_classes_pays_both():
+    """A softmax over a gelu fused into one kernel: both classes' FLOPs, each at its own rate, summed."""
+
+    class Both(torch.nn.Module):
+        def forward(self, x):
+            return torch.softmax(torch.nn.functional.gelu(x), dim=-1) * 2
+
+    prog, types = _prog(Both(), torch.randn(64, 256))
+    ops = list(prog.ops)
+    (fused,) = compute.compiled_works(ops, types, "fp32")
+    flops = {c: sum(float(op.flops) for op in ops if compute.RATE_CLASSES.get(op.target) == c) for c in RATES}
+    assert all(flops.values())
+    assert dict(fused.rated) == pytest.approx({c: f / fused.flops for c, f in flops.items()}, rel=1e-12)
+    dev = _rated_cpu()
+    both = sum(f / RATES[c] for c, f in flops.items())
+    assert compute.seconds(fused, dev) >= both + dev.table.launch_seconds
+    eager = sum(compute.seconds(compute.op_work(op, types, "fp32"), dev) for op in ops)
+    assert compute.seconds(fused, dev) <= eager
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_compiled_gpt2_moves_fewer_bytes_in_fewer_launches_with_the_same_flops_and_matmuls(dtype):
     from tests.equivalence import tiny_gpt2
@@ -105,7 +179,6 @@ def test_torch_compile_reaches_the_stage_balancer_and_prices_the_stages_fused():
     """``torch_compile=True`` prices the plan compiled: ``pricing_options`` sets ``TrainingSetup.compiled`` (not
     under sub-pipelined tp, whose programs stay eager), the flow hands it to the assign-stages pass, and the
     stage plan's compute seconds (``compiled_works``) fall below the op-by-op plan's on pp=2."""
-    from dataclasses import replace
 
     from autopar.build import pricing_options
     from autopar.ir.core import MeshSpec as Mesh
@@ -135,12 +208,14 @@ def test_torch_compile_reaches_the_stage_balancer_and_prices_the_stages_fused():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_the_four_price_models_price_a_compiled_program_alike(dtype):
+@pytest.mark.parametrize("rated", [False, True], ids=["a100", "cpu-rated"])
+def test_the_four_price_models_price_a_compiled_program_alike(dtype, rated, tmp_path):
     """One price for compiled compute (issue 33): the sharding ILP's ``CostModel.op_seconds`` (after
     ``price_program``), the stage balancer's ``subgraph_costs``, the search's ``StageTerms.unit_seconds`` (from the
     profile's ``compiled_works``) and the simulator's compute actions (fed by the search's per-stage times) all
     price tiny GPT-2's program as ``compute.compiled_works`` does, forward plus backward; priced eager, each gives
-    the op-by-op price instead."""
+    the op-by-op price instead. On an A100 and on a CPU table with transcendental and softmax rates (its fused
+    gelu and loss kernels priced by their members' math: ``Work.rated``, kept through the search's profile)."""
     from autopar.schedule.simulator import simulate
     from autopar.search.price import Analytic
     from autopar.search.profile import profile_program
@@ -154,11 +229,20 @@ def test_the_four_price_models_price_a_compiled_program_alike(dtype):
     prog = lower(capture(model, (), batches[0]), MeshSpec())
     types = prog.types()
     cluster = ClusterSpec.load("dgx-a100")
+    if rated:
+        cluster = ClusterSpec.load("local-cpu")
+        _rated_cpu().table.save(tmp_path / "cpu-rated.yaml")
+        cluster = replace(cluster, device=str(tmp_path / "cpu-rated.yaml"))
     device = compute.device_of(cluster)
+    assert bool(device.table.rates) == rated
     train = lambda works: sum(compute.train_seconds(w, device) for w in works)  # noqa: E731
-    want = {True: train(compute.compiled_works(prog.ops, types, dtype))}
+    kernels = compute.compiled_works(prog.ops, types, dtype)
+    want = {True: train(kernels)}
     want[False] = train(compute.op_work(op, types, dtype) for op in prog.ops)
-    assert want[True] < 0.9 * want[False]
+    assert want[True] < (0.95 if rated else 0.9) * want[False]
+    if rated:  # the gelu and loss kernels: above their bytes' price
+        assert {c for w in kernels for c, _ in w.rated} == set(RATES)
+        assert want[True] > train(replace(w, rated=()) for w in kernels)
     # the shares: one per op, adding up to the kernels' price
     shares = compute.compiled_shares(prog.ops, types, dtype)
     assert len(shares) == len(prog.ops) and train(shares) == pytest.approx(want[True], rel=1e-12)

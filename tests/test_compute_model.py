@@ -267,7 +267,7 @@ def test_calibrate_writes_a_device_table_the_planner_then_prices_with(tmp_path, 
     assert set(table.rates) == {"transcendental", "softmax"}
     assert {"cache", "rates", "launch_seconds", "clock", "load", "attention"} <= set(table.sources)
     assert "autograd" in table.sources["launch_seconds"] and "thread_time" in table.sources["clock"]
-    gelu = compute.Work("elementwise", 1e6, 8e6, dtype="fp32", ops=0, rate_class="transcendental")
+    gelu = compute.Work("elementwise", 1e6, 8e6, dtype="fp32", ops=0, rated=(("transcendental", 1.0),))
     want = max(1e6 / table.rates["transcendental"], table.stream_seconds(8e6, spec.memory_bandwidth))
     assert cm.work_seconds(gelu, []) == pytest.approx(3 * want)
     small = compute.Work("elementwise", 0.0, 1024.0, dtype="fp32", ops=0)  # cache-resident: at the cache rate
@@ -296,7 +296,9 @@ def test_the_cpu_terms_are_monotone_and_fit_what_they_measure():
     rated = dataclasses.replace(table, rates={"transcendental": 0.5e9, "softmax": 3e9})
     for cls in ("transcendental", "softmax", ""):
         dev = compute.Device({"fp32": 70e9}, bw, rated)
-        secs = [compute.seconds(compute.Work("elementwise", f, 4.0 * f, ops=1, rate_class=cls), dev) for f in sizes]
+        secs = [
+            compute.seconds(compute.Work("elementwise", f, 4.0 * f, ops=1, rated=((cls, 1.0),)), dev) for f in sizes
+        ]
         assert all(a <= b for a, b in zip(secs, secs[1:]))
         no_rate = compute.Device({"fp32": 70e9}, bw, table)
         assert all(
@@ -307,12 +309,9 @@ def test_the_cpu_terms_are_monotone_and_fit_what_they_measure():
     for bad in ({"cache_bandwidth": -1.0}, {"rates": {"gelu": 1e9}}, {"rates": {"softmax": 0}}):
         with pytest.raises(ClusterSpecError, match="cache_bandwidth|rates"):
             compute.table_from_dict({**rated.to_dict(), **bad})
-    assert (
-        compute.op_work(
-            SimpleNamespace(target="aten.gelu", flops=8, input_refs=lambda: [], types=()), {}, "fp32"
-        ).rate_class
-        == "transcendental"
-    )
+    assert compute.op_work(
+        SimpleNamespace(target="aten.gelu", flops=8, input_refs=lambda: [], types=()), {}, "fp32"
+    ).rated == (("transcendental", 1.0),)
 
 
 def test_unfused_attention_moves_its_scores_as_megatron_does():

@@ -54,7 +54,9 @@ from autopar.solver.sharding.megatron_roles import (
 )
 from autopar.solver.sharding.saved import NOTHING, aligned_operand, op_saved, saved_values
 
-PROFILE_VERSION = 15  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+PROFILE_VERSION = 16  # bump when what a profile holds or how it is read changes: cached profiles are then ignored
+# 16: each work's rate classes as (class, fraction of its FLOPs) pairs (compute.Work.rated: a fused kernel's
+# members' classes; 14-15: one class name)
 # 15: each attention's queries, FLOPs and heads (the search prices ring attention and Ulysses beside the all-gather)
 # 14: per-op works as a compiled run prices them (compute.compiled_shares: its kernel and its share) beside the eager
 # ones (13: the share folded into the FLOPs, bytes and kernels); each work's rate class (compute.RATE_CLASSES)
@@ -72,6 +74,15 @@ _LAYER = re.compile(r"^(?P<stack>.*?)\.(?P<index>\d+)(?:\.|$)")
 
 # ---------------------------------------------------------------------------------------------
 # Per-unit costs read from the IR
+
+# one op's ``compute.Work`` in a profile: (kind, FLOPs, bytes, m, n, k, kernels, split over tp, share, rated)
+WorkRow = tuple[str, float, float, float, int, int, int, bool, float, tuple[tuple[str, float], ...]]
+
+
+def _work(row: Any) -> WorkRow:
+    """A work row read back from a profile's JSON form (lists for its tuples): hashable again."""
+    *head, rated = row
+    return (*head, tuple((str(c), float(f)) for c, f in rated))
 
 
 @dataclass(frozen=True)
@@ -101,12 +112,12 @@ class UnitCost:
     # the all-reduce is in flight (runtime/comm/column_linear.py)
     ar_bwd_groups: tuple[tuple[float, float], ...] = ()
     # the unit's forward ops as the compute model prices them (solver/cluster/compute.py), per sample:
-    # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp, share of the kernel, rate class:
+    # (kind, FLOPs, bytes at 4 per float, rows m, n, k, kernels, split over tp, share of the kernel, rate classes:
     # compute.Work's fields), one per non-view op
-    works: tuple[tuple[str, float, float, float, int, int, int, bool, float, str], ...] = ()
+    works: tuple[WorkRow, ...] = ()
     # the same ops as a torch.compile'd run prices them (``compute.compiled_shares`` over the whole program: each
     # op its fused kernel's work and its share of that kernel), aligned with ``works``
-    compiled_works: tuple[tuple[str, float, float, float, int, int, int, bool, float, str], ...] = ()
+    compiled_works: tuple[WorkRow, ...] = ()
     # context parallelism (``cp``, the all-gather form of ``solver/sharding/rules/context.py``): per sample, the
     # bytes of the keys and values the unit's SDPA calls read (each cp rank keeps them whole for the backward;
     # split over tp when they lie between Megatron's column- and row-parallel matmuls), the bytes the cp axis
@@ -208,8 +219,8 @@ class Profile:
             dict(
                 u,
                 ar_bwd_groups=tuple(tuple(g) for g in u.get("ar_bwd_groups", ())),
-                works=tuple(tuple(w) for w in u.get("works", ())),
-                compiled_works=tuple(tuple(w) for w in u.get("compiled_works", ())),
+                works=tuple(_work(w) for w in u.get("works", ())),
+                compiled_works=tuple(_work(w) for w in u.get("compiled_works", ())),
                 routed=tuple(tuple(r) for r in u.get("routed", ())),
                 attn_heads=tuple(tuple(h) for h in u.get("attn_heads", ())),
             )
@@ -347,7 +358,7 @@ def profile_program(prog: Program, batch: int, model: str = "", seq: int = 0) ->
                 for w, into in ((eager, works), (shares[id(op)], fused)):  # compiled: its kernel's work and its share
                     into.append(
                         (w.kind, w.flops / batch, w.bytes / batch, w.m / batch, w.n, w.k, w.ops, bool(r_), w.share,
-                         w.rate_class)
+                         w.rated)
                     )  # fmt: skip
                 c["flops"] += op.flops
                 if r_:

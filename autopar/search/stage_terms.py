@@ -135,7 +135,7 @@ class StageTerms:
         if found is None:
             total = tp_mm = bwd = 0.0
             scale = compute.ITEMSIZE.get(self.dtype, 4) / 4 * b  # the profile's bytes are at 4 per float
-            for kind, fl, nb, m, n, k, ops, split, *rest in works:  # rest: share of its kernel, rate class
+            for kind, fl, nb, m, n, k, ops, split, *rest in works:  # rest: share of its kernel, rate classes
                 kind = "attention_unfused" if kind == "attention" and self.attention == "unfused" else kind
                 rows = max(1, round(m * b)) if m else 0
                 w = compute.Work(kind, fl * b, nb * scale, rows, n, k, self.dtype, ops, *rest)

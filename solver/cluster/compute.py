@@ -76,9 +76,10 @@ class Work:
     # the fraction of the kernel described that this work is (``compiled_shares``: an op's share of its fused
     # kernel): priced as that fraction of the kernel's seconds
     share: float = 1.0
-    # an elementwise op whose FLOPs run at a rate of their own where the device table has one
-    # (``DeviceTable.rates``, ``RATE_CLASSES``): "transcendental" (gelu, silu, ...), "softmax" (and the loss's)
-    rate_class: str = ""
+    # the FLOPs of it that run at a rate of their op class where the device table has one (``DeviceTable.rates``,
+    # ``RATE_CLASSES``: "transcendental" for gelu, silu, ..., "softmax" for it and the loss's), as (class, fraction
+    # of ``flops``) pairs: a gelu's (("transcendental", 1.0),); a fused kernel's its members' (``compiled_works``)
+    rated: tuple[tuple[str, float], ...] = ()
 
     def split(self, ways: int) -> Work:
         """The work of one of ``ways`` ranks that divide it: FLOPs and bytes / ways and, for a matmul or
@@ -366,15 +367,20 @@ def efficiency(work: Work, device: Device) -> float:
 
 def seconds(work: Work, device: Device) -> float:
     """Forward seconds of ``work`` on ``device`` (the module docstring): the slower of its FLOPs at the op
-    class's efficiency and its bytes at the streaming bandwidth, plus a launch per kernel."""
+    class's efficiency and its bytes at the streaming bandwidth, plus a launch per kernel. FLOPs of a class the
+    device table has a rate for (``Work.rated``) run at that rate, never faster than the vector rate: a fused
+    kernel's compute is its members' FLOPs each at its own rate, summed (a kernel is bound by its transcendental
+    math as the op alone is), so it is never above its ops' compute op by op."""
     if not work.flops and not work.bytes:
         return 0.0
     if work.kind == "attention_unfused":
         return _unfused_attention(work, device)
-    t = work.flops / (device.peak(work.dtype) * efficiency(work, device)) if work.flops else 0.0
-    rate = device.table.rates.get(work.rate_class) if work.rate_class else None
-    if rate and work.flops:  # an op class at its own measured rate (never faster than the vector rate)
-        t = max(t, work.flops / rate)
+    vector = device.peak(work.dtype) * efficiency(work, device)
+    t = work.flops / vector if work.flops else 0.0
+    rates = device.table.rates
+    slow = [(part * work.flops, rates[c]) for c, part in work.rated if c in rates and part] if work.flops else []
+    if slow:  # the rated FLOPs at their class's measured rate, the rest at the vector rate
+        t = sum(max(f / vector, f / r) for f, r in slow) + (work.flops - sum(f for f, _ in slow)) / vector
     if work.bytes and device.memory_bandwidth:
         t = max(t, device.table.stream_seconds(work.bytes, device.memory_bandwidth))
     return work.share * (t + work.ops * device.table.launch_seconds)
@@ -511,7 +517,8 @@ def op_work(op: Any, types: dict[str, Any], dtype: str, attention: str = "fused"
             return Work(kind, flops, nbytes, math.prod(q.shape[:-1]), key.shape[-2], q.shape[-1], dtype)
     except (AttributeError, IndexError, TypeError):  # an unexpected signature: priced by its bytes
         pass
-    return Work("elementwise", flops, nbytes, dtype=dtype, rate_class=RATE_CLASSES.get(t, ""))
+    rated = ((RATE_CLASSES[t], 1.0),) if t in RATE_CLASSES else ()
+    return Work("elementwise", flops, nbytes, dtype=dtype, rated=rated)
 
 
 def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str = "fused") -> list[Work]:
@@ -521,8 +528,11 @@ def compiled_works(ops: Any, types: dict[str, Any], dtype: str, attention: str =
     kernels fuse, each connected group of them (values flowing from one to another) one kernel: its FLOPs
     summed, one launch, and its bytes those of the values it reads from outside the group and of the values it
     writes for a reader after the run (or for none in ``ops``: an output), each counted once; its
-    intermediates stay in registers. Views are free, as in ``op_work``: reading a view reads what it views.
-    Never more bytes or launches than ``op_work`` op by op."""
+    intermediates stay in registers. Its members' FLOPs of a rate class (``RATE_CLASSES``: gelu, softmax, ...)
+    are its ``Work.rated``, so that ``seconds`` prices them at their class's rate where the device table has one
+    (a kernel with a gelu in it is bound by the gelu's math, fused or not). Views are free, as in ``op_work``:
+    reading a view reads what it views. Never more bytes, launches or FLOPs of a class than ``op_work`` op by
+    op."""
     return [w for w, _ in _compiled_kernels(list(ops), types, dtype, attention)]
 
 
@@ -601,6 +611,7 @@ def _compiled_kernels(
             read: set[str] = set()
             written: set[str] = set()
             flops, members = 0.0, []
+            rated: dict[str, float] = {}  # a rate class -> its members' FLOPs
             for i in idx:
                 op = ops[i]
                 for r in op.results:  # read after the run or never in ``ops``: written (a view: what it views)
@@ -612,12 +623,16 @@ def _compiled_kernels(
                     continue
                 members.append(i)
                 flops += float(op.flops)
+                if op.target in RATE_CLASSES:
+                    c = RATE_CLASSES[op.target]
+                    rated[c] = rated.get(c, 0.0) + float(op.flops)
                 for r in op.input_refs():
                     if source.get(r.name, r.name) not in made:
                         read.add(r.name)  # an outside value (or a view of one, at the view's size)
             if members:
                 moved = sum(nbytes(n) for n in read | written)
-                out.append((Work("elementwise", flops, moved, dtype=dtype, ops=1), members))
+                mix = tuple((c, f / flops) for c, f in sorted(rated.items()) if f) if flops else ()
+                out.append((Work("elementwise", flops, moved, dtype=dtype, ops=1, rated=mix), members))
         run.clear()
 
     for i, op in enumerate(ops):
