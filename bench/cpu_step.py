@@ -3,14 +3,16 @@ backward, Adam), one process and one thread, measured, beside the search's price
 (``Analytic`` + the closed form for one rank: compute by ``solver/cluster/compute.py`` on a calibrated table,
 plus the optimizer step) on the spec ``autopar calibrate`` wrote.
 
-    OMP_NUM_THREADS=1 python bench/cpu_step.py --spec calibrated.yaml [--sizes 128,256,512] [--steps 5] [--compile]
+    OMP_NUM_THREADS=1 python bench/cpu_step.py --spec calibrated.yaml [--sizes 128,256,512] [--steps 5] \
+        [--compile | --autopar]
 
 ``--compile``: the step compiled as a plan priced for ``torch_compile=True`` runs it: ``autopar.compile(model,
 mesh, torch_compile=True)`` on a one-rank mesh (a gloo group of one process; Inductor's C++ backend), its forward
 and backward programs compiled, torch's fused Adam from ``make_optimizer``; two warm-up steps (the first
 compiles: set ``TORCHINDUCTOR_CACHE_DIR`` to keep the kernels between runs), and the price of the same step
 compiled (``Analytic(compiled=True)``: ``compute.compiled_shares``' fused kernels). The compile log's eager parts
-are printed, so that an eager fallback is seen.
+are printed, so that an eager fallback is seen. ``--autopar``: the same one-rank autopar module eager (its
+runtime's own overhead in the step as in ``--compile``'s), priced eager.
 
 Measured in wall time and in this thread's CPU time (``time.thread_time``), the load average beside: on a machine
 others load, the wall time holds the time the process waited descheduled, which no price can know; `autopar
@@ -42,17 +44,17 @@ def spec_of(h: int, layers: int, seq: int, batch: int) -> str:
     return f"gpt2:n_layer={layers},n_embd={h},n_head=4,n_positions={seq},vocab_size=1024,seq={seq},batch={batch}"
 
 
-def measure(spec: str, steps: int, compiled: bool = False) -> tuple[float, float]:
+def measure(spec: str, steps: int, compiled: bool = False, via_autopar: bool = False) -> tuple[float, float]:
     """(median wall seconds, median thread CPU seconds) of a step, torch's fused Adam as autopar's runtime steps;
-    ``compiled``: the model through ``autopar.compile(..., torch_compile=True)`` on one rank."""
+    ``via_autopar``: the model through ``autopar.compile`` on one rank (``compiled``: with ``torch_compile=True``)."""
     m = build(spec, device="cpu")
     model = m.model.train()
-    if compiled:
+    if via_autopar or compiled:
         import autopar
 
         if not dist.is_initialized():  # a one-process gloo group for the one-rank mesh
             init_worker(0, 1, free_port(), timeout=3600)
-        model = autopar.compile(model, autopar.init_mesh("cpu", dp=1), m.args, m.kwargs, torch_compile=True)
+        model = autopar.compile(model, autopar.init_mesh("cpu", dp=1), m.args, m.kwargs, torch_compile=compiled)
         opt = model.make_optimizer(torch.optim.Adam, lr=1e-4)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
@@ -91,7 +93,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--compile", action="store_true", help="the step compiled (torch_compile=True), priced so")
+    how = ap.add_mutually_exclusive_group()
+    how.add_argument("--compile", action="store_true", help="autopar's one-rank step compiled (torch_compile=True)")
+    how.add_argument("--autopar", action="store_true", help="autopar's one-rank step eager")
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -100,9 +104,9 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for h in (int(x) for x in args.sizes.split(",")):
         spec = spec_of(h, args.layers, args.seq, args.batch)
-        t, c = measure(spec, args.steps, args.compile)
+        t, c = measure(spec, args.steps, args.compile, args.autopar)
         p = predict(spec, args.batch, cluster, args.compile)
-        how = ", compiled" if args.compile else ""
+        how = ", autopar compiled" if args.compile else ", autopar eager" if args.autopar else ""
         print(f"| GPT {args.layers} layers, hidden {h}, seq {args.seq}, batch {args.batch}{how} | {t:.4f}, {c:.4f} | "
               f"{p:.4f} | {p / c:.2f} | {os.getloadavg()[0]:.1f} |", flush=True)  # fmt: skip
 
