@@ -29,7 +29,8 @@ n or k grows. The bound quantizes the output, so the backward's two matmuls ([m,
 and [k, m] x [m, n] with output k x n: ``gradient_works``) are priced at their own shapes; where no bound applies
 they price as the forward (the curve is symmetric). Fused attention uses the smooth form on its own (max_eff,
 half); elementwise ops and reductions are priced by bytes moved at ``bandwidth_eff`` x the device's memory
-bandwidth, their FLOPs at the vector efficiency.
+bandwidth, their FLOPs at the vector efficiency (a gelu's, a softmax's at its class's measured rate where the
+table has one: ``Work.rated``, in a fused kernel as alone).
 
 A ``DeviceTable`` holds those numbers for one device kind, read from ``solver/cluster/devices/KIND.yaml``
 (each number with its source beside it, estimates marked as such) or from a file ``autopar calibrate``
