@@ -64,6 +64,7 @@ from autopar.runtime.execute.batch_tail import install_tail
 from autopar.runtime.execute.executor import Executor
 from autopar.runtime.execute.stage_runner import StageRunner
 from autopar.runtime.grads import clip
+from autopar.runtime.grads.node_gather import ranks_per_node
 from autopar.runtime.grads.nonfinite import NonFinite
 from autopar.runtime.grads.optimizer import ParamGroups, build_optimizer, resolve_groups, user_names
 from autopar.runtime.grads.sync import GradSync
@@ -97,6 +98,9 @@ class RuntimeOptions:
     microbatch_semantics: str = "exact"
     torch_compile: bool = False  # each program through torch.compile / Inductor (runtime/build/compiled.py)
     on_nonfinite: str = "warn_skip"  # a step with NaN/inf gradients: "warn_skip", "skip", "raise" (grads/nonfinite.py)
+    # ranks each node runs (global ranks node by node): a ZeRO-3 group spanning nodes is gathered hierarchically
+    # (runtime/grads/node_gather.py); None: torchrun's LOCAL_WORLD_SIZE, else one node
+    ranks_per_node: int | None = None
 
     @property
     def sub_microbatches(self) -> int:
@@ -183,7 +187,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._state = state
         # ZeRO-3: this rank's 1/k slices of the data-parallel-replicated parameters take their places
         params = self._local.params
-        self.zero3 = shard_zero3(self.setup, forward, params, comm, builder.modules.values())
+        per_node = ranks_per_node(options.ranks_per_node)
+        self.zero3 = shard_zero3(self.setup, forward, params, comm, builder.modules.values(), per_node, mesh)
         for n in self.zero3.names if self.zero3 is not None else ():
             params[n] = self.zero3.slice_of(n)
             register(self, n, params[n])

@@ -44,9 +44,11 @@ class UnitGrads:
         units: list[Unit],
         slices: list[torch.nn.Parameter],
         whole: list[bool],
+        node_groups=None,
     ):
         self.comm, self.zero_axes, self.replica_axes, self.parts = comm, zero_axes, replica_axes, parts
         self.units, self.slices, self.whole = units, slices, whole
+        self.node_groups = node_groups  # hierarchical across nodes: intra-node first (runtime/grads/node_gather.py)
         self._scatters: list[tuple] = []  # reduce-scatters in flight
 
     def start(self, u: int, grads: tuple) -> None:
@@ -55,15 +57,21 @@ class UnitGrads:
         ref = self.slices[unit.params[0]]
         dtype = self.comm.grad_dtype or ref.dtype  # mixed precision's reduce_dtype
         buf = torch.zeros(self.parts, unit.width, dtype=dtype, device=ref.device)
+        h = self.node_groups
         first = self.zero_axes[0]
+        # a whole gradient counts once: from coordinate 0 (of the first axis; hierarchical: of every ZeRO axis)
+        off = any(self.comm.coords[a] for a in self.zero_axes) if h is not None else self.comm.coords[first] != 0
         for i, g, n, so in zip(unit.params, grads, unit.slice_len, unit.slice_off):
-            if g is None or (self.whole[i] and self.comm.coords[first] != 0):
-                continue  # a whole gradient counts once: from coordinate 0
+            if g is None or (self.whole[i] and off):
+                continue
             flat = torch.nn.functional.pad(g.detach().reshape(-1), (0, n * self.parts - g.numel()))
             buf[:, so : so + n].copy_(flat.view(self.parts, n))
-        buf = buf.view(-1)
-        out = torch.empty(buf.numel() // self.comm.sizes[first], dtype=buf.dtype, device=buf.device)
-        work = dist.reduce_scatter_single(out, buf, group=self.comm.groups[first], async_op=True)
+        if h is not None:  # rows to (local index, node), reduce-scattered inside the node first
+            buf, n, group = h.scatter_rows(buf), h.per_node, h.intra
+        else:
+            buf, n, group = buf.view(-1), self.comm.sizes[first], self.comm.groups[first]
+        out = torch.empty(buf.numel() // n, dtype=buf.dtype, device=buf.device)
+        work = dist.reduce_scatter_single(out, buf, group=group, async_op=True)
         self._scatters.append((u, buf, out, work))
 
     def finish(self) -> None:
@@ -75,9 +83,15 @@ class UnitGrads:
             self._accumulate(u, self._rest_of_scatter(u, out))
 
     def _rest_of_scatter(self, u: int, g: torch.Tensor) -> torch.Tensor:
-        """The reduce-scatter over the remaining ZeRO axes, then the all-reduce across the replicas."""
+        """The reduce-scatter over the remaining ZeRO axes (hierarchical: across the nodes among the ranks of this
+        rank's local index), then the all-reduce across the replicas."""
         unit = self.units[u]
-        for a in self.zero_axes[1:] + self.replica_axes:
+        h = self.node_groups
+        if h is not None:
+            out = torch.empty(g.numel() // h.nodes, dtype=g.dtype, device=g.device)
+            dist.reduce_scatter_single(out, g, group=h.inter)
+            g = out
+        for a in (() if h is not None else self.zero_axes[1:]) + self.replica_axes:
             if self.comm.coords[a] != 0:  # a whole gradient counts once
                 g = g.clone()
                 rows = g.view(-1, unit.width)

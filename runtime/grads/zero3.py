@@ -12,6 +12,10 @@ repeated block, plus the root), FSDP2's ``fully_shard`` per block:
   the unit's whole parameters (``_GatherUnit``), and the asynchronous all-gather of the next unit
   issued before ``u`` computes; ``release`` after its last reader. At most the root and two blocks
   are whole at once (the one computing, the one arriving).
+- **across nodes** (a ZeRO group spanning nodes, ranks per node from ``RuntimeOptions.ranks_per_node`` or
+  torchrun's ``LOCAL_WORLD_SIZE``): the gather runs as MiCS's, inter-node among one rank per node first (the
+  asynchronous part), then inside the node, the rows laid out by a view (bit for bit the flat gather's); the
+  gradient's reduce-scatter mirrored, inside the node first (``runtime/grads/node_gather.py``).
 - **saved for backward**: inside ``scope()`` a tensor the forward saves that lies in a gathered unit's
   storage is packed as a token (unit, size, stride, offset); any other goes to the saved-tensor hooks in
   force around the scope (they would otherwise never see it: only the innermost hooks run). In the
@@ -48,6 +52,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.runtime.build.precision import cast_to
 from autopar.runtime.comm.context import Comm
+from autopar.runtime.grads.node_gather import NodeGroups, node_groups
 from autopar.runtime.grads.unit_gathers import LiveBytes, place_gathers
 from autopar.runtime.grads.unit_grads import Unit, UnitGrads, free_storage
 from autopar.runtime.grads.zero import gather_slices, local_slice, whole_gradient_params, zero_axes_of
@@ -97,8 +102,10 @@ class Zero3Params:
         replica_axes: tuple[str, ...] = (),
         whole: set[str] | frozenset[str] = frozenset(),
         units: list[tuple[str, list[str]]] | None = None,
+        node_groups: NodeGroups | None = None,
     ):
         self.comm = comm
+        self.node_groups = node_groups  # the ZeRO group gathered hierarchically across nodes (node_gather.py)
         self.zero_axes, self.replica_axes = tuple(zero_axes), tuple(replica_axes)
         self.parts = math.prod(comm.sizes[a] for a in self.zero_axes)
         self.names = list(names)
@@ -125,7 +132,7 @@ class Zero3Params:
         self.cast_again = True
         self._pending: dict[int, tuple] = {}  # unit -> its gather in flight (a prefetch)
         self._grads = UnitGrads(
-            comm, self.zero_axes, self.replica_axes, self.parts, self.units, self.slices, self.whole
+            comm, self.zero_axes, self.replica_axes, self.parts, self.units, self.slices, self.whole, node_groups
         )
         self._cache: dict[int, torch.Tensor] = {}  # the backward's gathered units
         self._cast: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}  # the backward's copies of their parameters
@@ -159,25 +166,40 @@ class Zero3Params:
 
     # -- gathering one unit ----------------------------------------------------------------------
     def _start(self, u: int) -> tuple:
-        """Issue the all-gather of unit ``u``'s slices over the innermost ZeRO axis (asynchronously)."""
+        """Issue the all-gather of unit ``u``'s slices (asynchronously): across the nodes among the ranks of this
+        rank's local index when the group is gathered hierarchically (``runtime/grads/node_gather.py``), else over
+        the innermost ZeRO axis."""
         unit = self.units[u]
         local = torch.cat([self.slices[i].detach().reshape(-1) for i in unit.params])
-        a = self.zero_axes[-1]
-        n, group = self.comm.sizes[a], self.comm.groups[a]
+        if self.node_groups is not None:
+            n, group = self.node_groups.nodes, self.node_groups.inter
+        else:
+            a = self.zero_axes[-1]
+            n, group = self.comm.sizes[a], self.comm.groups[a]
         out = torch.empty(n * unit.width, dtype=local.dtype, device=local.device)
         self.gathered_bytes.add(out)
         work = dist.all_gather_single(out, local, group=group, async_op=True)
         return u, out, work, local
 
     def _finish(self, pending: tuple) -> torch.Tensor:
-        """Wait for a gather, gather over the outer ZeRO axes, and lay the parameters out one after the other."""
+        """Wait for a gather, gather inside the node (hierarchical) or over the outer ZeRO axes, and lay the
+        parameters out one after the other (rows in member order: the hierarchical gather's through a view)."""
         u, out, work, local = pending
         work.wait()
         unit = self.units[u]
-        rows = gather_slices(out, self.comm, self.zero_axes[:-1]).view(self.parts, unit.width)
+        h = self.node_groups
+        if h is not None:
+            gathered = torch.empty(self.parts * unit.width, dtype=out.dtype, device=out.device)
+            dist.all_gather_single(gathered, out, group=h.intra)
+            rows = h.gathered_rows(gathered, unit.width)  # (node, local index, width)
+        else:
+            gathered = gather_slices(out, self.comm, self.zero_axes[:-1])
+            rows = gathered.view(1, self.parts, unit.width)
         whole = torch.empty(self.parts * unit.width, dtype=out.dtype, device=out.device)
         for n, so, wo in zip(unit.slice_len, unit.slice_off, unit.whole_off):
-            whole[wo : wo + n * self.parts].view(self.parts, n).copy_(rows[:, so : so + n])
+            whole[wo : wo + n * self.parts].view(*rows.shape[:2], n).copy_(rows[..., so : so + n])
+        if gathered is not out:
+            free_storage(gathered)
         free_storage(local)
         self.gathered_bytes.drop(out)
         free_storage(out)  # now: the finished collective may still hold a reference to it (FSDP2 frees the same way)
@@ -355,10 +377,14 @@ class Zero3Params:
         return name in self._index
 
 
-def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: Comm, modules) -> Zero3Params | None:
+def shard_zero3(
+    setup, program, params: dict[str, torch.nn.Parameter], comm: Comm, modules, per_node: int | None = None, mesh=None
+) -> Zero3Params | None:
     """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
     managed ones sliced, grouped in units by the program's repeated blocks (``solver/sharding/blocks.py``), and
-    gathered unit by unit in every generated module of ``modules``; ``None`` otherwise."""
+    gathered unit by unit in every generated module of ``modules``; ``None`` otherwise. ``per_node``: the ranks each
+    node runs (``node_gather.ranks_per_node``), with ``mesh`` (the DeviceMesh; None: row-major) for the hierarchical
+    gathers of a group spanning nodes."""
     if setup.zero < 3:
         return None
     zero_axes, replica_axes = zero_axes_of(setup, program.mesh)
@@ -373,7 +399,8 @@ def shard_zero3(setup, program, params: dict[str, torch.nn.Parameter], comm: Com
         and params[v.name].requires_grad
         and (need <= set(v.attrs.get("grad_sync", ())) or v.name in whole)
     ]
-    zero3 = Zero3Params(params, names, comm, zero_axes, replica_axes, whole, param_units(program, names))
+    hier = node_groups(comm, zero_axes, per_node, mesh)
+    zero3 = Zero3Params(params, names, comm, zero_axes, replica_axes, whole, param_units(program, names), hier)
     for gm in modules:
         zero3.attach(gm)
     return zero3
