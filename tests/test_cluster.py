@@ -191,3 +191,46 @@ def test_dgx_all_reduce_of_gpt2_gradients() -> None:
     t = spec.collective_seconds("all_reduce", 124_439_808 * 4, 8, True)
     assert t == pytest.approx(1.75 * 124_439_808 * 4 / 230e9 + 14 * 3e-6)
     assert 3e-3 < t < 5e-3
+
+
+def test_zero3_gathers_across_nodes_are_priced_hierarchically_as_mics_runs_them() -> None:
+    """ZeRO-3's unit gathers over a group spanning nodes (``runtime/grads/node_gather.py``): an all-gather among the
+    n/k nodes through the k rails, then one inside each node (MiCS Sec. 3.3): (n-k)/n of the bytes over the network
+    where the flat ring moves (n-1)/n. The flat ring's price on one node and with one rank per node; below it across
+    nodes; rising with the group as the paper's (n-1)/(n-k) ratio falls."""
+    spec = ClusterSpec.load("mics-p3dn:nodes=8")  # 8 V100 per node: NVLink 130 GB/s; rails 8 x 1.33 GB/s
+    gb = 128 * 2**20  # Fig. 13's 128 MB
+    lat_i, bw_i = spec.alpha_beta(True)
+    lat_x, rails = spec.alpha_beta(False, 8)
+
+    def hier(n: int, k: int = 8) -> float:
+        return spec.collective_seconds("all_gather", gb, n, False, k, hierarchical=True)
+
+    def flat(n: int, k: int = 8) -> float:
+        return spec.collective_seconds("all_gather", gb, n, False, k)
+
+    # the formula: 16 ranks on 2 nodes of 8
+    assert hier(16) == pytest.approx(gb / 2 / rails + lat_x + gb * 7 / 8 / bw_i + 7 * lat_i)
+    assert flat(16) == pytest.approx(gb * 15 / 16 / rails + 15 * lat_x)
+    # one node (intra), one rank per node, a group not k to a node: the flat ring's
+    for args in ((8, True, 8), (8, False, 1), (12, False, 8)):
+        assert spec.collective_seconds("all_gather", gb, *args, hierarchical=True) == spec.collective_seconds(
+            "all_gather", gb, *args
+        )
+    # below the flat ring across nodes (Fig. 13: 72.1% measured at 128 MB on 2 nodes; priced 61%)
+    assert 0.55 < hier(16) / flat(16) < 0.75
+    groups = (16, 32, 64)
+    assert all(hier(n) < flat(n) for n in groups)
+    # the saving shrinks with the group as the inter-node volume ratio (n-1)/(n-k) does: 15/8, 31/24, 63/56
+    ratios = [flat(n) / hier(n) for n in groups]
+    assert ratios[0] > ratios[1] > ratios[2] > 1
+    assert hier(16) < hier(32) < hier(64)
+    # the reduce-scatter alike (NCCL); terms and seconds agree
+    assert spec.collective_seconds("reduce_scatter", gb, 32, False, 8, hierarchical=True) == pytest.approx(hier(32))
+    per_byte, latency = spec.collective_terms("all_gather", 32, False, 8, hierarchical=True)
+    assert gb * per_byte + latency == pytest.approx(hier(32))
+    # where the rails are about as fast as NVLink (a DGX A100: 8 x 200 Gb/s per node) the two steps cost more than
+    # one ring (the runtime still runs them: priced as it runs)
+    dgx = ClusterSpec.load("dgx-a100:nodes=2")
+    two_steps = dgx.collective_seconds("all_gather", gb, 16, False, 8, hierarchical=True)
+    assert two_steps > dgx.collective_seconds("all_gather", gb, 16, False, 8)

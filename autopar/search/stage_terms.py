@@ -521,7 +521,8 @@ class StageTerms:
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
         """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/grads/zero3.py`` runs it: one all-gather per unit
-        (the stage's embedding/head units, each layer) in every forward and backward, and per layer in every
+        (hierarchical across nodes: ``CommTime.unit_gather``; the stage's embedding/head units, each layer) in every
+        forward and backward, and per layer in every
         recomputation, one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across
         the groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. Where the
         backend runs collectives beside compute (NCCL: ``ClusterSpec.overlaps_compute``) the gather of the next
@@ -549,9 +550,9 @@ class StageTerms:
             us = self.p.units[a:e]
             lay = [u.kind == "layer" for u in us]
             elems = [u.params_tp / c.tp + u.params_rep for u in us]
-            g = [self.comm.gather(p * self.weight_b, z3, intra_g, k) for p in elems]
+            g = [self.comm.unit_gather(p * self.weight_b, z3, intra_g, k) for p in elems]
             r = [
-                self.comm.gather(p * self.grad_b, z3, intra_g, k) + self.comm.mics_hop(p * self.grad_b, c)
+                self.comm.unit_gather(p * self.grad_b, z3, intra_g, k) + self.comm.mics_hop(p * self.grad_b, c)
                 for p in elems
             ]
             secs = [self.unit_seconds(u, bt, c.tp) for u in us]

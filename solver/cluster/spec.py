@@ -26,6 +26,14 @@ own rail (the NIC of one of those ranks), so the node's share of the network car
     bandwidth = min(intra_node_bandwidth, per_node x inter_node_bandwidth),  latency: the inter-node one
 
 (one rank per node, a tensor-parallel group's dp peers: the per-device inter-node link, as before).
+
+ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes run hierarchically (MiCS Sec. 3.3;
+``runtime/grads/node_gather.py``): for n ranks on n/k nodes of k, an all-gather among the n/k nodes through the k
+rails, then one inside the node, the reduce-scatter mirrored (``hierarchical=True``, ``gathers_hierarchically``):
+
+    time = (n/k - 1)/(n/k) * B/b_rails + (n/k - 1) a_inter  +  (k-1)/k * B/b_intra + (k-1) a_intra
+
+(the inter-node volume (n-k)/n of B where the flat ring's is (n-1)/n; on one node, or one rank per node, the flat ring).
 """
 
 from __future__ import annotations
@@ -219,9 +227,10 @@ class ClusterSpec:
         return self.inter_node_latency, min(self.intra_node_bandwidth, rails * self.inter_node_bandwidth)
 
     def collective_seconds(
-        self, kind: str, nbytes: float, group_size: int, intra_node: bool, per_node: int = 1
+        self, kind: str, nbytes: float, group_size: int, intra_node: bool, per_node: int = 1, hierarchical: bool = False
     ) -> float:
-        """Ring alpha-beta seconds of one collective (formulas, meaning of ``nbytes``: module doc)."""
+        """Ring alpha-beta seconds of one collective (formulas, meaning of ``nbytes``: module doc); ``hierarchical``:
+        an all-gather or reduce-scatter as ZeRO-3's unit collectives run across nodes (module doc)."""
         if kind not in COLLECTIVES:
             close = difflib.get_close_matches(kind, COLLECTIVES, n=2)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -231,6 +240,9 @@ class ClusterSpec:
         n = group_size
         if nbytes == 0 or (n == 1 and kind not in ("send", "recv")):
             return 0.0
+        if hierarchical and self.gathers_hierarchically(kind, n, intra_node, per_node):
+            per_byte, latency = self.collective_terms(kind, n, intra_node, per_node, hierarchical=True)
+            return nbytes * per_byte + latency
         kind = self.runs_as(kind)
         lat, bw = self._link(kind, intra_node, per_node)
         if kind in ("send", "recv"):
@@ -255,16 +267,30 @@ class ClusterSpec:
         backward": fused and unfused at parity on 2 ranks of 2 cores)."""
         return self.backend != "gloo"
 
-    def collective_terms(self, kind: str, group_size: int, intra_node: bool, per_node: int = 1) -> tuple[float, float]:
+    def collective_terms(
+        self, kind: str, group_size: int, intra_node: bool, per_node: int = 1, hierarchical: bool = False
+    ) -> tuple[float, float]:
         """(seconds per byte, latency seconds) of a ring collective of a non-empty tensor, whose time is
-        ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them."""
+        ``nbytes * per_byte + latency``: the cost model prices every tensor of a placement pair with them.
+        ``hierarchical``: as ``collective_seconds``'s."""
         n = group_size
         if n == 1:
             return 0.0, 0.0
+        if hierarchical and self.gathers_hierarchically(kind, n, intra_node, per_node):
+            k = per_node  # among the n / k nodes through the k rails, then inside each node
+            across, inside = self.collective_terms(kind, n // k, False, k), self.collective_terms(kind, k, True)
+            return across[0] + inside[0], across[1] + inside[1]
         kind = self.runs_as(kind)
         lat, bw = self._link(kind, intra_node, per_node)
         steps = _ring_steps(kind, n)
         return steps / n / bw, steps * lat
+
+    def gathers_hierarchically(self, kind: str, group_size: int, intra_node: bool, per_node: int) -> bool:
+        """Whether ZeRO-3's runtime runs a unit's ``kind`` over a group of ``group_size`` ranks, ``per_node`` of them
+        in each node, in two steps (``runtime/grads/node_gather.py``): an all-gather or reduce-scatter over a group
+        spanning nodes with more than one of its ranks, the same number, in each."""
+        k, n = per_node, group_size
+        return kind in ("all_gather", "reduce_scatter") and not intra_node and 1 < k < n and n % k == 0
 
     def _link(self, kind: str, intra_node: bool, per_node: int = 1) -> tuple[float, float]:
         """(latency, bandwidth) a collective of this kind sees: measured for it when calibrated (inside a

@@ -326,10 +326,10 @@ class CostModel:
                 vol, per_byte, latency = vol + v * share, per_byte + a * share, latency + b
         return vol, per_byte, latency
 
-    def _collective_terms(self, kind: str, axis: int) -> tuple[float, float, float]:
+    def _collective_terms(self, kind: str, axis: int, hierarchical: bool = False) -> tuple[float, float, float]:
         """A collective of a non-empty tensor of N bytes on one axis as linear terms: (volume per byte,
-        seconds per byte, latency seconds)."""
-        key = ("c", kind, axis)
+        seconds per byte, latency seconds); ``hierarchical``: ZeRO-3's unit collectives across nodes."""
+        key = ("c", kind, axis, hierarchical)
         if key not in self._memo:
             n = self.mesh.sizes[axis]
             factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1}[kind] * (n - 1) / n
@@ -337,7 +337,7 @@ class CostModel:
                 self._memo[key] = 0.0, 0.0, 0.0
             else:
                 # a group spanning nodes as NCCL runs it: one ring per rail, per_node ranks of it in each node
-                terms = self.cluster.collective_terms(kind, n, self._intra[axis], self._per_node[axis])
+                terms = self.cluster.collective_terms(kind, n, self._intra[axis], self._per_node[axis], hierarchical)
                 self._memo[key] = (factor, *terms)
         return self._memo[key]
 
@@ -482,13 +482,18 @@ class CostModel:
         Charging each parameter a share of a latency instead tipped GPT-2's dp=2 plan to a
         vocab-parallel head whose gathers measure slower (docs/runtime.md). Under ZeRO-3 on a ZeRO axis a
         parameter's sync is its reduce-scatter plus its all-gathers for the forward and again for the
-        backward (``runtime/grads/zero3.py``): an all-reduce's bytes and one all-gather more."""
+        backward (``runtime/grads/zero3.py``): an all-reduce's bytes and one all-gather more; across nodes each of
+        the three hierarchical, as the runtime runs them (``ClusterSpec.collective_terms(hierarchical=True)``)."""
         nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize  # in reduce_dtype
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)
         if self.setup.zero >= 3 and axis in self._zero_axes:
-            gv, gs, _ = self._collective_terms("all_gather", axis)
+            gv, gs, _ = self._collective_terms("all_gather", axis, hierarchical=True)
+            n, k = self.mesh.sizes[axis], self._per_node[axis]
+            if self.cluster.gathers_hierarchically("all_gather", n, self._intra[axis], k):
+                # the reduce-scatter and the forward's gather (the all-reduce's halves), hierarchical too
+                per_byte = self._collective_terms("reduce_scatter", axis, hierarchical=True)[1] + gs
             v, per_byte = v + gv, per_byte + gs
         return nbytes * v, nbytes * per_byte
 
