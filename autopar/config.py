@@ -115,6 +115,9 @@ class TrainConfig:
     # a step whose gradients are NaN or infinite (agreed by every rank): "warn_skip" (skipped, with a warning),
     # "skip" (silently), "raise" (NonFiniteError); with max_grad_norm, a NaN norm (runtime/grads/nonfinite.py)
     on_nonfinite: str = "warn_skip"
+    # ranks each node runs (global ranks numbered node by node): ZeRO-3's gathers across nodes go hierarchically
+    # (runtime/grads/node_gather.py); None: torchrun's LOCAL_WORLD_SIZE, else one node
+    ranks_per_node: int | None = None
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -129,7 +132,7 @@ class TrainConfig:
             raise BatchError(
                 f"batch must be 'global' (every rank passes the whole batch) or 'local' (its shard), not {self.batch!r}"
             )
-        for name in ("microbatches", "mics_group"):
+        for name in ("microbatches", "mics_group", "ranks_per_node"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ConfigError(f"TrainConfig.{name} must be a positive integer, not {value!r}")
@@ -237,6 +240,7 @@ class TrainConfig:
             microbatch_semantics=self.microbatch_semantics,
             torch_compile=self.torch_compile,
             on_nonfinite=self.on_nonfinite,
+            ranks_per_node=self.ranks_per_node,
         )  # fmt: skip
 
     # -- files ---------------------------------------------------------------------------------------------

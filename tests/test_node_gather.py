@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.check.simtrain import SimCompiled
+from autopar.config import TrainConfig
 from autopar.errors import ConfigError
 from autopar.ir.core import MeshSpec
 from autopar.models.small_families import FAMILIES
@@ -139,6 +140,11 @@ def test_a_group_inside_one_node_or_one_rank_per_node_stays_flat() -> None:
 
 
 def test_ranks_per_node_reads_the_option_then_torchrun(monkeypatch) -> None:
+    """``TrainConfig.ranks_per_node`` (the runtime's option), else ``LOCAL_WORLD_SIZE``; a bad value names itself."""
+    assert TrainConfig(ranks_per_node=2).runtime_options().ranks_per_node == 2
+    assert TrainConfig().runtime_options().ranks_per_node is None
+    with pytest.raises(ConfigError, match="ranks_per_node"):
+        TrainConfig(ranks_per_node=0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert ranks_per_node(None) is None
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
