@@ -22,9 +22,10 @@ The rewrite:
   microbatch when it runs (``runtime/build/rng.py``), so no step recompiles the program; the multiply fuses.
 - **vocab-parallel embedding and cross-entropy**: the rank's block of the vocabulary is a constant; the
   cross-entropy's three reductions are ``_reduce`` and its backward is autograd's (``vocab_cross_entropy``).
-- anything else the rewrite does not know (ZeRO-3's unit gathers and releases) is called through
-  ``torch.compiler.disable``: a graph break there, the compute between compiled; ``CompileLog.eager`` lists
-  each such call and why, and it is logged.
+- anything else the rewrite does not know (ZeRO-3's unit gathers and releases) is called eagerly: the program
+  is cut there (``_compiled``), the compute between compiled piece by piece, so each value goes after its last
+  use as in the eager program (a dynamo graph break would hold it to the program's end); ``CompileLog.eager``
+  lists each such call and why, and it is logged.
 
 What the runtime's overlap becomes: a collective in a compiled program is waited at its result's first use
 in Inductor's order (the eager program waits where it stands, but for two overlaps that the log states the
@@ -62,6 +63,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.fx.passes.split_module import split_module
 
 from autopar.ir.axes import data_axes, tensor_axes
 from autopar.runtime.build import rng as keyed
@@ -509,7 +511,9 @@ def compilable(
         env[n] = new
     _hoist_input_reductions(graph)
     graph.lint()
-    graph.eliminate_dead_code()  # the dropout sites' get_attr nodes
+    # the dropout sites' get_attr nodes; an eager call returning nothing (ZeRO-3's release) is kept: dead code
+    # to fx, it is what frees the unit's storage for reuse and notes its compute-dtype copies as tokens
+    graph.eliminate_dead_code(lambda n: n.is_impure() or n.target in _EAGER.values())
     out = fx.GraphModule(gm, graph, class_name="CompiledRankModule")
     out.deferred = sorted(deferred.values())  # (output index, axis, op) of each all-reduce left to CompiledCall
     if eager:
@@ -709,6 +713,38 @@ class _NotIsolable(Exception):
     """An input of the op is no tensor with a known shape."""
 
 
+def _compiled(gm: fx.GraphModule, backend: Callable) -> Callable:
+    """``gm`` through torch.compile with ``backend``. A program with calls left eager (``compilable``'s ``_eager``:
+    ZeRO-3's gathers and releases) is cut at them (``split_module``): each run of traceable nodes between two is
+    compiled on its own, and fx's code of the pieces calls them and the eager calls in turn, dropping each value
+    after its last use, as the eager program does. Left to dynamo, each eager call is a graph break whose code
+    after it runs as a new frame taking the live values as arguments, and every such frame lasts to the
+    program's end: every gathered unit and its compute copies would be held to the end of the forward, not one
+    unit at a time (runtime/grads/zero3.py; a 3-block GPT-2 under ZeRO-3 bf16 on dp=2: 961,920 bytes gathered at
+    once, the whole model in fp32 and bf16, where eager and these pieces hold 516,480,
+    tests/test_torch_compile_zero3_bf16.py)."""
+    eager = set(_EAGER.values())
+    if not any(n.op == "call_function" and n.target in eager for n in gm.graph.nodes):
+        return torch.compile(gm, backend=backend, dynamic=False)
+    piece: dict[fx.Node, int] = {}  # node -> its piece: an eager call alone, the nodes between together
+    kept: set[str] = set()  # the pieces of eager calls (split_module names piece k submod_k)
+    k, after_eager = 0, True
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        alone = n.op == "call_function" and n.target in eager
+        k += alone or after_eager
+        piece[n] = k
+        if alone:
+            kept.add(f"submod_{k}")
+        after_eager = alone
+    split = split_module(gm, gm, piece.__getitem__, keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if name not in kept:
+            setattr(split, name, torch.compile(sub, backend=backend, dynamic=False))
+    return split
+
+
 class CompiledCall:
     """A part's compiled program: times its first call apart from the later ones (``CompileLog``), then starts
     the all-reduces of ``deferred`` ((output index, axis, op), ``_returned_deferred``) on those outputs, waited
@@ -754,7 +790,7 @@ def compile_part(
     gm = compilable(part.module, comm, label, log_, list(buckets), take=many)
     for why in log_.eager.get(label, ()):
         log.info("autopar.compile: %s: %s", label, why)
-    fn = torch.compile(gm, backend=_inductor(label, log_, retains_graph), dynamic=False)
+    fn = _compiled(gm, _inductor(label, log_, retains_graph))
     call = CompiledCall(fn, label, log_, comm, gm.deferred)
     if not many:
         part.call = call
@@ -762,7 +798,7 @@ def compile_part(
     part.last = (last_microbatch, call)
     before = f"{label}.accumulate"
     gm = compilable(part.module, comm, before, log_)
-    fn = torch.compile(gm, backend=_inductor(before, log_, retains_graph), dynamic=False)
+    fn = _compiled(gm, _inductor(before, log_, retains_graph))
     part.call = CompiledCall(fn, before, log_, comm, gm.deferred)
 
 
