@@ -132,16 +132,22 @@ def _dropout_and_bf16(rank: int) -> dict:
             m = autopar.compile(
                 model, mesh, kwargs=batches[0], objective="memory", precision=precision, torch_compile=compiled
             )
-            opt = torch.optim.SGD(m.parameters(), lr=0.1)
-            losses = []
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", RuntimeWarning)  # a compile failure's warning fails the run
-                for b in batches:
-                    losses.append(m.train_step(**b).item())
-                    opt.step()
-                    opt.zero_grad()
-            out[f"{precision}{compiled}"] = torch.tensor(losses, dtype=torch.float64)
+            out[f"{precision}{compiled}"], _ = sgd_without_compile_warnings(m, batches)
     return out
+
+
+def sgd_without_compile_warnings(m, batches: list[dict]) -> tuple[torch.Tensor, torch.optim.Optimizer]:
+    """``m.train_step`` and an SGD step (lr 0.1) on each batch, a compile failure's ``RuntimeWarning`` an error:
+    the losses (float64) and the optimizer."""
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    losses = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a compile failure's warning fails the run
+        for b in batches:
+            losses.append(m.train_step(**b).item())
+            opt.step()
+            opt.zero_grad()
+    return torch.tensor(losses, dtype=torch.float64), opt
 
 
 def _check_dropout_and_bf16(out: dict, rank: int) -> None:

@@ -4,9 +4,12 @@ Inductor (fast): the vocabulary-parallel lookup and loss as it emits them (``emb
 label or token id raising ``InputRangeError`` as the eager program does (the check is the op
 ``autopar::checked_index``, whose output the graph reads, so it is never dropped); a gradient bucket over
 parameters read anywhere in the program (a mixed-precision program reads some after its first computation), and
-the last microbatch's buckets summing the accumulated gradient."""
+the last microbatch's buckets summing the accumulated gradient; a program with calls left eager (ZeRO-3's gathers
+and releases) keeps them and is cut at them, each value freed after its last use."""
 
 from __future__ import annotations
+
+import weakref
 
 import pytest
 import torch
@@ -147,3 +150,48 @@ def test_a_returned_loss_is_reduced_after_the_graph_and_a_label_count_before_the
     assert isinstance(loss, Deferred)
     assert torch.equal(loss.value(), want.value() if isinstance(want, Deferred) else want)
     assert torch.equal(torch.autograd.grad(loss, root.w)[0], want_grad)
+
+
+# -- calls left eager (ZeRO-3's gathers and releases): kept, and the program cut at them --------------------
+_SEEN: list = []  # what the eager calls below saw: (a weak reference to the copy,) then whether it was alive
+
+
+def _gather(x):
+    return [x * 3]  # a unit gathered: a list of its whole parameters
+
+
+def _release(gathered, copies):
+    _SEEN.append(weakref.ref(copies[0][1]))  # returns nothing: dead code to fx
+
+
+def _probe(x):
+    _SEEN.append(_SEEN[0]() is not None if _SEEN else None)  # after the copy's last reader: is it still held?
+    return x
+
+
+def test_a_program_cut_at_its_eager_calls_keeps_them_and_drops_each_value_after_its_last_use(one_rank_tp):
+    """``compilable`` keeps an eager call returning nothing (ZeRO-3's release: fx's dead-code elimination would
+    drop it), and ``_compiled`` cuts the program at its eager calls, so a tensor read last between two of them is
+    freed after that read, as the eager program frees it. Compiled whole, each eager call is a dynamo graph break,
+    and the frame resuming after it holds its arguments (here the copy) to the program's end; the same program
+    through ``torch.compile`` alone shows it. Dynamo's ``eager`` back end: no Inductor, no compiling."""
+    import torch.fx as fx
+
+    from autopar.runtime.build import compiled as C
+    from autopar.runtime.grads.unit_gathers import _item
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    gathered = g.call_function(_gather, (g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0)),))
+    copy = g.call_function(torch.ops.aten.add.Tensor, (g.call_function(_item, (gathered, 0)), 1.0))
+    g.call_function(_release, (gathered, ((0, copy),)))
+    y = g.call_function(torch.ops.aten.mul.Tensor, (copy, x))  # the copy's last reader
+    g.output((g.call_function(torch.ops.aten.add.Tensor, (g.call_function(_probe, (y,)), 1.0)),))
+    out = C.compilable(fx.GraphModule(torch.nn.Module(), g), one_rank_tp, "stage0", C.CompileLog())
+    xs = torch.randn(64)
+    want = (xs * 6 + 1) * xs + 1
+    torch._dynamo.reset()
+    for fn, held in ((torch.compile(out, backend="eager", dynamic=False), True), (C._compiled(out, "eager"), False)):
+        _SEEN.clear()
+        assert torch.equal(fn(xs)[0], want)
+        assert len(_SEEN) == 2 and _SEEN[1] is held, (held, _SEEN)  # the release ran; the copy held or freed
