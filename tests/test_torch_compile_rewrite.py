@@ -195,3 +195,29 @@ def test_a_program_cut_at_its_eager_calls_keeps_them_and_drops_each_value_after_
         _SEEN.clear()
         assert torch.equal(fn(xs)[0], want)
         assert len(_SEEN) == 2 and _SEEN[1] is held, (held, _SEEN)  # the release ran; the copy held or freed
+
+
+def test_a_computation_reading_another_unit_starts_a_piece_of_its_own():
+    """``_pieces``: the last block and the head reading the root's copy again are compiled apart (one piece would be
+    one autograd node, whose backward gathers the root beside the block and the one arriving); a unit's own side
+    (its items, their casts and views) and computations reading no unit stay with the piece."""
+    import torch.fx as fx
+
+    from autopar.runtime.build import compiled as C
+    from autopar.runtime.build.precision import cast_to
+    from autopar.runtime.grads.unit_gathers import _item
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    root = g.call_function(_gather, (x,))
+    w = g.call_function(cast_to, (g.call_function(_item, (root, 0)), torch.bfloat16))
+    h = g.call_function(torch.ops.aten.mul.Tensor, (x, w))  # the embedding: reads the root
+    block = g.call_function(_gather, (x,))
+    v = g.call_function(torch.ops.aten.t.default, (g.call_function(_item, (block, 0)),))  # the block's side
+    h = g.call_function(torch.ops.aten.mul.Tensor, (h, v))  # the block
+    h = g.call_function(torch.ops.aten.add.Tensor, (h, 1.0))  # no unit: stays
+    head = g.call_function(torch.ops.aten.mul.Tensor, (h, w))  # the head: the root's copy again
+    g.output((head,))
+    piece, kept = C._pieces(fx.GraphModule(torch.nn.Module(), g), {_gather})
+    assert piece[v] == piece[h.args[0]] == piece[h] < piece[head], piece  # the head apart from the block
+    assert piece[w] < piece[block] < piece[v] and kept == {f"submod_{piece[root]}", f"submod_{piece[block]}"}, piece

@@ -103,7 +103,7 @@ def _update_rel(params: dict, fp32: dict, start: dict) -> float:
 
 
 @pytest.mark.multiproc
-@pytest.mark.heavy  # 71 s cold (Inductor compiling on both ranks) at load 5 on the 2 shared cores; 20 s warm
+@pytest.mark.heavy  # 61-71 s cold (Inductor compiling on both ranks) at load 3-5 on the 2 shared cores; 20 s warm
 @pytest.mark.timeout(900)
 def test_zero3_bf16_compiled_trains_as_eager_bf16_with_one_unit_of_copies_at_a_time(tmp_path):
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(tmp_path / "inductor")

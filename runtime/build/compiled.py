@@ -715,34 +715,54 @@ class _NotIsolable(Exception):
 
 def _compiled(gm: fx.GraphModule, backend: Callable) -> Callable:
     """``gm`` through torch.compile with ``backend``. A program with calls left eager (``compilable``'s ``_eager``:
-    ZeRO-3's gathers and releases) is cut at them (``split_module``): each run of traceable nodes between two is
-    compiled on its own, and fx's code of the pieces calls them and the eager calls in turn, dropping each value
-    after its last use, as the eager program does. Left to dynamo, each eager call is a graph break whose code
-    after it runs as a new frame taking the live values as arguments, and every such frame lasts to the
-    program's end: every gathered unit and its compute copies would be held to the end of the forward, not one
-    unit at a time (runtime/grads/zero3.py; a 3-block GPT-2 under ZeRO-3 bf16 on dp=2: 961,920 bytes gathered at
-    once, the whole model in fp32 and bf16, where eager and these pieces hold 516,480,
-    tests/test_torch_compile_zero3_bf16.py)."""
+    ZeRO-3's gathers and releases) is cut into pieces (``_pieces``, ``split_module``): each compiled on its own,
+    and fx's code of the pieces calls them and the eager calls in turn, dropping each value after its last use,
+    as the eager program does. Left to dynamo, each eager call is a graph break whose code after it runs as a new
+    frame taking the live values as arguments, and every such frame lasts to the program's end: every gathered
+    unit and its compute copies would be held to the end of the forward, not one unit at a time
+    (runtime/grads/zero3.py; a 3-block GPT-2 under ZeRO-3 bf16 on dp=2: 961,920 bytes gathered at once, the
+    whole model in fp32 and bf16, where eager and these pieces hold 516,480, tests/test_torch_compile_zero3_bf16.py)."""
     eager = set(_EAGER.values())
     if not any(n.op == "call_function" and n.target in eager for n in gm.graph.nodes):
         return torch.compile(gm, backend=backend, dynamic=False)
-    piece: dict[fx.Node, int] = {}  # node -> its piece: an eager call alone, the nodes between together
-    kept: set[str] = set()  # the pieces of eager calls (split_module names piece k submod_k)
-    k, after_eager = 0, True
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr", "output"):
-            continue
-        alone = n.op == "call_function" and n.target in eager
-        k += alone or after_eager
-        piece[n] = k
-        if alone:
-            kept.add(f"submod_{k}")
-        after_eager = alone
+    piece, kept = _pieces(gm, eager)
     split = split_module(gm, gm, piece.__getitem__, keep_original_order=True)
     for name, sub in list(split.named_children()):
         if name not in kept:
             setattr(split, name, torch.compile(sub, backend=backend, dynamic=False))
     return split
+
+
+def _pieces(gm: fx.GraphModule, eager: set[Callable]) -> tuple[dict[fx.Node, int], set[str]]:
+    """Each node's piece (split_module's partition: piece k is ``submod_k``) and the pieces of the eager calls: an
+    eager call alone, the nodes between two together, but cut again before a computation reading another unit
+    than the piece has read (a value computed from an eager call's output alone: a unit's whole parameters, their
+    compute copies and views). A compiled piece is one autograd node whose backward unpacks all it saved at once:
+    the last block and the head reading the root's copies in one piece would have the backward gather the root
+    beside two blocks (the one computing, the one arriving), more than eager ever holds."""
+    piece: dict[fx.Node, int] = {}
+    kept: set[str] = set()
+    unit: dict[fx.Node, fx.Node] = {}  # a value computed from one eager call's output alone -> that call
+    k, after_eager, current = 0, True, None  # current: the unit the piece's computations have read
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        alone = n.op == "call_function" and n.target in eager
+        units = {unit[a] for a in n.all_input_nodes if a in unit}
+        new = alone or after_eager
+        if alone:
+            unit[n], current = n, None
+        elif n.all_input_nodes and len(units) == 1 and all(a in unit for a in n.all_input_nodes):
+            unit[n] = next(iter(units))  # the unit's side: no computation of the piece
+        elif units:  # a computation reading another unit than the piece's: a piece of its own from here
+            new = new or (current is not None and units != {current})
+            current = next(iter(units)) if len(units) == 1 else None
+        k += new
+        piece[n] = k
+        if alone:
+            kept.add(f"submod_{k}")
+        after_eager = alone
+    return piece, kept
 
 
 class CompiledCall:
