@@ -42,3 +42,18 @@ def init_worker(rank: int, world: int, port: int, timeout: float) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
     # autopar's and the torch peers' groups alike destroyed and freed before the interpreter finalizes
     shutdown_at_exit()
+
+
+def spawn_json(run_one, ranks: int, *args) -> dict:
+    """Run ``run_one(rank, ranks, port, *args, out)`` on ``ranks`` fresh processes; the JSON that rank 0 wrote to
+    ``out`` (a file in a temporary folder)."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "r.json")
+        mp.spawn(run_one, args=(ranks, free_port(), *args, out), nprocs=ranks, join=True)
+        with open(out) as f:
+            return json.load(f)
