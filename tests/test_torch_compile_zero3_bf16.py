@@ -1,5 +1,5 @@
 """ZeRO-3 + ``precision="bf16"`` + ``torch_compile=True`` on 2 gloo ranks (dp=2), a tiny GPT-2 (a root unit and
-two blocks), against eager bf16 and eager fp32 (both ZeRO-3).
+three blocks), against eager bf16 and eager fp32 (both ZeRO-3).
 
 What must hold of the compiled run: its losses and final parameters are as close to fp32's as eager bf16's are
 (tests/test_torch_compile.py's ``BF16_NOISE``: both round to bf16, at different places), and eager bf16 differs
@@ -17,7 +17,8 @@ What the test caught (runtime/build/compiled.py): the compiled program dropped Z
 unit stayed to the forward's end (641,280 bytes of fp32 units at once, the copies not even counted; priced
 516,480); with the release kept, dynamo's graph breaks at the gathers and releases still held every unit and
 every copy to the forward's end (the frames resuming after them last as long as the program: 961,920 bytes,
-the whole model in fp32 and in bf16), which cutting the program at them (``_compiled``) ends.
+the whole model in fp32 and in bf16), which cutting the program at them (``_compiled``) ends. (Its cut where
+the head reads the root again after the last block shows on a larger root: BENCHMARKS 20.)
 """
 
 from __future__ import annotations
