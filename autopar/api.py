@@ -47,6 +47,7 @@ from autopar.runtime.comm.watch import device_mesh
 from autopar.runtime.module import ParallelModule
 from autopar.schedule.generators import make_schedule
 from autopar.solver.cluster.spec import ClusterSpec, local_cluster
+from autopar.solver.sharding.options import decide_gathers
 
 DEFAULT_PIPELINE = ["shard", "insert-collectives"]  # what `autopar ir` runs after lower (autopar/cli/ir.py)
 
@@ -190,6 +191,7 @@ def compile(  # noqa: A001
         options = cfg.shard_options(base=legacy)
     else:  # priced on this machine: the fastest plan within its device memory by default
         options = planning_options(cfg.shard_options(base=legacy), local_cluster_spec(mesh.device_type, mesh.size()))
+    options = decide_gathers(options, spec, cfg.hierarchical_gather)  # ZeRO-3's across nodes: the config's, the plan's
     run = cfg.runtime_options()
     example = sub_microbatch(args, dict(kwargs or {}), cfg.microbatches, run.sub_microbatches)
     captured = _capture(model, *example, policy)

@@ -115,9 +115,13 @@ class TrainConfig:
     # a step whose gradients are NaN or infinite (agreed by every rank): "warn_skip" (skipped, with a warning),
     # "skip" (silently), "raise" (NonFiniteError); with max_grad_norm, a NaN norm (runtime/grads/nonfinite.py)
     on_nonfinite: str = "warn_skip"
-    # ranks each node runs (global ranks numbered node by node): ZeRO-3's gathers across nodes go hierarchically
-    # (runtime/grads/node_gather.py); None: torchrun's LOCAL_WORLD_SIZE, else one node
+    # ranks each node runs (global ranks numbered node by node), for ZeRO-3's hierarchical gathers across nodes
+    # (runtime/grads/node_gather.py) where the plan runs them; None: torchrun's LOCAL_WORLD_SIZE, else one node
     ranks_per_node: int | None = None
+    # ZeRO-3's unit gathers over a group spanning nodes in two steps, across the nodes then inside each (MiCS Sec.
+    # 3.3): None, where the cluster prices them below one flat ring (ClusterSpec.hierarchical_pays: MiCS's p3dn yes,
+    # a DGX's fast rails no); True/False pin it (a plan file's is its own)
+    hierarchical_gather: bool | None = None
 
     def __post_init__(self) -> None:
         _check_choice("objective", self.objective, OBJECTIVES)
@@ -148,6 +152,11 @@ class TrainConfig:
             raise ScheduleError(
                 f"recompute=True needs a schedule that recomputes ({', '.join(takes)}; scp recomputes by its alpha1), "
                 f"not {self.schedule}"
+            )
+        if self.hierarchical_gather is not None and not isinstance(self.hierarchical_gather, bool):
+            raise ConfigError(
+                f"TrainConfig.hierarchical_gather must be True, False or None (the cluster decides), "
+                f"not {self.hierarchical_gather!r}"
             )
         ri = self.router_imbalance
         if isinstance(ri, bool) or not isinstance(ri, (int, float)) or not ri >= 1:
@@ -207,6 +216,7 @@ class TrainConfig:
             bucket_cap_mb=self.bucket_cap_mb,
             overlap_tp=overlap_tp,
             router_imbalance=self.router_imbalance,
+            hierarchical_gather=bool(self.hierarchical_gather),  # None: decided on the mesh (options.decide_gathers)
         )
 
     def shard_options(self, cluster: ClusterSpec | None = None, base: ShardOptions | None = None) -> ShardOptions:
@@ -344,6 +354,7 @@ class TrainConfig:
             mics_group=s.mics_group,
             bucket_cap_mb=s.bucket_cap_mb,
             router_imbalance=s.router_imbalance,
+            hierarchical_gather=s.hierarchical_gather,
             precision=policy_of_setup(s) or "fp32",
             data_parallel=options.data_parallel,
             batch=options.batch,
@@ -388,7 +399,7 @@ def resolve(
 _SHARD_FIELDS = {
     "objective", "alpha", "budget", "cluster", "solver", "time_limit", "optimizer", "zero", "zero_axes",
     "mics_group", "bucket_cap_mb", "data_parallel", "batch", "precision", "context_attention",
-    "capacity_factor", "router_imbalance",
+    "capacity_factor", "router_imbalance", "hierarchical_gather",
 }  # fmt: skip
 NOT_SHARDING = tuple(f for f in field_names() if f not in _SHARD_FIELDS)
 

@@ -99,7 +99,8 @@ class RuntimeOptions:
     torch_compile: bool = False  # each program through torch.compile / Inductor (runtime/build/compiled.py)
     on_nonfinite: str = "warn_skip"  # a step with NaN/inf gradients: "warn_skip", "skip", "raise" (grads/nonfinite.py)
     # ranks each node runs (global ranks node by node): a ZeRO-3 group spanning nodes is gathered hierarchically
-    # (runtime/grads/node_gather.py); None: torchrun's LOCAL_WORLD_SIZE, else one node
+    # where the plan says so (setup.hierarchical_gather; runtime/grads/node_gather.py); None: torchrun's
+    # LOCAL_WORLD_SIZE, else one node
     ranks_per_node: int | None = None
 
     @property
@@ -187,7 +188,8 @@ class ParallelModule(ModuleViews, torch.nn.Module):
         self._state = state
         # ZeRO-3: this rank's 1/k slices of the data-parallel-replicated parameters take their places
         params = self._local.params
-        per_node = ranks_per_node(options.ranks_per_node)
+        # hierarchical ZeRO-3 gathers across nodes only where the plan runs them (setup.hierarchical_gather)
+        per_node = ranks_per_node(options.ranks_per_node) if self.setup.hierarchical_gather else None
         self.zero3 = shard_zero3(self.setup, forward, params, comm, builder.modules.values(), per_node, mesh)
         for n in self.zero3.names if self.zero3 is not None else ():
             params[n] = self.zero3.slice_of(n)

@@ -230,7 +230,28 @@ def test_zero3_gathers_across_nodes_are_priced_hierarchically_as_mics_runs_them(
     per_byte, latency = spec.collective_terms("all_gather", 32, False, 8, hierarchical=True)
     assert gb * per_byte + latency == pytest.approx(hier(32))
     # where the rails are about as fast as NVLink (a DGX A100: 8 x 200 Gb/s per node) the two steps cost more than
-    # one ring (the runtime still runs them: priced as it runs)
+    # one ring (so a plan there runs the ring: ClusterSpec.hierarchical_pays)
     dgx = ClusterSpec.load("dgx-a100:nodes=2")
     two_steps = dgx.collective_seconds("all_gather", gb, 16, False, 8, hierarchical=True)
     assert two_steps > dgx.collective_seconds("all_gather", gb, 16, False, 8)
+
+
+def test_the_two_step_gathers_pay_on_mics_p3dn_not_on_a_dgx_a100() -> None:
+    """``ClusterSpec.hierarchical_pays``, the one rule a plan's ``hierarchical_gather`` is decided by: for the same
+    groups (16, 32, 64 ranks on nodes of 8) yes on MiCS's p3dn (8 GPUs behind one 100 Gb/s NIC: (n/k) x the rails
+    below NVLink) and no on a DGX A100 (8 x 200 Gb/s rails: 2 x 184 GB/s above NVSwitch's 230 GB/s); where it says
+    yes the two steps cost less at every size, where no they cost more for a 128 MB unit; no for a group inside a
+    node, one rank per node, or nodes holding unequal shares."""
+    p3dn, dgx = ClusterSpec.load("mics-p3dn:nodes=8"), ClusterSpec.load("dgx-a100:nodes=8")
+    sizes = (2**10, 2**20, 128 * 2**20, 2**32)
+    for n in (16, 32, 64):
+        assert p3dn.hierarchical_pays(n, 8) and not dgx.hierarchical_pays(n, 8)
+        for kind in ("all_gather", "reduce_scatter"):
+            hier = [p3dn.collective_seconds(kind, b, n, False, 8, hierarchical=True) for b in sizes]
+            assert all(h < p3dn.collective_seconds(kind, b, n, False, 8) for h, b in zip(hier, sizes))
+            big = 128 * 2**20
+            assert dgx.collective_seconds(kind, big, n, False, 8, hierarchical=True) > dgx.collective_seconds(
+                kind, big, n, False, 8
+            )
+    for spec in (p3dn, dgx):
+        assert not any(spec.hierarchical_pays(n, k) for n, k in ((8, 8), (16, 1), (12, 8), (1, 1)))

@@ -1,7 +1,8 @@
 """ZeRO-3's hierarchical gathers across nodes (``runtime/grads/node_gather.py``, MiCS Sec. 3.3): training equals one
 process in float64, the collectives really ran per node (inter-node among one rank per node, then intra-node), and
 every gathered unit is bit for bit the flat gather's. On simulated ranks (8 of them, "nodes" of 2 or 4 through
-``LOCAL_WORLD_SIZE``) and on 4 gloo processes as 2 nodes of 2 (one spawn)."""
+``LOCAL_WORLD_SIZE``) and on 4 gloo processes as 2 nodes of 2 (one spawn). Only where the plan says so
+(``TrainingSetup.hierarchical_gather``): without it the gathers stay flat whatever the ranks per node."""
 
 from __future__ import annotations
 
@@ -82,13 +83,18 @@ def _gathered_bit_equal(module) -> bool:
 
 # (mesh, setup, ranks per node, ZeRO group size)
 SIM_RUNS = {
-    "zero3-dp8-nodes-of-2": ((("dp", 8),), TrainingSetup(zero=3), 2, 8),
+    "zero3-dp8-nodes-of-2": ((("dp", 8),), TrainingSetup(zero=3, hierarchical_gather=True), 2, 8),
     # two ZeRO axes, the outer crossing the nodes of 4, the inner inside one: the axes' own groups, outer first
-    "zero3-dp2xdp4-nodes-of-4": ((("dpo", 2), ("dp", 4)), TrainingSetup(zero=3, zero_axes=("dpo", "dp")), 4, 8),
+    "zero3-dp2xdp4-nodes-of-4": (
+        (("dpo", 2), ("dp", 4)),
+        TrainingSetup(zero=3, zero_axes=("dpo", "dp"), hierarchical_gather=True),
+        4,
+        8,
+    ),
     # MiCS: partition groups of 4 spanning 2 nodes of 2, replicated twice (the 2-hop gradient sync after)
     "mics4-dpr2-nodes-of-2": (
         (("dpr", 2), ("dp", 4)),
-        TrainingSetup(zero=3, zero_axes=("dpr", "dp"), mics_group=4),
+        TrainingSetup(zero=3, zero_axes=("dpr", "dp"), mics_group=4, hierarchical_gather=True),
         2,
         4,
     ),
@@ -117,6 +123,21 @@ def test_hierarchical_gathers_train_as_one_process_on_simulated_ranks(run: str, 
     assert_sim_trains_as_one_process(sim, reference, batch, "adamw")
     _assert_hierarchical(rec, per_node, group_size)
     assert all(sim.run(_gathered_bit_equal))
+
+
+def test_without_the_plans_decision_the_gathers_stay_flat_on_simulated_ranks(monkeypatch) -> None:
+    """The same dp=8 ZeRO-3 run with ``LOCAL_WORLD_SIZE=2`` but ``hierarchical_gather=False`` (what a plan on a
+    cluster whose rails are fast decides, ``ClusterSpec.hierarchical_pays``): no node groups, every unit gather and
+    reduce-scatter over the whole group of 8."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    model, batch = FAMILIES["gpt2"](torch.Generator().manual_seed(1))
+    options = ShardOptions(setup=TrainingSetup(zero=3))
+    sim = SimCompiled.of(float64_model(model), MeshSpec((("dp", 8),)), (), batch, options=options, float64=True)
+    assert sim.run(lambda m: m.zero3.node_groups) == [None] * 8
+    rec = _Recorder(monkeypatch)
+    sim.train_step(**batch)
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        assert rec.groups(name) == {tuple(range(8))}, (name, rec.groups(name))
 
 
 def test_a_group_inside_one_node_or_one_rank_per_node_stays_flat() -> None:
@@ -156,10 +177,38 @@ def test_ranks_per_node_reads_the_option_then_torchrun(monkeypatch) -> None:
         ranks_per_node(0)
 
 
+def test_the_plan_decides_hierarchical_gather_from_the_cluster_and_carries_it() -> None:
+    """``TrainConfig.hierarchical_gather=None``: decided where the plan is made (``decide_gathers``) by
+    ``ClusterSpec.hierarchical_pays`` for the ZeRO group on the mesh: dp=16 on 2 nodes of 8 of MiCS's p3dn yes, of a
+    DGX A100 no, ZeRO-2 or one node no; True/False pin it either way. A plan file's options keep it, and the config
+    read back from them pins it (what ``compile(plan=...)`` runs); a value not a bool is refused by name."""
+    from autopar.planner import options_dict, options_from_dict
+    from autopar.solver.sharding.options import decide_gathers
+
+    mesh = MeshSpec((("dp", 16),))
+    cases = (("mics-p3dn:nodes=2", 3, 16, True), ("dgx-a100:nodes=2", 3, 16, False),
+             ("mics-p3dn:nodes=2", 2, 16, False), ("mics-p3dn:nodes=2", 3, 8, False))  # fmt: skip
+    for cluster, zero, dp, pays in cases:
+        cfg = TrainConfig(zero=zero, cluster=cluster)
+        opts = cfg.shard_options()
+        assert opts.setup.hierarchical_gather is False  # undecided until the mesh is known
+        on = MeshSpec((("dp", dp),))
+        assert decide_gathers(opts, on, cfg.hierarchical_gather).setup.hierarchical_gather is pays, (cluster, zero, dp)
+        for pinned in (True, False):
+            assert decide_gathers(opts, on, pinned).setup.hierarchical_gather is pinned
+    decided = decide_gathers(TrainConfig(zero=3, cluster="mics-p3dn:nodes=2").shard_options(), mesh)
+    back = TrainConfig.from_shard_options(options_from_dict(options_dict(decided)))
+    assert back.hierarchical_gather is True and back.training_setup().hierarchical_gather is True
+    assert TrainConfig.from_dict(TrainConfig(hierarchical_gather=False).to_dict()).hierarchical_gather is False
+    with pytest.raises(ConfigError, match="hierarchical_gather"):
+        TrainConfig(hierarchical_gather=1)
+
+
 def _gloo_ranks(rank: int, world: int) -> dict:
-    """ZeRO-3 over dp=4 and over dp=2 x dp=2 on 2 "nodes" of 2 (``LOCAL_WORLD_SIZE=2``): three AdamW steps of tiny
-    GPT-2 in float64 against one process, the groups each collective ran in, the gathered units against the flat
-    gather."""
+    """ZeRO-3 over dp=4 and over dp=2 x dp=2 on 2 "nodes" of 2 (``LOCAL_WORLD_SIZE=2``), the setup's
+    ``hierarchical_gather`` pinned on: three AdamW steps of tiny GPT-2 in float64 against one process, the groups
+    each collective ran in, the gathered units against the flat gather; and dp=4 with ``ranks_per_node=2`` left to
+    compile's decision (priced on this one-node host: flat)."""
     import os
 
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -169,7 +218,8 @@ def _gloo_ranks(rank: int, world: int) -> dict:
 
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     out = {}
-    for name, axes, zero_axes in (("dp4", {"dp": 4}, None), ("dp2xdp2", {"dpo": 2, "dp": 2}, ("dpo", "dp"))):
+    runs = (("dp4", {"dp": 4}, None), ("dp2xdp2", {"dpo": 2, "dp": 2}, ("dpo", "dp")), ("dp4-flat", {"dp": 4}, None))
+    for name, axes, zero_axes in runs:
         torch.manual_seed(0)
         config = GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
                             embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
@@ -177,8 +227,12 @@ def _gloo_ranks(rank: int, world: int) -> dict:
         ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
         batch = {"input_ids": ids, "labels": ids.roll(-1, 1)}
         reference = copy.deepcopy(model)
-        options = ShardOptions(setup=TrainingSetup(zero=3, zero_axes=zero_axes))
-        compiled = autopar.compile(model, autopar.init_mesh("cpu", **axes), kwargs=batch, options=options)
+        mesh = autopar.init_mesh("cpu", **axes)
+        if name == "dp4-flat":
+            compiled = autopar.compile(model, mesh, kwargs=batch, zero=3, ranks_per_node=2)
+        else:
+            options = ShardOptions(setup=TrainingSetup(zero=3, zero_axes=zero_axes, hierarchical_gather=True))
+            compiled = autopar.compile(model, mesh, kwargs=batch, options=options)
         rec = _Recorder()
         try:
             losses = train(compiled, [batch] * 3, "adamw")
@@ -195,7 +249,8 @@ def _gloo_ranks(rank: int, world: int) -> dict:
             "gather_groups": torch.tensor([g for is_gather, g in calls if is_gather]),
             "scatter_groups": torch.tensor([g for is_gather, g in calls if not is_gather]),
             "units": torch.tensor(len(compiled.zero3.units)),
-            "bit_equal": torch.tensor(_gathered_bit_equal(compiled)),
+            "bit_equal": torch.tensor(name == "dp4-flat" or _gathered_bit_equal(compiled)),
+            "flat": torch.tensor(compiled.zero3.node_groups is None and not compiled.setup.hierarchical_gather),
         }
     return out
 
@@ -204,13 +259,18 @@ def _gloo_ranks(rank: int, world: int) -> dict:
 def test_hierarchical_gathers_on_gloo_ranks_as_two_nodes_of_two():
     """4 gloo processes as 2 nodes of 2: ZeRO-3 over one axis and over two equal one process to ``TOL``, every unit
     collective ran among {0, 2} / {1, 3} (across the nodes) or {0, 1} / {2, 3} (inside one), and the gathered units
-    are the flat gather's bit for bit."""
+    are the flat gather's bit for bit; left to compile's decision, flat over {0, 1, 2, 3} though the ranks per node
+    are given."""
     results = run_distributed(_gloo_ranks, 4)
     inter, intra = {(0, 2), (1, 3)}, {(0, 1), (2, 3)}
     for rank, res in enumerate(results):
         for name, r in res.items():
             assert r["loss_error"] < TOL and r["state_error"] < TOL and r["missing"] == 0, (rank, name, r)
             assert bool(r["bit_equal"]) and r["units"] == 3, (rank, name, r["units"])  # the root and 2 layers
+            assert bool(r["flat"]) == (name == "dp4-flat"), (rank, name)
             for kind in ("gather_groups", "scatter_groups"):
+                if name == "dp4-flat":
+                    assert {tuple(g) for g in r[kind].tolist()} == {(0, 1, 2, 3)}, (rank, name, r[kind])
+                    continue
                 groups = {tuple(g) for g in r[kind].tolist()}
                 assert groups and groups <= inter | intra and groups & inter and groups & intra, (rank, name, groups)

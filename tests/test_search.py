@@ -515,6 +515,28 @@ F32_LOSS_TOL = 1e-5
 F32_PARAM_TOL = 2e-5
 
 
+def test_zero3_gathers_across_nodes_are_priced_and_materialized_by_the_one_rule(monkeypatch) -> None:
+    """ZeRO-3 over dp=16 on 2 nodes of 8: the search prices the unit gathers in two steps exactly where
+    ``ClusterSpec.hierarchical_pays`` says they pay (MiCS's p3dn yes, a DGX A100 no: the rule flipped, the price
+    moves the other way), and the plan it materializes records the same decision (``hierarchical_gather``), so the
+    runtime runs what was priced."""
+    from autopar.search.materialize import shard_options
+
+    space = SearchSpace(pp=(1,), tp=(1,), zero=(3,), mics=False)
+    for preset, pays in (("mics-p3dn:nodes=2", True), ("dgx-a100:nodes=2", False)):
+        cluster = ClusterSpec.load(preset)
+        res = search_model("tiny-gpt2", cluster, 16, space=space, precision="fp32")
+        c = res.best[0].candidate
+        assert (c.dp, c.zero, c.mics_group, cluster.hierarchical_pays(16, 8)) == (16, 3, 0, pays)
+        opts = shard_options(res, res.best[0], MeshSpec(tuple(c.mesh().items())), 60.0, "cbc")
+        assert opts.setup.hierarchical_gather is pays
+        priced = Analytic(res.analytic.p, cluster, 16, precision="fp32").evaluate(c)
+        with monkeypatch.context() as m:
+            m.setattr(ClusterSpec, "hierarchical_pays", lambda self, n, k, flip=not pays: flip)
+            flipped = Analytic(res.analytic.p, cluster, 16, precision="fp32").evaluate(c)
+        assert (sum(priced.tb) < sum(flipped.tb)) is pays and sum(priced.tb) != sum(flipped.tb), preset
+
+
 @pytest.mark.multiproc
 def test_searched_plans_train_exactly_like_one_process(tmp_path, piped_search):
     """A search on 4 CPU processes restricted to pp = 1 gives a plan without a pipeline, one restricted

@@ -77,28 +77,36 @@ def test_zero_stages_divide_what_they_shard():
     assert mics.param_memory(W, (R, R))[0] == n * 16 / 4  # sharded inside groups of 4, replicated across
 
 
-def test_zero3_sync_across_nodes_is_priced_with_the_hierarchical_gathers():
-    """The ILP's ZeRO-3 sync of a parameter replicated over a dp axis spanning 2 nodes of 8 (``CostModel.grad_reduce``,
-    MiCS's p3dn: 8 V100 on NVLink, one 100 Gb/s NIC): its reduce-scatter and two all-gathers priced hierarchically,
-    by the spec's one function (as the search's ``StageTerms._zero3``); ZeRO-2 on the same axis keeps the flat
-    all-reduce; inside one node (a DGX A100) nothing changes."""
+def test_zero3_sync_across_nodes_is_priced_as_the_plan_gathers():
+    """The ILP's ZeRO-3 sync of a parameter replicated over a dp axis spanning 2 nodes of 8 (``CostModel.grad_reduce``):
+    its reduce-scatter and two all-gathers priced hierarchically where the plan runs them so
+    (``setup.hierarchical_gather``, as ``decide_gathers`` sets it from the cluster: on MiCS's p3dn, 8 V100 on NVLink
+    behind one 100 Gb/s NIC, yes; on a DGX A100's fast rails, no), else as flat rings; ZeRO-2 on the same axis keeps
+    the flat all-reduce; inside one node (a DGX A100) nothing changes."""
+    from autopar.passes.shard import ShardOptions
+    from autopar.solver.sharding.options import decide_gathers
+
     W = TensorType("f32", (1024, 1024))
     nbytes = W.numel * 4
-    for preset, nodes, k in (("mics-p3dn", 2, 8), ("dgx-a100", 1, 8)):
+    for preset, nodes, k, pays in (("mics-p3dn", 2, 8, True), ("dgx-a100", 2, 8, False), ("dgx-a100", 1, 8, False)):
         cluster = ClusterSpec.load(f"{preset}:nodes={nodes}")
         mesh = MeshSpec((("dp", 8 * nodes),))
-        z3 = CostModel(mesh, TrainingSetup(zero=3), cluster).grad_reduce(W, (R,), 0, bucketed=True)[1]
-        z2 = CostModel(mesh, TrainingSetup(zero=2), cluster).grad_reduce(W, (R,), 0, bucketed=True)[1]
+        decided = decide_gathers(ShardOptions(setup=TrainingSetup(zero=3), cluster=cluster), mesh).setup
+        assert decided.hierarchical_gather is pays, preset
         n, intra = 8 * nodes, nodes == 1
-        ag = cluster.collective_terms("all_gather", n, intra, k, hierarchical=True)[0]
-        rs = cluster.collective_terms("reduce_scatter", n, intra, k, hierarchical=True)[0]
-        assert z3 == pytest.approx(nbytes * (rs + 2 * ag))
+        z2 = CostModel(mesh, TrainingSetup(zero=2), cluster).grad_reduce(W, (R,), 0, bucketed=True)[1]
         assert z2 == pytest.approx(nbytes * cluster.collective_terms("all_reduce", n, intra, k)[0])
-        if nodes == 2:  # below the flat rings' price
-            flat = cluster.collective_terms("all_gather", n, False, k)[0]
-            assert ag < flat and z3 < nbytes * 3 * flat
-        else:
-            assert z3 == pytest.approx(z2 + nbytes * ag)
+        for hier in (True, False):
+            setup = TrainingSetup(zero=3, hierarchical_gather=hier)
+            z3 = CostModel(mesh, setup, cluster).grad_reduce(W, (R,), 0, bucketed=True)[1]
+            ag = cluster.collective_terms("all_gather", n, intra, k, hierarchical=hier)[0]
+            rs = cluster.collective_terms("reduce_scatter", n, intra, k, hierarchical=hier)[0]
+            assert z3 == pytest.approx(nbytes * (rs + 2 * ag))
+            flat = cluster.collective_terms("all_gather", n, intra, k)[0]
+            if hier and nodes == 2:  # p3dn below the flat rings' price, the DGX above
+                assert (ag < flat) is pays and (z3 < nbytes * 3 * flat) is pays
+            else:
+                assert ag == flat and z3 == pytest.approx(z2 + nbytes * ag)
 
 
 def test_redistribution_priced_per_edge_matches_the_collectives_step_by_step():

@@ -23,6 +23,7 @@ from autopar.schedule.placement import schedule_of
 from autopar.search import run_cli
 from autopar.search.profile import with_seq
 from autopar.solver.sharding.baselines import BASELINES
+from autopar.solver.sharding.options import decide_gathers
 
 GiB = 2**30
 DEFAULT_CLUSTER = "dgx-a100"
@@ -264,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
     mesh = parse_mesh(args.mesh)
     opts = cfg.shard_options()
     opts = planning_options(opts, opts.cluster)  # the time objective's budget: the device memory
+    opts = decide_gathers(opts, mesh, cfg.hierarchical_gather)  # ZeRO-3's gathers across nodes: two steps if they pay
     if ((args.chunks or 1) > 1 or args.waves or args.schedule) and PIPELINE_AXIS not in mesh.names:
         raise AutoparError("--chunks, --waves and --schedule need a pipeline axis in the mesh, e.g. --mesh pp=4,dp=2")
     pipe = pipeline_options(cfg, args)

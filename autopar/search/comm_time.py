@@ -22,8 +22,9 @@ once on its own rail: ``ClusterSpec.alpha_beta(per_node=...)``, ``CommTime.per_n
   per stage by ``price.py``); MiCS does the same inside groups of g ranks plus a cross-group
   all-reduce of 1/g of the gradients (2-hop synchronization): once per step, after the last backward,
   with ZeRO-1/2; in every backward with ZeRO-3, whose gradient shards are made there (``runtime/grads/zero3.py``).
-  ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes run hierarchically, MiCS's way
-  (``unit_gather``: ``ClusterSpec.collective_seconds(hierarchical=True)``, ``runtime/grads/node_gather.py``).
+  ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes run hierarchically, MiCS's way, where the
+  cluster says the two steps pay (``unit_gather``: ``ClusterSpec.hierarchical_pays``, the rule the plan's
+  ``TrainingSetup.hierarchical_gather`` is decided by; ``runtime/grads/node_gather.py``), else as one flat ring.
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ class CommTime:
 
     def unit_gather(self, nbytes: float, n: int, intra: bool, per_node: int = 1) -> float:
         """Seconds of one ZeRO-3 unit all-gather (or its gradient's reduce-scatter) of ``nbytes`` over n ranks: across
-        nodes hierarchically, as the runtime runs it (``ClusterSpec.collective_seconds(hierarchical=True)``)."""
+        nodes hierarchically where that pays (``ClusterSpec.hierarchical_pays``), as the plan materialized from the
+        candidate runs it (``materialize.shard_options``, ``TrainingSetup.hierarchical_gather``), else the flat ring."""
         if n <= 1:
             return 0.0
-        return self.cluster.collective_seconds("all_gather", nbytes, n, intra, per_node, hierarchical=True)
+        hier = not intra and self.cluster.hierarchical_pays(n, per_node)
+        return self.cluster.collective_seconds("all_gather", nbytes, n, intra, per_node, hierarchical=hier)
 
     def scatter(self, nbytes: float, n: int, intra: bool, per_node: int = 1) -> float:
         """Seconds of one reduce-scatter of ``nbytes`` over n ranks (an all-reduce on gloo: ``ClusterSpec.runs_as``)."""

@@ -44,6 +44,7 @@ from autopar.search.evaluation import Evaluation
 from autopar.search.profile import with_batch
 from autopar.solver.cluster.spec import ClusterSpec
 from autopar.solver.sharding.cost import TrainingSetup
+from autopar.solver.sharding.options import decide_gathers
 
 
 class SearchOutcome(Protocol):
@@ -73,7 +74,7 @@ def shard_options(
         compiled=result.analytic.compiled,  # a plan searched for torch_compile=True is solved priced compiled
         router_imbalance=result.analytic.router_imbalance,  # the router the search priced, priced by the ILP too
     )  # fmt: skip
-    return ShardOptions(
+    opts = ShardOptions(
         objective="time",
         budget_bytes=result.budget_bytes,
         time_limit=time_limit,
@@ -85,6 +86,8 @@ def shard_options(
         context_attention=c.cp_form or "auto",  # the form the search priced (ShardOptions fixes it on cp)
         capacity_factor=result.analytic.capacity_factor,  # dropped as the search priced it (set_capacity)
     )
+    # ZeRO-3's gathers hierarchical where the cluster says they pay, as the search priced them (CommTime.unit_gather)
+    return decide_gathers(opts, mesh)
 
 
 def build_plan(

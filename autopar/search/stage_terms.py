@@ -521,7 +521,8 @@ class StageTerms:
 
     def _zero3(self, c: Candidate, z3: int, base: tuple) -> tuple:
         """``base`` under ZeRO-3 over ``z3`` ranks, as ``runtime/grads/zero3.py`` runs it: one all-gather per unit
-        (hierarchical across nodes: ``CommTime.unit_gather``; the stage's embedding/head units, each layer) in every
+        (hierarchical across nodes where it pays: ``CommTime.unit_gather``; the stage's embedding/head units, each
+        layer) in every
         forward and backward, and per layer in every
         recomputation, one reduce-scatter per unit in every backward (with MiCS an all-reduce of the shard across
         the groups); a split backward (zero-bubble) gathers again in its W, which does the scatters. Where the

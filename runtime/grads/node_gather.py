@@ -17,14 +17,17 @@ reduce-scatter among the node's k ranks (each keeps the p/k rows of its local in
 one among the p/k ranks of its local index (its own row, summed over the group). The sum is the flat one's
 regrouped (node by node, then across nodes): equal to it up to float rounding, not bit for bit.
 
-**Ranks per node** come from the launcher: ``RuntimeOptions.ranks_per_node`` (``TrainConfig.ranks_per_node``), else
-torchrun's ``LOCAL_WORLD_SIZE`` (global ranks numbered node by node, as torchrun does); unset, every rank is taken for
-one node and the gathers stay flat. A group is gathered so only when every one of the world's ZeRO groups has the same
-k > 1 ranks in each of its p/k > 1 nodes, its members node by node in member order (the row-major mesh's layout);
-else flat. The decision is
-made from the whole mesh's table of global ranks, the same on every rank, and every rank creates every subgroup in
-the same order (``new_group``'s rule); a subgroup that is one of the ZeRO axes' own groups (a two-axis ZeRO group
-whose outer axis crosses nodes and inner stays inside one) is that group, not a new one.
+**Only where the plan says so**: ``TrainingSetup.hierarchical_gather``, decided where the plan is made, from the
+cluster (``ClusterSpec.hierarchical_pays``: the two steps price below the flat ring, as on MiCS's p3dn, not on a
+DGX's fast rails) and priced so by the search and the ILP; without it the gathers are flat whatever the launcher
+says. **Ranks per node** come from the launcher: ``RuntimeOptions.ranks_per_node`` (``TrainConfig.ranks_per_node``),
+else torchrun's ``LOCAL_WORLD_SIZE`` (global ranks numbered node by node, as torchrun does); unset, every rank is
+taken for one node and the gathers stay flat. A group is gathered so only when every one of the world's ZeRO groups
+has the same k > 1 ranks in each of its p/k > 1 nodes, its members node by node in member order (the row-major
+mesh's layout); else flat. The decision is made from the whole mesh's table of global ranks, the same on every rank,
+and every rank creates every subgroup in the same order (``new_group``'s rule); a subgroup that is one of the ZeRO
+axes' own groups (a two-axis ZeRO group whose outer axis crosses nodes and inner stays inside one) is that group, not
+a new one.
 """
 
 from __future__ import annotations

@@ -383,8 +383,8 @@ def shard_zero3(
     """ZeRO-3 of a rank's ``params`` (name -> local shard) when the training ``setup`` asks for it: the
     managed ones sliced, grouped in units by the program's repeated blocks (``solver/sharding/blocks.py``), and
     gathered unit by unit in every generated module of ``modules``; ``None`` otherwise. ``per_node``: the ranks each
-    node runs (``node_gather.ranks_per_node``), with ``mesh`` (the DeviceMesh; None: row-major) for the hierarchical
-    gathers of a group spanning nodes."""
+    node runs (``node_gather.ranks_per_node``; given only where ``setup.hierarchical_gather``, else None: flat), with
+    ``mesh`` (the DeviceMesh; None: row-major) for the hierarchical gathers of a group spanning nodes."""
     if setup.zero < 3:
         return None
     zero_axes, replica_axes = zero_axes_of(setup, program.mesh)

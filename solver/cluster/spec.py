@@ -27,13 +27,17 @@ own rail (the NIC of one of those ranks), so the node's share of the network car
 
 (one rank per node, a tensor-parallel group's dp peers: the per-device inter-node link, as before).
 
-ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes run hierarchically (MiCS Sec. 3.3;
+ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes can run hierarchically (MiCS Sec. 3.3;
 ``runtime/grads/node_gather.py``): for n ranks on n/k nodes of k, an all-gather among the n/k nodes through the k
 rails, then one inside the node, the reduce-scatter mirrored (``hierarchical=True``, ``gathers_hierarchically``):
 
     time = (n/k - 1)/(n/k) * B/b_rails + (n/k - 1) a_inter  +  (k-1)/k * B/b_intra + (k-1) a_intra
 
 (the inter-node volume (n-k)/n of B where the flat ring's is (n-1)/n; on one node, or one rank per node, the flat ring).
+The two steps pay only where the rails are slow beside the node's link: per byte they cost less than the flat ring
+iff (n/k) x b_rails < b_intra (MiCS's p3dn, 8 GPUs behind one 100 Gb/s NIC: yes; a DGX A100's 8 x 200 Gb/s rails
+near NVSwitch: no, 1.11-1.23x the ring). A plan runs them only where ``hierarchical_pays`` says so
+(``TrainingSetup.hierarchical_gather``), and every price model prices what the plan runs.
 """
 
 from __future__ import annotations
@@ -291,6 +295,28 @@ class ClusterSpec:
         spanning nodes with more than one of its ranks, the same number, in each."""
         k, n = per_node, group_size
         return kind in ("all_gather", "reduce_scatter") and not intra_node and 1 < k < n and n % k == 0
+
+    def hierarchical_pays(self, group_size: int, per_node: int) -> bool:
+        """Whether ZeRO-3's unit collectives over a group of ``group_size`` ranks spanning nodes, ``per_node`` of them
+        in each, cost less in two steps (``gathers_hierarchically``) than as one flat ring on this cluster: the one
+        rule a plan decides ``TrainingSetup.hierarchical_gather`` by (``solver/sharding/options.py:decide_gathers``).
+
+        No byte size is needed: it asks for the two steps to cost less at every size, per byte (strictly) and in
+        latency, an all-gather and a reduce-scatter together. The latency never stands in the way on a real cluster
+        (n/k - 1 inter-node plus k - 1 intra-node steps against n - 1 inter-node ones), so the answer is the
+        bandwidth terms': (n/k) x b_rails < b_intra. Where it is no, the two steps still price faster below a
+        crossover size, where a gather is latency-bound (a DGX A100, 16 to 64 ranks on nodes of 8: units under
+        44-98 MB, by 63-315 us a gather): the flat ring gives that up so that the decision is never slower than the
+        ring at any size, needs no unit size (which the ILP does not know before it solves), holds for every unit of
+        every stage, and is priced the same by the ILP (which charges these gathers their bandwidth terms alone)
+        and by the search."""
+        n, k = group_size, per_node
+        if not self.gathers_hierarchically("all_gather", n, False, k):
+            return False
+        kinds = ("all_gather", "reduce_scatter")
+        two = [self.collective_terms(kind, n, False, k, hierarchical=True) for kind in kinds]
+        ring = [self.collective_terms(kind, n, False, k) for kind in kinds]
+        return sum(t[0] for t in two) < sum(t[0] for t in ring) and sum(t[1] for t in two) <= sum(t[1] for t in ring)
 
     def _link(self, kind: str, intra_node: bool, per_node: int = 1) -> tuple[float, float]:
         """(latency, bandwidth) a collective of this kind sees: measured for it when calibrated (inside a

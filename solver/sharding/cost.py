@@ -103,6 +103,10 @@ class TrainingSetup:
     # a mixture of experts' capacity factor c (ShardOptions.capacity_factor, which sets it): each expert keeps c
     # times its mean rows, so the busiest expert rank's rows are capped at c times the mean (None: dropless)
     capacity_factor: float | None = None
+    # ZeRO-3's unit gathers and reduce-scatters over a group spanning nodes run in two steps, across the nodes then
+    # inside each (MiCS Sec. 3.3, runtime/grads/node_gather.py), and are priced so; False: one flat ring. Decided
+    # where the plan is made, from the cluster (``zero_gathers_pay``, solver/sharding/options.py:decide_gathers)
+    hierarchical_gather: bool = False
 
     def __post_init__(self) -> None:
         if not self.router_imbalance >= 1:
@@ -483,15 +487,17 @@ class CostModel:
         vocab-parallel head whose gathers measure slower (docs/runtime.md). Under ZeRO-3 on a ZeRO axis a
         parameter's sync is its reduce-scatter plus its all-gathers for the forward and again for the
         backward (``runtime/grads/zero3.py``): an all-reduce's bytes and one all-gather more; across nodes each of
-        the three hierarchical, as the runtime runs them (``ClusterSpec.collective_terms(hierarchical=True)``)."""
+        the three hierarchical where the plan runs them so (``setup.hierarchical_gather``,
+        ``ClusterSpec.collective_terms(hierarchical=True)``)."""
         nbytes = self.local_bytes(t, p) * self.setup.grad_itemsize(t.itemsize) / t.itemsize  # in reduce_dtype
         if not bucketed:
             return self._collective("all_reduce", nbytes, axis)
         v, per_byte, _ = self._collective_terms("all_reduce", axis)
         if self.setup.zero >= 3 and axis in self._zero_axes:
-            gv, gs, _ = self._collective_terms("all_gather", axis, hierarchical=True)
+            hier = self.setup.hierarchical_gather  # as the plan runs them
+            gv, gs, _ = self._collective_terms("all_gather", axis, hierarchical=hier)
             n, k = self.mesh.sizes[axis], self._per_node[axis]
-            if self.cluster.gathers_hierarchically("all_gather", n, self._intra[axis], k):
+            if hier and self.cluster.gathers_hierarchically("all_gather", n, self._intra[axis], k):
                 # the reduce-scatter and the forward's gather (the all-reduce's halves), hierarchical too
                 per_byte = self._collective_terms("reduce_scatter", axis, hierarchical=True)[1] + gs
             v, per_byte = v + gv, per_byte + gs
@@ -641,6 +647,28 @@ def _axes_per_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[int]:
         out.append(1 if stride >= dpn else max(1, min(n, dpn // stride)))
         stride *= n
     return list(reversed(out))
+
+
+def zero_group_shape(setup: TrainingSetup, mesh: MeshSpec, devices_per_node: int) -> tuple[int, int]:
+    """(ranks, ranks per node) of the ZeRO group over ``setup``'s shard axes on ``mesh`` (ranks row-major, last axis
+    fastest, ``devices_per_node`` to a node): the group through rank 0, as ``runtime/grads/node_gather.py`` finds it."""
+    strides, stride = [], 1
+    for n in reversed(mesh.sizes):
+        strides.append(stride)
+        stride *= n
+    strides.reverse()
+    members = [0]
+    for i in setup.shard_axes(mesh):
+        members = [r + j * strides[i] for r in members for j in range(mesh.sizes[i])]
+    return len(members), sum(r < devices_per_node for r in members)
+
+
+def zero_gathers_pay(setup: TrainingSetup, mesh: MeshSpec, cluster: ClusterSpec | None) -> bool:
+    """Whether ZeRO-3's unit gathers on ``mesh`` pay run hierarchically on ``cluster``
+    (``ClusterSpec.hierarchical_pays`` for the ZeRO group's shape); no ZeRO-3, or no cluster: no."""
+    if setup.zero < 3 or cluster is None:
+        return False
+    return cluster.hierarchical_pays(*zero_group_shape(setup, mesh, cluster.devices_per_node))
 
 
 def _axes_intra_node(mesh: MeshSpec, cluster: ClusterSpec) -> list[bool]:

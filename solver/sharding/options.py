@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from autopar.errors import SolverError
+from autopar.ir.core import MeshSpec
 from autopar.solver.cluster.spec import ClusterSpec
-from autopar.solver.sharding.cost import TrainingSetup
+from autopar.solver.sharding.cost import TrainingSetup, zero_gathers_pay
 
 OBJECTIVES = ("time", "memory", "comm")
 CONTEXT_ATTENTION = ("auto", "ring", "all-gather", "ulysses")  # "comm": "time" under Alpa's name
@@ -113,3 +114,13 @@ def planning_options(opts: ShardOptions | None, cluster: ClusterSpec) -> ShardOp
     if opts.objective != "memory" and opts.budget_bytes is None:
         opts = replace(opts, budget_bytes=opts.cluster.plan_memory)
     return opts
+
+
+def decide_gathers(opts: ShardOptions, mesh: MeshSpec, pinned: bool | None = None) -> ShardOptions:
+    """``opts`` with ``setup.hierarchical_gather`` decided where a plan is made: ``pinned`` (``TrainConfig``'s, or a
+    plan file's), else whether the two-step gathers pay for the ZeRO group on ``mesh`` on ``opts.cluster``
+    (``cost.zero_gathers_pay``, ``ClusterSpec.hierarchical_pays``; no cluster: flat)."""
+    hier = pinned if pinned is not None else zero_gathers_pay(opts.setup, mesh, opts.cluster)
+    if hier == opts.setup.hierarchical_gather:
+        return opts
+    return replace(opts, setup=replace(opts.setup, hierarchical_gather=hier))
