@@ -497,9 +497,10 @@ class Analytic(StageTerms):
             def slope(f) -> float:  # seconds per parameter element of an affine collective time
                 return f(2e6) - f(1e6)
 
-            gather = slope(lambda p: self.comm.gather(p * self.weight_b, z3, intra, k)) / 1e6
+            # the unit collectives as StageTerms._zero3 prices them (hierarchical across nodes where that pays)
+            gather = slope(lambda p: self.comm.unit_gather(p * self.weight_b, z3, intra, k)) / 1e6
             scatter = slope(
-                lambda p: self.comm.gather(p * self.grad_b, z3, intra, k) + self.comm.mics_hop(p * self.grad_b, c)
+                lambda p: self.comm.unit_gather(p * self.grad_b, z3, intra, k) + self.comm.mics_hop(p * self.grad_b, c)
             )
             # on NCCL the gathers run beside the compute (prefetch): a rank takes at least the longer of the two
             found = ("compute" if self.cluster.overlaps_compute else "", m * (2 * gather + scatter / 1e6))
