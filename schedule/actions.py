@@ -187,6 +187,20 @@ def stage_stash_points(actions: Sequence[Action]) -> list[tuple[tuple[int, int],
     return _frontier(points, lambda p: sum(p, ()))
 
 
+def stage_peaks(actions: Sequence[Action]) -> tuple[int, ...]:
+    """Per stage of one rank's list (in stage order), the most microbatches it stashes at once: each stage's largest
+    stashed count of ``stage_stash_points``, without the points (one pass, no frontier)."""
+    split = split_backwards(actions)
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for a in actions:
+        if a.kind in COMPUTE_KINDS and a.stage is not None:
+            n = live.get(a.stage, 0) + (a.kind is Kind.F) - ends_backward(a, split)
+            live[a.stage] = n
+            peak[a.stage] = max(peak.get(a.stage, 0), n)
+    return tuple(peak[s] for s in sorted(peak))
+
+
 def stash_points(actions: Sequence[Action]) -> list[tuple[int, int]]:
     """``stage_stash_points`` summed over the rank's stages: the (stashed, awaiting W) counts that can be its
     peak when every stage's stash and W-kept gradient weigh the same."""

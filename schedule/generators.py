@@ -212,6 +212,13 @@ def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sched
     divides M (see docs/schedules.md).
     """
     P, M, v = num_ranks, num_microbatches, chunks
+    return _build("interleaved", M, [s % P for s in range(P * v)], interleaved_orders(P, M, v), chunks=v)
+
+
+def interleaved_orders(num_ranks: int, num_microbatches: int, chunks: int) -> list[list[Action]]:
+    """The F/B compute order of every rank of interleaved 1F1B (``interleaved``), without the transfers (what a
+    rank's memory depends on: ``actions.stage_stash_points``); cheap for any size."""
+    P, M, v = num_ranks, num_microbatches, chunks
     if v < 1:
         raise ScheduleError(f"interleaved needs chunks >= 1, got {v}")
     padded = -(-M // P) * P
@@ -222,7 +229,7 @@ def interleaved(num_ranks: int, num_microbatches: int, chunks: int = 2) -> Sched
         bwd = [[B(m, c * P + r)] for grp in groups for c in reversed(range(v)) for m in grp]
         order = one_f_one_b(fwd, bwd, 2 * (P - r - 1) + (v - 1) * P)
         compute.append([a for a in order if a.mb is not None and a.mb < M])
-    return _build("interleaved", M, [s % P for s in range(P * v)], compute, chunks=v)
+    return compute
 
 
 def stage_aware_ratios(num_stages: int, alpha1: Fraction | int) -> list[Fraction]:

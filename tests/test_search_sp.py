@@ -174,15 +174,16 @@ def test_a_sequence_parallel_pin_round_trips_through_plan_mesh_and_is_not_writte
 
 @pytest.mark.parametrize("pp, chunks", [(2, 3), (4, 2), (4, 20), (8, 2)])
 def test_interleaved_chunk_peaks_stop_growing_from_four_pp_microbatches(pp, chunks):
-    """``price._stage_peaks`` reads each chunk's most stashed microbatches at min(m, 4 pp): no more with more m;
-    and a rank's count at its peak never exceeds the sum of its chunks' peaks (``price._held``'s bound is sound)."""
+    """``price._stage_peaks`` reads each chunk's most stashed microbatches off the compute orders at min(m, 4 pp):
+    the whole schedule's at m, below 4 pp and past it (no more with more m); and past it a rank's count at its peak
+    never exceeds the sum of its chunks' peaks (``price._held``'s bound is sound)."""
     from autopar.schedule.actions import stage_stash_points
     from autopar.schedule.generators import inflight_per_rank, make_schedule
     from autopar.search.price import _stage_peaks
 
-    for m in (6 * pp + 1,):  # past 4 pp: _stage_peaks reads 4 pp
+    for m in (pp + 1, 6 * pp + 1):  # below 4 pp: its own orders; past it: _stage_peaks reads 4 pp
         lists = make_schedule("interleaved", pp, m, chunks=chunks).actions
         peaks = tuple(tuple(max(p[i][0] for p in pts) for i in range(chunks)) for pts in map(stage_stash_points, lists))
         assert peaks == _stage_peaks(pp, m, chunks)
         counts = inflight_per_rank("interleaved", pp, m, chunks)
-        assert all(n <= sum(p) for n, p in zip(counts, peaks))
+        assert m < 4 * pp or all(n <= sum(p) for n, p in zip(counts, peaks))

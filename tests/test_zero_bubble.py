@@ -23,7 +23,7 @@ from autopar.runtime.execute.split_backward import deferring_weights, run_backwa
 from autopar.schedule.action_costs import Costs
 from autopar.schedule.actions import P2P_KINDS, Action, B, F, Kind, Schedule, W
 from autopar.schedule.formulas import dualpipev_equal, paper_bubble, zb_h1, zb_h2
-from autopar.schedule.generators import make_schedule
+from autopar.schedule.generators import SCHEDULES, make_schedule
 from autopar.schedule.simulator import simulate
 from autopar.schedule.timeline import SimResult
 from autopar.search.space import SearchSpace
@@ -595,6 +595,29 @@ def test_stash_points_repeat_from_2p_microbatches_on() -> None:
             ref = [stash_points(o) for o in zero_bubble_orders(name, p, 2 * p)]
             for m in (2 * p + 1, 4 * p, 7 * p + 3):
                 assert [stash_points(o) for o in zero_bubble_orders(name, p, m)] == ref, (name, p, m)
+
+
+@pytest.mark.parametrize("name", sorted(SCHEDULES))
+def test_stage_peaks_are_each_stages_most_stashed_point(name) -> None:
+    """``actions.stage_peaks`` (what the search reads an interleaved rank's chunks by, ``price._stage_peaks``) is,
+    per stage of each rank, the largest stashed count among ``stage_stash_points``' points, on every registered
+    schedule and its options (a split B's stash kept until its W, recomputation, the V's two stages per rank)."""
+    from autopar.schedule.actions import stage_peaks, stage_stash_points
+    from tests.test_replay import _variants
+
+    checked = 0
+    for p in (1, 2, 3, 4):
+        for m in (1, 2, 5, 8, 9):
+            for opts in _variants(name):
+                try:
+                    sched = make_schedule(name, p, m, **opts)
+                except ScheduleError:  # a shape the generator refuses (DualPipeV below 2P microbatches, ...)
+                    continue
+                for lst in sched.actions:
+                    pts = stage_stash_points(lst)
+                    assert stage_peaks(lst) == tuple(max(pt[i][0] for pt in pts) for i in range(len(pts[0])))
+                    checked += 1
+    assert checked >= 20
 
 
 @settings(max_examples=200, deadline=None)

@@ -40,8 +40,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.schedule.actions import stage_stash_points, stash_points
-from autopar.schedule.generators import make_schedule, zero_bubble_orders
+from autopar.schedule.actions import stage_peaks, stash_points
+from autopar.schedule.generators import interleaved_orders, zero_bubble_orders
 from autopar.search.evaluation import Evaluation
 from autopar.search.kept import kept
 from autopar.search.space import ZERO_BUBBLE, Candidate, Chain
@@ -540,17 +540,23 @@ def _held(c: Candidate, counts: Sequence[float], kept: Sequence[float], ranks: S
     return out
 
 
-@functools.cache
 def _stage_peaks(pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], ...]:
     """Per rank of interleaved 1F1B, per stage it holds (in stage order), the most microbatches that stage stashes at
-    once, read off the schedule's action lists (``actions.stage_stash_points``). From 4 pp microbatches on they no
-    longer grow (the steady state repeats; ``tests/test_search_sp.py`` checks it), so 4 pp stand for any more."""
-    lists = make_schedule("interleaved", pp, min(microbatches, 4 * pp), chunks=chunks).actions
-    out = []
-    for actions in lists:
-        points = stage_stash_points(actions)
-        out.append(tuple(max(p[i][0] for p in points) for i in range(len(points[0]))) if points else ())
-    return tuple(out)
+    once, read off the schedule's compute orders (``generators.interleaved_orders``, ``actions.stage_peaks``: the
+    transfers change no count). From 4 pp microbatches on they no longer grow (the steady state repeats;
+    ``tests/test_search_sp.py`` checks it against ``actions.stage_stash_points`` of the whole schedule), so 4 pp
+    stand for any more."""
+    return _peaks_of(pp, min(microbatches, 4 * pp), chunks)
+
+
+@functools.cache
+def _peaks_of(pp: int, microbatches: int, chunks: int) -> tuple[tuple[int, ...], ...]:
+    """Kept on disk (``kept.py``): a deep pipeline's orders take a fraction of a second, read for every family."""
+    return kept(
+        "stash_points", f"interleaved-{pp}-{microbatches}-{chunks}", ("interleaved", pp, microbatches, chunks),
+        lambda: tuple(map(stage_peaks, interleaved_orders(pp, microbatches, chunks))),
+        lambda v: tuple(tuple(p) for p in v),
+    )  # fmt: skip
 
 
 def _exposed(beside: str, seconds: float, backward: float, compute: float) -> float:
