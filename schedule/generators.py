@@ -35,6 +35,7 @@ needs m >= 2P).
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -132,12 +133,28 @@ def inflight_per_stage(
     return [per_rank[r] / share for r in stage_ranks(pp, chunks, waves)]
 
 
-def make_schedule(name: str, num_ranks: int, num_microbatches: int, **options: int | Fraction) -> Schedule:
-    """Build the registered schedule ``name`` for ``num_ranks`` ranks and ``num_microbatches``."""
+def make_schedule(
+    name: str, num_ranks: int, num_microbatches: int, *, post_ahead: bool = True, **options: int | Fraction
+) -> Schedule:
+    """Build the registered schedule ``name`` for ``num_ranks`` ranks and ``num_microbatches``.
+
+    ``post_ahead=False``: each receive left right before its consumer (``insert_comm_actions``' rule 5 skipped, so
+    the lists are not timed once with nominal costs to place them, most of the build's time at pp = 64): sound under
+    eager p2p only, and timed by it exactly as the placed lists are (the sends are where they are; posting a receive
+    takes no time there). What the search builds to time a schedule (``replay.Replay``, ``search/score.py``); never
+    for a runtime."""
     kind = schedule_kind(name)
     if num_ranks < 1 or num_microbatches < 1:
         raise ScheduleError(f"need at least one rank and microbatch, got P={num_ranks}, M={num_microbatches}")
-    return kind.generator(num_ranks, num_microbatches, **options)
+    token = _POST_AHEAD.set(post_ahead)
+    try:
+        return kind.generator(num_ranks, num_microbatches, **options)
+    finally:
+        _POST_AHEAD.reset(token)
+
+
+# make_schedule's post_ahead, read by _build (the generators' own signatures are the registry's: no flag through them)
+_POST_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("post_ahead", default=True)
 
 
 def _build(
@@ -148,7 +165,7 @@ def _build(
     **options: int | Fraction,
 ) -> Schedule:
     check_placement(stage_to_rank, len(compute))
-    actions = insert_comm_actions(compute, stage_to_rank, num_microbatches)
+    actions = insert_comm_actions(compute, stage_to_rank, num_microbatches, post_ahead=_POST_AHEAD.get())
     sizes = (len(compute), len(stage_to_rank), num_microbatches)
     return Schedule(*sizes, tuple(stage_to_rank), actions, name, tuple(options.items()))
 

@@ -54,12 +54,16 @@ class Scorer:
 
     def replay(self, name: str, P: int, M: int, opts: tuple) -> Replay:
         """The schedule compiled for timing (``schedule/replay.py``), once per shape, kept as text in the schedule
-        cache beside the schedule's own (read back in a fraction of the time the action lists take)."""
+        cache (read back in a fraction of the time the action lists take). Compiled from the lists with each receive
+        before its consumer (``make_schedule(post_ahead=False)``: the same program, not timed once to place them);
+        the schedule's own lists are built only when asked for (``schedule``)."""
         key = (name, P, M, opts)
         if key not in self.replays:
+            built = self.schedules.get(key)
             self.replays[key] = _kept(
-                key, "replay", Replay.from_text, lambda: Replay(self.schedules.get(key) or self._load(key))
-            )
+                key, "replay", Replay.from_text,
+                lambda: Replay(built or make_schedule(name, P, M, post_ahead=False, **dict(opts))),
+            )  # fmt: skip
         return self.replays[key]
 
     def _load(self, key: tuple) -> Schedule:
