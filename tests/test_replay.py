@@ -29,6 +29,18 @@ def _variants(name: str) -> list[dict]:
     return [{}]
 
 
+def _shapes(name: str):
+    """(P, M, options, schedule) for 1-4 ranks, 1-9 microbatches and every option, where the generator accepts them."""
+    for P in (1, 2, 3, 4):
+        for M in (1, 2, 3, 5, 8, 9):
+            for opts in _variants(name):
+                try:
+                    sched = make_schedule(name, P, M, **opts)
+                except Exception:  # a shape the generator refuses (DualPipeV below 2P microbatches, ...)
+                    continue
+                yield P, M, opts, sched
+
+
 def _costs(rng: random.Random, stages: int) -> Costs:
     tb = [rng.uniform(0.2, 4) for _ in range(stages)]
     return Costs.uniform(
@@ -51,25 +63,18 @@ def test_replay_times_every_schedule_as_simulate_does(name):
     the generator takes, 1-4 ranks, 1-9 microbatches: the replay's finish and busy equal ``simulate``'s exactly."""
     rng = random.Random(name)
     checked = 0
-    for P in (1, 2, 3, 4):
-        for M in (1, 2, 3, 5, 8, 9):
-            for opts in _variants(name):
-                try:
-                    sched = make_schedule(name, P, M, **opts)
-                except Exception:  # a shape the generator refuses (DualPipeV below 2P microbatches, ...)
-                    continue
-                replay = Replay(sched)
-                if M == 5:  # the text form the schedule cache keeps times the same
-                    replay = Replay.from_text(replay.to_text())
-                for _ in range(2):
-                    costs = _costs(rng, sched.num_stages)
-                    res = simulate(sched, costs)
-                    finish = [
-                        max((float(e.end) for e in evs if e.action.kind in COMPUTE_KINDS), default=0.0)
-                        for evs in res.timeline
-                    ]
-                    assert replay.run(costs) == (finish, list(res.busy)), (name, P, M, opts)
-                    checked += 1
+    for P, M, opts, sched in _shapes(name):
+        replay = Replay(sched)
+        if M == 5:  # the text form the schedule cache keeps times the same
+            replay = Replay.from_text(replay.to_text())
+        for _ in range(2):
+            costs = _costs(rng, sched.num_stages)
+            res = simulate(sched, costs)
+            finish = [
+                max((float(e.end) for e in evs if e.action.kind in COMPUTE_KINDS), default=0.0) for evs in res.timeline
+            ]
+            assert replay.run(costs) == (finish, list(res.busy)), (name, P, M, opts)
+            checked += 1
     assert checked >= 12, checked
 
 
@@ -102,18 +107,12 @@ def test_the_lists_with_receives_before_their_consumers_compile_to_the_same_repl
     once to place them) is the same program as the schedule's own lists: the same ops and cost slots, every option,
     1-4 ranks, 1-9 microbatches; the lists themselves differ (the receives moved) wherever two ranks exchange."""
     checked = moved = 0
-    for P in (1, 2, 3, 4):
-        for M in (1, 2, 3, 5, 8, 9):
-            for opts in _variants(name):
-                try:
-                    sched = make_schedule(name, P, M, **opts)
-                except ScheduleError:  # a shape the generator refuses (DualPipeV below 2P microbatches, ...)
-                    continue
-                unplaced = make_schedule(name, P, M, post_ahead=False, **opts)
-                a, b = Replay(sched), Replay(unplaced)
-                assert (a.ops, a.recipe, a.num_sends) == (b.ops, b.recipe, b.num_sends), (name, P, M, opts)
-                same = [sorted(map(str, lst)) for lst in sched.actions]
-                assert same == [sorted(map(str, lst)) for lst in unplaced.actions]  # the same actions, moved only
-                checked += 1
-                moved += sched.actions != unplaced.actions
+    for P, M, opts, sched in _shapes(name):
+        unplaced = make_schedule(name, P, M, post_ahead=False, **opts)
+        a, b = Replay(sched), Replay(unplaced)
+        assert (a.ops, a.recipe, a.num_sends) == (b.ops, b.recipe, b.num_sends), (name, P, M, opts)
+        same = [sorted(map(str, lst)) for lst in sched.actions]
+        assert same == [sorted(map(str, lst)) for lst in unplaced.actions]  # the same actions, moved only
+        checked += 1
+        moved += sched.actions != unplaced.actions
     assert checked >= 12 and (moved or name == "gpipe"), (checked, moved)  # GPipe's receives never move
