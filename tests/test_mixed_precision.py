@@ -180,7 +180,12 @@ def ranks() -> list[dict]:
 
 
 def simulated(
-    model, batches, policy, mesh: MeshSpec, programs: tuple[str, str] | None = None, objective: str = "time",
+    model,
+    batches,
+    policy,
+    mesh: MeshSpec,
+    programs: tuple[str, str] | None = None,
+    objective: str = "time",
     microbatch_semantics: str = "exact",
 ) -> list[dict]:
     """Every rank's ``train`` of the plan ``programs`` (forward, training; default: planned here for

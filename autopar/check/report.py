@@ -100,8 +100,7 @@ class CheckReport:
             ops = "\n".join(f"    {c}" for c in self.couplings)
             note += (
                 "\n  warning: the model couples its batch, so a pipeline's microbatches would train another model "
-                "(one microbatch is exact; compile refuses more unless microbatch_semantics='per_microbatch'):\n"
-                + ops
+                "(one microbatch is exact; compile refuses more unless microbatch_semantics='per_microbatch'):\n" + ops
             )
         return note
 

@@ -70,6 +70,7 @@ _DEC = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layer
 _MOE = dict(num_experts_per_tok=2, router_aux_loss_coef=0.0)  # transformers' default experts kernel (grouped_mm)
 _NO_SPECIAL = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None)
 
+
 class MoeLogitsCE(LogitsCE):
     """``LogitsCE`` plus the router's auxiliary load-balancing loss, weighted as the model's config says (Hugging
     Face adds it to its own loss only with labels, which would cast the logits to float32)."""

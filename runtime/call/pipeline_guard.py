@@ -37,8 +37,7 @@ def refuse_backward(leaves: list) -> list:
     ``PipelineBackwardError`` (see the module docstring)."""
     anchor = torch.zeros((), requires_grad=True)
     return [
-        _RefuseBackward.apply(x, anchor) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-        for x in leaves
+        _RefuseBackward.apply(x, anchor) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in leaves
     ]
 
 
