@@ -47,6 +47,7 @@ from autopar.schedule.actions import RECOMPUTE, Action, B, F, Schedule, check_pl
 from autopar.schedule.comm_actions import insert_comm_actions
 from autopar.schedule.list_scheduling import Priority, list_schedule
 from autopar.schedule.placement import num_stages, schedule_of, stage_ranks
+from autopar.schedule.replay import Replay
 from autopar.schedule.zero_bubble import checkpointed, delay_weights, dualpipev_orders, zbv_orders
 
 Generator = Callable[..., Schedule]
@@ -153,6 +154,21 @@ def make_schedule(
         _POST_AHEAD.reset(token)
 
 
+def make_replay(name: str, num_ranks: int, num_microbatches: int, **options: int | Fraction) -> Replay:
+    """``Replay(make_schedule(name, ..., post_ahead=False))``, compiled straight from the generator's compute orders
+    (``Replay.from_orders``: no transfer ``Action`` built, no lists assembled): what the search times. A generator
+    registered without ``_build`` gives its Schedule, compiled as it is."""
+    token = _REPLAY.set(True)
+    try:
+        out = make_schedule(name, num_ranks, num_microbatches, post_ahead=False, **options)
+    finally:
+        _REPLAY.reset(token)
+    return out if isinstance(out, Replay) else Replay(out)
+
+
+# make_replay's mode, read by _build: it returns the compute orders' Replay instead of the Schedule
+_REPLAY: contextvars.ContextVar[bool] = contextvars.ContextVar("replay", default=False)
+
 # make_schedule's post_ahead, read by _build (the generators' own signatures are the registry's: no flag through them)
 _POST_AHEAD: contextvars.ContextVar[bool] = contextvars.ContextVar("post_ahead", default=True)
 
@@ -165,6 +181,8 @@ def _build(
     **options: int | Fraction,
 ) -> Schedule:
     check_placement(stage_to_rank, len(compute))
+    if _REPLAY.get():
+        return Replay.from_orders(name, compute, stage_to_rank)  # type: ignore[return-value]
     actions = insert_comm_actions(compute, stage_to_rank, num_microbatches, post_ahead=_POST_AHEAD.get())
     sizes = (len(compute), len(stage_to_rank), num_microbatches)
     return Schedule(*sizes, tuple(stage_to_rank), actions, name, tuple(options.items()))
@@ -399,6 +417,7 @@ __all__ = [
     "ScheduleKind",
     "inflight_per_rank",
     "inflight_per_stage",
+    "make_replay",
     "make_schedule",
     "register",
     "schedule_kind",

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import json
 from array import array
+from collections.abc import Sequence
 from fractions import Fraction
 
 from autopar.errors import ScheduleError
 from autopar.schedule.action_costs import Costs, Number
-from autopar.schedule.actions import SEND_KINDS, Kind, Schedule, split_backwards
+from autopar.schedule.actions import SEND_KINDS, Action, Kind, Schedule, split_backwards
 
 # op codes of the compiled program
 _SEND, _COMPUTE, _OTHER = 0, 1, 2
@@ -43,57 +44,52 @@ class Replay:
         if schedule is None:  # filled by from_text
             return
         self.num_ranks, self.num_stages = schedule.num_ranks, schedule.num_stages
-        lists, local = schedule.actions, schedule.stage_to_rank
-        splits = [split_backwards(lst) for lst in lists]
+        local = schedule.stage_to_rank
+        self._compile(schedule.name, [_entries(lst, local, r) for r, lst in enumerate(schedule.actions)])
+
+    @classmethod
+    def from_orders(cls, name: str, compute: Sequence[Sequence[Action]], stage_to_rank: Sequence[int]) -> Replay:
+        """The program of ``insert_comm_actions(compute, stage_to_rank, ..., post_ahead=False)``'s lists, compiled
+        straight from the compute orders (no ``Action`` for a transfer): each send right after its producer, the
+        receives (no time in the eager mode) left out, ``REDUCE_GRADS`` after each stage's last ``B``/``W`` and
+        ``STEP`` last, as ``comm_actions`` places them (the same ops, ``tests/test_replay.py``)."""
+        r = cls()
+        r.num_ranks, r.num_stages = len(compute), len(stage_to_rank)
+        r._compile(name, [_order_entries(order, stage_to_rank, rank) for rank, order in enumerate(compute)])
+        return r
+
+    def _compile(self, name: str, lists: list[list[tuple]]) -> None:
+        """Fill the program from each rank's entries (``_entries``) by the simulator's own sweep."""
         slots: dict[tuple, int] = {}  # (what, stage, fraction) -> cost slot
         sends: dict[tuple, int] = {}  # (kind, mb, stage) of a send -> its slot of post times
-        ops: list[tuple[int, int, int, int, int]] = []  # (code, rank, cost or post slot, send slot or -1, tc stage)
-
-        def slot(key: tuple) -> int:
-            return slots.setdefault(key, len(slots))
-
+        ops: list[int] = []  # five an op: code, rank, cost or post slot, send slot or -1, tc stage
         pcs = [0] * self.num_ranks
         progress = True
-        while progress:  # the simulator's own sweep: each rank as far as it can go, until none can move
+        while progress:  # each rank as far as it can go, until none can move
             progress = False
             for r, lst in enumerate(lists):
                 pc = pcs[r]
                 while pc < len(lst):
-                    a = lst[pc]
-                    k, s = a.kind, a.stage
-                    if k in SEND_KINDS:
-                        sends[(k, a.mb, s)] = len(sends)
-                        ops.append((_SEND, r, sends[(k, a.mb, s)], -1, 0))
-                    elif k is Kind.RECV_ACT or k is Kind.RECV_GRAD:
-                        pass  # posting a receive takes no time in the eager mode
-                    elif k is Kind.STEP:
-                        ops.append((_OTHER, r, slot(("step", 0, 0)), -1, 0))
-                    elif k is Kind.REDUCE_GRADS:
-                        ops.append((_OTHER, r, slot(("reduce", s, 0)), -1, 0))
+                    code, key, dep_key, tc = lst[pc]
+                    if code == _SEND:
+                        sends[key] = len(sends)
+                        ops += (_SEND, r, sends[key], -1, 0)
+                    elif code == _OTHER:
+                        ops += (_OTHER, r, slots.setdefault(key, len(slots)), -1, 0)
                     else:
-                        dep, tc = -1, 0
-                        if k is Kind.F and s and local[s - 1] != r:
-                            dep, tc = sends.get((Kind.SEND_ACT, a.mb, s - 1), -2), s - 1
-                        elif k is Kind.B and s + 1 < len(local) and local[s + 1] != r:
-                            dep, tc = sends.get((Kind.SEND_GRAD, a.mb, s + 1), -2), s
-                        if dep == -2:  # its tensor is not sent yet: another rank first
-                            break
-                        if k is Kind.F:
-                            key = ("f", s, 0)
-                        elif k is Kind.B:
-                            key = ("b split" if (a.mb, s) in splits[r] else "b", s, 0)
-                        elif k is Kind.W:
-                            key = ("w", s, 0)
-                        else:
-                            key = ("r", s, a.recompute)
-                        ops.append((_COMPUTE, r, slot(key), dep, tc))
+                        dep = -1
+                        if dep_key is not None:
+                            dep = sends.get(dep_key, -2)
+                            if dep == -2:  # its tensor is not sent yet: another rank first
+                                break
+                        ops += (_COMPUTE, r, slots.setdefault(key, len(slots)), dep, tc)
                     pc += 1
                     progress = True
                 pcs[r] = pc
         stuck = [r for r, lst in enumerate(lists) if pcs[r] < len(lst)]
         if stuck:
-            raise ScheduleError(f"schedule {schedule.name}: ranks {stuck} wait for a tensor never sent (simulate it)")
-        self.ops = array("i", [v for op in ops for v in op])
+            raise ScheduleError(f"schedule {name}: ranks {stuck} wait for a tensor never sent (simulate it)")
+        self.ops = array("i", ops)
         self.recipe = sorted(slots, key=slots.__getitem__)
         self.num_sends = len(sends)
 
@@ -171,6 +167,62 @@ class Replay:
             else:
                 clock[r] += table[i]
         return [0.0 if e is None else float(e) for e in last], busy
+
+
+def _compute_entry(a: Action, local: Sequence[int], r: int, splits: frozenset) -> tuple:
+    """A compute action's entry: (_COMPUTE, cost slot key, the send it waits for or None, its boundary)."""
+    k, s = a.kind, a.stage
+    dep, tc = None, 0
+    if k is Kind.F and s and local[s - 1] != r:
+        dep, tc = (Kind.SEND_ACT, a.mb, s - 1), s - 1
+    elif k is Kind.B and s + 1 < len(local) and local[s + 1] != r:
+        dep, tc = (Kind.SEND_GRAD, a.mb, s + 1), s
+    if k is Kind.F:
+        key = ("f", s, 0)
+    elif k is Kind.B:
+        key = ("b split" if (a.mb, s) in splits else "b", s, 0)
+    elif k is Kind.W:
+        key = ("w", s, 0)
+    else:
+        key = ("r", s, a.recompute)
+    return (_COMPUTE, key, dep, tc)
+
+
+def _entries(lst: Sequence[Action], local: Sequence[int], r: int) -> list[tuple]:
+    """One rank's full list as program entries (code, key, dep, tc); receives dropped (no time when eager)."""
+    splits = split_backwards(lst)
+    out: list[tuple] = []
+    for a in lst:
+        k = a.kind
+        if k in SEND_KINDS:
+            out.append((_SEND, (k, a.mb, a.stage), None, 0))
+        elif k is Kind.STEP:
+            out.append((_OTHER, ("step", 0, 0), None, 0))
+        elif k is Kind.REDUCE_GRADS:
+            out.append((_OTHER, ("reduce", a.stage, 0), None, 0))
+        elif k is not Kind.RECV_ACT and k is not Kind.RECV_GRAD:
+            out.append(_compute_entry(a, local, r, splits))
+    return out
+
+
+def _order_entries(order: Sequence[Action], local: Sequence[int], r: int) -> list[tuple]:
+    """``_entries`` of the list ``insert_comm_actions(post_ahead=False)`` makes of one rank's compute order."""
+    splits = split_backwards(order)
+    n = len(local)
+    out: list[tuple] = []
+    last: dict[int, int] = {}
+    for i, a in enumerate(order):
+        out.append(_compute_entry(a, local, r, splits))
+        k, s = a.kind, a.stage
+        if k is Kind.F and s + 1 < n and local[s + 1] != r:
+            out.append((_SEND, (Kind.SEND_ACT, a.mb, s), None, 0))
+        elif k is Kind.B and s > 0 and local[s - 1] != r:
+            out.append((_SEND, (Kind.SEND_GRAD, a.mb, s), None, 0))
+        if k is Kind.B or k is Kind.W:
+            last[s] = i
+    out += [(_OTHER, ("reduce", s, 0), None, 0) for s in sorted(last, key=last.__getitem__)]
+    out.append((_OTHER, ("step", 0, 0), None, 0))
+    return out
 
 
 __all__ = ["Replay"]

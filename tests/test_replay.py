@@ -11,7 +11,7 @@ import pytest
 from autopar.errors import ScheduleError
 from autopar.schedule.action_costs import Costs
 from autopar.schedule.actions import COMPUTE_KINDS, Kind, Schedule
-from autopar.schedule.generators import SCHEDULES, make_schedule
+from autopar.schedule.generators import SCHEDULES, make_replay, make_schedule
 from autopar.schedule.replay import Replay
 from autopar.schedule.simulator import simulate
 
@@ -105,12 +105,16 @@ def test_a_damaged_replay_text_is_refused_by_name():
 def test_the_lists_with_receives_before_their_consumers_compile_to_the_same_replay(name):
     """What the search compiles (``make_schedule(post_ahead=False)``: no receive posted ahead, the lists not timed
     once to place them) is the same program as the schedule's own lists: the same ops and cost slots, every option,
-    1-4 ranks, 1-9 microbatches; the lists themselves differ (the receives moved) wherever two ranks exchange."""
+    1-4 ranks, 1-9 microbatches; the lists themselves differ (the receives moved) wherever two ranks exchange. And
+    ``make_replay`` (compiled straight from the compute orders, no transfer actions) is that program too."""
     checked = moved = 0
     for P, M, opts, sched in _shapes(name):
         unplaced = make_schedule(name, P, M, post_ahead=False, **opts)
-        a, b = Replay(sched), Replay(unplaced)
+        a, b, c = Replay(sched), Replay(unplaced), make_replay(name, P, M, **opts)
         assert (a.ops, a.recipe, a.num_sends) == (b.ops, b.recipe, b.num_sends), (name, P, M, opts)
+        assert (c.ops, c.recipe, c.num_sends, c.num_ranks, c.num_stages) == (
+            b.ops, b.recipe, b.num_sends, b.num_ranks, b.num_stages
+        ), (name, P, M, opts)  # fmt: skip
         same = [sorted(map(str, lst)) for lst in sched.actions]
         assert same == [sorted(map(str, lst)) for lst in unplaced.actions]  # the same actions, moved only
         checked += 1

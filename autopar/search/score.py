@@ -19,7 +19,7 @@ from typing import Any
 from autopar.passes.split_cache import cache_dir, write_atomic
 from autopar.schedule.action_costs import Costs
 from autopar.schedule.actions import Schedule
-from autopar.schedule.generators import make_schedule
+from autopar.schedule.generators import make_replay, make_schedule
 from autopar.schedule.replay import Replay
 from autopar.search.evaluation import Evaluation
 
@@ -62,7 +62,7 @@ class Scorer:
             built = self.schedules.get(key)
             self.replays[key] = _kept(
                 key, "replay", Replay.from_text,
-                lambda: Replay(built or make_schedule(name, P, M, post_ahead=False, **dict(opts))),
+                lambda: Replay(built) if built else make_replay(name, P, M, **dict(opts)),
             )  # fmt: skip
         return self.replays[key]
 
